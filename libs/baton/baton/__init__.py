@@ -1,0 +1,34 @@
+"""Baton: LLM serving with disaggregated prefill and decode behind an OpenAI-compatible API.
+
+``from baton import LLM, SamplingParams`` gives the offline API. The names are imported lazily so
+that services without torch (the gateway) can import ``baton`` too.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from baton_engine.llm import LLM
+    from baton_engine.outputs import CompletionOutput, RequestOutput
+    from baton_engine.sampling_params import SamplingParams
+
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "LLM":
+        from baton_engine.llm import LLM
+
+        return LLM
+    if name in ("CompletionOutput", "RequestOutput"):
+        from baton_engine import outputs
+
+        return getattr(outputs, name)
+    if name == "SamplingParams":
+        from baton_engine.sampling_params import SamplingParams
+
+        return SamplingParams
+    raise AttributeError(f"module 'baton' has no attribute {name!r}")

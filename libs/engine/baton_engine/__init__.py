@@ -1,0 +1,1 @@
+"""Baton's engine: paged KV cache, token-budget scheduler, model runner, sampler, offline API."""

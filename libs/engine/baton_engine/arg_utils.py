@@ -1,0 +1,47 @@
+"""Engine flags for command lines, with vLLM's names (``--max-model-len``, ``--max-num-seqs``...)."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import fields
+from typing import Any
+
+from baton_engine.config import EngineConfig
+
+_HELP = {
+    "max_model_len": "context length (prompt + output); default: the model's, at most 8192",
+    "max_num_seqs": "most requests running at once",
+    "max_num_batched_tokens": "token budget of one engine step",
+    "long_prefill_token_threshold": "chunk prompts longer than this (0: no limit)",
+    "block_size": "tokens per KV cache block",
+    "enable_prefix_caching": "reuse KV blocks across requests with equal prefixes",
+    "dtype": "auto | bfloat16 | float32 | float16",
+    "kv_cache_memory": "bytes for the KV cache on CPU (default 2 GiB)",
+    "num_gpu_blocks_override": "exact number of KV blocks",
+    "gpu_memory_utilization": "share of GPU memory for weights, activations and KV cache",
+    "load_format": "auto | dummy (random weights, for benchmarks)",
+    "attention_backend": "attention implementation (torch)",
+    "seed": "seed of the default random generator",
+    "device": "cpu | cuda",
+}
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    defaults = EngineConfig()
+    for f in fields(EngineConfig):
+        if f.name not in _HELP:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        default = getattr(defaults, f.name)
+        if isinstance(default, bool):
+            parser.add_argument(
+                flag, action=argparse.BooleanOptionalAction, default=default, help=_HELP[f.name]
+            )
+        else:
+            kind: Any = type(default) if default is not None else int
+            parser.add_argument(flag, type=kind, default=default, help=_HELP[f.name])
+
+
+def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine flags of parsed ``args`` as ``EngineConfig`` keyword arguments (no model)."""
+    return {name: getattr(args, name) for name in _HELP if hasattr(args, name)}

@@ -1,0 +1,144 @@
+"""Model and engine configuration. Engine flags keep vLLM's names."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from baton_engine.errors import InvalidRequestError, ModelLoadError
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return _DTYPES[dtype.lower()]
+    except KeyError:
+        raise InvalidRequestError(
+            f"unknown dtype {dtype!r}; choose one of {sorted(set(_DTYPES))}"
+        ) from None
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The shape of a Llama-family decoder, read from a Hugging Face ``config.json``."""
+
+    architecture: str  # "llama" | "qwen2" | "qwen3"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2: bias on q/k/v projections
+    qk_norm: bool = False  # Qwen3: RMSNorm on q and k per head
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    torch_dtype: str = "float32"
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
+        archs = cfg.get("architectures") or ["LlamaForCausalLM"]
+        arch = SUPPORTED_ARCHITECTURES.get(archs[0])
+        if arch is None:
+            raise ModelLoadError(
+                f"unsupported architecture {archs[0]!r}; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
+            )
+        num_heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        eos = cfg.get("eos_token_id")
+        eos_ids: tuple[int, ...] = (
+            () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
+        )
+        return cls(
+            architecture=arch,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+            head_dim=int(cfg.get("head_dim") or hidden // num_heads),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+            rope_theta=float(cfg.get("rope_theta", 10000.0)),
+            rope_scaling=cfg.get("rope_scaling"),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
+            qk_norm=arch == "qwen3",
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+        )
+
+    @classmethod
+    def from_path(cls, model_dir: Path) -> ModelConfig:
+        path = model_dir / "config.json"
+        try:
+            return cls.from_hf_dict(json.loads(path.read_text()))
+        except FileNotFoundError:
+            raise ModelLoadError(f"{model_dir} has no config.json") from None
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+            if isinstance(e, ModelLoadError):
+                raise
+            raise ModelLoadError(f"{path} is not a valid model config: {e}") from None
+
+
+@dataclass
+class EngineConfig:
+    """Engine knobs, named as vLLM names them."""
+
+    model: str | None = None  # None: the default model (SmolLM2-135M-Instruct GGUF)
+    max_model_len: int | None = None  # None: min(model's max positions, 8192)
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    long_prefill_token_threshold: int = 0  # 0: a prompt may take the whole step budget
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    dtype: str = "auto"  # "auto": bfloat16 for the model's 16-bit dtypes, else its dtype
+    kv_cache_memory: int | None = None  # bytes for the KV pool on CPU; None: 1 GiB
+    num_gpu_blocks_override: int | None = None  # exact number of KV blocks (tests)
+    gpu_memory_utilization: float = 0.9
+    load_format: str = "auto"  # "auto" | "dummy"
+    attention_backend: str = "torch"
+    seed: int = 0
+    device: str = "cpu"
+    tokenizer: str | None = None
+    hf_overrides: dict[str, Any] = field(default_factory=dict)
+
+    def validate(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            if getattr(self, name) < 1:
+                raise InvalidRequestError(f"{name} must be at least 1")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise InvalidRequestError("max_model_len must be at least 1")
+        if self.load_format not in ("auto", "dummy"):
+            raise InvalidRequestError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")

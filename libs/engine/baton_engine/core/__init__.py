@@ -1,0 +1,1 @@
+"""The engine core: scheduler, its output types and the step loop."""

@@ -1,0 +1,194 @@
+"""EngineCore: the step loop shared by the offline API and the workers. Token ids in, token ids
+out; no tokenizer, no text."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from baton_engine.config import EngineConfig, ModelConfig, parse_dtype
+from baton_engine.core.outputs import EngineCoreOutput
+from baton_engine.core.scheduler import Scheduler
+from baton_engine.errors import InvalidRequestError, ModelLoadError
+from baton_engine.kv_cache import KVCacheManager
+from baton_engine.model_loader import iter_weights, resolve_model
+from baton_engine.request import Request, RequestStatus
+from baton_engine.runner.model_runner import ModelRunner
+from baton_engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_DEFAULT_CPU_KV_BYTES = 2 << 30
+_DEFAULT_MAX_MODEL_LEN = 8192
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # 0..1
+    num_prefix_queries: int  # tokens
+    num_prefix_hits: int  # tokens
+    num_preemptions: int
+    num_prompt_tokens: int  # computed so far, prefix hits excluded
+    num_generated_tokens: int
+
+
+def resolve_dtype(config: EngineConfig, model_config: ModelConfig) -> torch.dtype:
+    if config.dtype != "auto":
+        return parse_dtype(config.dtype)
+    native = parse_dtype(model_config.torch_dtype) if model_config.torch_dtype else torch.float32
+    if native == torch.float16 and config.device == "cpu":
+        return torch.bfloat16  # fp16 matmuls are slow on CPUs; bf16 keeps the range
+    return native
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        config.validate()
+        self.config = config
+        start = time.perf_counter()
+        self.model_dir: Path = resolve_model(config.model)
+        self.model_config = ModelConfig.from_path(self.model_dir)
+        mc = self.model_config
+        self.max_model_len = config.max_model_len or min(
+            mc.max_position_embeddings, _DEFAULT_MAX_MODEL_LEN
+        )
+        if self.max_model_len > mc.max_position_embeddings:
+            raise InvalidRequestError(
+                f"max_model_len {self.max_model_len} exceeds the model's "
+                f"max_position_embeddings {mc.max_position_embeddings}"
+            )
+        self.dtype = resolve_dtype(config, mc)
+        torch.manual_seed(config.seed)
+        self.runner = ModelRunner(
+            mc,
+            dtype=self.dtype,
+            device=config.device,
+            block_size=config.block_size,
+            max_model_len=self.max_model_len,
+            max_num_seqs=config.max_num_seqs,
+            attention_backend=config.attention_backend,
+        )
+        if config.load_format == "dummy":
+            self.runner.load_dummy_weights(config.seed)
+        else:
+            try:
+                self.runner.load_weights(iter_weights(self.model_dir))
+            except ValueError as e:
+                raise ModelLoadError(f"cannot load weights from {self.model_dir}: {e}") from e
+        num_blocks = self._num_kv_blocks()
+        self.runner.initialize_kv_cache(num_blocks)
+        logger.info(
+            "KV cache: %d blocks, %d tokens (%s, %.1f s to load)",
+            num_blocks,
+            num_blocks * config.block_size,
+            self.dtype,
+            time.perf_counter() - start,
+        )
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.kv,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            long_prefill_token_threshold=config.long_prefill_token_threshold,
+        )
+        self.num_prompt_tokens = 0
+        self.num_generated_tokens = 0
+
+    def _num_kv_blocks(self) -> int:
+        cfg = self.config
+        per_block = self.runner.kv_bytes_per_block()
+        if cfg.num_gpu_blocks_override is not None:
+            num_blocks = cfg.num_gpu_blocks_override
+        elif cfg.kv_cache_memory is not None:
+            num_blocks = cfg.kv_cache_memory // per_block
+        elif cfg.device.startswith("cuda"):
+            free, total = torch.cuda.mem_get_info()
+            used = total - free
+            num_blocks = int(total * cfg.gpu_memory_utilization - used) // per_block
+        else:
+            num_blocks = _DEFAULT_CPU_KV_BYTES // per_block
+        needed = -(self.max_model_len // -cfg.block_size)
+        if num_blocks < needed:
+            raise InvalidRequestError(
+                f"the KV cache holds {num_blocks} blocks ({num_blocks * cfg.block_size} tokens) "
+                f"but one request of max_model_len={self.max_model_len} needs {needed}; "
+                "give it more memory (kv_cache_memory) or lower max_model_len"
+            )
+        return int(num_blocks)
+
+    # --- requests ------------------------------------------------------------------------------
+
+    def validate_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        params.validate()
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise InvalidRequestError("the prompt is empty")
+        if n >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {n} tokens, but max_model_len is {self.max_model_len} "
+                "(at least one token must be left to generate)"
+            )
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(f"token id {bad} is out of range [0, {vocab})")
+
+    def add_request(
+        self, req_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+    ) -> None:
+        self.validate_request(prompt_token_ids, params)
+        if req_id in self.scheduler.requests:
+            raise InvalidRequestError(f"request id {req_id!r} is already in use")
+        self.num_prompt_tokens += len(prompt_token_ids)
+        room = self.max_model_len - len(prompt_token_ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        self.scheduler.add_request(
+            Request(
+                req_id=req_id,
+                prompt_token_ids=list(prompt_token_ids),
+                sampling_params=params,
+                eos_token_ids=self.model_config.eos_token_ids,
+                max_tokens=max_tokens,
+            )
+        )
+
+    def abort_requests(
+        self, req_ids: Iterable[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED
+    ) -> None:
+        self.scheduler.finish_requests(req_ids, status)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # --- the loop ------------------------------------------------------------------------------
+
+    def step(self) -> list[EngineCoreOutput]:
+        """Schedule, run, update: one forward pass over the batch."""
+        so = self.scheduler.schedule()
+        runner_output = self.runner.execute_model(so)
+        outputs = self.scheduler.update_from_output(so, runner_output)
+        self.num_generated_tokens += len(runner_output.sampled_token_ids)
+        return outputs
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            kv_cache_usage=self.kv.usage(),
+            num_prefix_queries=self.kv.num_prefix_queries,
+            num_prefix_hits=self.kv.num_prefix_hits,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_generated_tokens=self.num_generated_tokens,
+        )
+
+    def check_invariants(self) -> None:
+        self.scheduler.check_invariants()

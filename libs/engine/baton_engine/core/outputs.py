@@ -1,0 +1,74 @@
+"""The narrow types that cross between scheduler, model runner and engine core."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from baton_engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class NewRequestData:
+    """A request the runner has not seen (or must rebuild after preemption): its full data."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # non-empty only when resuming after preemption
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int  # before this step (prefix-cache hits included)
+
+
+@dataclass(frozen=True)
+class CachedRequestData:
+    """A request the runner already holds: only what changed."""
+
+    req_id: str
+    new_block_ids: list[int]  # appended to its block table this step
+    num_computed_tokens: int  # before this step
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: list[CachedRequestData]
+    num_scheduled_tokens: Mapping[str, int]  # req_id -> tokens computed this step
+    total_num_scheduled_tokens: int
+    finished_req_ids: frozenset[str]  # finished or aborted since the last step: drop their state
+    preempted_req_ids: frozenset[str]  # preempted this step: drop their state
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """Logprobs for one sampled token: the sampled one first, then the top N."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    rank: int  # rank of the sampled token in the full distribution (1 = most likely)
+
+
+@dataclass(frozen=True)
+class ModelRunnerOutput:
+    sampled_token_ids: Mapping[str, int]  # req_id -> token; only requests that sampled this step
+    logprobs: Mapping[str, TokenLogprobs] = field(default_factory=dict)  # req_id -> its logprobs
+
+
+@dataclass(frozen=True)
+class EngineCoreOutput:
+    """What one step produced for one request."""
+
+    req_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

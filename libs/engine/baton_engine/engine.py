@@ -1,0 +1,146 @@
+"""LLMEngine: EngineCore plus tokenizer and incremental detokenizers; text in, RequestOutput out.
+
+``n > 1`` runs as sibling requests in the core (``<id>#<i>``); they share the prompt's blocks
+through the prefix cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from baton_engine.config import EngineConfig
+from baton_engine.core.engine_core import EngineCore
+from baton_engine.core.outputs import EngineCoreOutput, TokenLogprobs
+from baton_engine.detokenizer import IncrementalDetokenizer
+from baton_engine.errors import InvalidRequestError
+from baton_engine.model_loader import load_tokenizer
+from baton_engine.outputs import CompletionOutput, Logprob, RequestOutput
+from baton_engine.request import RequestStatus
+from baton_engine.sampling_params import SamplingParams
+
+
+@dataclass
+class _Sequence:
+    output: CompletionOutput
+    detokenizer: IncrementalDetokenizer
+
+
+@dataclass
+class _RequestState:
+    output: RequestOutput
+    sequences: dict[str, _Sequence] = field(default_factory=dict)  # child req_id -> sequence
+
+    @property
+    def finished(self) -> bool:
+        return all(s.output.finished() for s in self.sequences.values())
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.core = EngineCore(config)
+        self.tokenizer: Any = load_tokenizer(self.core.model_dir)
+        self._requests: dict[str, _RequestState] = {}  # request_id -> state
+        self._child_to_parent: dict[str, str] = {}  # child req_id -> request_id
+
+    @property
+    def max_model_len(self) -> int:
+        return self.core.max_model_len
+
+    def encode(self, prompt: str) -> list[int]:
+        return list(self.tokenizer(prompt).input_ids)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        prompt_token_ids: Sequence[int] | None = None,
+    ) -> None:
+        """Queue a request; ``prompt_token_ids``, when given, is the already-encoded ``prompt``."""
+        if request_id in self._requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        text = prompt if isinstance(prompt, str) else None
+        if prompt_token_ids is not None:
+            token_ids = list(prompt_token_ids)
+        else:
+            token_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self.core.validate_request(token_ids, params)
+        state = _RequestState(RequestOutput(request_id, text, token_ids))
+        for i in range(params.n):
+            child_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            child_params = params
+            if params.n > 1:
+                # Seeded siblings must differ from each other, yet be reproducible.
+                seed = None if params.seed is None else params.seed + i
+                child_params = replace(params, n=1, seed=seed)
+            self.core.add_request(child_id, token_ids, child_params)
+            detok = IncrementalDetokenizer(
+                self.tokenizer,
+                token_ids,
+                skip_special_tokens=params.skip_special_tokens,
+                stop=params.stop,
+                include_stop_str_in_output=params.include_stop_str_in_output,
+            )
+            logprobs = [] if params.logprobs is not None else None
+            cumulative = 0.0 if params.logprobs is not None else None
+            state.sequences[child_id] = _Sequence(
+                CompletionOutput(i, "", [], cumulative, logprobs), detok
+            )
+            self._child_to_parent[child_id] = request_id
+        self._requests[request_id] = state
+
+    def abort_request(self, request_id: str) -> None:
+        state = self._requests.pop(request_id, None)
+        if state is None:
+            return
+        self.core.abort_requests(state.sequences)
+        for child_id in state.sequences:
+            self._child_to_parent.pop(child_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; return the requests that finished in it."""
+        finished: list[RequestOutput] = []
+        for out in self.core.step():
+            parent_id = self._child_to_parent[out.req_id]
+            state = self._requests[parent_id]
+            self._process(state.sequences[out.req_id], out)
+            if state.sequences[out.req_id].output.finished():
+                del self._child_to_parent[out.req_id]
+                if state.finished:
+                    del self._requests[parent_id]
+                    state.output.finished = True
+                    state.output.outputs = [s.output for s in state.sequences.values()]
+                    state.output.num_cached_tokens = out.num_cached_tokens
+                    finished.append(state.output)
+        return finished
+
+    def _process(self, seq: _Sequence, out: EngineCoreOutput) -> None:
+        completion = seq.output
+        completion.token_ids.extend(out.new_token_ids)
+        if out.new_logprobs is not None and completion.logprobs is not None:
+            for lp in out.new_logprobs:
+                completion.logprobs.append(self._to_logprob_dict(lp))
+                completion.cumulative_logprob = (completion.cumulative_logprob or 0.0) + lp.logprobs[0]
+        delta = seq.detokenizer.update(out.new_token_ids, final=out.finished)
+        completion.text += delta.text
+        if delta.stop_str is not None and not out.finished:
+            self.core.abort_requests([out.req_id], RequestStatus.FINISHED_STOPPED)
+        if delta.stop_str is not None:
+            completion.finish_reason, completion.stop_reason = "stop", delta.stop_str
+        elif out.finished:
+            completion.finish_reason, completion.stop_reason = out.finish_reason, out.stop_reason
+
+    def _to_logprob_dict(self, lp: TokenLogprobs) -> dict[int, Logprob]:
+        entries: dict[int, Logprob] = {}
+        for rank, (token_id, value) in enumerate(zip(lp.token_ids, lp.logprobs, strict=True)):
+            if token_id in entries:
+                continue
+            entries[token_id] = Logprob(
+                value, lp.rank if rank == 0 else rank, self.tokenizer.decode([token_id])
+            )
+        return entries

@@ -1,0 +1,15 @@
+"""Errors the engine raises for bad input: one type per cause, all ``ValueError`` subclasses."""
+
+from __future__ import annotations
+
+
+class BatonError(Exception):
+    """Base of every error Baton raises on purpose."""
+
+
+class InvalidRequestError(BatonError, ValueError):
+    """A request the engine cannot serve as given (empty prompt, too long, bad parameters)."""
+
+
+class ModelLoadError(BatonError, ValueError):
+    """The model could not be found or read (missing path, corrupt or unsupported file)."""

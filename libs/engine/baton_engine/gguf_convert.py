@@ -1,0 +1,195 @@
+"""Convert a GGUF checkpoint into a Hugging Face-style model folder.
+
+The folder holds ``config.json``, ``model.safetensors`` (float32, Hugging Face tensor names and
+layouts) and the tokenizer files written by ``transformers`` (``tokenizer.json``,
+``tokenizer_config.json`` and the chat template). Supported GGUF architectures: ``llama``,
+``qwen2`` and ``qwen3``. Callers should use :func:`baton_engine.model_loader.resolve_model`,
+which caches the result; this module only does the conversion.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+
+from baton_engine.errors import ModelLoadError
+
+# GGUF ``general.architecture`` -> (HF architecture, HF model_type).
+_ARCHITECTURES = {
+    "llama": ("LlamaForCausalLM", "llama"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+}
+
+_TOP_LEVEL = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+# GGUF per-block tensor stem -> HF name inside ``model.layers.N.``.
+_BLOCK = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+def hf_tensor_name(gguf_name: str) -> str:
+    """Map a GGUF tensor name to its Hugging Face Llama/Qwen name.
+
+    Raises ModelLoadError for a tensor this converter does not know (for example Llama 3.1's
+    ``rope_freqs.weight``), since dropping it silently would give a different model.
+    """
+    if gguf_name in _TOP_LEVEL:
+        return _TOP_LEVEL[gguf_name]
+    m = _BLOCK_RE.fullmatch(gguf_name)
+    if m is None or m.group(2) not in _BLOCK:
+        raise ModelLoadError(f"unsupported GGUF tensor {gguf_name!r}")
+    return f"model.layers.{m.group(1)}.{_BLOCK[m.group(2)]}.{m.group(3)}"
+
+
+def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's row permutation of a Llama Q or K projection (weight or bias).
+
+    llama.cpp's converter stores ``w.reshape(n_head, 2, d // n_head // 2, *rest).swapaxes(1, 2)``
+    (interleaved rotary halves); this returns Hugging Face's layout (rotate-half). Pass the number
+    of query heads for Q and the number of KV heads for K.
+    """
+    rest = w.shape[1:]
+    half = w.shape[0] // n_head // 2
+    return w.reshape(n_head, half, 2, *rest).swapaxes(1, 2).reshape(w.shape)
+
+
+def _field(reader: Any, key: str, default: Any = None) -> Any:
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def _f32(v: Any) -> float:
+    """A float32 metadata value as the shortest decimal that rounds to it (1e-05, not 9.99e-06)."""
+    return float(str(np.float32(v)))
+
+
+def build_hf_config(reader: Any, has_output: bool) -> dict[str, Any]:
+    """Build a Hugging Face ``config.json`` dict from a GGUFReader's metadata.
+
+    ``has_output`` says whether the file has an ``output.weight`` tensor; without one the LM head
+    is tied to the token embedding.
+    """
+    arch = str(_field(reader, "general.architecture", ""))
+    if arch not in _ARCHITECTURES:
+        raise ModelLoadError(
+            f"unsupported GGUF architecture {arch!r}; supported: {sorted(_ARCHITECTURES)}"
+        )
+    hf_arch, model_type = _ARCHITECTURES[arch]
+
+    def req(key: str) -> Any:
+        v = _field(reader, f"{arch}.{key}")
+        if v is None:
+            raise ModelLoadError(f"GGUF metadata lacks {arch}.{key}")
+        return v
+
+    hidden, n_head = int(req("embedding_length")), int(req("attention.head_count"))
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    vocab = len(tokens) if tokens is not None else int(req("vocab_size"))
+    cfg: dict[str, Any] = {
+        "architectures": [hf_arch],
+        "model_type": model_type,
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": int(req("feed_forward_length")),
+        "num_hidden_layers": int(req("block_count")),
+        "num_attention_heads": n_head,
+        "num_key_value_heads": int(_field(reader, f"{arch}.attention.head_count_kv", n_head)),
+        "head_dim": int(_field(reader, f"{arch}.attention.key_length", hidden // n_head)),
+        "hidden_act": "silu",
+        "rms_norm_eps": _f32(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": _f32(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(_field(reader, f"{arch}.context_length", 2048)),
+        "tie_word_embeddings": not has_output,
+        "attention_bias": arch == "qwen2",
+        "torch_dtype": "bfloat16",
+    }
+    for hf_key, gguf_key in (
+        ("bos_token_id", "tokenizer.ggml.bos_token_id"),
+        ("eos_token_id", "tokenizer.ggml.eos_token_id"),
+        ("pad_token_id", "tokenizer.ggml.padding_token_id"),
+    ):
+        v = _field(reader, gguf_key)
+        if v is not None:
+            cfg[hf_key] = int(v)
+    return cfg
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    """Write ``gguf_path`` as a Hugging Face model folder into the existing folder ``out_dir``.
+
+    Every tensor is dequantized to float32; Llama Q/K rows are un-permuted so that the weights
+    equal Hugging Face's. Raises ModelLoadError if the file is not a readable GGUF of a supported
+    architecture; ``out_dir`` may then hold partial output (the caller owns its cleanup).
+    """
+    import gguf
+    from gguf.quants import dequantize
+
+    try:
+        reader = gguf.GGUFReader(str(gguf_path))
+        names = {t.name for t in reader.tensors}
+        cfg = build_hf_config(reader, has_output="output.weight" in names)
+        arch = cfg["model_type"]
+        heads = {"attn_q": cfg["num_attention_heads"], "attn_k": cfg["num_key_value_heads"]}
+        state: dict[str, torch.Tensor] = {}
+        for t in reader.tensors:
+            hf_name = hf_tensor_name(t.name)
+            # The reader's t.shape is GGUF order (innermost first); dequantize returns numpy
+            # order, i.e. the Hugging Face (out_features, in_features) layout.
+            w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+            expected = tuple(int(d) for d in reversed(t.shape))
+            if w.shape != expected:
+                w = w.reshape(expected)
+            stem = t.name.split(".")[2] if t.name.startswith("blk.") else ""
+            if arch == "llama" and stem in heads:
+                w = unpermute_qk(w, heads[stem])
+            # F32 tensors come back as read-only views of the file's memory map: copy those.
+            w = np.ascontiguousarray(w) if w.flags.writeable else w.copy()
+            state[hf_name] = torch.from_numpy(w)
+        chat_template = _field(reader, "tokenizer.chat_template")
+        del reader
+    except ModelLoadError:
+        raise
+    except Exception as e:
+        raise ModelLoadError(f"{gguf_path} is not a valid GGUF file: {e}") from e
+
+    save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    (out_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    _save_tokenizer(gguf_path, out_dir, chat_template)
+
+
+def _save_tokenizer(gguf_path: Path, out_dir: Path, chat_template: str | None) -> None:
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(
+            str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True
+        )
+    except Exception as e:
+        raise ModelLoadError(f"cannot build a tokenizer from {gguf_path}: {e}") from e
+    if chat_template is not None:
+        tok.chat_template = chat_template
+    tok.save_pretrained(str(out_dir))

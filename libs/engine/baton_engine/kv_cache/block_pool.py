@@ -1,0 +1,145 @@
+"""BlockPool: fixed-size KV blocks with ref counts, an LRU free queue and a prefix-hash index.
+
+Contract:
+- Every block is either in use (``ref_cnt > 0``, not in the free queue) or free (``ref_cnt == 0``,
+  in the free queue). ``num_free_blocks + num_used_blocks == num_blocks`` always.
+- The free queue is in eviction order: the head is evicted first. Freed blocks go to the tail, so
+  the least recently freed block is reused first. Callers free a request's blocks in reverse order,
+  so the tail of a prefix chain is evicted before its head.
+- A free block keeps its hash and stays findable by it until it is taken for new data; taking it
+  evicts it from the index. A cache hit on a free block takes it out of the free queue.
+- Block tables are append-only; blocks are shared by reference counting, never copied.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from baton_engine.kv_cache.hashing import BlockHash
+
+
+@dataclass(eq=False)
+class KVCacheBlock:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: BlockHash | None = None
+
+    def __repr__(self) -> str:
+        return f"KVCacheBlock(id={self.block_id}, ref={self.ref_cnt})"
+
+
+@dataclass(frozen=True)
+class KVCacheEvent:
+    """A change to what this pool caches, for the kvstore's prefix index."""
+
+    kind: str  # "stored" | "removed"
+    hash_value: bytes
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError("the KV cache needs at least one block")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        # block_id -> block, in eviction order (head first)
+        self._free: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+        # hash digest -> the block that holds it
+        self._cached: dict[bytes, KVCacheBlock] = {}
+        self._events: list[KVCacheEvent] = []
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    def usage(self) -> float:
+        return 1.0 - len(self._free) / self.num_blocks
+
+    def free_block_ids(self) -> list[int]:
+        """Free block ids in eviction order (for tests and debugging)."""
+        return list(self._free)
+
+    def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
+        block = self._cached.get(block_hash.hash_value)
+        if block is None or block.block_hash is None:
+            return None
+        # Equal digests with different tokens would be a collision: never share then.
+        return block if block.block_hash.token_ids == block_hash.token_ids else None
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """Take ``num_blocks`` from the head of the free queue, evicting their cached hashes."""
+        if num_blocks > len(self._free):
+            raise ValueError(f"asked for {num_blocks} blocks, {len(self._free)} free")
+        taken = []
+        for _ in range(num_blocks):
+            _, block = self._free.popitem(last=False)
+            self._evict(block)
+            block.ref_cnt = 1
+            taken.append(block)
+        return taken
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Add a reference to each block (a prefix-cache hit), reviving free ones."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self._free[block.block_id]
+            block.ref_cnt += 1
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop one reference from each block; blocks reaching zero join the free-queue tail."""
+        for block in ordered_blocks:
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self._free[block.block_id] = block
+
+    def cache_full_blocks(
+        self, blocks: Sequence[KVCacheBlock], block_hashes: Sequence[BlockHash], start: int, end: int
+    ) -> None:
+        """Index ``blocks[start:end]`` under ``block_hashes[start:end]`` (they are full)."""
+        if not self.enable_caching:
+            return
+        for block, block_hash in zip(blocks[start:end], block_hashes[start:end], strict=True):
+            if block.block_hash is not None:
+                continue  # already cached (a prefix hit, or cached in an earlier step)
+            block.block_hash = block_hash
+            if block_hash.hash_value not in self._cached:
+                self._cached[block_hash.hash_value] = block
+                self._events.append(KVCacheEvent("stored", block_hash.hash_value))
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash; only allowed when no block is in use."""
+        if len(self._free) != self.num_blocks:
+            return False
+        for block in self.blocks:
+            self._evict(block)
+        return True
+
+    def take_events(self) -> list[KVCacheEvent]:
+        events, self._events = self._events, []
+        return events
+
+    def _evict(self, block: KVCacheBlock) -> None:
+        if block.block_hash is None:
+            return
+        digest = block.block_hash.hash_value
+        if self._cached.get(digest) is block:
+            del self._cached[digest]
+            self._events.append(KVCacheEvent("removed", digest))
+        block.block_hash = None
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the pool's bookkeeping is inconsistent."""
+        num_used = 0
+        for block in self.blocks:
+            in_free = block.block_id in self._free
+            assert block.ref_cnt >= 0, f"{block} has a negative ref count"
+            assert in_free == (block.ref_cnt == 0), f"{block} free={in_free} ref={block.ref_cnt}"
+            num_used += not in_free
+        assert num_used + len(self._free) == self.num_blocks, "free + used != total"
+        for digest, block in self._cached.items():
+            assert block.block_hash is not None and block.block_hash.hash_value == digest, (
+                f"index entry {digest.hex()} points at {block} with another hash"
+            )

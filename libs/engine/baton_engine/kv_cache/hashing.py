@@ -1,0 +1,40 @@
+"""Chained block hashes for prefix caching.
+
+A block's hash covers its parent's hash and its own token ids, so equal hashes mean equal
+prefixes. Only full blocks are hashed. The token ids are kept with the hash so a hash collision
+can never hand one request another's KV. The kvstore's prefix index uses the same hash.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+from typing import NamedTuple
+
+
+class BlockHash(NamedTuple):
+    hash_value: bytes  # 16-byte digest of (parent hash, token ids)
+    token_ids: tuple[int, ...]
+
+
+_ROOT = b"\x00" * 16
+
+
+def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
+    h = hashlib.blake2b(digest_size=16)
+    h.update(parent.hash_value if parent is not None else _ROOT)
+    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    return BlockHash(h.digest(), tuple(token_ids))
+
+
+def hash_request_tokens(
+    token_ids: Sequence[int], block_size: int, known: Sequence[BlockHash] = ()
+) -> list[BlockHash]:
+    """Hashes of every full block of ``token_ids``, extending the already ``known`` prefix."""
+    hashes = list(known)
+    parent = hashes[-1] if hashes else None
+    for start in range(len(hashes) * block_size, len(token_ids) - block_size + 1, block_size):
+        parent = hash_block_tokens(parent, token_ids[start : start + block_size])
+        hashes.append(parent)
+    return hashes

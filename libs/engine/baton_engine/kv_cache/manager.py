@@ -1,0 +1,138 @@
+"""KVCacheManager: the scheduler's only window onto the KV cache.
+
+It hands out small result types (``PrefixMatch``, lists of new block ids) and keeps block tables
+and block hashes per request; the scheduler never touches blocks directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from baton_engine.kv_cache.block_pool import BlockPool, KVCacheBlock, KVCacheEvent
+from baton_engine.kv_cache.hashing import BlockHash, hash_request_tokens
+from baton_engine.request import Request
+
+
+@dataclass(frozen=True)
+class PrefixMatch:
+    num_cached_tokens: int
+    blocks: list[KVCacheBlock]
+
+    @property
+    def block_ids(self) -> list[int]:
+        return [b.block_id for b in self.blocks]
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(a // -b)
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self._tables: dict[str, list[KVCacheBlock]] = {}  # req_id -> block table (append-only)
+        self._hashes: dict[str, list[BlockHash]] = {}  # req_id -> hashes of its full blocks
+        self._num_cached_blocks: dict[str, int] = {}  # req_id -> leading table blocks indexed
+        self.num_prefix_queries = 0  # tokens looked up in the prefix cache
+        self.num_prefix_hits = 0  # of those, tokens found
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    def usage(self) -> float:
+        return self.pool.usage()
+
+    def block_hashes(self, request: Request) -> list[BlockHash]:
+        """Hashes of the request's full blocks, extended as its tokens grow."""
+        known = self._hashes.get(request.req_id, [])
+        if len(known) < request.num_tokens // self.block_size:
+            known = hash_request_tokens(request.all_token_ids, self.block_size, known)
+            self._hashes[request.req_id] = known
+        return known
+
+    def match_prefix(self, request: Request) -> PrefixMatch:
+        """The longest cached prefix of the request, capped so at least one token is computed
+        (its logits are needed)."""
+        if not self.enable_caching:
+            return PrefixMatch(0, [])
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        blocks: list[KVCacheBlock] = []
+        for block_hash in self.block_hashes(request)[:max_blocks]:
+            block = self.pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            blocks.append(block)
+        return PrefixMatch(len(blocks) * self.block_size, blocks)
+
+    def record_prefix_lookup(self, num_tokens: int, num_cached_tokens: int) -> None:
+        """Count one admitted request's prefix lookup (not the retries of a blocked one)."""
+        self.num_prefix_queries += num_tokens
+        self.num_prefix_hits += num_cached_tokens
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, prefix: PrefixMatch | None = None
+    ) -> list[int] | None:
+        """Make room for ``num_new_tokens`` more tokens after the computed (and cached) ones.
+
+        Returns the ids of the blocks appended to the request's table, or None (and changes
+        nothing) if the pool cannot supply them.
+        """
+        table = self._tables.setdefault(request.req_id, [])
+        cached = prefix.blocks if prefix is not None else []
+        num_computed = request.num_computed_tokens + (prefix.num_cached_tokens if prefix else 0)
+        num_needed = cdiv(num_computed + num_new_tokens, self.block_size)
+        num_new_blocks = max(0, num_needed - len(table) - len(cached))
+        num_revived = sum(1 for b in cached if b.ref_cnt == 0)  # hits that leave the free queue
+        if num_new_blocks + num_revived > self.pool.num_free_blocks:
+            if not table:
+                del self._tables[request.req_id]
+            return None
+        self.pool.touch(cached)
+        table.extend(cached)
+        new_blocks = self.pool.get_new_blocks(num_new_blocks)
+        table.extend(new_blocks)
+        if self.enable_caching:
+            # Blocks are indexed once their tokens are known and scheduled: the forward pass writes
+            # every scheduled token's KV before any attention reads, so a request admitted later in
+            # the same step may already share them.
+            num_full = min(num_computed + num_new_tokens, request.num_tokens) // self.block_size
+            start = self._num_cached_blocks.get(request.req_id, 0)
+            if start < num_full:
+                hashes = self.block_hashes(request)
+                self.pool.cache_full_blocks(table, hashes, start, num_full)
+                self._num_cached_blocks[request.req_id] = num_full
+        return [b.block_id for b in cached] + [b.block_id for b in new_blocks]
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks, tail first so chain tails are evicted first."""
+        table = self._tables.pop(request.req_id, [])
+        self._num_cached_blocks.pop(request.req_id, None)
+        self.pool.free_blocks(reversed(table))
+
+    def forget(self, request: Request) -> None:
+        """Drop a finished request's bookkeeping (its hashes)."""
+        self.free(request)
+        self._hashes.pop(request.req_id, None)
+
+    def get_block_ids(self, req_id: str) -> list[int]:
+        return [b.block_id for b in self._tables.get(req_id, [])]
+
+    def take_events(self) -> list[KVCacheEvent]:
+        return self.pool.take_events()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.pool.reset_prefix_cache()
+
+    def check_invariants(self) -> None:
+        self.pool.check_invariants()
+        refs: dict[int, int] = {}
+        for table in self._tables.values():
+            for block in table:
+                refs[block.block_id] = refs.get(block.block_id, 0) + 1
+        for block in self.pool.blocks:
+            assert block.ref_cnt == refs.get(block.block_id, 0), (
+                f"{block}: ref count != number of tables holding it ({refs.get(block.block_id, 0)})"
+            )

@@ -1,0 +1,125 @@
+"""The offline API, shaped like vLLM's: ``LLM(model).generate(prompts, params)``."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any, TypedDict
+
+from tqdm.auto import tqdm
+
+from baton_engine.config import EngineConfig
+from baton_engine.engine import LLMEngine
+from baton_engine.errors import InvalidRequestError
+from baton_engine.outputs import RequestOutput
+from baton_engine.sampling_params import SamplingParams
+
+
+class TokensPrompt(TypedDict):
+    prompt_token_ids: list[int]
+
+
+PromptType = str | TokensPrompt
+ChatMessages = list[dict[str, Any]]
+
+
+class LLM:
+    """An engine for offline batch generation.
+
+    ``LLM()`` serves the default model (SmolLM2-135M-Instruct); engine arguments keep vLLM's
+    names (``max_model_len``, ``max_num_seqs``, ``max_num_batched_tokens``, ``block_size``,
+    ``enable_prefix_caching``, ``dtype``, ``kv_cache_memory``, ``load_format``, ...).
+    """
+
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        try:
+            config = EngineConfig(model=model, **engine_args)
+        except TypeError as e:
+            raise InvalidRequestError(f"unknown engine argument: {e}") from None
+        self.engine = LLMEngine(config)
+        self._counter = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, str | dict):
+            prompts = [prompts]
+        token_prompts: list[str | list[int]] = []
+        for p in prompts:
+            if isinstance(p, str):
+                token_prompts.append(p)
+            elif isinstance(p, dict) and "prompt_token_ids" in p:
+                token_prompts.append(list(p["prompt_token_ids"]))
+            else:
+                raise InvalidRequestError(
+                    "a prompt is a string or {'prompt_token_ids': [...]}, got " + type(p).__name__
+                )
+        return self._run(token_prompts, sampling_params, use_tqdm)
+
+    def chat(
+        self,
+        messages: ChatMessages | Sequence[ChatMessages],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+    ) -> list[RequestOutput]:
+        """Render each conversation with the model's chat template, then generate."""
+        conversations: Sequence[ChatMessages] = (
+            [messages] if messages and isinstance(messages[0], dict) else messages  # type: ignore[list-item]
+        )
+        tok = self.engine.tokenizer
+        prompts: list[str | list[int]] = []
+        for conv in conversations:
+            text = tok.apply_chat_template(
+                conv,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                chat_template=chat_template,
+            )
+            prompts.append(list(tok(text, add_special_tokens=False).input_ids))
+        return self._run(prompts, sampling_params, use_tqdm)
+
+    def _run(
+        self,
+        prompts: list[str | list[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        use_tqdm: bool,
+    ) -> list[RequestOutput]:
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = (
+            [sampling_params] * len(prompts)
+            if isinstance(sampling_params, SamplingParams)
+            else list(sampling_params)
+        )
+        if len(params) != len(prompts):
+            raise InvalidRequestError(
+                f"got {len(prompts)} prompts but {len(params)} sampling params"
+            )
+        engine = self.engine
+        # Validate everything first so one bad prompt does not leave others half-submitted.
+        encoded = [engine.encode(p) if isinstance(p, str) else p for p in prompts]
+        for token_ids, sp in zip(encoded, params, strict=True):
+            engine.core.validate_request(token_ids, sp)
+        ids = [str(next(self._counter)) for _ in prompts]
+        for req_id, prompt, token_ids, sp in zip(ids, prompts, encoded, params, strict=True):
+            engine.add_request(req_id, prompt, sp, prompt_token_ids=token_ids)
+        results: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm) as bar:
+            try:
+                while engine.has_unfinished_requests():
+                    for out in engine.step():
+                        results[out.request_id] = out
+                        bar.update(1)
+            except BaseException:
+                for req_id in ids:
+                    engine.abort_request(req_id)
+                raise
+        return [results[i] for i in ids]

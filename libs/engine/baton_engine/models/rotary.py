@@ -1,0 +1,67 @@
+"""Rotary position embeddings (Hugging Face's rotate-half layout), with Llama 3 scaling."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
+    factor = float(scaling["factor"])
+    low = float(scaling.get("low_freq_factor", 1.0))
+    high = float(scaling.get("high_freq_factor", 4.0))
+    old_len = float(scaling["original_max_position_embeddings"])
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+class RotaryEmbedding(torch.nn.Module):
+    cos_sin: torch.Tensor  # [max_positions, 2, head_dim], float32
+
+    def __init__(
+        self,
+        head_dim: int,
+        max_positions: int,
+        theta: float,
+        scaling: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        self._args = (head_dim, max_positions, theta, scaling)
+        self.register_buffer("cos_sin", self._build(), persistent=False)
+
+    def reset(self, device: torch.device | str = "cpu") -> None:
+        """Recompute the table in float32 (after the module was built on "meta" or cast)."""
+        self.cos_sin = self._build().to(device)
+
+    def _build(self) -> torch.Tensor:
+        head_dim, max_positions, theta, scaling = self._args
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type"))
+        if scaling is not None and rope_type == "llama3":
+            inv_freq = _llama3_inv_freq(inv_freq, scaling)
+        elif scaling is not None and rope_type not in (None, "default"):
+            raise ValueError(f"unsupported rope scaling {rope_type!r}")
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return torch.stack([emb.cos(), emb.sin()], dim=1)
+
+    def forward(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate ``query`` ``[T, H, D]`` and ``key`` ``[T, KVH, D]`` by their positions."""
+        cos_sin = self.cos_sin[positions].to(query.dtype)  # [T, 2, D]
+        cos, sin = cos_sin[:, 0].unsqueeze(1), cos_sin[:, 1].unsqueeze(1)
+        return _rotate(query, cos, sin), _rotate(key, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin

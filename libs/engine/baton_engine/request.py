@@ -1,0 +1,102 @@
+"""The engine's view of one request: tokens, progress and state. Never leaves the engine core."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from baton_engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()  # EOS, a stop token id or a stop string
+    FINISHED_LENGTH = enum.auto()  # max_tokens or max_model_len
+    FINISHED_ABORTED = enum.auto()
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISHED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISHED = {
+    RequestStatus.FINISHED_STOPPED,
+    RequestStatus.FINISHED_LENGTH,
+    RequestStatus.FINISHED_ABORTED,
+}
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass
+class Request:
+    """One sequence being generated.
+
+    ``num_computed_tokens`` catches up to ``num_tokens`` (prompt + output). Prefill, chunked
+    prefill, prefix-cache hits and recompute after preemption all move that one counter.
+
+        |<----------- prompt ----------->|<---- output ---->|
+        |<-- cached -->|<-- computed -->|<-- to compute -->|
+                                                   num_tokens ^
+    """
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    max_tokens: int = 16  # resolved against max_model_len at admission
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1  # prefix-cache hit at first admission; -1 until admitted
+    num_preemptions: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+
+    def check_stop(self) -> RequestStatus | None:
+        """The finished status the last sampled token causes, or None to keep going."""
+        sp = self.sampling_params
+        if self.output_token_ids:
+            last = self.output_token_ids[-1]
+            if self.num_output_tokens >= sp.min_tokens:
+                if not sp.ignore_eos and last in self.eos_token_ids:
+                    self.stop_reason = None
+                    return RequestStatus.FINISHED_STOPPED
+                if last in sp.stop_token_ids:
+                    self.stop_reason = last
+                    return RequestStatus.FINISHED_STOPPED
+        if self.num_output_tokens >= self.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None

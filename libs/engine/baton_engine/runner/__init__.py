@@ -1,0 +1,1 @@
+"""The model runner: turns a SchedulerOutput into one forward pass and sampled tokens."""

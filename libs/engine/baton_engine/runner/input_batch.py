@@ -1,0 +1,83 @@
+"""The runner's persistent per-request state, updated from each SchedulerOutput's diff.
+
+Every request the runner holds owns one row of a preallocated block table, filled as blocks are
+appended, so a step only gathers rows instead of rebuilding tables.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from baton_engine.core.outputs import SchedulerOutput
+from baton_engine.sampling_params import SamplingParams
+
+
+@dataclass
+class CachedRequestState:
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    row: int  # its row of the block table
+    num_blocks: int
+    num_computed_tokens: int
+    generator: torch.Generator | None
+    token_ids: list[int] = field(default_factory=list)  # prompt + output
+
+    def __post_init__(self) -> None:
+        self.token_ids = self.prompt_token_ids + self.output_token_ids
+
+
+class InputBatch:
+    def __init__(self, max_num_reqs: int, max_blocks_per_req: int, device: torch.device) -> None:
+        self.device = device
+        # row -> block ids; rows are handed out and returned as requests come and go
+        self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int64)
+        self._free_rows = list(range(max_num_reqs - 1, -1, -1))
+        self.requests: dict[str, CachedRequestState] = {}  # req_id -> state
+
+    def update(self, so: SchedulerOutput) -> None:
+        for req_id in so.finished_req_ids | so.preempted_req_ids:
+            self._remove(req_id)
+        for new in so.scheduled_new_reqs:
+            self._remove(new.req_id)  # resumed after preemption: rebuilt from full data
+            sp = new.sampling_params
+            generator = None
+            if sp.seed is not None and not sp.is_greedy:
+                generator = torch.Generator(device=self.device).manual_seed(sp.seed)
+            state = CachedRequestState(
+                req_id=new.req_id,
+                prompt_token_ids=new.prompt_token_ids,
+                output_token_ids=list(new.output_token_ids),
+                sampling_params=sp,
+                row=self._free_rows.pop(),
+                num_blocks=0,
+                num_computed_tokens=new.num_computed_tokens,
+                generator=generator,
+            )
+            self.requests[new.req_id] = state
+            self._append_blocks(state, new.block_ids)
+        for cached in so.scheduled_cached_reqs:
+            state = self.requests[cached.req_id]
+            state.num_computed_tokens = cached.num_computed_tokens
+            self._append_blocks(state, cached.new_block_ids)
+
+    def _append_blocks(self, state: CachedRequestState, block_ids: list[int]) -> None:
+        if block_ids:
+            self.block_table[state.row, state.num_blocks : state.num_blocks + len(block_ids)] = (
+                block_ids
+            )
+            state.num_blocks += len(block_ids)
+
+    def _remove(self, req_id: str) -> None:
+        state = self.requests.pop(req_id, None)
+        if state is not None:
+            self._free_rows.append(state.row)
+
+    def append_token(self, req_id: str, token_id: int) -> None:
+        state = self.requests[req_id]
+        state.output_token_ids.append(token_id)
+        state.token_ids.append(token_id)

@@ -1,0 +1,193 @@
+"""ModelRunner: owns the model, the KV pool and the sampler; runs one step per SchedulerOutput."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+import numpy as np
+import torch
+
+from baton_engine.config import ModelConfig
+from baton_engine.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from baton_engine.models import LlamaForCausalLM
+from baton_engine.runner.input_batch import CachedRequestState, InputBatch
+from baton_engine.sampler import Sampler, SamplingMetadata
+from baton_kernels.attention import AttentionMetadata, KVCacheView, create_attention_backend
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        *,
+        dtype: torch.dtype,
+        device: str,
+        block_size: int,
+        max_model_len: int,
+        max_num_seqs: int,
+        attention_backend: str = "torch",
+    ) -> None:
+        self.model_config = model_config
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.backend = create_attention_backend(attention_backend)
+        self.sampler = Sampler()
+        self.batch = InputBatch(max_num_seqs, -(max_model_len // -block_size), self.device)
+        with torch.device("meta"):
+            self.model = LlamaForCausalLM(model_config, max_model_len)
+        self.model.to_empty(device=self.device).to(dtype)
+        self.model.tie_weights()
+        self.model.rotary.reset(self.device)
+        self.model.eval()
+        self.kv_pool: torch.Tensor | None = None
+        self.kv_caches: list[KVCacheView] = []
+
+    # --- setup ---------------------------------------------------------------------------------
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        loaded = self.model.load_weights(weights)
+        missing = {n for n, _ in self.model.named_parameters()} - loaded
+        if self.model_config.tie_word_embeddings:
+            missing.discard("lm_head.weight")
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+
+    def load_dummy_weights(self, seed: int = 0) -> None:
+        """Random weights of the right shapes (for benchmarks): small normal values, unit norms."""
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        with torch.no_grad():
+            for name, param in self.model.named_parameters():
+                if "norm" in name:
+                    param.fill_(1.0)
+                else:
+                    param.copy_(torch.randn(param.shape, generator=gen) * 0.02)
+
+    def kv_bytes_per_block(self) -> int:
+        cfg = self.model_config
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        return cfg.num_layers * 2 * self.block_size * cfg.num_kv_heads * cfg.head_dim * elem
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate the one block-major pool: ``[num_blocks, layers, 2, block_size, kv_heads,
+        head_dim]``, so a block's K and V for every layer are contiguous."""
+        cfg = self.model_config
+        self.kv_pool = torch.zeros(
+            (num_blocks, cfg.num_layers, 2, self.block_size, cfg.num_kv_heads, cfg.head_dim),
+            dtype=self.dtype,
+            device=self.device,
+        )
+        self.kv_caches = [
+            KVCacheView(self.kv_pool[:, layer, 0], self.kv_pool[:, layer, 1])
+            for layer in range(cfg.num_layers)
+        ]
+
+    # --- one step ------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self.batch.update(so)
+        if so.is_empty:
+            return ModelRunnerOutput({})
+        states = self.batch.requests
+        # Decodes first: the attention backend batches them.
+        order = sorted(so.num_scheduled_tokens, key=lambda r: so.num_scheduled_tokens[r] != 1)
+        reqs = [states[r] for r in order]
+        num_new = [so.num_scheduled_tokens[r] for r in order]
+        input_ids, positions, metadata, sample_rows = self._prepare_inputs(reqs, num_new)
+        hidden = self.model(input_ids, positions, self.kv_caches, metadata, self.backend)
+        if not sample_rows:
+            return ModelRunnerOutput({})
+        last_token = torch.tensor(
+            [metadata.query_start_loc[i + 1] - 1 for i in sample_rows], device=self.device
+        )
+        logits = self.model.compute_logits(hidden[last_token])
+        sampled_reqs = [reqs[i] for i in sample_rows]
+        out = self.sampler(logits, self._sampling_metadata(sampled_reqs))
+        token_ids = out.sampled_token_ids.tolist()
+        sampled: dict[str, int] = {}
+        logprobs: dict[str, TokenLogprobs] = {}
+        for j, (state, token_id) in enumerate(zip(sampled_reqs, token_ids, strict=True)):
+            sampled[state.req_id] = token_id
+            self.batch.append_token(state.req_id, token_id)
+            if out.logprobs is not None and state.sampling_params.logprobs is not None:
+                n = 1 + state.sampling_params.logprobs
+                logprobs[state.req_id] = TokenLogprobs(
+                    token_ids=out.logprobs.token_ids[j, :n].tolist(),
+                    logprobs=out.logprobs.logprobs[j, :n].tolist(),
+                    rank=int(out.logprobs.ranks[j]),
+                )
+        return ModelRunnerOutput(sampled, logprobs)
+
+    def _prepare_inputs(
+        self, reqs: list[CachedRequestState], num_new: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        seq_lens: list[int] = []
+        query_start_loc = [0]
+        sample_rows: list[int] = []
+        num_decodes = 0
+        for i, (state, n) in enumerate(zip(reqs, num_new, strict=True)):
+            start = state.num_computed_tokens
+            input_ids.extend(state.token_ids[start : start + n])
+            positions.extend(range(start, start + n))
+            seq_lens.append(start + n)
+            query_start_loc.append(query_start_loc[-1] + n)
+            if start + n == len(state.token_ids):  # the last chunk: its last logits are sampled
+                sample_rows.append(i)
+            num_decodes += n == 1
+        rows = np.array([s.row for s in reqs])
+        max_blocks = -(max(seq_lens) // -bs)
+        table = torch.from_numpy(self.batch.block_table[rows, :max_blocks])
+        pos = np.asarray(positions, dtype=np.int64)
+        token_rows = np.repeat(rows, num_new)
+        slot_block = torch.from_numpy(self.batch.block_table[token_rows, pos // bs])
+        slot_offset = torch.from_numpy(pos % bs)
+        decode_mask = None
+        max_decode_blocks = 0
+        if num_decodes:
+            max_decode_blocks = -(max(seq_lens[:num_decodes]) // -bs)
+            lens = torch.tensor(seq_lens[:num_decodes])
+            decode_mask = (torch.arange(max_decode_blocks * bs)[None, :] < lens[:, None]).view(
+                num_decodes, 1, 1, -1
+            )
+        dev = self.device
+        metadata = AttentionMetadata(
+            num_reqs=len(reqs),
+            num_decodes=num_decodes,
+            num_tokens=len(input_ids),
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+            block_tables=table.to(dev),
+            slot_block=slot_block.to(dev),
+            slot_offset=slot_offset.to(dev),
+            decode_mask=decode_mask.to(dev) if decode_mask is not None else None,
+            max_decode_blocks=max_decode_blocks,
+        )
+        return (
+            torch.tensor(input_ids, dtype=torch.int64, device=dev),
+            torch.from_numpy(pos).to(dev),
+            metadata,
+            sample_rows,
+        )
+
+    def _sampling_metadata(self, reqs: list[CachedRequestState]) -> SamplingMetadata:
+        eos = self.model_config.eos_token_ids
+        suppressed: list[list[int]] = []
+        for s in reqs:
+            sp = s.sampling_params
+            below_min = len(s.output_token_ids) < sp.min_tokens
+            suppressed.append([*eos, *sp.stop_token_ids] if below_min else [])
+        return SamplingMetadata.from_params(
+            [s.sampling_params for s in reqs],
+            prompt_token_ids=[s.prompt_token_ids for s in reqs],
+            output_token_ids=[s.output_token_ids for s in reqs],
+            generators={i: s.generator for i, s in enumerate(reqs) if s.generator is not None},
+            suppressed_token_ids=suppressed,
+        )

@@ -1,0 +1,341 @@
+"""Token sampler: per-step logits processing and sampling for a batch of requests (vLLM V1).
+
+One call of :class:`Sampler` on ``[B, V]`` logits does, in this order:
+
+1. upcast to float32, as a copy: the caller's tensor is never modified;
+2. if any row wants logprobs, ``log_softmax`` of these RAW logits (vLLM V1's default
+   ``raw_logprobs`` mode): the model's own distribution, before any per-request shaping;
+3. suppressed token ids (EOS/stop ids while below ``min_tokens``) set to ``-inf``;
+4. repetition, frequency and presence penalties (:mod:`baton_engine.penalties`);
+5. greedy rows take the argmax; when every row is greedy the step ends here;
+6. random rows: temperature, top-k, top-p, min-p, then the exponential race
+   ``argmax(probs / q)`` with ``q ~ Exp(1)``, which draws from ``softmax`` without a CDF search.
+   Rows with a per-request generator (seeded requests) draw their ``q`` from it alone, so a
+   seeded request's tokens do not depend on the rest of the batch or on its row.
+
+A row whose every token ends up ``-inf`` (everything suppressed) has no valid distribution;
+callers must not suppress a whole vocabulary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from baton_engine import penalties
+from baton_engine.sampling_params import SamplingParams
+
+__all__ = [
+    "LogprobsTensors",
+    "Sampler",
+    "SamplerOutput",
+    "SamplingMetadata",
+    "apply_min_p",
+    "apply_penalties",
+    "apply_top_k_top_p",
+    "compute_logprobs",
+    "suppress_tokens",
+]
+
+# Same threshold as SamplingParams.is_greedy: temperatures below it mean argmax.
+_SAMPLING_EPS = 1e-5
+_NEG_INF = float("-inf")
+
+
+@dataclass(frozen=True)
+class SamplingMetadata:
+    """Per-step, per-row sampling inputs for a batch of ``B`` rows (row i = logits row i).
+
+    Tensors are ``[B]`` and should live on the logits' device (they are moved if not). Disabled
+    values: temperature 0 (greedy), top_k 0, top_p 1.0, min_p 0.0, penalties 1.0/0.0/0.0. The
+    optional tensors are ``None`` when no row uses the feature, which skips its work entirely.
+    ``generators`` maps a row to its request's own generator (seeded requests only); the
+    generator is advanced by ``V`` exponential draws on every non-greedy step of that row.
+    """
+
+    temperature: torch.Tensor
+    all_greedy: bool
+    all_random: bool
+    top_k: torch.Tensor | None
+    top_p: torch.Tensor | None
+    min_p: torch.Tensor | None
+    generators: dict[int, torch.Generator]
+    max_num_logprobs: int | None
+    no_penalties: bool
+    presence_penalties: torch.Tensor
+    frequency_penalties: torch.Tensor
+    repetition_penalties: torch.Tensor
+    prompt_token_ids: list[Sequence[int]]
+    output_token_ids: list[Sequence[int]]
+    suppressed_token_ids: list[Sequence[int]]
+
+    @classmethod
+    def from_params(
+        cls,
+        params: Sequence[SamplingParams],
+        prompt_token_ids: Sequence[Sequence[int]],
+        output_token_ids: Sequence[Sequence[int]],
+        generators: Mapping[int, torch.Generator],
+        suppressed_token_ids: Sequence[Sequence[int]] | None = None,
+        *,
+        device: torch.device | str = "cpu",
+    ) -> SamplingMetadata:
+        """Build the metadata of one step from each row's params and token history.
+
+        Greedy rows (``SamplingParams.is_greedy``: temperature ~0 or top_k 1) get temperature 0,
+        and their generators are dropped, since argmax never draws. ``suppressed_token_ids``
+        defaults to nothing suppressed. Raises ``ValueError`` if a per-row list's length differs
+        from ``len(params)`` or a generator's row is out of range.
+        """
+        num_rows = len(params)
+        suppressed: Sequence[Sequence[int]] = (
+            [[] for _ in params] if suppressed_token_ids is None else suppressed_token_ids
+        )
+        for name, rows in (
+            ("prompt_token_ids", prompt_token_ids),
+            ("output_token_ids", output_token_ids),
+            ("suppressed_token_ids", suppressed),
+        ):
+            if len(rows) != num_rows:
+                raise ValueError(f"{name} has {len(rows)} rows for {num_rows} params")
+        if any(not 0 <= row < num_rows for row in generators):
+            raise ValueError(f"generator rows {sorted(generators)} out of range for {num_rows}")
+
+        greedy = [p.is_greedy for p in params]
+
+        def floats(values: list[float]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.float32, device=device)
+
+        top_k = [p.top_k for p in params]
+        top_p = [p.top_p for p in params]
+        min_p = [p.min_p for p in params]
+        logprobs = [p.logprobs for p in params if p.logprobs is not None]
+        no_penalties = all(
+            p.presence_penalty == 0.0 and p.frequency_penalty == 0.0 and p.repetition_penalty == 1.0
+            for p in params
+        )
+        return cls(
+            temperature=floats(
+                [0.0 if g else p.temperature for g, p in zip(greedy, params, strict=True)]
+            ),
+            all_greedy=all(greedy),
+            all_random=num_rows > 0 and not any(greedy),
+            top_k=(
+                torch.tensor(top_k, dtype=torch.int64, device=device)
+                if any(k > 0 for k in top_k)
+                else None
+            ),
+            top_p=floats(top_p) if any(p < 1.0 for p in top_p) else None,
+            min_p=floats(min_p) if any(p > 0.0 for p in min_p) else None,
+            generators={row: g for row, g in generators.items() if not greedy[row]},
+            max_num_logprobs=max(logprobs) if logprobs else None,
+            no_penalties=no_penalties,
+            presence_penalties=floats([p.presence_penalty for p in params]),
+            frequency_penalties=floats([p.frequency_penalty for p in params]),
+            repetition_penalties=floats([p.repetition_penalty for p in params]),
+            prompt_token_ids=list(prompt_token_ids),
+            output_token_ids=list(output_token_ids),
+            suppressed_token_ids=list(suppressed),
+        )
+
+
+@dataclass(frozen=True)
+class LogprobsTensors:
+    """Logprobs of one step from the raw logits, for every row (callers slice per request).
+
+    ``token_ids``/``logprobs`` are ``[B, 1 + N]``: column 0 is the sampled token, then the top N
+    (``N = max_num_logprobs``) in descending order. ``ranks`` is ``[B]``: the sampled token's
+    1-based rank under the raw distribution (ties count in the token's favour: rank = number of
+    tokens with logprob >= its own).
+    """
+
+    token_ids: torch.Tensor
+    logprobs: torch.Tensor
+    ranks: torch.Tensor
+
+
+@dataclass(frozen=True)
+class SamplerOutput:
+    """``sampled_token_ids``: ``[B]`` int64 on the logits' device; ``logprobs`` or ``None``."""
+
+    sampled_token_ids: torch.Tensor
+    logprobs: LogprobsTensors | None
+
+
+def suppress_tokens(logits: torch.Tensor, suppressed_token_ids: Sequence[Sequence[int]]) -> None:
+    """Set ``logits[i, t] = -inf`` for every ``t`` in row i's list, in place.
+
+    Ids outside ``[0, V)`` are ignored: a token the logits cannot produce needs no suppressing.
+    """
+    vocab_size = logits.size(1)
+    flat = [
+        row * vocab_size + t
+        for row, ids in enumerate(suppressed_token_ids)
+        for t in ids
+        if 0 <= t < vocab_size
+    ]
+    if flat:  # the usual case is nothing suppressed: no tensor, no kernel
+        index = torch.tensor(flat, dtype=torch.int64, device=logits.device)
+        logits.view(-1).index_fill_(0, index, _NEG_INF)
+
+
+def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """Return a float32 copy of ``logits`` with ``metadata``'s penalties applied (input untouched).
+
+    The same processing :class:`Sampler` does between suppression and sampling; exposed so the
+    rules can be checked on logits rather than through sampling statistics.
+    """
+    scratch = logits.to(torch.float32, copy=True)
+    if metadata.no_penalties:
+        return scratch
+    return penalties.apply_penalties(
+        scratch,
+        metadata.prompt_token_ids,
+        metadata.output_token_ids,
+        metadata.presence_penalties,
+        metadata.frequency_penalties,
+        metadata.repetition_penalties,
+    )
+
+
+def compute_logprobs(
+    raw_logprobs: torch.Tensor, sampled: torch.Tensor, num_logprobs: int
+) -> LogprobsTensors:
+    """Sampled token's logprob and rank plus the top ``num_logprobs`` of ``raw_logprobs``."""
+    sampled_col = sampled.unsqueeze(1)
+    sampled_logprob = raw_logprobs.gather(1, sampled_col)
+    ranks = (raw_logprobs >= sampled_logprob).sum(dim=1)
+    num = min(num_logprobs, raw_logprobs.size(1))
+    if num == 0:
+        return LogprobsTensors(sampled_col, sampled_logprob, ranks)
+    top_logprobs, top_ids = raw_logprobs.topk(num, dim=1)
+    return LogprobsTensors(
+        token_ids=torch.cat([sampled_col, top_ids], dim=1),
+        logprobs=torch.cat([sampled_logprob, top_logprobs], dim=1),
+        ranks=ranks,
+    )
+
+
+def _apply_top_k_only(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Top-k without a full sort: ``topk`` to the batch's largest k, then a threshold mask."""
+    vocab_size = logits.size(1)
+    disabled = (top_k <= 0) | (top_k >= vocab_size)
+    # Disabled rows ask for 1 so they do not inflate the batch's topk width; unmasked below.
+    k = top_k.masked_fill(disabled, 1)
+    top_values = logits.topk(int(k.max()), dim=1).values
+    kth_value = top_values.gather(1, (k - 1).unsqueeze(1))
+    kth_value.masked_fill_(disabled.unsqueeze(1), _NEG_INF)
+    return logits.masked_fill_(logits < kth_value, _NEG_INF)
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
+    """Mask (to ``-inf``, in place) tokens outside each row's top-k and top-p nucleus.
+
+    ``top_k`` 0 (or >= V) and ``top_p`` 1.0 disable a row. Top-p keeps the smallest set of most
+    likely tokens whose probability reaches p, and always keeps at least the most likely token.
+    Tokens tied with the k-th logit are all kept.
+    """
+    if top_p is None:
+        return logits if top_k is None else _apply_top_k_only(logits, top_k)
+    vocab_size = logits.size(1)
+    # Ascending sort: the top-k cut is one gather, and a cumulative sum from the unlikely end
+    # gives the top-p cut without a second pass.
+    sorted_logits, order = logits.sort(dim=1)
+    if top_k is not None:
+        k = torch.where((top_k <= 0) | (top_k > vocab_size), vocab_size, top_k)
+        kth_value = sorted_logits.gather(1, (vocab_size - k).unsqueeze(1))
+        sorted_logits.masked_fill_(sorted_logits < kth_value, _NEG_INF)
+    cumulative = sorted_logits.softmax(dim=1).cumsum(dim=1)
+    outside = cumulative <= (1.0 - top_p).unsqueeze(1)
+    outside[:, -1] = False
+    sorted_logits.masked_fill_(outside, _NEG_INF)
+    return logits.scatter_(1, order, sorted_logits)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask (in place) tokens whose probability is below ``min_p`` times the row's largest."""
+    probs = logits.softmax(dim=1)
+    threshold = probs.amax(dim=1, keepdim=True) * min_p.unsqueeze(1)
+    return logits.masked_fill_(probs < threshold, _NEG_INF)
+
+
+def _exponential_race(
+    probs: torch.Tensor, generators: Mapping[int, torch.Generator]
+) -> torch.Tensor:
+    """Draw one token per row from ``probs``: ``argmax(probs / q)`` with ``q ~ Exp(1)``.
+
+    Unseeded rows share one batched draw from the default RNG; seeded rows then overwrite their
+    row with draws from their own generator, so their tokens depend only on that generator.
+    """
+    q = torch.empty_like(probs)
+    if len(generators) < probs.size(0):
+        q.exponential_()
+    for row, generator in generators.items():
+        q[row].exponential_(generator=generator)
+    return probs.div_(q).argmax(dim=1)
+
+
+class Sampler:
+    """Turns one step's ``[B, V]`` logits into one token per row (see the module docstring)."""
+
+    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        """Sample one token per row; ``logits`` may be any float dtype and is not modified."""
+        if logits.dim() != 2:
+            raise ValueError(f"logits must be [B, V], got shape {tuple(logits.shape)}")
+        if metadata.temperature.numel() != logits.size(0):
+            raise ValueError(
+                f"metadata has {metadata.temperature.numel()} rows, logits {logits.size(0)}"
+            )
+        with torch.inference_mode():
+            scratch = logits.to(torch.float32, copy=True)
+            num_logprobs = metadata.max_num_logprobs
+            # Taken before any in-place processing below: logprobs report the raw distribution.
+            raw_logprobs = None if num_logprobs is None else scratch.log_softmax(dim=1)
+            suppress_tokens(scratch, metadata.suppressed_token_ids)
+            if not metadata.no_penalties:
+                scratch = penalties.apply_penalties(
+                    scratch,
+                    metadata.prompt_token_ids,
+                    metadata.output_token_ids,
+                    metadata.presence_penalties,
+                    metadata.frequency_penalties,
+                    metadata.repetition_penalties,
+                )
+            sampled = self._sample(scratch, metadata)
+            logprobs = None
+            if raw_logprobs is not None and num_logprobs is not None:
+                logprobs = compute_logprobs(raw_logprobs, sampled, num_logprobs)
+        return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """Greedy and random sampling of processed float32 ``logits`` (modified in place)."""
+        if metadata.all_greedy:
+            return logits.argmax(dim=1)
+        device = logits.device
+        temperature = metadata.temperature.to(device=device, dtype=torch.float32)
+        top_k = None if metadata.top_k is None else metadata.top_k.to(device)
+        top_p = None if metadata.top_p is None else metadata.top_p.to(device)
+        min_p = None if metadata.min_p is None else metadata.min_p.to(device)
+
+        greedy_rows = temperature < _SAMPLING_EPS
+        if top_k is not None:
+            # top_k 1 is greedy by definition; taking argmax avoids sampling among exact ties.
+            greedy_rows |= top_k == 1
+        greedy = None
+        if not metadata.all_random or top_k is not None:
+            greedy = logits.argmax(dim=1)  # before temperature/truncation rewrite ``logits``
+
+        # Greedy rows divide by 1: their temperature is 0 and their result comes from argmax.
+        logits.div_(torch.where(greedy_rows, 1.0, temperature).unsqueeze(1))
+        logits = apply_top_k_top_p(logits, top_k, top_p)
+        if min_p is not None:
+            logits = apply_min_p(logits, min_p)
+        sampled = _exponential_race(logits.softmax(dim=1), metadata.generators)
+        if greedy is None:
+            return sampled
+        return torch.where(greedy_rows, greedy, sampled)

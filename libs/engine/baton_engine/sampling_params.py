@@ -1,0 +1,80 @@
+"""SamplingParams: how to pick tokens and when to stop, with vLLM's names and meanings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from baton_engine.errors import InvalidRequestError
+
+_GREEDY_EPS = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling and stopping parameters (vLLM's names and meanings).
+
+    ``ignore_eos`` keeps generating after EOS without suppressing it; ``min_tokens`` suppresses EOS
+    and ``stop_token_ids`` until that many tokens were generated. ``logprobs=N`` returns the sampled
+    token's logprob plus the top N of the model's raw distribution.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = [s for s in self.stop if s]
+        if self.top_k < 0:
+            self.top_k = 0
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ``InvalidRequestError`` naming the first bad field."""
+
+        def bad(msg: str) -> InvalidRequestError:
+            return InvalidRequestError(msg)
+
+        if self.n < 1:
+            raise bad(f"n must be at least 1, got {self.n}")
+        if self.temperature < 0:
+            raise bad(f"temperature must be non-negative, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad(f"min_p must be in [0, 1], got {self.min_p}")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise bad(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise bad(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        if self.repetition_penalty <= 0:
+            raise bad(f"repetition_penalty must be positive, got {self.repetition_penalty}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise bad(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.min_tokens < 0:
+            raise bad(f"min_tokens must be non-negative, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise bad(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids must be non-negative")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS or self.top_k == 1

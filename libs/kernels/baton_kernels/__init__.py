@@ -1,0 +1,1 @@
+"""Baton's kernels: attention backends behind one narrow interface, and small fused ops."""

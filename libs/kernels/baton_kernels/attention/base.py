@@ -1,0 +1,60 @@
+"""The interface every attention backend implements, and the per-step metadata it reads.
+
+Token layout of one step (decodes first, then prefill chunks):
+
+    query tokens: | d0 | d1 | d2 |  p0 chunk ...  |  p1 chunk ...  |
+    requests:       0    1    2        3                4
+    query_start_loc: [0, 1, 2, 3, 3 + len(p0), 3 + len(p0) + len(p1)]
+
+A request's keys are its ``seq_len`` tokens: the ``seq_len - query_len`` already in the paged cache
+followed by the ``query_len`` new ones, which are written to the cache before attention runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple, Protocol
+
+import torch
+
+
+class KVCacheView(NamedTuple):
+    """One layer's paged cache: two strided views ``[num_blocks, block_size, num_kv_heads,
+    head_dim]`` into the shared block-major pool."""
+
+    key: torch.Tensor
+    value: torch.Tensor
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    num_reqs: int
+    num_decodes: int  # the first num_decodes requests have query_len == 1
+    num_tokens: int
+    query_start_loc: list[int]  # [num_reqs + 1]
+    seq_lens: list[int]  # [num_reqs]: cached + new tokens
+    block_tables: torch.Tensor  # [num_reqs, max_num_blocks] int64; padding points at block 0
+    slot_block: torch.Tensor  # [num_tokens] int64: block id each new token's KV goes to
+    slot_offset: torch.Tensor  # [num_tokens] int64: offset inside that block
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_decode_len] bool, True = attend
+    max_decode_blocks: int  # blocks the longest decode needs
+
+    def query_len(self, i: int) -> int:
+        return self.query_start_loc[i + 1] - self.query_start_loc[i]
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: KVCacheView,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        """Write the new tokens' K/V into the cache, then attend causally over each request's
+        cached and new tokens."""
+        ...

@@ -1,0 +1,1 @@
+"""baton_kvtransfer (see ../shared/DESIGN.md)."""

@@ -1,0 +1,1 @@
+"""baton_decode (see ../shared/DESIGN.md)."""

@@ -1,0 +1,1 @@
+"""baton_gateway (see ../shared/DESIGN.md)."""

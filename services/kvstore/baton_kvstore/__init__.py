@@ -1,0 +1,1 @@
+"""baton_kvstore (see ../shared/DESIGN.md)."""

@@ -1,0 +1,1 @@
+"""baton_prefill (see ../shared/DESIGN.md)."""

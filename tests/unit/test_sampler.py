@@ -1,0 +1,357 @@
+"""Sampler: greedy, seeded determinism, raw logprobs, penalties, truncation, suppression, T."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+# The package is not necessarily installed; make libs/engine importable when run from the repo.
+_ENGINE = Path(__file__).resolve().parents[2] / "libs" / "engine"
+if str(_ENGINE) not in sys.path:
+    sys.path.insert(0, str(_ENGINE))
+
+from baton_engine.sampler import (  # noqa: E402
+    Sampler,
+    SamplingMetadata,
+    apply_penalties,
+)
+from baton_engine.sampling_params import SamplingParams  # noqa: E402
+
+VOCAB = 1000
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    torch.manual_seed(1234)
+
+
+def _logits(rows: int, scale: float = 3.0, seed: int | None = None) -> torch.Tensor:
+    gen = None if seed is None else torch.Generator().manual_seed(seed)
+    return torch.randn(rows, VOCAB, generator=gen) * scale
+
+
+def _meta(
+    params: Sequence[SamplingParams],
+    *,
+    prompts: Sequence[Sequence[int]] | None = None,
+    outputs: Sequence[Sequence[int]] | None = None,
+    generators: dict[int, torch.Generator] | None = None,
+    suppressed: Sequence[Sequence[int]] | None = None,
+) -> SamplingMetadata:
+    empty: list[list[int]] = [[] for _ in params]
+    return SamplingMetadata.from_params(
+        params,
+        empty if prompts is None else prompts,
+        empty if outputs is None else outputs,
+        generators or {},
+        suppressed,
+    )
+
+
+def _sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    return Sampler()(logits, meta).sampled_token_ids
+
+
+# 1. greedy -------------------------------------------------------------------------------------
+
+
+def test_greedy_is_argmax_and_top_k_1_is_greedy() -> None:
+    logits = _logits(6)
+    greedy = _sample(logits, _meta([SamplingParams(temperature=0.0)] * 6))
+    assert greedy.dtype == torch.int64 and greedy.device == logits.device
+    assert torch.equal(greedy, logits.argmax(dim=1))
+
+    top1 = _meta([SamplingParams(temperature=1.0, top_k=1)] * 6)
+    assert top1.all_greedy  # from_params: top_k 1 is greedy, as SamplingParams.is_greedy says
+    assert torch.equal(_sample(logits, top1), greedy)
+    # Built by hand as random rows, top_k 1 must still come out as argmax, over many draws.
+    forced = replace(
+        top1,
+        all_greedy=False,
+        all_random=True,
+        temperature=torch.ones(6),
+        top_k=torch.ones(6, dtype=torch.int64),
+    )
+    for _ in range(5):
+        assert torch.equal(_sample(logits, forced), greedy)
+
+
+def test_mixed_batch_keeps_greedy_rows_greedy() -> None:
+    logits = _logits(4, scale=0.5)  # flat: random rows would rarely hit the argmax
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)] * 2
+    meta = _meta(params)
+    assert not meta.all_greedy and not meta.all_random
+    out = _sample(logits, meta)
+    assert torch.equal(out[[0, 2]], logits[[0, 2]].argmax(dim=1))
+
+
+def test_bf16_logits_and_input_untouched() -> None:
+    logits = _logits(3).to(torch.bfloat16)
+    before = logits.clone()
+    meta = _meta(
+        [SamplingParams(temperature=0.7, repetition_penalty=1.3, logprobs=2)] * 3,
+        outputs=[[1, 2]] * 3,
+        suppressed=[[5]] * 3,
+    )
+    out = Sampler()(logits, meta)
+    assert torch.equal(logits, before)
+    assert out.sampled_token_ids.dtype == torch.int64
+    assert out.logprobs is not None and out.logprobs.logprobs.dtype == torch.float32
+
+
+# 2. seeded determinism -------------------------------------------------------------------------
+
+_TARGET = SamplingParams(temperature=0.9, top_p=0.95, top_k=200, seed=42)
+
+
+def _run_seeded(batch: int, target_row: int, order_seed: int | None, steps: int = 20) -> list[int]:
+    """Run ``steps`` steps with the target request at ``target_row``; return its tokens."""
+    target_gen = torch.Generator().manual_seed(42)
+    others = [
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.3, seed=7),
+        SamplingParams(temperature=0.5, top_k=20, min_p=0.05),
+        SamplingParams(temperature=1.0, top_p=0.5, seed=9),
+        SamplingParams(temperature=0.8, presence_penalty=0.5),
+        SamplingParams(temperature=1.1),
+    ][: batch - 1]
+    other_gens = {
+        i: torch.Generator().manual_seed(p.seed) for i, p in enumerate(others) if p.seed is not None
+    }
+    tokens: list[int] = []
+    rng = torch.Generator().manual_seed(order_seed or 0)
+    for step in range(steps):
+        params = list(others)
+        gens = dict(other_gens)
+        params.insert(target_row, _TARGET)
+        # Rows after the insertion point move down by one.
+        gens = {(i + 1 if i >= target_row else i): g for i, g in gens.items()}
+        gens[target_row] = target_gen
+        # The target's logits are the same at each step in every scenario; others are noise.
+        rows = [
+            _logits(1, scale=1.0, seed=1000 + step)[0]
+            if i == target_row
+            else torch.randn(VOCAB) * 2
+            for i in range(len(params))
+        ]
+        outputs: list[list[int]] = [[] for _ in params]
+        outputs[target_row] = list(tokens)
+        perm = list(range(len(params)))
+        if order_seed is not None:
+            perm = torch.randperm(len(params), generator=rng).tolist()
+        inv = {old: new for new, old in enumerate(perm)}
+        meta = _meta(
+            [params[i] for i in perm],
+            outputs=[outputs[i] for i in perm],
+            generators={inv[i]: g for i, g in gens.items()},
+        )
+        out = _sample(torch.stack([rows[i] for i in perm]), meta)
+        tokens.append(int(out[inv[target_row]]))
+    return tokens
+
+
+def test_seeded_row_independent_of_batch() -> None:
+    alone = _run_seeded(batch=1, target_row=0, order_seed=None)
+    in_batch = _run_seeded(batch=8, target_row=3, order_seed=None)
+    shuffled = _run_seeded(batch=8, target_row=3, order_seed=5)
+    assert alone == in_batch == shuffled
+    assert len(set(alone)) > 1
+    # The target's logits are flat enough that the seed matters: not just the argmax each step.
+    argmaxes = [int(_logits(1, scale=1.0, seed=1000 + s).argmax()) for s in range(20)]
+    assert alone != argmaxes
+
+
+# 3. logprobs -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("num", [0, 1, 5])
+def test_logprobs_from_raw_logits(num: int) -> None:
+    logits = _logits(5)
+    params = [
+        SamplingParams(temperature=0.0, logprobs=num),
+        SamplingParams(temperature=0.5, logprobs=num, repetition_penalty=1.8),
+        SamplingParams(temperature=2.0, frequency_penalty=2.0, presence_penalty=2.0),
+        SamplingParams(temperature=1.0, top_k=3, logprobs=0),
+        SamplingParams(temperature=1.0, min_p=0.2, logprobs=num),
+    ]
+    outputs = [[int(t) for t in logits[i].topk(4).indices] for i in range(5)]
+    meta = _meta(params, outputs=outputs, suppressed=[[], [], [int(logits[2].argmax())], [], []])
+    out = Sampler()(logits, meta)
+    lp = out.logprobs
+    assert lp is not None
+    sampled = out.sampled_token_ids
+    ref = torch.log_softmax(logits, dim=1)
+    assert lp.token_ids.shape == lp.logprobs.shape == (5, 1 + num)
+    assert torch.equal(lp.token_ids[:, 0], sampled)
+    torch.testing.assert_close(lp.logprobs[:, 0], ref.gather(1, sampled[:, None])[:, 0])
+    top = ref.topk(num, dim=1)
+    assert torch.equal(lp.token_ids[:, 1:], top.indices)
+    torch.testing.assert_close(lp.logprobs[:, 1:], top.values)
+    order = ref.argsort(dim=1, descending=True)
+    expected_ranks = [int((order[i] == sampled[i]).nonzero()) + 1 for i in range(5)]
+    assert lp.ranks.tolist() == expected_ranks
+    assert lp.ranks[0] == 1  # greedy row, no penalties: the argmax
+    assert lp.ranks[1] > 1  # its top tokens were penalised away, and its raw rank says so
+
+    # Same logits without any processing: the reported distribution is identical.
+    plain = Sampler()(logits, _meta([SamplingParams(temperature=0.0, logprobs=num)] * 5))
+    assert plain.logprobs is not None
+    assert torch.equal(plain.logprobs.logprobs[:, 1:], lp.logprobs[:, 1:])
+
+
+def test_no_logprobs_when_not_requested() -> None:
+    assert Sampler()(_logits(2), _meta([SamplingParams()] * 2)).logprobs is None
+
+
+# 4. penalties ----------------------------------------------------------------------------------
+
+
+def test_penalty_rules_on_logits() -> None:
+    logits = torch.tensor([[2.0, -2.0, 1.0, 0.5, 0.5, 3.0, -1.0, 0.0]])
+    params = [SamplingParams(repetition_penalty=2.0)]
+    # Token 0 (positive) in the prompt, token 1 (negative) in the output; 2 in neither.
+    out = apply_penalties(logits, _meta(params, prompts=[[0, 9999]], outputs=[[1]]))
+    assert out.tolist()[0][:3] == [1.0, -4.0, 1.0]
+    assert torch.equal(out[0, 3:], logits[0, 3:])
+    assert torch.equal(logits[0, :2], torch.tensor([2.0, -2.0]))  # input not modified
+
+    freq = _meta([SamplingParams(frequency_penalty=0.5)], prompts=[[3, 3]], outputs=[[3, 3, 3, 4]])
+    out = apply_penalties(logits, freq)
+    torch.testing.assert_close(out[0, 3:5], torch.tensor([0.5 - 1.5, 0.5 - 0.5]))
+    assert torch.equal(out[0, :3], logits[0, :3])  # prompt tokens do not count for frequency
+
+    pres = _meta([SamplingParams(presence_penalty=0.5)], prompts=[[5]], outputs=[[3, 3, 3, 4]])
+    out = apply_penalties(logits, pres)
+    torch.testing.assert_close(out[0, 3:5], torch.tensor([0.0, 0.0]))  # count-independent
+    assert out[0, 5] == 3.0
+
+
+def test_repetition_penalty_lowers_seen_tokens_on_random_logits() -> None:
+    logits = _logits(2)
+    prompt, output = [3, 10, 500], [7, 7, 999]
+    seen = sorted({*prompt, *output})
+    meta = _meta(
+        [SamplingParams(repetition_penalty=1.5), SamplingParams()],
+        prompts=[prompt, prompt],
+        outputs=[output, output],
+    )
+    out = apply_penalties(logits, meta)
+    assert (out[0, seen] < logits[0, seen]).all()
+    unseen = torch.ones(VOCAB, dtype=torch.bool)
+    unseen[seen] = False
+    assert torch.equal(out[0, unseen], logits[0, unseen])
+    assert torch.equal(out[1], logits[1])  # row without penalties is untouched
+    probs_before, probs_after = logits.softmax(1)[0, seen], out.softmax(1)[0, seen]
+    assert (probs_after < probs_before).all()
+
+
+def test_huge_presence_penalty_greedy_never_repeats() -> None:
+    logits = torch.rand(1, VOCAB)  # logits in [0, 1): a presence penalty of 2 outweighs any gap
+    params = [SamplingParams(temperature=0.0, presence_penalty=2.0)]
+    produced: list[int] = []
+    for _ in range(40):
+        produced.append(int(_sample(logits, _meta(params, outputs=[produced]))[0]))
+    assert len(set(produced)) == len(produced)
+    assert produced[:3] == logits[0].topk(3).indices.tolist()
+
+
+# 5. truncation ---------------------------------------------------------------------------------
+
+
+def _draws(logits_row: torch.Tensor, params: SamplingParams, n: int = 2000) -> set[int]:
+    batch = logits_row.expand(n, -1).contiguous()
+    return set(_sample(batch, _meta([params] * n)).tolist())
+
+
+def test_top_k_allowed_set() -> None:
+    row = _logits(1, scale=1.5)[0]  # no token dominates: the allowed sets are wide
+    allowed = set(row.topk(5).indices.tolist())
+    got = _draws(row, SamplingParams(temperature=1.5, top_k=5))
+    assert got <= allowed and len(got) > 1
+
+
+def test_top_p_allowed_set_and_tiny_p_is_argmax() -> None:
+    row = _logits(1, scale=1.5)[0]  # no token dominates: the allowed sets are wide
+    for p, temperature in ((0.5, 1.0), (0.8, 0.7)):
+        probs = (row / temperature).softmax(0)
+        ordered = probs.argsort(descending=True)
+        before = probs[ordered].cumsum(0) - probs[ordered]  # mass strictly above each token
+        allowed = set(ordered[before < p + 1e-4].tolist())
+        got = _draws(row, SamplingParams(temperature=temperature, top_p=p))
+        assert got <= allowed and len(got) > 1
+    assert _draws(row, SamplingParams(temperature=1.0, top_p=1e-6)) == {int(row.argmax())}
+    # 1 - 1e-9 rounds to 1.0 in float32: without "keep at least one" every token would be cut.
+    assert _draws(row, SamplingParams(temperature=1.0, top_p=1e-9), n=50) == {int(row.argmax())}
+
+
+def test_min_p_allowed_set() -> None:
+    row = _logits(1, scale=1.5)[0]  # no token dominates: the allowed sets are wide
+    probs = row.softmax(0)
+    allowed = set((probs >= 0.1 * probs.max()).nonzero()[:, 0].tolist())
+    got = _draws(row, SamplingParams(temperature=1.0, min_p=0.1))
+    assert got <= allowed and len(got) > 1
+
+
+def test_combined_truncation_in_mixed_batch() -> None:
+    row = _logits(1)[0]
+    n = 1500
+    params = [
+        SamplingParams(temperature=1.0, top_k=10, top_p=0.9, min_p=0.02),
+        SamplingParams(temperature=1.0, top_k=3),
+    ] * (n // 2)
+    out = _sample(row.expand(n, -1).contiguous(), _meta(params))
+    top10, top3 = set(row.topk(10).indices.tolist()), set(row.topk(3).indices.tolist())
+    assert set(out[0::2].tolist()) <= top10
+    assert set(out[1::2].tolist()) <= top3
+
+
+# 6. suppression --------------------------------------------------------------------------------
+
+
+def test_suppressed_tokens_never_sampled() -> None:
+    logits = _logits(4)
+    top3 = [logits[i].topk(3).indices.tolist() for i in range(4)]
+    suppressed = [top3[0][:1], top3[1][:2], [], [*top3[3], VOCAB + 5]]  # out-of-range id ignored
+    greedy = _sample(logits, _meta([SamplingParams(temperature=0.0)] * 4, suppressed=suppressed))
+    assert greedy.tolist() == [top3[0][1], top3[1][2], top3[2][0], int(logits[3].topk(4)[1][3])]
+
+    row = logits[0] * 2  # the suppressed argmax would win most draws
+    n = 2000
+    out = _sample(
+        row.expand(n, -1).contiguous(),
+        _meta([SamplingParams(temperature=1.0)] * n, suppressed=[top3[0][:1]] * n),
+    )
+    assert top3[0][0] not in set(out.tolist())
+
+
+# 7. temperature --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
+def test_temperature_frequencies_match_softmax(temperature: float) -> None:
+    row = _logits(1, scale=1.5)[0]
+    n = 4000
+    out = _sample(
+        row.expand(n, -1).contiguous(), _meta([SamplingParams(temperature=temperature)] * n)
+    )
+    counts = torch.bincount(out, minlength=VOCAB).double()
+
+    def chi2(t: float) -> float:
+        # Top 10 tokens as their own bins, the rest as one: every bin expects many draws.
+        expected = (row.double() / t).softmax(0) * n
+        top = expected.topk(10).indices
+        rest = torch.ones(VOCAB, dtype=torch.bool)
+        rest[top] = False
+        obs = torch.cat([counts[top], counts[rest].sum()[None]])
+        exp = torch.cat([expected[top], expected[rest].sum()[None]])
+        return float(((obs - exp) ** 2 / exp).sum())
+
+    assert chi2(temperature) < 45.0  # 10 dof: p ~ 1e-6 for a correct sampler
+    wrong = temperature * 1.6
+    assert chi2(wrong) > chi2(temperature)
