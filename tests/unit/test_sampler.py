@@ -2,25 +2,13 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Sequence
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
-
-# The package is not necessarily installed; make libs/engine importable when run from the repo.
-_ENGINE = Path(__file__).resolve().parents[2] / "libs" / "engine"
-if str(_ENGINE) not in sys.path:
-    sys.path.insert(0, str(_ENGINE))
-
-from baton_engine.sampler import (  # noqa: E402
-    Sampler,
-    SamplingMetadata,
-    apply_penalties,
-)
-from baton_engine.sampling_params import SamplingParams  # noqa: E402
+from baton_engine.sampler import Sampler, SamplingMetadata, apply_penalties
+from baton_engine.sampling_params import SamplingParams
 
 VOCAB = 1000
 
@@ -247,8 +235,9 @@ def test_repetition_penalty_lowers_seen_tokens_on_random_logits() -> None:
     unseen[seen] = False
     assert torch.equal(out[0, unseen], logits[0, unseen])
     assert torch.equal(out[1], logits[1])  # row without penalties is untouched
-    probs_before, probs_after = logits.softmax(1)[0, seen], out.softmax(1)[0, seen]
-    assert (probs_after < probs_before).all()
+    # Every seen logit fell and no other moved, so the seen tokens' total mass must fall (a single
+    # seen token's probability may rise when a dominant seen token loses mass to the rest).
+    assert out.softmax(1)[0, seen].sum() < logits.softmax(1)[0, seen].sum()
 
 
 def test_huge_presence_penalty_greedy_never_repeats() -> None:

@@ -290,7 +290,9 @@ class Sampler:
             raise ValueError(
                 f"metadata has {metadata.temperature.numel()} rows, logits {logits.size(0)}"
             )
-        with torch.inference_mode():
+        # no_grad rather than inference_mode: inference tensors could not be updated in place by
+        # callers outside inference mode (e.g. a runner writing sampled ids into its buffers).
+        with torch.no_grad():
             scratch = logits.to(torch.float32, copy=True)
             num_logprobs = metadata.max_num_logprobs
             # Taken before any in-place processing below: logprobs report the raw distribution.

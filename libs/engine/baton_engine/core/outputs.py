@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from baton_engine.sampling_params import SamplingParams
 
@@ -20,9 +21,9 @@ class NewRequestData:
     num_computed_tokens: int  # before this step (prefix-cache hits included)
 
 
-@dataclass(frozen=True)
-class CachedRequestData:
-    """A request the runner already holds: only what changed."""
+class CachedRequestData(NamedTuple):
+    """A request the runner already holds: only what changed (a NamedTuple: built per request
+    per step)."""
 
     req_id: str
     new_block_ids: list[int]  # appended to its block table this step
@@ -58,9 +59,8 @@ class ModelRunnerOutput:
     logprobs: Mapping[str, TokenLogprobs] = field(default_factory=dict)  # req_id -> its logprobs
 
 
-@dataclass(frozen=True)
-class EngineCoreOutput:
-    """What one step produced for one request."""
+class EngineCoreOutput(NamedTuple):
+    """What one step produced for one request (a NamedTuple: built per request per step)."""
 
     req_id: str
     new_token_ids: list[int]

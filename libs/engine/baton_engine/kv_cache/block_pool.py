@@ -39,14 +39,19 @@ class KVCacheEvent:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, enable_caching: bool = True, enable_kv_events: bool = False
+    ) -> None:
         if num_blocks < 1:
             raise ValueError("the KV cache needs at least one block")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
+        self.enable_kv_events = enable_kv_events  # record events for take_events()
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         # block_id -> block, in eviction order (head first)
-        self._free: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self._free: OrderedDict[int, KVCacheBlock] = OrderedDict(
+            (b.block_id, b) for b in self.blocks
+        )
         # hash digest -> the block that holds it
         self._cached: dict[bytes, KVCacheBlock] = {}
         self._events: list[KVCacheEvent] = []
@@ -107,7 +112,8 @@ class BlockPool:
             block.block_hash = block_hash
             if block_hash.hash_value not in self._cached:
                 self._cached[block_hash.hash_value] = block
-                self._events.append(KVCacheEvent("stored", block_hash.hash_value))
+                if self.enable_kv_events:
+                    self._events.append(KVCacheEvent("stored", block_hash.hash_value))
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; only allowed when no block is in use."""
@@ -127,7 +133,8 @@ class BlockPool:
         digest = block.block_hash.hash_value
         if self._cached.get(digest) is block:
             del self._cached[digest]
-            self._events.append(KVCacheEvent("removed", digest))
+            if self.enable_kv_events:
+                self._events.append(KVCacheEvent("removed", digest))
         block.block_hash = None
 
     def check_invariants(self) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from baton_engine.kv_cache.block_pool import BlockPool, KVCacheBlock, KVCacheEvent
-from baton_engine.kv_cache.hashing import BlockHash, hash_request_tokens
+from baton_engine.kv_cache.hashing import BlockHash, hash_block_tokens
 from baton_engine.request import Request
 
 
@@ -28,10 +28,16 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        enable_kv_events: bool = False,
+    ) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.pool = BlockPool(num_blocks, enable_caching)
+        self.pool = BlockPool(num_blocks, enable_caching, enable_kv_events)
         self._tables: dict[str, list[KVCacheBlock]] = {}  # req_id -> block table (append-only)
         self._hashes: dict[str, list[BlockHash]] = {}  # req_id -> hashes of its full blocks
         self._num_cached_blocks: dict[str, int] = {}  # req_id -> leading table blocks indexed
@@ -46,11 +52,19 @@ class KVCacheManager:
         return self.pool.usage()
 
     def block_hashes(self, request: Request) -> list[BlockHash]:
-        """Hashes of the request's full blocks, extended as its tokens grow."""
-        known = self._hashes.get(request.req_id, [])
-        if len(known) < request.num_tokens // self.block_size:
-            known = hash_request_tokens(request.all_token_ids, self.block_size, known)
-            self._hashes[request.req_id] = known
+        """Hashes of the request's full blocks, extended in place as its tokens grow."""
+        known = self._hashes.setdefault(request.req_id, [])
+        block_size = self.block_size
+        if len(known) < request.num_tokens // block_size:
+            # Copy only the unhashed tail: building ``all_token_ids`` each time a block fills
+            # would touch every token of the sequence (it dominated the step in which blocks fill).
+            start = len(known) * block_size
+            prompt = request.prompt_token_ids
+            tail = prompt[start:] + request.output_token_ids[max(0, start - len(prompt)) :]
+            parent = known[-1] if known else None
+            for i in range(0, len(tail) - block_size + 1, block_size):
+                parent = hash_block_tokens(parent, tail[i : i + block_size])
+                known.append(parent)
         return known
 
     def match_prefix(self, request: Request) -> PrefixMatch:
@@ -85,15 +99,17 @@ class KVCacheManager:
         num_computed = request.num_computed_tokens + (prefix.num_cached_tokens if prefix else 0)
         num_needed = cdiv(num_computed + num_new_tokens, self.block_size)
         num_new_blocks = max(0, num_needed - len(table) - len(cached))
-        num_revived = sum(1 for b in cached if b.ref_cnt == 0)  # hits that leave the free queue
-        if num_new_blocks + num_revived > self.pool.num_free_blocks:
-            if not table:
-                del self._tables[request.req_id]
-            return None
-        self.pool.touch(cached)
-        table.extend(cached)
-        new_blocks = self.pool.get_new_blocks(num_new_blocks)
-        table.extend(new_blocks)
+        new_blocks: list[KVCacheBlock] = []
+        if num_new_blocks or cached:  # else the table already has room (most decode steps)
+            num_revived = sum(1 for b in cached if b.ref_cnt == 0)  # hits leaving the free queue
+            if num_new_blocks + num_revived > self.pool.num_free_blocks:
+                if not table:
+                    del self._tables[request.req_id]
+                return None
+            self.pool.touch(cached)
+            table.extend(cached)
+            new_blocks = self.pool.get_new_blocks(num_new_blocks)
+            table.extend(new_blocks)
         if self.enable_caching:
             # Blocks are indexed once their tokens are known and scheduled: the forward pass writes
             # every scheduled token's KV before any attention reads, so a request admitted later in
@@ -104,6 +120,8 @@ class KVCacheManager:
                 hashes = self.block_hashes(request)
                 self.pool.cache_full_blocks(table, hashes, start, num_full)
                 self._num_cached_blocks[request.req_id] = num_full
+        if not (cached or new_blocks):
+            return []
         return [b.block_id for b in cached] + [b.block_id for b in new_blocks]
 
     def free(self, request: Request) -> None:

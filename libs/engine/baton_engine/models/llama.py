@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from baton_engine.config import ModelConfig
-from baton_engine.models.rotary import RotaryEmbedding
+from baton_engine.models.rotary import RopeTables, RotaryEmbedding
 from baton_kernels.attention import AttentionBackend, AttentionMetadata, KVCacheView
 
 
@@ -30,7 +30,7 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
@@ -41,12 +41,11 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.rotary = rotary
         self.scale = self.head_dim**-0.5
 
     def forward(
         self,
-        positions: torch.Tensor,
+        rope: RopeTables,
         hidden: torch.Tensor,
         kv_cache: KVCacheView,
         metadata: AttentionMetadata,
@@ -59,7 +58,7 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = rope.apply(q), rope.apply(k)
         out = backend.forward(q, k, v, kv_cache, metadata, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))  # type: ignore[no-any-return]
 
@@ -77,23 +76,23 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, rotary)
+        self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
     def forward(
         self,
-        positions: torch.Tensor,
+        rope: RopeTables,
         hidden: torch.Tensor,
         kv_cache: KVCacheView,
         metadata: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:
         hidden = hidden + self.self_attn(
-            positions, self.input_layernorm(hidden), kv_cache, metadata, backend
+            rope, self.input_layernorm(hidden), kv_cache, metadata, backend
         )
         return hidden + self.mlp(self.post_attention_layernorm(hidden))  # type: ignore[no-any-return]
 
@@ -112,10 +111,9 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__()
         self.config = cfg
-        rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
-        self.rotary = rotary
+        self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList([DecoderLayer(cfg, rotary) for _ in range(cfg.num_layers)])
+        self.layers = nn.ModuleList([DecoderLayer(cfg) for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
@@ -135,8 +133,9 @@ class LlamaForCausalLM(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:  # [num_tokens, hidden]
         hidden = self.embed_tokens(input_ids)
+        rope = self.rotary(positions, hidden.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(positions, hidden, kv_cache, metadata, backend)
+            hidden = layer(rope, hidden, kv_cache, metadata, backend)
         return self.norm(hidden)  # type: ignore[no-any-return]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

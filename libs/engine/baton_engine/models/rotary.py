@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -52,16 +52,18 @@ class RotaryEmbedding(torch.nn.Module):
         emb = torch.cat([freqs, freqs], dim=-1)
         return torch.stack([emb.cos(), emb.sin()], dim=1)
 
-    def forward(
-        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate ``query`` ``[T, H, D]`` and ``key`` ``[T, KVH, D]`` by their positions."""
-        cos_sin = self.cos_sin[positions].to(query.dtype)  # [T, 2, D]
-        cos, sin = cos_sin[:, 0].unsqueeze(1), cos_sin[:, 1].unsqueeze(1)
-        return _rotate(query, cos, sin), _rotate(key, cos, sin)
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTables:
+        """The tables for one step's ``positions``, computed once and shared by every layer."""
+        cos_sin = self.cos_sin[positions].to(dtype)  # [T, 2, D]
+        return RopeTables(cos_sin[:, 0].unsqueeze(1), cos_sin[:, 1].unsqueeze(1))
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+class RopeTables(NamedTuple):
+    cos: torch.Tensor  # [T, 1, D]
+    sin: torch.Tensor  # [T, 1, D]
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x`` ``[T, heads, D]``."""
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * self.cos + rotated * self.sin

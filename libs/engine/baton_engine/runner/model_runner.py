@@ -82,8 +82,7 @@ class ModelRunner:
             device=self.device,
         )
         self.kv_caches = [
-            KVCacheView(self.kv_pool[:, layer, 0], self.kv_pool[:, layer, 1])
-            for layer in range(cfg.num_layers)
+            KVCacheView(self.kv_pool[:, layer]) for layer in range(cfg.num_layers)
         ]
 
     # --- one step ------------------------------------------------------------------------------
@@ -94,8 +93,13 @@ class ModelRunner:
         if so.is_empty:
             return ModelRunnerOutput({})
         states = self.batch.requests
-        # Decodes first: the attention backend batches them.
-        order = sorted(so.num_scheduled_tokens, key=lambda r: so.num_scheduled_tokens[r] != 1)
+        # Decodes first, then fresh prefill chunks by length, then chunks with cached context:
+        # the attention backend batches the first two kinds.
+        num_sched = so.num_scheduled_tokens
+        order = sorted(
+            num_sched,
+            key=lambda r: (num_sched[r] != 1, states[r].num_computed_tokens > 0, num_sched[r]),
+        )
         reqs = [states[r] for r in order]
         num_new = [so.num_scheduled_tokens[r] for r in order]
         input_ids, positions, metadata, sample_rows = self._prepare_inputs(reqs, num_new)
@@ -149,14 +153,16 @@ class ModelRunner:
         token_rows = np.repeat(rows, num_new)
         slot_block = torch.from_numpy(self.batch.block_table[token_rows, pos // bs])
         slot_offset = torch.from_numpy(pos % bs)
-        decode_mask = None
+        decode_bias = None
         max_decode_blocks = 0
         if num_decodes:
             max_decode_blocks = -(max(seq_lens[:num_decodes]) // -bs)
             lens = torch.tensor(seq_lens[:num_decodes])
-            decode_mask = (torch.arange(max_decode_blocks * bs)[None, :] < lens[:, None]).view(
-                num_decodes, 1, 1, -1
+            invalid = torch.arange(max_decode_blocks * bs)[None, :] >= lens[:, None]
+            decode_bias = torch.zeros(invalid.shape, dtype=self.dtype).masked_fill_(
+                invalid, float("-inf")
             )
+            decode_bias = decode_bias.view(num_decodes, 1, 1, -1)
         dev = self.device
         metadata = AttentionMetadata(
             num_reqs=len(reqs),
@@ -167,7 +173,7 @@ class ModelRunner:
             block_tables=table.to(dev),
             slot_block=slot_block.to(dev),
             slot_offset=slot_offset.to(dev),
-            decode_mask=decode_mask.to(dev) if decode_mask is not None else None,
+            decode_bias=decode_bias.to(dev) if decode_bias is not None else None,
             max_decode_blocks=max_decode_blocks,
         )
         return (

@@ -19,11 +19,22 @@ import torch
 
 
 class KVCacheView(NamedTuple):
-    """One layer's paged cache: two strided views ``[num_blocks, block_size, num_kv_heads,
-    head_dim]`` into the shared block-major pool."""
+    """One layer's paged cache: a strided view ``[num_blocks, 2, block_size, num_kv_heads,
+    head_dim]`` into the shared block-major pool (index 0 of dim 1 is K, 1 is V)."""
 
-    key: torch.Tensor
-    value: torch.Tensor
+    kv: torch.Tensor
+
+    @property
+    def key(self) -> torch.Tensor:  # [num_blocks, block_size, num_kv_heads, head_dim]
+        return self.kv[:, 0]
+
+    @property
+    def value(self) -> torch.Tensor:
+        return self.kv[:, 1]
+
+    @property
+    def block_size(self) -> int:
+        return int(self.kv.shape[2])
 
 
 @dataclass(frozen=True)
@@ -36,7 +47,8 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [num_reqs, max_num_blocks] int64; padding points at block 0
     slot_block: torch.Tensor  # [num_tokens] int64: block id each new token's KV goes to
     slot_offset: torch.Tensor  # [num_tokens] int64: offset inside that block
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_decode_len] bool, True = attend
+    # [num_decodes, 1, 1, max_decode_blocks * block_size], model dtype: 0 = attend, -inf = not
+    decode_bias: torch.Tensor | None
     max_decode_blocks: int  # blocks the longest decode needs
 
     def query_len(self, i: int) -> int:

@@ -1,9 +1,9 @@
 """The reference attention backend: plain PyTorch over the paged cache (CPU and GPU).
 
-Decodes are batched: their blocks are gathered into one padded tensor and attended with a
-validity mask, treating the query heads that share a KV head as that head's query rows. Prefill
-chunks run one request at a time; a chunk with no cached context attends to its own fresh K/V
-without touching the cache.
+Decodes are batched: their blocks are gathered into one padded tensor and attended with an
+additive mask, treating the query heads that share a KV head as that head's query rows. Prefill
+chunks with no cached context attend to their own fresh K/V without reading the cache, and runs
+of such chunks of equal length are batched into one call; chunks with context run one at a time.
 """
 
 from __future__ import annotations
@@ -17,14 +17,17 @@ from baton_kernels.attention.base import AttentionMetadata, KVCacheView
 def write_kv_cache(
     key: torch.Tensor, value: torch.Tensor, kv_cache: KVCacheView, metadata: AttentionMetadata
 ) -> None:
-    kv_cache.key[metadata.slot_block, metadata.slot_offset] = key
-    kv_cache.value[metadata.slot_block, metadata.slot_offset] = value
+    kv_cache.kv[metadata.slot_block, 0, metadata.slot_offset] = key
+    kv_cache.kv[metadata.slot_block, 1, metadata.slot_offset] = value
 
 
-def gather_kv(cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """The first ``seq_len`` tokens of one request's blocks: ``[seq_len, num_kv_heads, dim]``."""
-    blocks = cache[block_ids]  # [num_blocks, block_size, num_kv_heads, dim]
-    return blocks.flatten(0, 1)[:seq_len]
+def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    """``[num_reqs, num_blocks * block_size, num_kv_heads, dim]`` from a ``[num_reqs,
+    num_blocks]`` table, one contiguous copy."""
+    num_reqs, num_blocks = block_tables.shape
+    _, block_size, num_kv_heads, dim = cache.shape
+    rows = cache.index_select(0, block_tables.flatten())
+    return rows.view(num_reqs, num_blocks * block_size, num_kv_heads, dim)
 
 
 class TorchAttentionBackend:
@@ -41,62 +44,72 @@ class TorchAttentionBackend:
     ) -> torch.Tensor:
         write_kv_cache(key, value, kv_cache, metadata)
         out = torch.empty_like(query)
-        nd = metadata.num_decodes
+        md = metadata
+        nd = md.num_decodes
         if nd:
-            out[:nd] = self._decode(query[:nd], kv_cache, metadata, scale)
-        for i in range(nd, metadata.num_reqs):
-            start, end = metadata.query_start_loc[i], metadata.query_start_loc[i + 1]
-            out[start:end] = self._prefill(
-                query[start:end], key[start:end], value[start:end], kv_cache, metadata, i, scale
+            out[:nd] = self._decode(query[:nd], kv_cache, md, scale)
+        i = nd
+        while i < md.num_reqs:
+            start, query_len = md.query_start_loc[i], md.query_len(i)
+            if md.seq_lens[i] != query_len:  # has cached context
+                end = start + query_len
+                out[start:end] = self._prefill_with_context(query[start:end], kv_cache, md, i, scale)
+                i += 1
+                continue
+            j = i + 1  # batch the following fresh chunks of the same length
+            while j < md.num_reqs and md.seq_lens[j] == query_len == md.query_len(j):
+                j += 1
+            end = md.query_start_loc[j]
+            out[start:end] = self._prefill_fresh(
+                query[start:end], key[start:end], value[start:end], j - i, scale
             )
+            i = j
         return out
 
     def _decode(
         self, query: torch.Tensor, kv_cache: KVCacheView, md: AttentionMetadata, scale: float
     ) -> torch.Tensor:
         nd, num_heads, dim = query.shape
-        num_kv_heads = kv_cache.key.shape[2]
-        group = num_heads // num_kv_heads
+        num_kv_heads = kv_cache.kv.shape[3]
         tables = md.block_tables[:nd, : md.max_decode_blocks]
-        # [nd, blocks, block_size, kvh, d] -> [nd, kvh, len, d]
-        k = kv_cache.key[tables].flatten(1, 2).transpose(1, 2)
-        v = kv_cache.value[tables].flatten(1, 2).transpose(1, 2)
-        # The `group` query heads sharing a KV head become that head's query rows.
-        q = query.view(nd, num_kv_heads, group, dim)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=md.decode_mask, scale=scale)
+        k = gather_blocks(kv_cache.key, tables).transpose(1, 2)  # [nd, kvh, len, d]
+        v = gather_blocks(kv_cache.value, tables).transpose(1, 2)
+        # The query heads sharing a KV head become that head's query rows.
+        q = query.view(nd, num_kv_heads, num_heads // num_kv_heads, dim)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=md.decode_bias, scale=scale)
         return out.reshape(nd, num_heads, dim)
 
-    def _prefill(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: KVCacheView,
-        md: AttentionMetadata,
-        i: int,
-        scale: float,
+    def _prefill_fresh(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, n: int, scale: float
     ) -> torch.Tensor:
-        query_len = query.shape[0]
-        seq_len = md.seq_lens[i]
-        q = query.transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, d]
-        if seq_len == query_len:  # no cached context: the fresh K/V are the whole sequence
-            k, v, mask, causal = key, value, None, True
-        else:
-            num_blocks = -(seq_len // -kv_cache.key.shape[1])
-            block_ids = md.block_tables[i, :num_blocks]
-            k = gather_kv(kv_cache.key, block_ids, seq_len)
-            v = gather_kv(kv_cache.value, block_ids, seq_len)
-            # Query row r sits at position seq_len - query_len + r and sees keys up to it.
-            rows = torch.arange(seq_len - query_len, seq_len, device=query.device)
-            mask = torch.arange(seq_len, device=query.device)[None, :] <= rows[:, None]
-            causal = False
+        """``n`` equal-length chunks that start at position 0: plain causal attention."""
+        num_tokens, num_heads, dim = query.shape
+
+        def heads_first(x: torch.Tensor) -> torch.Tensor:
+            return x.view(n, num_tokens // n, x.shape[1], dim).transpose(1, 2)
+
         out = F.scaled_dot_product_attention(
-            q,
-            k.transpose(0, 1).unsqueeze(0),
-            v.transpose(0, 1).unsqueeze(0),
-            attn_mask=mask,
-            is_causal=causal,
+            heads_first(query),
+            heads_first(key),
+            heads_first(value),
+            is_causal=True,
             scale=scale,
             enable_gqa=True,
+        )
+        return out.transpose(1, 2).reshape(num_tokens, num_heads, dim)
+
+    def _prefill_with_context(
+        self, query: torch.Tensor, kv_cache: KVCacheView, md: AttentionMetadata, i: int, scale: float
+    ) -> torch.Tensor:
+        query_len, seq_len = query.shape[0], md.seq_lens[i]
+        num_blocks = -(seq_len // -kv_cache.block_size)
+        table = md.block_tables[i : i + 1, :num_blocks]
+        k = gather_blocks(kv_cache.key, table)[:, :seq_len].transpose(1, 2)
+        v = gather_blocks(kv_cache.value, table)[:, :seq_len].transpose(1, 2)
+        # Query row r sits at position seq_len - query_len + r and sees keys up to it.
+        rows = torch.arange(seq_len - query_len, seq_len, device=query.device)
+        mask = torch.arange(seq_len, device=query.device)[None, :] <= rows[:, None]
+        out = F.scaled_dot_product_attention(
+            query.transpose(0, 1).unsqueeze(0), k, v, attn_mask=mask, scale=scale, enable_gqa=True
         )
         return out.squeeze(0).transpose(0, 1)

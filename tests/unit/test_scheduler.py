@@ -1,0 +1,507 @@
+"""Scheduler with a fake model runner: token budget, chunking, ordering, preemption, prefix hits,
+aborts and stop conditions. No model, no torch."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import pytest
+from baton_engine.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from baton_engine.core.scheduler import Scheduler
+from baton_engine.kv_cache import KVCacheManager
+from baton_engine.request import Request, RequestStatus
+from baton_engine.sampling_params import SamplingParams
+
+SAMPLED_TOKEN = 7  # what the fake runner samples unless told otherwise
+ABORTED = RequestStatus.FINISHED_ABORTED
+TokenFn = Callable[[Request], int]  # the request (before its new token) -> the token it samples
+
+
+# --- factories and the fake runner --------------------------------------------------------------
+
+
+def make_scheduler(
+    *,
+    num_blocks: int = 256,
+    block_size: int = 16,
+    max_num_seqs: int = 16,
+    max_num_batched_tokens: int = 512,
+    max_model_len: int = 4096,
+    long_prefill_token_threshold: int = 0,
+    enable_caching: bool = True,
+) -> Scheduler:
+    return Scheduler(
+        KVCacheManager(num_blocks, block_size, enable_caching),
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+        long_prefill_token_threshold=long_prefill_token_threshold,
+    )
+
+
+def make_request(
+    req_id: str,
+    token_ids: Sequence[int],
+    *,
+    max_tokens: int = 4,
+    params: SamplingParams | None = None,
+    eos_token_ids: tuple[int, ...] = (),
+) -> Request:
+    return Request(
+        req_id=req_id,
+        prompt_token_ids=list(token_ids),
+        sampling_params=params or SamplingParams(max_tokens=max_tokens),
+        eos_token_ids=eos_token_ids,
+        max_tokens=max_tokens,
+    )
+
+
+def make_requests(n: int, num_tokens: int | Sequence[int], *, max_tokens: int = 4) -> list[Request]:
+    """``n`` requests ``r0, r1, ...`` with unrelated prompts (no accidental prefix hits)."""
+    lengths = [num_tokens] * n if isinstance(num_tokens, int) else list(num_tokens)
+    return [
+        make_request(
+            f"r{i}", range(10_000 * (i + 1), 10_000 * (i + 1) + lengths[i]), max_tokens=max_tokens
+        )
+        for i in range(n)
+    ]
+
+
+def fake_runner(
+    scheduler: Scheduler, so: SchedulerOutput, token_fn: TokenFn | None = None
+) -> ModelRunnerOutput:
+    """Sample one token for every scheduled request whose prefill completes this step."""
+    sampled: dict[str, int] = {}
+    for req_id in so.num_scheduled_tokens:
+        request = scheduler.requests[req_id]
+        if request.num_computed_tokens == request.num_tokens:
+            sampled[req_id] = token_fn(request) if token_fn is not None else SAMPLED_TOKEN
+    return ModelRunnerOutput(sampled_token_ids=sampled)
+
+
+@dataclass
+class Run:
+    """What a run produced: every step's SchedulerOutput and every request's outputs."""
+
+    steps: list[SchedulerOutput] = field(default_factory=list)
+    running_before: list[list[str]] = field(default_factory=list)  # per step, in admission order
+    tokens: dict[str, list[int]] = field(default_factory=dict)  # req_id -> sampled tokens
+    finish_reasons: dict[str, str] = field(default_factory=dict)  # req_id -> finish reason
+    outputs: list[EngineCoreOutput] = field(default_factory=list)  # in order, all steps
+    step_outputs: list[list[EngineCoreOutput]] = field(default_factory=list)  # per step
+
+
+def step(
+    scheduler: Scheduler,
+    run: Run,
+    token_fn: TokenFn | None = None,
+    forward: Callable[[SchedulerOutput], None] | None = None,
+) -> SchedulerOutput:
+    """schedule(), the fake runner (``forward`` stands in for the forward pass), update."""
+    run.running_before.append([r.req_id for r in scheduler.running])
+    so = scheduler.schedule()
+    scheduler.check_invariants()
+    if forward is not None:
+        forward(so)
+    outputs = scheduler.update_from_output(so, fake_runner(scheduler, so, token_fn))
+    scheduler.check_invariants()
+    run.steps.append(so)
+    for out in outputs:
+        assert out.req_id not in run.finish_reasons, f"{out.req_id} produced after finishing"
+        run.tokens.setdefault(out.req_id, []).extend(out.new_token_ids)
+        if out.finish_reason is not None:
+            run.finish_reasons[out.req_id] = out.finish_reason
+    run.outputs.extend(outputs)
+    run.step_outputs.append(outputs)
+    return so
+
+
+def run_until_done(
+    scheduler: Scheduler,
+    token_fn: TokenFn | None = None,
+    forward: Callable[[SchedulerOutput], None] | None = None,
+    *,
+    run: Run | None = None,
+    max_steps: int = 2000,
+) -> Run:
+    run = run if run is not None else Run()
+    for _ in range(max_steps):
+        if not scheduler.has_unfinished_requests():
+            return run
+        step(scheduler, run, token_fn, forward)
+    raise AssertionError(f"requests still unfinished after {max_steps} steps")
+
+
+def add_all(scheduler: Scheduler, requests: Sequence[Request]) -> None:
+    for request in requests:
+        scheduler.add_request(request)
+
+
+# --- the token budget and chunked prefill --------------------------------------------------------
+
+
+def test_token_budget_is_respected_every_step() -> None:
+    scheduler = make_scheduler(max_num_batched_tokens=64)
+    requests = make_requests(8, [10, 200, 33, 64, 1, 95, 17, 128], max_tokens=5)
+    add_all(scheduler, requests)
+    run = run_until_done(scheduler)
+    for so in run.steps:
+        assert so.total_num_scheduled_tokens == sum(so.num_scheduled_tokens.values()) <= 64
+        assert all(n > 0 for n in so.num_scheduled_tokens.values())
+    # Every prompt token and every output but the last is computed exactly once.
+    total = sum(so.total_num_scheduled_tokens for so in run.steps)
+    assert total == sum(r.num_prompt_tokens + 4 for r in requests)
+    assert run.finish_reasons == {r.req_id: "length" for r in requests}
+    assert all(len(run.tokens[r.req_id]) == 5 for r in requests)
+    assert scheduler.kv.num_free_blocks == 256
+
+
+def test_long_prompt_is_chunked_by_the_threshold() -> None:
+    scheduler = make_scheduler(max_num_batched_tokens=64, long_prefill_token_threshold=24)
+    (request,) = make_requests(1, 100, max_tokens=2)
+    scheduler.add_request(request)
+    run = run_until_done(scheduler)
+    assert [so.num_scheduled_tokens["r0"] for so in run.steps] == [24, 24, 24, 24, 4, 1]
+    assert sum(so.num_scheduled_tokens["r0"] for so in run.steps[:5]) == 100
+    # Only the last chunk samples a token.
+    assert [len(outputs) for outputs in run.step_outputs] == [0, 0, 0, 0, 1, 1]
+    assert run.tokens["r0"] == [SAMPLED_TOKEN, SAMPLED_TOKEN]
+
+
+def test_long_prompts_are_chunked_by_the_budget() -> None:
+    scheduler = make_scheduler(max_num_batched_tokens=64)
+    add_all(scheduler, make_requests(2, 100, max_tokens=3))
+    run = run_until_done(scheduler)
+    assert [dict(so.num_scheduled_tokens) for so in run.steps] == [
+        {"r0": 64},
+        {"r0": 36, "r1": 28},
+        {"r0": 1, "r1": 63},
+        {"r0": 1, "r1": 9},
+        {"r1": 1},
+        {"r1": 1},
+    ]
+    # The runner sees each prefill chunk's start.
+    assert [c.num_computed_tokens for c in run.steps[1].scheduled_cached_reqs] == [64]
+    assert [n.num_computed_tokens for n in run.steps[1].scheduled_new_reqs] == [0]
+    assert [c.num_computed_tokens for c in run.steps[2].scheduled_cached_reqs] == [100, 28]
+
+
+def test_running_requests_are_scheduled_before_waiting_ones() -> None:
+    scheduler = make_scheduler(max_num_batched_tokens=32)
+    a, b = make_requests(2, 64, max_tokens=3)
+    run = Run()
+    scheduler.add_request(a)
+    assert dict(step(scheduler, run).num_scheduled_tokens) == {"r0": 32}
+    scheduler.add_request(b)
+    so = step(scheduler, run)  # a's second chunk takes the whole budget: b must wait
+    assert dict(so.num_scheduled_tokens) == {"r0": 32}
+    assert so.scheduled_new_reqs == []
+    assert scheduler.num_waiting == 1 and b.status == RequestStatus.WAITING
+    so = step(scheduler, run)
+    assert list(so.num_scheduled_tokens.items()) == [("r0", 1), ("r1", 31)]
+    assert [c.req_id for c in so.scheduled_cached_reqs] == ["r0"]
+    assert [n.req_id for n in so.scheduled_new_reqs] == ["r1"]
+    assert so.scheduled_new_reqs[0].block_ids == [5, 6]  # r0 just took block 4 for its decode
+
+
+def test_max_num_seqs_is_respected() -> None:
+    scheduler = make_scheduler(max_num_seqs=2)
+    add_all(scheduler, make_requests(5, 20, max_tokens=3))
+    run = run_until_done(scheduler)
+    for so in run.steps:
+        assert len(so.num_scheduled_tokens) <= 2
+    assert [sorted(so.num_scheduled_tokens) for so in run.steps[:4]] == [
+        ["r0", "r1"],
+        ["r0", "r1"],
+        ["r0", "r1"],
+        ["r2", "r3"],
+    ]
+    assert len(run.finish_reasons) == 5
+
+
+# --- preemption ---------------------------------------------------------------------------------
+
+
+def _token_for(request: Request) -> int:
+    """A deterministic token per (request, position): recompute must not repeat or skip any."""
+    return int(request.req_id[1:]) * 100 + request.num_output_tokens
+
+
+def test_preemption_under_a_tiny_pool() -> None:
+    # 10 blocks of 4 tokens; each request needs 5 blocks by the end, 30 in all.
+    scheduler = make_scheduler(num_blocks=10, block_size=4, max_num_batched_tokens=256)
+    requests = make_requests(6, 8, max_tokens=12)
+    add_all(scheduler, requests)
+    run = run_until_done(scheduler, _token_for)
+
+    assert scheduler.num_preemptions > 0
+    assert sum(len(so.preempted_req_ids) for so in run.steps) == scheduler.num_preemptions
+    assert sum(r.num_preemptions for r in requests) == scheduler.num_preemptions
+    for so, running in zip(run.steps, run.running_before, strict=True):
+        num = len(so.preempted_req_ids)
+        if num:
+            # The most recently admitted running requests are the victims, and nothing is
+            # admitted in a step that had to preempt.
+            assert so.preempted_req_ids == frozenset(running[len(running) - num :])
+            assert so.scheduled_new_reqs == []
+            assert not so.preempted_req_ids & set(so.num_scheduled_tokens)
+    for request in requests:
+        expected = [int(request.req_id[1:]) * 100 + i for i in range(12)]
+        assert run.tokens[request.req_id] == expected
+        assert request.output_token_ids == expected
+        assert run.finish_reasons[request.req_id] == "length"
+    assert any(r.num_preemptions for r in requests)
+    assert scheduler.kv.num_free_blocks == 10
+
+
+def test_preempted_request_resumes_with_its_outputs() -> None:
+    scheduler = make_scheduler(num_blocks=10, block_size=4, max_num_batched_tokens=256)
+    requests = make_requests(6, 8, max_tokens=12)
+    add_all(scheduler, requests)
+    run = Run()
+    resumed = []
+    while scheduler.has_unfinished_requests():
+        so = step(scheduler, run, _token_for)
+        resumed += [n for n in so.scheduled_new_reqs if n.output_token_ids]
+    assert resumed, "no preempted request was resumed"
+    for new in resumed:
+        # Prompt and outputs so far are recomputed (minus what the prefix cache still holds).
+        assert len(new.block_ids) * 4 >= len(new.prompt_token_ids) + len(new.output_token_ids)
+        assert new.num_computed_tokens % 4 == 0
+
+
+def test_a_request_that_cannot_grow_preempts_itself() -> None:
+    scheduler = make_scheduler(num_blocks=4, block_size=4, max_num_batched_tokens=256)
+    a, b = make_requests(2, 8, max_tokens=4)
+    add_all(scheduler, [a, b])
+    run = Run()
+    assert dict(step(scheduler, run).num_scheduled_tokens) == {"r0": 8, "r1": 8}
+    so = step(scheduler, run)  # both need a third block: b goes, then a grows
+    assert so.preempted_req_ids == frozenset({"r1"})
+    assert dict(so.num_scheduled_tokens) == {"r0": 1}
+    assert scheduler.waiting[0] is b and b.status == RequestStatus.PREEMPTED
+    assert b.num_computed_tokens == 0
+    run_until_done(scheduler)
+
+
+# --- prefix caching -----------------------------------------------------------------------------
+
+
+def _shared_prefix_requests() -> tuple[Request, Request]:
+    prefix = list(range(1000, 1048))
+    return (
+        make_request("a", [*prefix, *range(1, 11)]),
+        make_request("b", [*prefix, *range(101, 111)]),
+    )
+
+
+def test_prefix_hit_schedules_fewer_tokens() -> None:
+    scheduler = make_scheduler()
+    a, b = _shared_prefix_requests()
+    run = Run()
+    scheduler.add_request(a)
+    assert dict(step(scheduler, run).num_scheduled_tokens) == {"a": 58}
+    scheduler.add_request(b)
+    so = step(scheduler, run)
+    assert dict(so.num_scheduled_tokens) == {"a": 1, "b": 10}
+    (new,) = so.scheduled_new_reqs
+    assert new.num_computed_tokens == 48
+    assert new.block_ids[:3] == scheduler.kv.get_block_ids("a")[:3] == [0, 1, 2]
+    assert b.num_cached_tokens == 48
+    assert scheduler.kv.num_prefix_hits == 48
+    assert scheduler.kv.num_prefix_queries == 116
+    rest = run_until_done(scheduler)
+    assert {o.num_cached_tokens for o in run.outputs + rest.outputs if o.req_id == "b"} == {48}
+
+
+def test_prefix_hit_within_one_step() -> None:
+    """Blocks are indexed when scheduled, so a request admitted later in the step shares them."""
+    scheduler = make_scheduler()
+    a, b = _shared_prefix_requests()
+    add_all(scheduler, [a, b])
+    so = step(scheduler, Run())
+    assert dict(so.num_scheduled_tokens) == {"a": 58, "b": 10}
+    assert scheduler.kv.num_prefix_hits == 48
+
+
+def test_no_prefix_hits_without_caching() -> None:
+    scheduler = make_scheduler(enable_caching=False)
+    a, b = _shared_prefix_requests()
+    add_all(scheduler, [a, b])
+    assert dict(step(scheduler, Run()).num_scheduled_tokens) == {"a": 58, "b": 58}
+    assert scheduler.kv.num_prefix_hits == 0
+
+
+# --- aborts -------------------------------------------------------------------------------------
+
+
+def test_abort_waiting_and_running_frees_blocks_and_reports_ids() -> None:
+    scheduler = make_scheduler(num_blocks=16, max_num_seqs=1)
+    a, b = make_requests(2, 40, max_tokens=10)
+    add_all(scheduler, [a, b])
+    run = Run()
+    step(scheduler, run)
+    assert (a.status, b.status) == (RequestStatus.RUNNING, RequestStatus.WAITING)
+    assert scheduler.kv.num_free_blocks == 13
+    scheduler.finish_requests(["r0", "r1", "unknown"], RequestStatus.FINISHED_ABORTED)
+    assert scheduler.kv.num_free_blocks == 16
+    assert scheduler.kv.get_block_ids("r0") == []
+    assert (a.status, b.status) == (RequestStatus.FINISHED_ABORTED,) * 2
+    assert not scheduler.has_unfinished_requests()
+    scheduler.check_invariants()
+    so = scheduler.schedule()
+    assert so.finished_req_ids == frozenset({"r0", "r1"})
+    assert so.is_empty
+    assert scheduler.schedule().finished_req_ids == frozenset()
+
+
+def test_abort_between_schedule_and_update_drops_the_token() -> None:
+    scheduler = make_scheduler()
+    (a,) = make_requests(1, 20)
+    scheduler.add_request(a)
+    so = scheduler.schedule()
+    scheduler.finish_requests(["r0"], RequestStatus.FINISHED_ABORTED)
+    assert scheduler.update_from_output(so, ModelRunnerOutput({"r0": 5})) == []
+    assert a.output_token_ids == []
+    assert scheduler.schedule().finished_req_ids == frozenset({"r0"})
+    scheduler.check_invariants()
+
+
+def test_finished_requests_are_reported_once() -> None:
+    scheduler = make_scheduler()
+    add_all(scheduler, make_requests(2, 10, max_tokens=1))
+    run = Run()
+    step(scheduler, run)
+    assert run.finish_reasons == {"r0": "length", "r1": "length"}
+    assert scheduler.kv.num_free_blocks == 256
+    assert step(scheduler, run).finished_req_ids == frozenset({"r0", "r1"})
+
+
+# --- stop conditions ----------------------------------------------------------------------------
+
+
+def _script(*tokens: int) -> TokenFn:
+    return lambda request: tokens[request.num_output_tokens]
+
+
+@pytest.mark.parametrize(
+    ("params", "max_tokens", "expected", "reason", "stop_reason"),
+    [
+        pytest.param(SamplingParams(), 6, [1, 3, 2], "stop", None, id="eos"),
+        pytest.param(SamplingParams(stop_token_ids=[3]), 6, [1, 3], "stop", 3, id="stop-token"),
+        pytest.param(SamplingParams(), 2, [1, 3], "length", None, id="max-tokens"),
+        pytest.param(SamplingParams(min_tokens=4), 6, [1, 3, 2, 2], "stop", None, id="min-tokens"),
+        pytest.param(
+            SamplingParams(min_tokens=3, stop_token_ids=[3]),
+            6,
+            [1, 3, 2],
+            "stop",
+            None,
+            id="min-tokens-then-eos",
+        ),
+        pytest.param(
+            SamplingParams(ignore_eos=True), 6, [1, 3, 2, 2, 5, 2], "length", None, id="ignore-eos"
+        ),
+        pytest.param(
+            SamplingParams(ignore_eos=True, stop_token_ids=[5]),
+            6,
+            [1, 3, 2, 2, 5],
+            "stop",
+            5,
+            id="ignore-eos-keeps-stop-ids",
+        ),
+    ],
+)
+def test_stop_conditions(
+    params: SamplingParams,
+    max_tokens: int,
+    expected: list[int],
+    reason: str,
+    stop_reason: int | None,
+) -> None:
+    scheduler = make_scheduler()
+    request = make_request("r", range(10), max_tokens=max_tokens, params=params, eos_token_ids=(2,))
+    scheduler.add_request(request)
+    run = run_until_done(scheduler, _script(1, 3, 2, 2, 5, 2, 2))
+    assert run.tokens["r"] == expected
+    assert run.finish_reasons["r"] == reason
+    assert request.stop_reason == stop_reason
+    assert run.outputs[-1].stop_reason == stop_reason
+    assert [o.finished for o in run.outputs] == [False] * (len(expected) - 1) + [True]
+
+
+def test_check_stop_directly() -> None:
+    request = make_request(
+        "r", [0], max_tokens=3, params=SamplingParams(min_tokens=2), eos_token_ids=(2,)
+    )
+    assert request.check_stop() is None  # no output yet
+    request.append_output_token(2)
+    assert request.check_stop() is None  # EOS before min_tokens is suppressed
+    request.append_output_token(2)
+    assert request.check_stop() == RequestStatus.FINISHED_STOPPED
+    request.append_output_token(9)
+    assert request.check_stop() == RequestStatus.FINISHED_LENGTH
+
+
+# --- randomized ---------------------------------------------------------------------------------
+
+
+def test_randomized_traffic_reads_the_right_kv() -> None:
+    """Random arrivals, shared prefixes, chunking, a tight pool and aborts. A fake KV store
+    records which token each block slot holds; every scheduled request must read its own tokens
+    at every computed position, through prefix hits, same-step sharing and preemption."""
+    rng = random.Random(0)
+    block_size = 4
+    scheduler = make_scheduler(
+        num_blocks=24,
+        block_size=block_size,
+        max_num_seqs=6,
+        max_num_batched_tokens=48,
+        long_prefill_token_threshold=20,
+    )
+    kv = scheduler.kv
+    content: dict[int, list[int | None]] = {}  # block_id -> token at each slot
+    prefixes = [[rng.randrange(50) for _ in range(n)] for n in (0, 8, 13, 30)]
+    requests: dict[str, Request] = {}
+
+    def forward(so: SchedulerOutput) -> None:
+        """Write each scheduled token's KV, then check every position each request reads."""
+        starts = {n.req_id: n.num_computed_tokens for n in so.scheduled_new_reqs}
+        starts |= {c.req_id: c.num_computed_tokens for c in so.scheduled_cached_reqs}
+        assert starts.keys() == so.num_scheduled_tokens.keys()
+        for req_id, num in so.num_scheduled_tokens.items():
+            table, ids = kv.get_block_ids(req_id), requests[req_id].all_token_ids
+            assert starts[req_id] + num == requests[req_id].num_computed_tokens
+            for pos in range(starts[req_id], starts[req_id] + num):
+                slots = content.setdefault(table[pos // block_size], [None] * block_size)
+                slots[pos % block_size] = ids[pos]
+        for req_id in so.num_scheduled_tokens:
+            table, ids = kv.get_block_ids(req_id), requests[req_id].all_token_ids
+            for pos in range(requests[req_id].num_computed_tokens):
+                held = content[table[pos // block_size]][pos % block_size]
+                assert held == ids[pos], f"{req_id} reads wrong KV at {pos}"
+
+    def sample(request: Request) -> int:
+        return rng.randrange(50)
+
+    run = Run()
+    for i in range(400):
+        if i < 300 and rng.random() < 0.3:
+            req_id = f"r{i}"
+            prompt = rng.choice(prefixes) + [rng.randrange(50) for _ in range(rng.randint(1, 12))]
+            requests[req_id] = make_request(req_id, prompt, max_tokens=rng.randint(1, 30))
+            scheduler.add_request(requests[req_id])
+        if scheduler.requests and rng.random() < 0.03:
+            scheduler.finish_requests([rng.choice(list(scheduler.requests))], ABORTED)
+        step(scheduler, run, sample, forward)
+    run_until_done(scheduler, sample, forward, run=run)
+    assert scheduler.num_preemptions > 0
+    assert kv.num_prefix_hits > 0
+    assert any(r.status == ABORTED for r in requests.values())
+    for req_id, request in requests.items():
+        if request.status != ABORTED:
+            assert len(run.tokens[req_id]) == request.max_tokens
+            assert run.finish_reasons[req_id] == "length"
+    assert kv.num_free_blocks == 24
