@@ -31,3 +31,8 @@ bench-throughput: $(STAMP)
 
 clean:
 	rm -rf $(STAMP) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
+
+# Stubs are generated into libs/baton/baton/v1 (import as baton.v1.engine_pb2) and committed;
+# tests/unit/test_protos.py fails when they drift from protos/.
+protos:
+	$(PYTHON) -m baton.protogen

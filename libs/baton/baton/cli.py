@@ -34,12 +34,6 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_bench(args: argparse.Namespace) -> int:
-    from baton.bench import run_bench
-
-    return run_bench(args)
-
-
 def build_parser() -> argparse.ArgumentParser:
     from baton_engine.arg_utils import add_engine_args
 
@@ -59,7 +53,17 @@ def build_parser() -> argparse.ArgumentParser:
     from baton.bench import add_bench_parser
 
     add_bench_parser(sub, add_engine_args)
-    parser.set_defaults(bench_func=_cmd_bench)
+    # Services register their own subcommands (`baton serve|gateway|decode|...`).
+    import importlib
+
+    for module in ("baton.serve", "baton_gateway.cli", "baton_decode.cli"):
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            if e.name != module:
+                raise
+            continue
+        mod.add_parser(sub)
     return parser
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from baton_engine.errors import InvalidRequestError
@@ -52,6 +53,10 @@ class SamplingParams:
 
         if self.n < 1:
             raise bad(f"n must be at least 1, got {self.n}")
+        # NaN passes every range check below (all comparisons are false) and then samples garbage.
+        for name in ("temperature", "repetition_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                raise bad(f"{name} must be a finite number, got {getattr(self, name)}")
         if self.temperature < 0:
             raise bad(f"temperature must be non-negative, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:

@@ -1,0 +1,141 @@
+"""The decode worker's only bridge between ``baton.v1`` protos and the engine's own types.
+
+Nothing else in the worker builds or reads ``*_pb2`` messages field by field, and nothing in the
+engine imports them. Decoding raises ``InvalidRequestError`` (the engine's message, meant for the
+client) or ``UnsupportedRequestError``; encoding never fails.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from baton.v1 import common_pb2, engine_pb2
+from baton_engine.core.engine_core import EngineCore, EngineStats
+from baton_engine.core.outputs import EngineCoreOutput, TokenLogprobs
+from baton_engine.errors import BatonError
+from baton_engine.sampling_params import SamplingParams
+
+_FINISH_REASONS = {
+    "stop": common_pb2.FINISH_REASON_STOP,
+    "length": common_pb2.FINISH_REASON_LENGTH,
+    "abort": common_pb2.FINISH_REASON_ABORT,
+}
+
+
+class UnsupportedRequestError(BatonError):
+    """A well-formed request this worker cannot serve yet (answered as UNIMPLEMENTED)."""
+
+
+@dataclass(frozen=True)
+class GenerateInput:
+    """A decoded ``GenerateRequest``: what the engine needs to run it."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+def sampling_params_from_proto(pb: common_pb2.SamplingParams) -> SamplingParams:
+    """Map the wire sampling params onto the engine's.
+
+    The gateway sets every field explicitly, so values map one to one, except the three whose
+    proto3 default (0) is not a meaningful value: ``max_tokens`` 0 means up to ``max_model_len``
+    (None), ``top_p`` 0 and ``repetition_penalty`` 0 mean disabled (1.0). ``seed`` and
+    ``logprobs`` are ``optional`` fields: unset means None. Raises ``InvalidRequestError`` for
+    values the engine rejects.
+    """
+    return SamplingParams(
+        temperature=pb.temperature,
+        top_p=pb.top_p or 1.0,
+        top_k=pb.top_k,
+        min_p=pb.min_p,
+        presence_penalty=pb.presence_penalty,
+        frequency_penalty=pb.frequency_penalty,
+        repetition_penalty=pb.repetition_penalty or 1.0,
+        seed=pb.seed if pb.HasField("seed") else None,
+        max_tokens=pb.max_tokens or None,
+        min_tokens=pb.min_tokens,
+        stop_token_ids=list(pb.stop_token_ids),
+        ignore_eos=pb.ignore_eos,
+        logprobs=pb.logprobs if pb.HasField("logprobs") else None,
+    )
+
+
+def generate_input_from_proto(pb: engine_pb2.GenerateRequest) -> GenerateInput:
+    """Decode a ``GenerateRequest`` for local prefill (aggregated mode).
+
+    An empty ``req_id`` gets a fresh one. Prompt validity (empty, too long, ids out of range) is
+    the engine's to check. A request carrying a remote prefill (``first_token_id`` or
+    ``kv_handle``) raises ``UnsupportedRequestError``: pulling KV is not built yet, and silently
+    re-prefilling would re-sample a first token the client has already seen.
+    """
+    if pb.HasField("first_token_id") or pb.HasField("kv_handle"):
+        raise UnsupportedRequestError(
+            "this decode worker serves aggregated requests only (no first_token_id / kv_handle)"
+        )
+    return GenerateInput(
+        req_id=pb.req_id or uuid.uuid4().hex,
+        prompt_token_ids=list(pb.prompt_token_ids),
+        params=sampling_params_from_proto(pb.sampling),
+    )
+
+
+def token_logprobs_to_proto(lp: TokenLogprobs) -> common_pb2.TokenLogprobs:
+    return common_pb2.TokenLogprobs(token_ids=lp.token_ids, logprobs=lp.logprobs, rank=lp.rank)
+
+
+def generate_response_to_proto(
+    outputs: Sequence[EngineCoreOutput], num_prompt_tokens: int
+) -> engine_pb2.GenerateResponse:
+    """Merge the outputs one request produced since the last message into one message.
+
+    ``outputs`` are in step order and only the last may be finished. The finish reason and stop
+    token id come from the last one; ``stop_token_id`` is set only when one of the request's
+    ``stop_token_ids`` ended it (an EOS stop leaves it unset, as vLLM's ``stop_reason``).
+    ``num_prompt_tokens`` and ``num_cached_tokens`` are set on every message, the last included.
+    """
+    msg = engine_pb2.GenerateResponse(num_prompt_tokens=num_prompt_tokens)
+    for out in outputs:
+        msg.token_ids.extend(out.new_token_ids)
+        if out.new_logprobs:
+            msg.logprobs.extend(token_logprobs_to_proto(lp) for lp in out.new_logprobs)
+    last = outputs[-1]
+    msg.num_cached_tokens = max(last.num_cached_tokens, 0)
+    if last.finish_reason is not None:
+        msg.finish_reason = _FINISH_REASONS[last.finish_reason]
+        if isinstance(last.stop_reason, int):
+            msg.stop_token_id = last.stop_reason
+    return msg
+
+
+def load_to_proto(
+    stats: EngineStats, num_pending: int, max_num_seqs: int
+) -> engine_pb2.GetLoadResponse:
+    """The worker's load: ``num_pending`` requests accepted by the worker and not finished count
+    as waiting when the engine has not taken them in yet (they arrived during a step)."""
+    num_waiting = max(stats.num_waiting, num_pending - stats.num_running)
+    return engine_pb2.GetLoadResponse(
+        load=common_pb2.WorkerLoad(
+            num_running=stats.num_running,
+            num_waiting=num_waiting,
+            kv_cache_usage=stats.kv_cache_usage,
+            max_num_seqs=max_num_seqs,
+        )
+    )
+
+
+def model_info_to_proto(
+    core: EngineCore, served_model_name: str, metrics_url: str
+) -> engine_pb2.GetModelInfoResponse:
+    mc = core.model_config
+    return engine_pb2.GetModelInfoResponse(
+        model=served_model_name,
+        max_model_len=core.max_model_len,
+        vocab_size=mc.vocab_size,
+        block_size=core.config.block_size,
+        eos_token_ids=list(mc.eos_token_ids),
+        dtype=str(core.dtype).removeprefix("torch."),
+        metrics_url=metrics_url,
+    )

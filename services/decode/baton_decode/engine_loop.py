@@ -1,0 +1,315 @@
+"""Runs EngineCore's busy loop in its own thread and bridges it to asyncio.
+
+::
+
+    asyncio loop (gRPC handlers)                 engine thread
+    ----------------------------                 -------------
+    add_request / abort ── SimpleQueue ──────►  apply commands between steps
+                                                 step()  (blocks on the queue when idle)
+    RequestStream.queue ◄── call_soon_threadsafe ── outputs of the step, or errors
+
+The thread owns the EngineCore: no other thread calls into it except for the read-only
+``validate_request``. A step therefore never waits on request handling and a slow step never
+blocks the event loop. ``_streams`` (req_id -> stream of every accepted, unfinished request) is
+owned by the asyncio loop; the thread's own view of what the engine holds is ``_live``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from baton_engine.core.engine_core import EngineCore, EngineStats
+from baton_engine.core.outputs import EngineCoreOutput
+from baton_engine.errors import BatonError, InvalidRequestError
+from baton_engine.sampling_params import SamplingParams
+
+from baton_decode.metrics import StatsLogger, WorkerMetrics
+
+logger = logging.getLogger(__name__)
+
+# A step that fails this many times in a row (each time with every request failed and freed)
+# points at the engine, not at a request: stop serving rather than fail every request forever.
+_MAX_CONSECUTIVE_STEP_FAILURES = 3
+
+
+class DuplicateRequestError(InvalidRequestError):
+    """A request id that is already in flight on this worker."""
+
+
+class EngineStepError(BatonError):
+    """An engine step failed; the requests in the engine at the time were failed with it."""
+
+
+class EngineDeadError(BatonError):
+    """The engine failed beyond recovery; the worker serves nothing more."""
+
+
+@dataclass(frozen=True)
+class _Add:
+    req_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class _Abort:
+    req_ids: list[str]
+
+
+@dataclass(frozen=True)
+class _Stop:
+    pass
+
+
+_Command = _Add | _Abort | _Stop
+
+
+@dataclass
+class RequestStream:
+    """The asyncio side of one request: its outputs in step order, ending with a finished output
+    (finish_reason set, possibly "abort") or an error. Read with ``next_batch`` only."""
+
+    req_id: str
+    num_prompt_tokens: int
+    arrival_time: float  # time.monotonic() when accepted
+    queue: asyncio.Queue[EngineCoreOutput | BatonError] = field(default_factory=asyncio.Queue)
+    last_token_time: float | None = None  # None until the first token
+
+    async def next_batch(self) -> list[EngineCoreOutput]:
+        """Wait for at least one output, then take every output already delivered.
+
+        Raises the error that ended the request once the outputs before it were returned.
+        """
+        items = [await self.queue.get()]
+        while not self.queue.empty() and not isinstance(items[-1], BaseException):
+            items.append(self.queue.get_nowait())
+        if isinstance(items[-1], BaseException):
+            error = items.pop()
+            if not items:
+                raise error
+            self.queue.put_nowait(error)  # raised on the next call, after these outputs
+        return [item for item in items if isinstance(item, EngineCoreOutput)]
+
+
+class EngineLoop:
+    """Owns the engine thread. Public methods must be called on ``loop``'s thread.
+
+    ``on_dead`` is called on the loop once the engine is dead (to report unhealthy).
+    """
+
+    def __init__(
+        self,
+        core: EngineCore,
+        loop: asyncio.AbstractEventLoop,
+        *,
+        metrics: WorkerMetrics | None = None,
+        log_stats_interval_s: float = 5.0,
+        on_dead: Callable[[], None] | None = None,
+    ) -> None:
+        self.core = core
+        self._loop = loop
+        self._metrics = metrics
+        self._on_dead = on_dead
+        self._stats_logger = StatsLogger(log_stats_interval_s)
+        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        self._streams: dict[str, RequestStream] = {}  # req_id -> stream; loop thread only
+        self._live: set[str] = set()  # req_ids inside the engine; engine thread only
+        self._stats: EngineStats = core.stats()  # replaced whole by the engine thread
+        self._dead: EngineDeadError | None = None
+        self._num_step_failures = 0  # consecutive; engine thread only
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+
+    # --- asyncio side --------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def stats(self) -> EngineStats:
+        """The engine's counters after its latest iteration."""
+        return self._stats
+
+    @property
+    def num_pending(self) -> int:
+        """Requests accepted and not finished, including those not yet handed to the engine."""
+        return len(self._streams)
+
+    @property
+    def is_healthy(self) -> bool:
+        return self._dead is None
+
+    def add_request(
+        self, req_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+    ) -> RequestStream:
+        """Validate and queue a request; its outputs arrive on the returned stream.
+
+        Raises ``InvalidRequestError`` (``DuplicateRequestError`` for an id in flight) before
+        anything is queued, or ``EngineDeadError``.
+        """
+        if self._dead is not None:
+            raise self._dead
+        if req_id in self._streams:
+            raise DuplicateRequestError(f"request id {req_id!r} is already in flight")
+        self.core.validate_request(prompt_token_ids, params)  # reads only immutable config
+        stream = RequestStream(req_id, len(prompt_token_ids), time.monotonic())
+        self._streams[req_id] = stream
+        self._commands.put(_Add(req_id, list(prompt_token_ids), params))
+        return stream
+
+    def abort(self, req_ids: Sequence[str]) -> int:
+        """End these requests now with finish reason "abort" and free them in the engine.
+
+        Unknown or finished ids are ignored; returns how many were in flight. Idempotent.
+        """
+        aborted = [req_id for req_id in req_ids if req_id in self._streams]
+        for req_id in aborted:
+            stream = self._streams.pop(req_id)
+            stream.queue.put_nowait(EngineCoreOutput(req_id, [], finish_reason="abort"))
+            if self._metrics is not None:
+                self._metrics.record_finished("abort")
+        if aborted:
+            self._commands.put(_Abort(aborted))
+        return len(aborted)
+
+    def abort_all(self) -> int:
+        return self.abort(list(self._streams))
+
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        """Stop the thread after its current step. Call ``abort_all`` first to end streams."""
+        self._commands.put(_Stop())
+        self._thread.join(timeout_s)
+
+    def _deliver(
+        self, outputs: list[EngineCoreOutput], errors: list[tuple[str, BatonError]]
+    ) -> None:
+        """Runs on the loop: route a step's outputs and errors to their streams."""
+        now = time.monotonic()
+        metrics = self._metrics
+        for out in outputs:
+            stream = self._streams.get(out.req_id)
+            if stream is None:  # aborted while the step ran
+                continue
+            if metrics is not None and out.new_token_ids:
+                if stream.last_token_time is None:
+                    metrics.time_to_first_token.observe(now - stream.arrival_time)
+                else:
+                    metrics.inter_token_latency.observe(now - stream.last_token_time)
+                stream.last_token_time = now
+            stream.queue.put_nowait(out)
+            if out.finish_reason is not None:
+                del self._streams[out.req_id]
+                if metrics is not None:
+                    metrics.e2e_request_latency.observe(now - stream.arrival_time)
+                    metrics.record_finished(out.finish_reason)
+        for req_id, error in errors:
+            stream = self._streams.pop(req_id, None)
+            if stream is not None:
+                stream.queue.put_nowait(error)
+
+    def _fail_all(self, error: EngineDeadError) -> None:
+        """Runs on the loop once the engine is dead."""
+        self._dead = error
+        streams, self._streams = self._streams, {}
+        for stream in streams.values():
+            stream.queue.put_nowait(error)
+        if self._on_dead is not None:
+            self._on_dead()
+
+    def _post(self, callback: Callable[..., None], *args: object) -> None:
+        # The loop may close under us during shutdown: then there is nobody left to tell.
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(callback, *args)
+
+    # --- engine thread -------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                commands = self._take_commands()
+                if any(isinstance(c, _Stop) for c in commands):
+                    return
+                errors: list[tuple[str, BatonError]] = []
+                for command in commands:
+                    self._apply(command, errors)
+                if commands:
+                    self._publish_stats()
+                was_busy = self.core.has_unfinished_requests()
+                outputs = self._step(errors) if was_busy else []
+                if outputs or errors:
+                    self._post(self._deliver, outputs, errors)
+                if was_busy and not self.core.has_unfinished_requests():
+                    self.core.check_invariants()  # cheap, and idle is when nothing can race it
+        except BaseException as e:
+            logger.exception("engine loop died; failing every request")
+            self._post(self._fail_all, EngineDeadError(f"the engine failed: {e!r}"))
+
+    def _take_commands(self) -> list[_Command]:
+        """All queued commands; when the engine has no work, sleep until one arrives (or until
+        the stats logger's window is due, so the last busy window still gets its line)."""
+        commands: list[_Command] = []
+        if not self.core.has_unfinished_requests():
+            while not commands:
+                timeout = self._stats_logger.next_due(time.monotonic())
+                try:
+                    commands.append(self._commands.get(timeout=timeout))
+                except queue.Empty:
+                    self._stats_logger.maybe_log(self._stats, time.monotonic())
+        while True:
+            try:
+                commands.append(self._commands.get_nowait())
+            except queue.Empty:
+                return commands
+
+    def _apply(self, command: _Command, errors: list[tuple[str, BatonError]]) -> None:
+        if isinstance(command, _Add):
+            try:
+                self.core.add_request(command.req_id, command.prompt_token_ids, command.params)
+            except Exception as e:  # validated on the loop already, so this is not bad input
+                logger.exception("adding request %s failed", command.req_id)
+                error = e if isinstance(e, BatonError) else EngineStepError(f"{e!r}")
+                errors.append((command.req_id, error))
+            else:
+                self._live.add(command.req_id)
+        elif isinstance(command, _Abort):
+            self.core.abort_requests(command.req_ids)
+            self._live.difference_update(command.req_ids)
+
+    def _step(self, errors: list[tuple[str, BatonError]]) -> list[EngineCoreOutput]:
+        try:
+            outputs = self.core.step()
+        except Exception as e:
+            # The scheduler advanced every scheduled request before the runner failed, so their
+            # state is suspect; failing (and freeing) all of them keeps the engine consistent.
+            self._num_step_failures += 1
+            failed = sorted(self._live)
+            logger.exception("engine step failed; failing %d requests", len(failed))
+            self.core.abort_requests(failed)
+            self._live.clear()
+            self.core.check_invariants()
+            error = EngineStepError(f"the engine step failed: {e!r}")
+            errors.extend((req_id, error) for req_id in failed)
+            self._publish_stats()
+            if self._num_step_failures >= _MAX_CONSECUTIVE_STEP_FAILURES:
+                raise
+            return []
+        self._num_step_failures = 0
+        for out in outputs:
+            if out.finish_reason is not None:
+                self._live.discard(out.req_id)
+        # Counters first: a client that sees its last token then scrapes finds them updated.
+        self._publish_stats()
+        return outputs
+
+    def _publish_stats(self) -> None:
+        stats = self.core.stats()
+        self._stats = stats
+        if self._metrics is not None:
+            self._metrics.record_stats(stats)
+        self._stats_logger.maybe_log(stats, time.monotonic())

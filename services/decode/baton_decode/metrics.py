@@ -1,0 +1,152 @@
+"""Prometheus metrics (vLLM's names, ``baton:`` prefix) and the periodic stats log line.
+
+Engine-wide counters are fed from ``EngineCore.stats()`` deltas by the engine thread; per-request
+latencies are observed on the asyncio loop when outputs are delivered, so they are what the worker
+itself measured (arrival at ``Generate`` to token delivery), not what a client sees.
+``prometheus_client`` is thread-safe, so both threads may record.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+from baton_engine.core.engine_core import EngineStats
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+logger = logging.getLogger(__name__)
+
+# vLLM's buckets, so dashboards built for vLLM read these unchanged.
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+
+
+class WorkerMetrics:
+    """One worker's metrics in its own registry (several workers may share a process in tests).
+
+    Every metric carries a ``model_name`` label. Counters only move forward: ``record_stats``
+    adds the difference to the previous snapshot and ignores decreases.
+    """
+
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.model_name = model_name
+        labels = ["model_name"]
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"baton:{name}", doc, labels, registry=self.registry)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(f"baton:{name}", doc, labels, registry=self.registry)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(f"baton:{name}", doc, labels, buckets=buckets, registry=self.registry)
+
+        m = model_name
+        self.num_requests_running = gauge("num_requests_running", "Requests in the batch").labels(m)
+        self.num_requests_waiting = gauge("num_requests_waiting", "Requests queued").labels(m)
+        self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "KV blocks in use, 0..1").labels(m)
+        self.prefix_cache_queries = counter(
+            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache"
+        ).labels(m)
+        self.prefix_cache_hits = counter(
+            "prefix_cache_hits", "Prompt tokens found in the prefix cache"
+        ).labels(m)
+        self.num_preemptions = counter("num_preemptions", "Preemptions (recompute)").labels(m)
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens received").labels(m)
+        self.generation_tokens = counter("generation_tokens", "Tokens generated").labels(m)
+        self.request_success = Counter(
+            "baton:request_success",
+            "Finished requests by finish reason",
+            ["model_name", "finished_reason"],
+            registry=self.registry,
+        )
+        self.time_to_first_token = histogram(
+            "time_to_first_token_seconds", "Arrival to first token", _TTFT_BUCKETS
+        ).labels(m)
+        self.inter_token_latency = histogram(
+            "inter_token_latency_seconds", "Time between consecutive tokens", _ITL_BUCKETS
+        ).labels(m)
+        self.e2e_request_latency = histogram(
+            "e2e_request_latency_seconds", "Arrival to last token", _E2E_BUCKETS
+        ).labels(m)
+        self._last: EngineStats | None = None
+
+    def record_stats(self, stats: EngineStats) -> None:
+        """Set the gauges and advance the counters by the change since the last call."""
+        self.num_requests_running.set(stats.num_running)
+        self.num_requests_waiting.set(stats.num_waiting)
+        self.kv_cache_usage_perc.set(stats.kv_cache_usage)
+        last = self._last
+        if last is not None:
+            for counter, now, before in (
+                (self.prefix_cache_queries, stats.num_prefix_queries, last.num_prefix_queries),
+                (self.prefix_cache_hits, stats.num_prefix_hits, last.num_prefix_hits),
+                (self.num_preemptions, stats.num_preemptions, last.num_preemptions),
+                (self.prompt_tokens, stats.num_prompt_tokens, last.num_prompt_tokens),
+                (self.generation_tokens, stats.num_generated_tokens, last.num_generated_tokens),
+            ):
+                if now > before:
+                    counter.inc(now - before)
+        self._last = stats
+
+    def record_finished(self, finish_reason: str) -> None:
+        self.request_success.labels(self.model_name, finish_reason).inc()
+
+
+@dataclass
+class StatsLogger:
+    """Logs one vLLM-style line every ``interval_s`` while the engine has work.
+
+    Throughputs are averages over the window since the previous line; the prefix-cache hit rate
+    is cumulative since start. The engine thread calls ``maybe_log`` after each iteration and,
+    while idle, sleeps at most ``next_due()`` seconds so that the window in which the engine went
+    idle still gets its line. After an idle line the window restarts at the next call, so a quiet
+    hour does not dilute the next line's throughput.
+    """
+
+    interval_s: float = 5.0
+    _last: EngineStats | None = None  # counters at the start of the window
+    _start: float = 0.0  # when the window started (monotonic seconds)
+    _idle: bool = True  # no window open: the next call starts one
+
+    def next_due(self, now: float) -> float | None:
+        """Seconds until the open window's line is due; None when no window is open."""
+        if self._idle or math.isinf(self.interval_s):  # inf: logging is off
+            return None
+        return max(0.0, self._start + self.interval_s - now)
+
+    def maybe_log(self, stats: EngineStats, now: float) -> None:
+        last = self._last
+        if last is None or self._idle:
+            # Counters do not move while idle, so the old snapshot still starts the new window.
+            self._last, self._start, self._idle = last or stats, now, False
+            return
+        elapsed = now - self._start
+        if elapsed < self.interval_s:
+            return
+        busy = stats.num_running > 0 or stats.num_waiting > 0
+        moved = (
+            stats.num_prompt_tokens != last.num_prompt_tokens
+            or stats.num_generated_tokens != last.num_generated_tokens
+        )
+        if busy or moved:
+            queries = stats.num_prefix_queries
+            hit_rate = stats.num_prefix_hits / queries if queries else 0.0
+            logger.info(
+                "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
+                "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, "
+                "Prefix cache hit rate: %.1f%%",
+                (stats.num_prompt_tokens - last.num_prompt_tokens) / elapsed,
+                (stats.num_generated_tokens - last.num_generated_tokens) / elapsed,
+                stats.num_running,
+                stats.num_waiting,
+                100 * stats.kv_cache_usage,
+                100 * hit_rate,
+            )
+        self._last, self._start, self._idle = stats, now, not busy

@@ -1,0 +1,77 @@
+"""Chat messages -> prompt text -> token ids, with the model's own chat template.
+
+The template is rendered by ``tokenizer.apply_chat_template``: transformers renders it in an
+immutable sandboxed Jinja environment, so a template (or a message) cannot reach Python objects.
+Any failure while rendering is the request's fault (or the template's) and becomes a 400.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from baton_gateway.errors import bad_request
+from baton_gateway.protocol import ChatCompletionRequest, ChatMessage
+
+# apply_chat_template arguments that chat_template_kwargs must not override: they decide what
+# the call returns, and the gateway relies on getting plain text back.
+_RESERVED_KWARGS = frozenset(
+    {"conversation", "messages", "tools", "tokenize", "return_dict", "return_tensors", "padding"}
+)
+
+
+def message_dict(message: ChatMessage) -> dict[str, Any]:
+    """The message as the template sees it: text parts joined by newlines (vLLM's "string"
+    content format); other keys (``name``, ``tool_calls``...) passed through."""
+    out: dict[str, Any] = dict(message.model_extra or {})
+    out["role"] = message.role
+    content = message.content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if part.type != "text" or part.text is None:
+                raise bad_request(
+                    f"content parts of type {part.type!r} are not supported (text only)",
+                    param="messages",
+                )
+            texts.append(part.text)
+        out["content"] = "\n".join(texts)
+    else:
+        out["content"] = content
+    return out
+
+
+def render_chat_prompt(tokenizer: Any, request: ChatCompletionRequest) -> str:
+    """Render ``request.messages`` into the prompt text with the tokenizer's chat template.
+
+    Raises a 400 GatewayError when the model has no template or rendering fails.
+    """
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise bad_request("the model has no chat template; use /v1/completions instead")
+    kwargs = {
+        k: v for k, v in (request.chat_template_kwargs or {}).items() if k not in _RESERVED_KWARGS
+    }
+    kwargs["add_generation_prompt"] = request.add_generation_prompt
+    kwargs["continue_final_message"] = request.continue_final_message
+    messages = [message_dict(m) for m in request.messages]
+    try:
+        text = tokenizer.apply_chat_template(
+            messages, tools=request.tools, tokenize=False, **kwargs
+        )
+    except Exception as e:  # jinja2 TemplateError, ValueError from transformers, ...
+        raise bad_request(f"cannot apply the chat template: {e}", param="messages") from e
+    if not isinstance(text, str):
+        raise bad_request("the chat template did not render to text", param="messages")
+    return text
+
+
+def tokenize_chat(tokenizer: Any, request: ChatCompletionRequest) -> list[int]:
+    """The prompt token ids of a chat request (the template already writes special tokens, so
+    none are added unless ``add_special_tokens`` asks for it, as in vLLM)."""
+    text = render_chat_prompt(tokenizer, request)
+    ids: list[int] = tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
+    return ids
+
+
+def tokenize_text(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:
+    ids: list[int] = tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    return ids

@@ -1,0 +1,152 @@
+"""The gateway's only bridge to ``baton.v1`` protos: OpenAI requests in, internal types out.
+
+Nothing else in the gateway builds or reads ``*_pb2`` messages field by field. Every sampling
+field is set explicitly (the decode worker maps proto3's zero defaults of ``top_p``,
+``repetition_penalty`` and ``max_tokens`` to "disabled"; we never rely on that).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from baton.v1 import common_pb2, engine_pb2
+from baton_gateway.protocol import ChatCompletionRequest, CompletionRequest
+
+_FINISH_REASONS = {
+    common_pb2.FINISH_REASON_STOP: "stop",
+    common_pb2.FINISH_REASON_LENGTH: "length",
+    common_pb2.FINISH_REASON_ABORT: "abort",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """The logprob of one sampled token and the top-N alternatives (best first)."""
+
+    token_id: int
+    logprob: float
+    rank: int  # of the sampled token, 1 = most likely
+    top: tuple[tuple[int, float], ...]  # (token_id, logprob), N entries
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateChunk:
+    """One ``GenerateResponse``: the tokens sampled since the previous one."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None  # one per token, when asked for
+    finish_reason: str | None  # "stop" | "length" | "abort" on the last chunk, else None
+    stop_token_id: int | None  # the stop token id that ended it (never an EOS)
+    num_prompt_tokens: int
+    num_cached_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    model: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    metrics_url: str  # "" when the worker serves no metrics
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerLoad:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # 0..1
+    max_num_seqs: int
+
+
+def sampling_params(
+    request: ChatCompletionRequest | CompletionRequest, max_tokens: int, seed: int | None
+) -> common_pb2.SamplingParams:
+    """The worker's sampling params for one sequence of ``request``.
+
+    ``max_tokens`` is the gateway's final budget (already checked against the context);
+    ``seed`` is the sequence's own seed (``request.seed + index`` for ``n`` > 1).
+    """
+    pb = common_pb2.SamplingParams(
+        temperature=1.0 if request.temperature is None else request.temperature,
+        top_p=1.0 if request.top_p is None else request.top_p,
+        top_k=max(request.top_k or 0, 0),
+        min_p=request.min_p or 0.0,
+        presence_penalty=request.presence_penalty,
+        frequency_penalty=request.frequency_penalty,
+        repetition_penalty=(
+            1.0 if request.repetition_penalty is None else request.repetition_penalty
+        ),
+        max_tokens=max_tokens,
+        min_tokens=request.min_tokens,
+        stop_token_ids=request.stop_token_ids or [],
+        ignore_eos=request.ignore_eos,
+    )
+    if seed is not None:
+        pb.seed = seed
+    num_logprobs = request.num_logprobs
+    if num_logprobs is not None:
+        pb.logprobs = num_logprobs
+    return pb
+
+
+def generate_request(
+    req_id: str, prompt_token_ids: list[int], sampling: common_pb2.SamplingParams
+) -> engine_pb2.GenerateRequest:
+    """A ``GenerateRequest`` for local prefill on the decode worker (aggregated mode)."""
+    return engine_pb2.GenerateRequest(
+        req_id=req_id, prompt_token_ids=prompt_token_ids, sampling=sampling
+    )
+
+
+def abort_request(req_ids: list[str]) -> engine_pb2.AbortRequest:
+    return engine_pb2.AbortRequest(req_ids=req_ids)
+
+
+def _token_logprob(pb: common_pb2.TokenLogprobs) -> TokenLogprob:
+    ids, values = pb.token_ids, pb.logprobs
+    return TokenLogprob(
+        token_id=ids[0],
+        logprob=values[0],
+        rank=pb.rank,
+        top=tuple(zip(ids[1:], values[1:], strict=True)),
+    )
+
+
+def generate_chunk(pb: engine_pb2.GenerateResponse) -> GenerateChunk:
+    """Decode one streamed ``GenerateResponse``."""
+    return GenerateChunk(
+        token_ids=list(pb.token_ids),
+        logprobs=[_token_logprob(lp) for lp in pb.logprobs] if pb.logprobs else None,
+        finish_reason=_FINISH_REASONS.get(pb.finish_reason),
+        stop_token_id=pb.stop_token_id if pb.HasField("stop_token_id") else None,
+        num_prompt_tokens=pb.num_prompt_tokens,
+        num_cached_tokens=pb.num_cached_tokens,
+    )
+
+
+def model_info(pb: engine_pb2.GetModelInfoResponse) -> ModelInfo:
+    return ModelInfo(
+        model=pb.model,
+        max_model_len=pb.max_model_len,
+        vocab_size=pb.vocab_size,
+        eos_token_ids=tuple(pb.eos_token_ids),
+        metrics_url=pb.metrics_url,
+    )
+
+
+def worker_load(pb: engine_pb2.GetLoadResponse) -> WorkerLoad:
+    load = pb.load
+    return WorkerLoad(
+        num_running=load.num_running,
+        num_waiting=load.num_waiting,
+        kv_cache_usage=load.kv_cache_usage,
+        max_num_seqs=load.max_num_seqs,
+    )
+
+
+def get_model_info_request() -> engine_pb2.GetModelInfoRequest:
+    return engine_pb2.GetModelInfoRequest()
+
+
+def get_load_request() -> engine_pb2.GetLoadRequest:
+    return engine_pb2.GetLoadRequest()
