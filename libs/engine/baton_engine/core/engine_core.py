@@ -82,6 +82,7 @@ class EngineCore:
                 self.runner.load_weights(iter_weights(self.model_dir))
             except ValueError as e:
                 raise ModelLoadError(f"cannot load weights from {self.model_dir}: {e}") from e
+        self.runner.finalize_weights()
         num_blocks = self._num_kv_blocks()
         self.runner.initialize_kv_cache(num_blocks)
         logger.info(

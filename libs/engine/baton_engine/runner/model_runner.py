@@ -14,6 +14,7 @@ from baton_engine.models import LlamaForCausalLM
 from baton_engine.runner.input_batch import CachedRequestState, InputBatch
 from baton_engine.sampler import Sampler, SamplingMetadata
 from baton_kernels.attention import AttentionMetadata, KVCacheView, create_attention_backend
+from baton_kernels.cpu_linear import pack_linears
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +67,12 @@ class ModelRunner:
                     param.fill_(1.0)
                 else:
                     param.copy_(torch.randn(param.shape, generator=gen) * 0.02)
+
+    def finalize_weights(self) -> None:
+        """After loading: pack linear weights for oneDNN where that is faster (CPU, bf16)."""
+        num = pack_linears(self.model)
+        if num:
+            logger.info("packed %d linear layers for oneDNN", num)
 
     def kv_bytes_per_block(self) -> int:
         cfg = self.model_config

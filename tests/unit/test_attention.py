@@ -1,0 +1,127 @@
+"""Attention backends and CPU ops against plain-PyTorch references (``ref_*``)."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from baton_kernels.attention import AttentionMetadata, KVCacheView, create_attention_backend
+from baton_kernels.cpu_linear import PackedLinear, can_pack
+
+DTYPES = [torch.float32, torch.bfloat16]
+HEAD_SIZES = [64, 128]
+BLOCK_SIZES = [4, 16]
+NUM_LAYERS = 3  # the pool is block-major over layers; the test uses the middle one
+TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 2e-2)}
+
+
+def ref_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of the last ``len(q)`` positions of a sequence over all ``len(k)``."""
+    q_len, seq_len = q.shape[0], k.shape[0]
+    group = q.shape[1] // k.shape[1]
+    k = k.float().repeat_interleave(group, dim=1)
+    v = v.float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
+    pos = torch.arange(seq_len - q_len, seq_len)
+    scores.masked_fill_(torch.arange(seq_len)[None, :] > pos[:, None], -math.inf)
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+def build_step(
+    seq_specs: list[tuple[int, int]], block_size: int, num_blocks: int, dtype: torch.dtype,
+    head_dim: int, num_heads: int, num_kv_heads: int,
+) -> tuple[AttentionMetadata, KVCacheView, list[torch.Tensor], list[torch.Tensor]]:
+    """seq_specs: (num_cached, num_new) per request, decodes (num_new == 1) first. Fills the
+    cache with the cached tokens' K/V at random blocks; returns metadata and each request's
+    full K and V (cached + new) for the reference."""
+    gen = torch.Generator().manual_seed(0)
+    pool = torch.zeros(num_blocks, NUM_LAYERS, 2, block_size, num_kv_heads, head_dim, dtype=dtype)
+    cache = KVCacheView(pool[:, 1])
+    free = list(range(num_blocks))
+    random.Random(0).shuffle(free)
+    max_blocks = max(-(-(c + n) // block_size) for c, n in seq_specs)
+    tables = torch.zeros(len(seq_specs), max_blocks, dtype=torch.int64)
+    ks, vs, slot_block, slot_offset, qsl, seq_lens = [], [], [], [], [0], []
+    for i, (cached, new) in enumerate(seq_specs):
+        total = cached + new
+        blocks = [free.pop() for _ in range(-(-total // block_size))]
+        tables[i, : len(blocks)] = torch.tensor(blocks)
+        k = torch.randn(total, num_kv_heads, head_dim, generator=gen).to(dtype)
+        v = torch.randn(total, num_kv_heads, head_dim, generator=gen).to(dtype)
+        for t in range(total):
+            if t < cached:
+                cache.key[blocks[t // block_size], t % block_size] = k[t]
+                cache.value[blocks[t // block_size], t % block_size] = v[t]
+            else:
+                slot_block.append(blocks[t // block_size])
+                slot_offset.append(t % block_size)
+        ks.append(k)
+        vs.append(v)
+        qsl.append(qsl[-1] + new)
+        seq_lens.append(total)
+    num_decodes = sum(1 for _, n in seq_specs if n == 1)
+    decode_bias = None
+    max_decode_blocks = 0
+    if num_decodes:
+        max_decode_blocks = max(-(-s // block_size) for s in seq_lens[:num_decodes])
+        invalid = torch.arange(max_decode_blocks * block_size)[None, :] >= torch.tensor(
+            seq_lens[:num_decodes]
+        )[:, None]
+        decode_bias = torch.zeros(invalid.shape, dtype=dtype).masked_fill_(invalid, -math.inf)
+        decode_bias = decode_bias.view(num_decodes, 1, 1, -1)
+    md = AttentionMetadata(
+        num_reqs=len(seq_specs), num_decodes=num_decodes, num_tokens=qsl[-1],
+        query_start_loc=qsl, seq_lens=seq_lens, block_tables=tables,
+        slot_block=torch.tensor(slot_block), slot_offset=torch.tensor(slot_offset),
+        decode_bias=decode_bias, max_decode_blocks=max_decode_blocks,
+    )
+    return md, cache, ks, vs
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", HEAD_SIZES)
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+def test_torch_backend_matches_reference(
+    dtype: torch.dtype, head_dim: int, block_size: int
+) -> None:
+    num_heads, num_kv_heads = 6, 2
+    # decodes (various lengths), fresh prefills of equal length (batched), fresh of another
+    # length, and chunks with cached context
+    specs = [(0, 1), (7, 1), (40, 1), (0, 9), (0, 9), (0, 5), (12, 6), (33, 17)]
+    md, cache, ks, vs = build_step(
+        specs, block_size, 64, dtype, head_dim, num_heads, num_kv_heads
+    )
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(md.num_tokens, num_heads, head_dim, generator=gen).to(dtype)
+    new_k = torch.cat([k[c:] for k, (c, _) in zip(ks, specs, strict=True)])
+    new_v = torch.cat([v[c:] for v, (c, _) in zip(vs, specs, strict=True)])
+    scale = head_dim**-0.5
+    out = create_attention_backend("torch").forward(q, new_k, new_v, cache, md, scale)
+    rtol, atol = TOL[dtype]
+    for i in range(md.num_reqs):
+        s, e = md.query_start_loc[i], md.query_start_loc[i + 1]
+        want = ref_attention(q[s:e], ks[i], vs[i], scale)
+        torch.testing.assert_close(out[s:e].float(), want, rtol=rtol, atol=atol)
+    # and the new tokens' K/V landed in their slots
+    torch.testing.assert_close(cache.key[md.slot_block, md.slot_offset], new_k)
+    torch.testing.assert_close(cache.value[md.slot_block, md.slot_offset], new_v)
+
+
+def test_unknown_backend_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        create_attention_backend("nope")
+
+
+@pytest.mark.skipif(not can_pack(torch.zeros(1, dtype=torch.bfloat16)), reason="no oneDNN")
+@pytest.mark.parametrize("num_tokens", [1, 7, 64, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_matches_reference(num_tokens: int, bias: bool) -> None:
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(96, 160, bias=bias).to(torch.bfloat16)
+    x = torch.randn(num_tokens, 96, dtype=torch.bfloat16)
+    want = F.linear(x, linear.weight, linear.bias)
+    torch.testing.assert_close(PackedLinear(linear)(x), want, rtol=2e-2, atol=2e-2)
