@@ -118,15 +118,26 @@ def test_logprobs(llm: LLM) -> None:
         ({"prompt_token_ids": [1, 2, 10**9]}, GREEDY, "out of range"),
     ],
 )
-def test_bad_prompts_raise_clear_errors(llm: LLM, prompt: object, params: SamplingParams, match: str) -> None:
+def test_bad_prompts_raise_clear_errors(
+    llm: LLM, prompt: object, params: SamplingParams, match: str
+) -> None:
     with pytest.raises(InvalidRequestError, match=match):
         llm.generate([prompt], params, use_tqdm=False)  # type: ignore[list-item]
     assert not llm.engine.has_unfinished_requests()  # nothing left half-submitted
     assert llm.generate(["Hi"], GREEDY, use_tqdm=False)[0].outputs[0].token_ids  # still serving
 
 
-@pytest.mark.parametrize("kwargs", [{"max_tokens": 0}, {"max_tokens": -3}, {"temperature": -1.0},
-                                    {"top_p": 0.0}, {"n": 0}, {"logprobs": 99}])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"max_tokens": 0},
+        {"max_tokens": -3},
+        {"temperature": -1.0},
+        {"top_p": 0.0},
+        {"n": 0},
+        {"logprobs": 99},
+    ],
+)
 def test_bad_sampling_params(kwargs: dict[str, object]) -> None:
     with pytest.raises(InvalidRequestError):
         SamplingParams(**kwargs)  # type: ignore[arg-type]
@@ -140,7 +151,7 @@ def test_unknown_model_path(tmp_path: Path) -> None:
 def test_corrupt_gguf(tmp_path: Path) -> None:
     bad = tmp_path / "broken.gguf"
     bad.write_bytes(b"GGUF" + bytes(range(256)) * 64)
-    with pytest.raises(ModelLoadError, match="broken.gguf"):
+    with pytest.raises(ModelLoadError, match=r"broken\.gguf"):
         LLM(str(bad))
 
 

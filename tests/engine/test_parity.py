@@ -79,7 +79,9 @@ def reference(prompts: list[list[int]]) -> list[list[int]]:
             tokens = [int(out.logits[0, -1].argmax())]
             while len(tokens) < NUM_NEW_TOKENS:
                 out = model(
-                    torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True
+                    torch.tensor([[tokens[-1]]]),
+                    past_key_values=out.past_key_values,
+                    use_cache=True,
                 )
                 tokens.append(int(out.logits[0, -1].argmax()))
             outs.append(tokens)

@@ -32,8 +32,13 @@ def ref_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
 
 
 def build_step(
-    seq_specs: list[tuple[int, int]], block_size: int, num_blocks: int, dtype: torch.dtype,
-    head_dim: int, num_heads: int, num_kv_heads: int,
+    seq_specs: list[tuple[int, int]],
+    block_size: int,
+    num_blocks: int,
+    dtype: torch.dtype,
+    head_dim: int,
+    num_heads: int,
+    num_kv_heads: int,
 ) -> tuple[AttentionMetadata, KVCacheView, list[torch.Tensor], list[torch.Tensor]]:
     """seq_specs: (num_cached, num_new) per request, decodes (num_new == 1) first. Fills the
     cache with the cached tokens' K/V at random blocks; returns metadata and each request's
@@ -68,16 +73,23 @@ def build_step(
     max_decode_blocks = 0
     if num_decodes:
         max_decode_blocks = max(-(-s // block_size) for s in seq_lens[:num_decodes])
-        invalid = torch.arange(max_decode_blocks * block_size)[None, :] >= torch.tensor(
-            seq_lens[:num_decodes]
-        )[:, None]
+        invalid = (
+            torch.arange(max_decode_blocks * block_size)[None, :]
+            >= torch.tensor(seq_lens[:num_decodes])[:, None]
+        )
         decode_bias = torch.zeros(invalid.shape, dtype=dtype).masked_fill_(invalid, -math.inf)
         decode_bias = decode_bias.view(num_decodes, 1, 1, -1)
     md = AttentionMetadata(
-        num_reqs=len(seq_specs), num_decodes=num_decodes, num_tokens=qsl[-1],
-        query_start_loc=qsl, seq_lens=seq_lens, block_tables=tables,
-        slot_block=torch.tensor(slot_block), slot_offset=torch.tensor(slot_offset),
-        decode_bias=decode_bias, max_decode_blocks=max_decode_blocks,
+        num_reqs=len(seq_specs),
+        num_decodes=num_decodes,
+        num_tokens=qsl[-1],
+        query_start_loc=qsl,
+        seq_lens=seq_lens,
+        block_tables=tables,
+        slot_block=torch.tensor(slot_block),
+        slot_offset=torch.tensor(slot_offset),
+        decode_bias=decode_bias,
+        max_decode_blocks=max_decode_blocks,
     )
     return md, cache, ks, vs
 
@@ -92,9 +104,7 @@ def test_torch_backend_matches_reference(
     # decodes (various lengths), fresh prefills of equal length (batched), fresh of another
     # length, and chunks with cached context
     specs = [(0, 1), (7, 1), (40, 1), (0, 9), (0, 9), (0, 5), (12, 6), (33, 17)]
-    md, cache, ks, vs = build_step(
-        specs, block_size, 64, dtype, head_dim, num_heads, num_kv_heads
-    )
+    md, cache, ks, vs = build_step(specs, block_size, 64, dtype, head_dim, num_heads, num_kv_heads)
     gen = torch.Generator().manual_seed(1)
     q = torch.randn(md.num_tokens, num_heads, head_dim, generator=gen).to(dtype)
     new_k = torch.cat([k[c:] for k, (c, _) in zip(ks, specs, strict=True)])

@@ -10,6 +10,7 @@ import random
 from collections.abc import Sequence
 
 import pytest
+
 from baton_engine.kv_cache import (
     BlockHash,
     BlockPool,

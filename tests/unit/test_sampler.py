@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+
 from baton_engine.sampler import Sampler, SamplingMetadata, apply_penalties
 from baton_engine.sampling_params import SamplingParams
 

@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import pytest
+
 from baton_engine.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from baton_engine.core.scheduler import Scheduler
 from baton_engine.kv_cache import KVCacheManager

@@ -1,4 +1,4 @@
-"""Engine flags for command lines, with vLLM's names (``--max-model-len``, ``--max-num-seqs``...)."""
+"""Engine flags for command lines, with vLLM's names (`--max-model-len`, `--max-num-seqs`)."""
 
 from __future__ import annotations
 

@@ -70,7 +70,8 @@ class ModelConfig:
         arch = SUPPORTED_ARCHITECTURES.get(archs[0])
         if arch is None:
             raise ModelLoadError(
-                f"unsupported architecture {archs[0]!r}; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
+                f"unsupported architecture {archs[0]!r}; "
+                f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"
             )
         num_heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
@@ -141,4 +142,6 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len < 1:
             raise InvalidRequestError("max_model_len must be at least 1")
         if self.load_format not in ("auto", "dummy"):
-            raise InvalidRequestError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+            raise InvalidRequestError(
+                f"load_format must be 'auto' or 'dummy', got {self.load_format!r}"
+            )

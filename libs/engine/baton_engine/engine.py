@@ -16,7 +16,7 @@ from baton_engine.core.outputs import EngineCoreOutput, TokenLogprobs
 from baton_engine.detokenizer import IncrementalDetokenizer
 from baton_engine.errors import InvalidRequestError
 from baton_engine.model_loader import load_tokenizer
-from baton_engine.outputs import CompletionOutput, Logprob, RequestOutput
+from baton_engine.outputs import CompletionOutput, Logprob, RequestOutput, SampleLogprobs
 from baton_engine.request import RequestStatus
 from baton_engine.sampling_params import SamplingParams
 
@@ -83,7 +83,7 @@ class LLMEngine:
                 stop=params.stop,
                 include_stop_str_in_output=params.include_stop_str_in_output,
             )
-            logprobs = [] if params.logprobs is not None else None
+            logprobs: SampleLogprobs | None = [] if params.logprobs is not None else None
             cumulative = 0.0 if params.logprobs is not None else None
             state.sequences[child_id] = _Sequence(
                 CompletionOutput(i, "", [], cumulative, logprobs), detok
@@ -125,7 +125,9 @@ class LLMEngine:
         if out.new_logprobs is not None and completion.logprobs is not None:
             for lp in out.new_logprobs:
                 completion.logprobs.append(self._to_logprob_dict(lp))
-                completion.cumulative_logprob = (completion.cumulative_logprob or 0.0) + lp.logprobs[0]
+                completion.cumulative_logprob = (
+                    completion.cumulative_logprob or 0.0
+                ) + lp.logprobs[0]
         delta = seq.detokenizer.update(out.new_token_ids, final=out.finished)
         completion.text += delta.text
         if delta.stop_str is not None and not out.finished:

@@ -71,9 +71,8 @@ class LLM:
         chat_template: str | None = None,
     ) -> list[RequestOutput]:
         """Render each conversation with the model's chat template, then generate."""
-        conversations: Sequence[ChatMessages] = (
-            [messages] if messages and isinstance(messages[0], dict) else messages  # type: ignore[list-item]
-        )
+        single = bool(messages) and isinstance(messages[0], dict)
+        conversations = [messages] if single else messages
         tok = self.engine.tokenizer
         prompts: list[str | list[int]] = []
         for conv in conversations:

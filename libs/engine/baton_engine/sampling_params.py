@@ -74,7 +74,9 @@ class SamplingParams:
         if self.min_tokens < 0:
             raise bad(f"min_tokens must be non-negative, got {self.min_tokens}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise bad(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+            raise bad(
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
+            )
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise bad(f"logprobs must be in [0, 20], got {self.logprobs}")
         if any(t < 0 for t in self.stop_token_ids):

@@ -15,7 +15,7 @@ def can_pack(weight: torch.Tensor) -> bool:
     return (
         weight.device.type == "cpu"
         and weight.dtype == torch.bfloat16
-        and torch.backends.mkldnn.is_available()
+        and torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
     )
 

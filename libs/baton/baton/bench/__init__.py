@@ -7,9 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 
-def add_bench_parser(
-    sub: Any, add_engine_args: Callable[[argparse.ArgumentParser], None]
-) -> None:
+def add_bench_parser(sub: Any, add_engine_args: Callable[[argparse.ArgumentParser], None]) -> None:
     bench = sub.add_parser("bench", help="benchmarks")
     kinds = bench.add_subparsers(dest="bench_kind", required=True)
 

@@ -20,7 +20,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--dataset-seed", type=int, default=0)
     p.add_argument(
-        "--hf", action=argparse.BooleanOptionalAction, default=True,
+        "--hf",
+        action=argparse.BooleanOptionalAction,
+        default=True,
         help="also measure Hugging Face transformers static batching in the same run",
     )
     p.add_argument("--hf-batch-size", type=int, default=16)
@@ -58,7 +60,8 @@ def run_hf(args: argparse.Namespace, prompts: list[list[int]], model_dir: str, d
 
     model = AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=getattr(torch, dtype), local_files_only=True
-    ).eval()
+    )
+    model.train(False)
     bs = args.hf_batch_size
     num_out = 0
     start = time.perf_counter()
@@ -71,8 +74,12 @@ def run_hf(args: argparse.Namespace, prompts: list[list[int]], model_dir: str, d
             ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
             mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
             out = model.generate(
-                input_ids=ids, attention_mask=mask, max_new_tokens=args.output_len,
-                min_new_tokens=args.output_len, do_sample=False, pad_token_id=pad,
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=args.output_len,
+                min_new_tokens=args.output_len,
+                do_sample=False,
+                pad_token_id=pad,
             )
             num_out += (out.shape[1] - width) * len(batch)
     return num_out / (time.perf_counter() - start)
@@ -87,10 +94,16 @@ def main(args: argparse.Namespace) -> int:
     baton_tps, info = run_baton(args, prompts)
     rows = [("baton", baton_tps)]
     if args.hf:
-        rows.append((f"hf static batching (bs={args.hf_batch_size})",
-                     run_hf(args, prompts, info["model_dir"], info["dtype"])))
-    print(f"\n{args.num_prompts} requests x ({args.input_len} in, {args.output_len} out), "
-          f"greedy, ignore_eos, dtype={info['dtype']}")
+        rows.append(
+            (
+                f"hf static batching (bs={args.hf_batch_size})",
+                run_hf(args, prompts, info["model_dir"], info["dtype"]),
+            )
+        )
+    print(
+        f"\n{args.num_prompts} requests x ({args.input_len} in, {args.output_len} out), "
+        f"greedy, ignore_eos, dtype={info['dtype']}"
+    )
     print(f"{'engine':<34} {'output tok/s':>12}")
     for name, tps in rows:
         print(f"{name:<34} {tps:>12.1f}")
@@ -98,11 +111,18 @@ def main(args: argparse.Namespace) -> int:
         print(f"{'baton / hf':<34} {rows[0][1] / rows[1][1]:>12.2f}x")
     if args.output_json:
         args.output_json.parent.mkdir(parents=True, exist_ok=True)
-        args.output_json.write_text(json.dumps({
-            "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-            "machine": platform.node(), "dtype": info["dtype"],
-            "num_prompts": args.num_prompts, "input_len": args.input_len,
-            "output_len": args.output_len,
-            "results": {name: tps for name, tps in rows},
-        }, indent=2))
+        args.output_json.write_text(
+            json.dumps(
+                {
+                    "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+                    "machine": platform.node(),
+                    "dtype": info["dtype"],
+                    "num_prompts": args.num_prompts,
+                    "input_len": args.input_len,
+                    "output_len": args.output_len,
+                    "results": {name: tps for name, tps in rows},
+                },
+                indent=2,
+            )
+        )
     return 0

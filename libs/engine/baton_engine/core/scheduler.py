@@ -119,7 +119,9 @@ class Scheduler:
             i += 1
 
         # Admit waiting requests only when nothing had to be preempted this step.
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while (
+            not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
+        ):
             request = self.waiting[0]
             prefix = self.kv.match_prefix(request) if request.num_computed_tokens == 0 else None
             num_computed = request.num_computed_tokens + (prefix.num_cached_tokens if prefix else 0)

@@ -101,7 +101,11 @@ class BlockPool:
                 self._free[block.block_id] = block
 
     def cache_full_blocks(
-        self, blocks: Sequence[KVCacheBlock], block_hashes: Sequence[BlockHash], start: int, end: int
+        self,
+        blocks: Sequence[KVCacheBlock],
+        block_hashes: Sequence[BlockHash],
+        start: int,
+        end: int,
     ) -> None:
         """Index ``blocks[start:end]`` under ``block_hashes[start:end]`` (they are full)."""
         if not self.enable_caching:

@@ -31,7 +31,11 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+        )
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = nn.Linear(
@@ -147,7 +151,9 @@ class LlamaForCausalLM(nn.Module):
         loaded: set[str] = set()
         for hf_name, tensor in weights:
             name = hf_name.removeprefix("model.")
-            if "rotary_emb" in name or (name == "lm_head.weight" and self.config.tie_word_embeddings):
+            if "rotary_emb" in name or (
+                name == "lm_head.weight" and self.config.tie_word_embeddings
+            ):
                 continue
             shard = None
             for frag, (fused, idx) in _STACKED.items():

@@ -42,7 +42,9 @@ class RotaryEmbedding(torch.nn.Module):
 
     def _build(self) -> torch.Tensor:
         head_dim, max_positions, theta, scaling = self._args
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        inv_freq = 1.0 / (
+            theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+        )
         rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type"))
         if scaling is not None and rope_type == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, scaling)

@@ -88,9 +88,7 @@ class ModelRunner:
             dtype=self.dtype,
             device=self.device,
         )
-        self.kv_caches = [
-            KVCacheView(self.kv_pool[:, layer]) for layer in range(cfg.num_layers)
-        ]
+        self.kv_caches = [KVCacheView(self.kv_pool[:, layer]) for layer in range(cfg.num_layers)]
 
     # --- one step ------------------------------------------------------------------------------
 

@@ -53,7 +53,9 @@ class TorchAttentionBackend:
             start, query_len = md.query_start_loc[i], md.query_len(i)
             if md.seq_lens[i] != query_len:  # has cached context
                 end = start + query_len
-                out[start:end] = self._prefill_with_context(query[start:end], kv_cache, md, i, scale)
+                out[start:end] = self._prefill_with_context(
+                    query[start:end], kv_cache, md, i, scale
+                )
                 i += 1
                 continue
             j = i + 1  # batch the following fresh chunks of the same length
@@ -99,7 +101,12 @@ class TorchAttentionBackend:
         return out.transpose(1, 2).reshape(num_tokens, num_heads, dim)
 
     def _prefill_with_context(
-        self, query: torch.Tensor, kv_cache: KVCacheView, md: AttentionMetadata, i: int, scale: float
+        self,
+        query: torch.Tensor,
+        kv_cache: KVCacheView,
+        md: AttentionMetadata,
+        i: int,
+        scale: float,
     ) -> torch.Tensor:
         query_len, seq_len = query.shape[0], md.seq_lens[i]
         num_blocks = -(seq_len // -kv_cache.block_size)
