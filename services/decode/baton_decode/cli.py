@@ -21,7 +21,12 @@ def add_parser(subparsers: Any) -> None:
         description=__doc__,
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("model", nargs="?", default=None, help="model path (default: SmolLM2)")
+    p.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        help="model path (None: the embedded SmolLM2-135M-Instruct)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address for gRPC and metrics")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help="gRPC port (0: any free one)")
     p.add_argument(
@@ -32,8 +37,8 @@ def add_parser(subparsers: Any) -> None:
         "--max-pending",
         type=int,
         default=None,
-        help="most requests in flight (running + waiting) before RESOURCE_EXHAUSTED; "
-        "default 4 * --max-num-seqs",
+        help="most requests in flight (running + waiting) before RESOURCE_EXHAUSTED "
+        "(None: 4 * --max-num-seqs)",
     )
     p.add_argument(
         "--shutdown-grace",

@@ -12,9 +12,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from baton.v1 import common_pb2, engine_pb2
+from baton_decode.errors import UnsupportedRequestError
 from baton_engine.core.engine_core import EngineCore, EngineStats
 from baton_engine.core.outputs import EngineCoreOutput, TokenLogprobs
-from baton_engine.errors import BatonError
 from baton_engine.sampling_params import SamplingParams
 
 _FINISH_REASONS = {
@@ -22,10 +22,6 @@ _FINISH_REASONS = {
     "length": common_pb2.FINISH_REASON_LENGTH,
     "abort": common_pb2.FINISH_REASON_ABORT,
 }
-
-
-class UnsupportedRequestError(BatonError):
-    """A well-formed request this worker cannot serve yet (answered as UNIMPLEMENTED)."""
 
 
 @dataclass(frozen=True)

@@ -25,30 +25,23 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from baton_decode.errors import (
+    DuplicateRequestError,
+    EngineDeadError,
+    EngineStepError,
+    WorkerFullError,
+)
+from baton_decode.metrics import StatsLogger, WorkerMetrics
 from baton_engine.core.engine_core import EngineCore, EngineStats
 from baton_engine.core.outputs import EngineCoreOutput
-from baton_engine.errors import BatonError, InvalidRequestError
+from baton_engine.errors import BatonError
 from baton_engine.sampling_params import SamplingParams
-
-from baton_decode.metrics import StatsLogger, WorkerMetrics
 
 logger = logging.getLogger(__name__)
 
 # A step that fails this many times in a row (each time with every request failed and freed)
 # points at the engine, not at a request: stop serving rather than fail every request forever.
 _MAX_CONSECUTIVE_STEP_FAILURES = 3
-
-
-class DuplicateRequestError(InvalidRequestError):
-    """A request id that is already in flight on this worker."""
-
-
-class EngineStepError(BatonError):
-    """An engine step failed; the requests in the engine at the time were failed with it."""
-
-
-class EngineDeadError(BatonError):
-    """The engine failed beyond recovery; the worker serves nothing more."""
 
 
 @dataclass(frozen=True)
@@ -87,21 +80,26 @@ class RequestStream:
 
         Raises the error that ended the request once the outputs before it were returned.
         """
-        items = [await self.queue.get()]
-        while not self.queue.empty() and not isinstance(items[-1], BaseException):
-            items.append(self.queue.get_nowait())
-        if isinstance(items[-1], BaseException):
-            error = items.pop()
-            if not items:
-                raise error
-            self.queue.put_nowait(error)  # raised on the next call, after these outputs
-        return [item for item in items if isinstance(item, EngineCoreOutput)]
+        outputs: list[EngineCoreOutput] = []
+        item = await self.queue.get()
+        while True:
+            if isinstance(item, BatonError):
+                if not outputs:
+                    raise item
+                self.queue.put_nowait(item)  # raised on the next call, after these outputs
+                return outputs
+            outputs.append(item)
+            if self.queue.empty():
+                return outputs
+            item = self.queue.get_nowait()
 
 
 class EngineLoop:
     """Owns the engine thread. Public methods must be called on ``loop``'s thread.
 
-    ``on_dead`` is called on the loop once the engine is dead (to report unhealthy).
+    At most ``max_pending`` requests are held at once (accepted and not finished: the engine's
+    running and waiting ones plus any handed over during the current step); ``on_dead`` is called
+    on the loop once the engine is dead (to report unhealthy).
     """
 
     def __init__(
@@ -109,19 +107,21 @@ class EngineLoop:
         core: EngineCore,
         loop: asyncio.AbstractEventLoop,
         *,
+        max_pending: int,
         metrics: WorkerMetrics | None = None,
         log_stats_interval_s: float = 5.0,
         on_dead: Callable[[], None] | None = None,
     ) -> None:
         self.core = core
         self._loop = loop
+        self.max_pending = max_pending
         self._metrics = metrics
         self._on_dead = on_dead
-        self._stats_logger = StatsLogger(log_stats_interval_s)
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}  # req_id -> stream; loop thread only
         self._live: set[str] = set()  # req_ids inside the engine; engine thread only
         self._stats: EngineStats = core.stats()  # replaced whole by the engine thread
+        self._stats_logger = StatsLogger(self._stats, log_stats_interval_s)
         self._dead: EngineDeadError | None = None
         self._num_step_failures = 0  # consecutive; engine thread only
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
@@ -150,14 +150,19 @@ class EngineLoop:
     ) -> RequestStream:
         """Validate and queue a request; its outputs arrive on the returned stream.
 
-        Raises ``InvalidRequestError`` (``DuplicateRequestError`` for an id in flight) before
-        anything is queued, or ``EngineDeadError``.
+        Raises, before anything is queued: ``InvalidRequestError`` (``DuplicateRequestError``
+        for an id in flight), then ``WorkerFullError``, or ``EngineDeadError``. Bad input is
+        reported as such even when the worker is full: retrying it elsewhere cannot help.
         """
         if self._dead is not None:
             raise self._dead
         if req_id in self._streams:
             raise DuplicateRequestError(f"request id {req_id!r} is already in flight")
         self.core.validate_request(prompt_token_ids, params)  # reads only immutable config
+        if len(self._streams) >= self.max_pending:
+            raise WorkerFullError(
+                f"the worker is at capacity ({len(self._streams)} requests in flight)"
+            )
         stream = RequestStream(req_id, len(prompt_token_ids), time.monotonic())
         self._streams[req_id] = stream
         self._commands.put(_Add(req_id, list(prompt_token_ids), params))

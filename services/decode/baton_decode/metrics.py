@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from baton_engine.core.engine_core import EngineStats
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +75,8 @@ class WorkerMetrics:
         self.e2e_request_latency = histogram(
             "e2e_request_latency_seconds", "Arrival to last token", _E2E_BUCKETS
         ).labels(m)
-        self._last: EngineStats | None = None
+        # The engine's counters start at zero, as ours do.
+        self._last = EngineStats(0, 0, 0.0, 0, 0, 0, 0, 0)
 
     def record_stats(self, stats: EngineStats) -> None:
         """Set the gauges and advance the counters by the change since the last call."""
@@ -83,23 +84,21 @@ class WorkerMetrics:
         self.num_requests_waiting.set(stats.num_waiting)
         self.kv_cache_usage_perc.set(stats.kv_cache_usage)
         last = self._last
-        if last is not None:
-            for counter, now, before in (
-                (self.prefix_cache_queries, stats.num_prefix_queries, last.num_prefix_queries),
-                (self.prefix_cache_hits, stats.num_prefix_hits, last.num_prefix_hits),
-                (self.num_preemptions, stats.num_preemptions, last.num_preemptions),
-                (self.prompt_tokens, stats.num_prompt_tokens, last.num_prompt_tokens),
-                (self.generation_tokens, stats.num_generated_tokens, last.num_generated_tokens),
-            ):
-                if now > before:
-                    counter.inc(now - before)
+        for counter, now, before in (
+            (self.prefix_cache_queries, stats.num_prefix_queries, last.num_prefix_queries),
+            (self.prefix_cache_hits, stats.num_prefix_hits, last.num_prefix_hits),
+            (self.num_preemptions, stats.num_preemptions, last.num_preemptions),
+            (self.prompt_tokens, stats.num_prompt_tokens, last.num_prompt_tokens),
+            (self.generation_tokens, stats.num_generated_tokens, last.num_generated_tokens),
+        ):
+            if now > before:
+                counter.inc(now - before)
         self._last = stats
 
     def record_finished(self, finish_reason: str) -> None:
         self.request_success.labels(self.model_name, finish_reason).inc()
 
 
-@dataclass
 class StatsLogger:
     """Logs one vLLM-style line every ``interval_s`` while the engine has work.
 
@@ -107,25 +106,27 @@ class StatsLogger:
     is cumulative since start. The engine thread calls ``maybe_log`` after each iteration and,
     while idle, sleeps at most ``next_due()`` seconds so that the window in which the engine went
     idle still gets its line. After an idle line the window restarts at the next call, so a quiet
-    hour does not dilute the next line's throughput.
+    hour does not dilute the next line's throughput. ``interval_s`` inf turns logging off.
     """
 
-    interval_s: float = 5.0
-    _last: EngineStats | None = None  # counters at the start of the window
-    _start: float = 0.0  # when the window started (monotonic seconds)
-    _idle: bool = True  # no window open: the next call starts one
+    def __init__(self, initial: EngineStats, interval_s: float = 5.0) -> None:
+        self.interval_s = interval_s
+        self._last = initial  # counters at the start of the window
+        self._start = 0.0  # when the window started (monotonic seconds)
+        self._idle = True  # no window open: the next call starts one
 
     def next_due(self, now: float) -> float | None:
         """Seconds until the open window's line is due; None when no window is open."""
-        if self._idle or math.isinf(self.interval_s):  # inf: logging is off
+        if self._idle or math.isinf(self.interval_s):
             return None
         return max(0.0, self._start + self.interval_s - now)
 
     def maybe_log(self, stats: EngineStats, now: float) -> None:
         last = self._last
-        if last is None or self._idle:
-            # Counters do not move while idle, so the old snapshot still starts the new window.
-            self._last, self._start, self._idle = last or stats, now, False
+        if self._idle:
+            # Counters do not move while idle, so the old snapshot still starts the new window
+            # (and the tokens of the request that ended the idle period count in it).
+            self._start, self._idle = now, False
             return
         elapsed = now - self._start
         if elapsed < self.interval_s:

@@ -22,23 +22,24 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
-from baton.v1 import engine_pb2, engine_pb2_grpc
-from baton_engine.config import EngineConfig
-from baton_engine.core.engine_core import EngineCore
-from baton_engine.errors import BatonError, InvalidRequestError
-from baton_engine.model_loader import DEFAULT_MODEL_NAME
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from prometheus_client import start_http_server
 
+from baton.v1 import engine_pb2, engine_pb2_grpc
 from baton_decode import codec
-from baton_decode.engine_loop import (
+from baton_decode.engine_loop import EngineLoop
+from baton_decode.errors import (
     DuplicateRequestError,
     EngineDeadError,
-    EngineLoop,
-    RequestStream,
+    UnsupportedRequestError,
+    WorkerFullError,
 )
 from baton_decode.metrics import WorkerMetrics
+from baton_engine.config import EngineConfig
+from baton_engine.core.engine_core import EngineCore
+from baton_engine.errors import BatonError, InvalidRequestError
+from baton_engine.model_loader import DEFAULT_MODEL_NAME
 
 logger = logging.getLogger(__name__)
 
@@ -59,19 +60,14 @@ class WorkerConfig:
     log_stats_interval_s: float = 5.0
 
 
-class _Rejected(Exception):
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(details)
-        self.code = code
-        self.details = details
-
-
 def _status_code(error: BatonError) -> grpc.StatusCode:
     if isinstance(error, DuplicateRequestError):
         return grpc.StatusCode.ALREADY_EXISTS
     if isinstance(error, InvalidRequestError):
         return grpc.StatusCode.INVALID_ARGUMENT
-    if isinstance(error, codec.UnsupportedRequestError):
+    if isinstance(error, WorkerFullError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
+    if isinstance(error, UnsupportedRequestError):
         return grpc.StatusCode.UNIMPLEMENTED
     if isinstance(error, EngineDeadError):
         return grpc.StatusCode.UNAVAILABLE
@@ -81,28 +77,11 @@ def _status_code(error: BatonError) -> grpc.StatusCode:
 class DecodeServicer(engine_pb2_grpc.DecodeServiceServicer):
     """``DecodeService`` over one ``EngineLoop``; every method runs on the asyncio loop."""
 
-    def __init__(
-        self, engine: EngineLoop, *, served_model_name: str, max_pending: int, metrics_url: str
-    ) -> None:
+    def __init__(self, engine: EngineLoop, *, served_model_name: str, metrics_url: str) -> None:
         self.engine = engine
         self.served_model_name = served_model_name
-        self.max_pending = max_pending
         self.metrics_url = metrics_url
         self.draining = False
-
-    def _admit(self, request: engine_pb2.GenerateRequest) -> RequestStream:
-        if self.draining:
-            raise _Rejected(grpc.StatusCode.UNAVAILABLE, "the worker is shutting down")
-        if self.engine.num_pending >= self.max_pending:
-            raise _Rejected(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"the worker is at capacity ({self.engine.num_pending} requests in flight)",
-            )
-        try:
-            inp = codec.generate_input_from_proto(request)
-            return self.engine.add_request(inp.req_id, inp.prompt_token_ids, inp.params)
-        except BatonError as e:
-            raise _Rejected(_status_code(e), str(e)) from e
 
     async def Generate(
         self, request: engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -110,10 +89,14 @@ class DecodeServicer(engine_pb2_grpc.DecodeServiceServicer):
         """Stream the request's tokens; each message carries every token sampled since the
         previous one. The call ending early for any reason (client cancel, deadline, error)
         aborts the request in the engine, which frees its blocks."""
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is shutting down")
+            return
         try:
-            stream = self._admit(request)
-        except _Rejected as e:
-            await context.abort(e.code, e.details)
+            inp = codec.generate_input_from_proto(request)
+            stream = self.engine.add_request(inp.req_id, inp.prompt_token_ids, inp.params)
+        except BatonError as e:
+            await context.abort(_status_code(e), str(e))
             return
         finished = False
         try:
@@ -185,28 +168,37 @@ def serve(engine_config: EngineConfig, config: WorkerConfig) -> int:
 async def _serve(core: EngineCore, config: WorkerConfig, name: str, max_pending: int) -> int:
     loop = asyncio.get_running_loop()
     metrics = WorkerMetrics(name)
-    httpd, _ = start_http_server(config.metrics_port, addr=config.host, registry=metrics.registry)
+    try:
+        httpd, _ = start_http_server(
+            config.metrics_port, addr=config.host, registry=metrics.registry
+        )
+    except OSError as e:
+        raise BatonError(f"cannot serve metrics on {config.host}:{config.metrics_port}: {e}") from e
     metrics_url = f"http://{_url_host(config.host)}:{httpd.server_port}/metrics"
 
     health = health_aio.HealthServicer()
     background: set[asyncio.Task[None]] = set()  # keeps fire-and-forget tasks alive
 
     def on_dead() -> None:
-        not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
-        task = loop.create_task(health.set(SERVICE_NAME, not_serving))
-        background.add(task)
-        task.add_done_callback(background.discard)
+        for service in ("", SERVICE_NAME):
+            not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
+            task = loop.create_task(health.set(service, not_serving))
+            background.add(task)
+            task.add_done_callback(background.discard)
 
     engine = EngineLoop(
-        core, loop, metrics=metrics, log_stats_interval_s=config.log_stats_interval_s,
+        core,
+        loop,
+        max_pending=max_pending,
+        metrics=metrics,
+        log_stats_interval_s=config.log_stats_interval_s,
         on_dead=on_dead,
-    )  # fmt: skip
-    servicer = DecodeServicer(
-        engine, served_model_name=name, max_pending=max_pending, metrics_url=metrics_url
     )
+    servicer = DecodeServicer(engine, served_model_name=name, metrics_url=metrics_url)
     # Without SO_REUSEPORT off, a second worker on the same port would silently share it.
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    engine_pb2_grpc.add_DecodeServiceServicer_to_server(servicer, server)
+    # The generated *_pb2_grpc module is untyped.
+    engine_pb2_grpc.add_DecodeServiceServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     try:
         port = server.add_insecure_port(_grpc_address(config.host, config.port))

@@ -35,7 +35,7 @@ class EngineStats:
     num_prefix_queries: int  # tokens
     num_prefix_hits: int  # tokens
     num_preemptions: int
-    num_prompt_tokens: int  # computed so far, prefix hits excluded
+    num_prompt_tokens: int  # prompt tokens received (prefix hits included)
     num_generated_tokens: int
 
 
@@ -177,6 +177,8 @@ class EngineCore:
         runner_output = self.runner.execute_model(so)
         outputs = self.scheduler.update_from_output(so, runner_output)
         self.num_generated_tokens += len(runner_output.sampled_token_ids)
+        if not self.scheduler.has_unfinished_requests():
+            self.check_invariants()  # cheap when idle, and it catches leaks early
         return outputs
 
     def stats(self) -> EngineStats:
