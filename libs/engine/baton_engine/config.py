@@ -5,9 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from baton_engine.errors import InvalidRequestError, ModelLoadError
 
@@ -18,23 +16,30 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
 }
 
+if TYPE_CHECKING:
+    import torch
+
+# Accepted spellings -> torch attribute. Strings, so this module (and the command line that
+# reads EngineConfig) imports without torch: the gateway has none.
 _DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
+    "float32": "float32",
+    "fp32": "float32",
+    "float": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+    "half": "float16",
 }
 
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    import torch
+
     if isinstance(dtype, torch.dtype):
         return dtype
     try:
-        return _DTYPES[dtype.lower()]
+        return getattr(torch, _DTYPES[dtype.lower()])  # type: ignore[no-any-return]
     except KeyError:
         raise InvalidRequestError(
             f"unknown dtype {dtype!r}; choose one of {sorted(set(_DTYPES))}"

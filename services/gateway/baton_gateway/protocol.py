@@ -57,23 +57,23 @@ class _SamplingRequest(OpenAIBaseModel):
     """Fields shared by chat and text completions: sampling, stopping and streaming."""
 
     model: str | None = None  # None: the served model
-    n: int = Field(1, ge=1, le=MAX_N)
-    temperature: float | None = Field(None, ge=0.0)  # None: 1.0
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1 - MAX_N)
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    temperature: float | None = Field(default=None, ge=0.0)  # None: 1.0
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1 - MAX_N)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # vLLM's extras.
-    top_k: int | None = Field(None, ge=-1)  # -1 or 0: disabled
-    min_p: float | None = Field(None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(None, gt=0.0)
+    top_k: int | None = Field(default=None, ge=-1)  # -1 or 0: disabled
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0)
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: int = Field(default=0, ge=0)
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -123,10 +123,11 @@ class ResponseFormat(OpenAIBaseModel):
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)  # deprecated by OpenAI for max_completion_tokens
-    max_completion_tokens: int | None = Field(None, ge=1)
+    # Deprecated by OpenAI in favour of max_completion_tokens, which wins when both are set.
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     # vLLM's chat extras.
@@ -140,9 +141,7 @@ class ChatCompletionRequest(_SamplingRequest):
         if self.top_logprobs is not None and self.top_logprobs > 0 and not self.logprobs:
             raise ValueError("when using top_logprobs, logprobs must be set to true")
         if self.continue_final_message and self.add_generation_prompt:
-            raise ValueError(
-                "continue_final_message and add_generation_prompt cannot both be true"
-            )
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
         if self.response_format is not None and self.response_format.type != "text":
             raise ValueError(f"response_format {self.response_format.type!r} is not supported")
         return self
@@ -181,9 +180,10 @@ def _check_prompt(prompt: PromptInput) -> None:
 
 class CompletionRequest(_SamplingRequest):
     prompt: PromptInput
-    max_tokens: int | None = Field(16, ge=1)  # OpenAI's and vLLM's default; None: up to the context
+    # 16 is OpenAI's and vLLM's default; None: all the context the prompt leaves.
+    max_tokens: int | None = Field(default=16, ge=1)
     echo: bool = False
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = None
     best_of: int | None = None
     add_special_tokens: bool = True

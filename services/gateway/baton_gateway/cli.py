@@ -1,0 +1,143 @@
+"""``baton gateway``: the OpenAI-compatible HTTP server in front of decode workers.
+
+Imports no torch (the gateway image has none): the tokenizer comes from the model folder, the
+GGUF's converted folder, or the GGUF's own metadata. ``python -m baton_gateway.cli`` runs it
+without the rest of the ``baton`` command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import uvicorn
+
+DEFAULT_PORT = 8000
+DEFAULT_DECODE_ADDR = "127.0.0.1:50052"
+
+
+def add_parser(subparsers: Any) -> None:
+    """Register ``gateway`` on the ``baton`` command's subparsers."""
+    p = subparsers.add_parser(
+        "gateway",
+        help="start the OpenAI-compatible HTTP gateway",
+        description=__doc__,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    add_arguments(p)
+    p.set_defaults(func=run_gateway)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="HTTP port (0: any free one)")
+    p.add_argument(
+        "--decode-addr",
+        action="append",
+        default=None,
+        help=f"decode worker gRPC address (repeatable; default {DEFAULT_DECODE_ADDR})",
+    )
+    p.add_argument(
+        "--model", default=None, help="model path the tokenizer comes from (default: SmolLM2)"
+    )
+    p.add_argument(
+        "--served-model-name", default=None, help="model id clients use (default: the worker's)"
+    )
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("BATON_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1 routes (default: $BATON_API_KEY)",
+    )
+    p.add_argument(
+        "--max-model-len", type=int, default=None, help="context length (default: the worker's)"
+    )
+    p.add_argument(
+        "--connect-timeout",
+        type=float,
+        default=120.0,
+        help="seconds to wait for the decode workers at startup",
+    )
+    p.add_argument(
+        "--disable-uvicorn-access-log", action="store_true", help="no access log line per request"
+    )
+    p.add_argument("--uvicorn-log-level", default="info", help="uvicorn's log level")
+
+
+def run_gateway(args: argparse.Namespace) -> int:
+    """Load the tokenizer, connect to the workers, serve until SIGINT/SIGTERM; return 0.
+
+    Prints ``baton gateway ready on http://HOST:PORT`` once it accepts requests (launchers wait
+    for that line). Raises ModelLoadError if the tokenizer cannot be loaded.
+    """
+    from baton_engine.errors import InvalidRequestError
+    from baton_engine.model_files import load_model_tokenizer
+    from baton_gateway.server import GatewayConfig, create_app
+
+    if args.max_model_len is not None and args.max_model_len < 1:
+        raise InvalidRequestError("--max-model-len must be at least 1")
+    tokenizer = load_model_tokenizer(args.model)
+    config = GatewayConfig(
+        decode_addrs=tuple(args.decode_addr or [DEFAULT_DECODE_ADDR]),
+        model=args.model,
+        served_model_name=args.served_model_name,
+        api_key=args.api_key or None,
+        max_model_len=args.max_model_len,
+        connect_timeout_s=args.connect_timeout,
+    )
+    app = create_app(config, tokenizer)
+    uv_config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.uvicorn_log_level,
+        access_log=not args.disable_uvicorn_access_log,
+        # Open streams get this long to finish at shutdown; then they are cut (and their gRPC
+        # calls cancelled), so SIGTERM never hangs on a long generation.
+        timeout_graceful_shutdown=5,
+    )
+    server = _Server(uv_config)
+    server.run()
+    return 0 if server.started else 1
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, printing the ready line once it listens (port 0 resolved)."""
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        if not self.started or self.should_exit:
+            return
+        for server in self.servers:
+            for sock in server.sockets or []:
+                host, port = sock.getsockname()[:2]
+                host = f"[{host}]" if ":" in host else host
+                print(f"baton gateway ready on http://{host}:{port}", flush=True)
+                return
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m baton_gateway.cli [gateway] ARGS``: the gateway alone, without ``baton``."""
+    log_format = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+    logging.basicConfig(level=logging.INFO, format=log_format)
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    if args_list[:1] == ["gateway"]:
+        args_list = args_list[1:]
+    parser = argparse.ArgumentParser(prog="baton gateway", description=__doc__)
+    add_arguments(parser)
+    args = parser.parse_args(args_list)
+    from baton_engine.errors import BatonError
+
+    try:
+        return run_gateway(args)
+    except BatonError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

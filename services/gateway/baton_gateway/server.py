@@ -1,0 +1,181 @@
+"""The OpenAI-compatible HTTP server: routes, auth, errors, and the request pipeline.
+
+Every request: validate (pydantic; 400) -> check the model name (404) -> render the chat template
+and tokenize -> check prompt + max_tokens against ``max_model_len`` (400) -> one Generate call per
+sequence on the decode workers -> detokenize, stop strings -> a JSON body or SSE events.
+
+A client that disconnects gets its gRPC calls cancelled (the workers abort the requests): while
+a response is being prepared, a watcher on the ASGI ``receive`` channel cancels the handler; once
+streaming, :class:`~baton_gateway.streaming.SSEResponse` does the same.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import asynccontextmanager, suppress
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from baton_gateway.auth import ApiKeyMiddleware
+from baton_gateway.client import DecodePool
+from baton_gateway.errors import GatewayError, error_response
+from baton_gateway.metrics import GatewayMetrics
+from baton_gateway.pipeline import Pipeline
+from baton_gateway.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+)
+
+logger = logging.getLogger(__name__)
+
+# Not an HTTP status a client will see (it has gone): nginx's "client closed request".
+_CLIENT_CLOSED = 499
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    decode_addrs: tuple[str, ...]
+    model: str | None = None  # the model the tokenizer comes from; None: the default model
+    served_model_name: str | None = None  # None: the decode worker's model name
+    api_key: str | None = None
+    max_model_len: int | None = None  # None: the decode worker's
+    connect_timeout_s: float = 120.0
+
+
+def _json(status: int, body: Any) -> JSONResponse:
+    return JSONResponse(body.model_dump(), status_code=status)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """vLLM-like text for pydantic errors, and the first offending parameter."""
+    parts, param = [], None
+    for err in exc.errors():
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        if param is None and loc:
+            param = loc[0]
+        msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
+        parts.append(f"{'.'.join(loc)}: {msg}" if loc else msg)
+    return "; ".join(parts) or "invalid request", param
+
+
+async def _cancel_on_disconnect(request: Request, work: Awaitable[Response]) -> Response:
+    """Run ``work``; if the client disconnects first, cancel it (its ``finally`` blocks cancel
+    the gRPC calls) and answer 499 to no one."""
+    handler = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({handler, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not handler.done():
+            handler.cancel()
+            with suppress(asyncio.CancelledError):
+                await handler
+    if handler.cancelled():
+        return Response(status_code=_CLIENT_CLOSED)
+    return handler.result()
+
+
+class _AppState:
+    """What the routes use; set at startup (lifespan), before any request is served."""
+
+    pipeline: Pipeline
+    http: httpx.AsyncClient  # fetches the workers' metrics
+
+
+def create_app(config: GatewayConfig, tokenizer: Any) -> FastAPI:
+    """The ASGI app. Connecting to the workers happens at startup (lifespan), which fails if
+    they do not answer within ``config.connect_timeout_s``."""
+    state = _AppState()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        pool = DecodePool(config.decode_addrs)
+        http = httpx.AsyncClient()
+        try:
+            info = await pool.connect(config.connect_timeout_s)
+            name = config.served_model_name or info.model
+            max_model_len = config.max_model_len or info.max_model_len
+            if max_model_len > info.max_model_len:
+                logger.warning(
+                    "--max-model-len %d exceeds the decode worker's %d; using the worker's",
+                    max_model_len,
+                    info.max_model_len,
+                )
+                max_model_len = info.max_model_len
+            metrics = GatewayMetrics(name)
+            state.http = http
+            state.pipeline = Pipeline(
+                pool, tokenizer, name, max_model_len, info.vocab_size, metrics
+            )
+            logger.info("serving %s (max_model_len %d) via %s", name, max_model_len,
+                        ", ".join(config.decode_addrs))  # fmt: skip
+            yield
+        finally:
+            await pool.close()
+            await http.aclose()
+
+    app = FastAPI(title="Baton", lifespan=lifespan, docs_url=None, redoc_url=None)
+
+    @app.exception_handler(GatewayError)
+    async def _gateway_error(request: Request, exc: GatewayError) -> JSONResponse:
+        return _json(exc.status, exc.to_response())
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return _json(400, error_response(400, message, param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return _json(exc.status_code, error_response(exc.status_code, str(exc.detail)))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error on %s", request.url.path)
+        return _json(500, error_response(500, f"internal error: {type(exc).__name__}: {exc}"))
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if state.pipeline.pool.healthy else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        pipeline = state.pipeline
+        urls = {w.addr: w.info.metrics_url if w.info else "" for w in pipeline.pool.workers}
+        body = await pipeline.metrics.scrape(state.http, urls)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        name = state.pipeline.model_name
+        card = ModelCard(id=name, root=name, max_model_len=state.pipeline.max_model_len)
+        return _json(200, ModelList(data=[card]))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await _cancel_on_disconnect(request, state.pipeline.chat(body))
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await _cancel_on_disconnect(request, state.pipeline.completion(body))
+
+    if config.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+    return app

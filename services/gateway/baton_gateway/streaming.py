@@ -1,0 +1,213 @@
+"""Server-sent events for streamed completions.
+
+Chat: a first chunk per choice carries ``{"role": "assistant", "content": ""}``; then one chunk
+per delta with new text (or logprobs); a choice's last chunk carries its ``finish_reason``; with
+``stream_options.include_usage`` a final chunk with no choices carries the usage; then
+``data: [DONE]``. Text completions stream the same way (``echo`` sends the prompt text first).
+A failure after the response started is sent as an ``{"error": ...}`` event before ``[DONE]``.
+
+:class:`SSEResponse` cancels the stream as soon as the client disconnects (not only at the next
+write), and always closes it, so the gRPC calls behind it are cancelled right away.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from contextlib import aclosing, suppress
+from dataclasses import dataclass
+
+import anyio
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from baton_gateway.errors import GatewayError
+from baton_gateway.generation import Generation, SequenceDelta
+from baton_gateway.protocol import (
+    ChatCompletionResponseStreamChoice,
+    ChatCompletionStreamResponse,
+    CompletionLogProbs,
+    CompletionResponseChoice,
+    CompletionStreamResponse,
+    DeltaMessage,
+    UsageInfo,
+)
+from baton_gateway.responses import TokenTexts, chat_logprobs, completion_logprobs, usage_info
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse_event(payload: str) -> str:
+    """One SSE event carrying ``payload`` (JSON, which has no raw newlines)."""
+    return f"data: {payload}\n\n"
+
+
+class SSEResponse(StreamingResponse):
+    """A ``text/event-stream`` response over an async generator of events.
+
+    The generator is cancelled when the client disconnects (Starlette alone would notice only
+    when a write fails, which may be long after when tokens are slow) and closed however the
+    response ends, so its ``finally`` blocks run before this returns.
+    """
+
+    media_type = "text/event-stream"
+
+    def __init__(
+        self, events: AsyncGenerator[str, None], on_close: Callable[[], Awaitable[None]]
+    ) -> None:
+        super().__init__(events, headers={"Cache-Control": "no-cache"})
+        self._events = events
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+
+                async def stream_then_stop() -> None:
+                    with suppress(OSError):  # the client went away mid-write
+                        await self.stream_response(send)
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(stream_then_stop)
+                await self.listen_for_disconnect(receive)
+                tg.cancel_scope.cancel()
+        finally:
+            # Closing a generator that never started skips its finally blocks: hence on_close.
+            await self._events.aclose()
+            await self._on_close()
+
+
+@dataclass(slots=True)
+class StreamOutcome:
+    """How a stream ended, for metrics: "ok", "error", or "cancelled" (client disconnect)."""
+
+    status: str = "cancelled"
+
+
+@dataclass(frozen=True, slots=True)
+class StreamContext:
+    """What every chunk of one response shares."""
+
+    request_id: str
+    created: int
+    model: str
+    num_choices: int  # all choices (prompts x n)
+    num_prompt_tokens: int
+    include_usage: bool
+    continuous_usage: bool
+    texts: TokenTexts | None  # None: no logprobs
+
+
+async def _chain(
+    first: SequenceDelta | None, rest: AsyncIterator[SequenceDelta]
+) -> AsyncIterator[SequenceDelta]:
+    if first is not None:
+        yield first
+    async for delta in rest:
+        yield delta
+
+
+def _error_event(error: GatewayError) -> str:
+    return sse_event(error.to_response().model_dump_json())
+
+
+async def chat_stream(
+    ctx: StreamContext,
+    generation: Generation,
+    first: SequenceDelta | None,
+    rest: AsyncGenerator[SequenceDelta, None],
+    outcome: StreamOutcome,
+) -> AsyncGenerator[str, None]:
+    """The SSE events of a streamed chat completion. ``first`` was already taken from ``rest``
+    (so that a failure to start is answered with a proper HTTP status); ``outcome`` is set when
+    the stream ends."""
+
+    def event(choices: list[ChatCompletionResponseStreamChoice], usage: UsageInfo | None) -> str:
+        chunk = ChatCompletionStreamResponse(
+            id=ctx.request_id, created=ctx.created, model=ctx.model, choices=choices, usage=usage
+        )
+        return sse_event(chunk.model_dump_json())
+
+    async with aclosing(rest):
+        for index in range(ctx.num_choices):
+            role = DeltaMessage(role="assistant", content="")
+            usage = usage_info(generation, ctx.num_prompt_tokens) if ctx.continuous_usage else None
+            yield event([ChatCompletionResponseStreamChoice(index=index, delta=role)], usage)
+        try:
+            async for delta in _chain(first, rest):
+                logprobs = None
+                if ctx.texts is not None and delta.logprobs:
+                    logprobs = chat_logprobs(ctx.texts, delta.logprobs)
+                if not delta.text and logprobs is None and delta.finish_reason is None:
+                    continue  # held back: nothing to show yet
+                choice = ChatCompletionResponseStreamChoice(
+                    index=delta.index,
+                    delta=DeltaMessage(content=delta.text) if delta.text else DeltaMessage(),
+                    logprobs=logprobs,
+                    finish_reason=delta.finish_reason,
+                    stop_reason=delta.stop_reason,
+                )
+                usage = None
+                if ctx.continuous_usage:
+                    usage = usage_info(generation, ctx.num_prompt_tokens)
+                yield event([choice], usage)
+        except GatewayError as e:
+            outcome.status = "error"
+            yield _error_event(e)
+            yield SSE_DONE
+            return
+        if ctx.include_usage:
+            yield event([], usage_info(generation, ctx.num_prompt_tokens))
+        outcome.status = "ok"
+        yield SSE_DONE
+
+
+async def completion_stream(
+    ctx: StreamContext,
+    generation: Generation,
+    echo: dict[int, str],
+    first: SequenceDelta | None,
+    rest: AsyncGenerator[SequenceDelta, None],
+    outcome: StreamOutcome,
+) -> AsyncGenerator[str, None]:
+    """The SSE events of a streamed text completion; ``echo`` maps a choice index to the
+    prompt text sent before its generated text. Otherwise as :func:`chat_stream`."""
+
+    def event(choices: list[CompletionResponseChoice], usage: UsageInfo | None) -> str:
+        chunk = CompletionStreamResponse(
+            id=ctx.request_id, created=ctx.created, model=ctx.model, choices=choices, usage=usage
+        )
+        return sse_event(chunk.model_dump_json())
+
+    offsets = {index: len(text) for index, text in echo.items()}
+    async with aclosing(rest):
+        for index, text in sorted(echo.items()):
+            yield event([CompletionResponseChoice(index=index, text=text)], None)
+        try:
+            async for delta in _chain(first, rest):
+                logprobs: CompletionLogProbs | None = None
+                if ctx.texts is not None and delta.logprobs:
+                    logprobs, offsets[delta.index] = completion_logprobs(
+                        ctx.texts, delta.logprobs, offsets.get(delta.index, 0)
+                    )
+                if not delta.text and logprobs is None and delta.finish_reason is None:
+                    continue
+                choice = CompletionResponseChoice(
+                    index=delta.index,
+                    text=delta.text,
+                    logprobs=logprobs,
+                    finish_reason=delta.finish_reason,
+                    stop_reason=delta.stop_reason,
+                )
+                usage = None
+                if ctx.continuous_usage:
+                    usage = usage_info(generation, ctx.num_prompt_tokens)
+                yield event([choice], usage)
+        except GatewayError as e:
+            outcome.status = "error"
+            yield _error_event(e)
+            yield SSE_DONE
+            return
+        if ctx.include_usage:
+            yield event([], usage_info(generation, ctx.num_prompt_tokens))
+        outcome.status = "ok"
+        yield SSE_DONE

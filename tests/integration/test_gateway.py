@@ -1,0 +1,438 @@
+"""The OpenAI API of ``baton serve``, driven by the official ``openai`` SDK (sync and async).
+
+All tests share one ``baton serve`` (see conftest.py). Greedy requests (temperature 0) are
+deterministic, so streamed and non-streamed results must match exactly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from openai import AsyncOpenAI, OpenAI
+from openai.types.chat import ChatCompletionMessageParam
+
+pytestmark = pytest.mark.integration
+
+MODEL = "SmolLM2-135M-Instruct"
+QUESTION: list[ChatCompletionMessageParam] = [
+    {"role": "user", "content": "What is the capital of France? Answer in a sentence."}
+]
+STORY: list[ChatCompletionMessageParam] = [
+    {"role": "user", "content": "Write a short story about a dragon who learns to fly."}
+]
+
+
+@pytest.fixture(scope="module")
+def client(baton_server: Any) -> Iterator[OpenAI]:
+    with OpenAI(base_url=baton_server.base_url, api_key=baton_server.api_key, max_retries=0) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def http(baton_server: Any) -> Iterator[httpx.Client]:
+    headers = {"Authorization": f"Bearer {baton_server.api_key}"}
+    with httpx.Client(base_url=baton_server.root_url, headers=headers, timeout=60) as c:
+        yield c
+
+
+def _wait_for(predicate: Callable[[], bool], timeout_s: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.1)
+
+
+def _metric(http: httpx.Client, name: str, **labels: str) -> list[float]:
+    """Values of every sample of ``name`` whose labels include ``labels``."""
+    values = []
+    for line in http.get("/metrics").text.splitlines():
+        if not line.startswith(name + "{"):
+            continue
+        found = dict(re.findall(r'(\w+)="([^"]*)"', line[: line.rindex("}")]))
+        if all(found.get(k) == v for k, v in labels.items()):
+            values.append(float(line.rsplit(" ", 1)[1]))
+    return values
+
+
+def _chat_stream(client: OpenAI, **kwargs: Any) -> tuple[dict[int, str], dict[int, str], Any]:
+    """Streamed chat: text and finish reason per choice index, and the usage chunk (or None)."""
+    texts: dict[int, str] = {}
+    reasons: dict[int, str] = {}
+    usage = None
+    first = True
+    for chunk in client.chat.completions.create(model=MODEL, stream=True, **kwargs):
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            if first:
+                assert choice.delta.role == "assistant"
+            first = False
+            texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+            if choice.finish_reason is not None:
+                assert choice.index not in reasons, "two finish reasons for one choice"
+                reasons[choice.index] = choice.finish_reason
+    return texts, reasons, usage
+
+
+# ---------------------------------------------------------------------------------------------
+# Models, chat and completions
+
+
+def test_models(client: OpenAI) -> None:
+    models = client.models.list().data
+    assert [m.id for m in models] == [MODEL]
+    assert models[0].model_extra is not None and models[0].model_extra["max_model_len"] == 512
+
+
+def test_chat_streaming_equals_non_streaming(client: OpenAI) -> None:
+    full = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, temperature=0, max_tokens=40
+    )
+    choice = full.choices[0]
+    assert full.object == "chat.completion" and choice.message.role == "assistant"
+    assert "Paris" in (choice.message.content or "")
+    assert choice.finish_reason in ("stop", "length")
+    assert full.usage is not None
+    usage = full.usage
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    texts, reasons, stream_usage = _chat_stream(
+        client,
+        messages=QUESTION,
+        temperature=0,
+        max_tokens=40,
+        stream_options={"include_usage": True},
+    )
+    assert texts == {0: choice.message.content} and reasons == {0: choice.finish_reason}
+    assert stream_usage is not None
+    assert (stream_usage.prompt_tokens, stream_usage.completion_tokens) == (
+        usage.prompt_tokens,
+        usage.completion_tokens,
+    )
+
+
+def test_completion_streaming_equals_non_streaming(client: OpenAI) -> None:
+    kwargs: dict[str, Any] = {"model": MODEL, "prompt": "The sky is", "temperature": 0}
+    full = client.completions.create(max_tokens=24, **kwargs)
+    assert full.object == "text_completion" and full.usage is not None
+    assert full.usage.completion_tokens <= 24
+    text, reason, usage = "", None, None
+    stream = client.completions.create(
+        max_tokens=24, stream=True, stream_options={"include_usage": True}, **kwargs
+    )
+    for chunk in stream:
+        usage = chunk.usage or usage
+        for c in chunk.choices:
+            text += c.text
+            reason = c.finish_reason or reason
+    assert text == full.choices[0].text and reason == full.choices[0].finish_reason
+    assert usage is not None and usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_n_choices(client: OpenAI) -> None:
+    full = client.chat.completions.create(
+        model=MODEL, messages=STORY, n=2, seed=7, temperature=1.0, max_tokens=12
+    )
+    assert sorted(c.index for c in full.choices) == [0, 1]
+    assert all(c.message.content for c in full.choices)
+    assert full.usage is not None and full.usage.completion_tokens <= 24
+    texts, reasons, _ = _chat_stream(
+        client, messages=STORY, n=2, seed=7, temperature=1.0, max_tokens=12
+    )
+    assert sorted(texts) == [0, 1] and sorted(reasons) == [0, 1]
+    # The same seeds give the same choices, streamed or not.
+    assert texts == {c.index: c.message.content for c in full.choices}
+
+
+def test_stop_strings_never_leak(client: OpenAI) -> None:
+    base = client.chat.completions.create(model=MODEL, messages=STORY, temperature=0, max_tokens=60)
+    text = base.choices[0].message.content or ""
+    assert len(text) > 40, text
+    # A stop string from the middle of the greedy output, likely spanning token boundaries.
+    stop = text[20:26]
+    expected = text[: text.index(stop)]
+    full = client.chat.completions.create(
+        model=MODEL, messages=STORY, temperature=0, max_tokens=60, stop=[stop, "\x00never"]
+    )
+    choice = full.choices[0]
+    assert choice.message.content == expected
+    assert choice.finish_reason == "stop"
+    assert choice.model_extra is not None and choice.model_extra["stop_reason"] == stop
+    assert full.usage is not None and full.usage.completion_tokens < 60
+    pieces = []
+    for chunk in client.chat.completions.create(
+        model=MODEL, messages=STORY, temperature=0, max_tokens=60, stop=stop, stream=True
+    ):
+        pieces += [c.delta.content or "" for c in chunk.choices]
+    assert "".join(pieces) == expected
+    assert stop not in "".join(pieces)
+    # include_stop_str_in_output keeps it (vLLM's extra).
+    kept = client.chat.completions.create(
+        model=MODEL,
+        messages=STORY,
+        temperature=0,
+        max_tokens=60,
+        stop=stop,
+        extra_body={"include_stop_str_in_output": True},
+    )
+    assert kept.choices[0].message.content == expected + stop
+
+
+def test_seed_is_reproducible(client: OpenAI) -> None:
+    def run() -> str:
+        out = client.chat.completions.create(
+            model=MODEL, messages=STORY, temperature=1.0, seed=1234, max_tokens=16
+        )
+        return out.choices[0].message.content or ""
+
+    assert run() == run()
+
+
+def test_chat_logprobs(client: OpenAI) -> None:
+    full = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, temperature=0, max_tokens=8, logprobs=True, top_logprobs=3
+    )
+    assert full.usage is not None
+    content = full.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and len(content) == full.usage.completion_tokens
+    for entry in content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
+        assert entry.token == entry.top_logprobs[0].token  # greedy: the most likely token
+        assert entry.bytes == list(entry.token.encode())
+    streamed: list[Any] = []
+    for chunk in client.chat.completions.create(
+        model=MODEL,
+        messages=QUESTION,
+        temperature=0,
+        max_tokens=8,
+        logprobs=True,
+        top_logprobs=3,
+        stream=True,
+    ):
+        for c in chunk.choices:
+            if c.logprobs is not None and c.logprobs.content:
+                streamed += c.logprobs.content
+    assert [e.token for e in streamed] == [e.token for e in content]
+
+
+def test_completion_logprobs(client: OpenAI) -> None:
+    out = client.completions.create(
+        model=MODEL, prompt="One, two, three,", temperature=0, max_tokens=6, logprobs=2
+    )
+    lp = out.choices[0].logprobs
+    assert lp is not None and lp.tokens is not None and lp.top_logprobs is not None
+    assert out.usage is not None and len(lp.tokens) == out.usage.completion_tokens
+    assert "".join(lp.tokens) == out.choices[0].text
+    assert lp.text_offset is not None and lp.text_offset == sorted(lp.text_offset)
+    for token, top in zip(lp.tokens, lp.top_logprobs, strict=True):
+        assert top is not None and token in top and len(top) >= 2
+
+
+def test_max_tokens_and_vllm_extras(client: OpenAI) -> None:
+    out = client.chat.completions.create(
+        model=MODEL,
+        messages=QUESTION,
+        max_tokens=7,
+        extra_body={"ignore_eos": True, "top_k": 5, "min_p": 0.05, "repetition_penalty": 1.1},
+    )
+    assert out.usage is not None and out.usage.completion_tokens == 7
+    assert out.choices[0].finish_reason == "length"
+    out = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, temperature=0, max_completion_tokens=3
+    )
+    assert out.usage is not None and out.usage.completion_tokens == 3
+    # min_tokens keeps EOS away: the short answer to QUESTION would stop well before 30.
+    out = client.chat.completions.create(
+        model=MODEL,
+        messages=QUESTION,
+        temperature=0,
+        max_tokens=30,
+        extra_body={"min_tokens": 30},
+    )
+    assert out.usage is not None and out.usage.completion_tokens == 30
+
+
+def test_completion_prompt_forms_and_echo(client: OpenAI, baton_server: Any) -> None:
+    text_out = client.completions.create(
+        model=MODEL, prompt="Hello, my name is", temperature=0, max_tokens=8
+    )
+    assert text_out.usage is not None
+    num_prompt = text_out.usage.prompt_tokens
+    from baton_engine.model_files import load_model_tokenizer
+
+    ids = load_model_tokenizer(None).encode("Hello, my name is")
+    assert len(ids) == num_prompt
+    ids_out = client.completions.create(model=MODEL, prompt=ids, temperature=0, max_tokens=8)
+    assert ids_out.choices[0].text == text_out.choices[0].text
+    many = client.completions.create(
+        model=MODEL, prompt=["Hello, my name is", "The sky is"], temperature=0, max_tokens=8
+    )
+    assert sorted(c.index for c in many.choices) == [0, 1]
+    assert many.choices[0].text == text_out.choices[0].text
+    assert many.usage is not None and many.usage.prompt_tokens > num_prompt
+    lists = client.completions.create(model=MODEL, prompt=[ids, ids], temperature=0, max_tokens=8)
+    assert [c.text for c in lists.choices] == [text_out.choices[0].text] * 2
+    echo = client.completions.create(
+        model=MODEL, prompt="Hello, my name is", temperature=0, max_tokens=8, echo=True
+    )
+    assert echo.choices[0].text == "Hello, my name is" + text_out.choices[0].text
+
+
+def test_async_client_and_32_concurrent_streams(baton_server: Any) -> None:
+    async def main() -> None:
+        async with AsyncOpenAI(
+            base_url=baton_server.base_url, api_key=baton_server.api_key, max_retries=0
+        ) as aclient:
+            full = await aclient.chat.completions.create(
+                model=MODEL, messages=QUESTION, temperature=0, max_tokens=16
+            )
+            assert full.choices[0].message.content
+
+            async def one(i: int) -> tuple[str, str | None, int]:
+                stream = await aclient.chat.completions.create(
+                    model=MODEL,
+                    messages=[{"role": "user", "content": f"Count from {i} to {i + 20}."}],
+                    max_tokens=16,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                    extra_body={"ignore_eos": True},
+                )
+                text, reason, tokens = "", None, -1
+                async for chunk in stream:
+                    if chunk.usage is not None:
+                        tokens = chunk.usage.completion_tokens
+                    for c in chunk.choices:
+                        text += c.delta.content or ""
+                        reason = c.finish_reason or reason
+                return text, reason, tokens
+
+            results = await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(32))), 180)
+            for text, reason, tokens in results:
+                assert text and reason == "length" and tokens == 16
+
+    asyncio.run(main())
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors, auth, disconnects, metrics
+
+
+def _assert_error(exc: openai.APIStatusError, status: int) -> None:
+    assert exc.status_code == status
+    body = exc.response.json()
+    assert set(body["error"]) >= {"message", "type", "param", "code"}
+    assert body["error"]["code"] == status and body["error"]["message"]
+
+
+def test_error_statuses(client: OpenAI, http: httpx.Client) -> None:
+    with pytest.raises(openai.NotFoundError) as nf:
+        client.chat.completions.create(model="no-such-model", messages=QUESTION)
+    _assert_error(nf.value, 404)
+    for bad in (
+        {"temperature": -1},
+        {"top_p": 0},
+        {"n": 0},
+        {"max_tokens": 0},
+        {"logprobs": True, "top_logprobs": 21},
+        {"top_logprobs": 2},  # without logprobs
+        {"stream_options": {"include_usage": True}},  # without stream
+    ):
+        with pytest.raises(openai.BadRequestError) as br:
+            client.chat.completions.create(model=MODEL, messages=QUESTION, **bad)
+        _assert_error(br.value, 400)
+    with pytest.raises(openai.BadRequestError) as too_long:
+        client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=600)
+    _assert_error(too_long.value, 400)
+    assert "maximum context length is 512" in too_long.value.message
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt="word " * 600, max_tokens=1)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt=[10**7], max_tokens=1)
+    malformed = http.post(
+        "/v1/chat/completions",
+        content=b'{"model": "x", "messages": [',
+        headers={"content-type": "application/json"},
+    )
+    assert malformed.status_code == 400 and malformed.json()["error"]["code"] == 400
+    not_object = http.post("/v1/completions", json=[1, 2, 3])
+    assert not_object.status_code == 400
+    # Still serving.
+    ok = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=4)
+    assert ok.choices[0].message.content
+
+
+def test_api_key_required(baton_server: Any) -> None:
+    for key in ("wrong-key", None):
+        headers = {} if key is None else {"Authorization": f"Bearer {key}"}
+        resp = httpx.post(
+            f"{baton_server.base_url}/chat/completions",
+            json={"model": MODEL, "messages": QUESTION},
+            headers=headers,
+        )
+        assert resp.status_code == 401
+        assert resp.json()["error"]["code"] == 401
+        models = httpx.get(f"{baton_server.base_url}/models", headers=headers)
+        assert models.status_code == 401
+    bad = OpenAI(base_url=baton_server.base_url, api_key="wrong", max_retries=0)
+    with bad, pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+    # Like vLLM, /health and /metrics stay open.
+    assert httpx.get(f"{baton_server.root_url}/health").status_code == 200
+    assert httpx.get(f"{baton_server.root_url}/metrics").status_code == 200
+
+
+def test_disconnect_mid_stream_cancels_on_the_worker(
+    client: OpenAI, http: httpx.Client, baton_server: Any
+) -> None:
+    worker = baton_server.decode_addr
+    assert worker
+    cancelled_before = sum(_metric(http, "baton:gateway_requests_total", status="cancelled"))
+    body = {
+        "model": MODEL,
+        "messages": STORY,
+        "max_tokens": 400,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with http.stream("POST", "/v1/chat/completions", json=body) as resp:
+        assert resp.status_code == 200
+        chunks = []
+        for line in resp.iter_lines():
+            if line.startswith("data: "):
+                chunks.append(json.loads(line.removeprefix("data: ")))
+            if len(chunks) >= 4:
+                break
+        assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+        _wait_for(lambda: _metric(http, "baton:num_requests_running", worker=worker) == [1.0])
+    # 400 tokens take many seconds; the worker must drop the request well before that.
+    _wait_for(lambda: _metric(http, "baton:num_requests_running", worker=worker) == [0.0], 6)
+    _wait_for(
+        lambda: (
+            sum(_metric(http, "baton:gateway_requests_total", status="cancelled"))
+            > cancelled_before
+        ),
+        5,
+    )
+    # The same for a non-streamed request whose client gives up waiting.
+    with pytest.raises(httpx.ReadTimeout):
+        http.post("/v1/chat/completions", json={**body, "stream": False}, timeout=1.5)
+    _wait_for(lambda: _metric(http, "baton:num_requests_running", worker=worker) == [0.0], 6)
+    ok = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=4)
+    assert ok.choices[0].message.content
+
+
+def test_metrics_include_workers(http: httpx.Client, baton_server: Any) -> None:
+    text = http.get("/metrics").text
+    worker = f'worker="{baton_server.decode_addr}"'
+    for name in ("baton:num_requests_running", "baton:num_requests_waiting"):
+        assert any(line.startswith(name + "{") and worker in line for line in text.splitlines())
+    assert "baton:gateway_time_to_first_token_seconds_bucket" in text
+    assert "baton:gateway_e2e_request_latency_seconds_count" in text
+    assert _metric(http, "baton:gateway_requests_total", endpoint="chat", status="ok")

@@ -1,0 +1,109 @@
+"""The gateway imports and serves without torch.
+
+A second gateway runs in a Python where torch cannot be found (a meta-path finder hides it, so
+``import torch`` raises ImportError and transformers believes it is not installed), with an
+empty model cache so the tokenizer must come straight from the GGUF file. It fronts the shared
+``baton serve``'s decode worker and serves a chat request end to end.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from openai import OpenAI
+
+pytestmark = pytest.mark.integration
+
+NO_TORCH = r"""
+import importlib.abc, importlib.machinery, sys
+
+class HideTorch(importlib.abc.MetaPathFinder):
+    # Stands in for the path finder: torch is not found, everything else is.
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+            return None
+        return importlib.machinery.PathFinder.find_spec(name, path, target)
+
+    def find_distributions(self, *args, **kwargs):
+        return importlib.machinery.PathFinder.find_distributions(*args, **kwargs)
+
+    def invalidate_caches(self):
+        importlib.machinery.PathFinder.invalidate_caches()
+
+sys.meta_path[:] = [
+    HideTorch() if f is importlib.machinery.PathFinder else f for f in sys.meta_path
+]
+try:
+    import torch
+except ImportError:
+    pass
+else:
+    raise SystemExit("torch is still importable")
+from baton.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+READY = re.compile(r"baton gateway ready on (http://\S+)")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_gateway_serves_without_torch(baton_server: Any, tmp_path: Path) -> None:
+    env = dict(os.environ, BATON_CACHE_DIR=str(tmp_path / "empty-cache"))
+    env.pop("BATON_API_KEY", None)
+    cmd = [sys.executable, "-c", NO_TORCH, "gateway", "--port", str(_free_port())]
+    cmd += ["--decode-addr", baton_server.decode_addr, "--disable-uvicorn-access-log"]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
+    lines: list[str] = []
+    ready = threading.Event()
+    url: list[str] = []
+
+    def drain() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if m := READY.search(line):
+                url.append(m.group(1))
+                ready.set()
+
+    threading.Thread(target=drain, daemon=True).start()
+    try:
+        deadline = time.monotonic() + 120
+        while not ready.wait(0.2):
+            assert proc.poll() is None, "".join(lines)
+            assert time.monotonic() < deadline, "".join(lines)
+        with OpenAI(base_url=url[0] + "/v1", api_key="unused", max_retries=0) as client:
+            out = client.chat.completions.create(
+                model="SmolLM2-135M-Instruct",
+                messages=[{"role": "user", "content": "What is the capital of France?"}],
+                temperature=0,
+                max_tokens=12,
+            )
+        assert "Paris" in (out.choices[0].message.content or "")
+        # The tokenizer came from the GGUF itself: nothing was converted into the empty cache.
+        assert not (tmp_path / "empty-cache").exists()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    # uvicorn re-raises the signal it stopped on once it has shut down cleanly.
+    assert proc.returncode in (0, -signal.SIGTERM), "".join(lines[-40:])
+    assert "Application shutdown complete" in "".join(lines)

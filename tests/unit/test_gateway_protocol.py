@@ -1,0 +1,199 @@
+"""The gateway's OpenAI models, proto codec, length check and error mapping (no server)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import grpc
+import pytest
+from pydantic import ValidationError
+
+from baton.v1 import common_pb2, engine_pb2
+from baton_gateway import codec
+from baton_gateway.client import rpc_error
+from baton_gateway.errors import GatewayError, error_response
+from baton_gateway.pipeline import check_length
+from baton_gateway.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponseStreamChoice,
+    ChatCompletionStreamResponse,
+    CompletionRequest,
+    DeltaMessage,
+)
+from baton_gateway.streaming import SSE_DONE, sse_event
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+def chat(**kwargs: Any) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"messages": MESSAGES, **kwargs})
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"temperature": -0.5},
+        {"top_p": 0},
+        {"top_p": 1.5},
+        {"n": 0},
+        {"max_tokens": 0},
+        {"max_completion_tokens": 0},
+        {"presence_penalty": 3},
+        {"logprobs": True, "top_logprobs": 21},
+        {"top_logprobs": 2},
+        {"stream_options": {"include_usage": True}},
+        {"min_p": 1.5},
+        {"top_k": -2},
+        {"repetition_penalty": 0},
+        {"min_tokens": -1},
+        {"stop_token_ids": [-1]},
+        {"logit_bias": {"1": 2.0}},
+        {"response_format": {"type": "json_object"}},
+        {"messages": []},
+    ],
+)
+def test_chat_rejects_out_of_range(bad: dict[str, Any]) -> None:
+    with pytest.raises(ValidationError):
+        chat(**bad)
+
+
+def test_chat_accepts_vllm_extras_and_ignores_unknown_fields() -> None:
+    req = chat(
+        top_k=5,
+        min_p=0.1,
+        ignore_eos=True,
+        min_tokens=3,
+        repetition_penalty=1.2,
+        skip_special_tokens=False,
+        include_stop_str_in_output=True,
+        stop="x",
+        some_future_openai_field={"a": 1},
+        max_tokens=10,
+        max_completion_tokens=4,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    assert (req.top_k, req.min_p, req.ignore_eos, req.min_tokens) == (5, 0.1, True, 3)
+    assert req.stop_strings == ["x"] and req.requested_max_tokens == 4 and req.num_logprobs == 2
+    assert chat(logprobs=True).num_logprobs == 0 and chat().num_logprobs is None
+
+
+@pytest.mark.parametrize(
+    ("prompt", "ok"),
+    [
+        ("text", True),
+        (["a", "b"], True),
+        ([1, 2, 3], True),
+        ([[1, 2], [3]], True),
+        ([], False),
+        ([[]], False),
+        ([1, "a"], False),
+        ([-1], False),
+    ],
+)
+def test_completion_prompt_forms(prompt: Any, ok: bool) -> None:
+    if ok:
+        assert CompletionRequest(prompt=prompt).prompt == prompt
+    else:
+        with pytest.raises(ValidationError):
+            CompletionRequest(prompt=prompt)
+
+
+def test_completion_rejects_unsupported() -> None:
+    for bad in ({"suffix": "x"}, {"best_of": 3}, {"echo": True, "logprobs": 1}, {"logprobs": 21}):
+        with pytest.raises(ValidationError):
+            CompletionRequest.model_validate({"prompt": "x", **bad})
+    assert CompletionRequest(prompt="x").max_tokens == 16  # OpenAI's default
+
+
+def test_stream_chunk_json_shape() -> None:
+    role = ChatCompletionResponseStreamChoice(index=0, delta=DeltaMessage(role="assistant"))
+    last = ChatCompletionResponseStreamChoice(index=1, delta=DeltaMessage(), finish_reason="stop")
+    chunk = ChatCompletionStreamResponse(id="c", created=1, model="m", choices=[role, last])
+    event = sse_event(chunk.model_dump_json())
+    assert event.startswith("data: {") and event.endswith("}\n\n") and "\n" not in event[:-2]
+    body = json.loads(event.removeprefix("data: "))
+    assert body["object"] == "chat.completion.chunk"
+    assert body["choices"][0]["delta"] == {"role": "assistant"}
+    assert body["choices"][0]["finish_reason"] is None
+    assert body["choices"][1]["delta"] == {} and body["choices"][1]["finish_reason"] == "stop"
+    assert SSE_DONE == "data: [DONE]\n\n"
+
+
+def test_error_body() -> None:
+    body = error_response(404, "The model `x` does not exist.", "model").model_dump()
+    assert body == {
+        "error": {
+            "message": "The model `x` does not exist.",
+            "type": "NotFoundError",
+            "param": "model",
+            "code": 404,
+        }
+    }
+    assert GatewayError(400, "bad").to_response().error.type == "BadRequestError"
+
+
+def test_check_length() -> None:
+    assert check_length(10, None, 512) == 502
+    assert check_length(10, 502, 512) == 502
+    with pytest.raises(GatewayError, match=r"maximum context length is 512 tokens.*10 in the"):
+        check_length(10, 503, 512)
+    with pytest.raises(GatewayError, match="your request has 512 input tokens"):
+        check_length(512, None, 512)
+    with pytest.raises(GatewayError, match="empty"):
+        check_length(0, 5, 512)
+
+
+def test_sampling_params_are_all_explicit() -> None:
+    pb = codec.sampling_params(chat(), max_tokens=7, seed=None)
+    assert (pb.temperature, pb.top_p, pb.top_k, pb.min_p) == (1.0, 1.0, 0, 0.0)
+    assert (pb.repetition_penalty, pb.max_tokens, pb.min_tokens) == (1.0, 7, 0)
+    assert not pb.HasField("seed") and not pb.HasField("logprobs")
+    req = chat(temperature=0, top_p=0.5, top_k=-1, min_p=0.2, repetition_penalty=1.3,
+               stop_token_ids=[5], ignore_eos=True, logprobs=True, top_logprobs=4)  # fmt: skip
+    pb = codec.sampling_params(req, max_tokens=3, seed=42)
+    assert (pb.temperature, pb.top_p, pb.top_k) == (0.0, 0.5, 0)
+    assert pb.min_p == pytest.approx(0.2) and pb.repetition_penalty == pytest.approx(1.3)
+    assert list(pb.stop_token_ids) == [5] and pb.ignore_eos and pb.seed == 42
+    assert pb.logprobs == 4
+    completion = CompletionRequest(prompt="x", logprobs=0)
+    assert codec.sampling_params(completion, 1, None).logprobs == 0
+
+
+def test_generate_chunk_decoding() -> None:
+    lp = common_pb2.TokenLogprobs(token_ids=[7, 7, 9], logprobs=[-0.1, -0.1, -2.5], rank=1)
+    pb = engine_pb2.GenerateResponse(
+        token_ids=[7],
+        logprobs=[lp],
+        finish_reason=common_pb2.FINISH_REASON_STOP,
+        stop_token_id=3,
+        num_prompt_tokens=5,
+        num_cached_tokens=4,
+    )
+    chunk = codec.generate_chunk(pb)
+    assert chunk.token_ids == [7] and chunk.finish_reason == "stop" and chunk.stop_token_id == 3
+    assert chunk.logprobs is not None
+    (top_id, top_lp), second = chunk.logprobs[0].top
+    assert top_id == 7 and top_lp == pytest.approx(-0.1) and second == (9, -2.5)
+    running = codec.generate_chunk(engine_pb2.GenerateResponse(token_ids=[1, 2]))
+    assert running.finish_reason is None and running.stop_token_id is None
+    assert running.logprobs is None
+
+
+@pytest.mark.parametrize(
+    ("code", "status"),
+    [
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, 503),
+        (grpc.StatusCode.UNAVAILABLE, 503),
+        (grpc.StatusCode.INVALID_ARGUMENT, 400),
+        (grpc.StatusCode.DEADLINE_EXCEEDED, 504),
+        (grpc.StatusCode.INTERNAL, 500),
+    ],
+)
+def test_rpc_error_mapping(code: grpc.StatusCode, status: int) -> None:
+    md = grpc.aio.Metadata()
+    err = rpc_error(grpc.aio.AioRpcError(code, md, md, details="the reason"), "w:1")
+    assert err.status == status and "the reason" in err.message
+    if status == 400:
+        assert err.message == "the reason"  # the engine's message is meant for the client
