@@ -5,7 +5,7 @@ STAMP := .install-stamp
 # torch is pinned so pip takes the local CPU build; a loose pin pulls a multi-GB CUDA build.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: install demo test test-all lint protos clean bench-throughput
+.PHONY: install serve demo test lint protos clean bench-throughput
 
 $(STAMP): pyproject.toml Makefile
 	$(PIP) install --quiet --disable-pip-version-check "$(TORCH_PIN)"
@@ -14,6 +14,9 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 install: $(STAMP)
+
+serve: $(STAMP)
+	baton serve
 
 demo: $(STAMP)
 	baton generate
