@@ -80,6 +80,11 @@ class ModelConfig:
             )
         num_heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
+        # transformers >= 5 writes `rope_parameters` (theta and scaling together); older
+        # configs have `rope_theta` and `rope_scaling`.
+        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        rope_theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
         eos = cfg.get("eos_token_id")
         eos_ids: tuple[int, ...] = (
             () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
@@ -94,8 +99,8 @@ class ModelConfig:
             num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
             head_dim=int(cfg.get("head_dim") or hidden // num_heads),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
-            rope_theta=float(cfg.get("rope_theta", 10000.0)),
-            rope_scaling=cfg.get("rope_scaling"),
+            rope_theta=rope_theta,
+            rope_scaling=rope if rope_type != "default" else None,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
