@@ -16,6 +16,7 @@ DTYPES = [torch.float32, torch.bfloat16]
 HEAD_SIZES = [64, 128]
 BLOCK_SIZES = [4, 16]
 NUM_LAYERS = 3  # the pool is block-major over layers; the test uses the middle one
+BACKENDS = ["torch", "cpu"]  # "cpu" is the C++ decode kernel; CI builds it (gcc, ninja)
 TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 2e-2)}
 
 
@@ -94,23 +95,24 @@ def build_step(
     return md, cache, ks, vs
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", HEAD_SIZES)
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
-def test_torch_backend_matches_reference(
-    dtype: torch.dtype, head_dim: int, block_size: int
+def test_backend_matches_reference(
+    backend: str, dtype: torch.dtype, head_dim: int, block_size: int
 ) -> None:
     num_heads, num_kv_heads = 6, 2
     # decodes (various lengths), fresh prefills of equal length (batched), fresh of another
     # length, and chunks with cached context
-    specs = [(0, 1), (7, 1), (40, 1), (0, 9), (0, 9), (0, 5), (12, 6), (33, 17)]
-    md, cache, ks, vs = build_step(specs, block_size, 64, dtype, head_dim, num_heads, num_kv_heads)
+    specs = [(0, 1), (7, 1), (40, 1), (130, 1), (0, 9), (0, 9), (0, 5), (12, 6), (33, 17)]
+    md, cache, ks, vs = build_step(specs, block_size, 128, dtype, head_dim, num_heads, num_kv_heads)
     gen = torch.Generator().manual_seed(1)
     q = torch.randn(md.num_tokens, num_heads, head_dim, generator=gen).to(dtype)
     new_k = torch.cat([k[c:] for k, (c, _) in zip(ks, specs, strict=True)])
     new_v = torch.cat([v[c:] for v, (c, _) in zip(vs, specs, strict=True)])
     scale = head_dim**-0.5
-    out = create_attention_backend("torch").forward(q, new_k, new_v, cache, md, scale)
+    out = create_attention_backend(backend).forward(q, new_k, new_v, cache, md, scale)
     rtol, atol = TOL[dtype]
     for i in range(md.num_reqs):
         s, e = md.query_start_loc[i], md.query_start_loc[i + 1]
@@ -124,6 +126,11 @@ def test_torch_backend_matches_reference(
 def test_unknown_backend_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="unknown attention backend"):
         create_attention_backend("nope")
+
+
+def test_auto_picks_the_cpu_kernel_on_cpu() -> None:
+    assert create_attention_backend("auto", "cpu").name == "cpu"
+    assert create_attention_backend("auto", "cuda").name == "torch"
 
 
 @pytest.mark.skipif(not can_pack(torch.zeros(1, dtype=torch.bfloat16)), reason="no oneDNN")

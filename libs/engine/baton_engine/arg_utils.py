@@ -20,7 +20,7 @@ _HELP = {
     "num_gpu_blocks_override": "exact number of KV blocks",
     "gpu_memory_utilization": "share of GPU memory for weights, activations and KV cache",
     "load_format": "auto | dummy (random weights, for benchmarks)",
-    "attention_backend": "attention implementation (torch)",
+    "attention_backend": "auto | cpu (C++ paged decode kernel) | torch (reference)",
     "seed": "seed of the default random generator",
     "device": "cpu | cuda",
 }

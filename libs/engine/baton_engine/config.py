@@ -139,7 +139,7 @@ class EngineConfig:
     num_gpu_blocks_override: int | None = None  # exact number of KV blocks (tests)
     gpu_memory_utilization: float = 0.9
     load_format: str = "auto"  # "auto" | "dummy"
-    attention_backend: str = "torch"
+    attention_backend: str = "auto"  # "auto" | "cpu" (C++ decode kernel) | "torch" (reference)
     seed: int = 0
     device: str = "cpu"
     tokenizer: str | None = None

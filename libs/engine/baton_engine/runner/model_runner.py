@@ -29,14 +29,15 @@ class ModelRunner:
         block_size: int,
         max_model_len: int,
         max_num_seqs: int,
-        attention_backend: str = "torch",
+        attention_backend: str = "auto",
     ) -> None:
         self.model_config = model_config
         self.dtype = dtype
         self.device = torch.device(device)
         self.block_size = block_size
         self.max_model_len = max_model_len
-        self.backend = create_attention_backend(attention_backend)
+        self.backend = create_attention_backend(attention_backend, self.device.type)
+        logger.info("attention backend: %s", self.backend.name)
         self.sampler = Sampler()
         self.batch = InputBatch(max_num_seqs, -(max_model_len // -block_size), self.device)
         with torch.device("meta"):
@@ -159,10 +160,11 @@ class ModelRunner:
         slot_block = torch.from_numpy(self.batch.block_table[token_rows, pos // bs])
         slot_offset = torch.from_numpy(pos % bs)
         decode_bias = None
+        decode_lens = None
         max_decode_blocks = 0
         if num_decodes:
             max_decode_blocks = -(max(seq_lens[:num_decodes]) // -bs)
-            lens = torch.tensor(seq_lens[:num_decodes])
+            lens = decode_lens = torch.tensor(seq_lens[:num_decodes])
             invalid = torch.arange(max_decode_blocks * bs)[None, :] >= lens[:, None]
             decode_bias = torch.zeros(invalid.shape, dtype=self.dtype).masked_fill_(
                 invalid, float("-inf")
@@ -180,6 +182,7 @@ class ModelRunner:
             slot_offset=slot_offset.to(dev),
             decode_bias=decode_bias.to(dev) if decode_bias is not None else None,
             max_decode_blocks=max_decode_blocks,
+            decode_seq_lens=decode_lens.to(dev) if decode_lens is not None else None,
         )
         return (
             torch.tensor(input_ids, dtype=torch.int64, device=dev),

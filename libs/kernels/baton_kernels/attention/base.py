@@ -50,6 +50,7 @@ class AttentionMetadata:
     # [num_decodes, 1, 1, max_decode_blocks * block_size], model dtype: 0 = attend, -inf = not
     decode_bias: torch.Tensor | None
     max_decode_blocks: int  # blocks the longest decode needs
+    decode_seq_lens: torch.Tensor | None = None  # [num_decodes] int64, for in-place kernels
 
     def query_len(self, i: int) -> int:
         return self.query_start_loc[i + 1] - self.query_start_loc[i]

@@ -18,13 +18,19 @@ def available_backends() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def create_attention_backend(name: str) -> AttentionBackend:
+def create_attention_backend(name: str, device: str = "cpu") -> AttentionBackend:
+    """``name`` from the registry, or "auto": the C++ CPU kernel on CPU when it builds, else the
+    PyTorch reference."""
     _load_builtin()
+    if name == "auto":
+        from baton_kernels.cpu_ops import load_cpu_ops
+
+        name = "cpu" if device == "cpu" and load_cpu_ops() is not None else "torch"
     try:
         return _REGISTRY[name]()
     except KeyError:
         raise ValueError(
-            f"unknown attention backend {name!r}; available: {sorted(_REGISTRY)}"
+            f"unknown attention backend {name!r}; available: {['auto', *sorted(_REGISTRY)]}"
         ) from None
 
 
@@ -33,3 +39,14 @@ def _load_builtin() -> None:
         from baton_kernels.attention.torch_backend import TorchAttentionBackend
 
         register_backend("torch", TorchAttentionBackend)
+        register_backend("cpu", _create_cpu_backend)
+
+
+def _create_cpu_backend() -> AttentionBackend:
+    from baton_kernels.attention.cpu_backend import CpuAttentionBackend
+    from baton_kernels.cpu_ops import load_cpu_ops
+
+    ops = load_cpu_ops()
+    if ops is None:
+        raise ValueError("the cpu attention backend needs a C++ compiler and ninja to build")
+    return CpuAttentionBackend(ops)

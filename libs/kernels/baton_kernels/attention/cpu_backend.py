@@ -1,0 +1,45 @@
+"""The CPU backend: the reference backend with decode attention done by a C++ kernel that reads
+the paged cache in place (``csrc/paged_attention_cpu.cpp``). Prefill chunks use the reference."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from baton_kernels.attention.base import AttentionMetadata, KVCacheView
+from baton_kernels.attention.torch_backend import TorchAttentionBackend
+
+KERNEL_HEAD_SIZES = (64, 128)
+KERNEL_MAX_GROUP = 16
+
+
+class CpuAttentionBackend(TorchAttentionBackend):
+    name = "cpu"
+
+    def __init__(self, ops: Any) -> None:
+        self.ops = ops
+
+    def _decode(
+        self, query: torch.Tensor, kv_cache: KVCacheView, md: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        num_heads, dim = query.shape[1], query.shape[2]
+        group = num_heads // kv_cache.kv.shape[3]
+        if (
+            query.device.type != "cpu"
+            or dim not in KERNEL_HEAD_SIZES
+            or group > KERNEL_MAX_GROUP
+            or query.dtype not in (torch.float32, torch.bfloat16)
+            or md.decode_seq_lens is None
+        ):
+            return super()._decode(query, kv_cache, md, scale)
+        nd = query.shape[0]
+        out: torch.Tensor = self.ops.paged_decode_attention(
+            query,
+            kv_cache.key,
+            kv_cache.value,
+            md.block_tables[:nd],
+            md.decode_seq_lens,
+            scale,
+        )
+        return out

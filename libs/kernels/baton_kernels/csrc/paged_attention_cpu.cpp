@@ -1,0 +1,137 @@
+// Paged decode attention on CPU: one query token per request. Each task is one (request, KV
+// head) pair: it reads that head's K and V rows in place from the paged cache through the block
+// table (no gather copy), scores the GQA group's query heads against them, and accumulates in
+// float32. Tasks run on torch's intra-op thread pool (at::parallel_for). The reference is
+// baton_kernels.attention.torch_backend (gather + SDPA); tests compare the two.
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+// Converts a row of `dim` values to float32.
+inline void load_row(const float* src, float* dst, int64_t dim) {
+  std::memcpy(dst, src, dim * sizeof(float));
+}
+inline void load_row(const c10::BFloat16* src, float* dst, int64_t dim) {
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
+  uint32_t* d = reinterpret_cast<uint32_t*>(dst);
+  for (int64_t i = 0; i < dim; ++i) d[i] = static_cast<uint32_t>(s[i]) << 16;
+}
+inline void store_row(const float* src, float* dst, int64_t dim) { std::memcpy(dst, src, dim * 4); }
+inline void store_row(const float* src, c10::BFloat16* dst, int64_t dim) {
+  for (int64_t i = 0; i < dim; ++i) dst[i] = c10::BFloat16(src[i]);
+}
+
+// Prefetch the rows of head `h` in the block after `t`'s: the blocks of one layer are a
+// block-stride apart in the block-major pool, too far for the hardware prefetcher to follow.
+template <typename scalar_t>
+inline void prefetch_block(const scalar_t* base, int64_t s1, int64_t bs, int64_t row_bytes) {
+  const char* p = reinterpret_cast<const char*>(base);
+  for (int64_t i = 0; i < bs; ++i)
+    for (int64_t off = 0; off < row_bytes; off += 64)
+      __builtin_prefetch(p + i * s1 * sizeof(scalar_t) + off, 0, 1);
+}
+
+template <typename scalar_t, int64_t D>
+void kernel(const torch::Tensor& query, const torch::Tensor& kc, const torch::Tensor& vc,
+            const torch::Tensor& tables, const torch::Tensor& lens, float scale,
+            torch::Tensor& out) {
+  const int64_t R = query.size(0), H = query.size(1), KVH = kc.size(2), BS = kc.size(1);
+  const int64_t G = H / KVH, MB = tables.size(1);
+  const auto* q = query.data_ptr<scalar_t>();
+  const auto* k = kc.data_ptr<scalar_t>();
+  const auto* v = vc.data_ptr<scalar_t>();
+  auto* o = out.data_ptr<scalar_t>();
+  const auto* tab = tables.data_ptr<int64_t>();
+  const auto* ln = lens.data_ptr<int64_t>();
+  const int64_t ks0 = kc.stride(0), ks1 = kc.stride(1), ks2 = kc.stride(2);
+  const int64_t vs0 = vc.stride(0), vs1 = vc.stride(1), vs2 = vc.stride(2);
+  const int64_t qs0 = query.stride(0), qs1 = query.stride(1);
+  const int64_t os0 = out.stride(0), os1 = out.stride(1);
+  at::parallel_for(0, R * KVH, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;  // [G, L]: scores, then probabilities
+    alignas(64) float qf[16][D];
+    alignas(64) float acc[16][D];
+    alignas(64) float row[D];
+    for (int64_t task = begin; task < end; ++task) {
+      {
+        const int64_t r = task / KVH, h = task % KVH;
+        const int64_t L = ln[r];
+        scores.resize(static_cast<size_t>(G * L));
+        for (int64_t g = 0; g < G; ++g) {
+          load_row(q + r * qs0 + (h * G + g) * qs1, qf[g], D);
+          for (int64_t d = 0; d < D; ++d) { qf[g][d] *= scale; acc[g][d] = 0.f; }
+        }
+        const int64_t nb = (L + BS - 1) / BS;
+        for (int64_t t = 0; t < L; ++t) {
+          const int64_t b = tab[r * MB + t / BS];
+          if (t % BS == 0 && t / BS + 1 < nb) {
+            const int64_t nxt = tab[r * MB + t / BS + 1];
+            prefetch_block(k + nxt * ks0 + h * ks2, ks1, BS, D * sizeof(scalar_t));
+            prefetch_block(v + nxt * vs0 + h * vs2, vs1, BS, D * sizeof(scalar_t));
+          }
+          load_row(k + b * ks0 + (t % BS) * ks1 + h * ks2, row, D);
+          for (int64_t g = 0; g < G; ++g) {
+            float s = 0.f;
+            for (int64_t d = 0; d < D; ++d) s += qf[g][d] * row[d];
+            scores[g * L + t] = s;
+          }
+        }
+        for (int64_t g = 0; g < G; ++g) {
+          float* sg = scores.data() + g * L;
+          float m = sg[0];
+          for (int64_t t = 1; t < L; ++t) m = sg[t] > m ? sg[t] : m;
+          float den = 0.f;
+          for (int64_t t = 0; t < L; ++t) { sg[t] = std::exp(sg[t] - m); den += sg[t]; }
+          const float inv = 1.f / den;
+          for (int64_t t = 0; t < L; ++t) sg[t] *= inv;
+        }
+        for (int64_t t = 0; t < L; ++t) {
+          const int64_t b = tab[r * MB + t / BS];
+          load_row(v + b * vs0 + (t % BS) * vs1 + h * vs2, row, D);
+          for (int64_t g = 0; g < G; ++g) {
+            const float p = scores[g * L + t];
+            for (int64_t d = 0; d < D; ++d) acc[g][d] += p * row[d];
+          }
+        }
+        for (int64_t g = 0; g < G; ++g) store_row(acc[g], o + r * os0 + (h * G + g) * os1, D);
+      }
+    }
+  });
+}
+}  // namespace
+
+torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor kc, torch::Tensor vc,
+                                     torch::Tensor tables, torch::Tensor lens, double scale) {
+  TORCH_CHECK(query.dim() == 3 && kc.dim() == 4 && vc.dim() == 4, "bad ranks");
+  TORCH_CHECK(query.size(2) == 64 || query.size(2) == 128, "head_dim must be 64 or 128");
+  TORCH_CHECK(query.size(1) % kc.size(2) == 0 && query.size(1) / kc.size(2) <= 16,
+              "query heads must be a multiple (at most 16x) of KV heads");
+  TORCH_CHECK(query.stride(2) == 1 && kc.stride(3) == 1 && vc.stride(3) == 1,
+              "the head dimension must be contiguous");
+  TORCH_CHECK(query.scalar_type() == kc.scalar_type() && kc.scalar_type() == vc.scalar_type());
+  TORCH_CHECK(query.scalar_type() == torch::kBFloat16 || query.scalar_type() == torch::kFloat,
+              "float32 or bfloat16 only");
+  TORCH_CHECK(tables.scalar_type() == torch::kInt64 && lens.scalar_type() == torch::kInt64);
+  auto out = torch::empty_like(query);
+  auto t = tables.contiguous();
+  auto l = lens.contiguous();
+  const float s = static_cast<float>(scale);
+  if (query.scalar_type() == torch::kBFloat16) {
+    if (query.size(2) == 64) kernel<c10::BFloat16, 64>(query, kc, vc, t, l, s, out);
+    else kernel<c10::BFloat16, 128>(query, kc, vc, t, l, s, out);
+  } else {
+    if (query.size(2) == 64) kernel<float, 64>(query, kc, vc, t, l, s, out);
+    else kernel<float, 128>(query, kc, vc, t, l, s, out);
+  }
+  return out;
+}
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention,
+        "query [R, H, D], caches [blocks, block_size, KVH, D], tables [R, max_blocks] int64, "
+        "seq_lens [R] int64, scale -> [R, H, D]");
+}
