@@ -59,10 +59,11 @@ def main() -> None:
                 core.step()
                 steps[backend.name].append((time.perf_counter() - start) * 1e3)
     n = args.rounds * args.steps_per_round
-    print(f"{args.num_reqs} decoding requests, {args.input_len}-token prompts, bf16, {n} steps each")
+    print(f"{args.num_reqs} decoding requests, {args.input_len}-token prompts, bf16, {n} steps")
     print(f"{'backend':<8} {'attention ms/step':>18} {'median step ms':>15}")
     for name in ("torch", "cpu"):
-        print(f"{name:<8} {attention[name] / n * 1e3:>18.1f} {statistics.median(steps[name]):>15.1f}")
+        median = statistics.median(steps[name])
+        print(f"{name:<8} {attention[name] / n * 1e3:>18.1f} {median:>15.1f}")
 
 
 if __name__ == "__main__":

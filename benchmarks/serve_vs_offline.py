@@ -81,10 +81,13 @@ def main() -> int:
         result = served(args, Path(tmp))
     serve_tps = float(result["output_throughput"])
     print(f"\n{'offline engine (all submitted at once)':<44} {offline_tps:>8.1f} output tok/s")
-    print(f"{'served, concurrency ' + str(args.max_concurrency):<44} {serve_tps:>8.1f} output tok/s")
+    served_name = f"served, concurrency {args.max_concurrency}"
+    print(f"{served_name:<44} {serve_tps:>8.1f} output tok/s")
     print(f"{'served / offline':<44} {serve_tps / offline_tps:>8.2f}")
-    print(f"mean TTFT {result['mean_ttft_ms']:.0f} ms, median TTFT {result['median_ttft_ms']:.0f} ms, "
-          f"mean ITL {result['mean_itl_ms']:.1f} ms, mean TPOT {result['mean_tpot_ms']:.1f} ms")
+    print(
+        f"mean TTFT {result['mean_ttft_ms']:.0f} ms, median TTFT {result['median_ttft_ms']:.0f} "
+        f"ms, mean ITL {result['mean_itl_ms']:.1f} ms, mean TPOT {result['mean_tpot_ms']:.1f} ms"
+    )
     return 0
 
 
