@@ -3,7 +3,8 @@
     python benchmarks/serve_vs_offline.py [--num-prompts 64] [--input-len 128] [--output-len 128]
         [--max-concurrency 16] [--dtype bfloat16]
 
-Runs the offline throughput benchmark (``baton bench throughput --no-hf``) on the workload, then
+Runs the offline throughput benchmark (``baton bench throughput --no-hf``) on the workload (all
+requests at once, and again with ``--max-num-seqs`` equal to the serving concurrency), then
 starts ``baton serve`` on a free loopback port, runs ``baton bench serve`` with the same workload
 (streaming, ``ignore_eos``, fixed concurrency), stops the server and prints both figures and
 their ratio. The issue's bar: serving throughput >= 80% of offline.
@@ -32,10 +33,11 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def offline(args: argparse.Namespace, out: Path) -> float:
+def offline(args: argparse.Namespace, out: Path, max_num_seqs: int = 256) -> float:
     cmd = [*BATON, "bench", "throughput", "--no-hf", "--dtype", args.dtype,
            "--num-prompts", str(args.num_prompts), "--input-len", str(args.input_len),
-           "--output-len", str(args.output_len), "--output-json", str(out)]  # fmt: skip
+           "--output-len", str(args.output_len), "--output-json", str(out),
+           "--max-num-seqs", str(max_num_seqs)]  # fmt: skip
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     return float(json.loads(out.read_text())["results"]["baton"])
 
@@ -78,12 +80,16 @@ def main() -> int:
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         offline_tps = offline(args, Path(tmp) / "offline.json")
+        offline_same_tps = offline(args, Path(tmp) / "offline16.json", args.max_concurrency)
         result = served(args, Path(tmp))
     serve_tps = float(result["output_throughput"])
     print(f"\n{'offline engine (all submitted at once)':<44} {offline_tps:>8.1f} output tok/s")
     served_name = f"served, concurrency {args.max_concurrency}"
     print(f"{served_name:<44} {serve_tps:>8.1f} output tok/s")
-    print(f"{'served / offline':<44} {serve_tps / offline_tps:>8.2f}")
+    same_name = f"offline engine, max_num_seqs {args.max_concurrency}"
+    print(f"{same_name:<44} {offline_same_tps:>8.1f} output tok/s")
+    print(f"{'served / offline (all at once)':<44} {serve_tps / offline_tps:>8.2f}")
+    print(f"{'served / offline (same concurrency)':<44} {serve_tps / offline_same_tps:>8.2f}")
     print(
         f"mean TTFT {result['mean_ttft_ms']:.0f} ms, median TTFT {result['median_ttft_ms']:.0f} "
         f"ms, mean ITL {result['mean_itl_ms']:.1f} ms, mean TPOT {result['mean_tpot_ms']:.1f} ms"
