@@ -60,7 +60,9 @@ def _cmd_decode(args: argparse.Namespace) -> int:
         raise InvalidRequestError("--max-pending must be at least 1")
     if args.shutdown_grace < 0:
         raise InvalidRequestError("--shutdown-grace must be non-negative")
-    engine_config = EngineConfig(model=args.model, **engine_kwargs_from_args(args))
+    engine_config = EngineConfig(
+        model=args.model, usage_context="serving", **engine_kwargs_from_args(args)
+    )
     worker_config = WorkerConfig(
         host=args.host,
         port=args.port,

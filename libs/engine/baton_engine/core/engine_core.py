@@ -96,7 +96,7 @@ class EngineCore:
         self.scheduler = Scheduler(
             self.kv,
             max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_batched_tokens=config.resolved_max_num_batched_tokens(),
             max_model_len=self.max_model_len,
             long_prefill_token_threshold=config.long_prefill_token_threshold,
         )
