@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -145,8 +145,6 @@ class EngineConfig:
     attention_backend: str = "auto"  # "auto" | "cpu" (C++ decode kernel) | "torch" (reference)
     seed: int = 0
     device: str = "cpu"
-    tokenizer: str | None = None
-    hf_overrides: dict[str, Any] = field(default_factory=dict)
     usage_context: str = "offline"  # "offline" | "serving": picks defaults, as in vLLM
 
     def resolved_max_num_batched_tokens(self) -> int:
