@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing, suppress
 from dataclasses import dataclass
+from typing import Any
 
 import anyio
 from starlette.responses import StreamingResponse
@@ -110,7 +111,43 @@ def _error_event(error: GatewayError) -> str:
     return sse_event(error.to_response().model_dump_json())
 
 
-async def chat_stream(
+async def _stream(
+    ctx: StreamContext,
+    generation: Generation,
+    first: SequenceDelta | None,
+    rest: AsyncGenerator[SequenceDelta, None],
+    outcome: StreamOutcome,
+    event: Callable[[list[Any], UsageInfo | None], str],
+    prelude: list[str],
+    to_choice: Callable[[SequenceDelta], Any | None],
+) -> AsyncGenerator[str, None]:
+    """The events shared by both endpoints: ``prelude``, one chunk per delta that
+    ``to_choice`` turns into a choice (None: held back, nothing to show yet), then the usage
+    chunk if asked for and ``[DONE]``; an error mid-stream becomes an error event."""
+    async with aclosing(rest):
+        for prelude_event in prelude:
+            yield prelude_event
+        try:
+            async for delta in _chain(first, rest):
+                choice = to_choice(delta)
+                if choice is None:
+                    continue
+                usage = None
+                if ctx.continuous_usage:
+                    usage = usage_info(generation, ctx.num_prompt_tokens)
+                yield event([choice], usage)
+        except GatewayError as e:
+            outcome.status = "error"
+            yield _error_event(e)
+            yield SSE_DONE
+            return
+        if ctx.include_usage:
+            yield event([], usage_info(generation, ctx.num_prompt_tokens))
+        outcome.status = "ok"
+        yield SSE_DONE
+
+
+def chat_stream(
     ctx: StreamContext,
     generation: Generation,
     first: SequenceDelta | None,
@@ -121,47 +158,42 @@ async def chat_stream(
     (so that a failure to start is answered with a proper HTTP status); ``outcome`` is set when
     the stream ends."""
 
-    def event(choices: list[ChatCompletionResponseStreamChoice], usage: UsageInfo | None) -> str:
+    def event(choices: list[Any], usage: UsageInfo | None) -> str:
         chunk = ChatCompletionStreamResponse(
             id=ctx.request_id, created=ctx.created, model=ctx.model, choices=choices, usage=usage
         )
         return sse_event(chunk.model_dump_json())
 
-    async with aclosing(rest):
-        for index in range(ctx.num_choices):
-            role = DeltaMessage(role="assistant", content="")
-            usage = usage_info(generation, ctx.num_prompt_tokens) if ctx.continuous_usage else None
-            yield event([ChatCompletionResponseStreamChoice(index=index, delta=role)], usage)
-        try:
-            async for delta in _chain(first, rest):
-                logprobs = None
-                if ctx.texts is not None and delta.logprobs:
-                    logprobs = chat_logprobs(ctx.texts, delta.logprobs)
-                if not delta.text and logprobs is None and delta.finish_reason is None:
-                    continue  # held back: nothing to show yet
-                choice = ChatCompletionResponseStreamChoice(
-                    index=delta.index,
-                    delta=DeltaMessage(content=delta.text) if delta.text else DeltaMessage(),
-                    logprobs=logprobs,
-                    finish_reason=delta.finish_reason,
-                    stop_reason=delta.stop_reason,
+    def to_choice(delta: SequenceDelta) -> ChatCompletionResponseStreamChoice | None:
+        logprobs = None
+        if ctx.texts is not None and delta.logprobs:
+            logprobs = chat_logprobs(ctx.texts, delta.logprobs)
+        if not delta.text and logprobs is None and delta.finish_reason is None:
+            return None
+        return ChatCompletionResponseStreamChoice(
+            index=delta.index,
+            delta=DeltaMessage(content=delta.text) if delta.text else DeltaMessage(),
+            logprobs=logprobs,
+            finish_reason=delta.finish_reason,
+            stop_reason=delta.stop_reason,
+        )
+
+    usage = usage_info(generation, ctx.num_prompt_tokens) if ctx.continuous_usage else None
+    prelude = [
+        event(
+            [
+                ChatCompletionResponseStreamChoice(
+                    index=i, delta=DeltaMessage(role="assistant", content="")
                 )
-                usage = None
-                if ctx.continuous_usage:
-                    usage = usage_info(generation, ctx.num_prompt_tokens)
-                yield event([choice], usage)
-        except GatewayError as e:
-            outcome.status = "error"
-            yield _error_event(e)
-            yield SSE_DONE
-            return
-        if ctx.include_usage:
-            yield event([], usage_info(generation, ctx.num_prompt_tokens))
-        outcome.status = "ok"
-        yield SSE_DONE
+            ],
+            usage,
+        )
+        for i in range(ctx.num_choices)
+    ]
+    return _stream(ctx, generation, first, rest, outcome, event, prelude, to_choice)
 
 
-async def completion_stream(
+def completion_stream(
     ctx: StreamContext,
     generation: Generation,
     echo: dict[int, str],
@@ -172,42 +204,32 @@ async def completion_stream(
     """The SSE events of a streamed text completion; ``echo`` maps a choice index to the
     prompt text sent before its generated text. Otherwise as :func:`chat_stream`."""
 
-    def event(choices: list[CompletionResponseChoice], usage: UsageInfo | None) -> str:
+    def event(choices: list[Any], usage: UsageInfo | None) -> str:
         chunk = CompletionStreamResponse(
             id=ctx.request_id, created=ctx.created, model=ctx.model, choices=choices, usage=usage
         )
         return sse_event(chunk.model_dump_json())
 
     offsets = {index: len(text) for index, text in echo.items()}
-    async with aclosing(rest):
-        for index, text in sorted(echo.items()):
-            yield event([CompletionResponseChoice(index=index, text=text)], None)
-        try:
-            async for delta in _chain(first, rest):
-                logprobs: CompletionLogProbs | None = None
-                if ctx.texts is not None and delta.logprobs:
-                    logprobs, offsets[delta.index] = completion_logprobs(
-                        ctx.texts, delta.logprobs, offsets.get(delta.index, 0)
-                    )
-                if not delta.text and logprobs is None and delta.finish_reason is None:
-                    continue
-                choice = CompletionResponseChoice(
-                    index=delta.index,
-                    text=delta.text,
-                    logprobs=logprobs,
-                    finish_reason=delta.finish_reason,
-                    stop_reason=delta.stop_reason,
-                )
-                usage = None
-                if ctx.continuous_usage:
-                    usage = usage_info(generation, ctx.num_prompt_tokens)
-                yield event([choice], usage)
-        except GatewayError as e:
-            outcome.status = "error"
-            yield _error_event(e)
-            yield SSE_DONE
-            return
-        if ctx.include_usage:
-            yield event([], usage_info(generation, ctx.num_prompt_tokens))
-        outcome.status = "ok"
-        yield SSE_DONE
+
+    def to_choice(delta: SequenceDelta) -> CompletionResponseChoice | None:
+        logprobs: CompletionLogProbs | None = None
+        if ctx.texts is not None and delta.logprobs:
+            logprobs, offsets[delta.index] = completion_logprobs(
+                ctx.texts, delta.logprobs, offsets.get(delta.index, 0)
+            )
+        if not delta.text and logprobs is None and delta.finish_reason is None:
+            return None
+        return CompletionResponseChoice(
+            index=delta.index,
+            text=delta.text,
+            logprobs=logprobs,
+            finish_reason=delta.finish_reason,
+            stop_reason=delta.stop_reason,
+        )
+
+    prelude = [
+        event([CompletionResponseChoice(index=index, text=text)], None)
+        for index, text in sorted(echo.items())
+    ]
+    return _stream(ctx, generation, first, rest, outcome, event, prelude, to_choice)
