@@ -73,6 +73,7 @@ class EngineCore:
             block_size=config.block_size,
             max_model_len=self.max_model_len,
             max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.resolved_max_num_batched_tokens(),
             attention_backend=config.attention_backend,
         )
         if config.load_format == "dummy":

@@ -1,7 +1,8 @@
 """The runner's persistent per-request state, updated from each SchedulerOutput's diff.
 
-Every request the runner holds owns one row of a preallocated block table, filled as blocks are
-appended, so a step only gathers rows instead of rebuilding tables.
+Every request the runner holds owns one row of two preallocated tables, its token ids and its
+block ids, filled as tokens and blocks are appended, so a step gathers from rows instead of
+rebuilding per-request lists.
 """
 
 from __future__ import annotations
@@ -32,10 +33,14 @@ class CachedRequestState:
 
 
 class InputBatch:
-    def __init__(self, max_num_reqs: int, max_blocks_per_req: int, device: torch.device) -> None:
+    def __init__(
+        self, max_num_reqs: int, max_model_len: int, block_size: int, device: torch.device
+    ) -> None:
         self.device = device
-        # row -> block ids; rows are handed out and returned as requests come and go
+        # row -> block ids / token ids; rows are handed out and returned as requests come and go
+        max_blocks_per_req = -(max_model_len // -block_size)
         self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int64)
+        self.token_table = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
         self.requests: dict[str, CachedRequestState] = {}  # req_id -> state
 
@@ -59,6 +64,7 @@ class InputBatch:
                 generator=generator,
             )
             self.requests[new.req_id] = state
+            self.token_table[state.row, : len(state.token_ids)] = state.token_ids
             self._append_blocks(state, new.block_ids)
         for cached in so.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
@@ -79,5 +85,7 @@ class InputBatch:
 
     def append_token(self, req_id: str, token_id: int) -> None:
         state = self.requests[req_id]
+        if len(state.token_ids) < self.token_table.shape[1]:  # the last token needs no slot
+            self.token_table[state.row, len(state.token_ids)] = token_id
         state.output_token_ids.append(token_id)
         state.token_ids.append(token_id)

@@ -29,6 +29,7 @@ class ModelRunner:
         block_size: int,
         max_model_len: int,
         max_num_seqs: int,
+        max_num_batched_tokens: int,
         attention_backend: str = "auto",
     ) -> None:
         self.model_config = model_config
@@ -39,7 +40,11 @@ class ModelRunner:
         self.backend = create_attention_backend(attention_backend, self.device.type)
         logger.info("attention backend: %s", self.backend.name)
         self.sampler = Sampler()
-        self.batch = InputBatch(max_num_seqs, -(max_model_len // -block_size), self.device)
+        self.batch = InputBatch(max_num_seqs, max_model_len, block_size, self.device)
+        # Step inputs, reused every step (CPU; copied to the device when there is one).
+        self._input_ids = np.zeros(max_num_batched_tokens, dtype=np.int64)
+        self._positions = np.zeros(max_num_batched_tokens, dtype=np.int64)
+        self._arange = np.arange(max_num_batched_tokens, dtype=np.int64)
         with torch.device("meta"):
             self.model = LlamaForCausalLM(model_config, max_model_len)
         self.model.to_empty(device=self.device).to(dtype)
@@ -137,26 +142,27 @@ class ModelRunner:
         self, reqs: list[CachedRequestState], num_new: list[int]
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        seq_lens: list[int] = []
-        query_start_loc = [0]
-        sample_rows: list[int] = []
-        num_decodes = 0
-        for i, (state, n) in enumerate(zip(reqs, num_new, strict=True)):
-            start = state.num_computed_tokens
-            input_ids.extend(state.token_ids[start : start + n])
-            positions.extend(range(start, start + n))
-            seq_lens.append(start + n)
-            query_start_loc.append(query_start_loc[-1] + n)
-            if start + n == len(state.token_ids):  # the last chunk: its last logits are sampled
-                sample_rows.append(i)
-            num_decodes += n == 1
-        rows = np.array([s.row for s in reqs])
+        num_reqs = len(reqs)
+        rows = np.fromiter((s.row for s in reqs), dtype=np.int64, count=num_reqs)
+        starts = np.fromiter((s.num_computed_tokens for s in reqs), dtype=np.int64, count=num_reqs)
+        counts = np.asarray(num_new, dtype=np.int64)
+        ends = starts + counts
+        cu = np.zeros(num_reqs + 1, dtype=np.int64)
+        np.cumsum(counts, out=cu[1:])
+        num_tokens = int(cu[-1])
+        # position of token j of request i: starts[i] + (j - cu[i]), for all tokens at once
+        pos = self._positions[:num_tokens]
+        np.subtract(self._arange[:num_tokens], np.repeat(cu[:-1] - starts, counts), out=pos)
+        token_rows = np.repeat(rows, counts)
+        input_ids = self._input_ids[:num_tokens]
+        input_ids[:] = self.batch.token_table[token_rows, pos]
+        seq_lens = ends.tolist()
+        query_start_loc = cu.tolist()
+        # the last chunk of a prompt (or a decode): its last logits are sampled
+        sample_rows = [i for i, s in enumerate(reqs) if seq_lens[i] == len(s.token_ids)]
+        num_decodes = int(np.count_nonzero(counts == 1))
         max_blocks = -(max(seq_lens) // -bs)
         table = torch.from_numpy(self.batch.block_table[rows, :max_blocks])
-        pos = np.asarray(positions, dtype=np.int64)
-        token_rows = np.repeat(rows, num_new)
         slot_block = torch.from_numpy(self.batch.block_table[token_rows, pos // bs])
         slot_offset = torch.from_numpy(pos % bs)
         decode_bias = None
@@ -174,7 +180,7 @@ class ModelRunner:
         metadata = AttentionMetadata(
             num_reqs=len(reqs),
             num_decodes=num_decodes,
-            num_tokens=len(input_ids),
+            num_tokens=num_tokens,
             query_start_loc=query_start_loc,
             seq_lens=seq_lens,
             block_tables=table.to(dev),
@@ -185,7 +191,7 @@ class ModelRunner:
             decode_seq_lens=decode_lens.to(dev) if decode_lens is not None else None,
         )
         return (
-            torch.tensor(input_ids, dtype=torch.int64, device=dev),
+            torch.from_numpy(input_ids).to(dev),
             torch.from_numpy(pos).to(dev),
             metadata,
             sample_rows,
