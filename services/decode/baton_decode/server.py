@@ -39,7 +39,7 @@ from baton_decode.metrics import WorkerMetrics
 from baton_engine.config import EngineConfig
 from baton_engine.core.engine_core import EngineCore
 from baton_engine.errors import BatonError, InvalidRequestError
-from baton_engine.model_loader import DEFAULT_MODEL_NAME
+from baton_engine.model_files import served_model_name
 
 logger = logging.getLogger(__name__)
 
@@ -161,7 +161,7 @@ def serve(engine_config: EngineConfig, config: WorkerConfig) -> int:
     """
     core = EngineCore(engine_config)  # before the event loop: loading blocks for seconds
     max_pending = config.max_pending or 4 * engine_config.max_num_seqs
-    name = config.served_model_name or engine_config.model or DEFAULT_MODEL_NAME
+    name = config.served_model_name or served_model_name(engine_config.model)
     return asyncio.run(_serve(core, config, name, max_pending))
 
 
