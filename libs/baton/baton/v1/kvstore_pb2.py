@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from baton.v1 import common_pb2 as baton_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x62\x61ton/v1/kvstore.proto\x12\x08\x62\x61ton.v1\x1a\x15\x62\x61ton/v1/common.proto\"\x8c\x02\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\"\n\x04role\x18\x02 \x01(\x0e\x32\x14.baton.v1.WorkerRole\x12\x14\n\x0cgrpc_address\x18\x03 \x01(\t\x12\x19\n\x11transfer_endpoint\x18\x04 \x01(\t\x12\x11\n\tengine_id\x18\x05 \x01(\t\x12\r\n\x05\x65poch\x18\x06 \x01(\x03\x12\x19\n\x11transfer_metadata\x18\x07 \x01(\x0c\x12\x12\n\nnum_blocks\x18\x08 \x01(\x05\x12\x12\n\nblock_size\x18\t \x01(\x05\x12\r\n\x05model\x18\n \x01(\t\x12\"\n\x04load\x18\x0b \x01(\x0b\x32\x14.baton.v1.WorkerLoad\"M\n\x15RegisterWorkerRequest\x12$\n\x06worker\x18\x01 \x01(\x0b\x32\x14.baton.v1.WorkerInfo\x12\x0e\n\x06ttl_ms\x18\x02 \x01(\x05\"\x18\n\x16RegisterWorkerResponse\"I\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\"\n\x04load\x18\x02 \x01(\x0b\x32\x14.baton.v1.WorkerLoad\"\"\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\"8\n\x12ListWorkersRequest\x12\"\n\x04role\x18\x01 \x01(\x0e\x32\x14.baton.v1.WorkerRole\"<\n\x13ListWorkersResponse\x12%\n\x07workers\x18\x01 \x03(\x0b\x32\x14.baton.v1.WorkerInfo\"Q\n\x07KVEvent\x12\x0b\n\x03seq\x18\x01 \x01(\x03\x12#\n\x04kind\x18\x02 \x01(\x0e\x32\x15.baton.v1.KVEventKind\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x0c\"N\n\x16PublishKVEventsRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12!\n\x06\x65vents\x18\x02 \x03(\x0b\x32\x11.baton.v1.KVEvent\"\x19\n\x17PublishKVEventsResponse\"O\n\x13LookupPrefixRequest\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\x12\"\n\x04role\x18\x02 \x01(\x0e\x32\x14.baton.v1.WorkerRole\"4\n\x0bPrefixMatch\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\x05\">\n\x14LookupPrefixResponse\x12&\n\x07matches\x18\x01 \x03(\x0b\x32\x15.baton.v1.PrefixMatch*|\n\x0bKVEventKind\x12\x1d\n\x19KV_EVENT_KIND_UNSPECIFIED\x10\x00\x12\x18\n\x14KV_EVENT_KIND_STORED\x10\x01\x12\x19\n\x15KV_EVENT_KIND_REMOVED\x10\x02\x12\x19\n\x15KV_EVENT_KIND_CLEARED\x10\x03\x32\x9e\x03\n\x0eKVStoreService\x12S\n\x0eRegisterWorker\x12\x1f.baton.v1.RegisterWorkerRequest\x1a .baton.v1.RegisterWorkerResponse\x12\x44\n\tHeartbeat\x12\x1a.baton.v1.HeartbeatRequest\x1a\x1b.baton.v1.HeartbeatResponse\x12J\n\x0bListWorkers\x12\x1c.baton.v1.ListWorkersRequest\x1a\x1d.baton.v1.ListWorkersResponse\x12V\n\x0fPublishKVEvents\x12 .baton.v1.PublishKVEventsRequest\x1a!.baton.v1.PublishKVEventsResponse\x12M\n\x0cLookupPrefix\x12\x1d.baton.v1.LookupPrefixRequest\x1a\x1e.baton.v1.LookupPrefixResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x62\x61ton/v1/kvstore.proto\x12\x08\x62\x61ton.v1\x1a\x15\x62\x61ton/v1/common.proto\"\x8c\x02\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\"\n\x04role\x18\x02 \x01(\x0e\x32\x14.baton.v1.WorkerRole\x12\x14\n\x0cgrpc_address\x18\x03 \x01(\t\x12\x19\n\x11transfer_endpoint\x18\x04 \x01(\t\x12\x11\n\tengine_id\x18\x05 \x01(\t\x12\r\n\x05\x65poch\x18\x06 \x01(\x03\x12\x19\n\x11transfer_metadata\x18\x07 \x01(\x0c\x12\x12\n\nnum_blocks\x18\x08 \x01(\x05\x12\x12\n\nblock_size\x18\t \x01(\x05\x12\r\n\x05model\x18\n \x01(\t\x12\"\n\x04load\x18\x0b \x01(\x0b\x32\x14.baton.v1.WorkerLoad\"M\n\x15RegisterWorkerRequest\x12$\n\x06worker\x18\x01 \x01(\x0b\x32\x14.baton.v1.WorkerInfo\x12\x0e\n\x06ttl_ms\x18\x02 \x01(\x05\"\x18\n\x16RegisterWorkerResponse\"I\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\"\n\x04load\x18\x02 \x01(\x0b\x32\x14.baton.v1.WorkerLoad\"\"\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\"8\n\x12ListWorkersRequest\x12\"\n\x04role\x18\x01 \x01(\x0e\x32\x14.baton.v1.WorkerRole\"<\n\x13ListWorkersResponse\x12%\n\x07workers\x18\x01 \x03(\x0b\x32\x14.baton.v1.WorkerInfo\"Q\n\x07KVEvent\x12\x0b\n\x03seq\x18\x01 \x01(\x03\x12#\n\x04kind\x18\x02 \x01(\x0e\x32\x15.baton.v1.KVEventKind\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x0c\"N\n\x16PublishKVEventsRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12!\n\x06\x65vents\x18\x02 \x03(\x0b\x32\x11.baton.v1.KVEvent\"2\n\x17PublishKVEventsResponse\x12\x17\n\x0fresync_required\x18\x01 \x01(\x08\"O\n\x13LookupPrefixRequest\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\x12\"\n\x04role\x18\x02 \x01(\x0e\x32\x14.baton.v1.WorkerRole\"4\n\x0bPrefixMatch\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\x05\">\n\x14LookupPrefixResponse\x12&\n\x07matches\x18\x01 \x03(\x0b\x32\x15.baton.v1.PrefixMatch*|\n\x0bKVEventKind\x12\x1d\n\x19KV_EVENT_KIND_UNSPECIFIED\x10\x00\x12\x18\n\x14KV_EVENT_KIND_STORED\x10\x01\x12\x19\n\x15KV_EVENT_KIND_REMOVED\x10\x02\x12\x19\n\x15KV_EVENT_KIND_CLEARED\x10\x03\x32\x9e\x03\n\x0eKVStoreService\x12S\n\x0eRegisterWorker\x12\x1f.baton.v1.RegisterWorkerRequest\x1a .baton.v1.RegisterWorkerResponse\x12\x44\n\tHeartbeat\x12\x1a.baton.v1.HeartbeatRequest\x1a\x1b.baton.v1.HeartbeatResponse\x12J\n\x0bListWorkers\x12\x1c.baton.v1.ListWorkersRequest\x1a\x1d.baton.v1.ListWorkersResponse\x12V\n\x0fPublishKVEvents\x12 .baton.v1.PublishKVEventsRequest\x1a!.baton.v1.PublishKVEventsResponse\x12M\n\x0cLookupPrefix\x12\x1d.baton.v1.LookupPrefixRequest\x1a\x1e.baton.v1.LookupPrefixResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'baton.v1.kvstore_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_KVEVENTKIND']._serialized_start=1055
-  _globals['_KVEVENTKIND']._serialized_end=1179
+  _globals['_KVEVENTKIND']._serialized_start=1080
+  _globals['_KVEVENTKIND']._serialized_end=1204
   _globals['_WORKERINFO']._serialized_start=60
   _globals['_WORKERINFO']._serialized_end=328
   _globals['_REGISTERWORKERREQUEST']._serialized_start=330
@@ -53,13 +53,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PUBLISHKVEVENTSREQUEST']._serialized_start=749
   _globals['_PUBLISHKVEVENTSREQUEST']._serialized_end=827
   _globals['_PUBLISHKVEVENTSRESPONSE']._serialized_start=829
-  _globals['_PUBLISHKVEVENTSRESPONSE']._serialized_end=854
-  _globals['_LOOKUPPREFIXREQUEST']._serialized_start=856
-  _globals['_LOOKUPPREFIXREQUEST']._serialized_end=935
-  _globals['_PREFIXMATCH']._serialized_start=937
-  _globals['_PREFIXMATCH']._serialized_end=989
-  _globals['_LOOKUPPREFIXRESPONSE']._serialized_start=991
-  _globals['_LOOKUPPREFIXRESPONSE']._serialized_end=1053
-  _globals['_KVSTORESERVICE']._serialized_start=1182
-  _globals['_KVSTORESERVICE']._serialized_end=1596
+  _globals['_PUBLISHKVEVENTSRESPONSE']._serialized_end=879
+  _globals['_LOOKUPPREFIXREQUEST']._serialized_start=881
+  _globals['_LOOKUPPREFIXREQUEST']._serialized_end=960
+  _globals['_PREFIXMATCH']._serialized_start=962
+  _globals['_PREFIXMATCH']._serialized_end=1014
+  _globals['_LOOKUPPREFIXRESPONSE']._serialized_start=1016
+  _globals['_LOOKUPPREFIXRESPONSE']._serialized_end=1078
+  _globals['_KVSTORESERVICE']._serialized_start=1207
+  _globals['_KVSTORESERVICE']._serialized_end=1621
 # @@protoc_insertion_point(module_scope)

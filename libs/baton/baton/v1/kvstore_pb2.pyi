@@ -102,8 +102,10 @@ class PublishKVEventsRequest(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., events: _Optional[_Iterable[_Union[KVEvent, _Mapping]]] = ...) -> None: ...
 
 class PublishKVEventsResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("resync_required",)
+    RESYNC_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    resync_required: bool
+    def __init__(self, resync_required: bool = ...) -> None: ...
 
 class LookupPrefixRequest(_message.Message):
     __slots__ = ("block_hashes", "role")
