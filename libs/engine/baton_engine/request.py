@@ -11,11 +11,13 @@ from baton_engine.sampling_params import SamplingParams
 
 class RequestStatus(enum.Enum):
     WAITING = enum.auto()
+    WAITING_FOR_REMOTE_KV = enum.auto()  # blocks allocated, the prompt's KV being pulled
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     FINISHED_STOPPED = enum.auto()  # EOS, a stop token id or a stop string
     FINISHED_LENGTH = enum.auto()  # max_tokens or max_model_len
     FINISHED_ABORTED = enum.auto()
+    FINISHED_PREFILLED = enum.auto()  # prefill-only: first token sampled, prompt KV held
 
     @property
     def is_finished(self) -> bool:
@@ -30,11 +32,13 @@ _FINISHED = {
     RequestStatus.FINISHED_STOPPED,
     RequestStatus.FINISHED_LENGTH,
     RequestStatus.FINISHED_ABORTED,
+    RequestStatus.FINISHED_PREFILLED,
 }
 _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_PREFILLED: "prefilled",  # not an end: decoding continues elsewhere
 }
 
 
@@ -62,6 +66,11 @@ class Request:
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    # Disaggregation. A prefill-only request ends after its first token with its prompt's blocks
+    # held (FINISHED_PREFILLED). A request with ``remote_kv`` (opaque to the engine: where the
+    # prompt's KV lives) first waits for those blocks to be pulled instead of computing them.
+    prefill_only: bool = False
+    remote_kv: object | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -99,4 +108,6 @@ class Request:
                     return RequestStatus.FINISHED_STOPPED
         if self.num_output_tokens >= self.max_tokens:
             return RequestStatus.FINISHED_LENGTH
+        if self.prefill_only and self.output_token_ids:
+            return RequestStatus.FINISHED_PREFILLED
         return None

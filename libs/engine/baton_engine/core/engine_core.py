@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from baton_engine.config import EngineConfig, ModelConfig, parse_dtype
-from baton_engine.core.outputs import EngineCoreOutput
+from baton_engine.core.outputs import EngineCoreOutput, KVLoad
 from baton_engine.core.scheduler import Scheduler
 from baton_engine.errors import InvalidRequestError, ModelLoadError
 from baton_engine.kv_cache import KVCacheManager
@@ -144,11 +144,35 @@ class EngineCore:
             raise InvalidRequestError(f"token id {bad} is out of range [0, {vocab})")
 
     def add_request(
-        self, req_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+        self,
+        req_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        prefill_only: bool = False,
+        remote_kv: object | None = None,
+        first_token_id: int | None = None,
     ) -> None:
+        """Queue a request.
+
+        Disaggregation: ``prefill_only`` ends the request after its first token with the
+        prompt's blocks held (output ``finish_reason="prefilled"``, ``kv_block_ids`` set) until
+        ``release_held``. ``remote_kv`` (with the ``first_token_id`` the prefill worker sampled)
+        makes the request wait for its prompt KV to be pulled (``take_kv_loads`` /
+        ``finish_kv_load``) and then generate from its second token on.
+        """
         self.validate_request(prompt_token_ids, params)
         if req_id in self.scheduler.requests:
             raise InvalidRequestError(f"request id {req_id!r} is already in use")
+        if (remote_kv is None) != (first_token_id is None):
+            raise InvalidRequestError("remote_kv and first_token_id come together")
+        if prefill_only and remote_kv is not None:
+            raise InvalidRequestError("a request is either prefill-only or loads remote KV")
+        output_token_ids = []
+        if first_token_id is not None:
+            if not 0 <= first_token_id < self.model_config.vocab_size:
+                raise InvalidRequestError(f"first token id {first_token_id} is out of range")
+            output_token_ids.append(first_token_id)
         self.num_prompt_tokens += len(prompt_token_ids)
         room = self.max_model_len - len(prompt_token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
@@ -159,8 +183,28 @@ class EngineCore:
                 sampling_params=params,
                 eos_token_ids=self.model_config.eos_token_ids,
                 max_tokens=max_tokens,
+                output_token_ids=output_token_ids,
+                prefill_only=prefill_only,
+                remote_kv=remote_kv,
             )
         )
+
+    def take_kv_loads(self) -> list[KVLoad]:
+        """Remote-KV requests admitted since the last call: the blocks to fill for each."""
+        return self.scheduler.take_kv_loads()
+
+    def finish_kv_load(self, req_id: str, ok: bool) -> None:
+        """Report a pull: on success the request decodes, otherwise it recomputes its prompt."""
+        self.scheduler.finish_kv_load(req_id, ok)
+
+    def release_held(self, req_id: str) -> bool:
+        """Free a prefilled request's held prompt blocks; False if none were held."""
+        return self.scheduler.release_held(req_id)
+
+    @property
+    def kv_pool(self) -> torch.Tensor:
+        """The one KV allocation, ``[num_blocks, ...]``: one block is one contiguous range."""
+        return self.runner.kv_pool
 
     def abort_requests(
         self, req_ids: Iterable[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED
@@ -170,6 +214,10 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def has_schedulable_requests(self) -> bool:
+        """Whether ``step`` would run anything (requests waiting for remote KV do not)."""
+        return self.scheduler.has_schedulable_requests()
+
     # --- the loop ------------------------------------------------------------------------------
 
     def step(self) -> list[EngineCoreOutput]:
@@ -178,7 +226,7 @@ class EngineCore:
         runner_output = self.runner.execute_model(so)
         outputs = self.scheduler.update_from_output(so, runner_output)
         self.num_generated_tokens += len(runner_output.sampled_token_ids)
-        if not self.scheduler.has_unfinished_requests():
+        if not self.scheduler.has_unfinished_requests() and not self.scheduler.num_loading:
             self.check_invariants()  # cheap when idle, and it catches leaks early
         return outputs
 

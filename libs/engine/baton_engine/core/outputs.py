@@ -65,10 +65,24 @@ class EngineCoreOutput(NamedTuple):
     req_id: str
     new_token_ids: list[int]
     new_logprobs: list[TokenLogprobs] | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "prefilled" | None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    # "prefilled" only: the blocks holding the prompt's KV, in order, until ``release_held``.
+    kv_block_ids: list[int] | None = None
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class KVLoad:
+    """Blocks a request waits for: the prompt blocks from ``first_block`` on (the ones before
+    are cached locally) must be filled from ``remote`` into ``local_block_ids``, then reported
+    with ``EngineCore.finish_kv_load``."""
+
+    req_id: str
+    remote: object  # what the request was added with (the KV handle)
+    first_block: int
+    local_block_ids: list[int]

@@ -5,6 +5,14 @@ admits waiting ones. A request's step is ``min(num_tokens - num_computed_tokens,
 budget)`` tokens, so chunked prefill, prefix hits and recompute after preemption are the same
 arithmetic. When the pool runs dry, the most recently admitted running request is preempted:
 its blocks are freed, its progress reset, and it goes back to the front of the queue.
+
+Disaggregation adds one detour. A waiting request whose prompt KV lives on a prefill worker
+(``remote_kv``) is admitted without compute: it matches the local prefix cache, gets blocks for
+the rest of its prompt (left out of the prefix index until filled) and waits in ``loading``
+while the caller pulls them (``take_kv_loads``). ``finish_kv_load`` then lets it run with its
+prompt computed, or, if the pull failed, sends it back to compute the prompt itself. Blocks of a
+request aborted while loading are freed only when its load is reported: a transfer may still be
+writing them.
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ from collections.abc import Iterable
 from baton_engine.core.outputs import (
     CachedRequestData,
     EngineCoreOutput,
+    KVLoad,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
@@ -41,6 +50,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}  # req_id -> every unfinished request
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order; the tail is preempted first
+        self.loading: dict[str, Request] = {}  # req_id -> request waiting for remote KV
+        self._kv_loads: list[KVLoad] = []  # loads to start, for take_kv_loads()
         self._finished_req_ids: set[str] = set()  # since the last schedule()
         self.num_preemptions = 0
 
@@ -56,6 +67,11 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None:
                 continue
+            if request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
+                # Its blocks may be being written: free them when the load is reported.
+                request.status = status
+                del self.requests[req_id]
+                continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
             else:
@@ -64,9 +80,42 @@ class Scheduler:
 
     def _free(self, request: Request, status: RequestStatus) -> None:
         request.status = status
-        self.kv.forget(request)
+        if status == RequestStatus.FINISHED_PREFILLED:
+            self.kv.hold(request)
+        else:
+            self.kv.forget(request)
         del self.requests[request.req_id]
         self._finished_req_ids.add(request.req_id)
+
+    def release_held(self, req_id: str) -> bool:
+        """Free the prompt blocks a prefilled request left held; False if none were."""
+        return self.kv.release_held(req_id)
+
+    def take_kv_loads(self) -> list[KVLoad]:
+        loads, self._kv_loads = self._kv_loads, []
+        return loads
+
+    def finish_kv_load(self, req_id: str, ok: bool) -> None:
+        """A pull started from ``take_kv_loads`` ended. On success the request runs with its
+        prompt computed; on failure it computes the prompt itself. Unknown ids are ignored."""
+        request = self.loading.pop(req_id, None)
+        if request is None:
+            return
+        if request.is_finished():  # aborted while loading
+            self.kv.forget(request)
+            self._finished_req_ids.add(req_id)
+            return
+        request.remote_kv = None
+        if ok:
+            # Back to the head of the queue with its prompt computed and its blocks in place:
+            # admission then schedules the rest (the first token) like any other request.
+            request.num_computed_tokens = request.num_prompt_tokens
+            self.kv.cache_blocks(request, request.num_prompt_tokens)
+        else:
+            self.kv.free(request)
+            request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
 
     @property
     def num_running(self) -> int:
@@ -76,8 +125,16 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
+    @property
+    def num_loading(self) -> int:
+        return len(self.loading)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def has_schedulable_requests(self) -> bool:
+        """Whether a step would do anything (requests waiting for remote KV do not count)."""
+        return bool(self.running or self.waiting)
 
     # --- one step ------------------------------------------------------------------------------
 
@@ -120,9 +177,16 @@ class Scheduler:
 
         # Admit waiting requests only when nothing had to be preempted this step.
         while (
-            not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
+            not preempted
+            and self.waiting
+            and budget > 0
+            and len(self.running) + len(self.loading) < self.max_num_seqs
         ):
             request = self.waiting[0]
+            if request.remote_kv is not None:
+                if not self._start_kv_load(request):
+                    break
+                continue
             prefix = self.kv.match_prefix(request) if request.num_computed_tokens == 0 else None
             num_computed = request.num_computed_tokens + (prefix.num_cached_tokens if prefix else 0)
             num_new = self._num_new_tokens(request, num_computed, budget)
@@ -156,6 +220,25 @@ class Scheduler:
             preempted_req_ids=frozenset(preempted),
         )
 
+    def _start_kv_load(self, request: Request) -> bool:
+        """Admit a request whose prompt KV is remote: blocks for its prompt, no compute."""
+        prefix = self.kv.match_prefix(request)
+        num_cached = prefix.num_cached_tokens
+        num_load = request.num_prompt_tokens - num_cached
+        if self.kv.allocate_slots(request, num_load, prefix, cache=False) is None:
+            return False
+        self.waiting.popleft()
+        self.kv.record_prefix_lookup(request.num_prompt_tokens, num_cached)
+        request.num_cached_tokens = num_cached
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self.loading[request.req_id] = request
+        first_block = num_cached // self.kv.block_size
+        block_ids = self.kv.get_block_ids(request.req_id)
+        self._kv_loads.append(
+            KVLoad(request.req_id, request.remote_kv, first_block, block_ids[first_block:])
+        )
+        return True
+
     def _admit(self, request: Request, prefix: PrefixMatch | None) -> None:
         num_cached = prefix.num_cached_tokens if prefix is not None else 0
         if prefix is not None:
@@ -188,7 +271,10 @@ class Scheduler:
                 continue
             request.append_output_token(token_id)
             status = request.check_stop()
+            held = None
             if status is not None:
+                if status == RequestStatus.FINISHED_PREFILLED:
+                    held = self.kv.get_block_ids(request.req_id)
                 self._free(request, status)
             else:
                 still_running.append(request)
@@ -201,6 +287,7 @@ class Scheduler:
                     finish_reason=status.finish_reason if status is not None else None,
                     stop_reason=request.stop_reason,
                     num_cached_tokens=request.num_cached_tokens,
+                    kv_block_ids=held,
                 )
             )
         self.running = still_running
@@ -212,4 +299,5 @@ class Scheduler:
         for request in self.running:
             assert request.status == RequestStatus.RUNNING
             assert request.num_computed_tokens <= request.num_tokens
-        assert len(self.running) + len(self.waiting) == len(self.requests)
+        live_loading = sum(1 for r in self.loading.values() if not r.is_finished())
+        assert len(self.running) + len(self.waiting) + live_loading == len(self.requests)

@@ -41,6 +41,7 @@ class KVCacheManager:
         self._tables: dict[str, list[KVCacheBlock]] = {}  # req_id -> block table (append-only)
         self._hashes: dict[str, list[BlockHash]] = {}  # req_id -> hashes of its full blocks
         self._num_cached_blocks: dict[str, int] = {}  # req_id -> leading table blocks indexed
+        self._held: dict[str, list[KVCacheBlock]] = {}  # req_id -> blocks of a prefilled prompt
         self.num_prefix_queries = 0  # tokens looked up in the prefix cache
         self.num_prefix_hits = 0  # of those, tokens found
 
@@ -87,12 +88,17 @@ class KVCacheManager:
         self.num_prefix_hits += num_cached_tokens
 
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, prefix: PrefixMatch | None = None
+        self,
+        request: Request,
+        num_new_tokens: int,
+        prefix: PrefixMatch | None = None,
+        cache: bool = True,
     ) -> list[int] | None:
         """Make room for ``num_new_tokens`` more tokens after the computed (and cached) ones.
 
         Returns the ids of the blocks appended to the request's table, or None (and changes
-        nothing) if the pool cannot supply them.
+        nothing) if the pool cannot supply them. ``cache=False`` leaves the new blocks out of
+        the prefix index (their KV arrives later: see ``cache_blocks``).
         """
         table = self._tables.setdefault(request.req_id, [])
         cached = prefix.blocks if prefix is not None else []
@@ -110,7 +116,7 @@ class KVCacheManager:
             table.extend(cached)
             new_blocks = self.pool.get_new_blocks(num_new_blocks)
             table.extend(new_blocks)
-        if self.enable_caching:
+        if self.enable_caching and cache:
             # Blocks are indexed once their tokens are known and scheduled: the forward pass writes
             # every scheduled token's KV before any attention reads, so a request admitted later in
             # the same step may already share them.
@@ -123,6 +129,39 @@ class KVCacheManager:
         if not (cached or new_blocks):
             return []
         return [b.block_id for b in cached] + [b.block_id for b in new_blocks]
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Index the request's full blocks among its first ``num_tokens`` tokens, once their KV
+        is in place (after a remote load)."""
+        if not self.enable_caching:
+            return
+        num_full = num_tokens // self.block_size
+        start = self._num_cached_blocks.get(request.req_id, 0)
+        if start < num_full:
+            table = self._tables[request.req_id]
+            self.pool.cache_full_blocks(table, self.block_hashes(request), start, num_full)
+            self._num_cached_blocks[request.req_id] = num_full
+
+    def hold(self, request: Request) -> list[int]:
+        """Keep a finished request's blocks (a prefilled prompt, until ``release_held``) and
+        drop the rest of its bookkeeping. Returns the held block ids in order."""
+        table = self._tables.pop(request.req_id, [])
+        self._num_cached_blocks.pop(request.req_id, None)
+        self._hashes.pop(request.req_id, None)
+        self._held[request.req_id] = table
+        return [b.block_id for b in table]
+
+    def release_held(self, req_id: str) -> bool:
+        """Free the blocks held for ``req_id``; False if none were held."""
+        table = self._held.pop(req_id, None)
+        if table is None:
+            return False
+        self.pool.free_blocks(reversed(table))
+        return True
+
+    @property
+    def num_held_requests(self) -> int:
+        return len(self._held)
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first so chain tails are evicted first."""
@@ -147,7 +186,7 @@ class KVCacheManager:
     def check_invariants(self) -> None:
         self.pool.check_invariants()
         refs: dict[int, int] = {}
-        for table in self._tables.values():
+        for table in [*self._tables.values(), *self._held.values()]:
             for block in table:
                 refs[block.block_id] = refs.get(block.block_id, 0) + 1
         for block in self.pool.blocks:

@@ -34,9 +34,15 @@ class CachedRequestState:
 
 class InputBatch:
     def __init__(
-        self, max_num_reqs: int, max_model_len: int, block_size: int, device: torch.device
+        self,
+        max_num_reqs: int,
+        max_model_len: int,
+        block_size: int,
+        device: torch.device,
+        vocab_size: int,
     ) -> None:
         self.device = device
+        self.vocab_size = vocab_size  # width of one row of the sampler's draws
         # row -> block ids / token ids; rows are handed out and returned as requests come and go
         max_blocks_per_req = -(max_model_len // -block_size)
         self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int64)
@@ -53,6 +59,12 @@ class InputBatch:
             generator = None
             if sp.seed is not None and not sp.is_greedy:
                 generator = torch.Generator(device=self.device).manual_seed(sp.seed)
+                # Tokens sampled before (ahead of a preemption, or by a prefill worker) each
+                # drew one row of exponentials from this seed: replay the draws so the next
+                # token is the one an uninterrupted run would sample.
+                scratch = torch.empty(self.vocab_size, device=self.device)
+                for _ in new.output_token_ids:
+                    scratch.exponential_(generator=generator)
             state = CachedRequestState(
                 req_id=new.req_id,
                 prompt_token_ids=new.prompt_token_ids,

@@ -40,7 +40,9 @@ class ModelRunner:
         self.backend = create_attention_backend(attention_backend, self.device.type)
         logger.info("attention backend: %s", self.backend.name)
         self.sampler = Sampler()
-        self.batch = InputBatch(max_num_seqs, max_model_len, block_size, self.device)
+        self.batch = InputBatch(
+            max_num_seqs, max_model_len, block_size, self.device, model_config.vocab_size
+        )
         # Step inputs, reused every step (CPU; copied to the device when there is one).
         self._input_ids = np.zeros(max_num_batched_tokens, dtype=np.int64)
         self._positions = np.zeros(max_num_batched_tokens, dtype=np.int64)
