@@ -4,6 +4,12 @@ Hugging Face reference objects."""
 from __future__ import annotations
 
 import os
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,3 +46,70 @@ def tokenizer(default_model_dir: Path) -> Any:
     from baton_engine.model_loader import load_tokenizer
 
     return load_tokenizer(default_model_dir)
+
+
+# --- Redis --------------------------------------------------------------------------------
+# A real redis-server per test (no persistence, loopback only); ``restart()`` brings it back on the
+# same port with empty state, as after a crash. Skipped where redis-server is not installed.
+
+
+@dataclass
+class RedisServer:
+    """A ``redis-server`` subprocess on ``port``; ``url`` is what clients connect to."""
+
+    port: int
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout_s: float = 10.0) -> None:
+        """Start it (on the same port as before) and wait until it answers PING."""
+        assert self.proc is None or self.proc.poll() is not None, "already running"
+        cmd = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1"]
+        cmd += ["--save", "", "--appendonly", "no", "--protected-mode", "no"]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout_s
+        while not self.ping():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"redis-server did not start on port {self.port}")
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        """Kill it (SIGKILL: like a crash; nothing is saved)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+        if self.proc is not None:
+            self.proc.wait(10)
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def ping(self) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
+                s.sendall(b"PING\r\n")
+                return s.recv(16).startswith(b"+PONG")
+        except OSError:
+            return False
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def redis_server() -> Iterator[RedisServer]:
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed")
+    server = RedisServer(_free_port())
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -148,7 +148,7 @@ def test_second_request_loads_only_uncached_blocks(
 def test_failed_load_recomputes_and_abort_while_loading_frees_late(
     cores: tuple[EngineCore, EngineCore, EngineCore],
 ) -> None:
-    prefill, decode, aggregated = cores
+    _, decode, aggregated = cores
     params = SamplingParams(temperature=0.0, max_tokens=8)
     prompt = [*SYSTEM[:20], 77, 78, 79, 80, 81]
     aggregated.add_request("f", prompt, params)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import time
 from typing import Any
@@ -13,27 +14,35 @@ import pytest
 pytestmark = pytest.mark.integration
 
 
+SERVICES = ("kvstore", "prefill", "decode", "gateway")
+
+
 def _services(server: Any) -> dict[str, psutil.Process]:
-    """The serve process's children by service name ("decode", "gateway")."""
+    """The serve process's children by service name."""
     out = {}
     for p in server.descendants():
-        cmd = p.cmdline()
-        for name in ("decode", "gateway"):
-            if "baton.cli" in cmd and name in cmd:
-                out[name] = p
+        with contextlib.suppress(psutil.NoSuchProcess):
+            cmd = p.cmdline()
+            for name in SERVICES:
+                if "baton.cli" in cmd and name in cmd:
+                    out[name] = p
     return out
+
+
+def _chat(server: Any) -> httpx.Response:
+    return httpx.post(
+        f"{server.base_url}/chat/completions",
+        json={"messages": [{"role": "user", "content": "Hi!"}], "max_tokens": 4},
+        timeout=60,
+    )
 
 
 def test_serve_answers_then_sigterm_stops_every_process(serve_launcher: Any) -> None:
     server = serve_launcher.start()
     try:
         services = _services(server)
-        assert sorted(services) == ["decode", "gateway"]
-        resp = httpx.post(
-            f"{server.base_url}/chat/completions",
-            json={"messages": [{"role": "user", "content": "Hi!"}], "max_tokens": 4},
-            timeout=60,
-        )
+        assert sorted(services) == sorted(SERVICES)  # disaggregated by default
+        resp = _chat(server)
         assert resp.status_code == 200, resp.text
         assert resp.json()["model"] == "SmolLM2-135M-Instruct"
     finally:
@@ -44,17 +53,32 @@ def test_serve_answers_then_sigterm_stops_every_process(serve_launcher: Any) -> 
     assert not any(p.is_running() for p in services.values())
 
 
-def test_serve_exits_nonzero_when_a_child_dies(serve_launcher: Any) -> None:
+def test_dead_worker_is_restarted_and_dead_gateway_stops_serve(serve_launcher: Any) -> None:
     server = serve_launcher.start()
     try:
         services = _services(server)
         services["decode"].kill()
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 120
+        while "decode exited with status" not in server.output(200):
+            assert time.monotonic() < deadline, server.output()
+            time.sleep(0.1)
+        assert server.proc.poll() is None, server.output()  # the rest keeps serving
+        while True:  # the restarted decode worker serves again
+            resp = _chat(server)
+            if resp.status_code == 200:
+                break
+            assert time.monotonic() < deadline, resp.text
+            time.sleep(0.5)
+        restarted = _services(server)
+        assert restarted["decode"].pid != services["decode"].pid
+
+        restarted["gateway"].kill()  # without its front door the stack stops
         while server.proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.1)
         assert server.proc.poll() not in (None, 0), server.output()
-        assert "exited unexpectedly" in server.output()
+        assert "gateway exited unexpectedly" in server.output()
+        services = restarted
     finally:
         _, survivors = serve_launcher.stop(server, signal.SIGTERM)
     assert not survivors, f"left behind: {survivors}"
-    assert not services["gateway"].is_running()
+    assert not any(p.is_running() for p in services.values())

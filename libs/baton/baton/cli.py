@@ -56,7 +56,13 @@ def build_parser() -> argparse.ArgumentParser:
     # Services register their own subcommands (`baton serve|gateway|decode|...`).
     import importlib
 
-    for module in ("baton.serve", "baton_gateway.cli", "baton_decode.cli"):
+    for module in (
+        "baton.serve",
+        "baton_gateway.cli",
+        "baton_decode.cli",
+        "baton_prefill.cli",
+        "baton_kvstore.cli",
+    ):
         try:
             mod = importlib.import_module(module)
         except ModuleNotFoundError as e:

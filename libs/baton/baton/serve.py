@@ -1,15 +1,21 @@
 """``baton serve [MODEL]``: a whole Baton stack on this machine, one OS process per service.
 
-Aggregated mode runs ``baton decode`` (the engine; it prefills locally) and ``baton gateway``
-(the OpenAI HTTP server), each as the same command a container would run, so ``ps`` shows which
-is which. The model is resolved (a GGUF converted) once here, so both children find the cache.
+Disaggregated mode (the default) runs ``baton kvstore`` (worker directory and prefix index),
+``--num-prefill`` ``baton prefill`` and ``--num-decode`` ``baton decode`` workers, and
+``baton gateway`` (the OpenAI HTTP server); aggregated mode runs only decode workers (they
+prefill locally) and the gateway. Each is the same command a container would run, so ``ps``
+shows which is which. The model is resolved (a GGUF converted) once here, so every child finds
+the cache.
 
-Lifecycle: both children start at once (the gateway waits for the worker); once both printed
+Lifecycle: all children start at once (the gateway waits for the workers); once all printed
 their ready lines, this prints where it serves and forwards their output. Ctrl-C or SIGTERM
-stops the gateway, then the worker (SIGTERM, a grace period, then SIGKILL; a second signal kills
-at once). A child that dies unexpectedly stops the others and makes this exit non-zero. Each
-child runs in its own session (so a terminal's Ctrl-C reaches only this process, which stops them
-in order) and gets SIGTERM from the kernel if this process dies without cleaning up.
+stops the gateway, then the workers, then the kvstore (SIGTERM, a grace period, then SIGKILL; a
+second signal kills at once). Once serving, a worker or the kvstore that dies is reported and
+restarted (up to three times each) while the rest keep serving; the gateway dying, or any child
+dying before the stack is ready, stops everything with a non-zero exit. Each child runs in its
+own session (so a terminal's Ctrl-C reaches only this process, which stops them in order) and
+gets SIGTERM from the kernel if this process dies without cleaning up (restarted children
+excepted: they are started from a threaded process, where that hook is unsafe).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import itertools
 import os
 import signal
 import socket
@@ -28,7 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any
 
-_READY = {"decode": "baton decode ready on ", "gateway": "baton gateway ready on "}
+_READY = {kind: f"baton {kind} ready on " for kind in ("kvstore", "prefill", "decode", "gateway")}
 _STOP_GRACE_S = 10.0  # per child, after SIGTERM, before SIGKILL
 _PR_SET_PDEATHSIG = 1
 
@@ -56,7 +63,43 @@ def add_parser(subparsers: Any) -> None:
         default=os.environ.get("BATON_API_KEY"),
         help="require 'Authorization: Bearer KEY' (default: $BATON_API_KEY)",
     )
-    p.add_argument("--mode", choices=("aggregated", "disaggregated"), default="aggregated")
+    p.add_argument(
+        "--mode",
+        choices=("aggregated", "disaggregated"),
+        default="disaggregated",
+        help="disaggregated: kvstore + prefill and decode workers; aggregated: decode workers "
+        "that prefill locally",
+    )
+    p.add_argument("--num-prefill", type=int, default=1, help="prefill workers (disaggregated)")
+    p.add_argument("--num-decode", type=int, default=1, help="decode workers")
+    p.add_argument(
+        "--redis-url", default=None, help="the kvstore's Redis (default: its in-memory store)"
+    )
+    p.add_argument(
+        "--kv-transfer",
+        choices=("auto", "nixl", "grpc"),
+        default="auto",
+        help="how KV moves from prefill to decode workers (auto: NIXL when it works, else gRPC)",
+    )
+    p.add_argument(
+        "--remote-prefill-threshold",
+        type=int,
+        default=256,
+        help="prompt tokens not cached on the chosen decode worker above which the prompt is "
+        "prefilled on a prefill worker (else locally)",
+    )
+    p.add_argument(
+        "--kv-load-failure-policy",
+        choices=("recompute", "fail"),
+        default="recompute",
+        help="when a decode worker cannot pull a prompt's KV",
+    )
+    p.add_argument(
+        "--kv-lease-ms",
+        type=int,
+        default=30_000,
+        help="how long a prefilled prompt's KV waits for its pull",
+    )
     p.add_argument(
         "--ready-timeout",
         type=float,
@@ -110,7 +153,9 @@ def _die_with_parent() -> None:
 class Child:
     """One service process and the thread forwarding its output."""
 
-    name: str  # "decode" | "gateway"
+    kind: str  # "kvstore" | "prefill" | "decode" | "gateway"
+    label: str  # "decode", or "decode-1" when there are several
+    argv: list[str]
     proc: subprocess.Popen[str]
     ready: threading.Event = field(default_factory=threading.Event)
     ready_line: str = ""
@@ -118,19 +163,28 @@ class Child:
 
     def forward(self, out: IO[str]) -> None:
         assert self.proc.stdout is not None
-        marker = _READY[self.name]
+        marker = _READY[self.kind]
         for line in self.proc.stdout:
             if not self.ready.is_set() and line.startswith(marker):
                 self.ready_line = line.strip()
                 self.ready.set()
-            out.write(f"({self.name}) {line}")
+            out.write(f"({self.label}) {line}")
             out.flush()
 
+    def start_forwarding(self, out: IO[str]) -> None:
+        self.forwarder = threading.Thread(
+            target=self.forward, args=(out,), name=f"{self.label}-output", daemon=True
+        )
+        self.forwarder.start()
 
-def start_child(name: str, argv: Sequence[str], env: dict[str, str]) -> Child:
-    """Start ``python -m baton.cli NAME ...`` in its own session, output piped for forwarding."""
+
+def start_child(
+    kind: str, label: str, argv: Sequence[str], env: dict[str, str], preexec: bool = True
+) -> Child:
+    """Start ``python -m baton.cli KIND ...`` in its own session, output piped for forwarding."""
+    use_preexec = preexec and sys.platform == "linux"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "baton.cli", name, *argv],
+        [sys.executable, "-m", "baton.cli", kind, *argv],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -138,9 +192,9 @@ def start_child(name: str, argv: Sequence[str], env: dict[str, str]) -> Child:
         bufsize=1,
         env=env,
         start_new_session=True,
-        preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+        preexec_fn=_die_with_parent if use_preexec else None,
     )
-    return Child(name, proc)
+    return Child(kind, label, list(argv), proc)
 
 
 def stop_children(children: Sequence[Child], force: threading.Event) -> None:
@@ -172,29 +226,18 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from baton_engine.errors import InvalidRequestError
     from baton_engine.model_files import resolve_model, served_model_name
 
-    if args.mode != "aggregated":
-        raise InvalidRequestError("--mode disaggregated is not built yet; use --mode aggregated")
-    resolve_model(args.model)  # convert once, before two processes race to
+    if args.num_decode < 1 or args.num_prefill < 0:
+        raise InvalidRequestError("--num-decode must be at least 1 and --num-prefill at least 0")
+    resolve_model(args.model)  # convert once, before several processes race to
     name = args.served_model_name or served_model_name(args.model)
-    model_argv = [] if args.model is None else [args.model]
-    decode_addr = f"127.0.0.1:{free_port()}"
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    # NIXL/UCX between processes of this machine: the loopback device only.
+    env.setdefault("UCX_NET_DEVICES", "lo")
     if args.api_key:
         env["BATON_API_KEY"] = args.api_key  # not on the command line, where ps shows it
     else:
         env.pop("BATON_API_KEY", None)
-    decode_argv = [
-        *model_argv,
-        *("--host", "127.0.0.1", "--port", decode_addr.rsplit(":", 1)[1], "--metrics-port", "0"),
-        *("--served-model-name", name),
-        *engine_argv(args),
-    ]
-    gateway_argv = [
-        *("--host", args.host, "--port", str(args.port), "--decode-addr", decode_addr),
-        *("--served-model-name", name, "--connect-timeout", str(args.ready_timeout)),
-        *(["--model", args.model] if args.model is not None else []),
-        *(["--disable-uvicorn-access-log"] if args.disable_uvicorn_access_log else []),
-    ]
+    plan = _plan(args, name)
 
     stop, force = threading.Event(), threading.Event()
 
@@ -204,48 +247,125 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     children: list[Child] = []
     try:
-        # Both children are started before any thread exists here (preexec_fn and threads do
-        # not mix); the gateway waits for the worker to answer.
-        children = [
-            start_child("decode", decode_argv, env),
-            start_child("gateway", gateway_argv, env),
-        ]
+        # Every child is started before any thread exists here (preexec_fn and threads do not
+        # mix); the gateway waits for the workers to answer, the workers for the kvstore.
+        children = [start_child(kind, label, argv, env) for kind, label, argv in plan]
         for child in children:
-            child.forwarder = threading.Thread(
-                target=child.forward, args=(sys.stdout,), name=f"{child.name}-output", daemon=True
-            )
-            child.forwarder.start()
-        return _supervise(children, name, args, stop)
+            child.start_forwarding(sys.stdout)
+        return _supervise(children, name, args, stop, env)
     finally:
-        stop_children(list(reversed(children)), force)  # the gateway first, then the worker
+        # The gateway first, then the workers, then the kvstore.
+        stop_children(sorted(children, key=lambda c: _STOP_ORDER[c.kind]), force)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
 
+_STOP_ORDER = {"gateway": 0, "prefill": 1, "decode": 1, "kvstore": 2}
+
+
+def _plan(args: argparse.Namespace, name: str) -> list[tuple[str, str, list[str]]]:
+    """(kind, label, argv) of every child: the command lines a container would run."""
+    model_argv = [] if args.model is None else [args.model]
+    disaggregated = args.mode == "disaggregated"
+    num_prefill = args.num_prefill if disaggregated else 0
+    plan: list[tuple[str, str, list[str]]] = []
+    kvstore_argv: list[str] = []
+    if disaggregated:
+        kvstore_addr = f"127.0.0.1:{free_port()}"
+        kvstore_argv = ["--kvstore", kvstore_addr]
+        argv = ["--host", "127.0.0.1", "--port", kvstore_addr.rsplit(":", 1)[1]]
+        if args.redis_url:
+            argv += ["--redis-url", args.redis_url]
+        plan.append(("kvstore", "kvstore", argv))
+    addrs: dict[str, list[str]] = {"prefill": [], "decode": []}
+    for role, count in (("prefill", num_prefill), ("decode", args.num_decode)):
+        for i in range(count):
+            addr = f"127.0.0.1:{free_port()}"
+            addrs[role].append(addr)
+            argv = [
+                *model_argv,
+                *("--host", "127.0.0.1", "--port", addr.rsplit(":", 1)[1], "--metrics-port", "0"),
+                *("--served-model-name", name, "--worker-id", f"{role}-{i}"),
+                *kvstore_argv,
+                *("--kv-transfer", args.kv_transfer),
+                *engine_argv(args),
+            ]
+            if role == "decode":
+                argv += ["--kv-load-failure-policy", args.kv_load_failure_policy]
+            else:
+                argv += ["--kv-lease-ms", str(args.kv_lease_ms)]
+            plan.append((role, f"{role}-{i}" if count > 1 else role, argv))
+    gateway_argv = [
+        *("--host", args.host, "--port", str(args.port)),
+        *itertools.chain.from_iterable(("--decode-addr", a) for a in addrs["decode"]),
+        *itertools.chain.from_iterable(("--prefill-addr", a) for a in addrs["prefill"]),
+        *kvstore_argv,
+        *("--remote-prefill-threshold", str(args.remote_prefill_threshold)),
+        *("--served-model-name", name, "--connect-timeout", str(args.ready_timeout)),
+        *(["--model", args.model] if args.model is not None else []),
+        *(["--disable-uvicorn-access-log"] if args.disable_uvicorn_access_log else []),
+    ]
+    plan.append(("gateway", "gateway", gateway_argv))
+    return plan
+
+
+_MAX_RESTARTS = 3  # per worker, over the stack's life
+
+
 def _supervise(
-    children: list[Child], name: str, args: argparse.Namespace, stop: threading.Event
+    children: list[Child],
+    name: str,
+    args: argparse.Namespace,
+    stop: threading.Event,
+    env: dict[str, str],
 ) -> int:
-    """Wait for the ready lines, then for a signal or a child's death; the exit status."""
+    """Wait for the ready lines, then for a signal or a child's death; the exit status.
+
+    Once serving, a worker or the kvstore that dies is reported and started again (the gateway
+    routes around a dead worker meanwhile, and workers re-register with a restarted kvstore);
+    the gateway dying, or a child dying before the stack was ready, stops everything.
+    """
     deadline = time.monotonic() + args.ready_timeout
     announced = False
+    restarts: dict[str, int] = {}
     while not stop.wait(0.1):
-        for child in children:
+        for i, child in enumerate(children):
             code = child.proc.poll()
-            if code is not None:
+            if code is None:
+                continue
+            if not announced or child.kind == "gateway":
                 when = "unexpectedly" if announced else "before it was ready"
                 print(
-                    f"error: baton {child.name} exited {when} with status {code} "
+                    f"error: baton {child.label} exited {when} with status {code} "
                     "(its output is above); stopping",
                     file=sys.stderr,
                     flush=True,
                 )
                 return 1
+            count = restarts.get(child.label, 0)
+            if count >= _MAX_RESTARTS:
+                if child.forwarder is not None:  # reported once, then left down
+                    print(f"Baton: {child.label} stays down after {count} restarts; "
+                          "the others keep serving", file=sys.stderr, flush=True)  # fmt: skip
+                    child.forwarder = None
+                continue
+            restarts[child.label] = count + 1
+            print(
+                f"Baton: {child.label} exited with status {code}; the others keep serving; "
+                f"restarting it ({count + 1}/{_MAX_RESTARTS})",
+                file=sys.stderr,
+                flush=True,
+            )
+            # Threads exist now: no preexec_fn (the restarted child is stopped by us as usual).
+            children[i] = start_child(child.kind, child.label, child.argv, env, preexec=False)
+            children[i].start_forwarding(sys.stdout)
         if not announced and all(c.ready.is_set() for c in children):
             url = f"http://{args.host}:{args.port}/v1"
-            print(f"Baton is serving {name} at {url}", flush=True)
+            shape = ", ".join(c.label for c in children)
+            print(f"Baton is serving {name} at {url} ({args.mode}: {shape})", flush=True)
             announced = True
         elif not announced and time.monotonic() > deadline:
-            late = [c.name for c in children if not c.ready.is_set()]
+            late = [c.label for c in children if not c.ready.is_set()]
             print(
                 f"error: baton {', '.join(late)} not ready after {args.ready_timeout:.0f} s; "
                 "stopping",

@@ -137,6 +137,7 @@ class EngineConfig:
     long_prefill_token_threshold: int = 0  # 0: a prompt may take the whole step budget
     block_size: int = 16
     enable_prefix_caching: bool = True
+    enable_kv_events: bool = False  # record block stored/removed events (for the kvstore)
     dtype: str = "auto"  # "auto": bfloat16 for the model's 16-bit dtypes, else its dtype
     kv_cache_memory: int | None = None  # bytes for the KV pool on CPU; None: 1 GiB
     num_gpu_blocks_override: int | None = None  # exact number of KV blocks (tests)

@@ -1,8 +1,8 @@
 """The decode worker's only bridge between ``baton.v1`` protos and the engine's own types.
 
 Nothing else in the worker builds or reads ``*_pb2`` messages field by field, and nothing in the
-engine imports them. Decoding raises ``InvalidRequestError`` (the engine's message, meant for the
-client) or ``UnsupportedRequestError``; encoding never fails.
+engine imports them (the prefill worker's codec builds on this one). Decoding raises
+``InvalidRequestError`` (the engine's message, meant for the client); encoding never fails.
 """
 
 from __future__ import annotations
@@ -12,12 +12,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from baton.v1 import common_pb2, engine_pb2
-from baton_decode.errors import UnsupportedRequestError
 from baton_engine.core.engine_core import EngineCore, EngineStats
 from baton_engine.core.outputs import EngineCoreOutput, TokenLogprobs
+from baton_engine.errors import InvalidRequestError
 from baton_engine.sampling_params import SamplingParams
+from baton_kvtransfer.handle import KVHandle
 
-_FINISH_REASONS = {
+FINISH_REASONS = {
     "stop": common_pb2.FINISH_REASON_STOP,
     "length": common_pb2.FINISH_REASON_LENGTH,
     "abort": common_pb2.FINISH_REASON_ABORT,
@@ -26,11 +27,14 @@ _FINISH_REASONS = {
 
 @dataclass(frozen=True)
 class GenerateInput:
-    """A decoded ``GenerateRequest``: what the engine needs to run it."""
+    """A decoded ``GenerateRequest``: what the engine needs to run it. Disaggregated requests
+    carry the first token the prefill worker sampled and where the prompt's KV lives."""
 
     req_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    first_token_id: int | None = None
+    kv_handle: KVHandle | None = None
 
 
 def sampling_params_from_proto(pb: common_pb2.SamplingParams) -> SamplingParams:
@@ -60,21 +64,59 @@ def sampling_params_from_proto(pb: common_pb2.SamplingParams) -> SamplingParams:
 
 
 def generate_input_from_proto(pb: engine_pb2.GenerateRequest) -> GenerateInput:
-    """Decode a ``GenerateRequest`` for local prefill (aggregated mode).
+    """Decode a ``GenerateRequest``.
 
     An empty ``req_id`` gets a fresh one. Prompt validity (empty, too long, ids out of range) is
-    the engine's to check. A request carrying a remote prefill (``first_token_id`` or
-    ``kv_handle``) raises ``UnsupportedRequestError``: pulling KV is not built yet, and silently
-    re-prefilling would re-sample a first token the client has already seen.
+    the engine's to check. ``first_token_id`` and ``kv_handle`` come together (remote prefill),
+    and the handle must cover exactly the prompt.
     """
-    if pb.HasField("first_token_id") or pb.HasField("kv_handle"):
-        raise UnsupportedRequestError(
-            "this decode worker serves aggregated requests only (no first_token_id / kv_handle)"
+    prompt = list(pb.prompt_token_ids)
+    remote = pb.HasField("kv_handle")
+    if remote != pb.HasField("first_token_id"):
+        raise InvalidRequestError("first_token_id and kv_handle must be given together")
+    handle = kv_handle_from_proto(pb.kv_handle) if remote else None
+    if handle is not None and handle.num_tokens != len(prompt):
+        raise InvalidRequestError(
+            f"the KV handle covers {handle.num_tokens} tokens, the prompt has {len(prompt)}"
         )
     return GenerateInput(
         req_id=pb.req_id or uuid.uuid4().hex,
-        prompt_token_ids=list(pb.prompt_token_ids),
+        prompt_token_ids=prompt,
         params=sampling_params_from_proto(pb.sampling),
+        first_token_id=pb.first_token_id if remote else None,
+        kv_handle=handle,
+    )
+
+
+def kv_handle_from_proto(pb: common_pb2.KVHandle) -> KVHandle:
+    if not pb.transfer_endpoint or not pb.lease_id:
+        raise InvalidRequestError("the KV handle has no transfer endpoint or lease id")
+    return KVHandle(
+        worker_id=pb.worker_id,
+        engine_id=pb.engine_id,
+        epoch=pb.epoch,
+        transfer_endpoint=pb.transfer_endpoint,
+        block_ids=tuple(pb.block_ids),
+        block_hashes=tuple(pb.block_hashes),
+        num_tokens=pb.num_tokens,
+        lease_id=pb.lease_id,
+        lease_expiry_unix_ms=pb.lease_expiry_unix_ms,
+        compat_hash=pb.compat_hash,
+    )
+
+
+def kv_handle_to_proto(handle: KVHandle) -> common_pb2.KVHandle:
+    return common_pb2.KVHandle(
+        worker_id=handle.worker_id,
+        engine_id=handle.engine_id,
+        epoch=handle.epoch,
+        transfer_endpoint=handle.transfer_endpoint,
+        block_ids=handle.block_ids,
+        block_hashes=handle.block_hashes,
+        num_tokens=handle.num_tokens,
+        lease_id=handle.lease_id,
+        lease_expiry_unix_ms=handle.lease_expiry_unix_ms,
+        compat_hash=handle.compat_hash,
     )
 
 
@@ -100,7 +142,7 @@ def generate_response_to_proto(
     last = outputs[-1]
     msg.num_cached_tokens = max(last.num_cached_tokens, 0)
     if last.finish_reason is not None:
-        msg.finish_reason = _FINISH_REASONS[last.finish_reason]
+        msg.finish_reason = FINISH_REASONS[last.finish_reason]
         if isinstance(last.stop_reason, int):
             msg.stop_token_id = last.stop_reason
     return msg

@@ -33,8 +33,8 @@ from baton_decode.errors import (
 )
 from baton_decode.metrics import StatsLogger, WorkerMetrics
 from baton_engine.core.engine_core import EngineCore, EngineStats
-from baton_engine.core.outputs import EngineCoreOutput
-from baton_engine.errors import BatonError
+from baton_engine.core.outputs import EngineCoreOutput, KVLoad
+from baton_engine.errors import BatonError, InvalidRequestError
 from baton_engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -49,6 +49,9 @@ class _Add:
     req_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    prefill_only: bool = False
+    remote_kv: object | None = None
+    first_token_id: int | None = None
 
 
 @dataclass(frozen=True)
@@ -57,11 +60,22 @@ class _Abort:
 
 
 @dataclass(frozen=True)
+class _ReleaseHeld:
+    req_ids: list[str]
+
+
+@dataclass(frozen=True)
+class _LoadDone:
+    req_id: str
+    ok: bool
+
+
+@dataclass(frozen=True)
 class _Stop:
     pass
 
 
-_Command = _Add | _Abort | _Stop
+_Command = _Add | _Abort | _ReleaseHeld | _LoadDone | _Stop
 
 
 @dataclass
@@ -111,8 +125,11 @@ class EngineLoop:
         metrics: WorkerMetrics | None = None,
         log_stats_interval_s: float = 5.0,
         on_dead: Callable[[], None] | None = None,
+        on_kv_load: Callable[[KVLoad], None] | None = None,
     ) -> None:
         self.core = core
+        self._on_kv_load = on_kv_load  # called on the loop for each pull to start
+        self._kv_events: list[tuple[str, bytes]] = []  # (kind, hash) since take; loop thread
         self._loop = loop
         self.max_pending = max_pending
         self._metrics = metrics
@@ -146,7 +163,14 @@ class EngineLoop:
         return self._dead is None
 
     def add_request(
-        self, req_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+        self,
+        req_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        prefill_only: bool = False,
+        remote_kv: object | None = None,
+        first_token_id: int | None = None,
     ) -> RequestStream:
         """Validate and queue a request; its outputs arrive on the returned stream.
 
@@ -163,10 +187,40 @@ class EngineLoop:
             raise WorkerFullError(
                 f"the worker is at capacity ({len(self._streams)} requests in flight)"
             )
+        if remote_kv is not None and self._on_kv_load is None:
+            raise InvalidRequestError("this worker cannot pull remote KV")
         stream = RequestStream(req_id, len(prompt_token_ids), time.monotonic())
         self._streams[req_id] = stream
-        self._commands.put(_Add(req_id, list(prompt_token_ids), params))
+        self._commands.put(
+            _Add(
+                req_id,
+                list(prompt_token_ids),
+                params,
+                prefill_only=prefill_only,
+                remote_kv=remote_kv,
+                first_token_id=first_token_id,
+            )
+        )
         return stream
+
+    def take_kv_events(self) -> list[tuple[str, bytes]]:
+        """Prefix-cache changes (``"stored"``/``"removed"``, block hash) in the order they
+        happened, since the last call (the engine must have ``enable_kv_events``)."""
+        events, self._kv_events = self._kv_events, []
+        return events
+
+    def cached_block_hashes(self) -> list[bytes]:
+        """Every hash the engine's prefix cache holds now."""
+        return self.core.cached_block_hashes()
+
+    def release_held(self, req_ids: Sequence[str]) -> None:
+        """Free the prompt blocks prefill-only requests left held (unknown ids are ignored)."""
+        self._commands.put(_ReleaseHeld(list(req_ids)))
+
+    def finish_kv_load(self, req_id: str, ok: bool) -> None:
+        """Report a pull handed out through ``on_kv_load``: the request decodes on success and
+        recomputes its prompt otherwise."""
+        self._commands.put(_LoadDone(req_id, ok))
 
     def abort(self, req_ids: Sequence[str]) -> int:
         """End these requests now with finish reason "abort" and free them in the engine.
@@ -182,6 +236,16 @@ class EngineLoop:
         if aborted:
             self._commands.put(_Abort(aborted))
         return len(aborted)
+
+    def fail(self, req_id: str, error: BatonError) -> None:
+        """End one request with ``error`` (its stream raises it) and drop it from the engine."""
+        stream = self._streams.pop(req_id, None)
+        if stream is None:
+            return
+        stream.queue.put_nowait(error)
+        if self._metrics is not None:
+            self._metrics.record_finished("error")
+        self._commands.put(_Abort([req_id]))
 
     def abort_all(self) -> int:
         return self.abort(list(self._streams))
@@ -218,6 +282,12 @@ class EngineLoop:
             if stream is not None:
                 stream.queue.put_nowait(error)
 
+    def _start_kv_loads(self, loads: list[KVLoad]) -> None:
+        """Runs on the loop: hand each new pull to the worker."""
+        assert self._on_kv_load is not None
+        for load in loads:
+            self._on_kv_load(load)
+
     def _fail_all(self, error: EngineDeadError) -> None:
         """Runs on the loop once the engine is dead."""
         self._dead = error
@@ -245,11 +315,18 @@ class EngineLoop:
                     self._apply(command, errors)
                 if commands:
                     self._publish_stats()
-                was_busy = self.core.has_unfinished_requests()
+                was_busy = self.core.has_schedulable_requests()
                 outputs = self._step(errors) if was_busy else []
                 if outputs or errors:
                     self._post(self._deliver, outputs, errors)
-                if was_busy and not self.core.has_unfinished_requests():
+                loads = self.core.take_kv_loads()
+                if loads:
+                    self._post(self._start_kv_loads, loads)
+                kv_events = self.core.take_kv_events()
+                if kv_events:
+                    pairs = [(e.kind, e.hash_value) for e in kv_events]
+                    self._post(self._kv_events.extend, pairs)
+                if (was_busy or commands) and self._is_idle():
                     self.core.check_invariants()  # cheap, and idle is when nothing can race it
         except BaseException as e:
             logger.exception("engine loop died; failing every request")
@@ -259,7 +336,7 @@ class EngineLoop:
         """All queued commands; when the engine has no work, sleep until one arrives (or until
         the stats logger's window is due, so the last busy window still gets its line)."""
         commands: list[_Command] = []
-        if not self.core.has_unfinished_requests():
+        if not self.core.has_schedulable_requests():
             while not commands:
                 timeout = self._stats_logger.next_due(time.monotonic())
                 try:
@@ -275,7 +352,14 @@ class EngineLoop:
     def _apply(self, command: _Command, errors: list[tuple[str, BatonError]]) -> None:
         if isinstance(command, _Add):
             try:
-                self.core.add_request(command.req_id, command.prompt_token_ids, command.params)
+                self.core.add_request(
+                    command.req_id,
+                    command.prompt_token_ids,
+                    command.params,
+                    prefill_only=command.prefill_only,
+                    remote_kv=command.remote_kv,
+                    first_token_id=command.first_token_id,
+                )
             except Exception as e:  # validated on the loop already, so this is not bad input
                 logger.exception("adding request %s failed", command.req_id)
                 error = e if isinstance(e, BatonError) else EngineStepError(f"{e!r}")
@@ -285,6 +369,19 @@ class EngineLoop:
         elif isinstance(command, _Abort):
             self.core.abort_requests(command.req_ids)
             self._live.difference_update(command.req_ids)
+            # A prefill-only request may have finished (blocks held) in the step before the
+            # abort arrived: nobody will take its blocks now.
+            for req_id in command.req_ids:
+                self.core.release_held(req_id)
+        elif isinstance(command, _ReleaseHeld):
+            for req_id in command.req_ids:
+                self.core.release_held(req_id)
+        elif isinstance(command, _LoadDone):
+            self.core.finish_kv_load(command.req_id, command.ok)
+
+    def _is_idle(self) -> bool:
+        core = self.core
+        return not core.has_unfinished_requests() and not core.scheduler.num_loading
 
     def _step(self, errors: list[tuple[str, BatonError]]) -> list[EngineCoreOutput]:
         try:

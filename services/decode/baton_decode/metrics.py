@@ -75,6 +75,19 @@ class WorkerMetrics:
         self.e2e_request_latency = histogram(
             "e2e_request_latency_seconds", "Arrival to last token", _E2E_BUCKETS
         ).labels(m)
+        # Disaggregation: KV pulled (decode side) and leases held (prefill side).
+        self.kv_transfer_seconds = histogram(
+            "kv_transfer_seconds", "Time to pull one request's missing KV blocks", _ITL_BUCKETS
+        ).labels(m)
+        self.kv_transfer_bytes = counter("kv_transfer_bytes", "KV bytes pulled").labels(m)
+        self.kv_transfer_blocks = counter("kv_transfer_blocks", "KV blocks pulled").labels(m)
+        self.kv_transfer_failures = counter(
+            "kv_transfer_failures", "KV pulls that failed (the prompt was recomputed or failed)"
+        ).labels(m)
+        self.kv_lease_expired = counter(
+            "kv_lease_expired", "Leases on prefilled KV that expired before release"
+        ).labels(m)
+        self.kv_leases_active = gauge("kv_leases_active", "Prefilled prompts held").labels(m)
         # The engine's counters start at zero, as ours do.
         self._last = EngineStats(0, 0, 0.0, 0, 0, 0, 0, 0)
 

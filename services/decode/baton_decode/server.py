@@ -1,4 +1,6 @@
-"""The decode worker's gRPC server: ``DecodeService`` plus ``grpc.health.v1``.
+"""The engine workers' gRPC server: ``DecodeService`` (role decode) or ``PrefillService`` plus
+``KVTransferService`` (role prefill), with ``grpc.health.v1``, Prometheus metrics and, when a
+kvstore is configured, registration, heartbeats and KV events.
 
 Capacity: a worker holds at most ``max_pending`` requests (accepted, not finished: engine
 running + waiting, plus any handed over during the current step); one more is answered
@@ -14,9 +16,12 @@ short); the rest end with finish reason ABORT; then the server stops and ``serve
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import signal
 import socket
+import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -35,15 +40,25 @@ from baton_decode.errors import (
     UnsupportedRequestError,
     WorkerFullError,
 )
+from baton_decode.kv_puller import KVPuller, check_block_hashes
 from baton_decode.metrics import WorkerMetrics
 from baton_engine.config import EngineConfig
 from baton_engine.core.engine_core import EngineCore
+from baton_engine.core.outputs import KVLoad
 from baton_engine.errors import BatonError, InvalidRequestError
 from baton_engine.model_files import served_model_name
+from baton_kvstore.client import KVStoreClient, WorkerRegistration
+from baton_kvstore.codec import WorkerInfo, WorkerLoad
+from baton_kvtransfer.compat import compat_hash
+from baton_kvtransfer.leases import LeaseTable
+from baton_kvtransfer.nixl_agent import resolve_backend
+from baton_kvtransfer.sink import KVTransferSink
+from baton_kvtransfer.source import KVTransferSource
 
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = engine_pb2.DESCRIPTOR.services_by_name["DecodeService"].full_name
+PREFILL_SERVICE_NAME = engine_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name
 _STOP_GRACE_S = 1.0  # for the last (ABORT) messages to leave once every request has ended
 
 
@@ -51,6 +66,7 @@ _STOP_GRACE_S = 1.0  # for the last (ABORT) messages to leave once every request
 class WorkerConfig:
     """The worker's own knobs (the engine's are in ``EngineConfig``)."""
 
+    role: str = "decode"  # "decode" | "prefill"
     host: str = "127.0.0.1"
     port: int = 0  # 0: any free port (printed in the ready line)
     metrics_port: int = 0  # 0: any free port (reported by GetModelInfo.metrics_url)
@@ -58,9 +74,14 @@ class WorkerConfig:
     max_pending: int | None = None  # None: 4 * max_num_seqs
     shutdown_grace_s: float = 5.0
     log_stats_interval_s: float = 5.0
+    worker_id: str | None = None  # None: role-host-port
+    kvstore_address: str | None = None  # register and publish KV events there
+    kv_transfer: str = "auto"  # "nixl" | "grpc" | "auto"
+    kv_load_failure_policy: str = "recompute"  # "recompute" | "fail" (decode)
+    kv_lease_ms: int = 30_000  # how long a prefilled prompt's blocks wait for their pull
 
 
-def _status_code(error: BatonError) -> grpc.StatusCode:
+def status_code(error: BatonError) -> grpc.StatusCode:
     if isinstance(error, DuplicateRequestError):
         return grpc.StatusCode.ALREADY_EXISTS
     if isinstance(error, InvalidRequestError):
@@ -81,6 +102,7 @@ class DecodeServicer(engine_pb2_grpc.DecodeServiceServicer):
         self.engine = engine
         self.served_model_name = served_model_name
         self.metrics_url = metrics_url
+        self.block_size = engine.core.config.block_size
         self.draining = False
 
     async def Generate(
@@ -94,9 +116,17 @@ class DecodeServicer(engine_pb2_grpc.DecodeServiceServicer):
             return
         try:
             inp = codec.generate_input_from_proto(request)
-            stream = self.engine.add_request(inp.req_id, inp.prompt_token_ids, inp.params)
+            if inp.kv_handle is not None:
+                check_block_hashes(inp.prompt_token_ids, inp.kv_handle, self.block_size)
+            stream = self.engine.add_request(
+                inp.req_id,
+                inp.prompt_token_ids,
+                inp.params,
+                remote_kv=inp.kv_handle,
+                first_token_id=inp.first_token_id,
+            )
         except BatonError as e:
-            await context.abort(_status_code(e), str(e))
+            await context.abort(status_code(e), str(e))
             return
         finished = False
         try:
@@ -105,7 +135,7 @@ class DecodeServicer(engine_pb2_grpc.DecodeServiceServicer):
                     outputs = await stream.next_batch()
                 except BatonError as e:
                     finished = True  # the engine already dropped it
-                    await context.abort(_status_code(e), str(e))
+                    await context.abort(status_code(e), str(e))
                     return
                 finished = outputs[-1].finish_reason is not None
                 yield codec.generate_response_to_proto(outputs, stream.num_prompt_tokens)
@@ -156,13 +186,149 @@ def _set_process_title(title: str) -> None:
 def serve(engine_config: EngineConfig, config: WorkerConfig) -> int:
     """Load the model, serve until SIGTERM/SIGINT, drain, and return the exit status (0).
 
-    Prints ``baton decode ready on HOST:PORT (metrics URL)`` on stdout once it serves; launchers
+    Prints ``baton ROLE ready on HOST:PORT (metrics URL)`` on stdout once it serves; launchers
     wait for that line. Raises ``BatonError`` if the model cannot be loaded or the port bound.
     """
+    if config.role not in ("decode", "prefill"):
+        raise InvalidRequestError(f"role must be decode or prefill, got {config.role!r}")
+    if config.kvstore_address:
+        engine_config = dataclasses.replace(engine_config, enable_kv_events=True)
     core = EngineCore(engine_config)  # before the event loop: loading blocks for seconds
     max_pending = config.max_pending or 4 * engine_config.max_num_seqs
     name = config.served_model_name or served_model_name(engine_config.model)
     return asyncio.run(_serve(core, config, name, max_pending))
+
+
+def engine_compat_hash(core: EngineCore) -> bytes:
+    """What two workers must share for one's KV to be valid in the other's pool."""
+    mc = core.model_config
+    return compat_hash(
+        model=f"{mc.architecture}/{mc.num_layers}x{mc.hidden_size}/{mc.vocab_size}",
+        dtype=str(core.dtype),
+        block_size=core.config.block_size,
+        layout=f"block-major/{tuple(core.kv_pool.shape[1:])}",
+    )
+
+
+class _Role:
+    """What differs between a decode and a prefill worker: servicer and KV transfer side."""
+
+    def __init__(
+        self,
+        core: EngineCore,
+        config: WorkerConfig,
+        name: str,
+        metrics: WorkerMetrics,
+        metrics_url: str,
+        address: str,
+    ) -> None:
+        self.config = config
+        self.worker_id = config.worker_id or f"{config.role}-{address}"
+        self.engine_id = uuid.uuid4().hex
+        self.epoch = int(time.time() * 1000)
+        self.compat = engine_compat_hash(core)
+        self.metrics = metrics
+        self.name = name
+        self.metrics_url = metrics_url
+        self.address = address
+        self.backend = resolve_backend(config.kv_transfer)
+        self.sink: KVTransferSink | None = None
+        self.puller: KVPuller | None = None
+        self.source: KVTransferSource | None = None
+        self.leases: LeaseTable | None = None
+        self._lease_task: asyncio.Task[None] | None = None
+        self.servicer: DecodeServicer | Any = None
+
+    def on_kv_load(self, load: KVLoad) -> None:
+        assert self.puller is not None
+        self.puller.start(load)
+
+    def build(self, engine: EngineLoop, server: grpc.aio.Server) -> None:
+        core = engine.core
+        if self.config.role == "decode":
+            self.sink = KVTransferSink(
+                core.kv_pool,
+                engine_id=self.engine_id,
+                epoch=self.epoch,
+                compat_hash=self.compat,
+                backend=self.backend,
+            )
+            self.puller = KVPuller(
+                engine,
+                self.sink,
+                compat_hash=self.compat,
+                block_size=core.config.block_size,
+                failure_policy=self.config.kv_load_failure_policy,
+                metrics=self.metrics,
+            )
+            self.servicer = DecodeServicer(
+                engine, served_model_name=self.name, metrics_url=self.metrics_url
+            )
+            engine_pb2_grpc.add_DecodeServiceServicer_to_server(self.servicer, server)  # type: ignore[no-untyped-call]
+            return
+        from baton_prefill.servicer import PrefillServicer
+
+        metrics = self.metrics
+
+        def on_free(req_id: str, reason: str) -> None:
+            engine.release_held([req_id])
+            if reason == "expired":
+                metrics.kv_lease_expired.inc()
+                logger.warning("lease of request %s expired before its pull", req_id)
+            metrics.kv_leases_active.set(leases.num_active)
+
+        leases = LeaseTable(on_free, default_ttl_s=self.config.kv_lease_ms / 1000)
+        self.leases = leases
+        self.source = KVTransferSource(
+            core.kv_pool,
+            engine_id=self.engine_id,
+            epoch=self.epoch,
+            compat_hash=self.compat,
+            leases=leases,
+            backend=self.backend,
+        )
+        self.source.add_to_server(server)
+        self.servicer = PrefillServicer(
+            engine,
+            leases,
+            worker_id=self.worker_id,
+            engine_id=self.engine_id,
+            epoch=self.epoch,
+            transfer_endpoint=self.address,
+            compat_hash=self.compat,
+            served_model_name=self.name,
+            metrics_url=self.metrics_url,
+        )
+        engine_pb2_grpc.add_PrefillServiceServicer_to_server(self.servicer, server)  # type: ignore[no-untyped-call]
+
+    def start(self) -> None:
+        if self.leases is not None:
+            self._lease_task = asyncio.create_task(self.leases.run(0.05))
+
+    def worker_info(self, core: EngineCore) -> WorkerInfo:
+        return WorkerInfo(
+            worker_id=self.worker_id,
+            role="prefill" if self.config.role == "prefill" else "decode",
+            grpc_address=self.address,
+            transfer_endpoint=self.address if self.source is not None else "",
+            engine_id=self.engine_id,
+            epoch=self.epoch,
+            transfer_metadata=self.source.metadata() if self.source is not None else b"",
+            num_blocks=core.kv.pool.num_blocks,
+            block_size=core.config.block_size,
+            model=self.name,
+        )
+
+    async def close(self) -> None:
+        if self._lease_task is not None:
+            self._lease_task.cancel()
+            await asyncio.gather(self._lease_task, return_exceptions=True)
+        if self.puller is not None:
+            await self.puller.close()
+        if self.sink is not None:
+            await self.sink.close()
+        if self.source is not None:
+            self.source.close()
 
 
 async def _serve(core: EngineCore, config: WorkerConfig, name: str, max_pending: int) -> int:
@@ -178,14 +344,24 @@ async def _serve(core: EngineCore, config: WorkerConfig, name: str, max_pending:
 
     health = health_aio.HealthServicer()
     background: set[asyncio.Task[None]] = set()  # keeps fire-and-forget tasks alive
+    service_name = SERVICE_NAME if config.role == "decode" else PREFILL_SERVICE_NAME
 
     def on_dead() -> None:
-        for service in ("", SERVICE_NAME):
+        for service in ("", service_name):
             not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
             task = loop.create_task(health.set(service, not_serving))
             background.add(task)
             task.add_done_callback(background.discard)
 
+    # Without SO_REUSEPORT off, a second worker on the same port would silently share it.
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    try:
+        port = server.add_insecure_port(_grpc_address(config.host, config.port))
+    except RuntimeError as e:
+        httpd.shutdown()
+        raise BatonError(f"cannot listen on {_grpc_address(config.host, config.port)}: {e}") from e
+    address = _grpc_address(config.host, port)
+    role = _Role(core, config, name, metrics, metrics_url, address)
     engine = EngineLoop(
         core,
         loop,
@@ -193,18 +369,10 @@ async def _serve(core: EngineCore, config: WorkerConfig, name: str, max_pending:
         metrics=metrics,
         log_stats_interval_s=config.log_stats_interval_s,
         on_dead=on_dead,
+        on_kv_load=role.on_kv_load if config.role == "decode" else None,
     )
-    servicer = DecodeServicer(engine, served_model_name=name, metrics_url=metrics_url)
-    # Without SO_REUSEPORT off, a second worker on the same port would silently share it.
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    # The generated *_pb2_grpc module is untyped.
-    engine_pb2_grpc.add_DecodeServiceServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
+    role.build(engine, server)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    try:
-        port = server.add_insecure_port(_grpc_address(config.host, config.port))
-    except RuntimeError as e:
-        httpd.shutdown()
-        raise BatonError(f"cannot listen on {_grpc_address(config.host, config.port)}: {e}") from e
 
     stop, force = asyncio.Event(), asyncio.Event()
 
@@ -214,29 +382,60 @@ async def _serve(core: EngineCore, config: WorkerConfig, name: str, max_pending:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal)
     engine.start()
+    registration: WorkerRegistration | None = None
     try:
         await server.start()
-        for service in ("", SERVICE_NAME):
+        role.start()
+        for service in ("", service_name):
             await health.set(service, health_pb2.HealthCheckResponse.SERVING)
-        _set_process_title(f"baton decode {_grpc_address(config.host, port)}")
-        print(
-            f"baton decode ready on {_grpc_address(config.host, port)} (metrics {metrics_url})",
-            flush=True,
+        if config.kvstore_address:
+            registration = _registration(config.kvstore_address, role, engine)
+            registration.start()
+        _set_process_title(f"baton {config.role} {address}")
+        print(f"baton {config.role} ready on {address} (metrics {metrics_url})", flush=True)
+        logger.info(
+            "serving %s, at most %d requests in flight, KV transfer over %s",
+            name,
+            max_pending,
+            role.backend,
         )
-        logger.info("serving %s, at most %d requests in flight", name, max_pending)
         await stop.wait()
-        await _drain(servicer, health, config.shutdown_grace_s, force)
+        await _drain(role.servicer, health, config.shutdown_grace_s, force)
+        if registration is not None:
+            await registration.stop()
         await server.stop(_STOP_GRACE_S)
     finally:
+        await role.close()
         engine.shutdown()
         httpd.shutdown()
         httpd.server_close()
-    logger.info("decode worker stopped")
+    logger.info("%s worker stopped", config.role)
     return 0
 
 
+def _registration(address: str, role: _Role, engine: EngineLoop) -> WorkerRegistration:
+    core = engine.core
+
+    def load() -> WorkerLoad:
+        stats = engine.stats
+        return WorkerLoad(
+            num_running=stats.num_running,
+            num_waiting=max(stats.num_waiting, engine.num_pending - stats.num_running),
+            kv_cache_usage=stats.kv_cache_usage,
+            max_num_seqs=core.config.max_num_seqs,
+        )
+
+    return WorkerRegistration(
+        KVStoreClient(address),
+        role.worker_info(core),
+        load=load,
+        take_events=engine.take_kv_events,
+        snapshot=engine.cached_block_hashes,
+    )
+
+
 async def _drain(
-    servicer: DecodeServicer,
+    servicer: Any,
     health: health_aio.HealthServicer,
     grace_s: float,
     force: asyncio.Event,

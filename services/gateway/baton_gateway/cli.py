@@ -43,6 +43,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help=f"decode worker gRPC address (repeatable; default {DEFAULT_DECODE_ADDR})",
     )
     p.add_argument(
+        "--prefill-addr",
+        action="append",
+        default=None,
+        help="prefill worker gRPC address (repeatable; none: every prompt is prefilled locally "
+        "unless the kvstore lists prefill workers)",
+    )
+    p.add_argument(
+        "--kvstore",
+        default=None,
+        help="kvstore address: discover workers there and route by its prefix index",
+    )
+    p.add_argument(
+        "--remote-prefill-threshold",
+        type=int,
+        default=256,
+        help="prompt tokens not cached on the chosen decode worker above which a prefill "
+        "worker prefills the prompt",
+    )
+    p.add_argument(
         "--model", default=None, help="model path the tokenizer comes from (default: SmolLM2)"
     )
     p.add_argument(
@@ -82,7 +101,10 @@ def run_gateway(args: argparse.Namespace) -> int:
         raise InvalidRequestError("--max-model-len must be at least 1")
     tokenizer = load_model_tokenizer(args.model)
     config = GatewayConfig(
-        decode_addrs=tuple(args.decode_addr or [DEFAULT_DECODE_ADDR]),
+        decode_addrs=tuple(args.decode_addr or ([] if args.kvstore else [DEFAULT_DECODE_ADDR])),
+        prefill_addrs=tuple(args.prefill_addr or []),
+        kvstore_address=args.kvstore,
+        remote_prefill_threshold=args.remote_prefill_threshold,
         model=args.model,
         served_model_name=args.served_model_name,
         api_key=args.api_key or None,

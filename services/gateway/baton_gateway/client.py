@@ -1,9 +1,27 @@
-"""Async gRPC client of the decode workers: connect, route by load, stream, map errors.
+"""Async gRPC client of the engine workers: find them, route each sequence, stream, recover.
 
-Routing (for now): the worker with the least load, where a worker's load is the larger of the
-Generate calls this gateway has open on it and the running + waiting requests it last reported
-through ``GetLoad`` (polled in the background, so other gateways' traffic counts too); ties go
-round robin. Prefix-aware routing comes with the kvstore.
+Workers come from the command line (``--decode-addr``, ``--prefill-addr``) and, with a kvstore,
+from its directory (polled; workers whose registration expired are dropped). Every worker's
+``GetLoad`` is polled in the background; one that stops answering is marked unhealthy and gets no
+new requests until it answers again.
+
+Routing one sequence (``WorkerPool.generate``), as DESIGN.md §2 describes:
+
+1. The prompt's chained block hashes are looked up in the kvstore's prefix index (when there is
+   one) to learn how many leading blocks each worker caches.
+2. The decode worker is the healthy one with the lowest cost: prompt tokens it would have to
+   prefill (uncached) plus ``load_weight`` per request it is running, queueing or being sent.
+3. If the tokens not cached there exceed ``remote_prefill_threshold`` and a healthy prefill worker
+   has room, the prompt is prefilled remotely (the prefill worker with the lowest cost, same
+   formula) and its first token is yielded at once, before the decode worker pulls the KV;
+   otherwise the decode worker prefills locally. Each decision is counted by reason.
+
+Failures: a prefill worker that fails (unavailable, at capacity) is marked and another one is
+tried, then local prefill. A decode worker that fails before it streamed any token is replaced by
+another healthy one (the request carries the same first token and KV handle, or prefills again
+locally when none came remotely); after tokens were streamed the call ends with an error. A
+sequence that ends early (client gone, error) aborts its remote prefill, so the prefill worker
+frees the KV at once instead of at lease expiry.
 
 gRPC status -> HTTP status, for the client: INVALID_ARGUMENT / OUT_OF_RANGE 400,
 RESOURCE_EXHAUSTED / UNAVAILABLE 503 (the OpenAI SDK retries 503), DEADLINE_EXCEEDED 504,
@@ -15,13 +33,16 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Iterable, Sequence
+from contextlib import aclosing
 from dataclasses import dataclass
 from http import HTTPStatus
+from typing import Any
 
 import grpc
 
 from baton.v1 import engine_pb2, engine_pb2_grpc
+from baton_engine.kv_cache.hashing import hash_request_tokens
 from baton_gateway import codec
 from baton_gateway.codec import GenerateChunk, ModelInfo, WorkerLoad
 from baton_gateway.errors import GatewayError
@@ -36,8 +57,17 @@ _HTTP_STATUS = {
     grpc.StatusCode.DEADLINE_EXCEEDED: HTTPStatus.GATEWAY_TIMEOUT,
     grpc.StatusCode.UNIMPLEMENTED: HTTPStatus.NOT_IMPLEMENTED,
 }
+# Failures another worker may not repeat: the sequence is tried elsewhere.
+_RETRYABLE = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.CANCELLED,  # the worker went away mid-call
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.UNKNOWN,
+}
 # A GetLoad answer older than this no longer counts (the worker may be gone).
 _LOAD_TTL_S = 5.0
+DECODE, PREFILL = "decode", "prefill"
 
 
 def rpc_error(error: grpc.aio.AioRpcError, addr: str) -> GatewayError:
@@ -50,140 +80,371 @@ def rpc_error(error: grpc.aio.AioRpcError, addr: str) -> GatewayError:
     elif status == HTTPStatus.BAD_REQUEST:
         message = details  # the engine's own message, meant for the client
     else:
-        message = f"decode worker {addr}: {code.name}: {details}"
+        message = f"worker {addr}: {code.name}: {details}"
     return GatewayError(status, message)
 
 
 @dataclass(eq=False)
-class DecodeWorker:
-    """One decode worker as this gateway sees it."""
+class Worker:
+    """One engine worker as this gateway sees it."""
 
     addr: str
+    role: str  # "decode" | "prefill"
     channel: grpc.aio.Channel
-    stub: engine_pb2_grpc.DecodeServiceStub
+    stub: Any  # DecodeServiceStub | PrefillServiceStub (generated, untyped)
+    worker_id: str = ""  # the kvstore's id, when it came from there
+    static: bool = True  # from the command line: never dropped
     info: ModelInfo | None = None
-    num_inflight: int = 0  # Generate calls this gateway has open on it
+    num_inflight: int = 0  # calls this gateway has open on it
     load: WorkerLoad | None = None  # last GetLoad answer
     load_time: float = -1.0  # loop time of that answer
     healthy: bool = False  # the last GetModelInfo / GetLoad call succeeded
 
-    def score(self, now: float) -> int:
+    def num_requests(self, now: float) -> int:
         reported = 0
         if self.load is not None and now - self.load_time < _LOAD_TTL_S:
             reported = self.load.num_running + self.load.num_waiting
         return max(self.num_inflight, reported)
 
+    def has_room(self, now: float) -> bool:
+        """Not saturated: fewer requests than its batch holds (prefill workers)."""
+        if self.load is None or self.load.max_num_seqs <= 0:
+            return True
+        return self.num_requests(now) < self.load.max_num_seqs
 
-class DecodePool:
-    """The decode workers behind this gateway. Use from one asyncio loop.
 
-    ``connect`` must succeed before ``generate``; ``close`` cancels the load poller and closes
-    the channels (in-flight calls end with CANCELLED).
+def _new_worker(addr: str, role: str, *, worker_id: str = "", static: bool = True) -> Worker:
+    channel = grpc.aio.insecure_channel(addr)
+    stub_type = (
+        engine_pb2_grpc.DecodeServiceStub if role == DECODE else engine_pb2_grpc.PrefillServiceStub
+    )
+    stub = stub_type(channel)
+    return Worker(addr, role, channel, stub, worker_id=worker_id, static=static)
+
+
+@dataclass(frozen=True)
+class RouteDecision:
+    decode: Worker
+    prefill: Worker | None
+    reason: str  # for baton:disagg_decisions_total{decision}
+    num_uncached_tokens: int
+
+
+class WorkerPool:
+    """The engine workers behind this gateway. Use from one asyncio loop.
+
+    ``connect`` must succeed before ``generate``; ``close`` cancels the background poller and
+    closes the channels (in-flight calls end with CANCELLED). ``kvstore`` is a
+    ``baton_kvstore.client.KVStoreClient`` or None; ``on_decision(reason)`` counts routing
+    decisions.
     """
 
-    def __init__(self, addrs: Sequence[str], poll_interval_s: float = 0.5) -> None:
-        if not addrs:
-            raise ValueError("at least one decode worker address is needed")
-        self.workers = [
-            DecodeWorker(addr, ch, engine_pb2_grpc.DecodeServiceStub(ch))  # type: ignore[no-untyped-call]
-            for addr, ch in ((a, grpc.aio.insecure_channel(a)) for a in addrs)
-        ]
+    def __init__(
+        self,
+        decode_addrs: Sequence[str] = (),
+        prefill_addrs: Sequence[str] = (),
+        *,
+        kvstore: Any = None,
+        remote_prefill_threshold: int = 256,
+        load_weight: int = 64,
+        poll_interval_s: float = 0.5,
+        on_decision: Callable[[str], None] | None = None,
+    ) -> None:
+        if not decode_addrs and kvstore is None:
+            raise ValueError("at least one decode worker address (or a kvstore) is needed")
+        self.workers: list[Worker] = [_new_worker(a, DECODE) for a in decode_addrs]
+        self.workers += [_new_worker(a, PREFILL) for a in prefill_addrs]
+        self.kvstore = kvstore
+        self.remote_prefill_threshold = remote_prefill_threshold
+        self.load_weight = load_weight
         self._poll_interval_s = poll_interval_s
+        self._on_decision = on_decision or (lambda reason: None)
         self._poller: asyncio.Task[None] | None = None
         self._round_robin = itertools.count()
+        self._background: set[asyncio.Task[Any]] = set()
+        self.block_size = 16
+
+    # --- membership ----------------------------------------------------------------------------
+
+    def of_role(self, role: str) -> list[Worker]:
+        return [w for w in self.workers if w.role == role]
+
+    @property
+    def healthy(self) -> bool:
+        return any(w.healthy for w in self.of_role(DECODE))
 
     async def connect(self, timeout_s: float = 60.0) -> ModelInfo:
-        """Wait until every worker answers ``GetModelInfo`` (retrying until ``timeout_s``), start
-        polling their load, and return the first worker's model info.
+        """Wait until every worker named on the command line answers ``GetModelInfo`` (and,
+        with a kvstore, until at least one decode worker is known), start polling, and return
+        the first decode worker's model info.
 
         Raises GatewayError (503) naming the workers that never answered.
         """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        pending = list(self.workers)
         last_error: dict[str, str] = {}
-        while pending:
-            for worker in list(pending):
-                try:
-                    pb = await worker.stub.GetModelInfo(
-                        codec.get_model_info_request(), timeout=max(0.1, deadline - loop.time())
-                    )
-                except grpc.aio.AioRpcError as e:
-                    last_error[worker.addr] = f"{e.code().name}: {e.details()}"
-                    continue
-                worker.info, worker.healthy = codec.model_info(pb), True
-                pending.remove(worker)
-            if pending and loop.time() >= deadline:
+        while True:
+            if self.kvstore is not None:
+                await self._discover()
+            pending = [w for w in self.workers if w.info is None]
+            for worker in pending:
+                await self._fetch_info(worker, max(0.1, deadline - loop.time()), last_error)
+            pending = [w for w in self.workers if w.info is None and w.static]
+            decode_ready = [w for w in self.of_role(DECODE) if w.info is not None]
+            if not pending and decode_ready:
+                break
+            if loop.time() >= deadline:
                 why = "; ".join(f"{w.addr} ({last_error.get(w.addr, '?')})" for w in pending)
                 raise GatewayError(
-                    HTTPStatus.SERVICE_UNAVAILABLE, f"decode workers did not answer: {why}"
+                    HTTPStatus.SERVICE_UNAVAILABLE,
+                    f"workers did not answer: {why or 'no decode worker registered'}",
                 )
-            if pending:
-                await asyncio.sleep(0.2)
+            await asyncio.sleep(0.2)
         infos = {w.info.max_model_len for w in self.workers if w.info is not None}
         if len(infos) > 1:
-            logger.warning("decode workers disagree on max_model_len: %s", sorted(infos))
-        self._poller = asyncio.create_task(self._poll_loads())
-        first = self.workers[0].info
+            logger.warning("workers disagree on max_model_len: %s", sorted(infos))
+        first = decode_ready[0].info
         assert first is not None
+        self.block_size = first.block_size
+        self._poller = asyncio.create_task(self._poll())
         return first
 
-    async def _poll_loads(self) -> None:
+    async def _fetch_info(self, worker: Worker, timeout: float, errors: dict[str, str]) -> None:
+        try:
+            pb = await worker.stub.GetModelInfo(codec.get_model_info_request(), timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            errors[worker.addr] = f"{e.code().name}: {e.details()}"
+            return
+        worker.info, worker.healthy = codec.model_info(pb), True
+
+    async def _discover(self) -> None:
+        """Sync the worker list with the kvstore's directory."""
+        try:
+            listed = await self.kvstore.list_workers()
+        except Exception as e:  # the kvstore is down: keep the workers we know
+            logger.debug("kvstore unavailable: %s", e)
+            return
+        live = {(info.grpc_address, info.role): info for info in listed}
+        known = {(w.addr, w.role): w for w in self.workers}
+        for key, info in live.items():
+            worker = known.get(key)
+            if worker is None:
+                logger.info("found %s worker %s (%s)", info.role, info.grpc_address, info.worker_id)
+                self.workers.append(
+                    _new_worker(
+                        info.grpc_address, info.role, worker_id=info.worker_id, static=False
+                    )
+                )
+            else:
+                worker.worker_id = info.worker_id
+        for worker in list(self.workers):
+            # Gone from the directory and not answering either: drop it. One that still answers
+            # stays (the directory may be rebuilding, e.g. after a Redis restart).
+            gone = (worker.addr, worker.role) not in live and not worker.healthy
+            if not worker.static and gone and worker.num_inflight == 0:
+                logger.warning("%s worker %s left the directory", worker.role, worker.addr)
+                self.workers.remove(worker)
+                self._spawn(worker.channel.close())
+
+    async def _poll(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
+            if self.kvstore is not None:
+                await self._discover()
+                for worker in [w for w in self.workers if w.info is None]:
+                    await self._fetch_info(worker, 1.0, {})
+            workers = list(self.workers)
             results = await asyncio.gather(
-                *(w.stub.GetLoad(codec.get_load_request(), timeout=1.0) for w in self.workers),
+                *(w.stub.GetLoad(codec.get_load_request(), timeout=1.0) for w in workers),
                 return_exceptions=True,
             )
             now = loop.time()
-            for worker, result in zip(self.workers, results, strict=True):
+            for worker, result in zip(workers, results, strict=True):
                 if isinstance(result, engine_pb2.GetLoadResponse):
-                    worker.load, worker.load_time, worker.healthy = (
-                        codec.worker_load(result),
-                        now,
-                        True,
-                    )
+                    if not worker.healthy:
+                        logger.info("%s worker %s is serving", worker.role, worker.addr)
+                    worker.load, worker.load_time = codec.worker_load(result), now
+                    worker.healthy = worker.info is not None
                 else:
-                    if worker.healthy:
-                        logger.warning("decode worker %s did not answer GetLoad: %s",
-                                       worker.addr, result)  # fmt: skip
-                    worker.healthy = False
+                    self._mark_down(worker, result)
             await asyncio.sleep(self._poll_interval_s)
 
-    @property
-    def healthy(self) -> bool:
-        return any(w.healthy for w in self.workers)
+    def _mark_down(self, worker: Worker, why: object) -> None:
+        if worker.healthy:
+            logger.warning("%s worker %s is not answering: %s", worker.role, worker.addr, why)
+        worker.healthy = False
 
-    def pick(self) -> DecodeWorker:
-        """The least-loaded worker, preferring healthy ones; ties round robin."""
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # --- routing -------------------------------------------------------------------------------
+
+    async def _cached_blocks(self, prompt: Sequence[int]) -> dict[str, int]:
+        """Leading prompt blocks each worker caches (by address), from the prefix index."""
+        if self.kvstore is None or len(prompt) < self.block_size:
+            return {}
+        hashes = [h.hash_value for h in hash_request_tokens(prompt, self.block_size)]
+        try:
+            matches = await self.kvstore.lookup_prefix(hashes, None)
+        except Exception as e:
+            logger.debug("prefix lookup failed: %s", e)
+            return {}
+        by_id = {w.worker_id: w.addr for w in self.workers if w.worker_id}
+        return {by_id[m.worker_id]: m.num_blocks for m in matches if m.worker_id in by_id}
+
+    def _pick(
+        self, role: str, num_tokens: int, cached: dict[str, int], exclude: Iterable[Worker] = ()
+    ) -> tuple[Worker, int] | None:
+        """The healthy worker of ``role`` with the lowest cost, and its uncached token count;
+        ties round robin. None when no healthy worker is left."""
         now = asyncio.get_running_loop().time()
-        candidates = [w for w in self.workers if w.healthy] or self.workers
+        excluded = set(map(id, exclude))
+        candidates = [w for w in self.of_role(role) if w.healthy and id(w) not in excluded]
+        if role == PREFILL:
+            candidates = [w for w in candidates if w.has_room(now)]
+        if not candidates:
+            return None
         start = next(self._round_robin) % len(candidates)
         rotated = candidates[start:] + candidates[:start]
-        return min(rotated, key=lambda w: w.score(now))
+
+        def uncached(w: Worker) -> int:
+            return max(0, num_tokens - cached.get(w.addr, 0) * self.block_size)
+
+        best = min(rotated, key=lambda w: uncached(w) + self.load_weight * w.num_requests(now))
+        return best, uncached(best)
+
+    async def route(self, prompt: Sequence[int], exclude: Iterable[Worker] = ()) -> RouteDecision:
+        cached = await self._cached_blocks(prompt) if self._worth_lookup() else {}
+        picked = self._pick(DECODE, len(prompt), cached, exclude)
+        if picked is None:
+            raise GatewayError(HTTPStatus.SERVICE_UNAVAILABLE, "no decode worker is available")
+        decode, num_uncached = picked
+        if num_uncached <= self.remote_prefill_threshold:
+            return RouteDecision(decode, None, "local_cached", num_uncached)
+        if not self.of_role(PREFILL):
+            return RouteDecision(decode, None, "local_no_prefill_worker", num_uncached)
+        prefill = self._pick(PREFILL, len(prompt), cached)
+        if prefill is None:
+            return RouteDecision(decode, None, "local_prefill_busy", num_uncached)
+        return RouteDecision(decode, prefill[0], "remote", num_uncached)
+
+    def _worth_lookup(self) -> bool:
+        return self.kvstore is not None and len(self.workers) > 1
+
+    # --- one sequence --------------------------------------------------------------------------
 
     async def generate(
         self, request: engine_pb2.GenerateRequest
     ) -> AsyncGenerator[GenerateChunk, None]:
-        """Run ``request`` on the least-loaded worker and yield its chunks as they arrive.
+        """Run ``request`` (one sequence) and yield its chunks as they arrive.
 
-        Closing the generator (or cancelling the task iterating it) cancels the gRPC call, which
-        aborts the request on the worker. Raises GatewayError for a failed call.
+        Closing the generator (or cancelling the task iterating it) cancels the open gRPC call,
+        which aborts the request on its worker, and aborts a remote prefill's KV lease. Raises
+        GatewayError for a failed call.
         """
-        worker = self.pick()
-        worker.num_inflight += 1
-        call = worker.stub.Generate(request)
+        route = await self.route(request.prompt_token_ids)
+        self._on_decision(route.reason)
+        prefill_worker: Worker | None = None
+        decode_request = request
+        finished = False
         try:
-            async for pb in call:
-                yield codec.generate_chunk(pb)
-        except grpc.aio.AioRpcError as e:
-            raise rpc_error(e, worker.addr) from e
+            if route.prefill is not None:
+                prefilled = await self._prefill(request, route.prefill)
+                if prefilled is not None:
+                    prefill_worker, response = prefilled
+                    chunk = codec.prefill_chunk(response, request)
+                    yield chunk
+                    if chunk.finish_reason is not None:
+                        finished = True  # nothing is held on the prefill worker
+                        return
+                    decode_request = codec.remote_generate_request(request, response)
+            async with aclosing(self._decode(decode_request, route.decode)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+                    if chunk.finish_reason is not None:
+                        finished = True
         finally:
-            worker.num_inflight -= 1
-            call.cancel()  # a no-op when the call has already ended
+            if prefill_worker is not None and not finished:
+                # The decode worker may never pull: let the prefill worker free the KV now.
+                self._spawn(self._abort(prefill_worker, request.req_id))
+
+    async def _prefill(
+        self, request: engine_pb2.GenerateRequest, first: Worker
+    ) -> tuple[Worker, engine_pb2.PrefillResponse] | None:
+        """Prefill on ``first`` or, if it fails, another prefill worker; None: prefill locally."""
+        tried: list[Worker] = []
+        worker: Worker | None = first
+        while worker is not None:
+            tried.append(worker)
+            worker.num_inflight += 1
+            try:
+                response = await worker.stub.Prefill(codec.prefill_request(request))
+                return worker, response
+            except grpc.aio.AioRpcError as e:
+                if e.code() not in _RETRYABLE:
+                    raise rpc_error(e, worker.addr) from e
+                logger.warning("prefill on %s failed (%s); trying elsewhere", worker.addr, e.code())
+                if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    self._mark_down(worker, e.code().name)
+                self._on_decision("prefill_retry")
+            finally:
+                worker.num_inflight -= 1
+            picked = self._pick(PREFILL, len(request.prompt_token_ids), {}, tried)
+            worker = picked[0] if picked else None
+        self._on_decision("local_prefill_failed")
+        return None
+
+    async def _decode(
+        self, request: engine_pb2.GenerateRequest, first: Worker
+    ) -> AsyncGenerator[GenerateChunk, None]:
+        tried: list[Worker] = []
+        next_worker: Worker | None = first
+        while next_worker is not None:
+            worker, next_worker = next_worker, None
+            tried.append(worker)
+            worker.num_inflight += 1
+            call = worker.stub.Generate(request)
+            streamed = False
+            try:
+                async for pb in call:
+                    streamed = True
+                    yield codec.generate_chunk(pb)
+                return
+            except grpc.aio.AioRpcError as e:
+                if streamed or e.code() not in _RETRYABLE:
+                    raise rpc_error(e, worker.addr) from e
+                if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    self._mark_down(worker, e.code().name)
+                picked = self._pick(DECODE, len(request.prompt_token_ids), {}, tried)
+                if picked is None:
+                    raise rpc_error(e, worker.addr) from e
+                next_worker = picked[0]
+                logger.warning(
+                    "decode worker %s failed before its first token (%s); retrying on %s",
+                    worker.addr,
+                    e.code().name,
+                    next_worker.addr,
+                )
+                self._on_decision("decode_retry")
+            finally:
+                worker.num_inflight -= 1
+                call.cancel()  # a no-op when the call has already ended
+
+    async def _abort(self, worker: Worker, req_id: str) -> None:
+        try:
+            await worker.stub.Abort(codec.abort_request([req_id]), timeout=2.0)
+        except grpc.aio.AioRpcError as e:
+            logger.debug("abort of %s on %s failed: %s", req_id, worker.addr, e.code())
 
     async def close(self) -> None:
         if self._poller is not None:
             self._poller.cancel()
             await asyncio.gather(self._poller, return_exceptions=True)
+        for task in list(self._background):
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
         await asyncio.gather(*(w.channel.close() for w in self.workers), return_exceptions=True)
+        if self.kvstore is not None:
+            await self.kvstore.close()

@@ -48,6 +48,7 @@ class ModelInfo:
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     metrics_url: str  # "" when the worker serves no metrics
+    block_size: int = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +99,46 @@ def generate_request(
     )
 
 
+def prefill_request(request: engine_pb2.GenerateRequest) -> engine_pb2.PrefillRequest:
+    """The ``PrefillRequest`` for a sequence's ``GenerateRequest`` (remote prefill)."""
+    return engine_pb2.PrefillRequest(
+        req_id=request.req_id,
+        prompt_token_ids=request.prompt_token_ids,
+        sampling=request.sampling,
+    )
+
+
+def prefill_chunk(
+    pb: engine_pb2.PrefillResponse, request: engine_pb2.GenerateRequest
+) -> GenerateChunk:
+    """The first token a prefill worker sampled, as the sequence's first chunk."""
+    lp = pb.first_token_logprobs
+    finish_reason = _FINISH_REASONS.get(pb.finish_reason)
+    first = pb.first_token_id
+    stopped_by_id = finish_reason == "stop" and first in request.sampling.stop_token_ids
+    return GenerateChunk(
+        token_ids=[first],
+        logprobs=[_token_logprob(lp)] if lp.token_ids else None,
+        finish_reason=finish_reason,
+        stop_token_id=first if stopped_by_id else None,
+        num_prompt_tokens=len(request.prompt_token_ids),
+        num_cached_tokens=pb.num_cached_tokens,
+    )
+
+
+def remote_generate_request(
+    request: engine_pb2.GenerateRequest, prefill: engine_pb2.PrefillResponse
+) -> engine_pb2.GenerateRequest:
+    """``request`` continued on a decode worker from the prefill worker's first token + KV."""
+    out = engine_pb2.GenerateRequest()
+    out.CopyFrom(request)
+    out.first_token_id = prefill.first_token_id
+    if prefill.first_token_logprobs.token_ids:
+        out.first_token_logprobs.CopyFrom(prefill.first_token_logprobs)
+    out.kv_handle.CopyFrom(prefill.kv_handle)
+    return out
+
+
 def abort_request(req_ids: list[str]) -> engine_pb2.AbortRequest:
     return engine_pb2.AbortRequest(req_ids=req_ids)
 
@@ -131,6 +172,7 @@ def model_info(pb: engine_pb2.GetModelInfoResponse) -> ModelInfo:
         vocab_size=pb.vocab_size,
         eos_token_ids=tuple(pb.eos_token_ids),
         metrics_url=pb.metrics_url,
+        block_size=pb.block_size or 16,
     )
 
 

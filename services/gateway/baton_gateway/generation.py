@@ -22,7 +22,7 @@ from typing import Any
 
 from baton.v1 import engine_pb2
 from baton_engine.detokenizer import IncrementalDetokenizer
-from baton_gateway.client import DecodePool
+from baton_gateway.client import WorkerPool
 from baton_gateway.codec import TokenLogprob
 from baton_gateway.errors import GatewayError
 
@@ -70,7 +70,7 @@ class Generation:
     """
 
     def __init__(
-        self, pool: DecodePool, tokenizer: Any, specs: Sequence[SequenceSpec], options: TextOptions
+        self, pool: WorkerPool, tokenizer: Any, specs: Sequence[SequenceSpec], options: TextOptions
     ) -> None:
         self._pool = pool
         self._tokenizer = tokenizer

@@ -116,6 +116,15 @@ class GatewayMetrics:
             ["worker"],
             registry=r,
         )
+        self._decisions = Counter(
+            "baton:disagg_decisions",
+            "Routing decisions: remote prefill, or local prefill and why",
+            ["model_name", "decision"],
+            registry=r,
+        )
+
+    def record_decision(self, decision: str) -> None:
+        self._decisions.labels(self.model_name, decision).inc()
 
     def start(self, endpoint: str) -> RequestRecord:
         self._running.inc()

@@ -18,7 +18,7 @@ from fastapi.responses import Response
 
 from baton_gateway import codec
 from baton_gateway.chat import tokenize_chat, tokenize_text
-from baton_gateway.client import DecodePool
+from baton_gateway.client import WorkerPool
 from baton_gateway.errors import GatewayError, bad_request
 from baton_gateway.generation import Generation, SequenceDelta, SequenceSpec, TextOptions
 from baton_gateway.metrics import GatewayMetrics, RequestRecord
@@ -73,7 +73,7 @@ class Pipeline:
 
     def __init__(
         self,
-        pool: DecodePool,
+        pool: WorkerPool,
         tokenizer: Any,
         model_name: str,
         max_model_len: int,

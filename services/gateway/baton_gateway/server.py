@@ -26,7 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from baton_gateway.auth import ApiKeyMiddleware
-from baton_gateway.client import DecodePool
+from baton_gateway.client import WorkerPool
 from baton_gateway.errors import GatewayError, error_response
 from baton_gateway.metrics import GatewayMetrics
 from baton_gateway.pipeline import Pipeline
@@ -45,7 +45,10 @@ _CLIENT_CLOSED = 499
 
 @dataclass(frozen=True)
 class GatewayConfig:
-    decode_addrs: tuple[str, ...]
+    decode_addrs: tuple[str, ...] = ()
+    prefill_addrs: tuple[str, ...] = ()
+    kvstore_address: str | None = None  # find workers there and route by its prefix index
+    remote_prefill_threshold: int = 256  # uncached prompt tokens above which prefill is remote
     model: str | None = None  # the model the tokenizer comes from; None: the default model
     served_model_name: str | None = None  # None: the decode worker's model name
     api_key: str | None = None
@@ -106,7 +109,22 @@ def create_app(config: GatewayConfig, tokenizer: Any) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        pool = DecodePool(config.decode_addrs)
+        kvstore = None
+        if config.kvstore_address:
+            from baton_kvstore.client import KVStoreClient
+
+            kvstore = KVStoreClient(config.kvstore_address)
+
+        def on_decision(decision: str) -> None:  # requests (so decisions) come after startup
+            state.pipeline.metrics.record_decision(decision)
+
+        pool = WorkerPool(
+            config.decode_addrs,
+            config.prefill_addrs,
+            kvstore=kvstore,
+            remote_prefill_threshold=config.remote_prefill_threshold,
+            on_decision=on_decision,
+        )
         http = httpx.AsyncClient()
         try:
             info = await pool.connect(config.connect_timeout_s)
@@ -125,7 +143,7 @@ def create_app(config: GatewayConfig, tokenizer: Any) -> FastAPI:
                 pool, tokenizer, name, max_model_len, info.vocab_size, metrics
             )
             logger.info("serving %s (max_model_len %d) via %s", name, max_model_len,
-                        ", ".join(config.decode_addrs))  # fmt: skip
+                        ", ".join(f"{w.role} {w.addr}" for w in pool.workers))  # fmt: skip
             yield
         finally:
             await pool.close()

@@ -16,6 +16,7 @@ from baton_engine.core.outputs import EngineCoreOutput, KVLoad
 from baton_engine.core.scheduler import Scheduler
 from baton_engine.errors import InvalidRequestError, ModelLoadError
 from baton_engine.kv_cache import KVCacheManager
+from baton_engine.kv_cache.block_pool import KVCacheEvent
 from baton_engine.model_loader import iter_weights, resolve_model
 from baton_engine.request import Request, RequestStatus
 from baton_engine.runner.model_runner import ModelRunner
@@ -93,7 +94,12 @@ class EngineCore:
             self.dtype,
             time.perf_counter() - start,
         )
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(
+            num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            enable_kv_events=config.enable_kv_events,
+        )
         self.scheduler = Scheduler(
             self.kv,
             max_num_seqs=config.max_num_seqs,
@@ -201,10 +207,21 @@ class EngineCore:
         """Free a prefilled request's held prompt blocks; False if none were held."""
         return self.scheduler.release_held(req_id)
 
+    def take_kv_events(self) -> list[KVCacheEvent]:
+        """Blocks stored in / removed from the prefix cache since the last call (when
+        ``enable_kv_events``)."""
+        return self.kv.take_events()
+
+    def cached_block_hashes(self) -> list[bytes]:
+        """Every hash the prefix cache holds now (to resync the kvstore's index)."""
+        return self.kv.pool.cached_hashes()
+
     @property
     def kv_pool(self) -> torch.Tensor:
         """The one KV allocation, ``[num_blocks, ...]``: one block is one contiguous range."""
-        return self.runner.kv_pool
+        pool = self.runner.kv_pool
+        assert pool is not None
+        return pool
 
     def abort_requests(
         self, req_ids: Iterable[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED

@@ -127,6 +127,10 @@ class BlockPool:
             self._evict(block)
         return True
 
+    def cached_hashes(self) -> list[bytes]:
+        """The digests of every cached block (a snapshot; safe to call from another thread)."""
+        return list(self._cached)
+
     def take_events(self) -> list[KVCacheEvent]:
         events, self._events = self._events, []
         return events

@@ -1,0 +1,259 @@
+"""KV transfer bandwidth between two processes on this machine.
+
+Moves 64 MiB of KV (256 blocks of 256 KiB, scattered ids on both sides) from a source process
+(``KVTransferSource`` on a loopback gRPC server) into the benchmark process's pool with
+``KVTransferSink.pull`` (handshake excluded, lease RPCs included), over:
+
+- ``nixl``      NIXL READ, UCX default transports (CMA between processes), ``UCX_NET_DEVICES=lo``
+- ``nixl-tcp``  NIXL READ with ``UCX_TLS=tcp`` (a stand-in for a cross-host link)
+- ``grpc``      the ``PullBlocks`` stream, 4 MiB chunks
+- ``shm``       the ceiling: a child copies the same scattered blocks out of a shared-memory
+                segment into its own pool with numpy (one copy, no protocol), timed in the child
+
+Each mode runs one warm-up and ``--reps`` timed pulls; the table gives median and best GB/s
+(1e9 bytes/s) and the NIXL/ceiling ratio of medians. The bytes are checked after each mode.
+
+    python benchmarks/bench_kv_transfer.py [--reps 7] [--modes nixl,nixl-tcp,grpc,shm]
+                                           [--output-json benchmarks/out/kv_transfer.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import statistics
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from multiprocessing.connection import Connection
+from multiprocessing.shared_memory import SharedMemory
+
+import grpc
+import numpy as np
+import torch
+
+from baton_kvtransfer import KVTransferSink, KVTransferSource, LeaseTable, compat_hash
+
+NUM_POOL_BLOCKS = 512  # per side; 256 of them move
+NUM_BLOCKS = 256
+BLOCK_SHAPE = (4, 2, 16, 8, 128)  # layers, K/V, block_size, kv_heads, head_dim: 256 KiB in bf16
+DTYPE = torch.bfloat16
+COMPAT = compat_hash("bench", "bfloat16", 16, "blocks,layers,kv,block_size,kv_heads,dim")
+MODES = ("nixl", "nixl-tcp", "grpc", "shm")
+START_TIMEOUT_S = 60.0
+
+
+def source_pool(seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.rand((NUM_POOL_BLOCKS, *BLOCK_SHAPE), generator=g) * 8 + 1).to(DTYPE)
+
+
+def block_ids(seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randperm(NUM_POOL_BLOCKS, generator=g)[:NUM_BLOCKS].tolist()
+
+
+REMOTE_IDS = block_ids(1)
+LOCAL_IDS = block_ids(2)
+
+
+# -- source process ------------------------------------------------------------------------------
+
+
+def run_source(conn: Connection, backend: str, env: dict[str, str]) -> None:
+    os.environ.update(env)
+    asyncio.run(_serve(conn, backend))
+
+
+async def _serve(conn: Connection, backend: str) -> None:
+    loop = asyncio.get_running_loop()
+    leases = LeaseTable(lambda req_id, reason: None)
+    source = KVTransferSource(
+        source_pool(), engine_id="bench-src", epoch=1, compat_hash=COMPAT, leases=leases,
+        backend=backend,
+    )  # fmt: skip
+    server = grpc.aio.server()
+    source.add_to_server(server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    stop = asyncio.Event()
+
+    def on_command() -> None:
+        try:
+            req_id = conn.recv()
+        except EOFError:
+            stop.set()
+            return
+        conn.send(leases.grant(req_id, REMOTE_IDS).lease_id)
+
+    loop.add_reader(conn.fileno(), on_command)
+    conn.send(port)
+    await stop.wait()
+    await server.stop(None)
+    source.close()
+
+
+@contextmanager
+def start_source(backend: str, env: dict[str, str]) -> Iterator[tuple[Connection, str]]:
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=run_source, args=(child, backend, env), daemon=True)
+    proc.start()
+    child.close()
+    try:
+        if not parent.poll(START_TIMEOUT_S):
+            raise TimeoutError("the source process did not start")
+        yield parent, f"127.0.0.1:{parent.recv()}"
+    finally:
+        proc.kill()
+        proc.join(10)
+        parent.close()
+
+
+def bench_pull(mode: str, reps: int) -> list[float]:
+    backend = "grpc" if mode == "grpc" else "nixl"
+    env = {"UCX_NET_DEVICES": "lo"}
+    if mode == "nixl-tcp":
+        env["UCX_TLS"] = "tcp"
+    saved = {k: os.environ.get(k) for k in ("UCX_NET_DEVICES", "UCX_TLS")}
+    os.environ.pop("UCX_TLS", None)
+    os.environ.update(env)  # the sink's agent reads UCX settings when it is created
+    pool = torch.zeros((NUM_POOL_BLOCKS, *BLOCK_SHAPE), dtype=DTYPE)
+    try:
+        with start_source(backend, env) as (conn, endpoint):
+
+            async def main() -> list[float]:
+                sink = KVTransferSink(
+                    pool, engine_id="bench-sink", epoch=1, compat_hash=COMPAT, backend=backend
+                )
+                seconds = []
+                try:
+                    for rep in range(reps + 1):  # the first one warms up (handshake, connect)
+                        conn.send(f"req-{rep}")
+                        lease_id = conn.recv()
+                        result = await sink.pull(
+                            endpoint,
+                            peer_engine_id="bench-src",
+                            peer_epoch=1,
+                            lease_id=lease_id,
+                            remote_block_ids=REMOTE_IDS,
+                            local_block_ids=LOCAL_IDS,
+                        )
+                        assert result.backend == backend, result
+                        if rep:
+                            seconds.append(result.seconds)
+                finally:
+                    await sink.close()
+                return seconds
+
+            seconds = asyncio.run(main())
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    expected = source_pool()[REMOTE_IDS]
+    assert torch.equal(pool[LOCAL_IDS].view(torch.int16), expected.view(torch.int16)), mode
+    return seconds
+
+
+# -- the shared-memory ceiling -------------------------------------------------------------------
+
+
+def shm_copier(name: str, reps: int, conn: Connection) -> None:
+    shm = SharedMemory(name=name)
+    try:
+        bb = shm.size // NUM_POOL_BLOCKS
+        src = np.ndarray((NUM_POOL_BLOCKS, bb), dtype=np.uint8, buffer=shm.buf)
+        dst = np.ones((NUM_POOL_BLOCKS, bb), dtype=np.uint8)  # touched: no page faults timed
+        seconds = []
+        for rep in range(reps + 1):
+            start = time.perf_counter()
+            for s, d in zip(REMOTE_IDS, LOCAL_IDS, strict=True):
+                dst[d] = src[s]
+            if rep:
+                seconds.append(time.perf_counter() - start)
+        ok = bool(np.array_equal(dst[LOCAL_IDS], src[REMOTE_IDS]))
+        del src
+        conn.send((seconds, ok))
+    finally:
+        shm.close()
+
+
+def bench_shm(reps: int) -> list[float]:
+    pool = source_pool()
+    raw = pool.view(torch.uint8).numpy().reshape(NUM_POOL_BLOCKS, -1)
+    shm = SharedMemory(create=True, size=raw.nbytes)
+    try:
+        np.ndarray(raw.shape, dtype=np.uint8, buffer=shm.buf)[:] = raw
+        ctx = mp.get_context("spawn")
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=shm_copier, args=(shm.name, reps, child), daemon=True)
+        proc.start()
+        try:
+            if not parent.poll(120):
+                raise TimeoutError("the shared-memory copier did not finish")
+            seconds, ok = parent.recv()
+        finally:
+            proc.kill()
+            proc.join(10)
+        assert ok, "shared-memory copy mismatch"
+        return list(seconds)
+    finally:
+        shm.close()
+        shm.unlink()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--reps", type=int, default=7)
+    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--output-json", default=None)
+    args = p.parse_args()
+    modes = [m for m in args.modes.split(",") if m]
+    for mode in modes:
+        if mode not in MODES:
+            p.error(f"unknown mode {mode}: expected some of {','.join(MODES)}")
+    num_bytes = NUM_BLOCKS * source_pool()[0].numel() * 2
+    rows: dict[str, dict[str, float]] = {}
+    for mode in modes:
+        seconds = bench_shm(args.reps) if mode == "shm" else bench_pull(mode, args.reps)
+        rows[mode] = {
+            "median_gbps": num_bytes / statistics.median(seconds) / 1e9,
+            "best_gbps": num_bytes / min(seconds) / 1e9,
+            "median_ms": statistics.median(seconds) * 1e3,
+        }
+        print(f"{mode}: done", flush=True)
+    print(f"\n{num_bytes / 2**20:.0f} MiB in {NUM_BLOCKS} scattered blocks, {args.reps} reps")
+    print(f"{'mode':<10} {'median GB/s':>12} {'best GB/s':>10} {'median ms':>10}")
+    for mode, row in rows.items():
+        print(
+            f"{mode:<10} {row['median_gbps']:>12.2f} {row['best_gbps']:>10.2f} "
+            f"{row['median_ms']:>10.1f}"
+        )
+    ratios = {}
+    if "shm" in rows:
+        for mode in ("nixl", "nixl-tcp", "grpc"):
+            if mode in rows:
+                ratios[f"{mode}/shm"] = rows[mode]["median_gbps"] / rows["shm"]["median_gbps"]
+                print(f"{mode}/ceiling (medians): {ratios[f'{mode}/shm']:.2f}")
+    if args.output_json:
+        out = {
+            "num_bytes": num_bytes,
+            "num_blocks": NUM_BLOCKS,
+            "block_bytes": num_bytes // NUM_BLOCKS,
+            "reps": args.reps,
+            "modes": rows,
+            "ratios": ratios,
+        }
+        os.makedirs(os.path.dirname(os.path.abspath(args.output_json)), exist_ok=True)
+        with open(args.output_json, "w") as f:
+            json.dump(out, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

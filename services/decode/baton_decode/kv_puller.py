@@ -1,0 +1,135 @@
+"""The decode worker's side of a remote prefill: pull the blocks a request lacks, then let it run.
+
+For each ``KVLoad`` the engine hands out (the prompt's blocks not found in the local prefix
+cache, already allocated), one task on the asyncio loop:
+
+1. checks the handle: same compatibility hash as this worker (``Generate`` has already checked
+   that its block hashes are the ones of this prompt, so KV of other tokens is never used);
+2. pulls the blocks through ``baton_kvtransfer`` (which handshakes once per peer, keeps the
+   lease alive while the pull is queued, and releases it afterwards, failing if it had expired),
+   or only releases the lease when every block was cached here;
+3. reports to the engine: on success the request decodes from its second token; on failure,
+   under policy ``recompute`` (the default) it computes the prompt itself, under ``fail`` it ends
+   with an error. Nothing ever decodes from KV whose lease was not held for the whole pull.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from baton_decode.engine_loop import EngineLoop
+from baton_decode.metrics import WorkerMetrics
+from baton_engine.core.outputs import KVLoad
+from baton_engine.errors import BatonError, InvalidRequestError
+from baton_engine.kv_cache.hashing import hash_request_tokens
+from baton_kvtransfer.errors import KVTransferError
+from baton_kvtransfer.handle import KVHandle
+from baton_kvtransfer.sink import KVTransferSink
+
+logger = logging.getLogger(__name__)
+
+
+class KVLoadFailedError(BatonError):
+    """The prompt's KV could not be pulled and the policy is ``fail``."""
+
+
+class KVPuller:
+    def __init__(
+        self,
+        engine: EngineLoop,
+        sink: KVTransferSink,
+        *,
+        compat_hash: bytes,
+        block_size: int,
+        failure_policy: str = "recompute",
+        metrics: WorkerMetrics | None = None,
+    ) -> None:
+        if failure_policy not in ("recompute", "fail"):
+            raise ValueError(f"kv load failure policy must be recompute or fail: {failure_policy}")
+        self.engine = engine
+        self.sink = sink
+        self.compat_hash = compat_hash
+        self.block_size = block_size
+        self.failure_policy = failure_policy
+        self.metrics = metrics
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.num_pulled_blocks = 0
+        self.num_failures = 0
+
+    def start(self, load: KVLoad) -> None:
+        """Called on the loop by the engine loop for each new load."""
+        task = asyncio.get_running_loop().create_task(self._run(load), name=f"pull-{load.req_id}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _run(self, load: KVLoad) -> None:
+        handle = load.remote
+        assert isinstance(handle, KVHandle)
+        ok = False
+        try:
+            await self._pull(load, handle)
+            ok = True
+        except (KVTransferError, BatonError) as e:
+            self.num_failures += 1
+            if self.metrics is not None:
+                self.metrics.kv_transfer_failures.inc()
+            logger.warning(
+                "request %s: pulling KV from %s failed (%s); %s",
+                load.req_id,
+                handle.transfer_endpoint,
+                e,
+                "recomputing the prompt" if self.failure_policy == "recompute" else "failing it",
+            )
+            if self.failure_policy == "fail":
+                self.engine.fail(load.req_id, KVLoadFailedError(f"KV transfer failed: {e}"))
+        except Exception:
+            self.num_failures += 1
+            logger.exception("request %s: pulling KV failed unexpectedly", load.req_id)
+            if self.metrics is not None:
+                self.metrics.kv_transfer_failures.inc()
+        finally:
+            # Always reported, so the blocks are freed or used: never left allocated.
+            self.engine.finish_kv_load(load.req_id, ok)
+
+    async def _pull(self, load: KVLoad, handle: KVHandle) -> None:
+        if handle.compat_hash != self.compat_hash:
+            raise KVLoadFailedError(
+                f"the prefill worker {handle.engine_id} runs an incompatible engine "
+                "(model, dtype, block size or KV layout differ)"
+            )
+        remote_ids = list(handle.block_ids[load.first_block :])
+        if len(remote_ids) != len(load.local_block_ids):
+            raise KVLoadFailedError(
+                f"the handle has {len(handle.block_ids)} blocks, the prompt needs "
+                f"{load.first_block + len(load.local_block_ids)}"
+            )
+        if not remote_ids:  # everything was cached here: just give the lease back
+            await self.sink.release(handle.transfer_endpoint, handle.lease_id)
+            return
+        result = await self.sink.pull(
+            handle.transfer_endpoint,
+            peer_engine_id=handle.engine_id,
+            peer_epoch=handle.epoch,
+            lease_id=handle.lease_id,
+            remote_block_ids=remote_ids,
+            local_block_ids=list(load.local_block_ids),
+        )
+        self.num_pulled_blocks += len(remote_ids)
+        if self.metrics is not None:
+            self.metrics.kv_transfer_seconds.observe(result.seconds)
+            self.metrics.kv_transfer_bytes.inc(result.num_bytes)
+            self.metrics.kv_transfer_blocks.inc(len(remote_ids))
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+def check_block_hashes(prompt_token_ids: list[int], handle: KVHandle, block_size: int) -> None:
+    """Raise ``InvalidRequestError`` when the handle's block hashes are not those of this
+    prompt (its KV would belong to other tokens)."""
+    mine = [h.hash_value for h in hash_request_tokens(prompt_token_ids, block_size)]
+    if list(handle.block_hashes) != mine:
+        raise InvalidRequestError("the KV handle's block hashes do not match the prompt")
