@@ -95,6 +95,11 @@ def add_parser(subparsers: Any) -> None:
         help="when a decode worker cannot pull a prompt's KV",
     )
     p.add_argument(
+        "--otlp-endpoint",
+        default=None,
+        help="every service sends OpenTelemetry spans there over OTLP/gRPC (one trace per request)",
+    )
+    p.add_argument(
         "--kv-lease-ms",
         type=int,
         default=30_000,
@@ -270,6 +275,7 @@ def _plan(args: argparse.Namespace, name: str) -> list[tuple[str, str, list[str]
     num_prefill = args.num_prefill if disaggregated else 0
     plan: list[tuple[str, str, list[str]]] = []
     kvstore_argv: list[str] = []
+    otlp_argv = ["--otlp-endpoint", args.otlp_endpoint] if args.otlp_endpoint else []
     if disaggregated:
         kvstore_addr = f"127.0.0.1:{free_port()}"
         kvstore_argv = ["--kvstore", kvstore_addr]
@@ -287,6 +293,7 @@ def _plan(args: argparse.Namespace, name: str) -> list[tuple[str, str, list[str]
                 *("--host", "127.0.0.1", "--port", addr.rsplit(":", 1)[1], "--metrics-port", "0"),
                 *("--served-model-name", name, "--worker-id", f"{role}-{i}"),
                 *kvstore_argv,
+                *otlp_argv,
                 *("--kv-transfer", args.kv_transfer),
                 *engine_argv(args),
             ]
@@ -300,6 +307,7 @@ def _plan(args: argparse.Namespace, name: str) -> list[tuple[str, str, list[str]
         *itertools.chain.from_iterable(("--decode-addr", a) for a in addrs["decode"]),
         *itertools.chain.from_iterable(("--prefill-addr", a) for a in addrs["prefill"]),
         *kvstore_argv,
+        *otlp_argv,
         *("--remote-prefill-threshold", str(args.remote_prefill_threshold)),
         *("--served-model-name", name, "--connect-timeout", str(args.ready_timeout)),
         *(["--model", args.model] if args.model is not None else []),

@@ -61,6 +61,12 @@ def add_worker_parser(subparsers: Any, role: str) -> None:
     )
     p.add_argument("--worker-id", default=None, help="id in the kvstore (None: role-address)")
     p.add_argument(
+        "--otlp-endpoint",
+        default=None,
+        help="send OpenTelemetry spans there over OTLP/gRPC "
+        "(default: $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT; unset: no tracing)",
+    )
+    p.add_argument(
         "--kvstore", default=None, help="kvstore address: register there and publish KV events"
     )
     p.add_argument(
@@ -114,5 +120,6 @@ def _cmd_worker(args: argparse.Namespace) -> int:
         kv_transfer=args.kv_transfer,
         kv_load_failure_policy=getattr(args, "kv_load_failure_policy", "recompute"),
         kv_lease_ms=lease_ms,
+        otlp_endpoint=args.otlp_endpoint,
     )
     return serve(engine_config, worker_config)

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
 
+from baton import tracing
 from baton_decode.engine_loop import EngineLoop
 from baton_decode.metrics import WorkerMetrics
 from baton_engine.core.outputs import KVLoad
@@ -32,6 +34,15 @@ logger = logging.getLogger(__name__)
 
 class KVLoadFailedError(BatonError):
     """The prompt's KV could not be pulled and the policy is ``fail``."""
+
+
+@dataclass(frozen=True)
+class RemoteKV:
+    """What a remote-prefill request carries into the engine (opaque there): where its prompt's
+    KV lives, and the trace its pull belongs to."""
+
+    handle: KVHandle
+    trace_parent: tracing.Context | None = None
 
 
 class KVPuller:
@@ -64,13 +75,25 @@ class KVPuller:
         task.add_done_callback(self._tasks.discard)
 
     async def _run(self, load: KVLoad) -> None:
-        handle = load.remote
-        assert isinstance(handle, KVHandle)
+        remote = load.remote
+        assert isinstance(remote, RemoteKV)
+        handle = remote.handle
+        span = tracing.start_span(
+            "kv_transfer",
+            remote.trace_parent,
+            attributes={
+                "baton.req_id": load.req_id,
+                "baton.peer": handle.transfer_endpoint,
+                "baton.blocks_cached_locally": load.first_block,
+                "baton.blocks_to_pull": len(load.local_block_ids),
+            },
+        )
         ok = False
         try:
-            await self._pull(load, handle)
+            await self._pull(load, handle, span)
             ok = True
         except (KVTransferError, BatonError) as e:
+            span.set_attribute("baton.error", str(e))
             self.num_failures += 1
             if self.metrics is not None:
                 self.metrics.kv_transfer_failures.inc()
@@ -91,8 +114,9 @@ class KVPuller:
         finally:
             # Always reported, so the blocks are freed or used: never left allocated.
             self.engine.finish_kv_load(load.req_id, ok)
+            tracing.end_span(span, None if ok else "pull failed")
 
-    async def _pull(self, load: KVLoad, handle: KVHandle) -> None:
+    async def _pull(self, load: KVLoad, handle: KVHandle, span: tracing.Span) -> None:
         if handle.compat_hash != self.compat_hash:
             raise KVLoadFailedError(
                 f"the prefill worker {handle.engine_id} runs an incompatible engine "
@@ -116,6 +140,8 @@ class KVPuller:
             local_block_ids=list(load.local_block_ids),
         )
         self.num_pulled_blocks += len(remote_ids)
+        span.set_attribute("baton.bytes", result.num_bytes)
+        span.set_attribute("baton.backend", result.backend)
         if self.metrics is not None:
             self.metrics.kv_transfer_seconds.observe(result.seconds)
             self.metrics.kv_transfer_bytes.inc(result.num_bytes)

@@ -31,6 +31,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from prometheus_client import start_http_server
 
+from baton import tracing
 from baton.v1 import engine_pb2, engine_pb2_grpc
 from baton_decode import codec
 from baton_decode.engine_loop import EngineLoop
@@ -40,7 +41,7 @@ from baton_decode.errors import (
     UnsupportedRequestError,
     WorkerFullError,
 )
-from baton_decode.kv_puller import KVPuller, check_block_hashes
+from baton_decode.kv_puller import KVPuller, RemoteKV, check_block_hashes
 from baton_decode.metrics import WorkerMetrics
 from baton_engine.config import EngineConfig
 from baton_engine.core.engine_core import EngineCore
@@ -79,6 +80,7 @@ class WorkerConfig:
     kv_transfer: str = "auto"  # "nixl" | "grpc" | "auto"
     kv_load_failure_policy: str = "recompute"  # "recompute" | "fail" (decode)
     kv_lease_ms: int = 30_000  # how long a prefilled prompt's blocks wait for their pull
+    otlp_endpoint: str | None = None  # None: $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, or no tracing
 
 
 def status_code(error: BatonError) -> grpc.StatusCode:
@@ -114,18 +116,27 @@ class DecodeServicer(engine_pb2_grpc.DecodeServiceServicer):
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is shutting down")
             return
+        span = tracing.start_span(
+            "decode worker",
+            tracing.extract(context.invocation_metadata()),
+            tracing.SpanKind.SERVER,
+            {"baton.req_id": request.req_id, "baton.remote_prefill": request.HasField("kv_handle")},
+        )
         try:
             inp = codec.generate_input_from_proto(request)
+            remote = None
             if inp.kv_handle is not None:
                 check_block_hashes(inp.prompt_token_ids, inp.kv_handle, self.block_size)
+                remote = RemoteKV(inp.kv_handle, tracing.context_with(span))
             stream = self.engine.add_request(
                 inp.req_id,
                 inp.prompt_token_ids,
                 inp.params,
-                remote_kv=inp.kv_handle,
+                remote_kv=remote,
                 first_token_id=inp.first_token_id,
             )
         except BatonError as e:
+            tracing.end_span(span, e)
             await context.abort(status_code(e), str(e))
             return
         finished = False
@@ -142,6 +153,7 @@ class DecodeServicer(engine_pb2_grpc.DecodeServiceServicer):
         finally:
             if not finished:
                 self.engine.abort([stream.req_id])
+            tracing.end_span(span, None if finished else "cancelled")
 
     async def Abort(
         self, request: engine_pb2.AbortRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -196,7 +208,11 @@ def serve(engine_config: EngineConfig, config: WorkerConfig) -> int:
     core = EngineCore(engine_config)  # before the event loop: loading blocks for seconds
     max_pending = config.max_pending or 4 * engine_config.max_num_seqs
     name = config.served_model_name or served_model_name(engine_config.model)
-    return asyncio.run(_serve(core, config, name, max_pending))
+    tracing.setup(f"baton-{config.role}", config.otlp_endpoint)
+    try:
+        return asyncio.run(_serve(core, config, name, max_pending))
+    finally:
+        tracing.shutdown()
 
 
 def engine_compat_hash(core: EngineCore) -> bytes:

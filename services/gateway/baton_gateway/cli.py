@@ -65,6 +65,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--model", default=None, help="model path the tokenizer comes from (default: SmolLM2)"
     )
     p.add_argument(
+        "--otlp-endpoint",
+        default=None,
+        help="send OpenTelemetry spans there over OTLP/gRPC "
+        "(default: $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT; unset: no tracing)",
+    )
+    p.add_argument(
         "--served-model-name", default=None, help="model id clients use (default: the worker's)"
     )
     p.add_argument(
@@ -122,8 +128,14 @@ def run_gateway(args: argparse.Namespace) -> int:
         # calls cancelled), so SIGTERM never hangs on a long generation.
         timeout_graceful_shutdown=5,
     )
+    from baton import tracing
+
+    tracing.setup("baton-gateway", args.otlp_endpoint)
     server = _Server(uv_config)
-    server.run()
+    try:
+        server.run()
+    finally:
+        tracing.shutdown()
     return 0 if server.started else 1
 
 

@@ -41,6 +41,7 @@ from typing import Any
 
 import grpc
 
+from baton import tracing
 from baton.v1 import engine_pb2, engine_pb2_grpc
 from baton_engine.kv_cache.hashing import hash_request_tokens
 from baton_gateway import codec
@@ -336,22 +337,33 @@ class WorkerPool:
     # --- one sequence --------------------------------------------------------------------------
 
     async def generate(
-        self, request: engine_pb2.GenerateRequest
+        self, request: engine_pb2.GenerateRequest, trace_parent: tracing.Context | None = None
     ) -> AsyncGenerator[GenerateChunk, None]:
         """Run ``request`` (one sequence) and yield its chunks as they arrive.
 
         Closing the generator (or cancelling the task iterating it) cancels the open gRPC call,
         which aborts the request on its worker, and aborts a remote prefill's KV lease. Raises
-        GatewayError for a failed call.
+        GatewayError for a failed call. Spans (route, prefill, decode) go under ``trace_parent``.
         """
-        route = await self.route(request.prompt_token_ids)
+        span = tracing.start_span("route", trace_parent)
+        try:
+            route = await self.route(request.prompt_token_ids)
+        except GatewayError as e:
+            tracing.end_span(span, e)
+            raise
+        span.set_attribute("baton.decision", route.reason)
+        span.set_attribute("baton.decode_worker", route.decode.addr)
+        span.set_attribute("baton.uncached_tokens", route.num_uncached_tokens)
+        if route.prefill is not None:
+            span.set_attribute("baton.prefill_worker", route.prefill.addr)
+        tracing.end_span(span)
         self._on_decision(route.reason)
         prefill_worker: Worker | None = None
         decode_request = request
         finished = False
         try:
             if route.prefill is not None:
-                prefilled = await self._prefill(request, route.prefill)
+                prefilled = await self._prefill(request, route.prefill, trace_parent)
                 if prefilled is not None:
                     prefill_worker, response = prefilled
                     chunk = codec.prefill_chunk(response, request)
@@ -360,7 +372,8 @@ class WorkerPool:
                         finished = True  # nothing is held on the prefill worker
                         return
                     decode_request = codec.remote_generate_request(request, response)
-            async with aclosing(self._decode(decode_request, route.decode)) as chunks:
+            decode = self._decode(decode_request, route.decode, trace_parent)
+            async with aclosing(decode) as chunks:
                 async for chunk in chunks:
                     yield chunk
                     if chunk.finish_reason is not None:
@@ -371,7 +384,10 @@ class WorkerPool:
                 self._spawn(self._abort(prefill_worker, request.req_id))
 
     async def _prefill(
-        self, request: engine_pb2.GenerateRequest, first: Worker
+        self,
+        request: engine_pb2.GenerateRequest,
+        first: Worker,
+        trace_parent: tracing.Context | None,
     ) -> tuple[Worker, engine_pb2.PrefillResponse] | None:
         """Prefill on ``first`` or, if it fails, another prefill worker; None: prefill locally."""
         tried: list[Worker] = []
@@ -379,10 +395,18 @@ class WorkerPool:
         while worker is not None:
             tried.append(worker)
             worker.num_inflight += 1
+            span = tracing.start_span(
+                "prefill", trace_parent, tracing.SpanKind.CLIENT, {"baton.worker": worker.addr}
+            )
             try:
-                response = await worker.stub.Prefill(codec.prefill_request(request))
+                metadata = tracing.inject(tracing.context_with(span))
+                response = await worker.stub.Prefill(
+                    codec.prefill_request(request), metadata=metadata
+                )
+                tracing.end_span(span)
                 return worker, response
             except grpc.aio.AioRpcError as e:
+                tracing.end_span(span, e.code().name)
                 if e.code() not in _RETRYABLE:
                     raise rpc_error(e, worker.addr) from e
                 logger.warning("prefill on %s failed (%s); trying elsewhere", worker.addr, e.code())
@@ -397,7 +421,10 @@ class WorkerPool:
         return None
 
     async def _decode(
-        self, request: engine_pb2.GenerateRequest, first: Worker
+        self,
+        request: engine_pb2.GenerateRequest,
+        first: Worker,
+        trace_parent: tracing.Context | None,
     ) -> AsyncGenerator[GenerateChunk, None]:
         tried: list[Worker] = []
         next_worker: Worker | None = first
@@ -405,14 +432,22 @@ class WorkerPool:
             worker, next_worker = next_worker, None
             tried.append(worker)
             worker.num_inflight += 1
-            call = worker.stub.Generate(request)
+            span = tracing.start_span(
+                "decode", trace_parent, tracing.SpanKind.CLIENT, {"baton.worker": worker.addr}
+            )
+            error: str | None = "cancelled"
+            call = worker.stub.Generate(
+                request, metadata=tracing.inject(tracing.context_with(span))
+            )
             streamed = False
             try:
                 async for pb in call:
                     streamed = True
                     yield codec.generate_chunk(pb)
+                error = None
                 return
             except grpc.aio.AioRpcError as e:
+                error = e.code().name
                 if streamed or e.code() not in _RETRYABLE:
                     raise rpc_error(e, worker.addr) from e
                 if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
@@ -431,6 +466,7 @@ class WorkerPool:
             finally:
                 worker.num_inflight -= 1
                 call.cancel()  # a no-op when the call has already ended
+                tracing.end_span(span, error)
 
     async def _abort(self, worker: Worker, req_id: str) -> None:
         try:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
 
+from baton import tracing
 from baton.v1 import engine_pb2
 from baton_engine.detokenizer import IncrementalDetokenizer
 from baton_gateway.client import WorkerPool
@@ -70,9 +71,15 @@ class Generation:
     """
 
     def __init__(
-        self, pool: WorkerPool, tokenizer: Any, specs: Sequence[SequenceSpec], options: TextOptions
+        self,
+        pool: WorkerPool,
+        tokenizer: Any,
+        specs: Sequence[SequenceSpec],
+        options: TextOptions,
+        trace_parent: tracing.Context | None = None,
     ) -> None:
         self._pool = pool
+        self._trace_parent = trace_parent
         self._tokenizer = tokenizer
         self._specs = list(specs)
         self._options = options
@@ -131,7 +138,7 @@ class Generation:
             stop=opts.stop,
             include_stop_str_in_output=opts.include_stop_str_in_output,
         )
-        async with aclosing(self._pool.generate(spec.request)) as chunks:
+        async with aclosing(self._pool.generate(spec.request, self._trace_parent)) as chunks:
             async for chunk in chunks:
                 if self.num_cached_tokens is None:
                     self.num_cached_tokens = chunk.num_cached_tokens

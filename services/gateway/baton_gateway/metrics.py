@@ -21,6 +21,8 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
+from baton import tracing
+
 # vLLM's buckets, so dashboards built for vLLM read these unchanged.
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                  7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
@@ -72,6 +74,7 @@ class RequestRecord:
     endpoint: str
     arrival: float  # time.monotonic()
     done: bool = False
+    span: tracing.Span | None = None  # the request's root span (a no-op one when tracing is off)
 
 
 class GatewayMetrics:
@@ -128,7 +131,8 @@ class GatewayMetrics:
 
     def start(self, endpoint: str) -> RequestRecord:
         self._running.inc()
-        return RequestRecord(endpoint, time.monotonic())
+        span = tracing.start_span(f"gateway {endpoint}", kind=tracing.SpanKind.SERVER)
+        return RequestRecord(endpoint, time.monotonic(), span=span)
 
     def finish(
         self,
@@ -143,6 +147,11 @@ class GatewayMetrics:
         if record.done:
             return
         record.done = True
+        if record.span is not None:
+            record.span.set_attribute("baton.status", status)
+            record.span.set_attribute("baton.prompt_tokens", num_prompt_tokens)
+            record.span.set_attribute("baton.generation_tokens", num_generation_tokens)
+            tracing.end_span(record.span, None if status == "ok" else status)
         self._running.dec()
         self._requests.labels(self.model_name, record.endpoint, status).inc()
         if first_token_time is not None:

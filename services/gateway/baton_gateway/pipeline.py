@@ -16,6 +16,7 @@ from typing import Any
 
 from fastapi.responses import Response
 
+from baton import tracing
 from baton_gateway import codec
 from baton_gateway.chat import tokenize_chat, tokenize_text
 from baton_gateway.client import WorkerPool
@@ -118,14 +119,18 @@ class Pipeline:
         return specs
 
     def _generation(
-        self, request: ChatCompletionRequest | CompletionRequest, specs: list[SequenceSpec]
+        self,
+        request: ChatCompletionRequest | CompletionRequest,
+        specs: list[SequenceSpec],
+        record: RequestRecord,
     ) -> Generation:
         options = TextOptions(
             stop=tuple(request.stop_strings),
             skip_special_tokens=request.skip_special_tokens,
             include_stop_str_in_output=request.include_stop_str_in_output,
         )
-        return Generation(self.pool, self.tokenizer, specs, options)
+        parent = tracing.context_with(record.span) if record.span is not None else None
+        return Generation(self.pool, self.tokenizer, specs, options, parent)
 
     async def chat(self, request: ChatCompletionRequest) -> Response:
         self.check_model(request.model)
@@ -197,7 +202,7 @@ class Pipeline:
         echo: dict[int, str],
         record: RequestRecord,
     ) -> Response:
-        generation = self._generation(request, specs)
+        generation = self._generation(request, specs, record)
         texts = self.texts if request.num_logprobs is not None else None
         created = int(time.time())
         is_chat = isinstance(request, ChatCompletionRequest)

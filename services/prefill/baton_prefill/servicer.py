@@ -16,6 +16,7 @@ from typing import Any
 
 import grpc
 
+from baton import tracing
 from baton.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from baton_decode import codec
 from baton_decode.engine_loop import EngineLoop
@@ -61,6 +62,23 @@ class PrefillServicer(engine_pb2_grpc.PrefillServiceServicer):
     ) -> engine_pb2.PrefillResponse:
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is shutting down")
+        span = tracing.start_span(
+            "prefill worker",
+            tracing.extract(context.invocation_metadata()),
+            tracing.SpanKind.SERVER,
+            {"baton.req_id": request.req_id, "baton.prompt_tokens": len(request.prompt_token_ids)},
+        )
+        try:
+            return await self._prefill(request, context, span)
+        finally:
+            tracing.end_span(span)
+
+    async def _prefill(
+        self,
+        request: engine_pb2.PrefillRequest,
+        context: grpc.aio.ServicerContext[Any, Any],
+        span: tracing.Span,
+    ) -> engine_pb2.PrefillResponse:
         try:
             params = codec.sampling_params_from_proto(request.sampling)
             prompt = list(request.prompt_token_ids)
@@ -84,6 +102,7 @@ class PrefillServicer(engine_pb2_grpc.PrefillServiceServicer):
             if not finished:  # the call was cancelled: abort (frees held blocks too)
                 self.engine.abort([req_id])
         out = outputs[-1]
+        span.set_attribute("baton.cached_tokens", max(out.num_cached_tokens, 0))
         if out.finish_reason == "abort":
             await context.abort(grpc.StatusCode.ABORTED, "the request was aborted")
         first = out.new_token_ids[0]

@@ -1,0 +1,69 @@
+"""KV-aware routing: with two decode workers found through the kvstore, requests sharing a prefix
+land on the worker that caches it, and the gateway counts its decisions."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+from procs import ENGINE_ARGS, Service, launch, stop, wait_all
+
+pytestmark = pytest.mark.integration
+
+
+def finished(worker: Service) -> float:
+    return worker.metrics().get("baton:request_success_total", 0.0)
+
+
+def test_requests_sharing_a_prefix_land_on_the_worker_caching_it() -> None:
+    services: list[Service] = []
+    try:
+        kvstore = launch("kvstore", ["--port", "0"])
+        services.append(kvstore)
+        wait_all(services)
+        workers = [
+            launch(
+                "decode",
+                ["--port", "0", "--worker-id", f"d{i}", "--kvstore", kvstore.address, *ENGINE_ARGS],
+            )
+            for i in range(2)
+        ]
+        services += workers
+        wait_all(services)
+        gateway = launch("gateway", ["--port", "0", "--kvstore", kvstore.address])
+        services.append(gateway)
+        wait_all(services)
+
+        def complete(prompt: str) -> None:
+            r = httpx.post(
+                f"{gateway.address}/v1/completions",
+                json={"prompt": prompt, "max_tokens": 2},
+                timeout=60,
+            )
+            assert r.status_code == 200, r.text
+
+        for topic in ("the history of clocks", "growing tomatoes on a balcony"):
+            prefix = f"A long shared preamble about {topic}. " * 20
+            before = [finished(w) for w in workers]
+            complete(prefix + "First question?")
+            first = [finished(w) - b for w, b in zip(workers, before, strict=True)]
+            owner = first.index(1.0)
+            time.sleep(1.0)  # the owner's KV events reach the kvstore's index
+            for i in range(4):
+                complete(prefix + f"Follow-up number {i}?")
+            after = [finished(w) - b for w, b in zip(workers, before, strict=True)]
+            assert after[owner] == 5 and after[1 - owner] == 0, (topic, after)
+
+        text = httpx.get(gateway.metrics_url, timeout=5).text
+        decisions = [
+            line for line in text.splitlines() if line.startswith("baton:disagg_decisions")
+        ]
+        # Short prompts (under --remote-prefill-threshold): every one was prefilled locally.
+        assert any(
+            line.startswith('baton:disagg_decisions_total{decision="local_cached"')
+            and line.endswith(" 10.0")
+            for line in decisions
+        ), decisions
+    finally:
+        stop(reversed(services))
