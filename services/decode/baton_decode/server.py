@@ -97,7 +97,28 @@ def status_code(error: BatonError) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
-class DecodeServicer(engine_pb2_grpc.DecodeServiceServicer):
+class WorkerInfoMixin:
+    """``GetLoad`` and ``GetModelInfo``, the same for both roles' servicers."""
+
+    engine: EngineLoop
+    served_model_name: str
+    metrics_url: str
+
+    async def GetLoad(
+        self, request: engine_pb2.GetLoadRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> engine_pb2.GetLoadResponse:
+        engine = self.engine
+        return codec.load_to_proto(
+            engine.stats, engine.num_pending, engine.core.config.max_num_seqs
+        )
+
+    async def GetModelInfo(
+        self, request: engine_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> engine_pb2.GetModelInfoResponse:
+        return codec.model_info_to_proto(self.engine.core, self.served_model_name, self.metrics_url)
+
+
+class DecodeServicer(WorkerInfoMixin, engine_pb2_grpc.DecodeServiceServicer):
     """``DecodeService`` over one ``EngineLoop``; every method runs on the asyncio loop."""
 
     def __init__(self, engine: EngineLoop, *, served_model_name: str, metrics_url: str) -> None:
@@ -161,19 +182,6 @@ class DecodeServicer(engine_pb2_grpc.DecodeServiceServicer):
         """End the named requests (their streams get a last message with finish reason ABORT);
         unknown ids are ignored."""
         return engine_pb2.AbortResponse(num_aborted=self.engine.abort(list(request.req_ids)))
-
-    async def GetLoad(
-        self, request: engine_pb2.GetLoadRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> engine_pb2.GetLoadResponse:
-        engine = self.engine
-        return codec.load_to_proto(
-            engine.stats, engine.num_pending, engine.core.config.max_num_seqs
-        )
-
-    async def GetModelInfo(
-        self, request: engine_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> engine_pb2.GetModelInfoResponse:
-        return codec.model_info_to_proto(self.engine.core, self.served_model_name, self.metrics_url)
 
 
 def _grpc_address(host: str, port: int) -> str:

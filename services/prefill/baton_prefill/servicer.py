@@ -20,7 +20,7 @@ from baton import tracing
 from baton.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from baton_decode import codec
 from baton_decode.engine_loop import EngineLoop
-from baton_decode.server import status_code
+from baton_decode.server import WorkerInfoMixin, status_code
 from baton_engine.errors import BatonError, InvalidRequestError
 from baton_engine.kv_cache.hashing import hash_request_tokens
 from baton_kvtransfer.handle import KVHandle
@@ -29,7 +29,7 @@ from baton_kvtransfer.leases import LeaseTable
 logger = logging.getLogger(__name__)
 
 
-class PrefillServicer(engine_pb2_grpc.PrefillServiceServicer):
+class PrefillServicer(WorkerInfoMixin, engine_pb2_grpc.PrefillServiceServicer):
     """``PrefillService`` over one ``EngineLoop``; every method runs on the asyncio loop."""
 
     def __init__(
@@ -142,16 +142,3 @@ class PrefillServicer(engine_pb2_grpc.PrefillServiceServicer):
         num = self.engine.abort(req_ids)
         num += sum(self.leases.release_request(req_id) for req_id in req_ids)
         return engine_pb2.AbortResponse(num_aborted=num)
-
-    async def GetLoad(
-        self, request: engine_pb2.GetLoadRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> engine_pb2.GetLoadResponse:
-        engine = self.engine
-        return codec.load_to_proto(
-            engine.stats, engine.num_pending, engine.core.config.max_num_seqs
-        )
-
-    async def GetModelInfo(
-        self, request: engine_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> engine_pb2.GetModelInfoResponse:
-        return codec.model_info_to_proto(self.engine.core, self.served_model_name, self.metrics_url)
