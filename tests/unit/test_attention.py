@@ -128,9 +128,10 @@ def test_unknown_backend_is_a_clear_error() -> None:
         create_attention_backend("nope")
 
 
-def test_auto_picks_the_cpu_kernel_on_cpu() -> None:
+def test_auto_picks_the_cpu_kernel_on_cpu_and_triton_on_cuda() -> None:
     assert create_attention_backend("auto", "cpu").name == "cpu"
-    assert create_attention_backend("auto", "cuda").name == "torch"
+    on_cuda = "triton" if torch.cuda.is_available() else "torch"  # triton needs a GPU there
+    assert create_attention_backend("auto", "cuda").name == on_cuda
 
 
 @pytest.mark.skipif(not can_pack(torch.zeros(1, dtype=torch.bfloat16)), reason="no oneDNN")

@@ -21,7 +21,9 @@ _HELP = {
     "num_gpu_blocks_override": "exact number of KV blocks",
     "gpu_memory_utilization": "share of GPU memory for weights, activations and KV cache",
     "load_format": "auto | dummy (random weights, for benchmarks)",
-    "attention_backend": "auto | cpu (C++ paged decode kernel) | torch (reference)",
+    "attention_backend": "auto | cpu (C++ paged decode kernel) | triton (GPU) | torch "
+    "(reference) | flash_attn | flashinfer (when installed); also $BATON_ATTENTION_BACKEND",
+    "enforce_eager": "GPU: run decode steps eagerly instead of replaying CUDA graphs",
     "seed": "seed of the default random generator",
     "device": "cpu | cuda",
 }

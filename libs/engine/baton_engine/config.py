@@ -143,7 +143,8 @@ class EngineConfig:
     num_gpu_blocks_override: int | None = None  # exact number of KV blocks (tests)
     gpu_memory_utilization: float = 0.9
     load_format: str = "auto"  # "auto" | "dummy"
-    attention_backend: str = "auto"  # "auto" | "cpu" (C++ decode kernel) | "torch" (reference)
+    attention_backend: str = "auto"  # "auto" | "cpu" | "triton" | "torch" (reference) | ...
+    enforce_eager: bool = False  # GPU: no CUDA graphs for decode steps
     seed: int = 0
     device: str = "cpu"
     usage_context: str = "offline"  # "offline" | "serving": picks defaults, as in vLLM

@@ -87,6 +87,11 @@ class EngineCore:
         self.runner.finalize_weights()
         num_blocks = self._num_kv_blocks()
         self.runner.initialize_kv_cache(num_blocks)
+        if self.runner.device.type == "cuda":
+            graphs = self.runner.enable_decode_graphs(capture=not config.enforce_eager)
+            if not graphs and not config.enforce_eager:
+                logger.info("no CUDA graphs: the %s backend cannot be captured",
+                            self.runner.backend.name)  # fmt: skip
         logger.info(
             "KV cache: %d blocks, %d tokens (%s, %.1f s to load)",
             num_blocks,
@@ -118,9 +123,21 @@ class EngineCore:
         elif cfg.kv_cache_memory is not None:
             num_blocks = cfg.kv_cache_memory // per_block
         elif cfg.device.startswith("cuda"):
+            # Profile the largest step, then give the KV pool what the utilisation target
+            # leaves after everything in use now (weights, CUDA context) and that peak.
+            peak = self.runner.profile_peak_bytes()
             free, total = torch.cuda.mem_get_info()
             used = total - free
-            num_blocks = int(total * cfg.gpu_memory_utilization - used) // per_block
+            budget = int(total * cfg.gpu_memory_utilization) - used - peak
+            num_blocks = max(0, budget) // per_block
+            logger.info(
+                "GPU memory: %.1f GiB total, %.1f GiB in use (weights and context), "
+                "%.2f GiB peak activations, %.1f GiB for the KV cache",
+                total / 2**30,
+                used / 2**30,
+                peak / 2**30,
+                max(0, budget) / 2**30,
+            )
         else:
             num_blocks = _DEFAULT_CPU_KV_BYTES // per_block
         needed = -(self.max_model_len // -cfg.block_size)

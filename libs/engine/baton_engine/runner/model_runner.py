@@ -11,6 +11,7 @@ import torch
 from baton_engine.config import ModelConfig
 from baton_engine.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from baton_engine.models import LlamaForCausalLM
+from baton_engine.runner.cuda_graphs import DecodeGraphs
 from baton_engine.runner.input_batch import CachedRequestState, InputBatch
 from baton_engine.sampler import Sampler, SamplingMetadata
 from baton_kernels.attention import AttentionMetadata, KVCacheView, create_attention_backend
@@ -37,7 +38,15 @@ class ModelRunner:
         self.device = torch.device(device)
         self.block_size = block_size
         self.max_model_len = max_model_len
-        self.backend = create_attention_backend(attention_backend, self.device.type)
+        self.backend = create_attention_backend(
+            attention_backend, self.device.type, dtype=dtype, head_dim=model_config.head_dim
+        )
+        if self.device.type == "cuda":
+            # cuDNN's SDPA recompiles for every new KV length (the torch backend's varlen case).
+            torch.backends.cuda.enable_cudnn_sdp(False)
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.graphs: DecodeGraphs | None = None  # decode steps from CUDA graphs
         logger.info("attention backend: %s", self.backend.name)
         self.sampler = Sampler()
         self.batch = InputBatch(
@@ -67,14 +76,16 @@ class ModelRunner:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
 
     def load_dummy_weights(self, seed: int = 0) -> None:
-        """Random weights of the right shapes (for benchmarks): small normal values, unit norms."""
-        gen = torch.Generator(device="cpu").manual_seed(seed)
+        """Random weights of the right shapes (for benchmarks): small normal values, unit norms.
+        Drawn on the model's device, so an 8B model needs no host memory or copy."""
+        gen = torch.Generator(device=self.device).manual_seed(seed)
         with torch.no_grad():
             for name, param in self.model.named_parameters():
                 if "norm" in name:
                     param.fill_(1.0)
                 else:
-                    param.copy_(torch.randn(param.shape, generator=gen) * 0.02)
+                    noise = torch.randn(param.shape, generator=gen, device=self.device)
+                    param.copy_(noise.mul_(0.02))
 
     def finalize_weights(self) -> None:
         """After loading: pack linear weights for oneDNN where that is faster (CPU, bf16)."""
@@ -98,6 +109,69 @@ class ModelRunner:
         )
         self.kv_caches = [KVCacheView(self.kv_pool[:, layer]) for layer in range(cfg.num_layers)]
 
+    def enable_decode_graphs(self, capture: bool) -> bool:
+        """Run decode-only steps through persistent buffers, from CUDA graphs when ``capture``
+        (after ``initialize_kv_cache``). Only backends that read ``decode_seq_lens`` on the
+        device can; returns whether this one does."""
+        if self.backend.name != "triton":
+            return False
+        self.graphs = DecodeGraphs(
+            lambda ids, pos, md: self.model(ids, pos, self.kv_caches, md, self.backend),
+            max_batch_size=self.max_num_seqs,
+            max_blocks_per_req=-(self.max_model_len // -self.block_size),
+            device=self.device,
+            capture=capture,
+        )
+        self.graphs.capture_all()
+        return True
+
+    @torch.inference_mode()
+    def profile_peak_bytes(self) -> int:
+        """Peak memory (bytes, beyond what is allocated now) of the largest step: a prefill of
+        ``max_num_batched_tokens`` tokens and ``max_num_seqs`` rows of logits. Uses a temporary
+        KV pool just large enough, freed afterwards (its bytes are not counted)."""
+        cfg, bs = self.model_config, self.block_size
+        num_tokens = self.max_num_batched_tokens
+        seq_len = min(num_tokens, self.max_model_len)
+        lens = [seq_len] * (num_tokens // seq_len) + (
+            [num_tokens % seq_len] if num_tokens % seq_len else []
+        )
+        blocks_per_seq = -(seq_len // -bs)
+        pool = torch.zeros(
+            (len(lens) * blocks_per_seq, cfg.num_layers, 2, bs, cfg.num_kv_heads, cfg.head_dim),
+            dtype=self.dtype,
+            device=self.device,
+        )
+        caches = [KVCacheView(pool[:, layer]) for layer in range(cfg.num_layers)]
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        table = torch.arange(len(lens) * blocks_per_seq, device=self.device).view(len(lens), -1)
+        pos = torch.cat([torch.arange(n, device=self.device) for n in lens])
+        row = torch.cat([torch.full((n,), i, device=self.device) for i, n in enumerate(lens)])
+        metadata = AttentionMetadata(
+            num_reqs=len(lens),
+            num_decodes=0,
+            num_tokens=num_tokens,
+            query_start_loc=[0, *np.cumsum(lens).tolist()],
+            seq_lens=lens,
+            block_tables=table,
+            slot_block=table[row, pos // bs],
+            slot_offset=pos % bs,
+            decode_bias=None,
+            max_decode_blocks=0,
+        )
+        ids = torch.randint(0, cfg.vocab_size, (num_tokens,), device=self.device)
+        hidden = self.model(ids, pos, caches, metadata, self.backend)
+        rows = min(self.max_num_seqs, num_tokens)
+        logits = self.model.compute_logits(hidden[:rows]).float()
+        logits.softmax(dim=-1)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+        del pool, caches, hidden, logits
+        torch.cuda.empty_cache()
+        return int(peak)
+
     # --- one step ------------------------------------------------------------------------------
 
     @torch.inference_mode()
@@ -115,14 +189,23 @@ class ModelRunner:
         )
         reqs = [states[r] for r in order]
         num_new = [so.num_scheduled_tokens[r] for r in order]
-        input_ids, positions, metadata, sample_rows = self._prepare_inputs(reqs, num_new)
-        hidden = self.model(input_ids, positions, self.kv_caches, metadata, self.backend)
+        graphs = self.graphs
+        if (
+            graphs is not None
+            and so.total_num_scheduled_tokens == len(reqs)
+            and len(reqs) <= graphs.max_batch_size
+        ):
+            hidden, sample_rows = self._run_decode_graph(graphs, reqs)
+            logits = self.model.compute_logits(hidden[sample_rows] if sample_rows else hidden[:0])
+        else:
+            input_ids, positions, metadata, sample_rows = self._prepare_inputs(reqs, num_new)
+            hidden = self.model(input_ids, positions, self.kv_caches, metadata, self.backend)
+            last_token = torch.tensor(
+                [metadata.query_start_loc[i + 1] - 1 for i in sample_rows], device=self.device
+            )
+            logits = self.model.compute_logits(hidden[last_token])
         if not sample_rows:
             return ModelRunnerOutput({})
-        last_token = torch.tensor(
-            [metadata.query_start_loc[i + 1] - 1 for i in sample_rows], device=self.device
-        )
-        logits = self.model.compute_logits(hidden[last_token])
         sampled_reqs = [reqs[i] for i in sample_rows]
         out = self.sampler(logits, self._sampling_metadata(sampled_reqs))
         token_ids = out.sampled_token_ids.tolist()
@@ -139,6 +222,26 @@ class ModelRunner:
                     rank=int(out.logprobs.ranks[j]),
                 )
         return ModelRunnerOutput(sampled, logprobs)
+
+    def _run_decode_graph(
+        self, graphs: DecodeGraphs, reqs: list[CachedRequestState]
+    ) -> tuple[torch.Tensor, list[int]]:
+        """One token per request through the captured graphs: hidden states, rows to sample."""
+        bs = self.block_size
+        n = len(reqs)
+        rows = np.fromiter((s.row for s in reqs), dtype=np.int64, count=n)
+        pos = np.fromiter((s.num_computed_tokens for s in reqs), dtype=np.int64, count=n)
+        max_blocks = int(pos.max()) // bs + 1
+        table = self.batch.block_table[rows, :max_blocks]
+        hidden = graphs.run(
+            input_ids=self.batch.token_table[rows, pos],
+            positions=pos,
+            block_tables=table,
+            slot_block=table[np.arange(n), pos // bs],
+            slot_offset=pos % bs,
+        )
+        sample_rows = [i for i, s in enumerate(reqs) if pos[i] + 1 == len(s.token_ids)]
+        return hidden, sample_rows
 
     def _prepare_inputs(
         self, reqs: list[CachedRequestState], num_new: list[int]
@@ -170,7 +273,12 @@ class ModelRunner:
         decode_bias = None
         decode_lens = None
         max_decode_blocks = 0
-        if num_decodes:
+        if num_decodes and self.backend.name == "triton":
+            # The Triton kernels read the lengths; the others may fall back to the masked
+            # reference.
+            max_decode_blocks = -(max(seq_lens[:num_decodes]) // -bs)
+            decode_lens = torch.tensor(seq_lens[:num_decodes])
+        elif num_decodes:
             max_decode_blocks = -(max(seq_lens[:num_decodes]) // -bs)
             lens = decode_lens = torch.tensor(seq_lens[:num_decodes])
             invalid = torch.arange(max_decode_blocks * bs)[None, :] >= lens[:, None]

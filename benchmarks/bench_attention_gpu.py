@@ -1,0 +1,287 @@
+"""Paged attention kernels on the GPU: correctness against the references, then timings.
+
+    python benchmarks/bench_attention_gpu.py                      # on a CUDA device, no downloads
+    python benchmarks/bench_attention_gpu.py --device cpu --interpret   # tiny shapes, interpreter
+
+Decode: every request has ``context`` cached tokens and one query token, for the Qwen2.5-0.5B
+(14 q / 2 KV heads, head 64) and Llama-3.1-8B (32 q / 8 KV heads, head 128) shapes. Compared:
+Triton with the automatic split count (flash-decoding), Triton with one split, and the PyTorch
+reference backend's decode (gather the blocks, then SDPA with cuDNN off). GB/s counts the K/V
+bytes each request must read (context x KV heads x head size x 2 x dtype size) over the time.
+Prefill: chunks over cached context through the mixed-batch kernel, in TFLOP/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import math
+import os
+import random
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "libs" / "kernels"))
+
+MODELS = {"qwen": (14, 2, 64), "llama": (32, 8, 128)}  # (query heads, KV heads, head size)
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--interpret", action="store_true", help="Triton interpreter, tiny shapes")
+    p.add_argument("--dtype", choices=DTYPES, default="bf16")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--models", default="qwen,llama")
+    p.add_argument("--batches", default=None, help="comma-separated; default 1,64,256")
+    p.add_argument("--contexts", default=None, help="default 512,1024,2048,4096,8192")
+    p.add_argument("--no-prefill", action="store_true")
+    p.add_argument(
+        "--sweep", default="", help="comma-separated: configs (decode launch), splits (decode)"
+    )
+    return p.parse_args()
+
+
+args = parse_args()
+if args.interpret:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+from baton_kernels.attention import AttentionMetadata, KVCacheView  # noqa: E402
+from baton_kernels.attention.torch_backend import TorchAttentionBackend  # noqa: E402
+from baton_kernels.triton.decode_attention import (  # noqa: E402
+    choose_num_splits,
+    decode_attention,
+    ref_decode_attention,
+)
+from baton_kernels.triton.paged_attention import paged_attention, ref_paged_attention  # noqa: E402
+
+DEVICE = torch.device(args.device)
+DTYPE = getattr(torch, DTYPES[args.dtype])
+TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 4e-3}
+if DEVICE.type == "cuda":
+    torch.backends.cuda.enable_cudnn_sdp(False)  # recompiles per KV length on this image
+
+
+def bench_ms(fn: Callable[[], object], graph: bool = True) -> float:
+    """Milliseconds per call: replayed from a CUDA graph (device time, no launch overhead) or
+    launched eagerly from Python; on CPU one timed call."""
+    if DEVICE.type == "cuda":
+        if graph:
+            return float(triton.testing.do_bench_cudagraph(fn, rep=50))
+        return float(triton.testing.do_bench(fn, warmup=10, rep=50))
+    fn()
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) * 1e3
+
+
+def make_cache(
+    seq_lens: list[int], num_kv_heads: int, head_dim: int
+) -> tuple[KVCacheView, torch.Tensor]:
+    """Layer 0 of a two-layer block-major pool, blocks scattered at random."""
+    bs = args.block_size
+    blocks = [math.ceil(s / bs) for s in seq_lens]
+    num_blocks = sum(blocks) + 1
+    pool = torch.empty(num_blocks, 2, 2, bs, num_kv_heads, head_dim, dtype=DTYPE, device=DEVICE)
+    pool.normal_()
+    order = list(range(num_blocks))
+    random.Random(0).shuffle(order)
+    table = torch.zeros(len(seq_lens), max(blocks), dtype=torch.int64)
+    at = 0
+    for i, n in enumerate(blocks):
+        table[i, :n] = torch.tensor(order[at : at + n])
+        at += n
+    return KVCacheView(pool[:, 0]), table.to(DEVICE)
+
+
+def decode_row(model: str, batch: int, context: int) -> str:
+    num_heads, num_kv_heads, head_dim = MODELS[model]
+    seq_lens = [context] * batch
+    cache, tables = make_cache(seq_lens, num_kv_heads, head_dim)
+    query = torch.randn(batch, num_heads, head_dim, device=DEVICE).to(DTYPE)
+    lens = torch.tensor(seq_lens, device=DEVICE)
+    scale = head_dim**-0.5
+    splits = choose_num_splits(batch, num_kv_heads, context, DEVICE)
+    out = torch.empty_like(query)
+    out_1 = torch.empty_like(query)
+
+    def triton_auto() -> None:
+        decode_attention(query, cache, out, lens, tables, scale, splits)
+
+    def triton_one() -> None:
+        decode_attention(query, cache, out_1, lens, tables, scale, 1)
+
+    num_blocks = math.ceil(context / args.block_size)
+    past_end = torch.arange(num_blocks * args.block_size, device=DEVICE) >= context
+    bias = torch.zeros(batch, past_end.shape[0], dtype=DTYPE, device=DEVICE)
+    bias.masked_fill_(past_end, -math.inf)
+    md = AttentionMetadata(
+        num_reqs=batch,
+        num_decodes=batch,
+        num_tokens=batch,
+        query_start_loc=list(range(batch + 1)),
+        seq_lens=seq_lens,
+        block_tables=tables,
+        slot_block=lens,
+        slot_offset=lens,
+        decode_bias=bias.view(batch, 1, 1, -1),
+        max_decode_blocks=num_blocks,
+    )
+    torch_backend = TorchAttentionBackend()
+
+    def torch_ref() -> torch.Tensor:
+        return torch_backend._decode(query, cache, md, scale)
+
+    triton_auto()
+    triton_one()
+    check = min(batch, 4)
+    want = ref_decode_attention(query[:check], cache, seq_lens[:check], tables[:check], scale)
+    err = max(
+        (out[:check].float() - want).abs().max().item(),
+        (out_1[:check].float() - want).abs().max().item(),
+        (torch_ref()[:check].float() - want).abs().max().item(),
+    )
+    ok = "ok" if err <= TOL[DTYPE] * 4 else "FAIL"
+    kv_bytes = batch * context * num_kv_heads * head_dim * 2 * query.element_size()
+    times = [bench_ms(f) for f in (triton_auto, triton_one, torch_ref)]
+    cells = [f"{t * 1e3:9.1f} {kv_bytes / t / 1e6:7.0f}" for t in times]
+    eager = bench_ms(triton_auto, graph=False)
+    return (
+        f"{model:6} {batch:5} {context:6} {splits:6} "
+        + " ".join(cells)
+        + f" {eager * 1e3:9.1f}  {err:.1e} {ok}"
+    )
+
+
+def sweep_splits() -> None:
+    """Decode GB/s (graph-timed) for each split count; choose_num_splits's pick is marked *."""
+    points = [("qwen", 1, 8192), ("qwen", 64, 512), ("qwen", 64, 2048), ("qwen", 64, 8192)]
+    points += [("qwen", 256, 512), ("llama", 1, 2048), ("llama", 1, 8192), ("llama", 16, 4096)]
+    points += [("llama", 64, 512)]
+    print("\n## decode split count: GB/s for num_splits")
+    for model, batch, context in points:
+        num_heads, num_kv_heads, head_dim = MODELS[model]
+        cache, tables = make_cache([context] * batch, num_kv_heads, head_dim)
+        query = torch.randn(batch, num_heads, head_dim, device=DEVICE).to(DTYPE)
+        lens = torch.full((batch,), context, device=DEVICE)
+        out = torch.empty_like(query)
+        pick = choose_num_splits(batch, num_kv_heads, context, DEVICE)
+        kv_bytes = batch * context * num_kv_heads * head_dim * 2 * query.element_size()
+        cells = []
+        for splits in (1, 2, 3, 4, 6, 8, 16, 32, 64):
+            run = functools.partial(decode_attention, query, cache, out, lens, tables, 0.1, splits)
+            gbs = kv_bytes / bench_ms(run) / 1e6
+            cells.append(f"{splits}{'*' if splits == pick else ''}:{gbs:.0f}")
+        print(f"{model:6} b{batch:<4} ctx {context:5}  " + " ".join(cells), flush=True)
+        del cache, tables
+        torch.cuda.empty_cache()
+
+
+def sweep_configs() -> None:
+    """Decode launch configurations at a few points, graph-timed; the default is marked *."""
+    points = [("llama", 1, 8192), ("llama", 64, 4096), ("llama", 256, 2048)]
+    points += [("qwen", 1, 8192), ("qwen", 64, 2048), ("qwen", 256, 4096)]
+    print("\n## decode sweep: GB/s for (tile_n, num_warps, num_stages)")
+    for model, batch, context in points:
+        print(sweep_point(model, batch, context), flush=True)
+        torch.cuda.empty_cache()
+
+
+def sweep_point(model: str, batch: int, context: int) -> str:
+    num_heads, num_kv_heads, head_dim = MODELS[model]
+    cache, tables = make_cache([context] * batch, num_kv_heads, head_dim)
+    query = torch.randn(batch, num_heads, head_dim, device=DEVICE).to(DTYPE)
+    lens = torch.full((batch,), context, device=DEVICE)
+    out = torch.empty_like(query)
+    splits = choose_num_splits(batch, num_kv_heads, context, DEVICE)
+    kv_bytes = batch * context * num_kv_heads * head_dim * 2 * query.element_size()
+    default = (64, 2, 3) if head_dim >= 128 else (128, 4, 3)
+    results = []
+    for config in [(t, w, st) for t in (32, 64, 128) for w in (2, 4, 8) for st in (2, 3)]:
+        run = functools.partial(
+            decode_attention, query, cache, out, lens, tables, 0.1, splits,
+            tile_n=config[0], num_warps=config[1], num_stages=config[2],
+        )  # fmt: skip
+        try:
+            results.append((kv_bytes / bench_ms(run) / 1e6, config))
+        except Exception as e:  # e.g. out of shared memory for big tiles
+            results.append((0.0, config))
+            print(f"  {config}: {type(e).__name__}")
+    base = next(gbs for gbs, c in results if c == default)
+    results.sort(reverse=True)
+    top = ", ".join(f"{c}{'*' if c == default else ''} {gbs:.0f}" for gbs, c in results[:5])
+    return f"{model:6} b{batch:<4} ctx {context:5} splits {splits:2}: default {base:.0f}; {top}"
+
+
+def prefill_row(model: str, num_chunks: int, chunk: int, context: int) -> str:
+    num_heads, num_kv_heads, head_dim = MODELS[model]
+    seq_lens = [context + chunk] * num_chunks
+    cache, tables = make_cache(seq_lens, num_kv_heads, head_dim)
+    qsl = [i * chunk for i in range(num_chunks + 1)]
+    query = torch.randn(qsl[-1], num_heads, head_dim, device=DEVICE).to(DTYPE)
+    out = torch.empty_like(query)
+    qsl_t = torch.tensor(qsl, dtype=torch.int32, device=DEVICE)
+    lens_t = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    scale = head_dim**-0.5
+
+    def run() -> None:
+        paged_attention(query, cache, out, qsl_t, lens_t, tables, scale, chunk)
+
+    run()
+    want = ref_paged_attention(query[:chunk], cache, qsl[:2], seq_lens[:1], tables[:1], scale)
+    err = (out[:chunk].float() - want[:chunk]).abs().max().item()
+    ok = "ok" if err <= TOL[DTYPE] * 4 else "FAIL"
+    t = bench_ms(run)
+    # causal: each query row sees context + its position + 1 keys; 2 matmuls of 2 flops each
+    keys = num_chunks * (chunk * context + chunk * (chunk + 1) / 2)
+    flops = 4 * keys * num_heads * head_dim
+    return (
+        f"{model:6} {num_chunks:6} {chunk:6} {context:7} {t * 1e3:10.1f} "
+        f"{flops / t / 1e9:8.1f}  {err:.1e} {ok}"
+    )
+
+
+def main() -> None:
+    tiny = args.interpret or DEVICE.type == "cpu"
+    batches = [int(x) for x in (args.batches or ("1,2" if tiny else "1,64,256")).split(",")]
+    default_contexts = "64,600" if tiny else "512,1024,2048,4096,8192"
+    contexts = [int(x) for x in (args.contexts or default_contexts).split(",")]
+    name = torch.cuda.get_device_name(DEVICE) if DEVICE.type == "cuda" else "cpu (interpreter)"
+    print(f"# {name}, torch {torch.__version__}, triton {triton.__version__}, {args.dtype}, "
+          f"block_size {args.block_size}")  # fmt: skip
+    print("\n## decode: us per call replayed in a CUDA graph, GB/s of K/V read; eager: triton")
+    print("## launched from Python (includes host launch overhead)")
+    columns = ["triton", "GB/s", "1-split", "GB/s", "torch", "GB/s", "eager"]
+    print(f"{'model':6} {'batch':>5} {'ctx':>6} {'splits':>6} ", end="")
+    print(" ".join(f"{c:>{9 if i % 2 == 0 else 7}}" for i, c in enumerate(columns)) + "  err")
+    for model in args.models.split(","):
+        for batch in batches:
+            for context in contexts:
+                print(decode_row(model, batch, context), flush=True)
+                if DEVICE.type == "cuda":
+                    torch.cuda.empty_cache()
+    sweeps = set(filter(None, args.sweep.split(",")))
+    if "configs" in sweeps and DEVICE.type == "cuda":
+        sweep_configs()
+    if "splits" in sweeps and DEVICE.type == "cuda":
+        sweep_splits()
+    if args.no_prefill:
+        return
+    print("\n## prefill chunks over cached context (mixed-batch kernel): time in us, TFLOP/s")
+    print(
+        f"{'model':6} {'chunks':>6} {'chunk':>6} {'context':>7} {'triton':>10} {'TFLOP/s':>8}  err"
+    )
+    cases = [(2, 16, 40)] if tiny else [(4, 2048, 0), (8, 512, 4096), (1, 8192, 0)]
+    for model in args.models.split(","):
+        for num_chunks, chunk, context in cases:
+            print(prefill_row(model, num_chunks, chunk, context), flush=True)
+
+
+if __name__ == "__main__":
+    main()

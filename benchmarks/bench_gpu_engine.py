@@ -1,0 +1,353 @@
+"""The engine on a GPU: correctness checks, then throughput against Hugging Face, in one run.
+
+    python benchmarks/bench_gpu_engine.py                 # on the H200: checks + both shapes
+    python benchmarks/bench_gpu_engine.py --tiny --device cpu --no-hf   # a smoke run on CPU
+
+Checks (dummy weights; a random-init Hugging Face model saved as safetensors for the logits):
+  - greedy tokens of the triton backend (CUDA graphs) equal the torch backend's, float32 and bf16;
+  - first-step logprobs (top 20) of Baton equal transformers' within bf16 tolerance.
+Throughput (issue 5's workload): 256 prompts x 512 random token ids, 256 output tokens each,
+ignore_eos, greedy, bf16, dummy weights; max_num_seqs 64 and 256, and batch-1 decode; the same
+workload through transformers (sdpa, cuDNN SDPA off) in the same run; the share of the decode
+roofline (weights + KV bytes read per step over the device copy bandwidth, 4.28 TB/s on the
+H200); and per decode step the GPU time of the graph replay next to the step's wall time.
+Results are printed as they come and written to $OUT/bench_gpu_engine.json (or --output-json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+if "--device" in sys.argv and sys.argv[sys.argv.index("--device") + 1] == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # the triton backend on CPU (smoke runs)
+
+from baton_engine.config import EngineConfig, ModelConfig
+from baton_engine.core.engine_core import EngineCore
+from baton_engine.sampling_params import SamplingParams
+
+CONFIGS = Path(__file__).parent / "configs"
+SHAPES = {"qwen": CONFIGS / "qwen2.5-0.5b", "llama": CONFIGS / "llama-3.1-8b"}
+COPY_BANDWIDTH = 4.28e12  # bytes/s, device-to-device copy on the H200 (read + write counted)
+TINY = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "model_type": "qwen2",
+    "hidden_size": 224,  # 14 heads of 16: Qwen2.5-0.5B's GQA ratio of 7
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 14,
+    "num_key_value_heads": 2,
+    "vocab_size": 512,
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": True,
+    "eos_token_id": 0,
+    "torch_dtype": "bfloat16",
+}
+
+RESULTS: dict[str, Any] = {"checks": {}, "throughput": []}
+
+
+def emit(path: Path) -> None:
+    path.write_text(json.dumps(RESULTS, indent=2))
+
+
+def engine(model: Path, args: argparse.Namespace, **kw: Any) -> EngineCore:
+    config = dict(
+        model=str(model),
+        load_format="dummy",
+        dtype="bfloat16",
+        device=args.device,
+        max_model_len=max(args.prompt_len + args.output_len + 16, 256),
+        max_num_seqs=args.num_prompts,
+        max_num_batched_tokens=8192,
+        seed=0,
+    )
+    if args.device == "cpu":
+        config["num_gpu_blocks_override"] = 2048
+    config.update(kw)
+    return EngineCore(EngineConfig(**config))  # type: ignore[arg-type]
+
+
+def run_all(core: EngineCore, prompts: list[list[int]], params: SamplingParams) -> dict[str, Any]:
+    """Add every prompt, step until done; tokens per request and step timings."""
+    for i, p in enumerate(prompts):
+        core.add_request(f"r{i}", p, params)
+    tokens: dict[str, list[int]] = {}
+    decode_steps: list[tuple[int, float]] = []  # (batch, seconds) of decode-only steps
+    first_token: float | None = None
+    start = time.perf_counter()
+    while core.has_unfinished_requests():
+        t0 = time.perf_counter()
+        so_running = core.scheduler.num_running
+        outs = core.step()
+        dt = time.perf_counter() - t0
+        if first_token is None and outs:
+            first_token = time.perf_counter()
+        if outs and len(outs) == so_running and not core.scheduler.num_waiting:
+            decode_steps.append((len(outs), dt))
+        for o in outs:
+            tokens.setdefault(o.req_id, []).extend(o.new_token_ids)
+    elapsed = time.perf_counter() - start
+    return {
+        "tokens": tokens,
+        "elapsed": elapsed,
+        "first_token": (first_token or start) - start,
+        "decode_steps": decode_steps,
+    }
+
+
+def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(100, vocab - 100, (n, length), generator=g).tolist()
+
+
+# --- checks --------------------------------------------------------------------------------------
+
+
+def check_backends(model: Path, args: argparse.Namespace) -> None:
+    mc = ModelConfig.from_path(model)
+    prompts = random_prompts(8, 64, mc.vocab_size, seed=1)
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    for dtype in ("float32", "bfloat16"):
+        runs = {}
+        for backend in ("torch", "triton"):
+            core = engine(model, args, dtype=dtype, attention_backend=backend, max_num_seqs=8)
+            runs[backend] = run_all(core, prompts, params)["tokens"]
+            del core
+            free()
+        same = sum(runs["torch"][k] == runs["triton"][k] for k in runs["torch"])
+        agree = sum(
+            a == b
+            for k in runs["torch"]
+            for a, b in zip(runs["torch"][k], runs["triton"][k], strict=True)
+        )
+        total = sum(len(v) for v in runs["torch"].values())
+        RESULTS["checks"][f"greedy_triton_vs_torch_{dtype}"] = {
+            "identical_sequences": f"{same}/{len(prompts)}",
+            "tokens_agreeing": f"{agree}/{total}",
+        }
+        print(f"greedy triton vs torch ({dtype}): {same}/{len(prompts)} sequences identical, "
+              f"{agree}/{total} tokens", flush=True)  # fmt: skip
+
+
+def check_hf_logits(model: Path, args: argparse.Namespace) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf_config = AutoConfig.from_pretrained(model)
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(hf_config, torch_dtype=torch.bfloat16)
+    with torch.no_grad():  # a larger init than HF's default, so the distribution is not flat
+        for name, p in hf.named_parameters():
+            if "norm" not in name:
+                p.normal_(0.0, 0.05)
+    with tempfile.TemporaryDirectory() as tmp:
+        hf.save_pretrained(tmp, safe_serialization=True)
+        hf = hf.to(args.device).eval()
+        prompts = random_prompts(4, 48, hf_config.vocab_size, seed=2)
+        core = engine(Path(tmp), args, load_format="auto", max_num_seqs=4)
+        params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=20)
+        for i, p in enumerate(prompts):
+            core.add_request(f"h{i}", p, params)
+        got = {}
+        while core.has_unfinished_requests():
+            for o in core.step():
+                got[o.req_id] = o.new_logprobs[0] if o.new_logprobs else None
+        del core
+    worst, top1 = 0.0, 0
+    with torch.no_grad():
+        for i, p in enumerate(prompts):
+            ids = torch.tensor([p], device=args.device)
+            ref = hf(ids).logits[0, -1].float().log_softmax(-1)
+            lp = got[f"h{i}"]
+            assert lp is not None
+            mine = torch.tensor(lp.logprobs[1:], device=args.device)
+            theirs = ref[torch.tensor(lp.token_ids[1:], device=args.device)]
+            worst = max(worst, float((mine - theirs).abs().max()))
+            top1 += int(lp.token_ids[0] == int(ref.argmax()))
+    del hf
+    free()
+    RESULTS["checks"]["hf_first_step_logprobs"] = {
+        "max_abs_diff_top20": worst,
+        "top1_agree": f"{top1}/{len(prompts)}",
+    }
+    print(f"first-step logprobs vs transformers: max |diff| over top-20 {worst:.4f}, "
+          f"argmax agrees {top1}/{len(prompts)}", flush=True)  # fmt: skip
+
+
+# --- throughput ----------------------------------------------------------------------------------
+
+
+def free() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def roofline(mc: ModelConfig, batch: int, context: float, dtype_bytes: int = 2) -> float:
+    """Output tokens/s if a decode step only had to read the weights and the batch's KV."""
+    h, inter, layers = mc.hidden_size, mc.intermediate_size, mc.num_layers
+    kv_dim = mc.num_kv_heads * mc.head_dim
+    per_layer = h * (mc.num_heads * mc.head_dim) * 2 + h * kv_dim * 2 + 3 * h * inter
+    embed = mc.vocab_size * h * (1 if mc.tie_word_embeddings else 2)
+    weight_bytes = (layers * per_layer + embed) * dtype_bytes
+    kv_bytes = batch * context * layers * 2 * kv_dim * dtype_bytes
+    return batch / ((weight_bytes + kv_bytes) / COPY_BANDWIDTH)
+
+
+def graph_replay_seconds(core: EngineCore, batch: int, reps: int = 20) -> float | None:
+    graphs = core.runner.graphs
+    if graphs is None or not torch.cuda.is_available():
+        return None
+    size = graphs.padded_size(batch)
+    graph = graphs._graphs.get(size) if size is not None else None
+    if graph is None:
+        return None
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph.replay()
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return float(start.elapsed_time(end)) / reps / 1000
+
+
+def bench_baton(name: str, model: Path, args: argparse.Namespace) -> None:
+    mc = ModelConfig.from_path(model)
+    prompts = random_prompts(args.num_prompts, args.prompt_len, mc.vocab_size)
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    for max_seqs in (64, args.num_prompts, 1):
+        batch_prompts = prompts[:1] if max_seqs == 1 else prompts
+        core = engine(model, args, max_num_seqs=max_seqs)
+        run_all(core, random_prompts(min(4, max_seqs), 32, mc.vocab_size, seed=9), params)  # warm
+        r = run_all(core, batch_prompts, params)
+        n_out = sum(len(t) for t in r["tokens"].values())
+        steps = [dt for b, dt in r["decode_steps"] if b == max_seqs] or [
+            dt for _, dt in r["decode_steps"]
+        ]
+        step_wall = sorted(steps)[len(steps) // 2] if steps else float("nan")
+        replay = graph_replay_seconds(core, max_seqs)
+        if max_seqs == 1:
+            tps = (len(steps) / sum(steps)) if steps else float("nan")
+        else:
+            tps = n_out / r["elapsed"]
+        context = args.prompt_len + args.output_len / 2
+        roof = roofline(mc, max_seqs, context)
+        row = {
+            "shape": name,
+            "engine": "baton",
+            "batch": max_seqs,
+            "output_tok_s": tps,
+            "roofline_tok_s": roof,
+            "share_of_roofline": tps / roof,
+            "median_decode_step_ms": step_wall * 1e3,
+            "graph_replay_ms": replay * 1e3 if replay is not None else None,
+            "elapsed_s": r["elapsed"],
+            "num_blocks": core.kv.pool.num_blocks,
+        }
+        RESULTS["throughput"].append(row)
+        replay_txt = f"{replay * 1e3:.2f}" if replay is not None else "-"
+        print(f"{name:6} baton batch {max_seqs:>3}: {tps:9.0f} tok/s ({tps / roof:5.1%} of "
+              f"roofline {roof:.0f}); decode step {step_wall * 1e3:.2f} ms wall, graph "
+              f"{replay_txt} ms GPU", flush=True)  # fmt: skip
+        del core
+        free()
+        emit(args.output_json)
+
+
+def bench_hf(name: str, model: Path, args: argparse.Namespace) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    cfg = AutoConfig.from_pretrained(model)
+    with torch.device(args.device):
+        hf = AutoModelForCausalLM.from_config(
+            cfg, torch_dtype=torch.bfloat16, attn_implementation="sdpa"
+        )
+    hf.eval()
+    mc = ModelConfig.from_path(model)
+    prompts = torch.tensor(random_prompts(args.num_prompts, args.prompt_len, mc.vocab_size))
+    for batch in (64, args.num_prompts, 1):
+        waves = prompts[:1] if batch == 1 else prompts
+        start = time.perf_counter()
+        n_out = 0
+        with torch.no_grad():
+            for i in range(0, len(waves), batch):
+                ids = waves[i : i + batch].to(args.device)
+                out = hf.generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=args.output_len,
+                    min_new_tokens=args.output_len,
+                    do_sample=False,
+                    pad_token_id=0,
+                )
+                n_out += (out.shape[1] - ids.shape[1]) * ids.shape[0]
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        tps = n_out / (time.perf_counter() - start)
+        RESULTS["throughput"].append(
+            {"shape": name, "engine": "hf", "batch": batch, "output_tok_s": tps}
+        )
+        print(f"{name:6} hf    batch {batch:>3}: {tps:9.0f} tok/s", flush=True)
+        emit(args.output_json)
+    del hf
+    free()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--shapes", default="qwen,llama")
+    p.add_argument("--num-prompts", type=int, default=256)
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--no-hf", action="store_true", help="skip the transformers comparison")
+    p.add_argument("--no-checks", action="store_true")
+    p.add_argument("--no-throughput", action="store_true")
+    p.add_argument("--tiny", action="store_true", help="a tiny model and workload (smoke test)")
+    p.add_argument("--output-json", type=Path, default=None)
+    args = p.parse_args()
+    if args.output_json is None:
+        args.output_json = Path(os.environ.get("OUT", ".")) / "bench_gpu_engine.json"
+    shapes = {k: SHAPES[k] for k in args.shapes.split(",")}
+    tmp = None
+    if args.tiny:
+        tmp = tempfile.TemporaryDirectory()
+        (Path(tmp.name) / "config.json").write_text(json.dumps(TINY))
+        shapes = {"tiny": Path(tmp.name)}
+        args.num_prompts, args.prompt_len, args.output_len = 8, 32, 16
+    RESULTS["args"] = {k: str(v) for k, v in vars(args).items()}
+    if torch.cuda.is_available():
+        RESULTS["device"] = torch.cuda.get_device_name()
+    if not args.no_checks:
+        check_model = next(iter(shapes.values()))
+        check_backends(check_model, args)
+        emit(args.output_json)
+        check_hf_logits(check_model, args)
+        emit(args.output_json)
+    if not args.no_throughput:
+        for name, model in shapes.items():
+            bench_baton(name, model, args)
+            if not args.no_hf:
+                bench_hf(name, model, args)
+    emit(args.output_json)
+    print(json.dumps(RESULTS["throughput"], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""The Triton backend: three launches per layer at most.
+
+    write_kv_cache      all new tokens' K/V into the paged cache
+    decode_attention    the first ``num_decodes`` requests (flash-decoding, split over the keys)
+    paged_attention     the remaining prefill chunks, causal over cached + new tokens
+
+The step's small device tensors (query offsets, lengths) are built once per ``AttentionMetadata``
+object and reused by every layer of that step.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from baton_kernels.attention.base import AttentionMetadata, KVCacheView
+from baton_kernels.triton.decode_attention import choose_num_splits, decode_attention
+from baton_kernels.triton.kv_write import write_kv_cache
+from baton_kernels.triton.paged_attention import paged_attention
+
+
+class _StepTensors(NamedTuple):
+    query_start_loc: torch.Tensor | None  # [num_reqs + 1] int32 on the device, for prefills
+    seq_lens: torch.Tensor | None  # [num_reqs] int32, unless the metadata has decode_seq_lens
+    max_prefill_len: int  # longest query chunk after the decodes
+    num_splits: int  # for the decodes
+
+
+class TritonAttentionBackend:
+    """A decode-only step whose metadata carries ``decode_seq_lens`` copies nothing to the device
+    and syncs nothing, so it can be captured in a CUDA graph; the split count is then fixed at
+    capture, from ``max_decode_blocks`` (capture with the longest length to be replayed)."""
+
+    name = "triton"
+
+    def __init__(self) -> None:
+        self._step_key: AttentionMetadata | None = None
+        self._step: _StepTensors | None = None
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: KVCacheView,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        md = metadata
+        step = self._step_tensors(md, kv_cache, query.device)
+        write_kv_cache(key, value, kv_cache, md.slot_block, md.slot_offset)
+        out = query.new_empty(query.shape)
+        nd = md.num_decodes
+        if nd:
+            seq_lens = md.decode_seq_lens if md.decode_seq_lens is not None else step.seq_lens
+            assert seq_lens is not None
+            decode_attention(
+                query[:nd],
+                kv_cache,
+                out[:nd],
+                seq_lens[:nd],
+                md.block_tables[:nd],
+                scale,
+                step.num_splits,
+            )
+        if nd < md.num_reqs:
+            assert step.query_start_loc is not None and step.seq_lens is not None
+            paged_attention(
+                query,
+                kv_cache,
+                out,
+                step.query_start_loc[nd:],
+                step.seq_lens[nd:],
+                md.block_tables[nd:],
+                scale,
+                step.max_prefill_len,
+            )
+        return out
+
+    def _step_tensors(
+        self, md: AttentionMetadata, kv_cache: KVCacheView, device: torch.device
+    ) -> _StepTensors:
+        if self._step is not None and self._step_key is md:
+            return self._step
+        nd = md.num_decodes
+        qsl = md.query_start_loc
+        has_prefills = nd < md.num_reqs
+        max_prefill_len = max((qsl[i + 1] - qsl[i] for i in range(nd, md.num_reqs)), default=0)
+        num_splits = 1
+        if nd:
+            max_len = md.max_decode_blocks * kv_cache.block_size
+            num_splits = choose_num_splits(nd, kv_cache.kv.shape[3], max_len, device)
+        seq_lens = None
+        if has_prefills or md.decode_seq_lens is None:
+            seq_lens = torch.tensor(md.seq_lens, dtype=torch.int32).to(device, non_blocking=True)
+        self._step = _StepTensors(
+            torch.tensor(qsl, dtype=torch.int32).to(device, non_blocking=True)
+            if has_prefills
+            else None,
+            seq_lens,
+            max_prefill_len,
+            num_splits,
+        )
+        self._step_key = md
+        return self._step

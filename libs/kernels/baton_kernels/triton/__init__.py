@@ -1,0 +1,18 @@
+"""Triton kernels for paged attention on the GPU.
+
+Three kernels, each with a plain-PyTorch ``ref_*`` beside it:
+
+- ``kv_write.write_kv_cache``: new tokens' K/V into the paged cache through the slot mapping.
+- ``paged_attention.paged_attention``: a mixed batch of variable-length query chunks, causal over
+  each request's cached + new tokens, FlashAttention-style tiles with an online softmax.
+- ``decode_attention.decode_attention``: one query token per request, with long contexts split
+  across programs (flash-decoding) and the partial results merged by a reduce kernel.
+
+All of them read the cache through its strides (each layer's view into the block-major pool is not
+contiguous), accept any GQA ratio (query heads of one KV head are packed as rows of one tile, so 7
+per KV head works), any head size up to 256 (64 and 128 are the tested ones), fp16/bf16/fp32.
+
+On a machine without a GPU they run under Triton's interpreter (``TRITON_INTERPRET=1`` set before
+this package is imported); the launchers then upcast 16-bit tiles to fp32 inside the kernels,
+because the interpreter does bf16 arithmetic on raw bit patterns.
+"""

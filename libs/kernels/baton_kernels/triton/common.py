@@ -1,0 +1,119 @@
+# Triton kernels (untyped decorator, pointer and stride arguments) are exempt; launchers are typed.
+# mypy: allow-untyped-defs, allow-incomplete-defs, allow-untyped-decorators
+"""Pieces shared by the attention kernels: loading one K/V tile through the block table, one step
+of the online softmax, and launch-time helpers."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from baton_kernels.attention.base import KVCacheView
+
+LOG2E = math.log2(math.e)
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256
+
+
+def check_kv_cache(kv_cache: KVCacheView, query: torch.Tensor) -> None:
+    kv = kv_cache.kv
+    if kv.dim() != 5 or kv.shape[1] != 2:
+        raise ValueError(f"expected a [num_blocks, 2, block_size, kv_heads, dim] view: {kv.shape}")
+    if kv.dtype != query.dtype:
+        raise ValueError(f"cache dtype {kv.dtype} differs from query dtype {query.dtype}")
+    if query.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"unsupported dtype {query.dtype}")
+    if query.shape[-1] != kv.shape[-1] or query.shape[-1] > MAX_HEAD_DIM:
+        raise ValueError(f"head size {query.shape[-1]} (cache {kv.shape[-1]}) is not supported")
+    if query.shape[1] % kv.shape[3]:
+        raise ValueError(f"{query.shape[1]} query heads are not a multiple of {kv.shape[3]}")
+
+
+def upcast_in_kernel(t: torch.Tensor) -> bool:
+    """Kernels given CPU tensors run under the interpreter, which cannot do 16-bit float math."""
+    return t.device.type == "cpu"
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs would default to TF32 on the tensor cores; keep them exact."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(a // -b)
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def block_d(head_dim: int) -> int:
+    """The head dim padded to a power of two, at least 16 (the tensor cores' smallest K)."""
+    return max(16, next_pow2(head_dim))
+
+
+@triton.jit
+def load_kv_tile(
+    kv_ptr,
+    table_ptr,  # this request's row of the block table
+    pos,  # [TILE_N] key positions
+    pos_ok,  # [TILE_N] which of them exist (read only when MASK_POS)
+    kv_head,
+    offs_d,  # [BLOCK_D]
+    s_cb,
+    s_ckv,
+    s_cs,
+    s_ch,
+    s_cd,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    MASK_POS: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """K transposed ``[BLOCK_D, TILE_N]`` and V ``[TILE_N, BLOCK_D]`` at the given positions;
+    masked-off positions and padded dims read as 0."""
+    if MASK_POS:
+        block = tl.load(table_ptr + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
+    else:
+        block = tl.load(table_ptr + pos // BLOCK_SIZE).to(tl.int64)
+    row = block * s_cb + (pos % BLOCK_SIZE) * s_cs + kv_head * s_ch  # [TILE_N]
+    k_ptrs = kv_ptr + row[None, :] + offs_d[:, None] * s_cd
+    v_ptrs = kv_ptr + s_ckv + row[:, None] + offs_d[None, :] * s_cd
+    if MASK_POS:
+        d_ok = offs_d < HEAD_DIM
+        k = tl.load(k_ptrs, mask=pos_ok[None, :] & d_ok[:, None], other=0.0)
+        v = tl.load(v_ptrs, mask=pos_ok[:, None] & d_ok[None, :], other=0.0)
+    elif BLOCK_D != HEAD_DIM:
+        d_ok = offs_d < HEAD_DIM
+        k = tl.load(k_ptrs, mask=d_ok[:, None], other=0.0)
+        v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+    else:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    return k, v
+
+
+@triton.jit
+def online_softmax_step(
+    s,  # [M, TILE_N] fp32 scores, already scaled by scale * log2(e) and masked with -inf
+    v,  # [TILE_N, BLOCK_D]
+    m_i,  # [M] running max (log2 domain)
+    l_i,  # [M] running sum of exp2
+    acc,  # [M, BLOCK_D] fp32 running numerator
+    DOT_PREC: tl.constexpr,
+):
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # A row that has seen only masked keys keeps m = -inf; exp2(-inf - -inf) would be NaN.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+    return m_new, l_i, acc

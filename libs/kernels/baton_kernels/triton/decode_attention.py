@@ -1,0 +1,298 @@
+# Triton kernels (untyped decorator, pointer and stride arguments) are exempt; launchers are typed.
+# mypy: allow-untyped-defs, allow-incomplete-defs, allow-untyped-decorators
+"""Decode attention (one query token per request) with flash-decoding.
+
+A batch of few requests has too few (request, KV head) pairs to fill the GPU's 132 SMs, so each
+request's keys are cut into ``num_splits`` equal slices, each attended by its own program:
+
+    keys of request b:  | split 0 | split 1 | ... | split S-1 |    (each a multiple of TILE_N)
+    program (b, h, s):  partial output o_s and log-sum-exp lse_s of its slice
+    reduce (b, head):   out = sum_s exp(lse_s - max) * o_s / sum_s exp(lse_s - max)
+
+The slice length is computed in the kernel from the request's length, so the grid depends only
+on (num_decodes, num_kv_heads, num_splits), not on the lengths: a CUDA graph captured for one
+batch size replays for any lengths. Slices past a short request's end are empty and carry
+``lse = -inf``. With one split the kernel writes the output directly and the reduce is skipped.
+
+One program holds the ``GROUP`` query heads of its KV head as tile rows (padded to 16 for the
+tensor cores), so each K/V tile is read once per group.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import cache
+
+import torch
+import triton
+import triton.language as tl
+
+from baton_kernels.attention.base import KVCacheView
+from baton_kernels.triton.common import (
+    LOG2E,
+    block_d,
+    cdiv,
+    check_kv_cache,
+    dot_precision,
+    load_kv_tile,
+    next_pow2,
+    online_softmax_step,
+    upcast_in_kernel,
+)
+
+MIN_SPLIT_TOKENS = 128  # shorter slices cost more in the reduce than they save
+MAX_SPLITS = 64
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr,
+    kv_ptr,
+    out_ptr,  # [num_decodes, num_heads, head_dim], written when NUM_SPLITS == 1
+    part_out_ptr,  # [num_decodes, num_heads, NUM_SPLITS, HEAD_DIM] fp32
+    part_lse_ptr,  # [num_decodes, num_heads, NUM_SPLITS] fp32, log2 domain
+    seq_lens_ptr,
+    tables_ptr,
+    qk_scale,
+    s_qt,
+    s_qh,
+    s_qd,
+    s_ot,
+    s_oh,
+    s_od,
+    s_cb,
+    s_ckv,
+    s_cs,
+    s_ch,
+    s_cd,
+    s_tb,
+    NUM_HEADS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    TILE_N: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
+    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), TILE_N) * TILE_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+    full_end = start + tl.maximum(end - start, 0) // TILE_N * TILE_N
+
+    offs_h = tl.arange(0, BLOCK_H)
+    head = kv_head * GROUP + offs_h
+    h_ok = offs_h < GROUP
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    q = tl.load(
+        q_ptr + b * s_qt + head[:, None] * s_qh + offs_d[None, :] * s_qd,
+        mask=h_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    table_ptr = tables_ptr + b * s_tb
+    for tile in range(start, full_end, TILE_N):
+        pos = tile + tl.arange(0, TILE_N)
+        k, v = load_kv_tile(
+            kv_ptr, table_ptr, pos, pos < end, kv_head, offs_d,
+            s_cb, s_ckv, s_cs, s_ch, s_cd, BLOCK_SIZE, HEAD_DIM, BLOCK_D, False, UPCAST,
+        )  # fmt: skip
+        s = tl.dot(q, k, input_precision=DOT_PREC) * qk_scale
+        m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, DOT_PREC)
+    if full_end < end:
+        pos = full_end + tl.arange(0, TILE_N)
+        pos_ok = pos < end
+        k, v = load_kv_tile(
+            kv_ptr, table_ptr, pos, pos_ok, kv_head, offs_d,
+            s_cb, s_ckv, s_cs, s_ch, s_cd, BLOCK_SIZE, HEAD_DIM, BLOCK_D, True, UPCAST,
+        )  # fmt: skip
+        s = tl.dot(q, k, input_precision=DOT_PREC) * qk_scale
+        s = tl.where(pos_ok[None, :], s, float("-inf"))
+        m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, DOT_PREC)
+
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    if NUM_SPLITS == 1:
+        tl.store(
+            out_ptr + b * s_ot + head[:, None] * s_oh + offs_d[None, :] * s_od,
+            out.to(out_ptr.dtype.element_ty),
+            mask=h_ok[:, None] & d_ok[None, :],
+        )
+    else:
+        row = (b * NUM_HEADS + head) * NUM_SPLITS + split
+        tl.store(
+            part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
+            out,
+            mask=h_ok[:, None] & d_ok[None, :],
+        )
+        # an empty slice has l = 0: lse = -inf, weight 0 in the reduce
+        lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + row, lse, mask=h_ok)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    part_out_ptr,
+    part_lse_ptr,
+    out_ptr,
+    s_ot,
+    s_oh,
+    s_od,
+    NUM_HEADS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    s_ok = offs_s < NUM_SPLITS
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    row = (b * NUM_HEADS + head) * NUM_SPLITS + offs_s
+    lse = tl.load(part_lse_ptr + row, mask=s_ok, other=float("-inf"))
+    weight = tl.exp2(lse - tl.max(lse, 0))  # split 0 is never empty, so the max is finite
+    part = tl.load(
+        part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
+        mask=(weight > 0)[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+    out = tl.sum(part * weight[:, None], 0) / tl.sum(weight, 0)
+    tl.store(
+        out_ptr + b * s_ot + head * s_oh + offs_d * s_od,
+        out.to(out_ptr.dtype.element_ty),
+        mask=d_ok,
+    )
+
+
+@cache
+def _num_sms(device_index: int) -> int:
+    return int(torch.cuda.get_device_properties(device_index).multi_processor_count)
+
+
+def choose_num_splits(
+    num_decodes: int, num_kv_heads: int, max_seq_len: int, device: torch.device
+) -> int:
+    """One split once (decodes x KV heads) covers the SMs twice; below that, enough splits for
+    about four programs per SM, none shorter than MIN_SPLIT_TOKENS; a power of two (rounded
+    down) so few variants get compiled. Fitted to a split-count sweep on an H200
+    (``bench_attention_gpu.py --sweep splits``): within 5% of the best count at each point."""
+    num_sms = _num_sms(device.index or 0) if device.type == "cuda" else 4
+    programs = max(num_decodes * num_kv_heads, 1)
+    if programs >= 2 * num_sms:
+        return 1
+    wanted = cdiv(4 * num_sms, programs)
+    by_len = cdiv(max_seq_len, MIN_SPLIT_TOKENS)
+    splits = max(1, min(wanted, by_len, MAX_SPLITS))
+    return 1 << (splits.bit_length() - 1)
+
+
+def decode_attention(
+    query: torch.Tensor,  # [num_decodes, num_heads, head_dim], any strides
+    kv_cache: KVCacheView,
+    out: torch.Tensor,  # [num_decodes, num_heads, head_dim]
+    seq_lens: torch.Tensor,  # [num_decodes] int, on the device
+    block_tables: torch.Tensor,  # [num_decodes, max_blocks] int
+    scale: float,
+    num_splits: int,
+    *,
+    tile_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int = 3,
+) -> None:
+    """Attention of each request's single query token over its ``seq_len`` cached keys (its own
+    K/V included, written before). ``num_splits`` from ``choose_num_splits``, or fixed when the
+    launch is captured in a CUDA graph. ``tile_n`` (keys per tile), ``num_warps`` and
+    ``num_stages`` are tuning knobs (benchmarks/bench_attention_gpu.py --sweep)."""
+    check_kv_cache(kv_cache, query)
+    num_decodes, num_heads, head_dim = query.shape
+    if num_decodes == 0:
+        return
+    kv = kv_cache.kv
+    num_kv_heads = kv.shape[3]
+    group = num_heads // num_kv_heads
+    bd = block_d(head_dim)
+    # best of a sweep on an H200 (bench_attention_gpu.py --sweep configs), bf16
+    if tile_n is None:
+        tile_n = 64 if bd >= 128 else 128
+    if num_warps is None:
+        num_warps = 2 if bd >= 128 else 4
+    if num_splits > 1:
+        part_out = torch.empty(
+            (num_decodes, num_heads, num_splits, head_dim), dtype=torch.float32, device=out.device
+        )
+        part_lse = torch.empty(
+            (num_decodes, num_heads, num_splits), dtype=torch.float32, device=out.device
+        )
+    else:
+        part_out = part_lse = out  # unused
+    _decode_kernel[(num_decodes, num_kv_heads, num_splits)](
+        query,
+        kv,
+        out,
+        part_out,
+        part_lse,
+        seq_lens,
+        block_tables,
+        scale * LOG2E,
+        *query.stride(),
+        *out.stride(),
+        *kv.stride(),
+        block_tables.stride(0),
+        NUM_HEADS=num_heads,
+        NUM_SPLITS=num_splits,
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK_D=bd,
+        BLOCK_SIZE=kv_cache.block_size,
+        BLOCK_H=max(16, next_pow2(group)),
+        TILE_N=tile_n,
+        UPCAST=upcast_in_kernel(query),
+        DOT_PREC=dot_precision(query.dtype),
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    if num_splits > 1:
+        _decode_reduce_kernel[(num_decodes, num_heads)](
+            part_out,
+            part_lse,
+            out,
+            *out.stride(),
+            NUM_HEADS=num_heads,
+            NUM_SPLITS=num_splits,
+            HEAD_DIM=head_dim,
+            BLOCK_D=bd,
+            BLOCK_S=next_pow2(num_splits),
+            num_warps=1 if bd <= 64 else 2,
+        )
+
+
+def ref_decode_attention(
+    query: torch.Tensor,  # [num_decodes, num_heads, head_dim]
+    kv_cache: KVCacheView,
+    seq_lens: list[int],
+    block_tables: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:  # [num_decodes, num_heads, head_dim] fp32
+    out = torch.empty(query.shape, dtype=torch.float32, device=query.device)
+    block_size = kv_cache.block_size
+    group = query.shape[1] // kv_cache.kv.shape[3]
+    for i, seq_len in enumerate(seq_lens):
+        blocks = block_tables[i, : math.ceil(seq_len / block_size)]
+        k = kv_cache.key[blocks].flatten(0, 1)[:seq_len].float().repeat_interleave(group, 1)
+        v = kv_cache.value[blocks].flatten(0, 1)[:seq_len].float().repeat_interleave(group, 1)
+        scores = torch.einsum("hd,khd->hk", query[i].float(), k) * scale
+        out[i] = torch.einsum("hk,khd->hd", scores.softmax(-1), v)
+    return out

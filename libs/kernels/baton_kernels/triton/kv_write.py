@@ -1,0 +1,103 @@
+# Triton kernels (untyped decorator, pointer and stride arguments) are exempt; launchers are typed.
+# mypy: allow-untyped-defs, allow-incomplete-defs, allow-untyped-decorators
+"""Write new tokens' K/V into the paged cache through the slot mapping.
+
+Token ``t`` goes to ``cache[slot_block[t], :, slot_offset[t]]``; a negative ``slot_block`` marks a
+padding token (CUDA-graph batches are padded) and is skipped.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from baton_kernels.attention.base import KVCacheView
+from baton_kernels.triton.common import block_d, cdiv, next_pow2
+
+
+@triton.jit
+def _write_kv_kernel(
+    key_ptr,
+    value_ptr,
+    kv_ptr,
+    slot_block_ptr,
+    slot_offset_ptr,
+    num_kv_heads,
+    s_kt,
+    s_kh,
+    s_kd,
+    s_vt,
+    s_vh,
+    s_vd,
+    s_cb,
+    s_ckv,
+    s_cs,
+    s_ch,
+    s_cd,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    block = tl.load(slot_block_ptr + t).to(tl.int64)
+    if block < 0:
+        return
+    offset = tl.load(slot_offset_ptr + t).to(tl.int64)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_h < num_kv_heads)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    src_k = key_ptr + t * s_kt + offs_h[:, None] * s_kh + offs_d[None, :] * s_kd
+    src_v = value_ptr + t * s_vt + offs_h[:, None] * s_vh + offs_d[None, :] * s_vd
+    dst = kv_ptr + block * s_cb + offset * s_cs + offs_h[:, None] * s_ch + offs_d[None, :] * s_cd
+    tl.store(dst, tl.load(src_k, mask=mask), mask=mask)
+    tl.store(dst + s_ckv, tl.load(src_v, mask=mask), mask=mask)
+
+
+def write_kv_cache(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], any strides
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    kv_cache: KVCacheView,
+    slot_block: torch.Tensor,  # [num_tokens] int: block id, < 0 to skip the token
+    slot_offset: torch.Tensor,  # [num_tokens] int: offset inside the block
+) -> None:
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if num_tokens == 0:
+        return
+    kv = kv_cache.kv
+    if kv.dtype != key.dtype or kv.dtype != value.dtype:
+        raise ValueError(f"cache dtype {kv.dtype} differs from K/V {key.dtype}/{value.dtype}")
+    bd = block_d(head_dim)
+    block_h = min(next_pow2(num_kv_heads), max(1, 4096 // bd))
+    grid = (num_tokens, cdiv(num_kv_heads, block_h))
+    _write_kv_kernel[grid](
+        key,
+        value,
+        kv,
+        slot_block,
+        slot_offset,
+        num_kv_heads,
+        *key.stride(),
+        *value.stride(),
+        kv.stride(0),
+        kv.stride(1),
+        kv.stride(2),
+        kv.stride(3),
+        kv.stride(4),
+        HEAD_DIM=head_dim,
+        BLOCK_H=block_h,
+        BLOCK_D=bd,
+        num_warps=1 if block_h * bd <= 512 else 4,
+    )
+
+
+def ref_write_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: KVCacheView,
+    slot_block: torch.Tensor,
+    slot_offset: torch.Tensor,
+) -> None:
+    keep = slot_block >= 0
+    kv_cache.kv[slot_block[keep], 0, slot_offset[keep]] = key[keep]
+    kv_cache.kv[slot_block[keep], 1, slot_offset[keep]] = value[keep]

@@ -1,0 +1,237 @@
+# Triton kernels (untyped decorator, pointer and stride arguments) are exempt; launchers are typed.
+# mypy: allow-untyped-defs, allow-incomplete-defs, allow-untyped-decorators
+"""Attention for a mixed batch of variable-length query chunks against the paged KV cache.
+
+Request ``i`` has query tokens ``query_start_loc[i]:query_start_loc[i + 1]`` and ``seq_lens[i]``
+keys in the cache (its new tokens' K/V are written before this runs). Query row ``r`` of the
+chunk sits at position ``ctx_len + r`` with ``ctx_len = seq_len - query_len`` and sees keys
+``0 .. ctx_len + r``:
+
+    keys:    | cached context (ctx_len) | new tokens (query_len) |
+    row 0:   |<------------------------>|x
+    row 1:   |<------------------------>|xx
+    row r:   |<------------------------>|x ... x (r + 1)
+
+One program takes ``BLOCK_Q`` consecutive query tokens of one request and all ``GROUP`` query heads
+of one KV head: tile row ``m`` is token ``m // GROUP``, head ``m % GROUP``, so each K/V tile is
+read once for the whole group and any ratio (7 included) fills the rows. Tiles that lie wholly
+below the first row's diagonal run without a mask.
+
+Programs are numbered per request: request ``i``'s q-blocks start at ``query_start_loc[i] //
+BLOCK_Q + i``, which leaves a few idle programs but lets each find its request by binary search
+with no host-side work list.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from baton_kernels.attention.base import KVCacheView
+from baton_kernels.triton.common import (
+    LOG2E,
+    block_d,
+    check_kv_cache,
+    dot_precision,
+    load_kv_tile,
+    next_pow2,
+    online_softmax_step,
+    upcast_in_kernel,
+)
+
+
+@triton.jit
+def _find_request(cu_q_ptr, q_base, pid, num_reqs, BLOCK_Q: tl.constexpr):
+    """The last request whose first q-block number is <= pid."""
+    left: tl.int32 = 0
+    right = num_reqs
+    while left < right:
+        mid = (left + right) // 2
+        first = (tl.load(cu_q_ptr + mid) - q_base) // BLOCK_Q + mid
+        if first <= pid:
+            left = mid + 1
+        else:
+            right = mid
+    return left - 1
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr,
+    kv_ptr,
+    out_ptr,
+    cu_q_ptr,  # [num_reqs + 1]
+    seq_lens_ptr,  # [num_reqs]
+    tables_ptr,  # [num_reqs, max_blocks]
+    num_reqs,
+    qk_scale,  # softmax scale * log2(e)
+    s_qt,
+    s_qh,
+    s_qd,
+    s_ot,
+    s_oh,
+    s_od,
+    s_cb,
+    s_ckv,
+    s_cs,
+    s_ch,
+    s_cd,
+    s_tb,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    TILE_N: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    q_base = tl.load(cu_q_ptr)
+    req = _find_request(cu_q_ptr, q_base, pid, num_reqs, BLOCK_Q)
+    q_start = tl.load(cu_q_ptr + req)
+    q_len = tl.load(cu_q_ptr + req + 1) - q_start
+    q_block = pid - ((q_start - q_base) // BLOCK_Q + req)
+    if q_block * BLOCK_Q >= q_len:
+        return
+    ctx_len = tl.load(seq_lens_ptr + req) - q_len
+
+    offs_m = tl.arange(0, BLOCK_M)
+    tok = q_block * BLOCK_Q + offs_m // GROUP  # token inside the chunk
+    head = kv_head * GROUP + offs_m % GROUP
+    row_ok = (offs_m // GROUP < BLOCK_Q) & (tok < q_len)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    q_row = (q_start + tok).to(tl.int64)
+    q = tl.load(
+        q_ptr + q_row[:, None] * s_qt + head[:, None] * s_qh + offs_d[None, :] * s_qd,
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+    if UPCAST:
+        q = q.to(tl.float32)
+    q_pos = ctx_len + tok
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    table_ptr = tables_ptr + req.to(tl.int64) * s_tb
+    kv_end = ctx_len + tl.minimum((q_block + 1) * BLOCK_Q, q_len)
+    # every row of this program sees keys [0, ctx_len + q_block * BLOCK_Q]
+    unmasked_end = (ctx_len + q_block * BLOCK_Q + 1) // TILE_N * TILE_N
+    for start in range(0, unmasked_end, TILE_N):
+        pos = start + tl.arange(0, TILE_N)
+        k, v = load_kv_tile(
+            kv_ptr, table_ptr, pos, pos < kv_end, kv_head, offs_d,
+            s_cb, s_ckv, s_cs, s_ch, s_cd, BLOCK_SIZE, HEAD_DIM, BLOCK_D, False, UPCAST,
+        )  # fmt: skip
+        s = tl.dot(q, k, input_precision=DOT_PREC) * qk_scale
+        m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, DOT_PREC)
+    for start in range(unmasked_end, kv_end, TILE_N):
+        pos = start + tl.arange(0, TILE_N)
+        pos_ok = pos < kv_end
+        k, v = load_kv_tile(
+            kv_ptr, table_ptr, pos, pos_ok, kv_head, offs_d,
+            s_cb, s_ckv, s_cs, s_ch, s_cd, BLOCK_SIZE, HEAD_DIM, BLOCK_D, True, UPCAST,
+        )  # fmt: skip
+        s = tl.dot(q, k, input_precision=DOT_PREC) * qk_scale
+        visible = pos_ok[None, :] & (pos[None, :] <= q_pos[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, DOT_PREC)
+
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(
+        out_ptr + q_row[:, None] * s_ot + head[:, None] * s_oh + offs_d[None, :] * s_od,
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & d_ok[None, :],
+    )
+
+
+def paged_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim], any strides
+    kv_cache: KVCacheView,
+    out: torch.Tensor,  # [num_tokens, num_heads, head_dim]: written at the batch's tokens only
+    query_start_loc: torch.Tensor,  # [num_reqs + 1] int, on the device; may start above 0
+    seq_lens: torch.Tensor,  # [num_reqs] int
+    block_tables: torch.Tensor,  # [num_reqs, max_blocks] int
+    scale: float,
+    max_query_len: int,
+) -> None:
+    """Causal attention of each request's query chunk over its ``seq_len`` cached keys. Token
+    indices in ``query_start_loc`` index ``query`` and ``out`` directly, so a slice of a larger
+    batch (the prefills after its decodes) is passed without copying."""
+    check_kv_cache(kv_cache, query)
+    num_reqs = int(seq_lens.shape[0])
+    num_tokens, num_heads, head_dim = query.shape
+    if num_reqs == 0 or num_tokens == 0:
+        return
+    kv = kv_cache.kv
+    num_kv_heads = kv.shape[3]
+    group = num_heads // num_kv_heads
+    # Short chunks (decodes) get small tiles so few rows are wasted; long ones amortise K/V reads.
+    rows = 64 if max_query_len * group > 16 else 16
+    block_m = max(rows, next_pow2(group))
+    block_q = block_m // group
+    grid = (num_tokens // block_q + num_reqs, num_kv_heads)
+    bd = block_d(head_dim)
+    tile_n = 64 if bd <= 128 else 32
+    _paged_attention_kernel[grid](
+        query,
+        kv,
+        out,
+        query_start_loc,
+        seq_lens,
+        block_tables,
+        num_reqs,
+        scale * LOG2E,
+        *query.stride(),
+        *out.stride(),
+        *kv.stride(),
+        block_tables.stride(0),
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK_D=bd,
+        BLOCK_SIZE=kv_cache.block_size,
+        BLOCK_M=block_m,
+        BLOCK_Q=block_q,
+        TILE_N=tile_n,
+        UPCAST=upcast_in_kernel(query),
+        DOT_PREC=dot_precision(query.dtype),
+        num_warps=4,
+        num_stages=2,
+    )
+
+
+def ref_paged_attention(
+    query: torch.Tensor,
+    kv_cache: KVCacheView,
+    query_start_loc: list[int],
+    seq_lens: list[int],
+    block_tables: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim] fp32, rows outside the batch are zero
+    """One request at a time in fp32: gather its keys from the block table, mask, softmax."""
+    out = torch.zeros(query.shape, dtype=torch.float32, device=query.device)
+    block_size = kv_cache.block_size
+    group = query.shape[1] // kv_cache.kv.shape[3]
+    for i, seq_len in enumerate(seq_lens):
+        start, end = query_start_loc[i], query_start_loc[i + 1]
+        q_len = end - start
+        if q_len == 0:
+            continue
+        blocks = block_tables[i, : math.ceil(seq_len / block_size)]
+        k = kv_cache.key[blocks].flatten(0, 1)[:seq_len].float()  # [seq_len, kv_heads, dim]
+        v = kv_cache.value[blocks].flatten(0, 1)[:seq_len].float()
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", query[start:end].float(), k) * scale
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
+        hidden = torch.arange(seq_len, device=query.device)[None, :] > q_pos[:, None]
+        scores.masked_fill_(hidden, -math.inf)
+        out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+    return out

@@ -1,0 +1,267 @@
+"""Triton attention kernels at real model shapes on a CUDA GPU (``pytest -m gpu``).
+
+Kernel modules are imported inside the tests: importing them at collection time on a CPU machine
+would define the kernels compiled, before tests/unit/test_triton_attention.py can ask for the
+interpreter.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from typing import Any
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+BLOCK_SIZES = [16, 32]
+# (query heads, KV heads, head size): Qwen2.5-0.5B, Llama-3.1-8B
+SHAPES = [(14, 2, 64), (32, 8, 128)]
+TOL = {torch.float32: (2e-5, 1e-4), torch.bfloat16: (2e-2, 2e-2), torch.float16: (3e-3, 3e-3)}
+
+
+@pytest.fixture(autouse=True)
+def _no_cudnn_sdpa() -> Any:
+    """cuDNN's SDPA recompiles for every new KV length (see FACTS); the torch reference backend
+    must not use it."""
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    yield
+    torch.backends.cuda.enable_cudnn_sdp(before)
+
+
+def make_cache(
+    seq_lens: list[int], block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> tuple[Any, torch.Tensor, torch.Tensor]:
+    """(KVCacheView of layer 1 of a 3-layer random pool, the pool, block tables)."""
+    from baton_kernels.attention import KVCacheView
+
+    rng = random.Random(0)
+    blocks = [math.ceil(s / block_size) for s in seq_lens]
+    num_blocks = sum(blocks) + 8
+    pool = torch.randn(num_blocks, 3, 2, block_size, num_kv_heads, head_dim, device="cuda")
+    pool = pool.to(dtype)
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    width = max(blocks)
+    tables = torch.tensor(
+        [
+            [free.pop() for _ in range(n)] + [rng.randrange(num_blocks)] * (width - n)
+            for n in blocks
+        ],
+        device="cuda",
+    )
+    return KVCacheView(pool[:, 1]), pool, tables
+
+
+def qkv_view(num_tokens: int, num_heads: int, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
+    wide = torch.randn(num_tokens, num_heads + 4, head_dim, device="cuda").to(dtype)
+    return wide[:, :num_heads]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+def test_write_kv_cache(dtype: torch.dtype, block_size: int) -> None:
+    from baton_kernels.attention import KVCacheView
+    from baton_kernels.triton.kv_write import ref_write_kv_cache, write_kv_cache
+
+    torch.manual_seed(0)
+    num_tokens, num_kv_heads, head_dim = 4096, 8, 128
+    num_blocks = num_tokens // block_size + 16
+    pool = torch.randn(num_blocks, 3, 2, block_size, num_kv_heads, head_dim, device="cuda")
+    pool = pool.to(dtype)
+    want = pool.clone()
+    key = qkv_view(num_tokens, num_kv_heads, head_dim, dtype)
+    value = qkv_view(num_tokens, num_kv_heads, head_dim, dtype)
+    slots = torch.randperm(num_blocks * block_size, device="cuda")[:num_tokens]
+    slot_block, slot_offset = slots // block_size, slots % block_size
+    slot_block[::97] = -1
+    write_kv_cache(key, value, KVCacheView(pool[:, 1]), slot_block, slot_offset)
+    ref_write_kv_cache(key, value, KVCacheView(want[:, 1]), slot_block, slot_offset)
+    torch.testing.assert_close(pool, want, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_decode_attention(dtype: torch.dtype, block_size: int, shape: tuple[int, int, int]) -> None:
+    from baton_kernels.triton.decode_attention import (
+        choose_num_splits,
+        decode_attention,
+        ref_decode_attention,
+    )
+
+    torch.manual_seed(0)
+    num_heads, num_kv_heads, head_dim = shape
+    rng = random.Random(1)
+    seq_lens = [1, 2, 63, 64, 65, 4097, 8192] + [rng.randrange(1, 6000) for _ in range(25)]
+    cache, _, tables = make_cache(seq_lens, block_size, num_kv_heads, head_dim, dtype)
+    query = qkv_view(len(seq_lens), num_heads, head_dim, dtype)
+    lens = torch.tensor(seq_lens, device="cuda")
+    want = ref_decode_attention(query, cache, seq_lens, tables, head_dim**-0.5)
+    auto = choose_num_splits(len(seq_lens), num_kv_heads, max(seq_lens), query.device)
+    for num_splits in sorted({1, 3, 16, auto}):
+        out = torch.full_like(query, float("nan"))
+        decode_attention(query, cache, out, lens, tables, head_dim**-0.5, num_splits)
+        atol, rtol = TOL[dtype]
+        torch.testing.assert_close(out.float(), want, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_paged_attention_mixed_batch(
+    dtype: torch.dtype, block_size: int, shape: tuple[int, int, int]
+) -> None:
+    from baton_kernels.triton.paged_attention import paged_attention, ref_paged_attention
+
+    torch.manual_seed(0)
+    num_heads, num_kv_heads, head_dim = shape
+    # decodes, fresh prefills, chunks over long context
+    specs = [(100, 1)] * 8 + [(0, 512), (0, 7), (2048, 512), (1500, 333), (4000, 64), (31, 1)]
+    seq_lens = [c + n for c, n in specs]
+    qsl = [0]
+    for _, n in specs:
+        qsl.append(qsl[-1] + n)
+    cache, _, tables = make_cache(seq_lens, block_size, num_kv_heads, head_dim, dtype)
+    query = qkv_view(qsl[-1], num_heads, head_dim, dtype)
+    out = torch.full_like(query, float("nan"))
+    paged_attention(
+        query,
+        cache,
+        out,
+        torch.tensor(qsl, dtype=torch.int32, device="cuda"),
+        torch.tensor(seq_lens, dtype=torch.int32, device="cuda"),
+        tables,
+        head_dim**-0.5,
+        max(n for _, n in specs),
+    )
+    want = ref_paged_attention(query, cache, qsl, seq_lens, tables, head_dim**-0.5)
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(out.float(), want, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_backend_matches_torch_backend(shape: tuple[int, int, int]) -> None:
+    """Both backends over one mixed step, each writing the new K/V into its own copy."""
+    from baton_kernels.attention import AttentionMetadata, KVCacheView, create_attention_backend
+
+    torch.manual_seed(0)
+    dtype, block_size = torch.bfloat16, 16
+    num_heads, num_kv_heads, head_dim = shape
+    specs = [(37, 1), (700, 1), (2000, 1), (0, 300), (0, 300), (513, 77)]
+    seq_lens = [c + n for c, n in specs]
+    cache, pool, tables = make_cache(seq_lens, block_size, num_kv_heads, head_dim, dtype)
+    qsl, slot_block, slot_offset = [0], [], []
+    for i, (cached, new) in enumerate(specs):
+        qsl.append(qsl[-1] + new)
+        for pos in range(cached, cached + new):
+            slot_block.append(int(tables[i, pos // block_size]))
+            slot_offset.append(pos % block_size)
+    num_decodes = 3
+    max_decode_blocks = math.ceil(max(seq_lens[:num_decodes]) / block_size)
+    invalid = (
+        torch.arange(max_decode_blocks * block_size, device="cuda")[None, :]
+        >= torch.tensor(seq_lens[:num_decodes], device="cuda")[:, None]
+    )
+    bias = torch.zeros(invalid.shape, dtype=dtype, device="cuda").masked_fill_(invalid, -math.inf)
+    md = AttentionMetadata(
+        num_reqs=len(specs),
+        num_decodes=num_decodes,
+        num_tokens=qsl[-1],
+        query_start_loc=qsl,
+        seq_lens=seq_lens,
+        block_tables=tables,
+        slot_block=torch.tensor(slot_block, device="cuda"),
+        slot_offset=torch.tensor(slot_offset, device="cuda"),
+        decode_bias=bias.view(num_decodes, 1, 1, -1),
+        max_decode_blocks=max_decode_blocks,
+        decode_seq_lens=torch.tensor(seq_lens[:num_decodes], device="cuda"),
+    )
+    query = qkv_view(qsl[-1], num_heads, head_dim, dtype)
+    key = qkv_view(qsl[-1], num_kv_heads, head_dim, dtype)
+    value = qkv_view(qsl[-1], num_kv_heads, head_dim, dtype)
+    pool_ref = pool.clone()
+    triton_backend = create_attention_backend("triton", "cuda", dtype=dtype, head_dim=head_dim)
+    out = triton_backend.forward(query, key, value, cache, md, head_dim**-0.5)
+    want = create_attention_backend("torch", "cuda").forward(
+        query, key, value, KVCacheView(pool_ref[:, 1]), md, head_dim**-0.5
+    )
+    torch.testing.assert_close(pool, pool_ref, atol=0, rtol=0)
+    torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_decode_replays_in_a_cuda_graph() -> None:
+    """Captured once with a fixed split count, the decode replays correctly for new lengths and
+    block tables written into the same buffers."""
+    from baton_kernels.triton.decode_attention import decode_attention, ref_decode_attention
+
+    torch.manual_seed(0)
+    dtype, block_size, (num_heads, num_kv_heads, head_dim) = torch.bfloat16, 16, SHAPES[0]
+    max_len, batch = 4096, 8
+    cache, _, tables = make_cache([max_len] * batch, block_size, num_kv_heads, head_dim, dtype)
+    query = qkv_view(batch, num_heads, head_dim, dtype)
+    lens = torch.full((batch,), 100, device="cuda")
+    out = torch.empty_like(query)
+    decode_attention(query, cache, out, lens, tables, 0.125, 8)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        decode_attention(query, cache, out, lens, tables, 0.125, 8)
+    for seq_lens in ([1, 5, 17, 300, 999, 4096, 2048, 64], [4000] * batch):
+        lens.copy_(torch.tensor(seq_lens))
+        tables.copy_(tables[torch.randperm(batch, device="cuda")])
+        out.fill_(float("nan"))
+        graph.replay()
+        want = ref_decode_attention(query, cache, seq_lens, tables, 0.125)
+        torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
+
+
+def test_backend_decode_step_replays_in_a_cuda_graph() -> None:
+    """A decode-only step (lengths on the device) through the backend — K/V write, split decode,
+    reduce — captured once and replayed with new tokens, lengths and slots."""
+    from baton_kernels.attention import AttentionMetadata, create_attention_backend
+    from baton_kernels.triton.decode_attention import ref_decode_attention
+
+    torch.manual_seed(0)
+    dtype, block_size, (num_heads, num_kv_heads, head_dim) = torch.bfloat16, 16, SHAPES[1]
+    batch, max_len = 4, 2048
+    cache, _, tables = make_cache([max_len] * batch, block_size, num_kv_heads, head_dim, dtype)
+    query = qkv_view(batch, num_heads, head_dim, dtype)
+    key = qkv_view(batch, num_kv_heads, head_dim, dtype)
+    value = qkv_view(batch, num_kv_heads, head_dim, dtype)
+    lens = torch.full((batch,), 10, device="cuda")
+    slot_block = tables[:, 0].clone()
+    slot_offset = torch.full((batch,), 9, device="cuda")
+    md = AttentionMetadata(
+        num_reqs=batch,
+        num_decodes=batch,
+        num_tokens=batch,
+        query_start_loc=list(range(batch + 1)),
+        seq_lens=[max_len] * batch,
+        block_tables=tables,
+        slot_block=slot_block,
+        slot_offset=slot_offset,
+        decode_bias=None,
+        max_decode_blocks=max_len // block_size,
+        decode_seq_lens=lens,
+    )
+    backend = create_attention_backend("triton", "cuda", dtype=dtype, head_dim=head_dim)
+    backend.forward(query, key, value, cache, md, 0.125)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = backend.forward(query, key, value, cache, md, 0.125)
+    for seq_lens in ([1, 700, 2048, 33], [1999, 16, 17, 1024]):
+        lens.copy_(torch.tensor(seq_lens))
+        pos = torch.tensor(seq_lens, device="cuda") - 1
+        slot_block.copy_(tables[torch.arange(batch, device="cuda"), pos // block_size])
+        slot_offset.copy_(pos % block_size)
+        for t in (query, key, value):
+            t.copy_(torch.randn(t.shape, device="cuda").to(dtype))
+        graph.replay()
+        written = cache.kv[slot_block, :, slot_offset]
+        torch.testing.assert_close(written, torch.stack([key, value], 1), atol=0, rtol=0)
+        want = ref_decode_attention(query, cache, seq_lens, tables, 0.125)
+        torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)

@@ -1,0 +1,341 @@
+"""Triton attention kernels and the backend registry against plain-PyTorch references.
+
+Without a GPU the kernels run under Triton's interpreter at small shapes. Triton decides between
+compiling and interpreting when a kernel is defined, so TRITON_INTERPRET is set here before any
+kernel module is imported (tests/gpu imports them only inside its tests, for the same reason).
+With a GPU the same tests run compiled, on the device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+
+from baton_kernels.attention import (
+    AttentionMetadata,
+    KVCacheView,
+    available_backends,
+    create_attention_backend,
+)
+from baton_kernels.attention.triton_backend import TritonAttentionBackend
+from baton_kernels.triton.decode_attention import (
+    choose_num_splits,
+    decode_attention,
+    ref_decode_attention,
+)
+from baton_kernels.triton.kv_write import ref_write_kv_cache, write_kv_cache
+from baton_kernels.triton.paged_attention import (
+    paged_attention,
+    ref_paged_attention,
+)
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+HEAD_SIZES = [64, 128]
+BLOCK_SIZES = [16, 32]
+GQA = [(7, 1), (8, 2)]  # (query heads, KV heads): Qwen2.5-0.5B's ratio of 7, and 4
+# (atol, rtol) against an fp32 reference computed from the same rounded inputs: the 16-bit
+# outputs carry one rounding of the result (the interpreter truncates, so up to one ulp)
+TOL = {torch.float32: (2e-5, 1e-4), torch.bfloat16: (3e-2, 2e-2), torch.float16: (4e-3, 4e-3)}
+NUM_LAYERS = 3  # the pool is block-major over layers; tests use the middle layer's strided view
+POISON = float("nan")
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=rtol)
+
+
+def random_heads(num_tokens: int, num_heads: int, dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """Random ``[num_tokens, num_heads, dim]`` that is a strided view, like q/k/v split from a
+    fused projection."""
+    wide = torch.randn(num_tokens, num_heads + 3, dim, device=DEVICE).to(dtype)
+    return wide[:, 1 : 1 + num_heads]
+
+
+class PagedBatch:
+    """Requests' K/V scattered over random blocks of one layer of a random-filled pool."""
+
+    def __init__(
+        self,
+        seq_lens: list[int],
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        seed: int = 0,
+    ) -> None:
+        torch.manual_seed(seed)
+        rng = random.Random(seed)
+        blocks_per_req = [-(s // -block_size) for s in seq_lens]
+        num_blocks = sum(blocks_per_req) + 4
+        shape = (num_blocks, NUM_LAYERS, 2, block_size, num_kv_heads, head_dim)
+        self.pool = torch.randn(shape, device=DEVICE).to(dtype)
+        self.cache = KVCacheView(self.pool[:, 1])
+        free = list(range(num_blocks))
+        rng.shuffle(free)
+        width = max(blocks_per_req) + 2
+        # padding entries point at real blocks, so reading past a request's end would show
+        self.block_tables = torch.tensor(
+            [[free.pop() for _ in range(n)] + [rng.randrange(num_blocks)] * (width - n)
+             for n in blocks_per_req],
+            dtype=torch.int64,
+            device=DEVICE,
+        )  # fmt: skip
+        self.seq_lens = seq_lens
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+def test_write_kv_cache_matches_reference(dtype: torch.dtype, block_size: int) -> None:
+    torch.manual_seed(0)
+    num_blocks, num_kv_heads, head_dim, num_tokens = 12, 2, 64, 23
+    pool = torch.randn(num_blocks, NUM_LAYERS, 2, block_size, num_kv_heads, head_dim).to(dtype)
+    pool = pool.to(DEVICE)
+    want = pool.clone()
+    key = random_heads(num_tokens, num_kv_heads, head_dim, dtype)
+    value = random_heads(num_tokens, num_kv_heads, head_dim, dtype)
+    slots = torch.randperm(num_blocks * block_size)[:num_tokens]
+    slot_block = (slots // block_size).to(DEVICE)
+    slot_block[5] = -1  # a padding token: written nowhere
+    slot_offset = (slots % block_size).to(DEVICE)
+    write_kv_cache(key, value, KVCacheView(pool[:, 1]), slot_block, slot_offset)
+    ref_write_kv_cache(key, value, KVCacheView(want[:, 1]), slot_block, slot_offset)
+    torch.testing.assert_close(pool, want, atol=0, rtol=0)  # other layers untouched too
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", HEAD_SIZES)
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), GQA)
+def test_paged_attention_matches_reference(
+    dtype: torch.dtype, head_dim: int, block_size: int, num_heads: int, num_kv_heads: int
+) -> None:
+    # (cached, new) per request: decodes, a fresh prefill spanning several q-blocks, chunks over
+    # context longer than a 64-key tile (so the unmasked-tile loop runs) and shorter than a block
+    specs = [(0, 1), (37, 1), (0, 21), (70, 13), (5, 40), (129, 3)]
+    batch = PagedBatch([c + n for c, n in specs], block_size, num_kv_heads, head_dim, dtype)
+    qsl = [0]
+    for _, n in specs:
+        qsl.append(qsl[-1] + n)
+    query = random_heads(qsl[-1], num_heads, head_dim, dtype)
+    scale = head_dim**-0.5
+    out = torch.full(query.shape, POISON, dtype=dtype, device=DEVICE)
+    paged_attention(
+        query,
+        batch.cache,
+        out,
+        torch.tensor(qsl, dtype=torch.int32, device=DEVICE),
+        torch.tensor(batch.seq_lens, dtype=torch.int32, device=DEVICE),
+        batch.block_tables,
+        scale,
+        max(n for _, n in specs),
+    )
+    want = ref_paged_attention(query, batch.cache, qsl, batch.seq_lens, batch.block_tables, scale)
+    assert_close(out, want, dtype)
+
+
+def test_paged_attention_on_a_slice_leaves_other_rows() -> None:
+    """The backend passes the prefills after the decodes as a slice whose offsets start above 0;
+    the decode rows must stay unwritten."""
+    dtype, num_heads, num_kv_heads, head_dim = torch.float32, 7, 1, 64
+    specs = [(9, 1), (30, 1), (0, 17), (20, 5)]
+    batch = PagedBatch([c + n for c, n in specs], 16, num_kv_heads, head_dim, dtype)
+    qsl = [0, 1, 2, 19, 24]
+    query = random_heads(qsl[-1], num_heads, head_dim, dtype)
+    out = torch.full(query.shape, POISON, dtype=dtype, device=DEVICE)
+    paged_attention(
+        query,
+        batch.cache,
+        out,
+        torch.tensor(qsl[2:], dtype=torch.int32, device=DEVICE),
+        torch.tensor(batch.seq_lens[2:], dtype=torch.int32, device=DEVICE),
+        batch.block_tables[2:],
+        0.125,
+        17,
+    )
+    want = ref_paged_attention(
+        query, batch.cache, qsl[2:], batch.seq_lens[2:], batch.block_tables[2:], 0.125
+    )
+    assert out[:2].isnan().all()
+    assert_close(out[2:], want[2:], dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", HEAD_SIZES)
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_decode_attention_matches_reference(
+    dtype: torch.dtype, head_dim: int, block_size: int, num_splits: int
+) -> None:
+    num_heads, num_kv_heads = GQA[head_dim == 128]
+    # lengths below one tile, across tile and block edges, and long enough for every split
+    seq_lens = [1, 5, 64, 97, 300, 515]
+    batch = PagedBatch(seq_lens, block_size, num_kv_heads, head_dim, dtype, seed=1)
+    query = random_heads(len(seq_lens), num_heads, head_dim, dtype)
+    scale = head_dim**-0.5
+    out = torch.full(query.shape, POISON, dtype=dtype, device=DEVICE)
+    decode_attention(
+        query,
+        batch.cache,
+        out,
+        torch.tensor(seq_lens, device=DEVICE),
+        batch.block_tables,
+        scale,
+        num_splits,
+    )
+    want = ref_decode_attention(query, batch.cache, seq_lens, batch.block_tables, scale)
+    assert_close(out, want, dtype)
+
+
+def test_decode_matches_paged_attention_reference() -> None:
+    """The two references agree on decodes, so the kernels are checked against one truth."""
+    batch = PagedBatch([3, 40, 77], 16, 2, 64, torch.float32)
+    query = random_heads(3, 8, 64, torch.float32)
+    a = ref_decode_attention(query, batch.cache, batch.seq_lens, batch.block_tables, 0.1)
+    b = ref_paged_attention(
+        query, batch.cache, [0, 1, 2, 3], batch.seq_lens, batch.block_tables, 0.1
+    )
+    torch.testing.assert_close(a, b)
+
+
+def test_choose_num_splits() -> None:
+    cpu = torch.device("cpu")  # counts as 4 SMs
+    assert choose_num_splits(64, 8, 8192, cpu) == 1  # programs cover the SMs twice already
+    assert choose_num_splits(4, 1, 8192, cpu) == 4  # 4 programs per SM
+    assert choose_num_splits(1, 1, 8192, cpu) == 16
+    assert choose_num_splits(1, 1, 300, cpu) == 2  # no slice under MIN_SPLIT_TOKENS
+    assert choose_num_splits(1, 1, 100, cpu) == 1
+    assert choose_num_splits(3, 1, 8192, cpu) == 4  # 6, rounded down to a power of two
+
+
+def make_step(
+    specs: list[tuple[int, int]],
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+) -> tuple[AttentionMetadata, PagedBatch]:
+    """A step over requests of (cached, new) tokens; the batch's cache holds every token's K/V,
+    new ones included, as it should after the step."""
+    batch = PagedBatch([c + n for c, n in specs], block_size, num_kv_heads, head_dim, dtype)
+    slot_block, slot_offset, qsl = [], [], [0]
+    for i, (cached, new) in enumerate(specs):
+        for pos in range(cached, cached + new):
+            slot_block.append(int(batch.block_tables[i, pos // block_size]))
+            slot_offset.append(pos % block_size)
+        qsl.append(qsl[-1] + new)
+    num_decodes = sum(1 for _, n in specs if n == 1)
+    decode_blocks = [-(s // -block_size) for s in batch.seq_lens[:num_decodes]]
+    md = AttentionMetadata(
+        num_reqs=len(specs),
+        num_decodes=num_decodes,
+        num_tokens=qsl[-1],
+        query_start_loc=qsl,
+        seq_lens=batch.seq_lens,
+        block_tables=batch.block_tables,
+        slot_block=torch.tensor(slot_block, device=DEVICE),
+        slot_offset=torch.tensor(slot_offset, device=DEVICE),
+        decode_bias=None,
+        max_decode_blocks=max(decode_blocks, default=0),
+    )
+    return md, batch
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_triton_backend_matches_reference(dtype: torch.dtype) -> None:
+    specs = [(4, 1), (300, 1), (0, 12), (33, 9)]
+    md, want = make_step(specs, 16, 1, 64, dtype)
+    slots = (md.slot_block, slice(None), md.slot_offset)
+    new_k, new_v = want.cache.kv[slots].unbind(1)
+    # the cache before the step: the new tokens' slots hold stale data
+    pool = want.pool.clone()
+    cache = KVCacheView(pool[:, 1])
+    cache.kv[slots] = torch.randn(cache.kv[slots].shape, device=DEVICE).to(dtype)
+    query = random_heads(md.num_tokens, 7, 64, dtype)
+    out = TritonAttentionBackend().forward(query, new_k, new_v, cache, md, 0.125)
+    torch.testing.assert_close(pool, want.pool, atol=0, rtol=0)
+    ref = ref_paged_attention(
+        query, want.cache, md.query_start_loc, md.seq_lens, md.block_tables, 0.125
+    )
+    assert_close(out, ref, dtype)
+
+
+@pytest.fixture
+def no_backend_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
+    monkeypatch.delenv("BATON_ATTENTION_BACKEND", raising=False)
+    yield monkeypatch
+
+
+def test_registry_lists_every_backend() -> None:
+    assert {"torch", "cpu", "triton", "flash_attn", "flashinfer"} <= set(available_backends())
+
+
+def test_unknown_backend_lists_valid_names(no_backend_env: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ValueError, match=r"unknown attention backend 'nope'.*'triton'"):
+        create_attention_backend("nope")
+    no_backend_env.setenv("BATON_ATTENTION_BACKEND", "nope")
+    with pytest.raises(ValueError, match="unknown attention backend 'nope'"):
+        create_attention_backend("auto")
+
+
+def test_env_var_replaces_auto_but_not_an_explicit_name(
+    no_backend_env: pytest.MonkeyPatch,
+) -> None:
+    no_backend_env.setenv("BATON_ATTENTION_BACKEND", "torch")
+    assert create_attention_backend("auto", "cpu").name == "torch"
+    no_backend_env.setenv("BATON_ATTENTION_BACKEND", "nope")
+    assert create_attention_backend("torch", "cpu").name == "torch"
+
+
+def test_missing_optional_package_is_a_clear_error(no_backend_env: pytest.MonkeyPatch) -> None:
+    for name in ("flash_attn", "flashinfer"):
+        try:
+            __import__(name)
+        except ImportError:
+            with pytest.raises(ValueError, match=f"'{name}' package does not import"):
+                create_attention_backend(name, "cuda", dtype=torch.bfloat16, head_dim=128)
+
+
+def test_backend_checks_dtype_head_size_and_device(no_backend_env: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ValueError, match=r"does not support torch\.float32"):
+        create_attention_backend("flashinfer", "cuda", dtype=torch.float32)
+    with pytest.raises(ValueError, match="head sizes"):
+        create_attention_backend("flashinfer", "cuda", head_dim=80)
+    with pytest.raises(ValueError, match="runs on cpu, not cuda"):
+        create_attention_backend("cpu", "cuda")
+    no_backend_env.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="runs on cuda, not cpu"):
+        create_attention_backend("triton", "cpu")
+
+
+def test_auto_picks_by_platform(no_backend_env: pytest.MonkeyPatch) -> None:
+    assert create_attention_backend("auto", "cpu").name in ("cpu", "torch")
+    want = "triton" if torch.cuda.is_available() else "torch"
+    assert create_attention_backend("auto", "cuda", dtype=torch.bfloat16, head_dim=64).name == want
+
+
+def test_triton_backend_decode_only_step_with_device_lengths() -> None:
+    """The CUDA-graph path: decodes only, lengths already on the device."""
+    specs = [(4, 1), (130, 1), (63, 1)]
+    md, want = make_step(specs, 16, 2, 64, torch.bfloat16)
+    md = dataclasses.replace(
+        md, decode_seq_lens=torch.tensor(md.seq_lens, device=DEVICE), seq_lens=[0, 0, 0]
+    )  # the host lengths must not be read
+    slots = (md.slot_block, slice(None), md.slot_offset)
+    new_k, new_v = want.cache.kv[slots].unbind(1)
+    query = random_heads(md.num_tokens, 8, 64, torch.bfloat16)
+    out = TritonAttentionBackend().forward(query, new_k, new_v, want.cache, md, 0.125)
+    lens = [c + n for c, n in specs]
+    ref = ref_decode_attention(query, want.cache, lens, md.block_tables, 0.125)
+    assert_close(out, ref, torch.bfloat16)
