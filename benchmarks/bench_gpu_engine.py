@@ -71,6 +71,7 @@ def engine(model: Path, args: argparse.Namespace, **kw: Any) -> EngineCore:
         max_model_len=max(args.prompt_len + args.output_len + 16, 256),
         max_num_seqs=args.num_prompts,
         max_num_batched_tokens=8192,
+        gpu_memory_utilization=0.6,  # leaves room for what an earlier engine may not have freed
         seed=0,
     )
     if args.device == "cpu":
@@ -333,17 +334,27 @@ def main() -> int:
     RESULTS["args"] = {k: str(v) for k, v in vars(args).items()}
     if torch.cuda.is_available():
         RESULTS["device"] = torch.cuda.get_device_name()
+    sections: list[tuple[str, Any, Path]] = []
     if not args.no_checks:
         check_model = next(iter(shapes.values()))
-        check_backends(check_model, args)
-        emit(args.output_json)
-        check_hf_logits(check_model, args)
-        emit(args.output_json)
+        sections += [("backends", check_backends, check_model)]
+        sections += [("hf logits", check_hf_logits, check_model)]
     if not args.no_throughput:
         for name, model in shapes.items():
-            bench_baton(name, model, args)
+            sections.append((f"baton {name}", lambda m, a, n=name: bench_baton(n, m, a), model))
             if not args.no_hf:
-                bench_hf(name, model, args)
+                sections.append((f"hf {name}", lambda m, a, n=name: bench_hf(n, m, a), model))
+    for title, fn, model in sections:
+        try:  # one failing section must not cost the others (device time is scarce)
+            fn(model, args)
+        except Exception as e:
+            import traceback
+
+            traceback.print_exc()
+            RESULTS.setdefault("errors", {})[title] = repr(e)
+            print(f"section {title} failed: {e!r}", flush=True)
+        free()
+        emit(args.output_json)
     emit(args.output_json)
     print(json.dumps(RESULTS["throughput"], indent=1))
     return 0
