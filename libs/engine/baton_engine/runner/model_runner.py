@@ -20,6 +20,20 @@ from baton_kernels.cpu_linear import pack_linears
 logger = logging.getLogger(__name__)
 
 
+def _plain_greedy(state: CachedRequestState) -> bool:
+    """Greedy with nothing that changes or reports the logits: no penalties, no logprobs, no
+    tokens suppressed below ``min_tokens``."""
+    sp = state.sampling_params
+    return (
+        sp.is_greedy
+        and sp.logprobs is None
+        and sp.presence_penalty == 0.0
+        and sp.frequency_penalty == 0.0
+        and sp.repetition_penalty == 1.0
+        and len(state.output_token_ids) >= sp.min_tokens
+    )
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -207,10 +221,16 @@ class ModelRunner:
         if not sample_rows:
             return ModelRunnerOutput({})
         sampled_reqs = [reqs[i] for i in sample_rows]
-        out = self.sampler(logits, self._sampling_metadata(sampled_reqs))
-        token_ids = out.sampled_token_ids.tolist()
         sampled: dict[str, int] = {}
         logprobs: dict[str, TokenLogprobs] = {}
+        if all(_plain_greedy(s) for s in sampled_reqs):
+            # Nothing to process or report: the argmax alone (what the sampler would return).
+            for state, token_id in zip(sampled_reqs, logits.argmax(dim=-1).tolist(), strict=True):
+                sampled[state.req_id] = token_id
+                self.batch.append_token(state.req_id, token_id)
+            return ModelRunnerOutput(sampled)
+        out = self.sampler(logits, self._sampling_metadata(sampled_reqs))
+        token_ids = out.sampled_token_ids.tolist()
         for j, (state, token_id) in enumerate(zip(sampled_reqs, token_ids, strict=True)):
             sampled[state.req_id] = token_id
             self.batch.append_token(state.req_id, token_id)
