@@ -156,6 +156,7 @@ def test_pools_whole_and_leases_released_after_drain(stack: dict[str, Service]) 
     for name in ("prefill", "prefill_tcp", "decode_grpc", "decode_nixl", "decode_tcp"):
         service = stack[name]
         assert service.alive, service.output()
+        assert "engine loop died" not in "".join(service.lines), service.output()
         m = service.metrics()
         assert m["baton:num_requests_running"] == 0, name
         assert m["baton:kv_cache_usage_perc"] == 0.0, name  # nothing held: every block free

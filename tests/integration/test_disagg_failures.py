@@ -130,6 +130,8 @@ def assert_whole(*workers: Service, wait_s: float = 10.0) -> None:
     for w in workers:
         while True:
             assert w.alive, w.output()
+            # Idle workers check their block pool's invariants; a broken one kills the engine.
+            assert "engine loop died" not in "".join(w.lines), w.output()
             m = w.metrics()
             state = (
                 m["baton:num_requests_running"],
