@@ -1,0 +1,79 @@
+"""The engine on a GPU: CUDA-graph decode with the Triton backend gives the reference backend's
+greedy tokens (float32, dummy weights), KV sizing leaves the pool what the profile allows, and
+the log reports it. Run on a GPU machine with ``pytest -m gpu``."""
+
+from __future__ import annotations
+
+import gc
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+CONFIG = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "model_type": "qwen2",
+    "hidden_size": 448,  # 7 query heads per KV head, as Qwen2.5-0.5B
+    "intermediate_size": 1024,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 7,
+    "num_key_value_heads": 1,
+    "vocab_size": 4096,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "tie_word_embeddings": True,
+    "eos_token_id": 0,
+    "torch_dtype": "float32",
+}
+
+
+def _run(model_dir: Path, backend: str, enforce_eager: bool) -> tuple[dict[str, list[int]], object]:
+    from baton_engine.config import EngineConfig
+    from baton_engine.core.engine_core import EngineCore
+    from baton_engine.sampling_params import SamplingParams
+
+    core = EngineCore(
+        EngineConfig(
+            model=str(model_dir),
+            load_format="dummy",
+            dtype="float32",
+            device="cuda",
+            max_model_len=1024,
+            max_num_seqs=24,
+            gpu_memory_utilization=0.3,
+            attention_backend=backend,
+            enforce_eager=enforce_eager,
+        )
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    g = torch.Generator().manual_seed(0)
+    for i in range(19):  # 19 decodes: padded to the captured size 24
+        prompt = torch.randint(1, 4000, (20 + 37 * i,), generator=g).tolist()
+        core.add_request(f"r{i}", prompt, params)
+    tokens: dict[str, list[int]] = {}
+    while core.has_unfinished_requests():
+        for out in core.step():
+            tokens.setdefault(out.req_id, []).extend(out.new_token_ids)
+    core.check_invariants()
+    return tokens, core
+
+
+def test_graph_decode_matches_reference(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    want = _run(tmp_path, "torch", enforce_eager=True)[0]
+    gc.collect()  # the first engine's KV pool goes before the second one sizes its own
+    torch.cuda.empty_cache()
+    with caplog.at_level("INFO"):
+        got, core = _run(tmp_path, "triton", enforce_eager=False)
+    assert got == want
+    graphs = core.runner.graphs  # type: ignore[attr-defined]
+    assert graphs is not None and graphs._graphs, "no CUDA graph was captured"
+    assert graphs.num_steps.get(24, 0) > 0
+    assert any("KV cache:" in r.getMessage() and "blocks" in r.getMessage() for r in caplog.records)
+    total = torch.cuda.get_device_properties(0).total_memory
+    pool_bytes = core.kv_pool.numel() * core.kv_pool.element_size()  # type: ignore[attr-defined]
+    assert 0 < pool_bytes < 0.3 * total
