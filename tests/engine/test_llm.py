@@ -158,3 +158,17 @@ def test_corrupt_gguf(tmp_path: Path) -> None:
 def test_unknown_engine_argument() -> None:
     with pytest.raises(InvalidRequestError, match="max_num_sequences"):
         LLM(max_num_sequences=4)
+
+
+def test_prompts_longer_than_the_step_budget(default_model_dir: Path) -> None:
+    """Steps in which no prompt chunk finishes (nothing is sampled) still run: the chunked
+    result equals the one-step one (float32, so the chunking cannot flip a near-tie)."""
+    prompt = "Count the sheep: " + ", ".join(str(i) for i in range(40))
+    outputs = []
+    for budget in (8192, 16):
+        engine = LLM(
+            str(default_model_dir), max_model_len=256, kv_cache_memory=64 << 20,
+            dtype="float32", max_num_batched_tokens=budget,
+        )  # fmt: skip
+        outputs.append(engine.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids)
+    assert outputs[0] == outputs[1]

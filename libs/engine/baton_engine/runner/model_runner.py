@@ -215,7 +215,9 @@ class ModelRunner:
             input_ids, positions, metadata, sample_rows = self._prepare_inputs(reqs, num_new)
             hidden = self.model(input_ids, positions, self.kv_caches, metadata, self.backend)
             last_token = torch.tensor(
-                [metadata.query_start_loc[i + 1] - 1 for i in sample_rows], device=self.device
+                [metadata.query_start_loc[i + 1] - 1 for i in sample_rows],
+                dtype=torch.long,  # an empty list (no chunk ends this step) would be float
+                device=self.device,
             )
             logits = self.model.compute_logits(hidden[last_token])
         if not sample_rows:
