@@ -20,6 +20,3 @@ class EngineStepError(BatonError):
 class EngineDeadError(BatonError):
     """The engine failed beyond recovery; the worker serves nothing more."""
 
-
-class UnsupportedRequestError(BatonError):
-    """A well-formed request this worker cannot serve yet (answered as UNIMPLEMENTED)."""

@@ -38,7 +38,6 @@ from baton_decode.engine_loop import EngineLoop
 from baton_decode.errors import (
     DuplicateRequestError,
     EngineDeadError,
-    UnsupportedRequestError,
     WorkerFullError,
 )
 from baton_decode.kv_puller import KVPuller, RemoteKV, check_block_hashes
@@ -90,8 +89,6 @@ def status_code(error: BatonError) -> grpc.StatusCode:
         return grpc.StatusCode.INVALID_ARGUMENT
     if isinstance(error, WorkerFullError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED
-    if isinstance(error, UnsupportedRequestError):
-        return grpc.StatusCode.UNIMPLEMENTED
     if isinstance(error, EngineDeadError):
         return grpc.StatusCode.UNAVAILABLE
     return grpc.StatusCode.INTERNAL

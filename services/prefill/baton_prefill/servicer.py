@@ -99,8 +99,10 @@ class PrefillServicer(WorkerInfoMixin, engine_pb2_grpc.PrefillServiceServicer):
                     await context.abort(status_code(e), str(e))
                 finished = outputs[-1].finish_reason is not None
         finally:
-            if not finished:  # the call was cancelled: abort (frees held blocks too)
+            if not finished:  # the call was cancelled: nobody will take the prompt's KV
                 self.engine.abort([req_id])
+                # It may have finished already, its output waiting unread: free what it holds.
+                self.engine.release_held([req_id])
         out = outputs[-1]
         span.set_attribute("baton.cached_tokens", max(out.num_cached_tokens, 0))
         if out.finish_reason == "abort":
