@@ -17,10 +17,10 @@ from baton_engine.errors import InvalidRequestError
 from baton_engine.kv_cache.hashing import hash_request_tokens
 from baton_kvstore import codec
 from baton_kvstore.codec import KVEvent, PrefixMatch, WorkerInfo, WorkerLoad
+from baton_kvstore.redis_store import RedisStore
 from baton_kvstore.store import (
     BaseKVStore,
     MemoryStore,
-    RedisStore,
     StoreUnavailableError,
     create_store,
     plan_batch,

@@ -19,4 +19,3 @@ class EngineStepError(BatonError):
 
 class EngineDeadError(BatonError):
     """The engine failed beyond recovery; the worker serves nothing more."""
-
