@@ -76,3 +76,15 @@ def test_gateway_metrics_record_each_request_once() -> None:
     assert samples[("baton:gateway_generation_tokens_total", m)] == 3
     assert samples[("baton:gateway_time_to_first_token_seconds_count", m)] == 1
     assert samples[("baton:gateway_e2e_request_latency_seconds_count", m)] == 1
+
+
+def test_relabel_adds_the_role_of_each_worker() -> None:
+    merged = relabel(
+        {"p:1": parse_metrics(_worker_text(1, 5)), "d:2": parse_metrics(_worker_text(4, 9))},
+        {"p:1": "prefill", "d:2": "decode"},
+    )
+    samples = _samples(render(merged).decode())
+    prefill = frozenset({("model_name", "m"), ("worker", "p:1"), ("role", "prefill")})
+    decode = frozenset({("model_name", "m"), ("worker", "d:2"), ("role", "decode")})
+    assert samples[("baton:num_requests_running", prefill)] == 1
+    assert samples[("baton:num_requests_running", decode)] == 4

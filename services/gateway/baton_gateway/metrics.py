@@ -31,9 +31,12 @@ _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 
 _SCRAPE_TIMEOUT_S = 2.0
 
 
-def relabel(families_by_worker: Mapping[str, Iterable[Metric]]) -> list[Metric]:
+def relabel(
+    families_by_worker: Mapping[str, Iterable[Metric]], roles: Mapping[str, str] | None = None
+) -> list[Metric]:
     """Merge the workers' metric families into one family per name, each sample labelled with
-    ``worker=<address>`` (replacing a ``worker`` label the worker may already have set)."""
+    ``worker=<address>`` (replacing a ``worker`` label the worker may already have set) and, when
+    ``roles`` names it, ``role=<prefill|decode>``."""
     merged: dict[str, Metric] = {}
     for addr, families in families_by_worker.items():
         for family in families:
@@ -43,6 +46,8 @@ def relabel(families_by_worker: Mapping[str, Iterable[Metric]]) -> list[Metric]:
                 merged[family.name] = out
             for s in family.samples:
                 labels = {**s.labels, "worker": addr}
+                if roles is not None and addr in roles:
+                    labels["role"] = roles[addr]
                 out.samples.append(Sample(s.name, labels, s.value, s.timestamp, s.exemplar))
     return list(merged.values())
 
@@ -161,7 +166,12 @@ class GatewayMetrics:
         self._prompt_tokens.inc(num_prompt_tokens)
         self._generation_tokens.inc(num_generation_tokens)
 
-    async def scrape(self, client: httpx.AsyncClient, metrics_urls: Mapping[str, str]) -> bytes:
+    async def scrape(
+        self,
+        client: httpx.AsyncClient,
+        metrics_urls: Mapping[str, str],
+        roles: Mapping[str, str] | None = None,
+    ) -> bytes:
         """The whole ``/metrics`` body: the gateway's metrics, then the workers' (fetched now,
         concurrently; a worker that cannot be read is left out and marked down)."""
 
@@ -180,4 +190,4 @@ class GatewayMetrics:
             self._worker_up.labels(addr).set(0 if families is None else 1)
             if families is not None:
                 by_worker[addr] = families
-        return generate_latest(self.registry) + render(relabel(by_worker))
+        return generate_latest(self.registry) + render(relabel(by_worker, roles))

@@ -176,8 +176,9 @@ def create_app(config: GatewayConfig, tokenizer: Any) -> FastAPI:
     @app.get("/metrics")
     async def metrics() -> Response:
         pipeline = state.pipeline
-        urls = {w.addr: w.info.metrics_url if w.info else "" for w in pipeline.pool.workers}
-        body = await pipeline.metrics.scrape(state.http, urls)
+        workers = pipeline.pool.workers
+        urls = {w.addr: w.info.metrics_url if w.info else "" for w in workers}
+        body = await pipeline.metrics.scrape(state.http, urls, {w.addr: w.role for w in workers})
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
