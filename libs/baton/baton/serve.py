@@ -95,6 +95,12 @@ def add_parser(subparsers: Any) -> None:
         help="when a decode worker cannot pull a prompt's KV",
     )
     p.add_argument(
+        "--gpus",
+        default=None,
+        help="with --device cuda: GPU ids the workers are pinned to, one each in turn "
+        "(prefill workers first), e.g. 0,1 (default: $CUDA_VISIBLE_DEVICES)",
+    )
+    p.add_argument(
         "--otlp-endpoint",
         default=None,
         help="every service sends OpenTelemetry spans there over OTLP/gRPC (one trace per request)",
@@ -161,6 +167,7 @@ class Child:
     kind: str  # "kvstore" | "prefill" | "decode" | "gateway"
     label: str  # "decode", or "decode-1" when there are several
     argv: list[str]
+    env: dict[str, str]
     proc: subprocess.Popen[str]
     ready: threading.Event = field(default_factory=threading.Event)
     ready_line: str = ""
@@ -199,7 +206,7 @@ def start_child(
         start_new_session=True,
         preexec_fn=_die_with_parent if use_preexec else None,
     )
-    return Child(kind, label, list(argv), proc)
+    return Child(kind, label, list(argv), env, proc)
 
 
 def stop_children(children: Sequence[Child], force: threading.Event) -> None:
@@ -254,10 +261,15 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     try:
         # Every child is started before any thread exists here (preexec_fn and threads do not
         # mix); the gateway waits for the workers to answer, the workers for the kvstore.
-        children = [start_child(kind, label, argv, env) for kind, label, argv in plan]
+        gpus = _gpu_ids(args)
+        workers = [label for kind, label, _ in plan if kind in ("prefill", "decode")]
+        children = [
+            start_child(kind, label, argv, {**env, **_gpu_env(gpus, workers, label)})
+            for kind, label, argv in plan
+        ]
         for child in children:
             child.start_forwarding(sys.stdout)
-        return _supervise(children, name, args, stop, env)
+        return _supervise(children, name, args, stop)
     finally:
         # The gateway first, then the workers, then the kvstore.
         stop_children(sorted(children, key=lambda c: _STOP_ORDER[c.kind]), force)
@@ -266,6 +278,30 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 _STOP_ORDER = {"gateway": 0, "prefill": 1, "decode": 1, "kvstore": 2}
+# Every process on a multi-GPU host: NVLink multicast off (it is not available to these jobs);
+# NIXL READs between GPUs over CUDA IPC instead of a silent TCP fallback (FACTS.md).
+_GPU_ENV = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+    "UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y",
+}
+
+
+def _gpu_ids(args: argparse.Namespace) -> list[str]:
+    """The GPUs the workers are spread over (``--gpus``, else $CUDA_VISIBLE_DEVICES); none on
+    CPU."""
+    if not str(args.device).startswith("cuda"):
+        return []
+    listed = args.gpus or os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    return [g.strip() for g in listed.split(",") if g.strip()]
+
+
+def _gpu_env(gpus: list[str], workers: list[str], label: str) -> dict[str, str]:
+    """Worker ``label``'s own GPU (workers in plan order, round robin over ``gpus``)."""
+    if not gpus or label not in workers:
+        return {}
+    return {**_GPU_ENV, "CUDA_VISIBLE_DEVICES": gpus[workers.index(label) % len(gpus)]}
 
 
 def _plan(args: argparse.Namespace, name: str) -> list[tuple[str, str, list[str]]]:
@@ -325,7 +361,6 @@ def _supervise(
     name: str,
     args: argparse.Namespace,
     stop: threading.Event,
-    env: dict[str, str],
 ) -> int:
     """Wait for the ready lines, then for a signal or a child's death; the exit status.
 
@@ -365,7 +400,7 @@ def _supervise(
                 flush=True,
             )
             # Threads exist now: no preexec_fn (the restarted child is stopped by us as usual).
-            children[i] = start_child(child.kind, child.label, child.argv, env, preexec=False)
+            children[i] = start_child(child.kind, child.label, child.argv, child.env, preexec=False)
             children[i].start_forwarding(sys.stdout)
         if not announced and all(c.ready.is_set() for c in children):
             url = f"http://{args.host}:{args.port}/v1"

@@ -1,0 +1,42 @@
+"""What ``baton serve`` starts: the services of each mode and, on GPUs, one GPU per worker."""
+
+from __future__ import annotations
+
+import argparse
+
+from baton.serve import _gpu_env, _gpu_ids, _plan, add_parser
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    return parser.parse_args(["serve", *argv])
+
+
+def test_disaggregated_by_default_and_aggregated_on_request() -> None:
+    plan = _plan(parse("--num-decode", "2"), "m")
+    assert [label for _, label, _ in plan] == [
+        "kvstore",
+        "prefill",
+        "decode-0",
+        "decode-1",
+        "gateway",
+    ]
+    kvstore = plan[0][2][plan[0][2].index("--port") + 1]
+    for kind, _, argv in plan[1:]:  # every worker and the gateway find the kvstore
+        assert f"127.0.0.1:{kvstore}" in argv, kind
+    gateway = plan[-1][2]
+    assert gateway.count("--decode-addr") == 2 and gateway.count("--prefill-addr") == 1
+    aggregated = _plan(parse("--mode", "aggregated"), "m")
+    assert [label for _, label, _ in aggregated] == ["decode", "gateway"]
+
+
+def test_workers_get_one_gpu_each_round_robin() -> None:
+    args = parse("--device", "cuda", "--gpus", "2,3", "--num-decode", "2")
+    gpus = _gpu_ids(args)
+    workers = ["prefill", "decode-0", "decode-1"]
+    envs = [_gpu_env(gpus, workers, w) for w in workers]
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["2", "3", "2"]
+    assert all(e["NCCL_NVLS_ENABLE"] == "0" for e in envs)
+    assert _gpu_env(gpus, workers, "gateway") == {}
+    assert _gpu_ids(parse("--gpus", "0,1")) == []  # on CPU nothing is pinned
