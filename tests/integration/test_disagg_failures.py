@@ -166,6 +166,21 @@ def test_expired_leases_make_decode_recompute(stack: Stack, tokenizer: Any) -> N
     assert_whole(prefill, decode)
 
 
+def test_incompatible_prefill_worker_is_refused_and_prompt_recomputed(
+    stack: Stack, tokenizer: Any
+) -> None:
+    prefill = stack.worker("prefill", "p", None, "--block-size", "32")  # a different KV layout
+    decode = stack.worker("decode", "d", None)
+    gw = stack.gateway([decode], [prefill], "--remote-prefill-threshold", "0")
+    wait_all(stack.services)
+    batch = prompts(tokenizer, 6)
+    want = reference(stack, decode, batch)
+    assert run_requests(gw.address, batch) == want
+    assert decode.metrics()["baton:kv_transfer_failures_total"] == len(batch)
+    assert "incompatible engine" in "".join(decode.lines)
+    assert_whole(prefill, decode, wait_s=3.0)  # leases given back at once, not at expiry
+
+
 def test_prefill_killed_mid_run_costs_no_request(stack: Stack, tokenizer: Any) -> None:
     prefill = stack.worker("prefill", "p", None)
     decode = stack.worker("decode", "d", None)

@@ -16,6 +16,7 @@ cache, already allocated), one task on the asyncio loop:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from dataclasses import dataclass
 
@@ -118,6 +119,9 @@ class KVPuller:
 
     async def _pull(self, load: KVLoad, handle: KVHandle, span: tracing.Span) -> None:
         if handle.compat_hash != self.compat_hash:
+            # Give the lease back at once: nobody else will pull it.
+            with contextlib.suppress(KVTransferError):
+                await self.sink.release(handle.transfer_endpoint, handle.lease_id)
             raise KVLoadFailedError(
                 f"the prefill worker {handle.engine_id} runs an incompatible engine "
                 "(model, dtype, block size or KV layout differ)"

@@ -118,10 +118,18 @@ class WorkerInfoMixin:
 class DecodeServicer(WorkerInfoMixin, engine_pb2_grpc.DecodeServiceServicer):
     """``DecodeService`` over one ``EngineLoop``; every method runs on the asyncio loop."""
 
-    def __init__(self, engine: EngineLoop, *, served_model_name: str, metrics_url: str) -> None:
+    def __init__(
+        self,
+        engine: EngineLoop,
+        *,
+        served_model_name: str,
+        metrics_url: str,
+        compat_hash: bytes = b"",
+    ) -> None:
         self.engine = engine
         self.served_model_name = served_model_name
         self.metrics_url = metrics_url
+        self.compat_hash = compat_hash  # whose KV this worker can use
         self.block_size = engine.core.config.block_size
         self.draining = False
 
@@ -144,7 +152,10 @@ class DecodeServicer(WorkerInfoMixin, engine_pb2_grpc.DecodeServiceServicer):
             inp = codec.generate_input_from_proto(request)
             remote = None
             if inp.kv_handle is not None:
-                check_block_hashes(inp.prompt_token_ids, inp.kv_handle, self.block_size)
+                # An incompatible engine's handle (other block size, dtype, model) is not
+                # checked here: the pull refuses it and the prompt is recomputed.
+                if inp.kv_handle.compat_hash == self.compat_hash:
+                    check_block_hashes(inp.prompt_token_ids, inp.kv_handle, self.block_size)
                 remote = RemoteKV(inp.kv_handle, tracing.context_with(span))
             stream = self.engine.add_request(
                 inp.req_id,
@@ -283,7 +294,10 @@ class _Role:
                 metrics=self.metrics,
             )
             self.servicer = DecodeServicer(
-                engine, served_model_name=self.name, metrics_url=self.metrics_url
+                engine,
+                served_model_name=self.name,
+                metrics_url=self.metrics_url,
+                compat_hash=self.compat,
             )
             engine_pb2_grpc.add_DecodeServiceServicer_to_server(self.servicer, server)  # type: ignore[no-untyped-call]
             return
