@@ -172,3 +172,30 @@ def test_prompts_longer_than_the_step_budget(default_model_dir: Path) -> None:
         )  # fmt: skip
         outputs.append(engine.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids)
     assert outputs[0] == outputs[1]
+
+
+def test_prompt_logprobs_match_transformers_across_chunks(default_model_dir: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    engine = LLM(
+        str(default_model_dir), max_model_len=256, kv_cache_memory=64 << 20,
+        dtype="float32", max_num_batched_tokens=16,  # the prompt spans three steps
+    )  # fmt: skip
+    ids = engine.get_tokenizer()("The quick brown fox jumps over the lazy dog. " * 4).input_ids
+    engine.generate({"prompt_token_ids": ids}, GREEDY, use_tqdm=False)  # now cached: no effect
+    params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=3)
+    (out,) = engine.generate({"prompt_token_ids": ids}, params, use_tqdm=False)
+    plp = out.prompt_logprobs
+    assert plp is not None and len(plp) == len(ids) and plp[0] is None
+    hf = AutoModelForCausalLM.from_pretrained(str(default_model_dir), dtype=torch.float32)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].log_softmax(-1)
+    for i in range(1, len(ids)):
+        entry = plp[i]
+        assert entry is not None and 4 >= len(entry) >= 3  # the prompt token and the top 3
+        want = ref[i - 1]
+        assert entry[ids[i]].logprob == pytest.approx(float(want[ids[i]]), abs=1e-3)
+        assert entry[ids[i]].rank == int((want >= want[ids[i]]).sum())
+        top = want.topk(3).indices.tolist()
+        assert all(t in entry for t in top)

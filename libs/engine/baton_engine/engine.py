@@ -108,6 +108,11 @@ class LLMEngine:
         for out in self.core.step():
             parent_id = self._child_to_parent[out.req_id]
             state = self._requests[parent_id]
+            if out.prompt_logprobs is not None and state.output.prompt_logprobs is None:
+                state.output.prompt_logprobs = [
+                    None,
+                    *(self._to_logprob_dict(lp) for lp in out.prompt_logprobs),
+                ]
             self._process(state.sequences[out.req_id], out)
             if state.sequences[out.req_id].output.finished():
                 del self._child_to_parent[out.req_id]

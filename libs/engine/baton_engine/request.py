@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from baton_engine.core.outputs import TokenLogprobs
 from baton_engine.sampling_params import SamplingParams
 
 
@@ -71,6 +72,8 @@ class Request:
     # prompt's KV lives) first waits for those blocks to be pulled instead of computing them.
     prefill_only: bool = False
     remote_kv: object | None = None
+    # prompt_logprobs[i] is prompt token i + 1's (filled chunk by chunk, sent with token 1)
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -57,6 +57,8 @@ class TokenLogprobs:
 class ModelRunnerOutput:
     sampled_token_ids: Mapping[str, int]  # req_id -> token; only requests that sampled this step
     logprobs: Mapping[str, TokenLogprobs] = field(default_factory=dict)  # req_id -> its logprobs
+    # req_id -> (index of the first prompt token covered, logprobs of consecutive prompt tokens)
+    prompt_logprobs: Mapping[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
 
 
 class EngineCoreOutput(NamedTuple):
@@ -70,6 +72,8 @@ class EngineCoreOutput(NamedTuple):
     num_cached_tokens: int = 0
     # "prefilled" only: the blocks holding the prompt's KV, in order, until ``release_held``.
     kv_block_ids: list[int] | None = None
+    # With the first sampled token: prompt tokens 1.. (token 0 has none), when asked for.
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
     @property
     def finished(self) -> bool:

@@ -27,6 +27,7 @@ from baton_engine.core.outputs import (
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
+    TokenLogprobs,
 )
 from baton_engine.kv_cache import KVCacheManager, PrefixMatch
 from baton_engine.request import Request, RequestStatus
@@ -187,7 +188,11 @@ class Scheduler:
                 if not self._start_kv_load(request):
                     break
                 continue
-            prefix = self.kv.match_prefix(request) if request.num_computed_tokens == 0 else None
+            # Prompt logprobs need every prompt token's logits: no prefix-cache hits then.
+            fresh = (
+                request.num_computed_tokens == 0 and request.sampling_params.prompt_logprobs is None
+            )
+            prefix = self.kv.match_prefix(request) if fresh else None
             num_computed = request.num_computed_tokens + (prefix.num_cached_tokens if prefix else 0)
             num_new = self._num_new_tokens(request, num_computed, budget)
             block_ids = self.kv.allocate_slots(request, num_new, prefix)
@@ -264,7 +269,10 @@ class Scheduler:
         outputs: list[EngineCoreOutput] = []
         still_running: list[Request] = []
         sampled = runner_output.sampled_token_ids
+        prompt_logprobs = runner_output.prompt_logprobs
         for request in self.running:
+            if prompt_logprobs:
+                _add_prompt_logprobs(request, prompt_logprobs.get(request.req_id))
             token_id = sampled.get(request.req_id)
             if token_id is None:  # not scheduled, or a prefill chunk that is not the last
                 still_running.append(request)
@@ -288,6 +296,12 @@ class Scheduler:
                     stop_reason=request.stop_reason,
                     num_cached_tokens=request.num_cached_tokens,
                     kv_block_ids=held,
+                    prompt_logprobs=(
+                        request.prompt_logprobs
+                        if request.sampling_params.prompt_logprobs is not None
+                        and request.num_output_tokens == 1
+                        else None
+                    ),
                 )
             )
         self.running = still_running
@@ -301,3 +315,14 @@ class Scheduler:
             assert request.num_computed_tokens <= request.num_tokens
         live_loading = sum(1 for r in self.loading.values() if not r.is_finished())
         assert len(self.running) + len(self.waiting) + live_loading == len(self.requests)
+
+
+def _add_prompt_logprobs(request: Request, chunk: tuple[int, list[TokenLogprobs]] | None) -> None:
+    """Keep the prompt logprobs of one computed chunk; a chunk recomputed after a preemption
+    repeats positions already kept, which are skipped."""
+    if chunk is None:
+        return
+    first, logprobs = chunk  # logprobs of prompt tokens first, first + 1, ...
+    have = len(request.prompt_logprobs) + 1  # the next prompt token without one
+    if first <= have < first + len(logprobs):
+        request.prompt_logprobs.extend(logprobs[have - first :])

@@ -13,7 +13,7 @@ from baton_engine.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenL
 from baton_engine.models import LlamaForCausalLM
 from baton_engine.runner.cuda_graphs import DecodeGraphs
 from baton_engine.runner.input_batch import CachedRequestState, InputBatch
-from baton_engine.sampler import Sampler, SamplingMetadata
+from baton_engine.sampler import Sampler, SamplingMetadata, compute_logprobs
 from baton_kernels.attention import AttentionMetadata, KVCacheView, create_attention_backend
 from baton_kernels.cpu_linear import pack_linears
 
@@ -204,16 +204,21 @@ class ModelRunner:
         reqs = [states[r] for r in order]
         num_new = [so.num_scheduled_tokens[r] for r in order]
         graphs = self.graphs
+        prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = {}
+        wants_prompt_logprobs = [s.sampling_params.prompt_logprobs is not None for s in reqs]
         if (
             graphs is not None
             and so.total_num_scheduled_tokens == len(reqs)
             and len(reqs) <= graphs.max_batch_size
+            and not any(wants_prompt_logprobs)
         ):
             hidden, sample_rows = self._run_decode_graph(graphs, reqs)
             logits = self.model.compute_logits(hidden[sample_rows] if sample_rows else hidden[:0])
         else:
             input_ids, positions, metadata, sample_rows = self._prepare_inputs(reqs, num_new)
             hidden = self.model(input_ids, positions, self.kv_caches, metadata, self.backend)
+            if any(wants_prompt_logprobs):
+                prompt_logprobs = self._prompt_logprobs(reqs, metadata, hidden)
             last_token = torch.tensor(
                 [metadata.query_start_loc[i + 1] - 1 for i in sample_rows],
                 dtype=torch.long,  # an empty list (no chunk ends this step) would be float
@@ -221,7 +226,7 @@ class ModelRunner:
             )
             logits = self.model.compute_logits(hidden[last_token])
         if not sample_rows:
-            return ModelRunnerOutput({})
+            return ModelRunnerOutput({}, prompt_logprobs=prompt_logprobs)
         sampled_reqs = [reqs[i] for i in sample_rows]
         sampled: dict[str, int] = {}
         logprobs: dict[str, TokenLogprobs] = {}
@@ -230,7 +235,7 @@ class ModelRunner:
             for state, token_id in zip(sampled_reqs, logits.argmax(dim=-1).tolist(), strict=True):
                 sampled[state.req_id] = token_id
                 self.batch.append_token(state.req_id, token_id)
-            return ModelRunnerOutput(sampled)
+            return ModelRunnerOutput(sampled, prompt_logprobs=prompt_logprobs)
         out = self.sampler(logits, self._sampling_metadata(sampled_reqs))
         token_ids = out.sampled_token_ids.tolist()
         for j, (state, token_id) in enumerate(zip(sampled_reqs, token_ids, strict=True)):
@@ -243,7 +248,34 @@ class ModelRunner:
                     logprobs=out.logprobs.logprobs[j, :n].tolist(),
                     rank=int(out.logprobs.ranks[j]),
                 )
-        return ModelRunnerOutput(sampled, logprobs)
+        return ModelRunnerOutput(sampled, logprobs, prompt_logprobs)
+
+    def _prompt_logprobs(
+        self, reqs: list[CachedRequestState], md: AttentionMetadata, hidden: torch.Tensor
+    ) -> dict[str, tuple[int, list[TokenLogprobs]]]:
+        """For each request asking for prompt logprobs, the logprobs of the prompt tokens its
+        chunk this step predicts: position ``p`` predicts prompt token ``p + 1``."""
+        out: dict[str, tuple[int, list[TokenLogprobs]]] = {}
+        for i, state in enumerate(reqs):
+            num = state.sampling_params.prompt_logprobs
+            if num is None:
+                continue
+            start = md.seq_lens[i] - md.query_len(i)  # first position computed this step
+            end = min(md.seq_lens[i], len(state.prompt_token_ids) - 1)  # positions < end
+            if start >= end:
+                continue
+            rows = hidden[md.query_start_loc[i] : md.query_start_loc[i] + end - start]
+            raw = self.model.compute_logits(rows).float().log_softmax(dim=-1)
+            targets = torch.tensor(
+                state.prompt_token_ids[start + 1 : end + 1], dtype=torch.long, device=self.device
+            )
+            lp = compute_logprobs(raw, targets, num)
+            ids, values, ranks = lp.token_ids.tolist(), lp.logprobs.tolist(), lp.ranks.tolist()
+            out[state.req_id] = (
+                start + 1,
+                [TokenLogprobs(t, v, int(r)) for t, v, r in zip(ids, values, ranks, strict=True)],
+            )
+        return out
 
     def _run_decode_graph(
         self, graphs: DecodeGraphs, reqs: list[CachedRequestState]
