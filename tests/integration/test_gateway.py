@@ -235,6 +235,36 @@ def test_completion_logprobs(client: OpenAI) -> None:
         assert top is not None and token in top and len(top) >= 2
 
 
+def test_echo_with_logprobs_returns_prompt_logprobs(client: OpenAI) -> None:
+    prompt = "One, two, three, four,"
+    kwargs: dict[str, Any] = dict(
+        model=MODEL, prompt=prompt, temperature=0, max_tokens=4, logprobs=2, echo=True
+    )
+    out = client.completions.create(**kwargs)
+    lp = out.choices[0].logprobs
+    assert out.usage is not None
+    assert lp is not None and lp.tokens is not None and lp.token_logprobs is not None
+    n_prompt, n_out = out.usage.prompt_tokens, out.usage.completion_tokens
+    assert len(lp.tokens) == n_prompt + n_out  # every echoed prompt token, then the new ones
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # as vLLM
+    assert all(v is not None and v <= 0 for v in lp.token_logprobs[1:])
+    assert "".join(lp.tokens[:n_prompt]) == prompt
+    assert out.choices[0].text.startswith(prompt)
+    # Streamed: the echo arrives with its logprobs, then the same tokens.
+    tokens: list[str] = []
+    values: list[float | None] = []
+    text = ""
+    for chunk in client.completions.create(stream=True, **kwargs):
+        for choice in chunk.choices:
+            text += choice.text
+            if choice.logprobs is not None:
+                tokens += choice.logprobs.tokens or []
+                values += choice.logprobs.token_logprobs or []
+    assert text == out.choices[0].text
+    assert tokens == lp.tokens
+    assert values[0] is None and values[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-3)
+
+
 def test_max_tokens_and_vllm_extras(client: OpenAI) -> None:
     out = client.chat.completions.create(
         model=MODEL,

@@ -101,7 +101,7 @@ def test_completion_prompt_forms(prompt: Any, ok: bool) -> None:
 
 
 def test_completion_rejects_unsupported() -> None:
-    for bad in ({"suffix": "x"}, {"best_of": 3}, {"echo": True, "logprobs": 1}, {"logprobs": 21}):
+    for bad in ({"suffix": "x"}, {"best_of": 3}, {"logprobs": 21}):
         with pytest.raises(ValidationError):
             CompletionRequest.model_validate({"prompt": "x", **bad})
     assert CompletionRequest(prompt="x").max_tokens == 16  # OpenAI's default

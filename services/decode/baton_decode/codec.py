@@ -60,6 +60,7 @@ def sampling_params_from_proto(pb: common_pb2.SamplingParams) -> SamplingParams:
         stop_token_ids=list(pb.stop_token_ids),
         ignore_eos=pb.ignore_eos,
         logprobs=pb.logprobs if pb.HasField("logprobs") else None,
+        prompt_logprobs=pb.prompt_logprobs if pb.HasField("prompt_logprobs") else None,
     )
 
 
@@ -136,6 +137,8 @@ def generate_response_to_proto(
     """
     msg = engine_pb2.GenerateResponse(num_prompt_tokens=num_prompt_tokens)
     for out in outputs:
+        if out.prompt_logprobs:
+            msg.prompt_logprobs.extend(token_logprobs_to_proto(lp) for lp in out.prompt_logprobs)
         msg.token_ids.extend(out.new_token_ids)
         if out.new_logprobs:
             msg.logprobs.extend(token_logprobs_to_proto(lp) for lp in out.new_logprobs)

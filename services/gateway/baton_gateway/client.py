@@ -316,12 +316,16 @@ class WorkerPool:
         best = min(rotated, key=lambda w: uncached(w) + self.load_weight * w.num_requests(now))
         return best, uncached(best)
 
-    async def route(self, prompt: Sequence[int], exclude: Iterable[Worker] = ()) -> RouteDecision:
+    async def route(
+        self, prompt: Sequence[int], exclude: Iterable[Worker] = (), local_only: bool = False
+    ) -> RouteDecision:
         cached = await self._cached_blocks(prompt) if self._worth_lookup() else {}
         picked = self._pick(DECODE, len(prompt), cached, exclude)
         if picked is None:
             raise GatewayError(HTTPStatus.SERVICE_UNAVAILABLE, "no decode worker is available")
         decode, num_uncached = picked
+        if local_only:  # prompt logprobs: only local prefill computes them
+            return RouteDecision(decode, None, "local_prompt_logprobs", num_uncached)
         if num_uncached <= self.remote_prefill_threshold:
             return RouteDecision(decode, None, "local_cached", num_uncached)
         if not self.of_role(PREFILL):
@@ -347,7 +351,9 @@ class WorkerPool:
         """
         span = tracing.start_span("route", trace_parent)
         try:
-            route = await self.route(request.prompt_token_ids)
+            route = await self.route(
+                request.prompt_token_ids, local_only=request.sampling.HasField("prompt_logprobs")
+            )
         except GatewayError as e:
             tracing.end_span(span, e)
             raise

@@ -39,6 +39,7 @@ class GenerateChunk:
     stop_token_id: int | None  # the stop token id that ended it (never an EOS)
     num_prompt_tokens: int
     num_cached_tokens: int
+    prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 1.., first chunk only
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +88,8 @@ def sampling_params(
     num_logprobs = request.num_logprobs
     if num_logprobs is not None:
         pb.logprobs = num_logprobs
+        if getattr(request, "echo", False):  # echoed prompt tokens get their logprobs too
+            pb.prompt_logprobs = num_logprobs
     return pb
 
 
@@ -162,6 +165,9 @@ def generate_chunk(pb: engine_pb2.GenerateResponse) -> GenerateChunk:
         stop_token_id=pb.stop_token_id if pb.HasField("stop_token_id") else None,
         num_prompt_tokens=pb.num_prompt_tokens,
         num_cached_tokens=pb.num_cached_tokens,
+        prompt_logprobs=(
+            [_token_logprob(lp) for lp in pb.prompt_logprobs] if pb.prompt_logprobs else None
+        ),
     )
 
 

@@ -60,6 +60,7 @@ class SequenceDelta:
     logprobs: list[TokenLogprob] | None
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop string or stop token id that matched
+    prompt_logprobs: list[TokenLogprob] | None = None  # on the first delta, when asked for
 
 
 class Generation:
@@ -86,6 +87,10 @@ class Generation:
         self.num_output_tokens: dict[int, int] = {s.index: 0 for s in self._specs}
         self.num_cached_tokens: int | None = None
         self.first_token_time: float | None = None
+
+    def prompt_token_ids(self, index: int) -> list[int]:
+        """The prompt of the sequence with choice ``index``."""
+        return next(s.prompt_token_ids for s in self._specs if s.index == index)
 
     async def stream(self) -> AsyncGenerator[SequenceDelta, None]:
         """Yield every sequence's deltas; raises GatewayError when a call fails (the other
@@ -140,6 +145,7 @@ class Generation:
         )
         async with aclosing(self._pool.generate(spec.request, self._trace_parent)) as chunks:
             async for chunk in chunks:
+                plp = chunk.prompt_logprobs
                 if self.num_cached_tokens is None:
                     self.num_cached_tokens = chunk.num_cached_tokens
                 if chunk.token_ids and self.first_token_time is None:
@@ -167,14 +173,20 @@ class Generation:
                 self.num_output_tokens[spec.index] += len(ids)
                 if stop_str is not None:
                     # Returning closes `chunks`, which cancels the call: the worker aborts it.
-                    yield SequenceDelta(spec.index, text, ids, logprobs, "stop", stop_str)
+                    yield SequenceDelta(spec.index, text, ids, logprobs, "stop", stop_str, plp)
                     return
                 if final:
                     yield SequenceDelta(
-                        spec.index, text, ids, logprobs, chunk.finish_reason, chunk.stop_token_id
+                        spec.index,
+                        text,
+                        ids,
+                        logprobs,
+                        chunk.finish_reason,
+                        chunk.stop_token_id,
+                        plp,
                     )
                     return
-                yield SequenceDelta(spec.index, text, ids, logprobs)
+                yield SequenceDelta(spec.index, text, ids, logprobs, prompt_logprobs=plp)
         raise GatewayError(
             HTTPStatus.BAD_GATEWAY, "the decode worker ended the stream without a finish reason"
         )

@@ -210,7 +210,14 @@ class Pipeline:
             return await self._stream(
                 request, req_id, created, generation, num_prompt_tokens, echo, record, texts
             )
-        choices = {s.index: ChoiceBuffer(s.index, prefix=echo.get(s.index, "")) for s in specs}
+        choices = {
+            s.index: ChoiceBuffer(
+                s.index,
+                prefix=echo.get(s.index, ""),
+                prompt_token_ids=s.prompt_token_ids if s.index in echo else [],
+            )
+            for s in specs
+        }
         async with aclosing(generation.stream()) as deltas:
             async for delta in deltas:
                 choices[delta.index].add(delta)

@@ -194,9 +194,6 @@ class CompletionRequest(_SamplingRequest):
             raise ValueError("suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of is not supported (it must be unset or equal n)")
-        if self.echo and self.logprobs is not None:
-            # The workers do not return prompt logprobs, and echo with logprobs needs them.
-            raise ValueError("echo with logprobs is not supported (no prompt logprobs)")
         _check_prompt(self.prompt)
         return self
 

@@ -93,6 +93,31 @@ def completion_logprobs(
     return out, text_offset
 
 
+def prompt_completion_logprobs(
+    texts: TokenTexts, prompt_token_ids: list[int], prompt_logprobs: list[TokenLogprob]
+) -> tuple[CompletionLogProbs, int]:
+    """Legacy completions logprobs of an echoed prompt (the first token has none, as in vLLM),
+    and the text offset after it."""
+    first = texts(prompt_token_ids[0])
+    head = CompletionLogProbs(
+        tokens=[first], token_logprobs=[None], top_logprobs=[None], text_offset=[0]
+    )
+    rest, offset = completion_logprobs(texts, prompt_logprobs, len(first))
+    return joined(head, rest), offset
+
+
+def joined(first: CompletionLogProbs, then: CompletionLogProbs | None) -> CompletionLogProbs:
+    """``first``'s tokens followed by ``then``'s."""
+    if then is None:
+        return first
+    return CompletionLogProbs(
+        tokens=first.tokens + then.tokens,
+        token_logprobs=first.token_logprobs + then.token_logprobs,
+        top_logprobs=first.top_logprobs + then.top_logprobs,
+        text_offset=first.text_offset + then.text_offset,
+    )
+
+
 def usage_info(generation: Generation, num_prompt_tokens: int) -> UsageInfo:
     """Usage so far: ``num_prompt_tokens`` counts each prompt once, however many sequences."""
     completion = sum(generation.num_output_tokens.values())
@@ -111,13 +136,17 @@ class ChoiceBuffer:
 
     index: int
     prefix: str = ""  # echoed prompt text (completions)
+    prompt_token_ids: list[int] = field(default_factory=list)  # echoed prompt tokens
     parts: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
     def add(self, delta: SequenceDelta) -> None:
         self.parts.append(delta.text)
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         if delta.logprobs:
             self.logprobs.extend(delta.logprobs)
         if delta.finish_reason is not None:
@@ -171,6 +200,9 @@ def completion_response(
         logprobs = None
         if texts is not None:
             logprobs, _ = completion_logprobs(texts, c.logprobs, len(c.prefix))
+            if c.prompt_logprobs is not None and c.prompt_token_ids:
+                echoed, _ = prompt_completion_logprobs(texts, c.prompt_token_ids, c.prompt_logprobs)
+                logprobs = joined(echoed, logprobs)
         out.append(
             CompletionResponseChoice(
                 index=c.index,

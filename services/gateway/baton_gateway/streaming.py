@@ -32,7 +32,14 @@ from baton_gateway.protocol import (
     DeltaMessage,
     UsageInfo,
 )
-from baton_gateway.responses import TokenTexts, chat_logprobs, completion_logprobs, usage_info
+from baton_gateway.responses import (
+    TokenTexts,
+    chat_logprobs,
+    completion_logprobs,
+    joined,
+    prompt_completion_logprobs,
+    usage_info,
+)
 
 SSE_DONE = "data: [DONE]\n\n"
 
@@ -211,18 +218,30 @@ def completion_stream(
         return sse_event(chunk.model_dump_json())
 
     offsets = {index: len(text) for index, text in echo.items()}
+    # With logprobs, an echoed prompt goes out with its first delta, which brings the prompt's
+    # logprobs; without, it goes out first.
+    pending_echo = dict(echo) if ctx.texts is not None else {}
 
     def to_choice(delta: SequenceDelta) -> CompletionResponseChoice | None:
         logprobs: CompletionLogProbs | None = None
+        text = delta.text
         if ctx.texts is not None and delta.logprobs:
             logprobs, offsets[delta.index] = completion_logprobs(
                 ctx.texts, delta.logprobs, offsets.get(delta.index, 0)
             )
-        if not delta.text and logprobs is None and delta.finish_reason is None:
+        echoed = pending_echo.pop(delta.index, None)
+        if echoed is not None:
+            assert ctx.texts is not None
+            text = echoed + text
+            if delta.prompt_logprobs is not None:
+                prompt_ids = generation.prompt_token_ids(delta.index)
+                head, _ = prompt_completion_logprobs(ctx.texts, prompt_ids, delta.prompt_logprobs)
+                logprobs = joined(head, logprobs)
+        if not text and logprobs is None and delta.finish_reason is None:
             return None
         return CompletionResponseChoice(
             index=delta.index,
-            text=delta.text,
+            text=text,
             logprobs=logprobs,
             finish_reason=delta.finish_reason,
             stop_reason=delta.stop_reason,
@@ -231,5 +250,6 @@ def completion_stream(
     prelude = [
         event([CompletionResponseChoice(index=index, text=text)], None)
         for index, text in sorted(echo.items())
+        if index not in pending_echo
     ]
     return _stream(ctx, generation, first, rest, outcome, event, prelude, to_choice)
