@@ -35,6 +35,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any
 
+from baton import tracing
+
 _READY = {kind: f"baton {kind} ready on " for kind in ("kvstore", "prefill", "decode", "gateway")}
 _STOP_GRACE_S = 10.0  # per child, after SIGTERM, before SIGKILL
 _PR_SET_PDEATHSIG = 1
@@ -100,11 +102,7 @@ def add_parser(subparsers: Any) -> None:
         help="with --device cuda: GPU ids the workers are pinned to, one each in turn "
         "(prefill workers first), e.g. 0,1 (default: $CUDA_VISIBLE_DEVICES)",
     )
-    p.add_argument(
-        "--otlp-endpoint",
-        default=None,
-        help="every service sends OpenTelemetry spans there over OTLP/gRPC (one trace per request)",
-    )
+    tracing.add_otlp_argument(p)  # passed on to every service
     p.add_argument(
         "--kv-lease-ms",
         type=int,

@@ -10,6 +10,7 @@ Torch-free, so the gateway can use it.
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 from collections.abc import Iterable, Mapping
@@ -27,6 +28,7 @@ __all__ = [
     "Context",
     "Span",
     "SpanKind",
+    "add_otlp_argument",
     "context_with",
     "end_span",
     "extract",
@@ -34,6 +36,16 @@ __all__ = [
     "setup",
     "start_span",
 ]
+
+
+def add_otlp_argument(parser: argparse.ArgumentParser) -> None:
+    """``--otlp-endpoint``, the same on every service's command line."""
+    parser.add_argument(
+        "--otlp-endpoint",
+        default=None,
+        help="send OpenTelemetry spans there over OTLP/gRPC "
+        f"(default: ${_ENDPOINT_ENV}; unset: no tracing)",
+    )
 
 
 def setup(service_name: str, otlp_endpoint: str | None = None) -> bool:

@@ -10,6 +10,7 @@ import argparse
 import math
 from typing import Any
 
+from baton import tracing
 from baton_engine.arg_utils import add_engine_args, engine_kwargs_from_args
 from baton_engine.config import EngineConfig
 from baton_engine.errors import InvalidRequestError
@@ -60,12 +61,7 @@ def add_worker_parser(subparsers: Any, role: str) -> None:
         "--disable-log-stats", action="store_true", help="no periodic engine stats log line"
     )
     p.add_argument("--worker-id", default=None, help="id in the kvstore (None: role-address)")
-    p.add_argument(
-        "--otlp-endpoint",
-        default=None,
-        help="send OpenTelemetry spans there over OTLP/gRPC "
-        "(default: $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT; unset: no tracing)",
-    )
+    tracing.add_otlp_argument(p)
     p.add_argument(
         "--kvstore", default=None, help="kvstore address: register there and publish KV events"
     )

@@ -19,7 +19,6 @@ import asyncio
 import dataclasses
 import logging
 import signal
-import socket
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -32,6 +31,7 @@ from grpc_health.v1.health import aio as health_aio
 from prometheus_client import start_http_server
 
 from baton import tracing
+from baton.addresses import grpc_address, url_host
 from baton.v1 import engine_pb2, engine_pb2_grpc
 from baton_decode import codec
 from baton_decode.engine_loop import EngineLoop
@@ -190,17 +190,6 @@ class DecodeServicer(WorkerInfoMixin, engine_pb2_grpc.DecodeServiceServicer):
         """End the named requests (their streams get a last message with finish reason ABORT);
         unknown ids are ignored."""
         return engine_pb2.AbortResponse(num_aborted=self.engine.abort(list(request.req_ids)))
-
-
-def _grpc_address(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def _url_host(host: str) -> str:
-    """A host a client can dial: wildcard binds are reported under the machine's name."""
-    if host in ("", "0.0.0.0", "::"):
-        return socket.gethostname()
-    return f"[{host}]" if ":" in host else host
 
 
 def _set_process_title(title: str) -> None:
@@ -375,7 +364,7 @@ async def _serve(core: EngineCore, config: WorkerConfig, name: str, max_pending:
         )
     except OSError as e:
         raise BatonError(f"cannot serve metrics on {config.host}:{config.metrics_port}: {e}") from e
-    metrics_url = f"http://{_url_host(config.host)}:{httpd.server_port}/metrics"
+    metrics_url = f"http://{url_host(config.host)}:{httpd.server_port}/metrics"
 
     health = health_aio.HealthServicer()
     background: set[asyncio.Task[None]] = set()  # keeps fire-and-forget tasks alive
@@ -391,11 +380,11 @@ async def _serve(core: EngineCore, config: WorkerConfig, name: str, max_pending:
     # Without SO_REUSEPORT off, a second worker on the same port would silently share it.
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     try:
-        port = server.add_insecure_port(_grpc_address(config.host, config.port))
+        port = server.add_insecure_port(grpc_address(config.host, config.port))
     except RuntimeError as e:
         httpd.shutdown()
-        raise BatonError(f"cannot listen on {_grpc_address(config.host, config.port)}: {e}") from e
-    address = _grpc_address(config.host, port)
+        raise BatonError(f"cannot listen on {grpc_address(config.host, config.port)}: {e}") from e
+    address = grpc_address(config.host, port)
     role = _Role(core, config, name, metrics, metrics_url, address)
     engine = EngineLoop(
         core,

@@ -17,6 +17,8 @@ from typing import Any
 
 import uvicorn
 
+from baton import tracing
+
 DEFAULT_PORT = 8000
 DEFAULT_DECODE_ADDR = "127.0.0.1:50052"
 
@@ -64,12 +66,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model", default=None, help="model path the tokenizer comes from (default: SmolLM2)"
     )
-    p.add_argument(
-        "--otlp-endpoint",
-        default=None,
-        help="send OpenTelemetry spans there over OTLP/gRPC "
-        "(default: $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT; unset: no tracing)",
-    )
+    tracing.add_otlp_argument(p)
     p.add_argument(
         "--served-model-name", default=None, help="model id clients use (default: the worker's)"
     )
@@ -128,8 +125,6 @@ def run_gateway(args: argparse.Namespace) -> int:
         # calls cancelled), so SIGTERM never hangs on a long generation.
         timeout_graceful_shutdown=5,
     )
-    from baton import tracing
-
     tracing.setup("baton-gateway", args.otlp_endpoint)
     server = _Server(uv_config)
     try:

@@ -319,7 +319,7 @@ class WorkerPool:
     async def route(
         self, prompt: Sequence[int], exclude: Iterable[Worker] = (), local_only: bool = False
     ) -> RouteDecision:
-        cached = await self._cached_blocks(prompt) if self._worth_lookup() else {}
+        cached = await self._cached_blocks(prompt) if self._worth_lookup(prompt) else {}
         picked = self._pick(DECODE, len(prompt), cached, exclude)
         if picked is None:
             raise GatewayError(HTTPStatus.SERVICE_UNAVAILABLE, "no decode worker is available")
@@ -335,8 +335,13 @@ class WorkerPool:
             return RouteDecision(decode, None, "local_prefill_busy", num_uncached)
         return RouteDecision(decode, prefill[0], "remote", num_uncached)
 
-    def _worth_lookup(self) -> bool:
-        return self.kvstore is not None and len(self.workers) > 1
+    def _worth_lookup(self, prompt: Sequence[int]) -> bool:
+        """Whether the prefix index can change this prompt's route: with one decode worker, a
+        prompt within the remote-prefill threshold is prefilled locally whatever it caches."""
+        if self.kvstore is None:
+            return False
+        several = len(self.of_role(DECODE)) > 1
+        return several or len(prompt) > self.remote_prefill_threshold
 
     # --- one sequence --------------------------------------------------------------------------
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeAlias, TypeVar
@@ -24,6 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
+from baton.addresses import grpc_address, url_host
 from baton.v1 import kvstore_pb2, kvstore_pb2_grpc
 from baton_engine.errors import BatonError, InvalidRequestError
 from baton_kvstore import codec
@@ -195,16 +195,6 @@ async def _monitor(
         await _probe(store, metrics, status)
 
 
-def _grpc_address(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def _url_host(host: str) -> str:
-    if host in ("", "0.0.0.0", "::"):
-        return socket.gethostname()
-    return f"[{host}]" if ":" in host else host
-
-
 def serve(config: KVStoreConfig) -> int:
     """Serve until SIGTERM/SIGINT and return the exit status (0).
 
@@ -228,7 +218,7 @@ async def _serve(config: KVStoreConfig) -> int:
         except OSError as e:
             await store.close()
             raise BatonError(f"cannot serve metrics on port {config.metrics_port}: {e}") from e
-        where += f", metrics http://{_url_host(config.host)}:{httpd.server_port}/metrics"
+        where += f", metrics http://{url_host(config.host)}:{httpd.server_port}/metrics"
 
     health = health_aio.HealthServicer()
     status = StoreStatus(health)
@@ -238,7 +228,7 @@ async def _serve(config: KVStoreConfig) -> int:
         KVStoreServicer(store, metrics, status), server
     )
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    address = _grpc_address(config.host, config.port)
+    address = grpc_address(config.host, config.port)
     try:
         port = server.add_insecure_port(address)
     except RuntimeError as e:
@@ -256,7 +246,7 @@ async def _serve(config: KVStoreConfig) -> int:
         await _probe(store, metrics, status)
         await server.start()
         monitor = asyncio.create_task(_monitor(store, metrics, status, config.monitor_interval_s))
-        print(f"baton kvstore ready on {_grpc_address(config.host, port)} ({where})", flush=True)
+        print(f"baton kvstore ready on {grpc_address(config.host, port)} ({where})", flush=True)
         await stop.wait()
         logger.info("shutting down")
         await health.enter_graceful_shutdown()
