@@ -32,6 +32,7 @@ from baton_kernels.triton.decode_attention import (
     choose_num_splits,
     decode_attention,
     ref_decode_attention,
+    split_counts,
 )
 from baton_kernels.triton.kv_write import ref_write_kv_cache, write_kv_cache
 from baton_kernels.triton.paged_attention import (
@@ -339,3 +340,14 @@ def test_triton_backend_decode_only_step_with_device_lengths() -> None:
     lens = [c + n for c, n in specs]
     ref = ref_decode_attention(query, want.cache, lens, md.block_tables, 0.125)
     assert_close(out, ref, torch.bfloat16)
+
+
+def test_warmup_runs_every_variant_and_leaves_the_cache_alone() -> None:
+    """The engine compiles the backend's kernels at startup: every decode split count, the
+    prefill kernel and the cache write run, and the cache the model will use is untouched."""
+    pool = torch.randn(4, NUM_LAYERS, 2, 16, 2, 64, device=DEVICE)
+    before = pool.clone()
+    TritonAttentionBackend().warmup(KVCacheView(pool[:, 1]), num_heads=14)
+    assert torch.equal(pool, before)
+    assert split_counts() == [1, 2, 4, 8, 16, 32, 64]
+    assert all(choose_num_splits(n, 2, 4096, DEVICE) in split_counts() for n in (1, 3, 40, 999))

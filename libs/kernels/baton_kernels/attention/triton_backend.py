@@ -15,7 +15,11 @@ from typing import NamedTuple
 import torch
 
 from baton_kernels.attention.base import AttentionMetadata, KVCacheView
-from baton_kernels.triton.decode_attention import choose_num_splits, decode_attention
+from baton_kernels.triton.decode_attention import (
+    choose_num_splits,
+    decode_attention,
+    split_counts,
+)
 from baton_kernels.triton.kv_write import write_kv_cache
 from baton_kernels.triton.paged_attention import paged_attention
 
@@ -77,6 +81,24 @@ class TritonAttentionBackend:
                 step.max_prefill_len,
             )
         return out
+
+    def warmup(self, kv_cache: KVCacheView, num_heads: int) -> None:
+        """Compile every kernel variant a step can launch (one per decode split count, the
+        prefill kernel, the cache write) now, so that no request waits ~1 s for Triton's JIT
+        the first time a batch shape needs a new one. Writes nothing into the cache."""
+        kv = kv_cache.kv
+        dev, head_dim = kv.device, kv.shape[-1]
+        query = torch.randn((1, num_heads, head_dim), dtype=kv.dtype, device=dev)
+        out = torch.empty_like(query)
+        table = torch.zeros((1, 1), dtype=torch.int64, device=dev)
+        one = torch.ones(1, dtype=torch.int64, device=dev)
+        for splits in split_counts():
+            decode_attention(query, kv_cache, out, one, table, 1.0, splits)
+        key = torch.randn((1, kv.shape[3], head_dim), dtype=kv.dtype, device=dev)
+        write_kv_cache(key, key, kv_cache, torch.full_like(one, -1), one)  # slot -1: skipped
+        cu = torch.tensor([0, 1], dtype=torch.int32, device=dev)
+        paged_attention(query, kv_cache, out, cu, one.to(torch.int32), table, 1.0, 1)
+        paged_attention(query, kv_cache, out, cu, one.to(torch.int32), table, 1.0, 64)
 
     def _step_tensors(
         self, md: AttentionMetadata, kv_cache: KVCacheView, device: torch.device

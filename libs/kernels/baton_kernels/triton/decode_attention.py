@@ -44,7 +44,10 @@ MIN_SPLIT_TOKENS = 128  # shorter slices cost more in the reduce than they save
 MAX_SPLITS = 64
 
 
-@triton.jit
+@triton.jit(
+    do_not_specialize=["s_tb"],  # the table width changes from step to step
+    do_not_specialize_on_alignment=["seq_lens_ptr", "tables_ptr"],
+)
 def _decode_kernel(
     q_ptr,
     kv_ptr,
@@ -197,6 +200,12 @@ def choose_num_splits(
     by_len = cdiv(max_seq_len, MIN_SPLIT_TOKENS)
     splits = max(1, min(wanted, by_len, MAX_SPLITS))
     return 1 << (splits.bit_length() - 1)
+
+
+def split_counts() -> list[int]:
+    """Every ``num_splits`` that ``choose_num_splits`` can return (each is its own compiled
+    variant of the kernel)."""
+    return [1 << i for i in range(MAX_SPLITS.bit_length())]
 
 
 def decode_attention(

@@ -58,7 +58,13 @@ def _find_request(cu_q_ptr, q_base, pid, num_reqs, BLOCK_Q: tl.constexpr):
     return left - 1
 
 
-@triton.jit
+# Values that change from step to step are not specialised on (Triton would otherwise compile a
+# new variant, for ~1 s, whenever the request count or the table width crosses a multiple of 16,
+# or a slice starts at another alignment).
+@triton.jit(
+    do_not_specialize=["num_reqs", "s_tb"],
+    do_not_specialize_on_alignment=["cu_q_ptr", "seq_lens_ptr", "tables_ptr"],
+)
 def _paged_attention_kernel(
     q_ptr,
     kv_ptr,

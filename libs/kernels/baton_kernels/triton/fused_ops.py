@@ -1,0 +1,394 @@
+# Triton kernels (untyped decorator, pointer and stride arguments) are exempt; launchers are typed.
+# mypy: allow-untyped-defs, allow-incomplete-defs, allow-untyped-decorators
+"""Fused elementwise kernels for the Llama decoder, each replacing a chain of small torch kernels.
+
+- ``rotary_embedding_``: rotate q and k in place (Hugging Face's rotate-half layout), one launch
+  for both, reading cos/sin straight from the ``[max_positions, 2, head_dim]`` table at each
+  token's position (instead of index, cast, cat, neg, mul, mul, add for each of q and k).
+- ``silu_and_mul``: ``silu(gate) * up`` of the fused gate/up projection output.
+- ``fused_add_rms_norm``: ``residual += x`` then RMSNorm of the sum (and ``rms_norm`` alone).
+
+All math is in float32 with one rounding to the tensors' dtype at the end; the results agree with
+the torch code paths within a rounding of the output (those round some intermediates to the dtype
+too). Tensors are read through their strides, so the q/k views split from a fused projection are
+rotated where they lie. The token count only sets the grid, and no integer argument changes from
+step to step, so a new batch size never compiles a new variant.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from baton_kernels.triton.common import SUPPORTED_DTYPES, cdiv, next_pow2
+
+POSITION_DTYPES = (torch.int32, torch.int64)
+SILU_BLOCK = 1024  # columns of the output per program in silu_and_mul
+ROPE_MAX_ELEMS = 4096  # heads x head_dim per rotary program
+
+
+def _num_warps(block: int) -> int:
+    return 4 if block >= 1024 else 2 if block >= 256 else 1
+
+
+def _check_out(out: torch.Tensor, shape: tuple[int, ...], like: torch.Tensor, what: str) -> None:
+    if tuple(out.shape) != shape or out.dtype != like.dtype or out.device != like.device:
+        raise ValueError(
+            f"{what}: out is {tuple(out.shape)} {out.dtype} on {out.device}, expected "
+            f"{shape} {like.dtype} on {like.device}"
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# rotary embedding
+
+
+@triton.jit
+def _rotate_heads(
+    x_ptr,
+    t,
+    head_block,
+    num_heads,
+    s_t,
+    s_h,
+    s_d,
+    cos1,  # [1, BLOCK_HALF] fp32, first half of cos
+    cos2,
+    sin1,
+    sin2,
+    offs_d,  # [BLOCK_HALF]
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
+    offs_h = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = (offs_h < num_heads)[:, None] & (offs_d < HALF)[None, :]
+    p1 = x_ptr + t * s_t + offs_h[:, None] * s_h + offs_d[None, :] * s_d
+    p2 = p1 + HALF * s_d
+    x1 = tl.load(p1, mask=mask, other=0.0)
+    x2 = tl.load(p2, mask=mask, other=0.0)
+    dtype = x1.dtype
+    x1 = x1.to(tl.float32)
+    x2 = x2.to(tl.float32)
+    # rotate_half(x) = cat(-x2, x1):  out = x * cos + rotate_half(x) * sin
+    tl.store(p1, (x1 * cos1 - x2 * sin1).to(dtype), mask=mask)
+    tl.store(p2, (x2 * cos2 + x1 * sin2).to(dtype), mask=mask)
+
+
+@triton.jit(do_not_specialize_on_alignment=["pos_ptr"])  # often a slice of a persistent buffer
+def _rotary_kernel(
+    q_ptr,
+    k_ptr,
+    pos_ptr,
+    cos_sin_ptr,
+    num_q_heads,
+    num_k_heads,
+    s_qt,
+    s_qh,
+    s_qd,
+    s_kt,
+    s_kh,
+    s_kd,
+    s_cp,  # cos_sin strides: position, cos/sin, dim
+    s_cc,
+    s_cd,
+    HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_HK: tl.constexpr,
+):
+    """Program (t, j): token t's query heads block j, or key heads block j - #query blocks."""
+    t = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_HALF)
+    d_ok = offs_d < HALF
+    row = cos_sin_ptr + pos * s_cp + offs_d * s_cd
+    cos1 = tl.load(row, mask=d_ok, other=0.0)
+    cos2 = tl.load(row + HALF * s_cd, mask=d_ok, other=0.0)
+    sin1 = tl.load(row + s_cc, mask=d_ok, other=0.0)
+    sin2 = tl.load(row + s_cc + HALF * s_cd, mask=d_ok, other=0.0)
+    # rounded to the activations' dtype first, as the model's ``cos_sin[positions].to(dtype)``
+    dtype = q_ptr.dtype.element_ty
+    cos1 = cos1.to(dtype).to(tl.float32)[None, :]
+    cos2 = cos2.to(dtype).to(tl.float32)[None, :]
+    sin1 = sin1.to(dtype).to(tl.float32)[None, :]
+    sin2 = sin2.to(dtype).to(tl.float32)[None, :]
+    q_blocks = tl.cdiv(num_q_heads, BLOCK_HQ)
+    if j < q_blocks:
+        _rotate_heads(
+            q_ptr, t, j, num_q_heads, s_qt, s_qh, s_qd, cos1, cos2, sin1, sin2, offs_d,
+            HALF, BLOCK_HQ, BLOCK_HALF,
+        )  # fmt: skip
+    else:
+        _rotate_heads(
+            k_ptr, t, j - q_blocks, num_k_heads, s_kt, s_kh, s_kd, cos1, cos2, sin1, sin2, offs_d,
+            HALF, BLOCK_HK, BLOCK_HALF,
+        )  # fmt: skip
+
+
+def _check_rotary(
+    query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
+) -> None:
+    if query.dim() != 3 or key.dim() != 3:
+        raise ValueError(
+            f"query and key must be [tokens, heads, head_dim]: {tuple(query.shape)}, "
+            f"{tuple(key.shape)}"
+        )
+    num_tokens, _, head_dim = query.shape
+    if key.shape[0] != num_tokens or key.shape[2] != head_dim:
+        raise ValueError(f"key {tuple(key.shape)} does not match query {tuple(query.shape)}")
+    if head_dim % 2:
+        raise ValueError(f"head_dim must be even: {head_dim}")
+    if query.dtype != key.dtype or query.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(
+            f"query/key dtypes {query.dtype}/{key.dtype}: expected one of fp16/bf16/fp32"
+        )
+    if positions.shape != (num_tokens,) or positions.dtype not in POSITION_DTYPES:
+        raise ValueError(
+            f"positions must be [{num_tokens}] int32/int64: {tuple(positions.shape)} "
+            f"{positions.dtype}"
+        )
+    if cos_sin.dim() != 3 or cos_sin.shape[1] != 2 or cos_sin.shape[2] != head_dim:
+        raise ValueError(f"cos_sin must be [max_positions, 2, {head_dim}]: {tuple(cos_sin.shape)}")
+    if cos_sin.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"unsupported cos_sin dtype {cos_sin.dtype}")
+    devices = {query.device, key.device, positions.device, cos_sin.device}
+    if len(devices) != 1:
+        raise ValueError(f"query, key, positions and cos_sin are on different devices: {devices}")
+
+
+def rotary_embedding_(
+    query: torch.Tensor,  # [num_tokens, num_q_heads, head_dim], any strides; rotated in place
+    key: torch.Tensor,  # [num_tokens, num_k_heads, head_dim], any strides; rotated in place
+    positions: torch.Tensor,  # [num_tokens] int32/int64
+    cos_sin: torch.Tensor,  # [max_positions, 2, head_dim] (cos then sin), usually float32
+) -> None:
+    """Rotate ``query`` and ``key`` in place by each token's position, as ``RopeTables.apply``
+    does with tables ``cos_sin[positions].to(query.dtype)``. Positions are not bounds-checked."""
+    _check_rotary(query, key, positions, cos_sin)
+    num_tokens, num_q_heads, head_dim = query.shape
+    num_k_heads = key.shape[1]
+    if num_tokens == 0:
+        return
+    half = head_dim // 2
+    block_half = next_pow2(half)
+    cap = max(1, ROPE_MAX_ELEMS // (2 * block_half))
+    block_hq = min(next_pow2(num_q_heads), cap)
+    block_hk = min(next_pow2(num_k_heads), cap)
+    grid = (num_tokens, cdiv(num_q_heads, block_hq) + cdiv(num_k_heads, block_hk))
+    _rotary_kernel[grid](
+        query,
+        key,
+        positions,
+        cos_sin,
+        num_q_heads,
+        num_k_heads,
+        *query.stride(),
+        *key.stride(),
+        *cos_sin.stride(),
+        HALF=half,
+        BLOCK_HALF=block_half,
+        BLOCK_HQ=block_hq,
+        BLOCK_HK=block_hk,
+        num_warps=_num_warps(2 * block_half * max(block_hq, block_hk)),
+    )
+
+
+def ref_rotary_embedding(
+    query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotated copies of ``query`` and ``key`` (the model's torch code path)."""
+    table = cos_sin[positions].to(query.dtype)  # [T, 2, D]
+    cos, sin = table[:, 0].unsqueeze(1), table[:, 1].unsqueeze(1)
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+    return rotate(query), rotate(key)
+
+
+# --------------------------------------------------------------------------------------------
+# silu(gate) * up
+
+
+@triton.jit
+def _silu_and_mul_kernel(
+    x_ptr,
+    out_ptr,
+    inter,  # I: the output's width; gate is x[:, :I], up is x[:, I:]
+    s_xt,
+    s_xc,
+    s_ot,
+    s_oc,
+    BLOCK: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < inter
+    gate_ptrs = x_ptr + t * s_xt + offs * s_xc
+    gate = tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(gate_ptrs + inter * s_xc, mask=mask, other=0.0).to(tl.float32)
+    out = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(out_ptr + t * s_ot + offs * s_oc, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``silu(x[:, :I]) * x[:, I:]`` for ``x`` ``[num_tokens, 2 * I]`` (any strides), computed in
+    float32 and stored in ``x.dtype``, into ``out`` ``[num_tokens, I]`` when given."""
+    if x.dim() != 2 or x.shape[1] % 2:
+        raise ValueError(f"x must be [tokens, 2 * intermediate]: {tuple(x.shape)}")
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"unsupported dtype {x.dtype}")
+    num_tokens, inter = x.shape[0], x.shape[1] // 2
+    if out is None:
+        out = torch.empty((num_tokens, inter), dtype=x.dtype, device=x.device)
+    else:
+        _check_out(out, (num_tokens, inter), x, "silu_and_mul")
+    if num_tokens == 0 or inter == 0:
+        return out
+    block = min(SILU_BLOCK, next_pow2(inter))
+    _silu_and_mul_kernel[(num_tokens, cdiv(inter, block))](
+        x,
+        out,
+        inter,
+        *x.stride(),
+        *out.stride(),
+        BLOCK=block,
+        num_warps=_num_warps(block),
+    )
+    return out
+
+
+def ref_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+# --------------------------------------------------------------------------------------------
+# RMSNorm, with the residual add fused in front
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,
+    res_ptr,  # read and overwritten with x + residual when HAS_RESIDUAL
+    w_ptr,
+    out_ptr,
+    hidden,
+    eps,
+    s_xt,
+    s_xc,
+    s_rt,
+    s_rc,
+    s_w,
+    s_ot,
+    s_oc,
+    BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < hidden
+    x = tl.load(x_ptr + t * s_xt + offs * s_xc, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        res_ptrs = res_ptr + t * s_rt + offs * s_rc
+        res = tl.load(res_ptrs, mask=mask, other=0.0)
+        # the sum is rounded to the dtype, as torch's ``hidden + x``, and normalized from there
+        x = (x.to(tl.float32) + res.to(tl.float32)).to(x.dtype)
+        tl.store(res_ptrs, x, mask=mask)
+    xf = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / hidden + eps)
+    w = tl.load(w_ptr + offs * s_w, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * s_ot + offs * s_oc, (xf * rstd * w).to(x.dtype), mask=mask)
+
+
+def _check_norm(x: torch.Tensor, weight: torch.Tensor, what: str) -> None:
+    if x.dim() != 2:
+        raise ValueError(f"{what}: x must be [tokens, hidden]: {tuple(x.shape)}")
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"{what}: unsupported dtype {x.dtype}")
+    if weight.shape != (x.shape[1],) or weight.dtype != x.dtype or weight.device != x.device:
+        raise ValueError(
+            f"{what}: weight is {tuple(weight.shape)} {weight.dtype} on {weight.device}, "
+            f"expected ({x.shape[1]},) {x.dtype} on {x.device}"
+        )
+
+
+def _launch_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    out: torch.Tensor | None,
+    what: str,
+) -> torch.Tensor:
+    num_tokens, hidden = x.shape
+    if out is None:
+        out = torch.empty((num_tokens, hidden), dtype=x.dtype, device=x.device)
+    else:
+        _check_out(out, (num_tokens, hidden), x, what)
+    if num_tokens == 0 or hidden == 0:
+        return out
+    res = x if residual is None else residual
+    block = next_pow2(hidden)
+    _rms_norm_kernel[(num_tokens,)](
+        x,
+        res,
+        weight,
+        out,
+        hidden,
+        float(eps),
+        *x.stride(),
+        *res.stride(),
+        weight.stride(0),
+        *out.stride(),
+        BLOCK=block,
+        HAS_RESIDUAL=residual is not None,
+        num_warps=_num_warps(block),
+    )
+    return out
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor,  # [num_tokens, hidden]
+    residual: torch.Tensor,  # [num_tokens, hidden], overwritten with x + residual
+    weight: torch.Tensor,  # [hidden], same dtype
+    eps: float,
+    out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``residual += x`` (in the dtype, as torch's ``residual + x``), then ``(rms_norm(residual)
+    * weight, residual)`` with float32 statistics, like ``F.rms_norm`` of the sum."""
+    _check_norm(x, weight, "fused_add_rms_norm")
+    if residual.shape != x.shape or residual.dtype != x.dtype or residual.device != x.device:
+        raise ValueError(
+            f"fused_add_rms_norm: residual is {tuple(residual.shape)} {residual.dtype} on "
+            f"{residual.device}, x is {tuple(x.shape)} {x.dtype} on {x.device}"
+        )
+    return _launch_norm(x, residual, weight, eps, out, "fused_add_rms_norm"), residual
+
+
+def rms_norm(
+    x: torch.Tensor,  # [num_tokens, hidden]
+    weight: torch.Tensor,  # [hidden], same dtype
+    eps: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``F.rms_norm(x, (hidden,), weight, eps)`` with float32 statistics."""
+    _check_norm(x, weight, "rms_norm")
+    return _launch_norm(x, None, weight, eps, out, "rms_norm")
+
+
+def ref_fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's torch code path; ``residual`` is left as it is."""
+    new_residual = x + residual
+    normed = torch.nn.functional.rms_norm(new_residual, weight.shape, weight, eps)
+    return normed, new_residual
+
+
+def ref_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return torch.nn.functional.rms_norm(x, weight.shape, weight, eps)
