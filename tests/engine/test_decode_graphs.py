@@ -36,7 +36,13 @@ TINY_LLAMA = {
 }
 
 
-def run(model_dir: Path, backend: str, graphs: bool) -> tuple[dict[str, list[int]], EngineCore]:
+def run(
+    model_dir: Path,
+    backend: str,
+    graphs: bool,
+    async_scheduling: bool = False,
+    fused: bool = False,
+) -> tuple[dict[str, list[int]], EngineCore]:
     core = EngineCore(
         EngineConfig(
             model=str(model_dir),
@@ -46,8 +52,11 @@ def run(model_dir: Path, backend: str, graphs: bool) -> tuple[dict[str, list[int
             max_num_seqs=8,
             num_gpu_blocks_override=64,
             attention_backend=backend,
+            async_scheduling=async_scheduling,
         )
     )
+    if fused:
+        core.runner.model.use_fused_kernels()
     if graphs:
         assert core.runner.enable_decode_graphs(capture=False)
         assert core.runner.graphs is not None and core.runner.graphs.sizes[:3] == [1, 2, 4]
@@ -70,3 +79,15 @@ def test_padded_decode_path_matches_reference(tmp_path: Path) -> None:
     assert all(len(t) == 10 for t in got.values())
     graphs = core.runner.graphs
     assert graphs is not None and graphs.num_steps.get(8, 0) >= 8  # 5 requests padded to 8
+
+
+def test_padded_decode_path_with_async_scheduling(tmp_path: Path) -> None:
+    """The GPU's configuration: graph steps launched before the previous step's tokens reach
+    the host, their input ids filled on the device from that step's samples; the fused Triton
+    norm, rotary and SiLU kernels in every step."""
+    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
+    want, _ = run(tmp_path, "torch", graphs=False)
+    got, core = run(tmp_path, "triton", graphs=True, async_scheduling=True, fused=True)
+    assert got == want
+    graphs = core.runner.graphs
+    assert graphs is not None and graphs.num_steps.get(8, 0) >= 8

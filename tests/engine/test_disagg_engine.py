@@ -31,12 +31,16 @@ def make_core(model_dir: Path, **overrides: object) -> EngineCore:
     return EngineCore(config)
 
 
-@pytest.fixture(scope="module")
-def cores(default_model_dir: Path) -> tuple[EngineCore, EngineCore, EngineCore]:
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
+def cores(
+    default_model_dir: Path, request: pytest.FixtureRequest
+) -> tuple[EngineCore, EngineCore, EngineCore]:
+    """Async scheduling (step N+1 launched before step N's tokens are read) on the prefill and
+    decode engines must change nothing; the reference always runs synchronously."""
     return (
-        make_core(default_model_dir),  # prefill worker
-        make_core(default_model_dir),  # decode worker
-        make_core(default_model_dir),  # aggregated reference
+        make_core(default_model_dir, async_scheduling=request.param),  # prefill worker
+        make_core(default_model_dir, async_scheduling=request.param),  # decode worker
+        make_core(default_model_dir, async_scheduling=False),  # aggregated reference
     )
 
 

@@ -31,7 +31,9 @@ CONFIG = {
 }
 
 
-def _run(model_dir: Path, backend: str, enforce_eager: bool) -> tuple[dict[str, list[int]], object]:
+def _run(
+    model_dir: Path, backend: str, enforce_eager: bool, async_scheduling: bool | None = None
+) -> tuple[dict[str, list[int]], object]:
     from baton_engine.config import EngineConfig
     from baton_engine.core.engine_core import EngineCore
     from baton_engine.sampling_params import SamplingParams
@@ -47,6 +49,7 @@ def _run(model_dir: Path, backend: str, enforce_eager: bool) -> tuple[dict[str, 
             gpu_memory_utilization=0.3,
             attention_backend=backend,
             enforce_eager=enforce_eager,
+            async_scheduling=async_scheduling,
         )
     )
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -64,7 +67,9 @@ def _run(model_dir: Path, backend: str, enforce_eager: bool) -> tuple[dict[str, 
 
 def test_graph_decode_matches_reference(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     (tmp_path / "config.json").write_text(json.dumps(CONFIG))
-    want = _run(tmp_path, "torch", enforce_eager=True)[0]
+    # the reference: torch attention and ops, eager, synchronous; against the GPU's defaults:
+    # Triton attention and fused kernels, CUDA graphs, async scheduling
+    want = _run(tmp_path, "torch", enforce_eager=True, async_scheduling=False)[0]
     gc.collect()  # the first engine's KV pool goes before the second one sizes its own
     torch.cuda.empty_cache()
     with caplog.at_level("INFO"):
@@ -73,6 +78,7 @@ def test_graph_decode_matches_reference(tmp_path: Path, caplog: pytest.LogCaptur
     graphs = core.runner.graphs  # type: ignore[attr-defined]
     assert graphs is not None and graphs._graphs, "no CUDA graph was captured"
     assert graphs.num_steps.get(24, 0) > 0
+    assert core.async_scheduling and core.runner.model.fused_rope  # type: ignore[attr-defined]
     assert any("KV cache:" in r.getMessage() and "blocks" in r.getMessage() for r in caplog.records)
     total = torch.cuda.get_device_properties(0).total_memory
     pool_bytes = core.kv_pool.numel() * core.kv_pool.element_size()  # type: ignore[attr-defined]

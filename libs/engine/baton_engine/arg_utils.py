@@ -24,6 +24,8 @@ _HELP = {
     "attention_backend": "auto | cpu (C++ paged decode kernel) | triton (GPU) | torch "
     "(reference) | flash_attn | flashinfer (when installed); also $BATON_ATTENTION_BACKEND",
     "enforce_eager": "GPU: run decode steps eagerly instead of replaying CUDA graphs",
+    "async_scheduling": "schedule the next step while the device runs this one (default: on "
+    "for GPUs, off for CPUs)",
     "seed": "seed of the default random generator",
     "device": "cpu | cuda",
 }
@@ -36,7 +38,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             continue
         flag = "--" + f.name.replace("_", "-")
         default = getattr(defaults, f.name)
-        if isinstance(default, bool):
+        if isinstance(default, bool) or f.name == "async_scheduling":
             parser.add_argument(
                 flag, action=argparse.BooleanOptionalAction, default=default, help=_HELP[f.name]
             )

@@ -145,9 +145,18 @@ class EngineConfig:
     load_format: str = "auto"  # "auto" | "dummy"
     attention_backend: str = "auto"  # "auto" | "cpu" | "triton" | "torch" (reference) | ...
     enforce_eager: bool = False  # GPU: no CUDA graphs for decode steps
+    # Schedule and launch step N+1 while step N runs on the device (its sampled tokens reach
+    # the host one step later). None: on for GPUs, where it hides the host's per-step work;
+    # off on CPUs, where the forward pass itself runs on the host.
+    async_scheduling: bool | None = None
     seed: int = 0
     device: str = "cpu"
     usage_context: str = "offline"  # "offline" | "serving": picks defaults, as in vLLM
+
+    def resolved_async_scheduling(self) -> bool:
+        if self.async_scheduling is not None:
+            return self.async_scheduling
+        return self.device.startswith("cuda")
 
     def resolved_max_num_batched_tokens(self) -> int:
         if self.max_num_batched_tokens is not None:

@@ -63,6 +63,10 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    # Tokens sampled by steps already launched but not yet reported (async scheduling: the next
+    # step is scheduled before the previous one's tokens reach the host). Scheduling counts
+    # them as if known; ``update_from_output`` turns each into a real token.
+    num_pending_tokens: int = 0
     num_cached_tokens: int = -1  # prefix-cache hit at first admission; -1 until admitted
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
@@ -86,6 +90,18 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def may_run_ahead(self) -> bool:
+        """Whether another step may be scheduled while a sampled token is pending: not when
+        that token is certain to end the request (its last one, or a prefill-only request's
+        first)."""
+        if not self.num_pending_tokens:
+            return True
+        return (
+            not self.prefill_only
+            and self.num_output_tokens + self.num_pending_tokens < self.max_tokens
+        )
 
     @property
     def all_token_ids(self) -> list[int]:

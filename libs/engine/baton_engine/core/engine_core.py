@@ -12,14 +12,14 @@ from pathlib import Path
 import torch
 
 from baton_engine.config import EngineConfig, ModelConfig, parse_dtype
-from baton_engine.core.outputs import EngineCoreOutput, KVLoad
+from baton_engine.core.outputs import EngineCoreOutput, KVLoad, SchedulerOutput
 from baton_engine.core.scheduler import Scheduler
 from baton_engine.errors import InvalidRequestError, ModelLoadError
 from baton_engine.kv_cache import KVCacheManager
 from baton_engine.kv_cache.block_pool import KVCacheEvent
 from baton_engine.model_loader import iter_weights, resolve_model
 from baton_engine.request import Request, RequestStatus
-from baton_engine.runner.model_runner import ModelRunner
+from baton_engine.runner.model_runner import ModelRunner, StepHandle
 from baton_engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -88,6 +88,7 @@ class EngineCore:
         num_blocks = self._num_kv_blocks()
         self.runner.initialize_kv_cache(num_blocks)
         if self.runner.device.type == "cuda":
+            self.runner.warmup_kernels()
             graphs = self.runner.enable_decode_graphs(capture=not config.enforce_eager)
             if not graphs and not config.enforce_eager:
                 logger.info("no CUDA graphs: the %s backend cannot be captured",
@@ -114,6 +115,9 @@ class EngineCore:
         )
         self.num_prompt_tokens = 0
         self.num_generated_tokens = 0
+        self.async_scheduling = config.resolved_async_scheduling()
+        # async scheduling: the step launched last, reported by the next call to step()
+        self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None
 
     def _num_kv_blocks(self) -> int:
         cfg = self.config
@@ -246,22 +250,42 @@ class EngineCore:
         self.scheduler.finish_requests(req_ids, status)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
 
     def has_schedulable_requests(self) -> bool:
-        """Whether ``step`` would run anything (requests waiting for remote KV do not)."""
-        return self.scheduler.has_schedulable_requests()
+        """Whether ``step`` would run or report anything (requests waiting for remote KV do
+        not count)."""
+        return self.scheduler.has_schedulable_requests() or self._in_flight is not None
 
     # --- the loop ------------------------------------------------------------------------------
 
     def step(self) -> list[EngineCoreOutput]:
-        """Schedule, run, update: one forward pass over the batch."""
+        """Schedule, run, update: one forward pass over the batch.
+
+        With async scheduling the step is launched and the previous one's outputs are
+        returned: the host schedules and prepares step N+1 while the device runs step N, and
+        waits only for step N's sampled tokens. A step whose requests need their previous
+        tokens on the host (penalties, logprobs) waits for them before it is launched."""
         so = self.scheduler.schedule()
-        runner_output = self.runner.execute_model(so)
-        outputs = self.scheduler.update_from_output(so, runner_output)
-        self.num_generated_tokens += len(runner_output.sampled_token_ids)
+        outputs: list[EngineCoreOutput] = []
+        if self._in_flight is not None and not self.runner.can_run_ahead(so):
+            outputs = self._finish_in_flight()
+        handle = self.runner.launch(so)
+        if self._in_flight is not None:
+            outputs = self._finish_in_flight()
+        self._in_flight = (so, handle)
+        if not self.async_scheduling or so.is_empty:
+            outputs += self._finish_in_flight()
         if not self.scheduler.has_unfinished_requests() and not self.scheduler.num_loading:
             self.check_invariants()  # cheap when idle, and it catches leaks early
+        return outputs
+
+    def _finish_in_flight(self) -> list[EngineCoreOutput]:
+        assert self._in_flight is not None
+        so, handle = self._in_flight
+        self._in_flight = None
+        outputs = self.scheduler.update_from_output(so, handle.result())
+        self.num_generated_tokens += sum(len(o.new_token_ids) for o in outputs)
         return outputs
 
     def stats(self) -> EngineStats:
@@ -277,4 +301,5 @@ class EngineCore:
         )
 
     def check_invariants(self) -> None:
-        self.scheduler.check_invariants()
+        if self._in_flight is None:
+            self.scheduler.check_invariants()

@@ -32,6 +32,7 @@ class CachedRequestData(NamedTuple):
 
 @dataclass(frozen=True)
 class SchedulerOutput:
+    step_id: int  # numbers the scheduler's steps; its output is reported with it
     scheduled_new_reqs: list[NewRequestData]
     scheduled_cached_reqs: list[CachedRequestData]
     num_scheduled_tokens: Mapping[str, int]  # req_id -> tokens computed this step

@@ -6,6 +6,13 @@ budget)`` tokens, so chunked prefill, prefix hits and recompute after preemption
 arithmetic. When the pool runs dry, the most recently admitted running request is preempted:
 its blocks are freed, its progress reset, and it goes back to the front of the queue.
 
+Async scheduling: the engine may schedule step N+1 before step N's sampled tokens reach the
+host. A request whose step ends at its last token will sample one, counted in
+``num_pending_tokens`` until ``update_from_output`` reports it; scheduling treats pending tokens
+as known (a decode of one token each), except that a request whose pending token must end it
+(its ``max_tokens``, a prefill-only request) is not scheduled again. A request that stops on a
+token found one step late has had one more step computed; that token is dropped.
+
 Disaggregation adds one detour. A waiting request whose prompt KV lives on a prefill worker
 (``remote_kv``) is admitted without compute: it matches the local prefix cache, gets blocks for
 the rest of its prompt (left out of the prefix index until filled) and waits in ``loading``
@@ -54,6 +61,9 @@ class Scheduler:
         self.loading: dict[str, Request] = {}  # req_id -> request waiting for remote KV
         self._kv_loads: list[KVLoad] = []  # loads to start, for take_kv_loads()
         self._finished_req_ids: set[str] = set()  # since the last schedule()
+        self._step_id = 0
+        # step id -> the requests it scheduled, until its output is reported
+        self._scheduled: dict[int, list[Request]] = {}
         self.num_preemptions = 0
 
     # --- requests in and out -------------------------------------------------------------------
@@ -140,7 +150,7 @@ class Scheduler:
     # --- one step ------------------------------------------------------------------------------
 
     def _num_new_tokens(self, request: Request, num_computed: int, budget: int) -> int:
-        num_new = request.num_tokens - num_computed
+        num_new = request.num_tokens + request.num_pending_tokens - num_computed
         if 0 < self.long_prefill_token_threshold < num_new:
             num_new = self.long_prefill_token_threshold
         return min(num_new, budget)
@@ -156,7 +166,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = self._num_new_tokens(request, request.num_computed_tokens, budget)
-            if num_new <= 0:
+            if num_new <= 0 or not request.may_run_ahead:
                 i += 1
                 continue
             new_block_ids = self.kv.allocate_slots(request, num_new)
@@ -213,10 +223,18 @@ class Scheduler:
             num_scheduled[request.req_id] = num_new
             budget -= num_new
 
+        scheduled = []
         for req_id, num_new in num_scheduled.items():
-            self.requests[req_id].num_computed_tokens += num_new
+            request = self.requests[req_id]
+            request.num_computed_tokens += num_new
+            if request.num_computed_tokens == request.num_tokens + request.num_pending_tokens:
+                request.num_pending_tokens += 1  # this step samples its next token
+            scheduled.append(request)
         finished, self._finished_req_ids = self._finished_req_ids, set()
+        self._step_id += 1
+        self._scheduled[self._step_id] = scheduled
         return SchedulerOutput(
+            step_id=self._step_id,
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached_reqs,
             num_scheduled_tokens=num_scheduled,
@@ -265,17 +283,22 @@ class Scheduler:
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
-        """Append sampled tokens, finish requests that stop, and report what changed."""
+        """Append the tokens a step sampled, finish requests that stop, and report what changed.
+        Requests that ended (abort, stop) or were preempted since the step was scheduled are
+        still matched by identity: a finished one's token is dropped, a preempted one keeps it."""
         outputs: list[EngineCoreOutput] = []
-        still_running: list[Request] = []
         sampled = runner_output.sampled_token_ids
         prompt_logprobs = runner_output.prompt_logprobs
-        for request in self.running:
+        any_finished = False
+        for request in self._scheduled.pop(scheduler_output.step_id, ()):
+            token_id = sampled.get(request.req_id)
+            if token_id is not None:
+                request.num_pending_tokens -= 1
+            if request.is_finished():
+                continue  # its blocks are gone; a token sampled past its end is dropped
             if prompt_logprobs:
                 _add_prompt_logprobs(request, prompt_logprobs.get(request.req_id))
-            token_id = sampled.get(request.req_id)
-            if token_id is None:  # not scheduled, or a prefill chunk that is not the last
-                still_running.append(request)
+            if token_id is None:  # a prefill chunk that is not the last
                 continue
             request.append_output_token(token_id)
             status = request.check_stop()
@@ -283,9 +306,11 @@ class Scheduler:
             if status is not None:
                 if status == RequestStatus.FINISHED_PREFILLED:
                     held = self.kv.get_block_ids(request.req_id)
+                if request.status == RequestStatus.RUNNING:
+                    any_finished = True
+                else:  # preempted after this step was launched
+                    self.waiting.remove(request)
                 self._free(request, status)
-            else:
-                still_running.append(request)
             logprobs = runner_output.logprobs.get(request.req_id)
             outputs.append(
                 EngineCoreOutput(
@@ -304,7 +329,8 @@ class Scheduler:
                     ),
                 )
             )
-        self.running = still_running
+        if any_finished:
+            self.running = [r for r in self.running if not r.is_finished()]
         return outputs
 
     def check_invariants(self) -> None:
@@ -312,7 +338,7 @@ class Scheduler:
         assert len(self.running) <= self.max_num_seqs
         for request in self.running:
             assert request.status == RequestStatus.RUNNING
-            assert request.num_computed_tokens <= request.num_tokens
+            assert request.num_computed_tokens <= request.num_tokens + request.num_pending_tokens
         live_loading = sum(1 for r in self.loading.values() if not r.is_finished())
         assert len(self.running) + len(self.waiting) + live_loading == len(self.requests)
 

@@ -1,7 +1,10 @@
 """Llama-family decoder (Llama, Mistral, Qwen2 with qkv bias, Qwen3 with q/k norm, SmolLM).
 
 Q/K/V and gate/up projections are fused into one matmul each (fewer, larger GEMMs); Hugging Face
-checkpoints are split into them at load time.
+checkpoints are split into them at load time. Layers pass ``(hidden, residual)`` along, so that
+each residual add and the RMSNorm after it can be one kernel; ``use_fused_kernels()`` (GPU)
+switches the residual add + norm, the rotary embedding and SiLU-and-multiply to Triton kernels
+(``baton_kernels.triton.fused_ops``), each replacing a chain of small torch kernels.
 """
 
 from __future__ import annotations
@@ -13,11 +16,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from baton_engine.config import ModelConfig
-from baton_engine.models.rotary import RopeTables, RotaryEmbedding
+from baton_engine.models.rotary import FusedRope, RopeTables, RotaryEmbedding
 from baton_kernels.attention import AttentionBackend, AttentionMetadata, KVCacheView
 
 
 class RMSNorm(nn.Module):
+    fused = False  # Triton kernels (set by use_fused_kernels)
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
@@ -26,6 +31,20 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # torch's fused kernel accumulates in float32 for 16-bit inputs, as HF's RMSNorm does.
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+    def add_forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``residual += x`` (``x`` alone for the first layer), then the norm of the sum:
+        ``(normed, residual)``."""
+        if residual is None:
+            return self(x), x
+        if self.fused:
+            from baton_kernels.triton.fused_ops import fused_add_rms_norm
+
+            return fused_add_rms_norm(x, residual, self.weight, self.eps)
+        residual = residual + x
+        return self(residual), residual
 
 
 class Attention(nn.Module):
@@ -48,7 +67,7 @@ class Attention(nn.Module):
 
     def forward(
         self,
-        rope: RopeTables,
+        rope: RopeTables | FusedRope,
         hidden: torch.Tensor,
         kv_cache: KVCacheView,
         metadata: AttentionMetadata,
@@ -61,12 +80,14 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope.apply(q), rope.apply(k)
+        q, k = rope.apply_qk(q, k)
         out = backend.forward(q, k, v, kv_cache, metadata, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))  # type: ignore[no-any-return]
 
 
 class MLP(nn.Module):
+    fused = False  # Triton SiLU-and-multiply (set by use_fused_kernels)
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.intermediate_size = cfg.intermediate_size
@@ -74,7 +95,12 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.fused:
+            from baton_kernels.triton.fused_ops import silu_and_mul
+
+            return self.down_proj(silu_and_mul(gate_up))  # type: ignore[no-any-return]
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(nn.functional.silu(gate) * up)  # type: ignore[no-any-return]
 
 
@@ -88,16 +114,19 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
-        rope: RopeTables,
+        rope: RopeTables | FusedRope,
         hidden: torch.Tensor,
+        residual: torch.Tensor | None,
         kv_cache: KVCacheView,
         metadata: AttentionMetadata,
         backend: AttentionBackend,
-    ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(
-            rope, self.input_layernorm(hidden), kv_cache, metadata, backend
-        )
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))  # type: ignore[no-any-return]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``hidden`` is the previous layer's output not yet added to ``residual`` (None for
+        the first layer, whose input is the residual stream itself)."""
+        hidden, residual = self.input_layernorm.add_forward(hidden, residual)
+        hidden = self.self_attn(rope, hidden, kv_cache, metadata, backend)
+        hidden, residual = self.post_attention_layernorm.add_forward(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 # Hugging Face name fragment -> (fused parameter fragment, shard index)
@@ -119,6 +148,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList([DecoderLayer(cfg) for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.fused_rope = False
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -136,10 +166,23 @@ class LlamaForCausalLM(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:  # [num_tokens, hidden]
         hidden = self.embed_tokens(input_ids)
-        rope = self.rotary(positions, hidden.dtype)
+        rope: RopeTables | FusedRope
+        if self.fused_rope:
+            rope = FusedRope(positions, self.rotary.cos_sin)
+        else:
+            rope = self.rotary(positions, hidden.dtype)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(rope, hidden, kv_cache, metadata, backend)
-        return self.norm(hidden)  # type: ignore[no-any-return]
+            hidden, residual = layer(rope, hidden, residual, kv_cache, metadata, backend)
+        return self.norm.add_forward(hidden, residual)[0]
+
+    def use_fused_kernels(self) -> None:
+        """Run the residual add + RMSNorm, the rotary embedding and SiLU-and-multiply as Triton
+        kernels (the GPU's path; the results equal the torch ops' within one rounding)."""
+        self.fused_rope = True
+        for module in self.modules():
+            if isinstance(module, RMSNorm | MLP):
+                module.fused = True
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)  # type: ignore[no-any-return]

@@ -64,8 +64,25 @@ class RopeTables(NamedTuple):
     cos: torch.Tensor  # [T, 1, D]
     sin: torch.Tensor  # [T, 1, D]
 
+    def apply_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.apply(q), self.apply(k)
+
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         """Rotate ``x`` ``[T, heads, D]``."""
         half = x.shape[-1] // 2
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return x * self.cos + rotated * self.sin
+
+
+class FusedRope(NamedTuple):
+    """The same rotation by one Triton kernel that rotates q and k in place, reading the table
+    at each token's position (GPU)."""
+
+    positions: torch.Tensor  # [T]
+    cos_sin: torch.Tensor  # [max_positions, 2, D] float32
+
+    def apply_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        from baton_kernels.triton.fused_ops import rotary_embedding_
+
+        rotary_embedding_(q, k, self.positions, self.cos_sin)
+        return q, k

@@ -119,9 +119,11 @@ class DecodeGraphs:
         block_tables: np.ndarray,
         slot_block: np.ndarray,
         slot_offset: np.ndarray,
+        patch: Callable[[torch.Tensor], None] | None = None,
     ) -> torch.Tensor:
         """Hidden states ``[n, hidden]`` of a decode step of ``n`` requests (row i: token
-        ``input_ids[i]`` at ``positions[i]``; ``block_tables[i]`` its blocks)."""
+        ``input_ids[i]`` at ``positions[i]``; ``block_tables[i]`` its blocks). ``patch``, if
+        given, may then overwrite input ids in the device buffer (``[n]``) before the replay."""
         n = len(input_ids)
         b = self.padded_size(n)
         assert b is not None, f"decode batch {n} exceeds the largest captured size"
@@ -140,6 +142,8 @@ class DecodeGraphs:
             self.slot_block[n:b].fill_(-1)
             self.input_ids[n:b].zero_()
             self.positions[n:b].zero_()
+        if patch is not None:
+            patch(self.input_ids[:n])
         graph = self._graphs.get(b)
         if graph is None:  # not captured (eager mode, CPU tests)
             return self.forward(self.input_ids[:b], self.positions[:b], self._metadata[b])[:n]

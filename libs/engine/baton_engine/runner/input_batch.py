@@ -27,6 +27,9 @@ class CachedRequestState:
     num_computed_tokens: int
     generator: torch.Generator | None
     token_ids: list[int] = field(default_factory=list)  # prompt + output
+    # Tokens sampled by launched steps whose ids are still on the device: the last is the
+    # input of this request's next decode (see ModelRunner.launch).
+    num_pending: int = 0
 
     def __post_init__(self) -> None:
         self.token_ids = self.prompt_token_ids + self.output_token_ids
@@ -95,8 +98,7 @@ class InputBatch:
         if state is not None:
             self._free_rows.append(state.row)
 
-    def append_token(self, req_id: str, token_id: int) -> None:
-        state = self.requests[req_id]
+    def append_token(self, state: CachedRequestState, token_id: int) -> None:
         if len(state.token_ids) < self.token_table.shape[1]:  # the last token needs no slot
             self.token_table[state.row, len(state.token_ids)] = token_id
         state.output_token_ids.append(token_id)

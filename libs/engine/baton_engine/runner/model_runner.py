@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import logging
+import time
 from collections.abc import Iterable
 
 import numpy as np
@@ -18,6 +20,20 @@ from baton_kernels.attention import AttentionMetadata, KVCacheView, create_atten
 from baton_kernels.cpu_linear import pack_linears
 
 logger = logging.getLogger(__name__)
+
+
+def _host_free(state: CachedRequestState) -> bool:
+    """Sampling needs none of the request's own tokens on the host: no penalties, no logprobs,
+    past ``min_tokens`` (counting only tokens already reported)."""
+    sp = state.sampling_params
+    return (
+        sp.logprobs is None
+        and sp.prompt_logprobs is None
+        and sp.presence_penalty == 0.0
+        and sp.frequency_penalty == 0.0
+        and sp.repetition_penalty == 1.0
+        and len(state.output_token_ids) >= sp.min_tokens
+    )
 
 
 def _plain_greedy(state: CachedRequestState) -> bool:
@@ -70,12 +86,27 @@ class ModelRunner:
         self._input_ids = np.zeros(max_num_batched_tokens, dtype=np.int64)
         self._positions = np.zeros(max_num_batched_tokens, dtype=np.int64)
         self._arange = np.arange(max_num_batched_tokens, dtype=np.int64)
+        # The last launched step's sampled ids (on the device) and each sampled request's
+        # index into them: the inputs of the next step's decodes while still pending.
+        self._last_sampled: torch.Tensor | None = None
+        self._last_sampled_index: dict[str, int] = {}
+        self._host_flip = 0
+        self._host_ids = [
+            torch.empty(max_num_seqs, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+            for _ in range(2)
+        ]
         with torch.device("meta"):
             self.model = LlamaForCausalLM(model_config, max_model_len)
         self.model.to_empty(device=self.device).to(dtype)
         self.model.tie_weights()
         self.model.rotary.reset(self.device)
         self.model.eval()
+        if (
+            self.device.type == "cuda"
+            and self.backend.name != "torch"  # the reference keeps the reference ops too
+            and importlib.util.find_spec("triton") is not None
+        ):
+            self.model.use_fused_kernels()
         self.kv_pool: torch.Tensor | None = None
         self.kv_caches: list[KVCacheView] = []
 
@@ -122,6 +153,19 @@ class ModelRunner:
             device=self.device,
         )
         self.kv_caches = [KVCacheView(self.kv_pool[:, layer]) for layer in range(cfg.num_layers)]
+
+    @torch.inference_mode()
+    def warmup_kernels(self) -> None:
+        """Compile the attention backend's kernel variants before serving (GPU backends that
+        JIT-compile per variant), after ``initialize_kv_cache``."""
+        warmup = getattr(self.backend, "warmup", None)
+        if warmup is None or not self.kv_caches:
+            return
+        start = time.perf_counter()
+        warmup(self.kv_caches[0], self.model_config.num_heads)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        logger.info("attention kernels ready in %.1f s", time.perf_counter() - start)
 
     def enable_decode_graphs(self, capture: bool) -> bool:
         """Run decode-only steps through persistent buffers, from CUDA graphs when ``capture``
@@ -190,9 +234,29 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step and wait for its sampled tokens."""
+        return self.launch(so).result()
+
+    def can_run_ahead(self, so: SchedulerOutput) -> bool:
+        """Whether ``so`` may be launched while the previous step's tokens are still on the
+        device: none of its requests with a pending token needs its tokens on the host
+        (penalties, logprobs, ``min_tokens``)."""
+        states = self.batch.requests
+        for cached in so.scheduled_cached_reqs:
+            state = states.get(cached.req_id)
+            if state is not None and state.num_pending and not _host_free(state):
+                return False
+        return True
+
+    @torch.inference_mode()
+    def launch(self, so: SchedulerOutput) -> StepHandle:
+        """Start one step: its inputs, the forward pass and sampling are queued on the device,
+        and the handle's ``result()`` waits for the sampled token ids. A decode whose input
+        token is still pending (sampled by the step launched before, not yet reported) takes
+        it from that step's device tensor, so the host need not wait between steps."""
         self.batch.update(so)
         if so.is_empty:
-            return ModelRunnerOutput({})
+            return StepHandle.ready(ModelRunnerOutput({}))
         states = self.batch.requests
         # Decodes first, then fresh prefill chunks by length, then chunks with cached context:
         # the attention backend batches the first two kinds.
@@ -226,29 +290,65 @@ class ModelRunner:
             )
             logits = self.model.compute_logits(hidden[last_token])
         if not sample_rows:
-            return ModelRunnerOutput({}, prompt_logprobs=prompt_logprobs)
+            return StepHandle.ready(ModelRunnerOutput({}, prompt_logprobs=prompt_logprobs))
         sampled_reqs = [reqs[i] for i in sample_rows]
-        sampled: dict[str, int] = {}
+        for state in sampled_reqs:
+            state.num_pending += 1
         logprobs: dict[str, TokenLogprobs] = {}
         if all(_plain_greedy(s) for s in sampled_reqs):
             # Nothing to process or report: the argmax alone (what the sampler would return).
-            for state, token_id in zip(sampled_reqs, logits.argmax(dim=-1).tolist(), strict=True):
-                sampled[state.req_id] = token_id
-                self.batch.append_token(state.req_id, token_id)
-            return ModelRunnerOutput(sampled, prompt_logprobs=prompt_logprobs)
-        out = self.sampler(logits, self._sampling_metadata(sampled_reqs))
-        token_ids = out.sampled_token_ids.tolist()
-        for j, (state, token_id) in enumerate(zip(sampled_reqs, token_ids, strict=True)):
-            sampled[state.req_id] = token_id
-            self.batch.append_token(state.req_id, token_id)
-            if out.logprobs is not None and state.sampling_params.logprobs is not None:
-                n = 1 + state.sampling_params.logprobs
-                logprobs[state.req_id] = TokenLogprobs(
-                    token_ids=out.logprobs.token_ids[j, :n].tolist(),
-                    logprobs=out.logprobs.logprobs[j, :n].tolist(),
-                    rank=int(out.logprobs.ranks[j]),
-                )
-        return ModelRunnerOutput(sampled, logprobs, prompt_logprobs)
+            token_ids = logits.argmax(dim=-1)
+        else:
+            out = self.sampler(logits, self._sampling_metadata(sampled_reqs))
+            token_ids = out.sampled_token_ids
+            if out.logprobs is not None:  # reported per token: read now
+                for j, state in enumerate(sampled_reqs):
+                    if state.sampling_params.logprobs is None:
+                        continue
+                    n = 1 + state.sampling_params.logprobs
+                    logprobs[state.req_id] = TokenLogprobs(
+                        token_ids=out.logprobs.token_ids[j, :n].tolist(),
+                        logprobs=out.logprobs.logprobs[j, :n].tolist(),
+                        rank=int(out.logprobs.ranks[j]),
+                    )
+        self._last_sampled = token_ids
+        self._last_sampled_index = {s.req_id: j for j, s in enumerate(sampled_reqs)}
+        return StepHandle(
+            self.batch, sampled_reqs, self._to_host(token_ids), logprobs, prompt_logprobs
+        )
+
+    def _to_host(self, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """Start copying the sampled ids to the host (pinned, alternating between two buffers:
+        one step's copy may still be unread while the next is launched)."""
+        if self.device.type != "cuda":
+            return token_ids, None
+        n = token_ids.shape[0]
+        self._host_flip ^= 1
+        host = self._host_ids[self._host_flip][:n]
+        host.copy_(token_ids, non_blocking=True)
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record()
+        return host, event
+
+    def _patch_pending(
+        self, reqs: list[CachedRequestState], positions: np.ndarray, ids: torch.Tensor
+    ) -> None:
+        """Fill the input ids (``ids``, on the device, one per token of the step) of decodes
+        whose input token is still pending, from the last launched step's sampled ids."""
+        last = self._last_sampled
+        if last is None:
+            return
+        dst: list[int] = []
+        src: list[int] = []
+        index = self._last_sampled_index
+        for i, state in enumerate(reqs):
+            if state.num_pending and positions[i] == len(state.token_ids):
+                dst.append(i)
+                src.append(index[state.req_id])
+        if dst:
+            where = torch.tensor(dst, dtype=torch.long).to(self.device, non_blocking=True)
+            which = torch.tensor(src, dtype=torch.long).to(self.device, non_blocking=True)
+            ids.index_copy_(0, where, last.index_select(0, which))
 
     def _prompt_logprobs(
         self, reqs: list[CachedRequestState], md: AttentionMetadata, hidden: torch.Tensor
@@ -293,8 +393,11 @@ class ModelRunner:
             block_tables=table,
             slot_block=table[np.arange(n), pos // bs],
             slot_offset=pos % bs,
+            patch=lambda ids: self._patch_pending(reqs, pos, ids),
         )
-        sample_rows = [i for i, s in enumerate(reqs) if pos[i] + 1 == len(s.token_ids)]
+        sample_rows = [
+            i for i, s in enumerate(reqs) if pos[i] + 1 == len(s.token_ids) + s.num_pending
+        ]
         return hidden, sample_rows
 
     def _prepare_inputs(
@@ -318,7 +421,9 @@ class ModelRunner:
         seq_lens = ends.tolist()
         query_start_loc = cu.tolist()
         # the last chunk of a prompt (or a decode): its last logits are sampled
-        sample_rows = [i for i, s in enumerate(reqs) if seq_lens[i] == len(s.token_ids)]
+        sample_rows = [
+            i for i, s in enumerate(reqs) if seq_lens[i] == len(s.token_ids) + s.num_pending
+        ]
         num_decodes = int(np.count_nonzero(counts == 1))
         max_blocks = -(max(seq_lens) // -bs)
         table = torch.from_numpy(self.batch.block_table[rows, :max_blocks])
@@ -354,12 +459,12 @@ class ModelRunner:
             max_decode_blocks=max_decode_blocks,
             decode_seq_lens=decode_lens.to(dev) if decode_lens is not None else None,
         )
-        return (
-            torch.from_numpy(input_ids).to(dev),
-            torch.from_numpy(pos).to(dev),
-            metadata,
-            sample_rows,
-        )
+        ids = torch.from_numpy(input_ids).to(dev)
+        if any(s.num_pending for s in reqs):
+            # a pending request runs a one-token decode: its token index is its row (decodes
+            # come first)
+            self._patch_pending(reqs, starts, ids)
+        return ids, torch.from_numpy(pos).to(dev), metadata, sample_rows
 
     def _sampling_metadata(self, reqs: list[CachedRequestState]) -> SamplingMetadata:
         eos = self.model_config.eos_token_ids
@@ -375,3 +480,46 @@ class ModelRunner:
             generators={i: s.generator for i, s in enumerate(reqs) if s.generator is not None},
             suppressed_token_ids=suppressed,
         )
+
+
+class StepHandle:
+    """A launched step. ``result()`` waits for its sampled token ids, records them in the
+    runner's request state (unless the request was dropped meanwhile) and returns the output."""
+
+    def __init__(
+        self,
+        batch: InputBatch,
+        sampled_reqs: list[CachedRequestState],
+        host: tuple[torch.Tensor, torch.cuda.Event | None],
+        logprobs: dict[str, TokenLogprobs],
+        prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]],
+    ) -> None:
+        self._batch = batch
+        self._reqs = sampled_reqs
+        self._host = host
+        self._logprobs = logprobs
+        self._prompt_logprobs = prompt_logprobs
+        self._output: ModelRunnerOutput | None = None
+
+    @classmethod
+    def ready(cls, output: ModelRunnerOutput) -> StepHandle:
+        handle = cls.__new__(cls)
+        handle._output = output
+        return handle
+
+    def result(self) -> ModelRunnerOutput:
+        if self._output is not None:
+            return self._output
+        ids, event = self._host
+        if event is not None:
+            event.synchronize()
+        token_ids = ids.tolist()
+        live = self._batch.requests
+        sampled: dict[str, int] = {}
+        for state, token_id in zip(self._reqs, token_ids, strict=True):
+            sampled[state.req_id] = token_id
+            state.num_pending -= 1
+            if live.get(state.req_id) is state:
+                self._batch.append_token(state, token_id)
+        self._output = ModelRunnerOutput(sampled, self._logprobs, self._prompt_logprobs)
+        return self._output
