@@ -86,6 +86,7 @@ def run_all(core: EngineCore, prompts: list[list[int]], params: SamplingParams) 
         core.add_request(f"r{i}", p, params)
     tokens: dict[str, list[int]] = {}
     decode_steps: list[tuple[int, float]] = []  # (batch, seconds) of decode-only steps
+    other_steps: list[float] = []  # seconds of steps with prompt tokens
     first_token: float | None = None
     start = time.perf_counter()
     while core.has_unfinished_requests():
@@ -97,6 +98,8 @@ def run_all(core: EngineCore, prompts: list[list[int]], params: SamplingParams) 
             first_token = time.perf_counter()
         if outs and len(outs) == so_running and not core.scheduler.num_waiting:
             decode_steps.append((len(outs), dt))
+        else:
+            other_steps.append(dt)
         for o in outs:
             tokens.setdefault(o.req_id, []).extend(o.new_token_ids)
     elapsed = time.perf_counter() - start
@@ -105,6 +108,7 @@ def run_all(core: EngineCore, prompts: list[list[int]], params: SamplingParams) 
         "elapsed": elapsed,
         "first_token": (first_token or start) - start,
         "decode_steps": decode_steps,
+        "other_steps": other_steps,
     }
 
 
@@ -123,7 +127,14 @@ def check_backends(model: Path, args: argparse.Namespace) -> None:
     for dtype in ("float32", "bfloat16"):
         runs = {}
         for backend in ("torch", "triton"):
-            core = engine(model, args, dtype=dtype, attention_backend=backend, max_num_seqs=8)
+            core = engine(
+                model,
+                args,
+                dtype=dtype,
+                attention_backend=backend,
+                max_num_seqs=8,
+                async_scheduling=backend != "torch",  # the reference runs synchronously
+            )
             runs[backend] = run_all(core, prompts, params)["tokens"]
             del core
             free()
@@ -228,9 +239,13 @@ def bench_baton(name: str, model: Path, args: argparse.Namespace) -> None:
     mc = ModelConfig.from_path(model)
     prompts = random_prompts(args.num_prompts, args.prompt_len, mc.vocab_size)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-    for max_seqs in (64, args.num_prompts, 1):
+    modes = [True, False] if args.compare_sync else [True]
+    for max_seqs, async_scheduling in [
+        (int(b) or args.num_prompts, m) for b in args.batches.split(",") for m in modes
+    ]:
         batch_prompts = prompts[:1] if max_seqs == 1 else prompts
-        core = engine(model, args, max_num_seqs=max_seqs)
+        core = engine(model, args, max_num_seqs=max_seqs, async_scheduling=async_scheduling)
+        name_mode = f"{name}{'' if async_scheduling else ' (sync)'}"
         run_all(core, random_prompts(min(4, max_seqs), 32, mc.vocab_size, seed=9), params)  # warm
         r = run_all(core, batch_prompts, params)
         n_out = sum(len(t) for t in r["tokens"].values())
@@ -248,6 +263,7 @@ def bench_baton(name: str, model: Path, args: argparse.Namespace) -> None:
         row = {
             "shape": name,
             "engine": "baton",
+            "async_scheduling": async_scheduling,
             "batch": max_seqs,
             "output_tok_s": tps,
             "roofline_tok_s": roof,
@@ -259,7 +275,15 @@ def bench_baton(name: str, model: Path, args: argparse.Namespace) -> None:
         }
         RESULTS["throughput"].append(row)
         replay_txt = f"{replay * 1e3:.2f}" if replay is not None else "-"
-        print(f"{name:6} baton batch {max_seqs:>3}: {tps:9.0f} tok/s ({tps / roof:5.1%} of "
+        other = r["other_steps"]
+        row["prompt_steps"] = len(other)
+        row["prompt_steps_s"] = sum(other)
+        row["decode_steps_s"] = sum(dt for _, dt in r["decode_steps"])
+        print(f"{name_mode:6} baton batch {max_seqs:>3}: {len(other)} steps with prompt tokens "
+              f"{sum(other):.2f} s (longest {max(other, default=0) * 1e3:.0f} ms), "
+              f"{len(r['decode_steps'])} decode-only steps {row['decode_steps_s']:.2f} s, "
+              f"first token {r['first_token']:.2f} s", flush=True)  # fmt: skip
+        print(f"{name_mode:6} baton batch {max_seqs:>3}: {tps:9.0f} tok/s ({tps / roof:5.1%} of "
               f"roofline {roof:.0f}); decode step {step_wall * 1e3:.2f} ms wall, graph "
               f"{replay_txt} ms GPU", flush=True)  # fmt: skip
         del core
@@ -316,6 +340,8 @@ def main() -> int:
     p.add_argument("--num-prompts", type=int, default=256)
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--batches", default="64,0,1", help="max_num_seqs values (0: all prompts)")
+    p.add_argument("--compare-sync", action="store_true", help="also without async scheduling")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers comparison")
     p.add_argument("--no-checks", action="store_true")
     p.add_argument("--no-throughput", action="store_true")
