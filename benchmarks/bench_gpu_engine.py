@@ -239,9 +239,11 @@ def bench_baton(name: str, model: Path, args: argparse.Namespace) -> None:
     mc = ModelConfig.from_path(model)
     prompts = random_prompts(args.num_prompts, args.prompt_len, mc.vocab_size)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-    modes = [True, False] if args.compare_sync else [True]
+    sync_too = {int(b) for b in args.compare_sync.split(",") if b}
     for max_seqs, async_scheduling in [
-        (int(b) or args.num_prompts, m) for b in args.batches.split(",") for m in modes
+        (int(b) or args.num_prompts, m)
+        for b in args.batches.split(",")
+        for m in ([True, False] if int(b) in sync_too else [True])
     ]:
         batch_prompts = prompts[:1] if max_seqs == 1 else prompts
         core = engine(model, args, max_num_seqs=max_seqs, async_scheduling=async_scheduling)
@@ -341,7 +343,9 @@ def main() -> int:
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--batches", default="64,0,1", help="max_num_seqs values (0: all prompts)")
-    p.add_argument("--compare-sync", action="store_true", help="also without async scheduling")
+    p.add_argument(
+        "--compare-sync", default="", help="batches (as --batches) to run without async too"
+    )
     p.add_argument("--no-hf", action="store_true", help="skip the transformers comparison")
     p.add_argument("--no-checks", action="store_true")
     p.add_argument("--no-throughput", action="store_true")

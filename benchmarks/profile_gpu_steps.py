@@ -9,7 +9,9 @@ Prints each profiled step's wall time and the top kernels / host ops by time.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
+import pstats
 import sys
 import time
 from pathlib import Path
@@ -32,6 +34,7 @@ def main() -> int:
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--rows", type=int, default=18)
+    p.add_argument("--cprofile", action="store_true", help="also profile the host in Python")
     args = p.parse_args()
     for name in args.shapes.split(","):
         model = SHAPES[name]
@@ -57,6 +60,17 @@ def main() -> int:
         for i, prompt in enumerate(random_prompts(args.num_prompts, args.prompt_len,
                                                   mc.vocab_size, seed=7)):  # fmt: skip
             core.add_request(f"p-{i}", prompt, params)
+        if args.cprofile:  # the host side of decode steps, by Python function
+            for _ in range(30):
+                core.step()
+            host = cProfile.Profile()
+            host.enable()
+            for _ in range(100):
+                core.step()
+            host.disable()
+            print(f"--- {name}: host time of 100 decode steps (cProfile) ---")
+            pstats.Stats(host).sort_stats("tottime").print_stats(args.rows)
+            pstats.Stats(host).sort_stats("cumulative").print_stats(args.rows)
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
         for label, nsteps in (("prompt steps", 2), ("skip", 20), ("decode steps", 5)):
             if label == "skip":

@@ -22,13 +22,14 @@ class RequestStatus(enum.Enum):
 
     @property
     def is_finished(self) -> bool:
-        return self in _FINISHED
+        return self._value_ >= _FIRST_FINISHED  # an int compare: runs per request per step
 
     @property
     def finish_reason(self) -> str | None:
         return _FINISH_REASONS.get(self)
 
 
+_FIRST_FINISHED = RequestStatus.FINISHED_STOPPED._value_  # every later member is finished too
 _FINISHED = {
     RequestStatus.FINISHED_STOPPED,
     RequestStatus.FINISHED_LENGTH,
@@ -116,6 +117,15 @@ class Request:
     def check_stop(self) -> RequestStatus | None:
         """The finished status the last sampled token causes, or None to keep going."""
         sp = self.sampling_params
+        out = self.output_token_ids
+        if (  # the common case, first: nothing can stop it (one test of each cause)
+            out
+            and len(out) < self.max_tokens
+            and not self.prefill_only
+            and (sp.ignore_eos or out[-1] not in self.eos_token_ids)
+            and out[-1] not in sp.stop_token_ids
+        ):
+            return None
         if self.output_token_ids:
             last = self.output_token_ids[-1]
             if self.num_output_tokens >= sp.min_tokens:

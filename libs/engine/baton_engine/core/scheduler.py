@@ -162,11 +162,21 @@ class Scheduler:
         cached_reqs: list[CachedRequestData] = []
         preempted: set[str] = set()
 
+        threshold = self.long_prefill_token_threshold
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = self._num_new_tokens(request, request.num_computed_tokens, budget)
-            if num_new <= 0 or not request.may_run_ahead:
+            # _num_new_tokens, inlined: this loop runs for every running request every step
+            num_new = (
+                len(request.prompt_token_ids)
+                + len(request.output_token_ids)
+                + request.num_pending_tokens
+                - request.num_computed_tokens
+            )
+            if 0 < threshold < num_new:
+                num_new = threshold
+            num_new = min(num_new, budget)
+            if num_new <= 0 or (request.num_pending_tokens and not request.may_run_ahead):
                 i += 1
                 continue
             new_block_ids = self.kv.allocate_slots(request, num_new)
@@ -224,10 +234,12 @@ class Scheduler:
             budget -= num_new
 
         scheduled = []
+        requests = self.requests
         for req_id, num_new in num_scheduled.items():
-            request = self.requests[req_id]
-            request.num_computed_tokens += num_new
-            if request.num_computed_tokens == request.num_tokens + request.num_pending_tokens:
+            request = requests[req_id]
+            computed = request.num_computed_tokens + num_new
+            request.num_computed_tokens = computed
+            if computed == request.num_tokens + request.num_pending_tokens:
                 request.num_pending_tokens += 1  # this step samples its next token
             scheduled.append(request)
         finished, self._finished_req_ids = self._finished_req_ids, set()
@@ -289,19 +301,32 @@ class Scheduler:
         outputs: list[EngineCoreOutput] = []
         sampled = runner_output.sampled_token_ids
         prompt_logprobs = runner_output.prompt_logprobs
+        logprobs_of = runner_output.logprobs
         any_finished = False
         for request in self._scheduled.pop(scheduler_output.step_id, ()):
             token_id = sampled.get(request.req_id)
             if token_id is not None:
                 request.num_pending_tokens -= 1
-            if request.is_finished():
+            if request.status.is_finished:
                 continue  # its blocks are gone; a token sampled past its end is dropped
             if prompt_logprobs:
                 _add_prompt_logprobs(request, prompt_logprobs.get(request.req_id))
             if token_id is None:  # a prefill chunk that is not the last
                 continue
-            request.append_output_token(token_id)
+            request.output_token_ids.append(token_id)
             status = request.check_stop()
+            if (
+                status is None
+                and not logprobs_of
+                and request.sampling_params.prompt_logprobs is None
+            ):
+                # the common case, built with the fewest lookups
+                outputs.append(
+                    EngineCoreOutput(
+                        request.req_id, [token_id], None, None, None, request.num_cached_tokens
+                    )
+                )
+                continue
             held = None
             if status is not None:
                 if status == RequestStatus.FINISHED_PREFILLED:
@@ -311,7 +336,7 @@ class Scheduler:
                 else:  # preempted after this step was launched
                     self.waiting.remove(request)
                 self._free(request, status)
-            logprobs = runner_output.logprobs.get(request.req_id)
+            logprobs = logprobs_of.get(request.req_id)
             outputs.append(
                 EngineCoreOutput(
                     req_id=request.req_id,

@@ -100,6 +100,16 @@ class KVCacheManager:
         nothing) if the pool cannot supply them. ``cache=False`` leaves the new blocks out of
         the prefix index (their KV arrives later: see ``cache_blocks``).
         """
+        if prefix is None:  # the common case, a running request: often nothing to do
+            table = self._tables.get(request.req_id)
+            if table is not None:
+                end = request.num_computed_tokens + num_new_tokens
+                if end <= len(table) * self.block_size and (
+                    not (self.enable_caching and cache)
+                    or min(end, request.num_tokens) // self.block_size
+                    <= self._num_cached_blocks.get(request.req_id, 0)
+                ):
+                    return []
         table = self._tables.setdefault(request.req_id, [])
         cached = prefix.blocks if prefix is not None else []
         num_computed = request.num_computed_tokens + (prefix.num_cached_tokens if prefix else 0)

@@ -120,17 +120,19 @@ class DecodeGraphs:
         slot_block: np.ndarray,
         slot_offset: np.ndarray,
         patch: Callable[[torch.Tensor], None] | None = None,
+        host: Callable[[np.ndarray], torch.Tensor] = torch.from_numpy,
     ) -> torch.Tensor:
         """Hidden states ``[n, hidden]`` of a decode step of ``n`` requests (row i: token
         ``input_ids[i]`` at ``positions[i]``; ``block_tables[i]`` its blocks). ``patch``, if
-        given, may then overwrite input ids in the device buffer (``[n]``) before the replay."""
+        given, may then overwrite input ids in the device buffer (``[n]``) before the replay.
+        ``host`` makes the CPU tensors copied from (``torch.from_numpy`` or pinned staging)."""
         n = len(input_ids)
         b = self.padded_size(n)
         assert b is not None, f"decode batch {n} exceeds the largest captured size"
         self.num_steps[b] = self.num_steps.get(b, 0) + 1
         num_blocks = block_tables.shape[1]
-        # One host-to-device copy per buffer; the padding rows are reset each time.
-        host = torch.from_numpy
+        # One host-to-device copy per buffer (from ``host``'s tensors: pinned ones never wait
+        # for the stream); the padding rows are reset each time.
         self.input_ids[:n].copy_(host(input_ids), non_blocking=True)
         self.positions[:n].copy_(host(positions), non_blocking=True)
         self.block_tables[:n, :num_blocks].copy_(host(block_tables), non_blocking=True)

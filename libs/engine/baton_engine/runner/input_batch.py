@@ -31,8 +31,24 @@ class CachedRequestState:
     # input of this request's next decode (see ModelRunner.launch).
     num_pending: int = 0
 
+    # sampling that reads nothing of the request's own tokens but min_tokens (set below)
+    host_free: bool = False
+    # and greedy with nothing reported: the argmax alone
+    plain_greedy: bool = False
+    wants_prompt_logprobs: bool = False
+
     def __post_init__(self) -> None:
         self.token_ids = self.prompt_token_ids + self.output_token_ids
+        sp = self.sampling_params
+        self.host_free = (
+            sp.logprobs is None
+            and sp.prompt_logprobs is None
+            and sp.presence_penalty == 0.0
+            and sp.frequency_penalty == 0.0
+            and sp.repetition_penalty == 1.0
+        )
+        self.plain_greedy = self.host_free and sp.is_greedy
+        self.wants_prompt_logprobs = sp.prompt_logprobs is not None
 
 
 class InputBatch:

@@ -15,6 +15,7 @@ from baton_engine.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenL
 from baton_engine.models import LlamaForCausalLM
 from baton_engine.runner.cuda_graphs import DecodeGraphs
 from baton_engine.runner.input_batch import CachedRequestState, InputBatch
+from baton_engine.runner.staging import InputStaging
 from baton_engine.sampler import Sampler, SamplingMetadata, compute_logprobs
 from baton_kernels.attention import AttentionMetadata, KVCacheView, create_attention_backend
 from baton_kernels.cpu_linear import pack_linears
@@ -25,29 +26,13 @@ logger = logging.getLogger(__name__)
 def _host_free(state: CachedRequestState) -> bool:
     """Sampling needs none of the request's own tokens on the host: no penalties, no logprobs,
     past ``min_tokens`` (counting only tokens already reported)."""
-    sp = state.sampling_params
-    return (
-        sp.logprobs is None
-        and sp.prompt_logprobs is None
-        and sp.presence_penalty == 0.0
-        and sp.frequency_penalty == 0.0
-        and sp.repetition_penalty == 1.0
-        and len(state.output_token_ids) >= sp.min_tokens
-    )
+    return state.host_free and len(state.output_token_ids) >= state.sampling_params.min_tokens
 
 
 def _plain_greedy(state: CachedRequestState) -> bool:
     """Greedy with nothing that changes or reports the logits: no penalties, no logprobs, no
     tokens suppressed below ``min_tokens``."""
-    sp = state.sampling_params
-    return (
-        sp.is_greedy
-        and sp.logprobs is None
-        and sp.presence_penalty == 0.0
-        and sp.frequency_penalty == 0.0
-        and sp.repetition_penalty == 1.0
-        and len(state.output_token_ids) >= sp.min_tokens
-    )
+    return state.plain_greedy and len(state.output_token_ids) >= state.sampling_params.min_tokens
 
 
 class ModelRunner:
@@ -91,6 +76,11 @@ class ModelRunner:
         self._last_sampled: torch.Tensor | None = None
         self._last_sampled_index: dict[str, int] = {}
         self._host_flip = 0
+        # room for one step's inputs: the block table, and a few int64 arrays per token
+        max_blocks = -(max_model_len // -block_size)
+        self.staging = InputStaging(
+            self.device, 8 * (max_num_seqs * max_blocks + 8 * max_num_batched_tokens) + (1 << 16)
+        )
         self._host_ids = [
             torch.empty(max_num_seqs, dtype=torch.int64, pin_memory=self.device.type == "cuda")
             for _ in range(2)
@@ -257,36 +247,41 @@ class ModelRunner:
         self.batch.update(so)
         if so.is_empty:
             return StepHandle.ready(ModelRunnerOutput({}))
+        self.staging.next_step()
         states = self.batch.requests
         # Decodes first, then fresh prefill chunks by length, then chunks with cached context:
         # the attention backend batches the first two kinds.
         num_sched = so.num_scheduled_tokens
-        order = sorted(
-            num_sched,
-            key=lambda r: (num_sched[r] != 1, states[r].num_computed_tokens > 0, num_sched[r]),
-        )
+        one_token_each = so.total_num_scheduled_tokens == len(num_sched)
+        if one_token_each:  # all count as decodes: any order will do
+            order = list(num_sched)
+        else:
+            order = sorted(
+                num_sched,
+                key=lambda r: (num_sched[r] != 1, states[r].num_computed_tokens > 0, num_sched[r]),
+            )
         reqs = [states[r] for r in order]
-        num_new = [so.num_scheduled_tokens[r] for r in order]
+        num_new = [num_sched[r] for r in order]
         graphs = self.graphs
         prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = {}
-        wants_prompt_logprobs = [s.sampling_params.prompt_logprobs is not None for s in reqs]
+        wants_prompt_logprobs = any(s.wants_prompt_logprobs for s in reqs)
         if (
             graphs is not None
-            and so.total_num_scheduled_tokens == len(reqs)
+            and one_token_each
             and len(reqs) <= graphs.max_batch_size
-            and not any(wants_prompt_logprobs)
+            and not wants_prompt_logprobs
         ):
             hidden, sample_rows = self._run_decode_graph(graphs, reqs)
-            logits = self.model.compute_logits(hidden[sample_rows] if sample_rows else hidden[:0])
+            if len(sample_rows) < len(reqs):
+                hidden = hidden[self.staging.to_device(sample_rows, torch.long)]
+            logits = self.model.compute_logits(hidden)
         else:
             input_ids, positions, metadata, sample_rows = self._prepare_inputs(reqs, num_new)
             hidden = self.model(input_ids, positions, self.kv_caches, metadata, self.backend)
-            if any(wants_prompt_logprobs):
+            if wants_prompt_logprobs:
                 prompt_logprobs = self._prompt_logprobs(reqs, metadata, hidden)
-            last_token = torch.tensor(
-                [metadata.query_start_loc[i + 1] - 1 for i in sample_rows],
-                dtype=torch.long,  # an empty list (no chunk ends this step) would be float
-                device=self.device,
+            last_token = self.staging.to_device(
+                [metadata.query_start_loc[i + 1] - 1 for i in sample_rows], torch.long
             )
             logits = self.model.compute_logits(hidden[last_token])
         if not sample_rows:
@@ -345,10 +340,15 @@ class ModelRunner:
             if state.num_pending and positions[i] == len(state.token_ids):
                 dst.append(i)
                 src.append(index[state.req_id])
-        if dst:
-            where = torch.tensor(dst, dtype=torch.long).to(self.device, non_blocking=True)
-            which = torch.tensor(src, dtype=torch.long).to(self.device, non_blocking=True)
-            ids.index_copy_(0, where, last.index_select(0, which))
+        if not dst:
+            return
+        n = len(dst)
+        if dst[-1] == n - 1 and src == dst:  # the usual decode batch: same requests, same order
+            ids[:n].copy_(last[:n])
+            return
+        where = self.staging.to_device(dst, torch.long)
+        which = self.staging.to_device(src, torch.long)
+        ids.index_copy_(0, where, last.index_select(0, which))
 
     def _prompt_logprobs(
         self, reqs: list[CachedRequestState], md: AttentionMetadata, hidden: torch.Tensor
@@ -394,6 +394,7 @@ class ModelRunner:
             slot_block=table[np.arange(n), pos // bs],
             slot_offset=pos % bs,
             patch=lambda ids: self._patch_pending(reqs, pos, ids),
+            host=lambda a: self.staging.host(a, torch.int64),
         )
         sample_rows = [
             i for i, s in enumerate(reqs) if pos[i] + 1 == len(s.token_ids) + s.num_pending
@@ -426,17 +427,19 @@ class ModelRunner:
         ]
         num_decodes = int(np.count_nonzero(counts == 1))
         max_blocks = -(max(seq_lens) // -bs)
-        table = torch.from_numpy(self.batch.block_table[rows, :max_blocks])
-        slot_block = torch.from_numpy(self.batch.block_table[token_rows, pos // bs])
-        slot_offset = torch.from_numpy(pos % bs)
+        stage = self.staging.to_device
+        table = stage(self.batch.block_table[rows, :max_blocks], torch.int64)
+        slot_block = stage(self.batch.block_table[token_rows, pos // bs], torch.int64)
+        slot_offset = stage(pos % bs, torch.int64)
         decode_bias = None
         decode_lens = None
         max_decode_blocks = 0
-        if num_decodes and self.backend.name == "triton":
+        triton = self.backend.name == "triton"
+        if num_decodes and triton:
             # The Triton kernels read the lengths; the others may fall back to the masked
             # reference.
             max_decode_blocks = -(max(seq_lens[:num_decodes]) // -bs)
-            decode_lens = torch.tensor(seq_lens[:num_decodes])
+            decode_lens = stage(ends[:num_decodes], torch.int64)
         elif num_decodes:
             max_decode_blocks = -(max(seq_lens[:num_decodes]) // -bs)
             lens = decode_lens = torch.tensor(seq_lens[:num_decodes])
@@ -444,27 +447,30 @@ class ModelRunner:
             decode_bias = torch.zeros(invalid.shape, dtype=self.dtype).masked_fill_(
                 invalid, float("-inf")
             )
-            decode_bias = decode_bias.view(num_decodes, 1, 1, -1)
-        dev = self.device
+            decode_bias = decode_bias.view(num_decodes, 1, 1, -1).to(self.device)
+            decode_lens = decode_lens.to(self.device)
         metadata = AttentionMetadata(
             num_reqs=len(reqs),
             num_decodes=num_decodes,
             num_tokens=num_tokens,
             query_start_loc=query_start_loc,
             seq_lens=seq_lens,
-            block_tables=table.to(dev),
-            slot_block=slot_block.to(dev),
-            slot_offset=slot_offset.to(dev),
-            decode_bias=decode_bias.to(dev) if decode_bias is not None else None,
+            block_tables=table,
+            slot_block=slot_block,
+            slot_offset=slot_offset,
+            decode_bias=decode_bias,
             max_decode_blocks=max_decode_blocks,
-            decode_seq_lens=decode_lens.to(dev) if decode_lens is not None else None,
+            decode_seq_lens=decode_lens,
+            # the Triton kernels' int32 offsets and lengths, staged with the rest
+            query_start_loc_tensor=stage(cu, torch.int32) if triton else None,
+            seq_lens_tensor=stage(ends, torch.int32) if triton else None,
         )
-        ids = torch.from_numpy(input_ids).to(dev)
+        ids = stage(input_ids, torch.int64)
         if any(s.num_pending for s in reqs):
             # a pending request runs a one-token decode: its token index is its row (decodes
             # come first)
             self._patch_pending(reqs, starts, ids)
-        return ids, torch.from_numpy(pos).to(dev), metadata, sample_rows
+        return ids, stage(pos, torch.int64), metadata, sample_rows
 
     def _sampling_metadata(self, reqs: list[CachedRequestState]) -> SamplingMetadata:
         eos = self.model_config.eos_token_ids

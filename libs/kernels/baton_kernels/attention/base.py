@@ -51,6 +51,9 @@ class AttentionMetadata:
     decode_bias: torch.Tensor | None
     max_decode_blocks: int  # blocks the longest decode needs
     decode_seq_lens: torch.Tensor | None = None  # [num_decodes] int64, for in-place kernels
+    # query_start_loc and seq_lens already on the device (int32), when the caller staged them
+    query_start_loc_tensor: torch.Tensor | None = None
+    seq_lens_tensor: torch.Tensor | None = None
 
     def query_len(self, i: int) -> int:
         return self.query_start_loc[i + 1] - self.query_start_loc[i]

@@ -113,16 +113,12 @@ class TritonAttentionBackend:
         if nd:
             max_len = md.max_decode_blocks * kv_cache.block_size
             num_splits = choose_num_splits(nd, kv_cache.kv.shape[3], max_len, device)
-        seq_lens = None
-        if has_prefills or md.decode_seq_lens is None:
+        seq_lens = md.seq_lens_tensor
+        if seq_lens is None and (has_prefills or md.decode_seq_lens is None):
             seq_lens = torch.tensor(md.seq_lens, dtype=torch.int32).to(device, non_blocking=True)
-        self._step = _StepTensors(
-            torch.tensor(qsl, dtype=torch.int32).to(device, non_blocking=True)
-            if has_prefills
-            else None,
-            seq_lens,
-            max_prefill_len,
-            num_splits,
-        )
+        query_start_loc = md.query_start_loc_tensor
+        if query_start_loc is None and has_prefills:
+            query_start_loc = torch.tensor(qsl, dtype=torch.int32).to(device, non_blocking=True)
+        self._step = _StepTensors(query_start_loc, seq_lens, max_prefill_len, num_splits)
         self._step_key = md
         return self._step
