@@ -20,7 +20,8 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-_SRC = Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = ("paged_attention_cpu.cpp", "fused_ops_cpu.cpp", "bindings.cpp")
 
 
 def _cpu_digest() -> str:
@@ -42,12 +43,12 @@ def load_cpu_ops() -> Any | None:
 
         ops = load(
             name=f"baton_cpu_ops_{_cpu_digest()}",
-            sources=[str(_SRC)],
+            sources=[str(_CSRC / name) for name in _SOURCES],
             extra_cflags=["-O3", "-march=native", "-ffast-math"],
             verbose=False,
         )
     except Exception as e:  # no compiler or ninja: fall back, do not fail the engine
-        logger.warning("CPU attention kernel unavailable (%s); using the PyTorch reference", e)
+        logger.warning("CPU kernels unavailable (%s); using the PyTorch reference", e)
         return None
-    logger.info("CPU attention kernel ready (%.1f s)", time.perf_counter() - start)
+    logger.info("CPU kernels ready (%.1f s)", time.perf_counter() - start)
     return ops

@@ -3,8 +3,9 @@
 Q/K/V and gate/up projections are fused into one matmul each (fewer, larger GEMMs); Hugging Face
 checkpoints are split into them at load time. Layers pass ``(hidden, residual)`` along, so that
 each residual add and the RMSNorm after it can be one kernel; ``use_fused_kernels()`` (GPU)
-switches the residual add + norm, the rotary embedding and SiLU-and-multiply to Triton kernels
-(``baton_kernels.triton.fused_ops``), each replacing a chain of small torch kernels.
+switches the residual add + norm, the rotary embedding and SiLU-and-multiply to fused kernels
+(``baton_kernels.fused``: Triton on GPUs, C++ on CPUs), each replacing a chain of small torch
+kernels.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from torch import nn
 
 from baton_engine.config import ModelConfig
 from baton_engine.models.rotary import FusedRope, RopeTables, RotaryEmbedding
+from baton_kernels import fused
 from baton_kernels.attention import AttentionBackend, AttentionMetadata, KVCacheView
 
 
@@ -37,12 +39,10 @@ class RMSNorm(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``residual += x`` (``x`` alone for the first layer), then the norm of the sum:
         ``(normed, residual)``."""
+        if self.fused:
+            return fused.add_rms_norm(x, residual, self.weight, self.eps)
         if residual is None:
             return self(x), x
-        if self.fused:
-            from baton_kernels.triton.fused_ops import fused_add_rms_norm
-
-            return fused_add_rms_norm(x, residual, self.weight, self.eps)
         residual = residual + x
         return self(residual), residual
 
@@ -97,9 +97,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if self.fused:
-            from baton_kernels.triton.fused_ops import silu_and_mul
-
-            return self.down_proj(silu_and_mul(gate_up))  # type: ignore[no-any-return]
+            return self.down_proj(fused.silu_and_mul(gate_up))  # type: ignore[no-any-return]
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(nn.functional.silu(gate) * up)  # type: ignore[no-any-return]
 
@@ -177,8 +175,8 @@ class LlamaForCausalLM(nn.Module):
         return self.norm.add_forward(hidden, residual)[0]
 
     def use_fused_kernels(self) -> None:
-        """Run the residual add + RMSNorm, the rotary embedding and SiLU-and-multiply as Triton
-        kernels (the GPU's path; the results equal the torch ops' within one rounding)."""
+        """Run the residual add + RMSNorm, the rotary embedding and SiLU-and-multiply as fused
+        kernels (``baton_kernels.fused``; the results equal the torch ops' within a rounding)."""
         self.fused_rope = True
         for module in self.modules():
             if isinstance(module, RMSNorm | MLP):
@@ -199,9 +197,9 @@ class LlamaForCausalLM(nn.Module):
             ):
                 continue
             shard = None
-            for frag, (fused, idx) in _STACKED.items():
+            for frag, (fused_name, idx) in _STACKED.items():
                 if f".{frag}." in name:
-                    name, shard = name.replace(frag, fused), idx
+                    name, shard = name.replace(frag, fused_name), idx
                     break
             param = params.get(name)
             if param is None:

@@ -75,14 +75,14 @@ class RopeTables(NamedTuple):
 
 
 class FusedRope(NamedTuple):
-    """The same rotation by one Triton kernel that rotates q and k in place, reading the table
-    at each token's position (GPU)."""
+    """The same rotation by one fused kernel that rotates q and k in place, reading the table
+    at each token's position (``baton_kernels.fused``)."""
 
     positions: torch.Tensor  # [T]
     cos_sin: torch.Tensor  # [max_positions, 2, D] float32
 
     def apply_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        from baton_kernels.triton.fused_ops import rotary_embedding_
+        from baton_kernels import fused
 
-        rotary_embedding_(q, k, self.positions, self.cos_sin)
+        fused.rotary_embedding_(q, k, self.positions, self.cos_sin)
         return q, k

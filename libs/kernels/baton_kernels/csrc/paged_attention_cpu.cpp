@@ -130,8 +130,3 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor kc, torc
   }
   return out;
 }
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention,
-        "query [R, H, D], caches [blocks, block_size, KVH, D], tables [R, max_blocks] int64, "
-        "seq_lens [R] int64, scale -> [R, H, D]");
-}

@@ -1,0 +1,25 @@
+// The Python module of the CPU kernels (baton_kernels.cpu_ops.load_cpu_ops).
+#include <torch/extension.h>
+
+#include <vector>
+
+torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor kc, torch::Tensor vc,
+                                     torch::Tensor tables, torch::Tensor lens, double scale);
+std::vector<torch::Tensor> fused_add_rms_norm(torch::Tensor x,
+                                              c10::optional<torch::Tensor> residual,
+                                              torch::Tensor weight, double eps);
+void rotary_embedding_(torch::Tensor q, torch::Tensor k, torch::Tensor positions,
+                       torch::Tensor cos_sin);
+torch::Tensor silu_and_mul(torch::Tensor x);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention,
+        "query [R, H, D], caches [blocks, block_size, KVH, D], tables [R, max_blocks] int64, "
+        "seq_lens [R] int64, scale -> [R, H, D]");
+  m.def("fused_add_rms_norm", &fused_add_rms_norm,
+        "x [T, H], residual [T, H] or None (updated in place to x + residual), weight [H], eps "
+        "-> (normed, residual)");
+  m.def("rotary_embedding_", &rotary_embedding_,
+        "q [T, Hq, D], k [T, Hk, D] rotated in place; positions [T] int64; cos_sin [P, 2, D]");
+  m.def("silu_and_mul", &silu_and_mul, "x [T, 2I] -> silu(x[:, :I]) * x[:, I:]");
+}

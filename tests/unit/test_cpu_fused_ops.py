@@ -1,0 +1,111 @@
+"""The C++ fused ops of the CPU path (csrc/fused_ops_cpu.cpp) against the torch ops they replace
+in the model: residual add + RMSNorm, rotary on q and k in place, SiLU-and-multiply. They round
+where torch rounds, so bf16 results agree to the last bit but for float evaluation order."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from baton_engine.models.rotary import RotaryEmbedding
+from baton_kernels import fused
+from baton_kernels.cpu_ops import load_cpu_ops
+
+pytestmark = pytest.mark.skipif(load_cpu_ops() is None, reason="the CPU kernels did not build")
+
+CPU = torch.device("cpu")
+TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1e-2, 1e-2)}
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 7, 33])
+def test_add_rms_norm_matches_torch(dtype: torch.dtype, tokens: int) -> None:
+    torch.manual_seed(tokens)
+    x = torch.randn(tokens, 576).to(dtype)
+    residual = torch.randn(tokens, 576).to(dtype)
+    weight = (1 + 0.1 * torch.randn(576)).to(dtype)
+    want_residual = residual + x
+    want = F.rms_norm(want_residual, (576,), weight, 1e-5)
+    got, got_residual = fused.add_rms_norm(x, residual, weight, 1e-5)
+    assert got_residual.data_ptr() == residual.data_ptr()  # updated in place
+    assert torch.equal(residual, want_residual)
+    close(got, want, dtype)
+    if dtype == torch.bfloat16:  # one rounding, as torch: nearly every element is exact
+        assert (got == want).float().mean() > 0.98
+    first, same = fused.add_rms_norm(x, None, weight, 1e-5)  # the first layer: no residual yet
+    assert same is x
+    close(first, F.rms_norm(x, (576,), weight, 1e-5), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (14, 2, 64), (4, 1, 128)])
+def test_rotary_rotates_qk_views_in_place_like_the_torch_path(
+    dtype: torch.dtype, heads: int, kv_heads: int, dim: int
+) -> None:
+    torch.manual_seed(dim + heads)
+    tokens = 11
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim).to(dtype)
+    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    q = q.view(tokens, heads, dim)
+    k = k.view(tokens, kv_heads, dim)
+    v_before = v.clone()
+    positions = torch.tensor([5, 0, 300, 17, 17, 2, 1023, 64, 9, 8, 100])
+    rope = RotaryEmbedding(dim, 1024, 10000.0)
+    want_q, want_k = rope(positions, dtype).apply_qk(q.clone(), k.clone())
+    fused.rotary_embedding_(q, k, positions, rope.cos_sin)
+    close(q, want_q, dtype)
+    close(k, want_k, dtype)
+    assert torch.equal(v, v_before)
+    if dtype == torch.bfloat16:
+        assert (q == want_q).float().mean() > 0.98
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_matches_torch(dtype: torch.dtype) -> None:
+    torch.manual_seed(3)
+    x = (3 * torch.randn(9, 2 * 1536)).to(dtype)
+    gate, up = x.split(1536, dim=-1)
+    want = F.silu(gate) * up
+    got = fused.silu_and_mul(x)
+    close(got, want, dtype)
+    if dtype == torch.bfloat16:
+        assert (got == want).float().mean() > 0.98
+
+
+def test_bad_input_is_a_clear_error() -> None:
+    x = torch.randn(4, 64)
+    with pytest.raises(RuntimeError, match="weight must be"):
+        fused.add_rms_norm(x, None, torch.ones(32), 1e-5)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        fused.silu_and_mul(x.half())
+    with pytest.raises(RuntimeError, match="positions must be"):
+        fused.rotary_embedding_(
+            x.view(4, 1, 64), x.view(4, 1, 64).clone(), torch.zeros(3, dtype=torch.long),
+            torch.zeros(8, 2, 64),
+        )  # fmt: skip
+
+
+def test_default_cpu_engine_uses_the_fused_ops(default_model_dir: object) -> None:
+    from baton_engine.config import EngineConfig
+    from baton_engine.core.engine_core import EngineCore
+
+    core = EngineCore(
+        EngineConfig(model=str(default_model_dir), max_model_len=256, kv_cache_memory=16 << 20)
+    )
+    assert core.runner.backend.name == "cpu" and core.runner.model.fused_rope
+    reference = EngineCore(
+        EngineConfig(
+            model=str(default_model_dir),
+            max_model_len=256,
+            kv_cache_memory=16 << 20,
+            attention_backend="torch",
+        )
+    )
+    assert not reference.runner.model.fused_rope
