@@ -2,6 +2,7 @@
 
     python benchmarks/serve_vs_offline.py [--num-prompts 64] [--input-len 128] [--output-len 128]
         [--max-concurrency 16] [--dtype bfloat16]
+        [--serve-args '--mode aggregated']
 
 Runs the offline throughput benchmark (``baton bench throughput --no-hf``) on the workload (all
 requests at once, and again with ``--max-num-seqs`` equal to the serving concurrency), then
@@ -45,7 +46,7 @@ def offline(args: argparse.Namespace, out: Path, max_num_seqs: int = 256) -> flo
 def served(args: argparse.Namespace, out_dir: Path) -> dict[str, float]:
     port = free_port()
     server = subprocess.Popen(
-        [*BATON, "serve", "--port", str(port), "--dtype", args.dtype],
+        [*BATON, "serve", "--port", str(port), "--dtype", args.dtype, *args.serve_args.split()],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
     )  # fmt: skip
     try:
@@ -77,6 +78,9 @@ def main() -> int:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--max-concurrency", type=int, default=16)
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument(
+        "--serve-args", default="", help="extra `baton serve` flags, e.g. --mode aggregated"
+    )
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         offline_tps = offline(args, Path(tmp) / "offline.json")
