@@ -9,6 +9,8 @@ most one prefill worker), so each path is exercised on its own:
     nixl      nixl                 nixl                  disaggregated, NIXL READ
     tcp       nixl, UCX_TLS=tcp    nixl, UCX_TLS=tcp     disaggregated, NIXL over TCP
 
+The two "tcp" workers also run with ``--async-scheduling`` (the GPU's default: step N+1 launched
+before step N's tokens are read), so both roles are checked in that mode too.
 ``--remote-prefill-threshold 0`` makes every request of the disaggregated gateways prefill
 remotely. Workers run float32 so greedy tokens do not depend on how requests were batched.
 """
@@ -46,15 +48,16 @@ def stack() -> Iterator[dict[str, Service]]:
         wait_all([services["kvstore"]])
         kv = ["--kvstore", services["kvstore"].address]
         tcp = {"UCX_TLS": "tcp"}
-        for name, kind, transfer, env in (
-            ("prefill", "prefill", "nixl", None),
-            ("prefill_tcp", "prefill", "nixl", tcp),
-            ("decode_grpc", "decode", "grpc", None),
-            ("decode_nixl", "decode", "nixl", None),
-            ("decode_tcp", "decode", "nixl", tcp),
+        asyn = ["--async-scheduling"]
+        for name, kind, transfer, env, extra in (
+            ("prefill", "prefill", "nixl", None, []),
+            ("prefill_tcp", "prefill", "nixl", tcp, asyn),
+            ("decode_grpc", "decode", "grpc", None, []),
+            ("decode_nixl", "decode", "nixl", None, []),
+            ("decode_tcp", "decode", "nixl", tcp, asyn),
         ):
             argv = ["--port", "0", "--worker-id", name, "--kv-transfer", transfer, *kv]
-            services[name] = launch(kind, [*argv, *ENGINE_ARGS], env)
+            services[name] = launch(kind, [*argv, *ENGINE_ARGS, *extra], env)
         wait_all(services.values())
         for name, decode, prefill in (
             ("gw_agg", "decode_grpc", None),

@@ -106,7 +106,7 @@ class SamplingMetadata:
         greedy = [p.is_greedy for p in params]
 
         def floats(values: list[float]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.float32, device=device)
+            return to_device(torch.tensor(values, dtype=torch.float32), device)
 
         top_k = [p.top_k for p in params]
         top_p = [p.top_p for p in params]
@@ -123,7 +123,7 @@ class SamplingMetadata:
             all_greedy=all(greedy),
             all_random=num_rows > 0 and not any(greedy),
             top_k=(
-                torch.tensor(top_k, dtype=torch.int64, device=device)
+                to_device(torch.tensor(top_k, dtype=torch.int64), device)
                 if any(k > 0 for k in top_k)
                 else None
             ),
@@ -177,8 +177,18 @@ def suppress_tokens(logits: torch.Tensor, suppressed_token_ids: Sequence[Sequenc
         if 0 <= t < vocab_size
     ]
     if flat:  # the usual case is nothing suppressed: no tensor, no kernel
-        index = torch.tensor(flat, dtype=torch.int64, device=logits.device)
+        index = to_device(torch.tensor(flat, dtype=torch.int64), logits.device)
         logits.view(-1).index_fill_(0, index, _NEG_INF)
+
+
+def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A small CPU tensor on ``device``; to a GPU through pinned memory, so that the copy does
+    not wait for the work already queued (a copy from pageable memory may, which would stall
+    async scheduling)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:

@@ -482,6 +482,7 @@ class ModelRunner:
             output_token_ids=[s.output_token_ids for s in reqs],
             generators={i: s.generator for i, s in enumerate(reqs) if s.generator is not None},
             suppressed_token_ids=suppressed,
+            device=self.device,
         )
 
 
