@@ -1,4 +1,6 @@
-// The Python module of the CPU kernels (baton_kernels.cpu_ops.load_cpu_ops).
+// The Python module of the CPU kernels (baton_kernels.cpu_ops.load_cpu_ops). Each releases the
+// GIL while it computes (as torch's own ops do): in a worker, the gRPC thread that streams
+// tokens must not wait for a layer's attention or norm.
 #include <torch/extension.h>
 
 #include <vector>
@@ -13,13 +15,14 @@ void rotary_embedding_(torch::Tensor q, torch::Tensor k, torch::Tensor positions
 torch::Tensor silu_and_mul(torch::Tensor x);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention,
+  const auto nogil = py::call_guard<py::gil_scoped_release>();
+  m.def("paged_decode_attention", &paged_decode_attention, nogil,
         "query [R, H, D], caches [blocks, block_size, KVH, D], tables [R, max_blocks] int64, "
         "seq_lens [R] int64, scale -> [R, H, D]");
-  m.def("fused_add_rms_norm", &fused_add_rms_norm,
+  m.def("fused_add_rms_norm", &fused_add_rms_norm, nogil,
         "x [T, H], residual [T, H] or None (updated in place to x + residual), weight [H], eps "
         "-> (normed, residual)");
-  m.def("rotary_embedding_", &rotary_embedding_,
+  m.def("rotary_embedding_", &rotary_embedding_, nogil,
         "q [T, Hq, D], k [T, Hk, D] rotated in place; positions [T] int64; cos_sin [P, 2, D]");
-  m.def("silu_and_mul", &silu_and_mul, "x [T, 2I] -> silu(x[:, :I]) * x[:, I:]");
+  m.def("silu_and_mul", &silu_and_mul, nogil, "x [T, 2I] -> silu(x[:, :I]) * x[:, I:]");
 }
