@@ -132,3 +132,40 @@ def test_async_sampling_equals_sync(tmp_path: Path) -> None:
         torch.cuda.empty_cache()
     assert results[1] == results[0]
     assert all(len(t) == 20 for k, t in results[0].items() if int(k[1:]) % 4 != 3)
+
+
+def test_async_long_chunked_prompt_equals_sync(tmp_path: Path) -> None:
+    """A long prompt alone, chunked over many steps that sample nothing: the host is not held
+    back by any sampled token then, and must still not overwrite the pinned inputs of a step
+    whose copies have not run."""
+    from baton_engine.config import EngineConfig
+    from baton_engine.core.engine_core import EngineCore
+    from baton_engine.sampling_params import SamplingParams
+
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    results = []
+    for async_scheduling in (False, True):
+        core = EngineCore(
+            EngineConfig(
+                model=str(tmp_path),
+                load_format="dummy",
+                dtype="float32",
+                device="cuda",
+                max_model_len=4096,
+                max_num_seqs=4,
+                max_num_batched_tokens=128,  # a 3,000-token prompt: 24 steps without a sample
+                gpu_memory_utilization=0.3,
+                async_scheduling=async_scheduling,
+            )
+        )
+        params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+        core.add_request("long", [(7 * j) % 4000 + 1 for j in range(3000)], params)
+        tokens: list[int] = []
+        while core.has_unfinished_requests():
+            for out in core.step():
+                tokens.extend(out.new_token_ids)
+        results.append(tokens)
+        del core
+        gc.collect()
+        torch.cuda.empty_cache()
+    assert results[1] == results[0] and len(results[0]) == 8

@@ -244,6 +244,12 @@ class ModelRunner:
         if so.is_empty:
             return StepHandle.ready(ModelRunnerOutput({}))
         self.staging.next_step()
+        try:
+            return self._launch(so)
+        finally:
+            self.staging.step_launched()
+
+    def _launch(self, so: SchedulerOutput) -> StepHandle:
         states = self.batch.requests
         # Decodes first, then fresh prefill chunks by length, then chunks with cached context:
         # the attention backend batches the first two kinds.

@@ -5,9 +5,11 @@ through pinned memory of its own), which would make the host wait for the step s
 before it can launch the next one: async scheduling would overlap nothing. So the runner writes
 each step's small inputs (token ids, positions, block tables, slots, lengths, row indices) into
 pinned buffers and copies from there. Two buffers alternate, one per step: step k+1's inputs are
-written while step k's copies may still be queued behind step k-1 on the stream; the buffer step
-k+1 reuses was last read by step k-1, which has finished by the time the host launches k+1
-(the engine waits for step k-1's tokens first).
+written while step k's copies may still be queued on the stream. Before a buffer is reused, the
+host waits for the event recorded after the step that last used it (``step_launched``): usually
+long done, since the engine waited for that step's tokens, but a step that samples nothing (a
+chunk in the middle of a long prompt) is not waited for, and the host could otherwise lap the
+stream.
 On a CPU the inputs are plain tensors over the arrays (no copy).
 """
 
@@ -32,14 +34,26 @@ class InputStaging:
             ]
         self._current = 0
         self._offset = 0
-        self._overflow: list[torch.Tensor] = []  # pinned one-offs of an oversized step
+        # per buffer: pinned one-offs of an oversized step, and the event after its last step
+        self._overflow: list[list[torch.Tensor]] = [[], []]
+        self._used: list[torch.cuda.Event | None] = [None, None]
 
     def next_step(self) -> None:
-        """Start a step's inputs: switch to the other buffer."""
+        """Start a step's inputs: switch to the other buffer, once its last step's copies ran."""
         self._current ^= 1
         self._offset = 0
-        if self._current == 0:
-            self._overflow.clear()  # read by steps that have finished by now
+        used = self._used[self._current]
+        if used is not None:
+            used.synchronize()
+            self._used[self._current] = None
+        self._overflow[self._current].clear()
+
+    def step_launched(self) -> None:
+        """Mark the current buffer in use until the work queued so far has run."""
+        if self.pinned:
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record()
+            self._used[self._current] = event
 
     def host(self, data: np.ndarray | Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         """``data`` as a CPU tensor of ``dtype`` to copy to the device from (pinned on GPUs;
@@ -52,7 +66,7 @@ class InputStaging:
         buffer = self._buffers[self._current]
         if start + nbytes > buffer.numel():
             staged = torch.empty_like(array, pin_memory=True)
-            self._overflow.append(staged)
+            self._overflow[self._current].append(staged)
         else:
             self._offset = start + nbytes
             staged = buffer[start : start + nbytes].view(dtype).view(array.shape)
