@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -31,38 +32,57 @@ CONFIG = {
 }
 
 
-def _run(
-    model_dir: Path, backend: str, enforce_eager: bool, async_scheduling: bool | None = None
-) -> tuple[dict[str, list[int]], object]:
+def _core(model_dir: Path, **overrides: object) -> Any:
+    """An engine on the GPU for the dummy-weight model in ``model_dir`` (float32)."""
     from baton_engine.config import EngineConfig
     from baton_engine.core.engine_core import EngineCore
+
+    config: dict[str, Any] = dict(
+        model=str(model_dir),
+        load_format="dummy",
+        dtype="float32",
+        device="cuda",
+        gpu_memory_utilization=0.3,
+    )
+    config.update(overrides)
+    return EngineCore(EngineConfig(**config))
+
+
+def _drain(core: Any) -> dict[str, list[int]]:
+    """Step until every request is done: each request's tokens; the pool checked whole."""
+    tokens: dict[str, list[int]] = {}
+    while core.has_unfinished_requests():
+        for out in core.step():
+            tokens.setdefault(out.req_id, []).extend(out.new_token_ids)
+    core.check_invariants()
+    return tokens
+
+
+def _release_memory() -> None:
+    """After ``del`` of an engine: its KV pool goes before the next engine sizes its own."""
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def _run(
+    model_dir: Path, backend: str, enforce_eager: bool, async_scheduling: bool | None = None
+) -> tuple[dict[str, list[int]], Any]:
     from baton_engine.sampling_params import SamplingParams
 
-    core = EngineCore(
-        EngineConfig(
-            model=str(model_dir),
-            load_format="dummy",
-            dtype="float32",
-            device="cuda",
-            max_model_len=1024,
-            max_num_seqs=24,
-            gpu_memory_utilization=0.3,
-            attention_backend=backend,
-            enforce_eager=enforce_eager,
-            async_scheduling=async_scheduling,
-        )
+    core = _core(
+        model_dir,
+        max_model_len=1024,
+        max_num_seqs=24,
+        attention_backend=backend,
+        enforce_eager=enforce_eager,
+        async_scheduling=async_scheduling,
     )
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     g = torch.Generator().manual_seed(0)
     for i in range(19):  # 19 decodes: padded to the captured size 24
         prompt = torch.randint(1, 4000, (20 + 37 * i,), generator=g).tolist()
         core.add_request(f"r{i}", prompt, params)
-    tokens: dict[str, list[int]] = {}
-    while core.has_unfinished_requests():
-        for out in core.step():
-            tokens.setdefault(out.req_id, []).extend(out.new_token_ids)
-    core.check_invariants()
-    return tokens, core
+    return _drain(core), core
 
 
 def test_graph_decode_matches_reference(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -70,26 +90,23 @@ def test_graph_decode_matches_reference(tmp_path: Path, caplog: pytest.LogCaptur
     # the reference: torch attention and ops, eager, synchronous; against the GPU's defaults:
     # Triton attention and fused kernels, CUDA graphs, async scheduling
     want = _run(tmp_path, "torch", enforce_eager=True, async_scheduling=False)[0]
-    gc.collect()  # the first engine's KV pool goes before the second one sizes its own
-    torch.cuda.empty_cache()
+    _release_memory()
     with caplog.at_level("INFO"):
         got, core = _run(tmp_path, "triton", enforce_eager=False)
     assert got == want
-    graphs = core.runner.graphs  # type: ignore[attr-defined]
+    graphs = core.runner.graphs
     assert graphs is not None and graphs._graphs, "no CUDA graph was captured"
     assert graphs.num_steps.get(24, 0) > 0
-    assert core.async_scheduling and core.runner.model.fused_rope  # type: ignore[attr-defined]
+    assert core.async_scheduling and core.runner.model.fused_rope
     assert any("KV cache:" in r.getMessage() and "blocks" in r.getMessage() for r in caplog.records)
     total = torch.cuda.get_device_properties(0).total_memory
-    pool_bytes = core.kv_pool.numel() * core.kv_pool.element_size()  # type: ignore[attr-defined]
+    pool_bytes = core.kv_pool.numel() * core.kv_pool.element_size()
     assert 0 < pool_bytes < 0.3 * total
 
 
 def test_async_sampling_equals_sync(tmp_path: Path) -> None:
     """Seeded random sampling, penalties and logprobs on the GPU's defaults (graphs, fused
     kernels) give the same tokens with and without async scheduling."""
-    from baton_engine.config import EngineConfig
-    from baton_engine.core.engine_core import EngineCore
     from baton_engine.sampling_params import SamplingParams
 
     (tmp_path / "config.json").write_text(json.dumps(CONFIG))
@@ -107,29 +124,14 @@ def test_async_sampling_equals_sync(tmp_path: Path) -> None:
     ]
     results = []
     for async_scheduling in (False, True):
-        core = EngineCore(
-            EngineConfig(
-                model=str(tmp_path),
-                load_format="dummy",
-                dtype="float32",
-                device="cuda",
-                max_model_len=512,
-                max_num_seqs=16,
-                gpu_memory_utilization=0.3,
-                async_scheduling=async_scheduling,
-            )
+        core = _core(
+            tmp_path, max_model_len=512, max_num_seqs=16, async_scheduling=async_scheduling
         )
         for i in range(12):
             core.add_request(f"s{i}", [(17 * i + j) % 4000 + 1 for j in range(9 + i)], kinds[i % 4])
-        tokens: dict[str, list[int]] = {}
-        while core.has_unfinished_requests():
-            for out in core.step():
-                tokens.setdefault(out.req_id, []).extend(out.new_token_ids)
-        core.check_invariants()
-        results.append(tokens)
+        results.append(_drain(core))
         del core
-        gc.collect()
-        torch.cuda.empty_cache()
+        _release_memory()
     assert results[1] == results[0]
     assert all(len(t) == 20 for k, t in results[0].items() if int(k[1:]) % 4 != 3)
 
@@ -138,34 +140,21 @@ def test_async_long_chunked_prompt_equals_sync(tmp_path: Path) -> None:
     """A long prompt alone, chunked over many steps that sample nothing: the host is not held
     back by any sampled token then, and must still not overwrite the pinned inputs of a step
     whose copies have not run."""
-    from baton_engine.config import EngineConfig
-    from baton_engine.core.engine_core import EngineCore
     from baton_engine.sampling_params import SamplingParams
 
     (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     results = []
     for async_scheduling in (False, True):
-        core = EngineCore(
-            EngineConfig(
-                model=str(tmp_path),
-                load_format="dummy",
-                dtype="float32",
-                device="cuda",
-                max_model_len=4096,
-                max_num_seqs=4,
-                max_num_batched_tokens=128,  # a 3,000-token prompt: 24 steps without a sample
-                gpu_memory_utilization=0.3,
-                async_scheduling=async_scheduling,
-            )
+        core = _core(
+            tmp_path,
+            max_model_len=4096,
+            max_num_seqs=4,
+            max_num_batched_tokens=128,  # a 3,000-token prompt: 24 steps without a sample
+            async_scheduling=async_scheduling,
         )
-        params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
         core.add_request("long", [(7 * j) % 4000 + 1 for j in range(3000)], params)
-        tokens: list[int] = []
-        while core.has_unfinished_requests():
-            for out in core.step():
-                tokens.extend(out.new_token_ids)
-        results.append(tokens)
+        results.append(_drain(core)["long"])
         del core
-        gc.collect()
-        torch.cuda.empty_cache()
+        _release_memory()
     assert results[1] == results[0] and len(results[0]) == 8
