@@ -30,12 +30,6 @@ class RequestStatus(enum.Enum):
 
 
 _FIRST_FINISHED = RequestStatus.FINISHED_STOPPED._value_  # every later member is finished too
-_FINISHED = {
-    RequestStatus.FINISHED_STOPPED,
-    RequestStatus.FINISHED_LENGTH,
-    RequestStatus.FINISHED_ABORTED,
-    RequestStatus.FINISHED_PREFILLED,
-}
 _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
