@@ -503,6 +503,7 @@ class _Model:
 
     def check(self, live: dict[str, Request]) -> None:
         self.kv.check_invariants()
+        self.kv.check_invariants(full=False)
         assert self.kv.pool.free_block_ids() == self.free
         assert [b.ref_cnt for b in self.kv.pool.blocks] == self.ref
         bs = self.kv.block_size
@@ -577,3 +578,25 @@ def test_randomized_operations_keep_invariants(seed: int) -> None:
         model.check(live)
 
     assert num_hits > 50 and num_preempted > 50 and num_failed > 10
+
+
+@pytest.mark.parametrize("full", [True, False])
+def test_invariant_checks_catch_a_leak_and_a_bad_ref_count(full: bool) -> None:
+    """Both checks (the full one, and the one of held blocks only that large GPU pools get
+    when idle) fail on a block in use that no request holds, and on a wrong ref count."""
+    kv = make_manager(num_blocks=16, block_size=4)
+    request = make_request("a", list(range(10)))
+    assert kv.allocate_slots(request, 10, kv.match_prefix(request)) is not None
+    kv.check_invariants(full)
+    leaked = kv.pool.get_new_blocks(1)  # taken from the free queue, held by nobody
+    with pytest.raises(AssertionError):
+        kv.check_invariants(full)
+    kv.pool.free_blocks(leaked)
+    kv.check_invariants(full)
+    block = kv.pool.blocks[kv.get_block_ids("a")[0]]
+    block.ref_cnt += 1
+    with pytest.raises(AssertionError):
+        kv.check_invariants(full)
+    block.ref_cnt -= 1
+    kv.free(request)
+    kv.check_invariants(full)

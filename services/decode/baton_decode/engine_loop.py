@@ -327,7 +327,9 @@ class EngineLoop:
                     pairs = [(e.kind, e.hash_value) for e in kv_events]
                     self._post(self._kv_events.extend, pairs)
                 if (was_busy or commands) and self._is_idle():
-                    self.core.check_invariants()  # cheap, and idle is when nothing can race it
+                    # Idle is when nothing can race it. Large pools get the check of the blocks
+                    # in use only: a full walk holds the GIL while RPCs and NIXL polls wait.
+                    self.core.check_invariants(full=None)
         except BaseException as e:
             logger.exception("engine loop died; failing every request")
             self._post(self._fail_all, EngineDeadError(f"the engine failed: {e!r}"))

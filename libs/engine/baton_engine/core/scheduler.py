@@ -358,8 +358,8 @@ class Scheduler:
             self.running = [r for r in self.running if not r.is_finished()]
         return outputs
 
-    def check_invariants(self) -> None:
-        self.kv.check_invariants()
+    def check_invariants(self, full: bool = True) -> None:
+        self.kv.check_invariants(full)
         assert len(self.running) <= self.max_num_seqs
         for request in self.running:
             assert request.status == RequestStatus.RUNNING

@@ -145,8 +145,20 @@ class BlockPool:
                 self._events.append(KVCacheEvent("removed", digest))
         block.block_hash = None
 
+    def check_referenced(self, refs: dict[int, int]) -> None:
+        """The check of the blocks in use only, in O(len(refs)): each block of ``refs`` (block
+        id -> number of holders) has that ref count and is not free, and free + used == total,
+        so no block leaked (every other block is free). Raise AssertionError otherwise."""
+        for block_id, count in refs.items():
+            block = self.blocks[block_id]
+            assert block.ref_cnt == count, f"{block}: ref count != number of holders ({count})"
+            assert block_id not in self._free, f"{block} is held but free"
+        assert len(self._free) + len(refs) == self.num_blocks, (
+            f"{self.num_blocks - len(self._free)} blocks in use but {len(refs)} held: a leak"
+        )
+
     def check_invariants(self) -> None:
-        """Raise AssertionError if the pool's bookkeeping is inconsistent."""
+        """Raise AssertionError if the pool's bookkeeping is inconsistent (O(pool size))."""
         num_used = 0
         for block in self.blocks:
             in_free = block.block_id in self._free

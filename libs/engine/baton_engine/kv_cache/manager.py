@@ -193,12 +193,19 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()
 
-    def check_invariants(self) -> None:
-        self.pool.check_invariants()
+    def check_invariants(self, full: bool = True) -> None:
+        """Raise AssertionError if the block accounting is inconsistent. ``full=False`` checks
+        only the blocks that requests hold (ref counts, none free, nothing leaked), in
+        O(held blocks) rather than O(pool): a full check of a GPU's pool of ~360k blocks takes
+        ~40 ms of Python, holding the GIL."""
         refs: dict[int, int] = {}
         for table in [*self._tables.values(), *self._held.values()]:
             for block in table:
                 refs[block.block_id] = refs.get(block.block_id, 0) + 1
+        if not full:
+            self.pool.check_referenced(refs)
+            return
+        self.pool.check_invariants()
         for block in self.pool.blocks:
             assert block.ref_cnt == refs.get(block.block_id, 0), (
                 f"{block}: ref count != number of tables holding it ({refs.get(block.block_id, 0)})"
