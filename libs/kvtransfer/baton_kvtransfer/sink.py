@@ -58,6 +58,7 @@ class PullResult(NamedTuple):
     num_bytes: int
     seconds: float  # from getting a slot to the release (queueing excluded)
     backend: str  # the transport that moved the bytes: "nixl" or "grpc"
+    read_seconds: float  # moving the bytes alone (without the lease RPCs around it)
 
 
 @dataclass(frozen=True)
@@ -136,11 +137,13 @@ class KVTransferSink:
             async with self._slot(stub, lease_id):
                 start = time.perf_counter()
                 await self._extend(stub, lease_id)
+                read_start = time.perf_counter()
                 try:
                     num_bytes = await peer.reader.read(lease_id, remote, local)
                 except BaseException:
                     self._release_in_background(stub, lease_id)
                     raise
+                read_seconds = time.perf_counter() - read_start
                 released = await self._release(stub, lease_id)
                 seconds = time.perf_counter() - start
         except TransferFailedError:
@@ -151,7 +154,7 @@ class KVTransferSink:
                 f"lease {lease_id} on engine {peer_engine_id} ended before the pull finished; "
                 "its blocks may have been reused"
             )
-        return PullResult(num_bytes, seconds, peer.reader.name)
+        return PullResult(num_bytes, seconds, peer.reader.name, read_seconds)
 
     async def release(self, endpoint: str, lease_id: str) -> bool:
         """Give a lease back without pulling; True if it was still live."""

@@ -148,6 +148,7 @@ class KVPuller:
         span.set_attribute("baton.backend", result.backend)
         if self.metrics is not None:
             self.metrics.kv_transfer_seconds.observe(result.seconds)
+            self.metrics.kv_transfer_read_seconds.observe(result.read_seconds)
             self.metrics.kv_transfer_bytes.inc(result.num_bytes)
             self.metrics.kv_transfer_blocks.inc(len(remote_ids))
 

@@ -79,6 +79,11 @@ class WorkerMetrics:
         self.kv_transfer_seconds = histogram(
             "kv_transfer_seconds", "Time to pull one request's missing KV blocks", _ITL_BUCKETS
         ).labels(m)
+        self.kv_transfer_read_seconds = histogram(
+            "kv_transfer_read_seconds",
+            "Of a pull, the time moving the bytes (without the lease RPCs around it)",
+            _ITL_BUCKETS,
+        ).labels(m)
         self.kv_transfer_bytes = counter("kv_transfer_bytes", "KV bytes pulled").labels(m)
         self.kv_transfer_blocks = counter("kv_transfer_blocks", "KV blocks pulled").labels(m)
         self.kv_transfer_failures = counter(
