@@ -9,12 +9,21 @@ Moves 64 MiB of KV (256 blocks of 256 KiB, scattered ids on both sides) from a s
 - ``grpc``      the ``PullBlocks`` stream, 4 MiB chunks
 - ``shm``       the ceiling: a child copies the same scattered blocks out of a shared-memory
                 segment into its own pool with numpy (one copy, no protocol), timed in the child
+- ``nixl-alldev`` (GPUs) NIXL READ with every UCX device allowed (no ``UCX_NET_DEVICES=lo``)
+- ``copy``      (GPUs) the ceiling: the same bytes copied from the source GPU to the destination
+                GPU in one contiguous peer-to-peer copy (torch)
+
+With ``--devices cuda:0,cuda:1`` the source's pool lives on the first GPU and the sink's on the
+second (NIXL registers VRAM; ``UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y`` as ``baton serve`` sets for
+GPUs); ``--env KEY=VAL`` adds UCX/NIXL settings to both processes (``UCX_PROTO_INFO=y`` prints
+the protocol UCX picked).
 
 Each mode runs one warm-up and ``--reps`` timed pulls; the table gives median and best GB/s
 (1e9 bytes/s) and the NIXL/ceiling ratio of medians. The bytes are checked after each mode.
 
     python benchmarks/bench_kv_transfer.py [--reps 7] [--modes nixl,nixl-tcp,grpc,shm]
                                            [--output-json benchmarks/out/kv_transfer.json]
+    python benchmarks/bench_kv_transfer.py --devices cuda:0,cuda:1 --modes nixl,nixl-alldev,copy
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ import json
 import multiprocessing as mp
 import os
 import statistics
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -42,13 +52,21 @@ NUM_BLOCKS = 256
 BLOCK_SHAPE = (4, 2, 16, 8, 128)  # layers, K/V, block_size, kv_heads, head_dim: 256 KiB in bf16
 DTYPE = torch.bfloat16
 COMPAT = compat_hash("bench", "bfloat16", 16, "blocks,layers,kv,block_size,kv_heads,dim")
-MODES = ("nixl", "nixl-tcp", "grpc", "shm")
+MODES = ("nixl", "nixl-tcp", "nixl-alldev", "grpc", "shm", "copy")
+GPU_ENV = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y"}
 START_TIMEOUT_S = 60.0
 
 
-def source_pool(seed: int = 0) -> torch.Tensor:
+def source_pool(seed: int = 0, device: str = "cpu", total_blocks: int = 0) -> torch.Tensor:
+    """The source's pool: ``NUM_POOL_BLOCKS`` seeded blocks, in a pool of ``total_blocks`` (the
+    rest left unset: a large registered pool as a serving worker has, without filling it)."""
     g = torch.Generator().manual_seed(seed)
-    return (torch.rand((NUM_POOL_BLOCKS, *BLOCK_SHAPE), generator=g) * 8 + 1).to(DTYPE)
+    data = (torch.rand((NUM_POOL_BLOCKS, *BLOCK_SHAPE), generator=g) * 8 + 1).to(DTYPE)
+    if total_blocks <= NUM_POOL_BLOCKS:
+        return data.to(device)
+    pool = torch.empty((total_blocks, *BLOCK_SHAPE), dtype=DTYPE, device=device)
+    pool[:NUM_POOL_BLOCKS] = data.to(device)
+    return pool
 
 
 def block_ids(seed: int) -> list[int]:
@@ -58,22 +76,26 @@ def block_ids(seed: int) -> list[int]:
 
 REMOTE_IDS = block_ids(1)
 LOCAL_IDS = block_ids(2)
+if os.environ.get("BENCH_KV_CONTIGUOUS") == "1":  # --contiguous (spawned children see it too)
+    REMOTE_IDS = LOCAL_IDS = list(range(NUM_BLOCKS))
 
 
 # -- source process ------------------------------------------------------------------------------
 
 
-def run_source(conn: Connection, backend: str, env: dict[str, str]) -> None:
+def run_source(
+    conn: Connection, backend: str, env: dict[str, str], device: str, total_blocks: int
+) -> None:
     os.environ.update(env)
-    asyncio.run(_serve(conn, backend))
+    asyncio.run(_serve(conn, backend, device, total_blocks))
 
 
-async def _serve(conn: Connection, backend: str) -> None:
+async def _serve(conn: Connection, backend: str, device: str, total_blocks: int) -> None:
     loop = asyncio.get_running_loop()
     leases = LeaseTable(lambda req_id, reason: None)
     source = KVTransferSource(
-        source_pool(), engine_id="bench-src", epoch=1, compat_hash=COMPAT, leases=leases,
-        backend=backend,
+        source_pool(device=device, total_blocks=total_blocks), engine_id="bench-src", epoch=1,
+        compat_hash=COMPAT, leases=leases, backend=backend,
     )  # fmt: skip
     server = grpc.aio.server()
     source.add_to_server(server)
@@ -97,10 +119,13 @@ async def _serve(conn: Connection, backend: str) -> None:
 
 
 @contextmanager
-def start_source(backend: str, env: dict[str, str]) -> Iterator[tuple[Connection, str]]:
+def start_source(
+    backend: str, env: dict[str, str], device: str, total_blocks: int
+) -> Iterator[tuple[Connection, str]]:
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=run_source, args=(child, backend, env), daemon=True)
+    args = (child, backend, env, device, total_blocks)
+    proc = ctx.Process(target=run_source, args=args, daemon=True)
     proc.start()
     child.close()
     try:
@@ -113,23 +138,34 @@ def start_source(backend: str, env: dict[str, str]) -> Iterator[tuple[Connection
         parent.close()
 
 
-def bench_pull(mode: str, reps: int) -> list[float]:
+def bench_pull(
+    mode: str, reps: int, devices: tuple[str, str], extra_env: dict[str, str], total_blocks: int
+) -> tuple[list[float], list[float]]:
+    """Seconds per pull: from the slot to the release (the lease RPCs included), and of the
+    bytes' movement alone."""
     backend = "grpc" if mode == "grpc" else "nixl"
-    env = {"UCX_NET_DEVICES": "lo"}
+    env = {} if mode == "nixl-alldev" else {"UCX_NET_DEVICES": "lo"}
     if mode == "nixl-tcp":
         env["UCX_TLS"] = "tcp"
-    saved = {k: os.environ.get(k) for k in ("UCX_NET_DEVICES", "UCX_TLS")}
-    os.environ.pop("UCX_TLS", None)
+    if devices[0] != "cpu":
+        env.update(GPU_ENV)
+    env.update(extra_env)
+    saved = {k: os.environ.get(k) for k in ("UCX_NET_DEVICES", "UCX_TLS", *env)}
+    for k in ("UCX_NET_DEVICES", "UCX_TLS"):
+        os.environ.pop(k, None)
     os.environ.update(env)  # the sink's agent reads UCX settings when it is created
-    pool = torch.zeros((NUM_POOL_BLOCKS, *BLOCK_SHAPE), dtype=DTYPE)
+    pool = torch.zeros(
+        (max(NUM_POOL_BLOCKS, total_blocks), *BLOCK_SHAPE), dtype=DTYPE, device=devices[1]
+    )
     try:
-        with start_source(backend, env) as (conn, endpoint):
+        with start_source(backend, env, devices[0], total_blocks) as (conn, endpoint):
 
-            async def main() -> list[float]:
+            async def main() -> tuple[list[float], list[float]]:
                 sink = KVTransferSink(
                     pool, engine_id="bench-sink", epoch=1, compat_hash=COMPAT, backend=backend
                 )
-                seconds = []
+                seconds: list[float] = []
+                read_seconds: list[float] = []
                 try:
                     for rep in range(reps + 1):  # the first one warms up (handshake, connect)
                         conn.send(f"req-{rep}")
@@ -145,11 +181,12 @@ def bench_pull(mode: str, reps: int) -> list[float]:
                         assert result.backend == backend, result
                         if rep:
                             seconds.append(result.seconds)
+                            read_seconds.append(result.read_seconds)
                 finally:
                     await sink.close()
-                return seconds
+                return seconds, read_seconds
 
-            seconds = asyncio.run(main())
+            seconds, read_seconds = asyncio.run(main())
     finally:
         for k, v in saved.items():
             if v is None:
@@ -157,7 +194,26 @@ def bench_pull(mode: str, reps: int) -> list[float]:
             else:
                 os.environ[k] = v
     expected = source_pool()[REMOTE_IDS]
-    assert torch.equal(pool[LOCAL_IDS].view(torch.int16), expected.view(torch.int16)), mode
+    got = pool[LOCAL_IDS].cpu()
+    assert torch.equal(got.view(torch.int16), expected.view(torch.int16)), mode
+    return seconds, read_seconds
+
+
+def bench_copy(reps: int, devices: tuple[str, str]) -> list[float]:
+    """The GPU ceiling: the same number of bytes copied from the source GPU to the destination
+    GPU in one contiguous copy (torch, peer-to-peer)."""
+    src = source_pool(device=devices[0])[:NUM_BLOCKS]
+    dst = torch.zeros_like(src, device=devices[1])
+    seconds = []
+    for rep in range(reps + 1):
+        torch.cuda.synchronize(devices[0])
+        torch.cuda.synchronize(devices[1])
+        start = time.perf_counter()
+        dst.copy_(src)
+        torch.cuda.synchronize(devices[1])
+        if rep:
+            seconds.append(time.perf_counter() - start)
+    assert torch.equal(dst.cpu().view(torch.int16), src.cpu().view(torch.int16))
     return seconds
 
 
@@ -213,7 +269,31 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--output-json", default=None)
+    p.add_argument(
+        "--devices", default="cpu,cpu", help="source and destination pools, e.g. cuda:0,cuda:1"
+    )
+    p.add_argument("--env", action="append", default=[], help="KEY=VAL for both processes")
+    p.add_argument(
+        "--contiguous",
+        action="store_true",
+        help="move blocks 0..255 on both sides (NIXL merges them into one descriptor), not\n"
+        "scattered ids (256 descriptors of 256 KiB)",
+    )
+    p.add_argument(
+        "--pool-gib",
+        type=float,
+        default=0.0,
+        help="size of each side's registered pool (default: just the 512 blocks, 128 MiB)",
+    )
     args = p.parse_args()
+    if args.contiguous and os.environ.get("BENCH_KV_CONTIGUOUS") != "1":
+        os.environ["BENCH_KV_CONTIGUOUS"] = "1"  # the ids are set at import: start again
+        os.execv(sys.executable, [sys.executable, *sys.argv])
+    src_dev, _, dst_dev = args.devices.partition(",")
+    devices = (src_dev, dst_dev or src_dev)
+    extra_env = dict(kv.split("=", 1) for kv in args.env)
+    block_bytes = source_pool()[0].numel() * 2
+    total_blocks = int(args.pool_gib * 2**30) // block_bytes
     modes = [m for m in args.modes.split(",") if m]
     for mode in modes:
         if mode not in MODES:
@@ -221,32 +301,49 @@ def main() -> None:
     num_bytes = NUM_BLOCKS * source_pool()[0].numel() * 2
     rows: dict[str, dict[str, float]] = {}
     for mode in modes:
-        seconds = bench_shm(args.reps) if mode == "shm" else bench_pull(mode, args.reps)
+        if mode == "shm":
+            seconds = read_seconds = bench_shm(args.reps)
+        elif mode == "copy":
+            seconds = read_seconds = bench_copy(args.reps, devices)
+        else:
+            seconds, read_seconds = bench_pull(mode, args.reps, devices, extra_env, total_blocks)
         rows[mode] = {
             "median_gbps": num_bytes / statistics.median(seconds) / 1e9,
             "best_gbps": num_bytes / min(seconds) / 1e9,
             "median_ms": statistics.median(seconds) * 1e3,
+            "read_median_ms": statistics.median(read_seconds) * 1e3,
+            "read_median_gbps": num_bytes / statistics.median(read_seconds) / 1e9,
         }
         print(f"{mode}: done", flush=True)
-    print(f"\n{num_bytes / 2**20:.0f} MiB in {NUM_BLOCKS} scattered blocks, {args.reps} reps")
-    print(f"{'mode':<10} {'median GB/s':>12} {'best GB/s':>10} {'median ms':>10}")
+    layout = "contiguous" if args.contiguous else "scattered"
+    print(f"\n{num_bytes / 2**20:.0f} MiB in {NUM_BLOCKS} {layout} blocks, {args.reps} reps")
+    print("(a pull: from its slot to the release, the lease RPCs included; read: the bytes alone)")
+    print(
+        f"{'mode':<11} {'median GB/s':>12} {'best GB/s':>10} {'median ms':>10} "
+        f"{'read ms':>8} {'read GB/s':>10}"
+    )
     for mode, row in rows.items():
         print(
-            f"{mode:<10} {row['median_gbps']:>12.2f} {row['best_gbps']:>10.2f} "
-            f"{row['median_ms']:>10.1f}"
+            f"{mode:<11} {row['median_gbps']:>12.2f} {row['best_gbps']:>10.2f} "
+            f"{row['median_ms']:>10.2f} {row['read_median_ms']:>8.2f} "
+            f"{row['read_median_gbps']:>10.2f}"
         )
     ratios = {}
-    if "shm" in rows:
-        for mode in ("nixl", "nixl-tcp", "grpc"):
+    for ceiling in ("shm", "copy"):
+        if ceiling not in rows:
+            continue
+        for mode in ("nixl", "nixl-tcp", "nixl-alldev", "grpc"):
             if mode in rows:
-                ratios[f"{mode}/shm"] = rows[mode]["median_gbps"] / rows["shm"]["median_gbps"]
-                print(f"{mode}/ceiling (medians): {ratios[f'{mode}/shm']:.2f}")
+                key = f"{mode}/{ceiling}"
+                ratios[key] = rows[mode]["median_gbps"] / rows[ceiling]["median_gbps"]
+                print(f"{mode}/ceiling (medians): {ratios[key]:.2f}")
     if args.output_json:
         out = {
             "num_bytes": num_bytes,
             "num_blocks": NUM_BLOCKS,
             "block_bytes": num_bytes // NUM_BLOCKS,
             "reps": args.reps,
+            "devices": devices,
             "modes": rows,
             "ratios": ratios,
         }

@@ -39,6 +39,7 @@ import asyncio
 import json
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -106,7 +107,7 @@ def build_workload(args: argparse.Namespace) -> tuple[list[Phase], list[SampleRe
     Phase "alone": ``--num-alone`` long prompts then as many short ones, one at a time. Phase
     "mixed": the long prompts spread evenly among the short ones, at ``--max-concurrency``.
     """
-    tokenizer = load_bench_tokenizer(None)
+    tokenizer = load_bench_tokenizer(args.model)
     out, seed = args.output_len, args.seed
 
     def draw(num: int, length: int, seed: int, out: int = out) -> list[SampleRequest]:
@@ -142,27 +143,45 @@ def scrape(base: str) -> tuple[str, dict[MetricKey, float]]:
     return text, values
 
 
-def parse_mode(mode: str) -> tuple[str, int | None]:
-    """``"nixl+omp1"`` -> ``("nixl", 1)``: the stack, and OMP_NUM_THREADS for all its processes."""
-    base, _, opt = mode.partition("+")
-    if base not in ("aggregated", "nixl", "grpc") or (opt and not re.fullmatch(r"omp\d+", opt)):
+@dataclass(frozen=True)
+class Mode:
+    base: str  # "aggregated" | "nixl" | "grpc"
+    threads: int | None  # OMP_NUM_THREADS for every process of the stack
+    num_decode: int  # decode workers
+
+
+def parse_mode(mode: str) -> Mode:
+    """``"nixl+omp1"`` -> the nixl stack with OMP_NUM_THREADS=1; ``"aggregated+dec2"`` -> two
+    aggregated decode workers (replicas behind the gateway)."""
+    base, *opts = mode.split("+")
+    threads, num_decode = None, 1
+    for opt in opts:
+        if m := re.fullmatch(r"omp(\d+)", opt):
+            threads = int(m.group(1))
+        elif m := re.fullmatch(r"dec(\d+)", opt):
+            num_decode = int(m.group(1))
+        else:
+            raise ValueError(f"unknown option {opt!r} in mode {mode!r}")
+    if base not in ("aggregated", "nixl", "grpc"):
         raise ValueError(f"unknown mode {mode!r}")
-    return base, int(opt[3:]) if opt else None
+    return Mode(base, threads, num_decode)
 
 
 def start_stack(mode: str, args: argparse.Namespace, port: int, log: Path) -> subprocess.Popen[str]:
-    base, threads = parse_mode(mode)
-    cmd = [*BATON, "serve", "--port", str(port), "--dtype", args.dtype,
-           "--max-model-len", str(args.max_model_len), "--disable-uvicorn-access-log",
-           "--remote-prefill-threshold", str(args.remote_prefill_threshold)]  # fmt: skip
-    if base == "aggregated":
+    m = parse_mode(mode)
+    cmd = [*BATON, "serve", *([args.model] if args.model else []), "--port", str(port),
+           "--dtype", args.dtype, "--max-model-len", str(args.max_model_len),
+           "--disable-uvicorn-access-log", "--num-decode", str(m.num_decode),
+           "--remote-prefill-threshold", str(args.remote_prefill_threshold),
+           *shlex.split(args.serve_args)]  # fmt: skip
+    if m.base == "aggregated":
         cmd += ["--mode", "aggregated"]
     else:
-        cmd += ["--kv-transfer", base]
+        cmd += ["--kv-transfer", m.base]
     env = dict(os.environ)
-    if threads is not None:
-        env["OMP_NUM_THREADS"] = str(threads)
-    prefix = f"OMP_NUM_THREADS={threads} " if threads is not None else ""
+    if m.threads is not None:
+        env["OMP_NUM_THREADS"] = str(m.threads)
+    prefix = f"OMP_NUM_THREADS={m.threads} " if m.threads is not None else ""
     print(f"[{mode}] {prefix}baton {' '.join(cmd[3:])}  (log: {log})", flush=True)
     with log.open("w") as f:
         return subprocess.Popen(
@@ -334,7 +353,7 @@ def _metric(delta: dict[MetricKey, float], name: str, **match: str) -> dict[str,
 
 def transfer_stats(r: ModeResult) -> dict[str, float]:
     """KV pulled by the decode worker(s) during the timed run: count, seconds, bytes."""
-    count = sum_s = num_bytes = 0.0
+    count = sum_s = read_s = num_bytes = 0.0
     for addr, role in r.roles.items():
         if role != "decode":
             continue
@@ -344,10 +363,13 @@ def transfer_stats(r: ModeResult) -> dict[str, float]:
         sum_s += sum(
             _metric(r.metrics_delta, "baton:kv_transfer_seconds_sum", worker=addr).values()
         )
+        read_s += sum(
+            _metric(r.metrics_delta, "baton:kv_transfer_read_seconds_sum", worker=addr).values()
+        )
         num_bytes += sum(
             _metric(r.metrics_delta, "baton:kv_transfer_bytes_total", worker=addr).values()
         )
-    return {"count": count, "seconds": sum_s, "bytes": num_bytes}
+    return {"count": count, "seconds": sum_s, "read_seconds": read_s, "bytes": num_bytes}
 
 
 def decisions(r: ModeResult) -> dict[str, int]:
@@ -421,17 +443,21 @@ def report(results: list[ModeResult], args: argparse.Namespace) -> dict[str, Any
         d = decisions(r)
         mean_ms = 1000 * t["seconds"] / t["count"] if t["count"] else 0.0
         gbps = t["bytes"] / t["seconds"] / 1e9 if t["seconds"] else 0.0
+        read_ms = 1000 * t["read_seconds"] / t["count"] if t["count"] else 0.0
+        read_gbps = t["bytes"] / t["read_seconds"] / 1e9 if t["read_seconds"] else 0.0
         print(
             f"{r.mode:<15} {r.phase:<5} {r.duration:5.1f} s, failed {r.overall.failed}; load avg "
             f"{r.loadavg[0]:.2f} -> {r.loadavg[1]:.2f}; cores busy: stack {r.cores[0]:.2f}, "
             f"others {r.cores[1]:.2f}\n{'':<21} KV pulls {t['count']:.0f}, mean {mean_ms:.1f} "
-            f"ms, {t['bytes'] / 2**20:.1f} MiB ({gbps:.2f} GB/s); decisions {d or '-'}"
+            f"ms, {t['bytes'] / 2**20:.1f} MiB ({gbps:.2f} GB/s; moving the bytes alone "
+            f"{read_ms:.1f} ms, {read_gbps:.2f} GB/s); decisions {d or '-'}"
         )
         summary["runs"].append({
             "mode": r.mode, "phase": r.phase, "duration_s": r.duration,
             "failed": r.overall.failed, "loadavg": r.loadavg, "cores": r.cores,
             "output_tok_s": r.overall.output_throughput, "kv_pulls": t["count"],
             "kv_transfer_mean_ms": mean_ms, "kv_transfer_bytes": t["bytes"], "decisions": d,
+            "kv_read_mean_ms": read_ms,
             "long_ttft_ms": [x.ttft * 1000 for x in r.results if x.success and is_long(x, args)],
             "long_sent_s": [x.start - r.t0 for x in r.results if x.success and is_long(x, args)],
         })  # fmt: skip
@@ -451,7 +477,7 @@ def _print_claim(
         pairs = zip(run["long_ttft_ms"], run["long_sent_s"], strict=True)
         print(f"  {r.mode:<15} {r.phase:<5} " + " ".join(f"{v:6.0f} ({t:4.1f})" for v, t in pairs))
     for phase in ("alone", "mixed"):
-        agg = [r for r in results if r.phase == phase and parse_mode(r.mode)[0] == "aggregated"]
+        agg = [r for r in results if r.phase == phase and parse_mode(r.mode).base == "aggregated"]
         if not agg:
             continue
         agg_ttft = runs[(agg[0].mode, phase)]["long_ttft_ms"]
@@ -459,7 +485,7 @@ def _print_claim(
             continue
         agg_mean = sum(agg_ttft) / len(agg_ttft)
         for r in results:
-            if r.phase != phase or parse_mode(r.mode)[0] == "aggregated":
+            if r.phase != phase or parse_mode(r.mode).base == "aggregated":
                 continue
             run = runs[(r.mode, phase)]
             if not run["long_ttft_ms"]:
@@ -477,7 +503,14 @@ def main() -> int:
         "--modes",
         default="aggregated,nixl",
         help="comma-separated, run in this order: aggregated | nixl | grpc, each optionally\n"
-        "with +ompN (OMP_NUM_THREADS=N for every process of that stack), e.g. nixl+omp1",
+        "with +ompN (OMP_NUM_THREADS=N for every process of that stack) and +decN (N decode\n"
+        "workers; aggregated+dec2: two replicas), e.g. nixl+omp1",
+    )
+    p.add_argument("--model", default=None, help="model for baton serve (default: its default)")
+    p.add_argument(
+        "--serve-args",
+        default="",
+        help="more arguments for every baton serve, e.g. '--device cuda --gpus 0,1'",
     )
     p.add_argument("--num-alone", type=int, default=2, help="long and short prompts sent alone")
     p.add_argument("--num-long", type=int, default=4)

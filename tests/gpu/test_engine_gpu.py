@@ -45,6 +45,7 @@ def _core(model_dir: Path, **overrides: object) -> Any:
         gpu_memory_utilization=0.3,
     )
     config.update(overrides)
+    _release_memory()  # an earlier test's engine (reference cycles) must not count as in use
     return EngineCore(EngineConfig(**config))
 
 

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Serving on a two-GPU host (run from the tree's root there, after bundle.sh and
+# make_model_dir.py here; see benchmarks/RESULTS.md for how the device tool carries them):
+#   1. the machine: GPUs, their link, GPU-to-GPU copy bandwidth
+#   2. the GPU engine tests (pytest -m gpu tests/gpu/test_engine_gpu.py)
+#   3. serve_disagg_vs_agg.py with the default model's shape (dummy weights) on the GPUs:
+#      aggregated (one GPU), two aggregated replicas (one GPU each), disaggregated with NIXL
+#      (prefill on GPU 0, decode on GPU 1) and with the gRPC transfer
+# Output under ${OUT:-benchmarks/out/device}.
+#
+#     bash benchmarks/device/gpu_serving.sh [STAGES]   (default: "machine tests serve")
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+out=${OUT:-benchmarks/out/device}
+mkdir -p "$out"
+source benchmarks/device/setup.sh || exit 1
+stages=${1:-machine tests serve}
+model=${MODEL_DIR:-.gpu/smollm2-shape}
+
+if [[ $stages == *machine* ]]; then
+    nvidia-smi topo -m
+    python3 - <<'PY'
+import time, torch
+n = torch.cuda.device_count()
+print("GPUs:", n, [torch.cuda.get_device_name(i) for i in range(n)])
+import nixl, fastapi, grpc, google.protobuf as pb
+print("nixl", nixl.__file__, "grpc", grpc.__version__, "protobuf", pb.__version__)
+if n >= 2:
+    print("peer access 0->1:", torch.cuda.can_device_access_peer(0, 1))
+    for size in (64 << 20, 1 << 30):
+        a = torch.empty(size, dtype=torch.uint8, device="cuda:0")
+        b = torch.empty(size, dtype=torch.uint8, device="cuda:1")
+        for _ in range(3):
+            b.copy_(a)
+        torch.cuda.synchronize(0); torch.cuda.synchronize(1)
+        reps = 10
+        t = time.perf_counter()
+        for _ in range(reps):
+            b.copy_(a)
+        torch.cuda.synchronize(0); torch.cuda.synchronize(1)
+        dt = (time.perf_counter() - t) / reps
+        print(f"GPU0->GPU1 copy {size >> 20} MiB: {size / dt / 1e9:.1f} GB/s")
+PY
+fi
+
+if [[ $stages == *tests* ]]; then
+    timeout 300 python3 -m pytest -m gpu tests/gpu/test_engine_gpu.py -q -x -p no:cacheprovider \
+        2>&1 | tail -15
+fi
+
+if [[ $stages == *serve* ]]; then
+    timeout ${SERVE_TIMEOUT:-420} python3 benchmarks/serve_disagg_vs_agg.py --model "$model" \
+        --serve-args "--device cuda --gpus 0,1 --load-format dummy" \
+        --modes ${MODES:-aggregated,aggregated+dec2,nixl,grpc} \
+        --num-alone 4 --num-long ${NUM_LONG:-16} --num-short ${NUM_SHORT:-48} \
+        --max-concurrency ${CONC:-8} --output-len ${OUT_LEN:-128} --max-model-len 8192 \
+        --ready-timeout 240 --log-dir "$out/logs" --output-json "$out/disagg_vs_agg.json" \
+        2>&1 | grep -v 'NIXL INFO'
+fi
