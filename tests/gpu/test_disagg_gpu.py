@@ -1,0 +1,119 @@
+"""Disaggregated serving on GPUs: ``baton serve --device cuda`` with the prefill worker on GPU 0
+and the decode worker on GPU 1 (both on GPU 0 with a single GPU), the KV moving between their
+pools in GPU memory over NIXL, gives the same greedy tokens as the aggregated stack.
+
+The model is the default one, or, where its GGUF is not installed (GPU hosts reached through the
+device tool), the folder named by ``BATON_TEST_MODEL`` served with random weights
+(``benchmarks/make_model_dir.py`` makes one). Requests go one at a time so that every forward
+pass has the same shape in both stacks; workers run float32.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+_SERVING = re.compile(r"Baton is serving (\S+) at (http://\S+)/v1")
+_READY_TIMEOUT_S = 300.0
+
+
+def _model_argv() -> list[str]:
+    folder = os.environ.get("BATON_TEST_MODEL")
+    return [folder, "--load-format", "dummy"] if folder else []
+
+
+def _gpus() -> str:
+    return "0,1" if torch.cuda.device_count() >= 2 else "0"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def _serve(log: Path, *args: str) -> Iterator[tuple[str, str]]:
+    """Run ``baton serve`` on the GPUs; yield (model id, base URL); stop it (SIGTERM, wait)."""
+    cmd = [
+        sys.executable, "-m", "baton.cli", "serve", *_model_argv(), "--port", str(_free_port()),
+        "--device", "cuda", "--gpus", _gpus(), "--dtype", "float32", "--max-model-len", "1024",
+        "--gpu-memory-utilization", "0.4", "--disable-uvicorn-access-log", *args,
+    ]  # fmt: skip
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        )
+    try:
+        deadline = time.monotonic() + _READY_TIMEOUT_S
+        while not (m := _SERVING.search(log.read_text(errors="replace"))):
+            assert proc.poll() is None, f"baton serve exited:\n{log.read_text()[-4000:]}"
+            assert time.monotonic() < deadline, f"not serving:\n{log.read_text()[-4000:]}"
+            time.sleep(0.5)
+        yield m.group(1), m.group(2)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _complete(model: str, base: str, prompts: list[list[int]]) -> list[str]:
+    texts = []
+    for prompt in prompts:
+        r = httpx.post(
+            f"{base}/v1/completions",
+            json={
+                "model": model,
+                "prompt": prompt,
+                "max_tokens": 12,
+                "temperature": 0.0,
+                "ignore_eos": True,
+            },
+            timeout=120,
+        )
+        assert r.status_code == 200, r.text
+        texts.append(r.json()["choices"][0]["text"])
+    return texts
+
+
+def _pulled_blocks(base: str) -> float:
+    text = httpx.get(f"{base}/metrics", timeout=10).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("baton:kv_transfer_blocks_total{") and 'role="decode"' in line
+    )
+
+
+def test_disaggregated_equals_aggregated_on_gpus(tmp_path: Path) -> None:
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(100, 40000, (n,), generator=g).tolist() for n in (40, 100, 300, 17)]
+    with _serve(tmp_path / "aggregated.log", "--mode", "aggregated") as (model, base):
+        want = _complete(model, base, prompts)
+    disaggregated = ("--kv-transfer", "nixl", "--remote-prefill-threshold", "0")
+    with _serve(tmp_path / "disaggregated.log", *disaggregated) as (model, base):
+        got = _complete(model, base, prompts)
+        pulled = _pulled_blocks(base)
+    assert got == want
+    assert pulled >= sum(n // 16 for n in (40, 100, 300, 17)), "the KV was not pulled"
