@@ -109,3 +109,14 @@ def test_default_cpu_engine_uses_the_fused_ops(default_model_dir: object) -> Non
         )
     )
     assert not reference.runner.model.fused_rope
+
+
+def test_kernels_run_on_every_intra_op_thread() -> None:
+    """The module is built with OpenMP: without it ``at::parallel_for`` compiles to a plain loop
+    and every kernel (attention, norms, rotary, SiLU) runs on one thread, however many torch
+    uses (it did, until the build passed -fopenmp)."""
+    ops = load_cpu_ops()
+    threads = torch.get_num_threads()
+    if threads < 2:
+        pytest.skip("torch runs one intra-op thread here")
+    assert ops.parallel_threads(64 * threads) == threads

@@ -44,7 +44,10 @@ def load_cpu_ops() -> Any | None:
         ops = load(
             name=f"baton_cpu_ops_{_cpu_digest()}",
             sources=[str(_CSRC / name) for name in _SOURCES],
-            extra_cflags=["-O3", "-march=native", "-ffast-math"],
+            # -fopenmp: at::parallel_for is inline and falls back to one thread without it.
+            # The module then needs libgomp.so.1, which resolves to the copy torch loaded.
+            extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
             verbose=False,
         )
     except Exception as e:  # no compiler or ninja: fall back, do not fail the engine

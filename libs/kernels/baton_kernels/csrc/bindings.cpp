@@ -1,8 +1,10 @@
 // The Python module of the CPU kernels (baton_kernels.cpu_ops.load_cpu_ops). Each releases the
 // GIL while it computes (as torch's own ops do): in a worker, the gRPC thread that streams
 // tokens must not wait for a layer's attention or norm.
+#include <ATen/Parallel.h>
 #include <torch/extension.h>
 
+#include <atomic>
 #include <vector>
 
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor kc, torch::Tensor vc,
@@ -13,6 +15,19 @@ std::vector<torch::Tensor> fused_add_rms_norm(torch::Tensor x,
 void rotary_embedding_(torch::Tensor q, torch::Tensor k, torch::Tensor positions,
                        torch::Tensor cos_sin);
 torch::Tensor silu_and_mul(torch::Tensor x);
+
+// How many of torch's intra-op threads an at::parallel_for over `n` items of this module ran
+// on: the module must be built with OpenMP, or its kernels silently run on one thread.
+int64_t parallel_threads(int64_t n) {
+  std::vector<std::atomic<int>> seen(static_cast<size_t>(at::get_num_threads()));
+  at::parallel_for(0, n, 1, [&](int64_t, int64_t) {
+    const int t = at::get_thread_num();
+    if (t >= 0 && t < static_cast<int>(seen.size())) seen[static_cast<size_t>(t)] = 1;
+  });
+  int64_t count = 0;
+  for (const auto& s : seen) count += s.load();
+  return count;
+}
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto nogil = py::call_guard<py::gil_scoped_release>();
@@ -25,4 +40,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_embedding_", &rotary_embedding_, nogil,
         "q [T, Hq, D], k [T, Hk, D] rotated in place; positions [T] int64; cos_sin [P, 2, D]");
   m.def("silu_and_mul", &silu_and_mul, nogil, "x [T, 2I] -> silu(x[:, :I]) * x[:, I:]");
+  m.def("parallel_threads", &parallel_threads, nogil,
+        "n -> how many intra-op threads a parallel_for over n items ran on");
 }
