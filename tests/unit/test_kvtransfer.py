@@ -477,3 +477,38 @@ def test_resolve_backend() -> None:
     assert resolve_backend("auto") == ("nixl" if HAVE_NIXL else "grpc")
     with pytest.raises(ValueError):
         resolve_backend("rdma")
+
+
+_WRITE_FROM_A_THREAD = """
+import os, threading, torch
+from baton_kvtransfer.blocks import pool_bytes
+from baton_kvtransfer.streaming import ChunkWriter
+torch.set_num_threads(2)
+pool = torch.zeros(64, 1 << 16, dtype=torch.uint8)  # 64 blocks of 64 KiB
+writer = ChunkWriter(pool_bytes(pool), list(range(64)))
+threads_before = len(os.listdir("/proc/self/task"))
+def write():
+    writer.write(0, bytes(range(256)) * (1 << 14))
+t = threading.Thread(target=write)
+t.start()
+t.join()
+assert int(pool.view(-1)[:256].sum()) == sum(range(256))
+print(len(os.listdir("/proc/self/task")) - threads_before)
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc")
+def test_chunk_writer_starts_no_thread_pool_beside_the_engine() -> None:
+    """A worker's event loop writes pulled KV into a DRAM pool; a torch copy there would start an
+    OpenMP thread pool for that thread beside the engine thread's (and throttle every pool's
+    spinning, see baton_decode.engine_loop.EngineThread). The thread that wrote must leave no
+    OS thread behind."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    out = subprocess.run(
+        [sys.executable, "-c", _WRITE_FROM_A_THREAD], env=env, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "0"

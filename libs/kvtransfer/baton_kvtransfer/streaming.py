@@ -12,6 +12,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import grpc
+import numpy as np
 import torch
 
 from baton.v1 import kvtransfer_pb2
@@ -58,11 +59,16 @@ def iter_chunks(
 
 
 class ChunkWriter:
-    """Writes a stream of chunks into the pool rows ``block_ids`` (in stream order)."""
+    """Writes a stream of chunks into the pool rows ``block_ids`` (in stream order).
+
+    Runs on the worker's event loop, so a DRAM pool is written through numpy: a torch copy
+    there would start an OpenMP thread pool beside the engine thread's and slow every later
+    engine step (see ``baton_decode.engine_loop.EngineThread``)."""
 
     def __init__(self, pool_bytes: torch.Tensor, block_ids: Sequence[int]) -> None:
         bb = pool_bytes.shape[1]
         self._flat = pool_bytes.view(-1)
+        self._flat_np = self._flat.numpy() if self._flat.device.type == "cpu" else None
         self._run_offsets: list[int] = []  # stream offset where each run of rows starts
         self._run_starts: list[int] = []  # byte offset of the run in the pool
         self._run_lengths: list[int] = []
@@ -84,16 +90,20 @@ class ChunkWriter:
             )
         if not data:
             return
+        src_np = np.frombuffer(data, dtype=np.uint8)
         with warnings.catch_warnings():  # read-only source buffer: it is only copied from
             warnings.simplefilter("ignore", UserWarning)
-            src = torch.frombuffer(data, dtype=torch.uint8)
+            src = torch.from_numpy(src_np)
         i = bisect.bisect_right(self._run_offsets, offset) - 1
         pos = 0
         while pos < len(data):
             in_run = offset + pos - self._run_offsets[i]
             n = min(self._run_lengths[i] - in_run, len(data) - pos)
             dst = self._run_starts[i] + in_run
-            self._flat[dst : dst + n].copy_(src[pos : pos + n])
+            if self._flat_np is not None:
+                self._flat_np[dst : dst + n] = src_np[pos : pos + n]
+            else:
+                self._flat[dst : dst + n].copy_(src[pos : pos + n])
             pos += n
             i += 1
         self.num_bytes += len(data)

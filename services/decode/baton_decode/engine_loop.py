@@ -8,10 +8,11 @@
                                                  step()  (blocks on the queue when idle)
     RequestStream.queue ◄── call_soon_threadsafe ── outputs of the step, or errors
 
-The thread owns the EngineCore: no other thread calls into it except for the read-only
-``validate_request``. A step therefore never waits on request handling and a slow step never
-blocks the event loop. ``_streams`` (req_id -> stream of every accepted, unfinished request) is
-owned by the asyncio loop; the thread's own view of what the engine holds is ``_live``.
+The thread owns the EngineCore, and builds it (``EngineThread``): no other thread calls into it
+except for the read-only ``validate_request``, and no other thread of a worker runs torch work.
+A step therefore never waits on request handling and a slow step never blocks the event loop.
+``_streams`` (req_id -> stream of every accepted, unfinished request) is owned by the asyncio
+loop; the thread's own view of what the engine holds is ``_live``.
 """
 
 from __future__ import annotations
@@ -78,6 +79,55 @@ class _Stop:
 _Command = _Add | _Abort | _ReleaseHeld | _LoadDone | _Stop
 
 
+class EngineThread:
+    """The one thread of a worker process that does torch work: it builds the engine core,
+    then runs the loop handed to it (``run``).
+
+    Building on the thread that will step matters on CPUs: libgomp keeps a thread pool per
+    thread that ever ran a parallel region, and once a process holds more pool threads than it
+    has cores, every pool's threads sleep at each barrier after ~100 spins instead of ~300,000.
+    A decode step of 16 requests on 2 cores took 47 ms instead of 30 with the model loaded on
+    the main thread and stepped on another (``benchmarks/RESULTS.md``, fifth session).
+    """
+
+    def __init__(self, build: Callable[[], EngineCore]) -> None:
+        self._build = build
+        self._core: EngineCore | None = None
+        self._error: BaseException | None = None
+        self._built = threading.Event()
+        self._target: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._main, name="engine-loop", daemon=True)
+        self.thread.start()
+
+    def _main(self) -> None:
+        try:
+            self._core = self._build()
+        except BaseException as e:  # re-raised by core() on the caller's thread
+            self._error = e
+            return
+        finally:
+            self._built.set()
+        target = self._target.get()
+        if target is not None:
+            target()
+
+    def core(self) -> EngineCore:
+        """Wait for the build; return the core or raise what the build raised."""
+        self._built.wait()
+        if self._error is not None:
+            raise self._error
+        assert self._core is not None
+        return self._core
+
+    def run(self, target: Callable[[], None]) -> None:
+        """Run ``target`` on the thread (once, after the build)."""
+        self._target.put(target)
+
+    def cancel(self) -> None:
+        """End the thread without running anything (no effect once ``run`` was called)."""
+        self._target.put(None)
+
+
 @dataclass
 class RequestStream:
     """The asyncio side of one request: its outputs in step order, ending with a finished output
@@ -126,7 +176,9 @@ class EngineLoop:
         log_stats_interval_s: float = 5.0,
         on_dead: Callable[[], None] | None = None,
         on_kv_load: Callable[[KVLoad], None] | None = None,
+        thread: EngineThread | None = None,
     ) -> None:
+        """``thread``: the thread that built ``core``, to step it on (a new thread if None)."""
         self.core = core
         self._on_kv_load = on_kv_load  # called on the loop for each pull to start
         self._kv_events: list[tuple[str, bytes]] = []  # (kind, hash) since take; loop thread
@@ -141,12 +193,19 @@ class EngineLoop:
         self._stats_logger = StatsLogger(self._stats, log_stats_interval_s)
         self._dead: EngineDeadError | None = None
         self._num_step_failures = 0  # consecutive; engine thread only
-        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._engine_thread = thread
+        if thread is not None:
+            self._thread = thread.thread
+        else:
+            self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
     # --- asyncio side --------------------------------------------------------------------------
 
     def start(self) -> None:
-        self._thread.start()
+        if self._engine_thread is not None:
+            self._engine_thread.run(self._run)
+        else:
+            self._thread.start()
 
     @property
     def stats(self) -> EngineStats:

@@ -34,7 +34,7 @@ from baton import tracing
 from baton.addresses import grpc_address, url_host
 from baton.v1 import engine_pb2, engine_pb2_grpc
 from baton_decode import codec
-from baton_decode.engine_loop import EngineLoop
+from baton_decode.engine_loop import EngineLoop, EngineThread
 from baton_decode.errors import (
     DuplicateRequestError,
     EngineDeadError,
@@ -210,13 +210,16 @@ def serve(engine_config: EngineConfig, config: WorkerConfig) -> int:
         raise InvalidRequestError(f"role must be decode or prefill, got {config.role!r}")
     if config.kvstore_address:
         engine_config = dataclasses.replace(engine_config, enable_kv_events=True)
-    core = EngineCore(engine_config)  # before the event loop: loading blocks for seconds
+    # Built (for seconds) before the event loop runs, on the thread that will step it.
+    engine_thread = EngineThread(lambda: EngineCore(engine_config))
+    core = engine_thread.core()  # raises what the build raised (the thread has ended then)
     max_pending = config.max_pending or 4 * engine_config.max_num_seqs
     name = config.served_model_name or served_model_name(engine_config.model)
     tracing.setup(f"baton-{config.role}", config.otlp_endpoint)
     try:
-        return asyncio.run(_serve(core, config, name, max_pending))
+        return asyncio.run(_serve(core, engine_thread, config, name, max_pending))
     finally:
+        engine_thread.cancel()  # a no-op once the loop ran on it
         tracing.shutdown()
 
 
@@ -355,7 +358,13 @@ class _Role:
             self.source.close()
 
 
-async def _serve(core: EngineCore, config: WorkerConfig, name: str, max_pending: int) -> int:
+async def _serve(
+    core: EngineCore,
+    engine_thread: EngineThread,
+    config: WorkerConfig,
+    name: str,
+    max_pending: int,
+) -> int:
     loop = asyncio.get_running_loop()
     metrics = WorkerMetrics(name)
     try:
@@ -394,6 +403,7 @@ async def _serve(core: EngineCore, config: WorkerConfig, name: str, max_pending:
         log_stats_interval_s=config.log_stats_interval_s,
         on_dead=on_dead,
         on_kv_load=role.on_kv_load if config.role == "decode" else None,
+        thread=engine_thread,
     )
     role.build(engine, server)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
