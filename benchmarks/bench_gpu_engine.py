@@ -11,7 +11,8 @@ ignore_eos, greedy, bf16, dummy weights; max_num_seqs 64 and 256, and batch-1 de
 workload through transformers (sdpa, cuDNN SDPA off) in the same run; the share of the decode
 roofline (weights + KV bytes read per step over the device copy bandwidth, 4.28 TB/s on the
 H200); and per decode step the GPU time of the graph replay next to the step's wall time.
-Results are printed as they come and written to $OUT/bench_gpu_engine.json (or --output-json).
+Results are printed as they come and written to $OUT/bench_gpu_engine.json (benchmarks/out/
+without $OUT; or --output-json).
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ RESULTS: dict[str, Any] = {"checks": {}, "throughput": []}
 
 
 def emit(path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(RESULTS, indent=2))
 
 
@@ -285,6 +287,14 @@ def bench_baton(name: str, model: Path, args: argparse.Namespace) -> None:
               f"{sum(other):.2f} s (longest {max(other, default=0) * 1e3:.0f} ms), "
               f"{len(r['decode_steps'])} decode-only steps {row['decode_steps_s']:.2f} s, "
               f"first token {r['first_token']:.2f} s", flush=True)  # fmt: skip
+        if steps:
+            # The mean step sets batch 1's figure: name the steps that pull it above the median.
+            slow = sorted(enumerate(steps), key=lambda x: -x[1])[:8]
+            row["slowest_decode_steps_ms"] = [(i, dt * 1e3) for i, dt in slow]
+            print(f"{name_mode:6} baton batch {max_seqs:>3}: decode step mean "
+                  f"{sum(steps) / len(steps) * 1e3:.2f} ms, median {step_wall * 1e3:.2f} ms, "
+                  f"{sum(dt > 2 * step_wall for dt in steps)} above twice the median; slowest "
+                  + ", ".join(f"#{i} {dt * 1e3:.1f}" for i, dt in slow), flush=True)  # fmt: skip
         print(f"{name_mode:6} baton batch {max_seqs:>3}: {tps:9.0f} tok/s ({tps / roof:5.1%} of "
               f"roofline {roof:.0f}); decode step {step_wall * 1e3:.2f} ms wall, graph "
               f"{replay_txt} ms GPU", flush=True)  # fmt: skip
@@ -353,7 +363,7 @@ def main() -> int:
     p.add_argument("--output-json", type=Path, default=None)
     args = p.parse_args()
     if args.output_json is None:
-        args.output_json = Path(os.environ.get("OUT", ".")) / "bench_gpu_engine.json"
+        args.output_json = Path(os.environ.get("OUT", "benchmarks/out")) / "bench_gpu_engine.json"
     shapes = {k: SHAPES[k] for k in args.shapes.split(",")}
     tmp = None
     if args.tiny:
