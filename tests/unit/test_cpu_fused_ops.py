@@ -120,3 +120,44 @@ def test_kernels_run_on_every_intra_op_thread() -> None:
     if threads < 2:
         pytest.skip("torch runs one intra-op thread here")
     assert ops.parallel_threads(64 * threads) == threads
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kv_write_matches_the_reference_into_the_block_major_pool(dtype: torch.dtype) -> None:
+    """The CPU backend's C++ row copy puts new K/V (views of a fused qkv output) where the
+    reference's index_put does, in one layer of the engine's block-major pool, and nowhere else."""
+    from baton_kernels.attention.base import AttentionMetadata, KVCacheView
+    from baton_kernels.attention.cpu_backend import CpuAttentionBackend
+    from baton_kernels.attention.torch_backend import TorchAttentionBackend
+
+    torch.manual_seed(0)
+    blocks, layers, block_size, kv_heads, dim, tokens = 9, 3, 16, 3, 64, 21
+    pool = torch.randn(blocks, layers, 2, block_size, kv_heads, dim).to(dtype)
+    qkv = torch.randn(tokens, (9 + 2 * kv_heads) * dim).to(dtype)
+    _, k, v = qkv.split([9 * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    k, v = k.view(tokens, kv_heads, dim), v.view(tokens, kv_heads, dim)
+    slots = torch.randperm(blocks * block_size)[:tokens]
+
+    def metadata(slot_block: torch.Tensor) -> AttentionMetadata:  # one prefill chunk
+        return AttentionMetadata(
+            num_reqs=1,
+            num_decodes=0,
+            num_tokens=tokens,
+            query_start_loc=[0, tokens],
+            seq_lens=[tokens],
+            block_tables=torch.zeros(1, blocks, dtype=torch.int64),
+            slot_block=slot_block,
+            slot_offset=slots % block_size,
+            decode_bias=None,
+            max_decode_blocks=0,
+        )
+
+    md = metadata(slots // block_size)
+    want = pool.clone()
+    TorchAttentionBackend()._write_kv(k, v, KVCacheView(want[:, 1]), md)
+    CpuAttentionBackend(load_cpu_ops())._write_kv(k, v, KVCacheView(pool[:, 1]), md)
+    assert torch.equal(pool, want)
+    md = metadata(torch.full((tokens,), blocks))  # past the pool
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        CpuAttentionBackend(load_cpu_ops())._write_kv(k, v, KVCacheView(pool[:, 1]), md)
+    assert torch.equal(pool, want)  # checked before anything was written

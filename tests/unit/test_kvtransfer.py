@@ -486,14 +486,14 @@ from baton_kvtransfer.streaming import ChunkWriter
 torch.set_num_threads(2)
 pool = torch.zeros(64, 1 << 16, dtype=torch.uint8)  # 64 blocks of 64 KiB
 writer = ChunkWriter(pool_bytes(pool), list(range(64)))
-threads_before = len(os.listdir("/proc/self/task"))
-def write():
+def write():  # counted on the writing thread: an OpenMP pool's threads outlive the write
+    before = len(os.listdir("/proc/self/task"))
     writer.write(0, bytes(range(256)) * (1 << 14))
+    print(len(os.listdir("/proc/self/task")) - before)
 t = threading.Thread(target=write)
 t.start()
 t.join()
 assert int(pool.view(-1)[:256].sum()) == sum(range(256))
-print(len(os.listdir("/proc/self/task")) - threads_before)
 """
 
 

@@ -1,5 +1,6 @@
 """The CPU backend: the reference backend with decode attention done by a C++ kernel that reads
-the paged cache in place (``csrc/paged_attention_cpu.cpp``). Prefill chunks use the reference."""
+the paged cache in place, and the new K/V rows written by a C++ row copy
+(``csrc/paged_attention_cpu.cpp``). Prefill chunks use the reference."""
 
 from __future__ import annotations
 
@@ -19,6 +20,24 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     def __init__(self, ops: Any) -> None:
         self.ops = ops
+
+    def _write_kv(
+        self, key: torch.Tensor, value: torch.Tensor, kv_cache: KVCacheView, md: AttentionMetadata
+    ) -> None:
+        kv = kv_cache.kv
+        if (
+            key.device.type != "cpu"
+            or key.dtype != kv.dtype
+            or key.stride(2) != 1
+            or key.stride(1) != key.shape[2]
+            or value.stride(2) != 1
+            or value.stride(1) != value.shape[2]
+            or kv.stride(4) != 1
+            or kv.stride(3) != kv.shape[4]
+        ):
+            super()._write_kv(key, value, kv_cache, md)
+            return
+        self.ops.write_kv_cache_(key, value, kv, md.slot_block, md.slot_offset)
 
     def _decode(
         self, query: torch.Tensor, kv_cache: KVCacheView, md: AttentionMetadata, scale: float

@@ -42,10 +42,12 @@ class TorchAttentionBackend:
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        write_kv_cache(key, value, kv_cache, metadata)
-        out = torch.empty_like(query)
+        self._write_kv(key, value, kv_cache, metadata)
         md = metadata
         nd = md.num_decodes
+        if nd == md.num_reqs:  # decodes only
+            return self._decode(query, kv_cache, md, scale)
+        out = torch.empty_like(query)
         if nd:
             out[:nd] = self._decode(query[:nd], kv_cache, md, scale)
         i = nd
@@ -67,6 +69,11 @@ class TorchAttentionBackend:
             )
             i = j
         return out
+
+    def _write_kv(
+        self, key: torch.Tensor, value: torch.Tensor, kv_cache: KVCacheView, md: AttentionMetadata
+    ) -> None:
+        write_kv_cache(key, value, kv_cache, md)
 
     def _decode(
         self, query: torch.Tensor, kv_cache: KVCacheView, md: AttentionMetadata, scale: float

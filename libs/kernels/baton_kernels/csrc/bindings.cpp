@@ -9,6 +9,8 @@
 
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor kc, torch::Tensor vc,
                                      torch::Tensor tables, torch::Tensor lens, double scale);
+void write_kv_cache_(torch::Tensor key, torch::Tensor value, torch::Tensor kv,
+                     torch::Tensor slot_block, torch::Tensor slot_offset);
 std::vector<torch::Tensor> fused_add_rms_norm(torch::Tensor x,
                                               c10::optional<torch::Tensor> residual,
                                               torch::Tensor weight, double eps);
@@ -34,6 +36,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, nogil,
         "query [R, H, D], caches [blocks, block_size, KVH, D], tables [R, max_blocks] int64, "
         "seq_lens [R] int64, scale -> [R, H, D]");
+  m.def("write_kv_cache_", &write_kv_cache_, nogil,
+        "key, value [T, KVH, D] into kv [blocks, 2, block_size, KVH, D] at (slot_block, "
+        "slot_offset) [T] int64");
   m.def("fused_add_rms_norm", &fused_add_rms_norm, nogil,
         "x [T, H], residual [T, H] or None (updated in place to x + residual), weight [H], eps "
         "-> (normed, residual)");
