@@ -103,6 +103,27 @@ def test_backend_matches_reference(
     backend: str, dtype: torch.dtype, head_dim: int, block_size: int
 ) -> None:
     num_heads, num_kv_heads = 6, 2
+    check_backend(backend, dtype, head_dim, block_size, num_heads, num_kv_heads)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(2, 2), (8, 2), (7, 1), (10, 2)])
+def test_backend_matches_reference_for_each_gqa_group(
+    backend: str, num_heads: int, num_kv_heads: int
+) -> None:
+    """Query heads per KV head of 1, 4, 7 (Qwen2.5) and 5 (the C++ decode kernel has compiled
+    group sizes and a general one)."""
+    check_backend(backend, torch.bfloat16, 64, 16, num_heads, num_kv_heads)
+
+
+def check_backend(
+    backend: str,
+    dtype: torch.dtype,
+    head_dim: int,
+    block_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+) -> None:
     # decodes (various lengths), fresh prefills of equal length (batched), fresh of another
     # length, and chunks with cached context
     specs = [(0, 1), (7, 1), (40, 1), (130, 1), (0, 9), (0, 9), (0, 5), (12, 6), (33, 17)]

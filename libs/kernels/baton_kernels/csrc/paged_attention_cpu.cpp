@@ -36,12 +36,14 @@ inline void prefetch_block(const scalar_t* base, int64_t s1, int64_t bs, int64_t
       __builtin_prefetch(p + i * s1 * sizeof(scalar_t) + off, 0, 1);
 }
 
-template <typename scalar_t, int64_t D>
+// GT: the query heads per KV head when known at compile time (0: read from the shapes); a
+// constant lets the group's accumulators stay in registers.
+template <typename scalar_t, int64_t D, int64_t GT>
 void kernel(const torch::Tensor& query, const torch::Tensor& kc, const torch::Tensor& vc,
             const torch::Tensor& tables, const torch::Tensor& lens, float scale,
             torch::Tensor& out) {
   const int64_t R = query.size(0), H = query.size(1), KVH = kc.size(2), BS = kc.size(1);
-  const int64_t G = H / KVH, MB = tables.size(1);
+  const int64_t G = GT ? GT : H / KVH, MB = tables.size(1);
   const auto* q = query.data_ptr<scalar_t>();
   const auto* k = kc.data_ptr<scalar_t>();
   const auto* v = vc.data_ptr<scalar_t>();
@@ -103,6 +105,22 @@ void kernel(const torch::Tensor& query, const torch::Tensor& kc, const torch::Te
     }
   });
 }
+
+// The group sizes of common models (SmolLM2 3, Llama-3 4, Qwen2.5 7, ...) as constants.
+template <typename scalar_t, int64_t D>
+void dispatch_group(const torch::Tensor& query, const torch::Tensor& kc, const torch::Tensor& vc,
+                    const torch::Tensor& tables, const torch::Tensor& lens, float scale,
+                    torch::Tensor& out) {
+  switch (query.size(1) / kc.size(2)) {
+    case 1: return kernel<scalar_t, D, 1>(query, kc, vc, tables, lens, scale, out);
+    case 2: return kernel<scalar_t, D, 2>(query, kc, vc, tables, lens, scale, out);
+    case 3: return kernel<scalar_t, D, 3>(query, kc, vc, tables, lens, scale, out);
+    case 4: return kernel<scalar_t, D, 4>(query, kc, vc, tables, lens, scale, out);
+    case 7: return kernel<scalar_t, D, 7>(query, kc, vc, tables, lens, scale, out);
+    case 8: return kernel<scalar_t, D, 8>(query, kc, vc, tables, lens, scale, out);
+    default: return kernel<scalar_t, D, 0>(query, kc, vc, tables, lens, scale, out);
+  }
+}
 }  // namespace
 
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor kc, torch::Tensor vc,
@@ -122,11 +140,11 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor kc, torc
   auto l = lens.contiguous();
   const float s = static_cast<float>(scale);
   if (query.scalar_type() == torch::kBFloat16) {
-    if (query.size(2) == 64) kernel<c10::BFloat16, 64>(query, kc, vc, t, l, s, out);
-    else kernel<c10::BFloat16, 128>(query, kc, vc, t, l, s, out);
+    if (query.size(2) == 64) dispatch_group<c10::BFloat16, 64>(query, kc, vc, t, l, s, out);
+    else dispatch_group<c10::BFloat16, 128>(query, kc, vc, t, l, s, out);
   } else {
-    if (query.size(2) == 64) kernel<float, 64>(query, kc, vc, t, l, s, out);
-    else kernel<float, 128>(query, kc, vc, t, l, s, out);
+    if (query.size(2) == 64) dispatch_group<float, 64>(query, kc, vc, t, l, s, out);
+    else dispatch_group<float, 128>(query, kc, vc, t, l, s, out);
   }
   return out;
 }
