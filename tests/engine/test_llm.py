@@ -19,7 +19,10 @@ def llm(default_model_dir: Path) -> LLM:
 
 
 def test_default_model_answers(llm: LLM) -> None:
-    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}], GREEDY)
+    # Not "What is the capital of France?": its first token is a near-tie in float32 ("The"
+    # ahead of "L" by 0.08 logprob), which bf16 rounding resolves either way depending on the
+    # order of additions in a GEMM (benchmarks/RESULTS.md, sixth session).
+    out = llm.chat([{"role": "user", "content": "Name the capital of France."}], GREEDY)
     completion = out[0].outputs[0]
     assert "Paris" in completion.text
     assert completion.finish_reason in ("stop", "length")

@@ -90,7 +90,7 @@ def test_gateway_serves_without_torch(baton_server: Any, tmp_path: Path) -> None
         with OpenAI(base_url=url[0] + "/v1", api_key="unused", max_retries=0) as client:
             out = client.chat.completions.create(
                 model="SmolLM2-135M-Instruct",
-                messages=[{"role": "user", "content": "What is the capital of France?"}],
+                messages=[{"role": "user", "content": "Name the capital of France."}],
                 temperature=0,
                 max_tokens=12,
             )

@@ -7,10 +7,8 @@ import random
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from baton_kernels.attention import AttentionMetadata, KVCacheView, create_attention_backend
-from baton_kernels.cpu_linear import PackedLinear, can_pack
 
 DTYPES = [torch.float32, torch.bfloat16]
 HEAD_SIZES = [64, 128]
@@ -153,14 +151,3 @@ def test_auto_picks_the_cpu_kernel_on_cpu_and_triton_on_cuda() -> None:
     assert create_attention_backend("auto", "cpu").name == "cpu"
     on_cuda = "triton" if torch.cuda.is_available() else "torch"  # triton needs a GPU there
     assert create_attention_backend("auto", "cuda").name == on_cuda
-
-
-@pytest.mark.skipif(not can_pack(torch.zeros(1, dtype=torch.bfloat16)), reason="no oneDNN")
-@pytest.mark.parametrize("num_tokens", [1, 7, 64, 300])
-@pytest.mark.parametrize("bias", [False, True])
-def test_packed_linear_matches_reference(num_tokens: int, bias: bool) -> None:
-    torch.manual_seed(0)
-    linear = torch.nn.Linear(96, 160, bias=bias).to(torch.bfloat16)
-    x = torch.randn(num_tokens, 96, dtype=torch.bfloat16)
-    want = F.linear(x, linear.weight, linear.bias)
-    torch.testing.assert_close(PackedLinear(linear)(x), want, rtol=2e-2, atol=2e-2)

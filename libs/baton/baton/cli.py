@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 
 DEMO_PROMPTS = [
-    "What is the capital of France?",
+    "Name the capital of France.",
     "Write a haiku about the sea.",
     "Explain in one sentence what a KV cache is.",
     "Give me three tips for learning a new language.",

@@ -119,10 +119,10 @@ class ModelRunner:
                     param.copy_(noise.mul_(0.02))
 
     def finalize_weights(self) -> None:
-        """After loading: pack linear weights for oneDNN where that is faster (CPU, bf16)."""
-        num = pack_linears(self.model)
-        if num:
-            logger.info("packed %d linear layers for oneDNN", num)
+        """After loading: pack linear weights for the CPU's GEMM kernels (CPU, bf16); the LM
+        head's logits stay float32 where the kernel allows."""
+        for kernel, num in pack_linears(self.model, float32_outputs=("lm_head",)).items():
+            logger.info("packed %d linear layers for the %s kernel", num, kernel)
 
     def kv_bytes_per_block(self) -> int:
         cfg = self.model_config

@@ -17,6 +17,9 @@ std::vector<torch::Tensor> fused_add_rms_norm(torch::Tensor x,
 void rotary_embedding_(torch::Tensor q, torch::Tensor k, torch::Tensor positions,
                        torch::Tensor cos_sin);
 torch::Tensor silu_and_mul(torch::Tensor x);
+bool bf16_gemm_available();
+torch::Tensor linear_bf16_vnni(torch::Tensor x, torch::Tensor packed,
+                               c10::optional<torch::Tensor> bias, int64_t n, bool out_float32);
 
 // How many of torch's intra-op threads an at::parallel_for over `n` items of this module ran
 // on: the module must be built with OpenMP, or its kernels silently run on one thread.
@@ -45,6 +48,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_embedding_", &rotary_embedding_, nogil,
         "q [T, Hq, D], k [T, Hk, D] rotated in place; positions [T] int64; cos_sin [P, 2, D]");
   m.def("silu_and_mul", &silu_and_mul, nogil, "x [T, 2I] -> silu(x[:, :I]) * x[:, I:]");
+  m.def("bf16_gemm_available", &bf16_gemm_available,
+        "whether linear_bf16_vnni was built (the CPU has AVX512-BF16)");
+  m.def("linear_bf16_vnni", &linear_bf16_vnni, nogil,
+        "x [M, K] bf16, packed weight [ceil(N/16), ceil(K/2), 16, 2] bf16, bias [N] or None, N, "
+        "out_float32 -> x W^T + b [M, N] (bf16, or float32)");
   m.def("parallel_threads", &parallel_threads, nogil,
         "n -> how many intra-op threads a parallel_for over n items ran on");
 }
