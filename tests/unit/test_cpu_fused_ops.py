@@ -4,6 +4,8 @@ where torch rounds, so bf16 results agree to the last bit but for float evaluati
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -161,3 +163,24 @@ def test_kv_write_matches_the_reference_into_the_block_major_pool(dtype: torch.d
     with pytest.raises(RuntimeError, match="outside the cache"):
         CpuAttentionBackend(load_cpu_ops())._write_kv(k, v, KVCacheView(pool[:, 1]), md)
     assert torch.equal(pool, want)  # checked before anything was written
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab", [1, 15, 16, 49152 + 7])
+def test_argmax_matches_torch_with_ties_nans_and_infinities(dtype: torch.dtype, vocab: int) -> None:
+    """The greedy path's argmax: first index of the maximum (ties are common in bf16), the
+    first NaN where a row has one, -inf rows, negative rows, and rows of a wider tensor."""
+    gen = torch.Generator().manual_seed(vocab)
+    wide = torch.randn(8, vocab + 5, generator=gen).to(dtype)
+    x = wide[:, 2 : 2 + vocab]  # row stride vocab + 5
+    x[1] = x[1].abs().neg() - 1  # all negative
+    x[2] = -math.inf
+    if vocab > 3:
+        x[3, 1] = x[3, vocab - 2] = x[3].max() + 1  # a tie: the first wins
+        x[4, vocab // 2] = math.nan
+        x[4, vocab - 1] = math.nan
+        x[5, 0] = math.inf
+        x[5, vocab - 1] = math.inf
+    got = fused.argmax(x)
+    assert got.dtype == torch.int64
+    assert got.tolist() == x.argmax(dim=-1).tolist()

@@ -17,6 +17,7 @@ std::vector<torch::Tensor> fused_add_rms_norm(torch::Tensor x,
 void rotary_embedding_(torch::Tensor q, torch::Tensor k, torch::Tensor positions,
                        torch::Tensor cos_sin);
 torch::Tensor silu_and_mul(torch::Tensor x);
+torch::Tensor argmax_rows(torch::Tensor x);
 bool bf16_gemm_available();
 torch::Tensor linear_bf16_vnni(torch::Tensor x, torch::Tensor packed,
                                c10::optional<torch::Tensor> bias, int64_t n, bool out_float32);
@@ -48,6 +49,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_embedding_", &rotary_embedding_, nogil,
         "q [T, Hq, D], k [T, Hk, D] rotated in place; positions [T] int64; cos_sin [P, 2, D]");
   m.def("silu_and_mul", &silu_and_mul, nogil, "x [T, 2I] -> silu(x[:, :I]) * x[:, I:]");
+  m.def("argmax_rows", &argmax_rows, nogil,
+        "x [B, V] float32 or bf16 -> [B] int64: torch.argmax(x, dim=1) (first of ties, NaN wins)");
   m.def("bf16_gemm_available", &bf16_gemm_available,
         "whether linear_bf16_vnni was built (the CPU has AVX512-BF16)");
   m.def("linear_bf16_vnni", &linear_bf16_vnni, nogil,

@@ -10,9 +10,16 @@
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <type_traits>
 #include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace {
 // Rounds a float to the storage type and back (a no-op for float32).
@@ -166,5 +173,90 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
     silu_and_mul_kernel<c10::BFloat16>(x, out);
   else
     silu_and_mul_kernel<float>(x, out);
+  return out;
+}
+
+// Index of each row's largest value, as torch.argmax: the first one on ties, the first NaN in
+// a row that has one. Compares integer keys of the float bits (monotonic in the float order),
+// so the file's -ffast-math cannot fold away the NaN and infinity cases. One pass for the
+// largest key (and whether a NaN occurred), one to find it; rows run in parallel. Replaces the
+// greedy path's torch argmax (~360 us for 16 x 49152 float32 logits on 2 cores).
+namespace {
+inline uint32_t bits_at(const float* p, int64_t i) {
+  uint32_t b;
+  std::memcpy(&b, p + i, 4);
+  return b;
+}
+inline uint32_t bits_at(const c10::BFloat16* p, int64_t i) {
+  return static_cast<uint32_t>(p[i].x) << 16;
+}
+inline bool is_nan(uint32_t b) { return (b & 0x7fffffffu) > 0x7f800000u; }
+// Signed integers ordered as the floats are: negative floats have their magnitude bits flipped.
+inline int32_t key_of(uint32_t b) {
+  const auto i = static_cast<int32_t>(b);
+  return i >= 0 ? i : i ^ 0x7fffffff;
+}
+
+template <typename T>
+int64_t argmax_row(const T* p, int64_t n) {
+  int32_t best = key_of(0xff800000u);  // -inf
+  bool nan = false;
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float>) {
+    const __m512i magnitude = _mm512_set1_epi32(0x7fffffff);
+    const __m512i inf = _mm512_set1_epi32(0x7f800000);
+    __m512i vbest = _mm512_set1_epi32(best);
+    __mmask16 nans = 0;
+    for (; i + 16 <= n; i += 16) {
+      const __m512i b = _mm512_loadu_si512(p + i);
+      nans |= _mm512_cmpgt_epu32_mask(_mm512_and_si512(b, magnitude), inf);
+      const __m512i flip = _mm512_and_si512(_mm512_srai_epi32(b, 31), magnitude);
+      vbest = _mm512_max_epi32(vbest, _mm512_xor_si512(b, flip));
+    }
+    best = _mm512_reduce_max_epi32(vbest);
+    nan = nans != 0;
+  }
+#endif
+  for (; i < n; ++i) {
+    const uint32_t b = bits_at(p, i);
+    nan = nan || is_nan(b);
+    best = std::max(best, key_of(b));
+  }
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float>) {
+    if (!nan) {
+      const __m512i magnitude = _mm512_set1_epi32(0x7fffffff);
+      const __m512i target = _mm512_set1_epi32(best);
+      for (; j + 16 <= n; j += 16) {
+        const __m512i b = _mm512_loadu_si512(p + j);
+        const __m512i flip = _mm512_and_si512(_mm512_srai_epi32(b, 31), magnitude);
+        const __mmask16 hit = _mm512_cmpeq_epi32_mask(_mm512_xor_si512(b, flip), target);
+        if (hit) return j + __builtin_ctz(hit);
+      }
+    }
+  }
+#endif
+  for (; j < n; ++j) {
+    const uint32_t b = bits_at(p, j);
+    if (nan ? is_nan(b) : key_of(b) == best) return j;
+  }
+  return 0;
+}
+}  // namespace
+
+torch::Tensor argmax_rows(torch::Tensor x) {
+  check_rows(x, "x");
+  TORCH_CHECK(x.size(1) > 0, "x must have at least one column");
+  auto out = torch::empty({x.size(0)}, x.options().dtype(torch::kInt64));
+  auto* o = out.data_ptr<int64_t>();
+  const int64_t n = x.size(1), stride = x.stride(0);
+  const bool bf16 = x.scalar_type() == torch::kBFloat16;
+  at::parallel_for(0, x.size(0), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      o[r] = bf16 ? argmax_row(x.data_ptr<c10::BFloat16>() + r * stride, n)
+                  : argmax_row(x.data_ptr<float>() + r * stride, n);
+  });
   return out;
 }

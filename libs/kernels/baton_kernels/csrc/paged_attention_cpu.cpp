@@ -6,10 +6,16 @@
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace {
 // Converts a row of `dim` values to float32.
@@ -106,11 +112,168 @@ void kernel(const torch::Tensor& query, const torch::Tensor& kc, const torch::Te
   });
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+// 16 vectors of 16 partial sums -> one vector whose lane t is the sum of v[t]'s lanes.
+inline __m512 reduce16(__m512 v[16]) {
+  __m512 s[8];
+  for (int i = 0; i < 8; ++i)
+    s[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  __m512 u[4];
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(s[2 * i]), b = _mm512_castps_pd(s[2 * i + 1]);
+    u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  __m512 w[2];
+  for (int i = 0; i < 2; ++i)
+    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88),
+                       _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
+}
+
+// 16 bf16 values -> float32 (exact: a shift into the high half).
+inline __m512 bf16_to_f32(const uint16_t* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// bf16 with AVX512-BF16 (the same task split and results, up to float evaluation order, as
+// `kernel`): q.k as VDPBF16PS on the bf16 rows themselves (no conversion of K), 16 tokens at a
+// time, whose 16-lane partial sums one reduction tree turns into 16 scores; p.v in float32.
+// Block table lookups happen once per token; K rows are prefetched one and two chunks ahead.
+template <int64_t D, int64_t GT>
+void kernel_bf16(const torch::Tensor& query, const torch::Tensor& kc, const torch::Tensor& vc,
+                 const torch::Tensor& tables, const torch::Tensor& lens, float scale,
+                 torch::Tensor& out) {
+  constexpr int64_t QV = D / 32;  // zmm of bf16 per row
+  constexpr int64_t DV = D / 16;  // zmm of float32 per row
+  const int64_t R = query.size(0), H = query.size(1), KVH = kc.size(2), BS = kc.size(1);
+  const int64_t G = GT ? GT : H / KVH, MB = tables.size(1);
+  const auto* q = reinterpret_cast<const uint16_t*>(query.data_ptr());
+  const auto* k = reinterpret_cast<const uint16_t*>(kc.data_ptr());
+  const auto* v = reinterpret_cast<const uint16_t*>(vc.data_ptr());
+  auto* o = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const auto* tab = tables.data_ptr<int64_t>();
+  const auto* ln = lens.data_ptr<int64_t>();
+  const int64_t ks0 = kc.stride(0), ks1 = kc.stride(1), ks2 = kc.stride(2);
+  const int64_t vs0 = vc.stride(0), vs1 = vc.stride(1), vs2 = vc.stride(2);
+  const int64_t qs0 = query.stride(0), qs1 = query.stride(1);
+  const int64_t os0 = out.stride(0), os1 = out.stride(1);
+  auto row = [&](const uint16_t* base, int64_t s0, int64_t s1, int64_t s2, int64_t r, int64_t h,
+                 int64_t t) { return base + tab[r * MB + t / BS] * s0 + (t % BS) * s1 + h * s2; };
+  auto prefetch_rows = [&](const uint16_t* const* rows, int64_t n, int hint) {
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t off = 0; off < D * 2; off += 64) {
+        const char* p = reinterpret_cast<const char*>(rows[i]) + off;
+        if (hint == 0) _mm_prefetch(p, _MM_HINT_T0); else _mm_prefetch(p, _MM_HINT_T1);
+      }
+  };
+  // Tasks are (request, KV head) pairs; threads split them by context length, not by count:
+  // a thread takes the tasks whose first token falls in its range of all the tasks' tokens.
+  std::vector<int64_t> start(static_cast<size_t>(R * KVH + 1), 0);
+  for (int64_t task = 0; task < R * KVH; ++task)
+    start[task + 1] = start[task] + std::max<int64_t>(ln[task / KVH], 1);
+  at::parallel_for(0, start[R * KVH], 1, [&](int64_t lo, int64_t hi) {
+    const int64_t begin = std::lower_bound(start.begin(), start.end() - 1, lo) - start.begin();
+    const int64_t end = std::lower_bound(start.begin(), start.end() - 1, hi) - start.begin();
+    std::vector<float> scores;  // [G, L rounded up to 16]
+    std::vector<const uint16_t*> krows, vrows;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t r = task / KVH, h = task % KVH;
+      const int64_t L = ln[r], LP = (L + 15) / 16 * 16;
+      scores.resize(static_cast<size_t>(G * LP));
+      krows.resize(static_cast<size_t>(L));
+      vrows.resize(static_cast<size_t>(L));
+      for (int64_t t = 0; t < L; ++t) {
+        krows[t] = row(k, ks0, ks1, ks2, r, h, t);
+        vrows[t] = row(v, vs0, vs1, vs2, r, h, t);
+      }
+      prefetch_rows(krows.data(), std::min<int64_t>(L, 32), 0);
+      if (task + 1 < end) {  // the next task's first K rows, into L2, so it starts warm
+        const int64_t r2 = (task + 1) / KVH, h2 = (task + 1) % KVH;
+        for (int64_t t = 0; t < std::min<int64_t>(ln[r2], 32); ++t) {
+          const char* p = reinterpret_cast<const char*>(row(k, ks0, ks1, ks2, r2, h2, t));
+          for (int64_t off = 0; off < D * 2; off += 64) _mm_prefetch(p + off, _MM_HINT_T1);
+        }
+      }
+      __m512bh qv[16][QV];
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t i = 0; i < QV; ++i)
+          qv[g][i] = (__m512bh)_mm512_loadu_si512(q + r * qs0 + (h * G + g) * qs1 + i * 32);
+      // QK: 16 tokens at a time, each token's dot products as 16 partial sums, reduced together.
+      for (int64_t t0 = 0; t0 < L; t0 += 16) {
+        const int64_t n = std::min<int64_t>(16, L - t0);
+        // K rows of the next chunk into L1 and of the one after into L2; this chunk's V rows
+        // (read after the softmax) into L2.
+        if (t0 + 16 < L) prefetch_rows(krows.data() + t0 + 16, std::min<int64_t>(16, L - t0 - 16), 0);
+        if (t0 + 32 < L) prefetch_rows(krows.data() + t0 + 32, std::min<int64_t>(16, L - t0 - 32), 1);
+        prefetch_rows(vrows.data() + t0, n, 1);
+        for (int64_t g = 0; g < G; ++g) {
+          __m512 part[16];
+          for (int64_t i = 0; i < 16; ++i) {
+            if (i < n) {
+              __m512 a = _mm512_setzero_ps();
+              for (int64_t j = 0; j < QV; ++j)
+                a = _mm512_dpbf16_ps(a, qv[g][j], (__m512bh)_mm512_loadu_si512(krows[t0 + i] + j * 32));
+              part[i] = a;
+            } else {
+              part[i] = _mm512_setzero_ps();
+            }
+          }
+          _mm512_storeu_ps(scores.data() + g * LP + t0, _mm512_mul_ps(reduce16(part), _mm512_set1_ps(scale)));
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        float* sg = scores.data() + g * LP;
+        float m = sg[0];
+        for (int64_t t = 1; t < L; ++t) m = sg[t] > m ? sg[t] : m;
+        float den = 0.f;
+        for (int64_t t = 0; t < L; ++t) { sg[t] = std::exp(sg[t] - m); den += sg[t]; }
+        const float inv = 1.f / den;
+        for (int64_t t = 0; t < L; ++t) sg[t] *= inv;
+      }
+      __m512 acc[16][DV];
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t j = 0; j < DV; ++j) acc[g][j] = _mm512_setzero_ps();
+      for (int64_t t = 0; t < L; ++t) {
+        const uint16_t* vrow = vrows[t];
+        __m512 vf[DV];
+        for (int64_t j = 0; j < DV; ++j) vf[j] = bf16_to_f32(vrow + j * 16);
+        for (int64_t g = 0; g < G; ++g) {
+          const __m512 p = _mm512_set1_ps(scores[g * LP + t]);
+          for (int64_t j = 0; j < DV; ++j) acc[g][j] = _mm512_fmadd_ps(p, vf[j], acc[g][j]);
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        uint16_t* orow = o + r * os0 + (h * G + g) * os1;
+        for (int64_t j = 0; j < DV; ++j)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(orow + j * 16), (__m256i)_mm512_cvtneps_pbh(acc[g][j]));
+      }
+    }
+  });
+}
+#endif  // __AVX512BF16__
+
 // The group sizes of common models (SmolLM2 3, Llama-3 4, Qwen2.5 7, ...) as constants.
 template <typename scalar_t, int64_t D>
 void dispatch_group(const torch::Tensor& query, const torch::Tensor& kc, const torch::Tensor& vc,
                     const torch::Tensor& tables, const torch::Tensor& lens, float scale,
                     torch::Tensor& out) {
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    switch (query.size(1) / kc.size(2)) {
+      case 1: return kernel_bf16<D, 1>(query, kc, vc, tables, lens, scale, out);
+      case 2: return kernel_bf16<D, 2>(query, kc, vc, tables, lens, scale, out);
+      case 3: return kernel_bf16<D, 3>(query, kc, vc, tables, lens, scale, out);
+      case 4: return kernel_bf16<D, 4>(query, kc, vc, tables, lens, scale, out);
+      case 7: return kernel_bf16<D, 7>(query, kc, vc, tables, lens, scale, out);
+      case 8: return kernel_bf16<D, 8>(query, kc, vc, tables, lens, scale, out);
+      default: return kernel_bf16<D, 0>(query, kc, vc, tables, lens, scale, out);
+    }
+  }
+#endif
   switch (query.size(1) / kc.size(2)) {
     case 1: return kernel<scalar_t, D, 1>(query, kc, vc, tables, lens, scale, out);
     case 2: return kernel<scalar_t, D, 2>(query, kc, vc, tables, lens, scale, out);
