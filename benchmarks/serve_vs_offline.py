@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import signal
 import socket
 import subprocess
@@ -43,6 +44,31 @@ def offline(args: argparse.Namespace, out: Path, max_num_seqs: int = 256) -> flo
     return float(json.loads(out.read_text())["results"]["baton"])
 
 
+def cpu_seconds_by_process(root: int) -> dict[str, float]:
+    """User + system CPU seconds of ``root`` and every process below it, by command line."""
+    tick = os.sysconf("SC_CLK_TCK")
+    stats: dict[int, tuple[int, float, str]] = {}  # pid -> (parent, cpu seconds, name)
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except (OSError, IndexError):
+            continue
+        name = " ".join(a.decode() for a in argv[1:4] if a) or entry.name  # "-m baton.cli decode"
+        secs = (int(fields[11]) + int(fields[12])) / tick
+        stats[int(entry.name)] = (int(fields[1]), secs, f"{name} ({entry.name})")
+    out: dict[str, float] = {}
+    for pid, (_, secs, name) in stats.items():
+        p = pid
+        while p in stats and p != root:
+            p = stats[p][0]
+        if p == root:
+            out[name] = secs
+    return out
+
+
 def served(args: argparse.Namespace, out_dir: Path) -> dict[str, float]:
     port = free_port()
     server = subprocess.Popen(
@@ -64,7 +90,20 @@ def served(args: argparse.Namespace, out_dir: Path) -> dict[str, float]:
                "--max-concurrency", str(args.max_concurrency), "--ignore-eos",
                "--save-result", "--result-dir", str(out_dir), "--result-filename", "serve.json",
                "--disable-tqdm"]  # fmt: skip
+        before = cpu_seconds_by_process(server.pid)
+        client_before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        start = time.monotonic()
         subprocess.run(cmd, check=True)
+        wall = time.monotonic() - start
+        client = resource.getrusage(resource.RUSAGE_CHILDREN)
+        after = cpu_seconds_by_process(server.pid)
+        print(f"\nCPU use during the served run ({wall:.1f} s), in cores:")
+        for name, secs in sorted(after.items(), key=lambda kv: -kv[1]):
+            print(f"  {name:<60} {(secs - before.get(name, 0.0)) / wall:5.2f}")
+        client_secs = (client.ru_utime + client.ru_stime) - (
+            client_before.ru_utime + client_before.ru_stime
+        )
+        print(f"  {'baton bench serve (the client)':<60} {client_secs / wall:5.2f}")
         return dict(json.loads((out_dir / "serve.json").read_text()))
     finally:
         os.killpg(server.pid, signal.SIGTERM)
@@ -81,7 +120,15 @@ def main() -> int:
     p.add_argument(
         "--serve-args", default="", help="extra `baton serve` flags, e.g. --mode aggregated"
     )
+    p.add_argument(
+        "--served-only", action="store_true", help="skip the offline runs (diagnostics)"
+    )
     args = p.parse_args()
+    if args.served_only:
+        with tempfile.TemporaryDirectory() as tmp:
+            result = served(args, Path(tmp))
+        print(f"served: {result['output_throughput']:.1f} output tok/s")
+        return 0
     with tempfile.TemporaryDirectory() as tmp:
         offline_tps = offline(args, Path(tmp) / "offline.json")
         offline_same_tps = offline(args, Path(tmp) / "offline16.json", args.max_concurrency)
