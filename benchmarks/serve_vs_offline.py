@@ -120,9 +120,7 @@ def main() -> int:
     p.add_argument(
         "--serve-args", default="", help="extra `baton serve` flags, e.g. --mode aggregated"
     )
-    p.add_argument(
-        "--served-only", action="store_true", help="skip the offline runs (diagnostics)"
-    )
+    p.add_argument("--served-only", action="store_true", help="skip the offline runs (diagnostics)")
     args = p.parse_args()
     if args.served_only:
         with tempfile.TemporaryDirectory() as tmp:

@@ -34,6 +34,7 @@ from baton_kernels.triton.decode_attention import (
     ref_decode_attention,
     split_counts,
 )
+from baton_kernels.triton.fused_ops import ref_rotary_embedding
 from baton_kernels.triton.kv_write import ref_write_kv_cache, write_kv_cache
 from baton_kernels.triton.paged_attention import (
     paged_attention,
@@ -268,6 +269,35 @@ def test_triton_backend_matches_reference(dtype: torch.dtype) -> None:
     torch.testing.assert_close(pool, want.pool, atol=0, rtol=0)
     ref = ref_paged_attention(
         query, want.cache, md.query_start_loc, md.seq_lens, md.block_tables, 0.125
+    )
+    assert_close(out, ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_triton_backend_forward_rope_matches_rotary_then_forward(dtype: torch.dtype) -> None:
+    """The model's path with fused kernels: q and k rotated by position in place, the rotated
+    K and V written into the cache by the same launch, then attention as ``forward``."""
+    from baton_engine.models.rotary import RotaryEmbedding
+
+    specs = [(4, 1), (300, 1), (0, 12), (33, 9)]
+    md, want = make_step(specs, 16, 1, 64, dtype)
+    slots = (md.slot_block, slice(None), md.slot_offset)
+    new_k, new_v = (t.clone() for t in want.cache.kv[slots].unbind(1))
+    query = random_heads(md.num_tokens, 7, 64, dtype)
+    positions = torch.tensor([c + i for c, n in specs for i in range(n)], device=DEVICE)
+    cos_sin = RotaryEmbedding(64, 512, 10000.0, None).to(DEVICE).cos_sin
+    want_q, want_k = ref_rotary_embedding(query.clone(), new_k.clone(), positions, cos_sin)
+    want.cache.kv[md.slot_block, 0, md.slot_offset] = want_k  # the cache holds rotated keys
+    pool = want.pool.clone()
+    cache = KVCacheView(pool[:, 1])
+    cache.kv[slots] = torch.randn(cache.kv[slots].shape, device=DEVICE).to(dtype)  # stale
+    out = TritonAttentionBackend().forward_rope(
+        query, new_k, new_v, cache, md, 0.125, positions, cos_sin
+    )
+    assert_close(query, want_q, dtype)
+    assert_close(pool, want.pool, dtype)
+    ref = ref_paged_attention(
+        want_q, want.cache, md.query_start_loc, md.seq_lens, md.block_tables, 0.125
     )
     assert_close(out, ref, dtype)
 

@@ -21,6 +21,7 @@ pytest.importorskip("triton")
 
 from baton_engine.models.llama import RMSNorm
 from baton_engine.models.rotary import RotaryEmbedding
+from baton_kernels.attention.base import KVCacheView
 from baton_kernels.triton import fused_ops
 from baton_kernels.triton.fused_ops import (
     fused_add_rms_norm,
@@ -30,8 +31,10 @@ from baton_kernels.triton.fused_ops import (
     ref_silu_and_mul,
     rms_norm,
     rotary_embedding_,
+    rotary_embedding_and_write_kv_,
     silu_and_mul,
 )
+from baton_kernels.triton.kv_write import ref_write_kv_cache
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -127,6 +130,58 @@ def test_rotary_in_place_on_fused_qkv(shape: tuple[int, int, int, int], dtype: t
     assert torch.equal(v, v0)  # the V part of the fused tensor is untouched
     # written through the views into the fused tensor
     assert_close(qkv[:, : hq * dim].view(num_tokens, hq, dim), want_q, dtype, ROPE_TOL)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", ROPE_SHAPES)
+def test_rotary_and_kv_write_in_one_launch(
+    shape: tuple[int, int, int, int], dtype: torch.dtype
+) -> None:
+    """The decode path's rotary + cache write: q and k rotated in place as by rotary_embedding_,
+    the rotated K and the V rows in the cache at each token's slot, padding tokens (block -1)
+    not written, and nothing else in the cache touched."""
+    torch.manual_seed(1)
+    num_tokens, hq, hk, dim = shape
+    rope = RotaryEmbedding(dim, MAX_POSITIONS, 10000.0, None).to(DEVICE)
+    _, q, k, v = fused_qkv(num_tokens, hq, hk, dim, dtype)
+    positions = shuffled_positions(num_tokens)
+    pool = randn(24, 3, 2, 4, hk, dim, dtype=dtype)  # [blocks, layers, K/V, block_size, ...]
+    cache = KVCacheView(pool[:, 1])
+    slot_block = torch.randperm(24)[:num_tokens].to(DEVICE)
+    slot_block[-1] = -1  # a padding token of a CUDA-graph batch
+    slot_offset = torch.randint(0, 4, (num_tokens,)).to(DEVICE)
+    want_q, want_k = ref_rotary_embedding(q.clone(), k.clone(), positions, rope.cos_sin)
+    want_pool = pool.clone()
+    ref_write_kv_cache(want_k, v, KVCacheView(want_pool[:, 1]), slot_block, slot_offset)
+
+    rotary_embedding_and_write_kv_(
+        q, k, v, positions, rope.cos_sin, cache.kv, slot_block, slot_offset
+    )
+
+    assert_close(q, want_q, dtype, ROPE_TOL)
+    assert_close(k, want_k, dtype, ROPE_TOL)
+    written = slot_block >= 0
+    got_k = cache.kv[slot_block[written], 0, slot_offset[written]]
+    assert_close(got_k, want_k[written], dtype, ROPE_TOL)
+    assert torch.equal(cache.kv[slot_block[written], 1, slot_offset[written]], v[written])
+    untouched = torch.ones(pool.shape[:1] + pool.shape[2:4], dtype=torch.bool, device=DEVICE)
+    untouched[slot_block[written], :, slot_offset[written]] = False
+    assert torch.equal(pool[:, 1][untouched], want_pool[:, 1][untouched])
+    assert torch.equal(pool[:, 0], want_pool[:, 0]) and torch.equal(pool[:, 2], want_pool[:, 2])
+
+
+def test_rotary_and_kv_write_rejects_misuse() -> None:
+    _, q, k, v = fused_qkv(3, 4, 2, 64, torch.float32)
+    cos_sin = RotaryEmbedding(64, MAX_POSITIONS, 10000.0, None).to(DEVICE).cos_sin
+    positions = torch.arange(3, device=DEVICE)
+    kv = randn(4, 2, 4, 2, 64, dtype=torch.float32)
+    slots = torch.zeros(3, dtype=torch.int64, device=DEVICE)
+    with pytest.raises(ValueError, match="cache must be"):
+        rotary_embedding_and_write_kv_(q, k, v, positions, cos_sin, kv[:, 0], slots, slots)
+    with pytest.raises(ValueError, match="cache dtype"):
+        rotary_embedding_and_write_kv_(q, k, v, positions, cos_sin, kv.half(), slots, slots)
+    with pytest.raises(ValueError, match="slot_block"):
+        rotary_embedding_and_write_kv_(q, k, v, positions, cos_sin, kv, slots[:2], slots)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -80,8 +80,14 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope.apply_qk(q, k)
-        out = backend.forward(q, k, v, kv_cache, metadata, self.scale)
+        if isinstance(rope, FusedRope) and getattr(backend, "fuses_rope", False):
+            # rotation and cache write in one launch (TritonAttentionBackend.forward_rope)
+            out = backend.forward_rope(  # type: ignore[attr-defined]
+                q, k, v, kv_cache, metadata, self.scale, rope.positions, rope.cos_sin
+            )
+        else:
+            q, k = rope.apply_qk(q, k)
+            out = backend.forward(q, k, v, kv_cache, metadata, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))  # type: ignore[no-any-return]
 
 

@@ -1,6 +1,7 @@
 """The Triton backend: three launches per layer at most.
 
-    write_kv_cache      all new tokens' K/V into the paged cache
+    write_kv_cache      all new tokens' K/V into the paged cache (or, through ``forward_rope``,
+                        the rotary kernel rotating q and k writes them: one launch fewer)
     decode_attention    the first ``num_decodes`` requests (flash-decoding, split over the keys)
     paged_attention     the remaining prefill chunks, causal over cached + new tokens
 
@@ -37,6 +38,7 @@ class TritonAttentionBackend:
     capture, from ``max_decode_blocks`` (capture with the longest length to be replayed)."""
 
     name = "triton"
+    fuses_rope = True  # has forward_rope
 
     def __init__(self) -> None:
         self._step_key: AttentionMetadata | None = None
@@ -51,9 +53,34 @@ class TritonAttentionBackend:
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        md = metadata
+        write_kv_cache(key, value, kv_cache, metadata.slot_block, metadata.slot_offset)
+        return self._attend(query, kv_cache, metadata, scale)
+
+    def forward_rope(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: KVCacheView,
+        metadata: AttentionMetadata,
+        scale: float,
+        positions: torch.Tensor,  # [num_tokens]
+        cos_sin: torch.Tensor,  # [max_positions, 2, head_dim]
+    ) -> torch.Tensor:
+        """``forward`` of q and k rotated in place by ``positions`` (``fused.rotary_embedding_``),
+        the rotation and the cache write in one launch."""
+        from baton_kernels.triton.fused_ops import rotary_embedding_and_write_kv_
+
+        rotary_embedding_and_write_kv_(
+            query, key, value, positions, cos_sin, kv_cache.kv, metadata.slot_block,
+            metadata.slot_offset,
+        )  # fmt: skip
+        return self._attend(query, kv_cache, metadata, scale)
+
+    def _attend(
+        self, query: torch.Tensor, kv_cache: KVCacheView, md: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
         step = self._step_tensors(md, kv_cache, query.device)
-        write_kv_cache(key, value, kv_cache, md.slot_block, md.slot_offset)
         out = query.new_empty(query.shape)
         nd = md.num_decodes
         if nd:

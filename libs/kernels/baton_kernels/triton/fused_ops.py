@@ -72,11 +72,15 @@ def _rotate_heads(
     x1 = x1.to(tl.float32)
     x2 = x2.to(tl.float32)
     # rotate_half(x) = cat(-x2, x1):  out = x * cos + rotate_half(x) * sin
-    tl.store(p1, (x1 * cos1 - x2 * sin1).to(dtype), mask=mask)
-    tl.store(p2, (x2 * cos2 + x1 * sin2).to(dtype), mask=mask)
+    o1 = (x1 * cos1 - x2 * sin1).to(dtype)
+    o2 = (x2 * cos2 + x1 * sin2).to(dtype)
+    tl.store(p1, o1, mask=mask)
+    tl.store(p2, o2, mask=mask)
+    return o1, o2, offs_h, mask
 
 
-@triton.jit(do_not_specialize_on_alignment=["pos_ptr"])  # often a slice of a persistent buffer
+# position and slot tensors are often slices of persistent buffers
+@triton.jit(do_not_specialize_on_alignment=["pos_ptr", "slot_block_ptr", "slot_offset_ptr"])
 def _rotary_kernel(
     q_ptr,
     k_ptr,
@@ -93,12 +97,27 @@ def _rotary_kernel(
     s_cp,  # cos_sin strides: position, cos/sin, dim
     s_cc,
     s_cd,
+    v_ptr,  # WRITE_KV: the new V rows, the cache and each token's slot (else unused)
+    kv_ptr,
+    slot_block_ptr,
+    slot_offset_ptr,
+    s_vt,
+    s_vh,
+    s_vd,
+    s_kvb,  # cache strides: block, K/V, offset in block, head, dim
+    s_kvkv,
+    s_kvs,
+    s_kvh,
+    s_kvd,
     HALF: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     BLOCK_HQ: tl.constexpr,
     BLOCK_HK: tl.constexpr,
+    WRITE_KV: tl.constexpr,
 ):
-    """Program (t, j): token t's query heads block j, or key heads block j - #query blocks."""
+    """Program (t, j): token t's query heads block j, or key heads block j - #query blocks. With
+    ``WRITE_KV`` a key program also stores its rotated K rows and the token's V rows into the
+    paged cache at the token's slot (skipped for a negative block: a padding token)."""
     t = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
     pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -122,10 +141,25 @@ def _rotary_kernel(
             HALF, BLOCK_HQ, BLOCK_HALF,
         )  # fmt: skip
     else:
-        _rotate_heads(
+        k1, k2, offs_h, mask = _rotate_heads(
             k_ptr, t, j - q_blocks, num_k_heads, s_kt, s_kh, s_kd, cos1, cos2, sin1, sin2, offs_d,
             HALF, BLOCK_HK, BLOCK_HALF,
         )  # fmt: skip
+        if WRITE_KV:
+            block = tl.load(slot_block_ptr + t).to(tl.int64)
+            if block >= 0:
+                offset = tl.load(slot_offset_ptr + t).to(tl.int64)
+                dst = (
+                    kv_ptr + block * s_kvb + offset * s_kvs
+                    + offs_h[:, None] * s_kvh + offs_d[None, :] * s_kvd
+                )  # fmt: skip
+                tl.store(dst, k1, mask=mask)
+                tl.store(dst + HALF * s_kvd, k2, mask=mask)
+                src = v_ptr + t * s_vt + offs_h[:, None] * s_vh + offs_d[None, :] * s_vd
+                tl.store(dst + s_kvkv, tl.load(src, mask=mask), mask=mask)
+                tl.store(
+                    dst + s_kvkv + HALF * s_kvd, tl.load(src + HALF * s_vd, mask=mask), mask=mask
+                )
 
 
 def _check_rotary(
@@ -168,6 +202,41 @@ def rotary_embedding_(
     """Rotate ``query`` and ``key`` in place by each token's position, as ``RopeTables.apply``
     does with tables ``cos_sin[positions].to(query.dtype)``. Positions are not bounds-checked."""
     _check_rotary(query, key, positions, cos_sin)
+    _launch_rotary(query, key, positions, cos_sin, None)
+
+
+def rotary_embedding_and_write_kv_(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,  # [num_tokens, num_k_heads, head_dim], any strides
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    kv: torch.Tensor,  # one layer's cache [num_blocks, 2, block_size, num_k_heads, head_dim]
+    slot_block: torch.Tensor,  # [num_tokens] int: block id, < 0 to skip the token
+    slot_offset: torch.Tensor,  # [num_tokens] int: offset inside that block
+) -> None:
+    """``rotary_embedding_`` and then ``kv_write.write_kv_cache`` of the rotated keys and the
+    values, in one launch: a decode step of a small model is bound by its kernel count."""
+    _check_rotary(query, key, positions, cos_sin)
+    num_tokens, num_k_heads, head_dim = key.shape
+    if value.shape != key.shape or value.dtype != key.dtype:
+        raise ValueError(f"value {tuple(value.shape)} {value.dtype} does not match key")
+    if kv.dim() != 5 or kv.shape[1] != 2 or tuple(kv.shape[3:]) != (num_k_heads, head_dim):
+        raise ValueError(f"cache must be [blocks, 2, block_size, {num_k_heads}, {head_dim}]")
+    if kv.dtype != key.dtype:
+        raise ValueError(f"cache dtype {kv.dtype} differs from K/V {key.dtype}")
+    if slot_block.shape != (num_tokens,) or slot_offset.shape != (num_tokens,):
+        raise ValueError(f"slot_block and slot_offset must be [{num_tokens}]")
+    _launch_rotary(query, key, positions, cos_sin, (value, kv, slot_block, slot_offset))
+
+
+def _launch_rotary(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    write: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None,
+) -> None:
     num_tokens, num_q_heads, head_dim = query.shape
     num_k_heads = key.shape[1]
     if num_tokens == 0:
@@ -178,6 +247,14 @@ def rotary_embedding_(
     block_hq = min(next_pow2(num_q_heads), cap)
     block_hk = min(next_pow2(num_k_heads), cap)
     grid = (num_tokens, cdiv(num_q_heads, block_hq) + cdiv(num_k_heads, block_hk))
+    v_strides: tuple[int, ...]
+    kv_strides: tuple[int, ...]
+    if write is None:  # unused pointers and strides
+        value, kv, slot_block, slot_offset = key, key, positions, positions
+        v_strides, kv_strides = (0, 0, 0), (0, 0, 0, 0, 0)
+    else:
+        value, kv, slot_block, slot_offset = write
+        v_strides, kv_strides = value.stride(), kv.stride()
     _rotary_kernel[grid](
         query,
         key,
@@ -188,10 +265,17 @@ def rotary_embedding_(
         *query.stride(),
         *key.stride(),
         *cos_sin.stride(),
+        value,
+        kv,
+        slot_block,
+        slot_offset,
+        *v_strides,
+        *kv_strides,
         HALF=half,
         BLOCK_HALF=block_half,
         BLOCK_HQ=block_hq,
         BLOCK_HK=block_hk,
+        WRITE_KV=write is not None,
         num_warps=_num_warps(2 * block_half * max(block_hq, block_hk)),
     )
 
