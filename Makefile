@@ -20,12 +20,15 @@ $(STAMP): pyproject.toml Makefile
 install: $(STAMP)
 
 serve: $(STAMP)
+	$(PYTHON) -m baton_kernels.cpu_ops
 	baton serve
 
 demo: $(STAMP)
+	$(PYTHON) -m baton_kernels.cpu_ops
 	baton generate
 
 test: $(STAMP)
+	$(PYTHON) -m baton_kernels.cpu_ops
 	$(PYTHON) -m pytest -q
 
 lint: $(STAMP)

@@ -1,5 +1,7 @@
 """CPU kernels in C++, compiled on first use with torch's extension loader (needs a C++ compiler
-and ninja) and cached per machine under ``~/.cache/torch_extensions``.
+and ninja; ~1 min on 2 cores) and cached per machine under ``~/.cache/torch_extensions``.
+``python -m baton_kernels.cpu_ops`` builds them ahead (``make serve`` / ``make test`` do), so no
+server's startup or test waits for the compiler.
 
 ``load_cpu_ops()`` returns None when they cannot be built (or ``BATON_DISABLE_CPU_KERNELS=1``);
 callers then use the PyTorch reference. The build is specialised for this CPU (-march=native), so
@@ -55,3 +57,10 @@ def load_cpu_ops() -> Any | None:
         return None
     logger.info("CPU kernels ready (%.1f s)", time.perf_counter() - start)
     return ops
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    print(
+        "CPU kernels:", "ready" if load_cpu_ops() is not None else "unavailable (PyTorch fallback)"
+    )
