@@ -123,7 +123,8 @@ void check_rows(const torch::Tensor& t, const char* what) {
 }  // namespace
 
 // Returns (normed, residual); `residual` (if defined) is updated in place to x + residual.
-std::vector<torch::Tensor> fused_add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual,
+std::vector<torch::Tensor> fused_add_rms_norm(torch::Tensor x,
+                                              c10::optional<torch::Tensor> residual,
                                               torch::Tensor weight, double eps) {
   check_rows(x, "x");
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous() &&

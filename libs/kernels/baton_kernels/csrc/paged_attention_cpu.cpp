@@ -42,6 +42,22 @@ inline void prefetch_block(const scalar_t* base, int64_t s1, int64_t bs, int64_t
       __builtin_prefetch(p + i * s1 * sizeof(scalar_t) + off, 0, 1);
 }
 
+// Softmax in place of `rows` rows of `len` scores, `stride` floats apart.
+inline void softmax_rows_(float* scores, int64_t rows, int64_t stride, int64_t len) {
+  for (int64_t g = 0; g < rows; ++g) {
+    float* sg = scores + g * stride;
+    float m = sg[0];
+    for (int64_t t = 1; t < len; ++t) m = sg[t] > m ? sg[t] : m;
+    float den = 0.f;
+    for (int64_t t = 0; t < len; ++t) {
+      sg[t] = std::exp(sg[t] - m);
+      den += sg[t];
+    }
+    const float inv = 1.f / den;
+    for (int64_t t = 0; t < len; ++t) sg[t] *= inv;
+  }
+}
+
 // GT: the query heads per KV head when known at compile time (0: read from the shapes); a
 // constant lets the group's accumulators stay in registers.
 template <typename scalar_t, int64_t D, int64_t GT>
@@ -89,15 +105,7 @@ void kernel(const torch::Tensor& query, const torch::Tensor& kc, const torch::Te
             scores[g * L + t] = s;
           }
         }
-        for (int64_t g = 0; g < G; ++g) {
-          float* sg = scores.data() + g * L;
-          float m = sg[0];
-          for (int64_t t = 1; t < L; ++t) m = sg[t] > m ? sg[t] : m;
-          float den = 0.f;
-          for (int64_t t = 0; t < L; ++t) { sg[t] = std::exp(sg[t] - m); den += sg[t]; }
-          const float inv = 1.f / den;
-          for (int64_t t = 0; t < L; ++t) sg[t] *= inv;
-        }
+        softmax_rows_(scores.data(), G, L, L);
         for (int64_t t = 0; t < L; ++t) {
           const int64_t b = tab[r * MB + t / BS];
           load_row(v + b * vs0 + (t % BS) * vs1 + h * vs2, row, D);
@@ -163,12 +171,16 @@ void kernel_bf16(const torch::Tensor& query, const torch::Tensor& kc, const torc
   const int64_t os0 = out.stride(0), os1 = out.stride(1);
   auto row = [&](const uint16_t* base, int64_t s0, int64_t s1, int64_t s2, int64_t r, int64_t h,
                  int64_t t) { return base + tab[r * MB + t / BS] * s0 + (t % BS) * s1 + h * s2; };
-  auto prefetch_rows = [&](const uint16_t* const* rows, int64_t n, int hint) {
-    for (int64_t i = 0; i < n; ++i)
-      for (int64_t off = 0; off < D * 2; off += 64) {
-        const char* p = reinterpret_cast<const char*>(rows[i]) + off;
-        if (hint == 0) _mm_prefetch(p, _MM_HINT_T0); else _mm_prefetch(p, _MM_HINT_T1);
-      }
+  // Prefetch one head's row into L1 (to_l1) or L2.
+  auto prefetch_row = [](const uint16_t* row_ptr, bool to_l1) {
+    const char* p = reinterpret_cast<const char*>(row_ptr);
+    for (int64_t off = 0; off < D * 2; off += 64) {
+      if (to_l1) _mm_prefetch(p + off, _MM_HINT_T0);
+      else _mm_prefetch(p + off, _MM_HINT_T1);
+    }
+  };
+  auto prefetch_rows = [&](const uint16_t* const* rows, int64_t n, bool to_l1) {
+    for (int64_t i = 0; i < n; ++i) prefetch_row(rows[i], to_l1);
   };
   // Tasks are (request, KV head) pairs; threads split them by context length, not by count:
   // a thread takes the tasks whose first token falls in its range of all the tasks' tokens.
@@ -190,13 +202,11 @@ void kernel_bf16(const torch::Tensor& query, const torch::Tensor& kc, const torc
         krows[t] = row(k, ks0, ks1, ks2, r, h, t);
         vrows[t] = row(v, vs0, vs1, vs2, r, h, t);
       }
-      prefetch_rows(krows.data(), std::min<int64_t>(L, 32), 0);
+      prefetch_rows(krows.data(), std::min<int64_t>(L, 32), true);
       if (task + 1 < end) {  // the next task's first K rows, into L2, so it starts warm
         const int64_t r2 = (task + 1) / KVH, h2 = (task + 1) % KVH;
-        for (int64_t t = 0; t < std::min<int64_t>(ln[r2], 32); ++t) {
-          const char* p = reinterpret_cast<const char*>(row(k, ks0, ks1, ks2, r2, h2, t));
-          for (int64_t off = 0; off < D * 2; off += 64) _mm_prefetch(p + off, _MM_HINT_T1);
-        }
+        for (int64_t t = 0; t < std::min<int64_t>(ln[r2], 32); ++t)
+          prefetch_row(row(k, ks0, ks1, ks2, r2, h2, t), false);
       }
       __m512bh qv[16][QV];
       for (int64_t g = 0; g < G; ++g)
@@ -207,33 +217,30 @@ void kernel_bf16(const torch::Tensor& query, const torch::Tensor& kc, const torc
         const int64_t n = std::min<int64_t>(16, L - t0);
         // K rows of the next chunk into L1 and of the one after into L2; this chunk's V rows
         // (read after the softmax) into L2.
-        if (t0 + 16 < L) prefetch_rows(krows.data() + t0 + 16, std::min<int64_t>(16, L - t0 - 16), 0);
-        if (t0 + 32 < L) prefetch_rows(krows.data() + t0 + 32, std::min<int64_t>(16, L - t0 - 32), 1);
-        prefetch_rows(vrows.data() + t0, n, 1);
+        for (int64_t ahead = 1; ahead <= 2; ++ahead) {
+          const int64_t a0 = t0 + 16 * ahead;
+          if (a0 < L) prefetch_rows(krows.data() + a0, std::min<int64_t>(16, L - a0), ahead == 1);
+        }
+        prefetch_rows(vrows.data() + t0, n, false);
         for (int64_t g = 0; g < G; ++g) {
           __m512 part[16];
           for (int64_t i = 0; i < 16; ++i) {
             if (i < n) {
               __m512 a = _mm512_setzero_ps();
-              for (int64_t j = 0; j < QV; ++j)
-                a = _mm512_dpbf16_ps(a, qv[g][j], (__m512bh)_mm512_loadu_si512(krows[t0 + i] + j * 32));
+              for (int64_t j = 0; j < QV; ++j) {
+                const __m512bh kj = (__m512bh)_mm512_loadu_si512(krows[t0 + i] + j * 32);
+                a = _mm512_dpbf16_ps(a, qv[g][j], kj);
+              }
               part[i] = a;
             } else {
               part[i] = _mm512_setzero_ps();
             }
           }
-          _mm512_storeu_ps(scores.data() + g * LP + t0, _mm512_mul_ps(reduce16(part), _mm512_set1_ps(scale)));
+          const __m512 sums = reduce16(part);
+          _mm512_storeu_ps(scores.data() + g * LP + t0, _mm512_mul_ps(sums, _mm512_set1_ps(scale)));
         }
       }
-      for (int64_t g = 0; g < G; ++g) {
-        float* sg = scores.data() + g * LP;
-        float m = sg[0];
-        for (int64_t t = 1; t < L; ++t) m = sg[t] > m ? sg[t] : m;
-        float den = 0.f;
-        for (int64_t t = 0; t < L; ++t) { sg[t] = std::exp(sg[t] - m); den += sg[t]; }
-        const float inv = 1.f / den;
-        for (int64_t t = 0; t < L; ++t) sg[t] *= inv;
-      }
+      softmax_rows_(scores.data(), G, LP, L);
       __m512 acc[16][DV];
       for (int64_t g = 0; g < G; ++g)
         for (int64_t j = 0; j < DV; ++j) acc[g][j] = _mm512_setzero_ps();
@@ -248,8 +255,10 @@ void kernel_bf16(const torch::Tensor& query, const torch::Tensor& kc, const torc
       }
       for (int64_t g = 0; g < G; ++g) {
         uint16_t* orow = o + r * os0 + (h * G + g) * os1;
-        for (int64_t j = 0; j < DV; ++j)
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(orow + j * 16), (__m256i)_mm512_cvtneps_pbh(acc[g][j]));
+        for (int64_t j = 0; j < DV; ++j) {
+          const __m256i packed = (__m256i)_mm512_cvtneps_pbh(acc[g][j]);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(orow + j * 16), packed);
+        }
       }
     }
   });
