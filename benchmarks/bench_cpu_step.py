@@ -1,10 +1,13 @@
 """Decode step time of the offline engine on CPU with N requests running, and where it goes.
 
     python benchmarks/bench_cpu_step.py [--running 16] [--dtype bfloat16] [--no-profile]
+        [--python-layers]
 
 Admits N random 128-token prompts, runs 5 steps (their prefill and first decodes), then times 10
 decode steps; then the torch profiler's top ops over 5 more (C++ kernels called through pybind,
-such as the paged decode attention, are not listed by the profiler).
+such as the paged decode attention, are not listed by the profiler). ``--python-layers`` runs
+the layer loop in Python even where the engine would make it one C++ call (``CpuDecodeLayers``),
+for an A/B of that path.
 """
 
 from __future__ import annotations
@@ -28,10 +31,13 @@ def main() -> int:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--no-profile", action="store_true")
+    p.add_argument("--python-layers", action="store_true", help="no one-call decode layers")
     args = p.parse_args()
     core = EngineCore(
         EngineConfig(dtype=args.dtype, max_model_len=1024, attention_backend=args.attention_backend)
     )
+    if args.python_layers:
+        core.runner.model.cpu_decode_layers = None
     params = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
     rng = random.Random(0)
     for i in range(args.running):
@@ -44,7 +50,8 @@ def main() -> int:
     step_ms = (time.perf_counter() - start) / 10 * 1e3
     print(f"decode step with {args.running} running ({args.dtype}, {torch.get_num_threads()} "
           f"threads, backend {core.runner.backend.name}, fused ops "
-          f"{core.runner.model.fused_rope}): {step_ms:.1f} ms")  # fmt: skip
+          f"{core.runner.model.fused_rope}, layers in one call "
+          f"{core.runner.model.cpu_decode_layers is not None}): {step_ms:.1f} ms")  # fmt: skip
     if not args.no_profile:
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             for _ in range(5):

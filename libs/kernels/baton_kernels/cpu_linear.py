@@ -61,6 +61,8 @@ class PackedLinear(nn.Module):
     ``vnni`` kernel returns its float32 sums unrounded (for the LM head: bf16 logits of a 49k
     vocabulary tie often enough to flip greedy answers); ``onednn`` always returns bf16."""
 
+    packed_weight: torch.Tensor  # a buffer: [ceil(N/16), ceil(K/2), 16, 2] (vnni) or oneDNN's
+
     def __init__(
         self, linear: nn.Linear, kernel: str | None = None, out_float32: bool = False
     ) -> None:

@@ -23,7 +23,13 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = ("paged_attention_cpu.cpp", "fused_ops_cpu.cpp", "gemm_bf16_cpu.cpp", "bindings.cpp")
+_SOURCES = (
+    "paged_attention_cpu.cpp",
+    "fused_ops_cpu.cpp",
+    "gemm_bf16_cpu.cpp",
+    "decode_layers_cpu.cpp",
+    "bindings.cpp",
+)
 
 
 def _cpu_digest() -> str:

@@ -11,6 +11,7 @@ kernels.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +21,7 @@ from baton_engine.config import ModelConfig
 from baton_engine.models.rotary import FusedRope, RopeTables, RotaryEmbedding
 from baton_kernels import fused
 from baton_kernels.attention import AttentionBackend, AttentionMetadata, KVCacheView
+from baton_kernels.cpu_linear import PackedLinear
 
 
 class RMSNorm(nn.Module):
@@ -133,6 +135,69 @@ class DecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
+class CpuDecodeLayers:
+    """The layer loop of a decode-only step on CPU as one C++ call
+    (``csrc/decode_layers_cpu.cpp``): the same kernels as the Python layers, in the same order,
+    so the hidden states are bit-identical; it saves the ~2 ms of Python between them in a
+    decode step of 16 requests and releases the GIL once instead of ~300 times."""
+
+    def __init__(self, ops: Any, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+        self.ops = ops
+        self.rotary = rotary
+        self.shape = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size)
+        self.eps = cfg.rms_norm_eps
+        self.scale = cfg.head_dim**-0.5
+        # per layer: input norm, packed qkv, qkv bias (empty: none), packed o, post norm,
+        # packed gate_up, packed down
+        self.weights: list[torch.Tensor] = []
+
+    def add_layer(self, layer: DecoderLayer) -> bool:
+        """Append a layer's weights; False if one of its linear layers is not packed for the
+        AVX512-BF16 GEMM with bf16 outputs."""
+        attn, mlp = layer.self_attn, layer.mlp
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        packed = [m for m in linears if isinstance(m, PackedLinear) and m.kernel == "vnni"]
+        if len(packed) != len(linears) or any(m.out_float32 for m in packed):
+            return False
+        qkv, o, gate_up, down = packed
+        bias = qkv.bias
+        no_bias = torch.empty(0, dtype=layer.input_layernorm.weight.dtype)
+        self.weights += [
+            layer.input_layernorm.weight.detach(),
+            qkv.packed_weight,
+            no_bias if bias is None else bias.detach(),
+            o.packed_weight,
+            layer.post_attention_layernorm.weight.detach(),
+            gate_up.packed_weight,
+            down.packed_weight,
+        ]
+        return True
+
+    def __call__(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCacheView],
+        md: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(hidden, residual)`` after the last layer, before the final norm."""
+        hidden, residual = self.ops.decode_layers(
+            hidden,
+            positions,
+            self.rotary.cos_sin,
+            self.weights,
+            [cache.kv for cache in kv_caches],
+            md.slot_block,
+            md.slot_offset,
+            md.block_tables[: md.num_decodes],
+            md.decode_seq_lens,
+            *self.shape,
+            self.eps,
+            self.scale,
+        )
+        return hidden, residual
+
+
 # Hugging Face name fragment -> (fused parameter fragment, shard index)
 _STACKED = {
     "q_proj": ("qkv_proj", 0),
@@ -153,6 +218,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.fused_rope = False
+        self.cpu_decode_layers: CpuDecodeLayers | None = None
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -175,10 +241,29 @@ class LlamaForCausalLM(nn.Module):
             rope = FusedRope(positions, self.rotary.cos_sin)
         else:
             rope = self.rotary(positions, hidden.dtype)
+        decode_only = metadata.num_decodes == metadata.num_reqs
+        if self.cpu_decode_layers and decode_only and metadata.decode_seq_lens is not None:
+            last, stream = self.cpu_decode_layers(hidden, positions, kv_caches, metadata)
+            return self.norm.add_forward(last, stream)[0]
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(rope, hidden, residual, kv_cache, metadata, backend)
         return self.norm.add_forward(hidden, residual)[0]
+
+    def use_cpu_decode_layers(self, ops: Any) -> bool:
+        """Run the layers of decode-only steps as one C++ call (``CpuDecodeLayers``) if the
+        model qualifies: fused kernels on, every linear layer packed for the AVX512-BF16 GEMM
+        with bf16 outputs, no q/k norm. The caller vouches for the attention backend (its
+        decode must be the C++ kernel). Call after the weights are loaded and packed; returns
+        whether the path is on."""
+        self.cpu_decode_layers = None
+        if ops is None or not self.fused_rope or self.config.qk_norm:
+            return False
+        layers = CpuDecodeLayers(ops, self.config, self.rotary)
+        if not all(layers.add_layer(cast(DecoderLayer, layer)) for layer in self.layers):
+            return False
+        self.cpu_decode_layers = layers
+        return True
 
     def use_fused_kernels(self) -> None:
         """Run the residual add + RMSNorm, the rotary embedding and SiLU-and-multiply as fused

@@ -19,6 +19,7 @@ from baton_engine.sampler import Sampler, SamplingMetadata, compute_logprobs
 from baton_kernels import fused
 from baton_kernels.attention import AttentionMetadata, KVCacheView, create_attention_backend
 from baton_kernels.cpu_linear import pack_linears
+from baton_kernels.cpu_ops import load_cpu_ops
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +124,14 @@ class ModelRunner:
         head's logits stay float32 where the kernel allows."""
         for kernel, num in pack_linears(self.model, float32_outputs=("lm_head",)).items():
             logger.info("packed %d linear layers for the %s kernel", num, kernel)
+        cfg = self.model_config
+        decodes_in_place = getattr(self.backend, "decodes_in_place", None)
+        if (
+            decodes_in_place is not None
+            and decodes_in_place(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+            and self.model.use_cpu_decode_layers(load_cpu_ops())
+        ):
+            logger.info("decode steps run the layers in one C++ call")
 
     def kv_bytes_per_block(self) -> int:
         cfg = self.model_config

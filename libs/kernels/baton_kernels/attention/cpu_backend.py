@@ -21,6 +21,10 @@ class CpuAttentionBackend(TorchAttentionBackend):
     def __init__(self, ops: Any) -> None:
         self.ops = ops
 
+    def decodes_in_place(self, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+        """Whether ``_decode`` runs the C++ kernel for this shape (not the reference)."""
+        return head_dim in KERNEL_HEAD_SIZES and num_heads // num_kv_heads <= KERNEL_MAX_GROUP
+
     def _write_kv(
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: KVCacheView, md: AttentionMetadata
     ) -> None:

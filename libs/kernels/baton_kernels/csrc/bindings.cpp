@@ -7,20 +7,7 @@
 #include <atomic>
 #include <vector>
 
-torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor kc, torch::Tensor vc,
-                                     torch::Tensor tables, torch::Tensor lens, double scale);
-void write_kv_cache_(torch::Tensor key, torch::Tensor value, torch::Tensor kv,
-                     torch::Tensor slot_block, torch::Tensor slot_offset);
-std::vector<torch::Tensor> fused_add_rms_norm(torch::Tensor x,
-                                              c10::optional<torch::Tensor> residual,
-                                              torch::Tensor weight, double eps);
-void rotary_embedding_(torch::Tensor q, torch::Tensor k, torch::Tensor positions,
-                       torch::Tensor cos_sin);
-torch::Tensor silu_and_mul(torch::Tensor x);
-torch::Tensor argmax_rows(torch::Tensor x);
-bool bf16_gemm_available();
-torch::Tensor linear_bf16_vnni(torch::Tensor x, torch::Tensor packed,
-                               c10::optional<torch::Tensor> bias, int64_t n, bool out_float32);
+#include "cpu_ops.h"
 
 // How many of torch's intra-op threads an at::parallel_for over `n` items of this module ran
 // on: the module must be built with OpenMP, or its kernels silently run on one thread.
@@ -56,6 +43,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_bf16_vnni", &linear_bf16_vnni, nogil,
         "x [M, K] bf16, packed weight [ceil(N/16), ceil(K/2), 16, 2] bf16, bias [N] or None, N, "
         "out_float32 -> x W^T + b [M, N] (bf16, or float32)");
+  m.def("decode_layers", &decode_layers, nogil,
+        "hidden [T, H], positions [T], cos_sin, weights (7 per layer: input norm, packed qkv, "
+        "qkv bias or empty, packed o, post norm, packed gate_up, packed down), kv views per "
+        "layer, slot_block, slot_offset, block tables, seq lens, num_heads, num_kv_heads, "
+        "head_dim, intermediate, eps, scale -> (hidden, residual) after the last layer");
   m.def("parallel_threads", &parallel_threads, nogil,
         "n -> how many intra-op threads a parallel_for over n items ran on");
 }
