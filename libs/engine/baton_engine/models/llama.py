@@ -146,7 +146,7 @@ class CpuDecodeLayers:
         self.rotary = rotary
         self.shape = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size)
         self.eps = cfg.rms_norm_eps
-        self.scale = cfg.head_dim**-0.5
+        self.scale = 1.0  # the layers' attention scale (add_layer)
         # per layer: input norm, packed qkv, qkv bias (empty: none), packed o, post norm,
         # packed gate_up, packed down
         self.weights: list[torch.Tensor] = []
@@ -160,6 +160,7 @@ class CpuDecodeLayers:
         if len(packed) != len(linears) or any(m.out_float32 for m in packed):
             return False
         qkv, o, gate_up, down = packed
+        self.scale = attn.scale
         bias = qkv.bias
         no_bias = torch.empty(0, dtype=layer.input_layernorm.weight.dtype)
         self.weights += [
