@@ -288,6 +288,83 @@ def test_over_capacity_is_resource_exhausted(small_worker: Worker) -> None:
     assert len(_generate(small_worker, _request("fits-again", [1, 2, 3], 2))) >= 1
 
 
+class _Stream:
+    """A ``GenerateStream`` call: ``send`` messages, ``read`` response messages."""
+
+    def __init__(self, worker: Worker) -> None:
+        self._outbox: queue.Queue[engine_pb2.GenerateStreamRequest | None] = queue.Queue()
+        self.call = worker.stub.GenerateStream(self._messages(), timeout=RPC_TIMEOUT_S)
+
+    def _messages(self) -> Iterator[engine_pb2.GenerateStreamRequest]:
+        while (message := self._outbox.get()) is not None:
+            yield message
+
+    def generate(self, request: engine_pb2.GenerateRequest) -> None:
+        self._outbox.put(engine_pb2.GenerateStreamRequest(generate=request))
+
+    def cancel(self, req_id: str) -> None:
+        self._outbox.put(engine_pb2.GenerateStreamRequest(cancel_req_id=req_id))
+
+    def close(self) -> None:
+        """No more requests: the call ends once the ones sent have."""
+        self._outbox.put(None)
+
+    def read_until_ended(self, req_ids: set[str]) -> dict[str, list[Any]]:
+        """Items by request until each of ``req_ids`` ended (finish reason or error)."""
+        items: dict[str, list[Any]] = {}
+        pending = set(req_ids)
+        while pending:
+            for item in next(self.call).items:
+                items.setdefault(item.req_id, []).append(item)
+                if item.error_code or item.response.finish_reason:
+                    pending.discard(item.req_id)
+        return items
+
+
+def test_generate_stream_multiplexes_requests(worker: Worker) -> None:
+    """Requests over one call get the tokens Generate gives them, several per message, and a
+    refused one fails alone."""
+    stream = _Stream(worker)
+    requests = [_request(f"mux-{i}", [40 + i, 41, 42 + i], 6 + 2 * i) for i in range(4)]
+    for request in requests:
+        stream.generate(request)
+    stream.generate(_request("mux-bad", []))
+    stream.close()
+    items = stream.read_until_ended({r.req_id for r in requests} | {"mux-bad"})
+    assert [(i.error_code, "empty" in i.error_message) for i in items["mux-bad"]] == [
+        (grpc.StatusCode.INVALID_ARGUMENT.value[0], True)
+    ]
+    for request in requests:
+        got = items[request.req_id]
+        assert got[-1].response.finish_reason == common_pb2.FINISH_REASON_LENGTH
+        tokens = [t for item in got for t in item.response.token_ids]
+        single = _generate(worker, _request(f"single-{request.req_id}", *_args(request)))
+        assert tokens == [t for m in single for t in m.token_ids]
+    assert list(stream.call) == []  # everything sent has ended: the call ends
+
+
+def _args(request: engine_pb2.GenerateRequest) -> tuple[list[int], int]:
+    return list(request.prompt_token_ids), request.sampling.max_tokens
+
+
+def test_generate_stream_cancel_and_call_end_free_requests(small_worker: Worker) -> None:
+    stream = _Stream(small_worker)
+    for i in range(3):
+        stream.generate(_request(f"mux-long-{i}", [1, 2, 3 + i], 400))
+    # --max-pending 2: the third is refused, the first two run.
+    refused = stream.read_until_ended({"mux-long-2"})["mux-long-2"]
+    assert refused[-1].error_code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+    stream.cancel("mux-long-0")
+    ended = stream.read_until_ended({"mux-long-0"})["mux-long-0"]
+    assert ended[-1].response.finish_reason == common_pb2.FINISH_REASON_ABORT
+    # The other one goes on.
+    assert any(i.req_id == "mux-long-1" and i.response.token_ids for i in next(stream.call).items)
+    _wait_for(lambda: (load := _load(small_worker)).num_running + load.num_waiting == 1)
+    stream.call.cancel()  # the gateway went away: its requests are aborted and freed
+    _wait_for(lambda: (load := _load(small_worker)).num_running + load.num_waiting == 0)
+    assert _load(small_worker).kv_cache_usage == 0.0
+
+
 def _children(pid: int) -> list[int]:
     found = []
     for stat in Path("/proc").glob("[0-9]*/stat"):

@@ -138,6 +138,24 @@ class RequestStream:
     arrival_time: float  # time.monotonic() when accepted
     queue: asyncio.Queue[EngineCoreOutput | BatonError] = field(default_factory=asyncio.Queue)
     last_token_time: float | None = None  # None until the first token
+    # Called (on the loop) after each item is queued: a GenerateStream call drains the streams
+    # that have news once per step instead of awaiting each.
+    on_put: Callable[[RequestStream], None] | None = None
+
+    def put(self, item: EngineCoreOutput | BatonError) -> None:
+        self.queue.put_nowait(item)
+        if self.on_put is not None:
+            self.on_put(self)
+
+    def take_nowait(self) -> tuple[list[EngineCoreOutput], BatonError | None]:
+        """Every output delivered so far, and the error that ended the request if it came."""
+        outputs: list[EngineCoreOutput] = []
+        while not self.queue.empty():
+            item = self.queue.get_nowait()
+            if isinstance(item, BatonError):
+                return outputs, item
+            outputs.append(item)
+        return outputs, None
 
     async def next_batch(self) -> list[EngineCoreOutput]:
         """Wait for at least one output, then take every output already delivered.
@@ -289,7 +307,7 @@ class EngineLoop:
         aborted = [req_id for req_id in req_ids if req_id in self._streams]
         for req_id in aborted:
             stream = self._streams.pop(req_id)
-            stream.queue.put_nowait(EngineCoreOutput(req_id, [], finish_reason="abort"))
+            stream.put(EngineCoreOutput(req_id, [], finish_reason="abort"))
             if self._metrics is not None:
                 self._metrics.record_finished("abort")
         if aborted:
@@ -301,7 +319,7 @@ class EngineLoop:
         stream = self._streams.pop(req_id, None)
         if stream is None:
             return
-        stream.queue.put_nowait(error)
+        stream.put(error)
         if self._metrics is not None:
             self._metrics.record_finished("error")
         self._commands.put(_Abort([req_id]))
@@ -330,7 +348,7 @@ class EngineLoop:
                 else:
                     metrics.inter_token_latency.observe(now - stream.last_token_time)
                 stream.last_token_time = now
-            stream.queue.put_nowait(out)
+            stream.put(out)
             if out.finish_reason is not None:
                 del self._streams[out.req_id]
                 if metrics is not None:
@@ -339,7 +357,7 @@ class EngineLoop:
         for req_id, error in errors:
             stream = self._streams.pop(req_id, None)
             if stream is not None:
-                stream.queue.put_nowait(error)
+                stream.put(error)
 
     def _start_kv_loads(self, loads: list[KVLoad]) -> None:
         """Runs on the loop: hand each new pull to the worker."""
@@ -352,7 +370,7 @@ class EngineLoop:
         self._dead = error
         streams, self._streams = self._streams, {}
         for stream in streams.values():
-            stream.queue.put_nowait(error)
+            stream.put(error)
         if self._on_dead is not None:
             self._on_dead()
 

@@ -8,9 +8,10 @@ RESOURCE_EXHAUSTED so the gateway can route it elsewhere instead of queueing it 
 default, 4 x ``max_num_seqs``, keeps enough queued to refill the batch as requests finish while
 bounding how long a request can sit in the queue.
 
-Shutdown (SIGTERM or SIGINT): health turns NOT_SERVING and new ``Generate`` calls get
-UNAVAILABLE; in-flight requests get ``shutdown_grace_s`` to finish (a second signal cuts that
-short); the rest end with finish reason ABORT; then the server stops and ``serve`` returns 0.
+Shutdown (SIGTERM or SIGINT): health turns NOT_SERVING and new requests (``Generate`` calls,
+or requests sent on a ``GenerateStream`` call) get UNAVAILABLE; in-flight requests get
+``shutdown_grace_s`` to finish (a second signal cuts that short); the rest end with finish
+reason ABORT; then the server stops and ``serve`` returns 0.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from baton import tracing
 from baton.addresses import grpc_address, url_host
 from baton.v1 import engine_pb2, engine_pb2_grpc
 from baton_decode import codec
-from baton_decode.engine_loop import EngineLoop, EngineThread
+from baton_decode.engine_loop import EngineLoop, EngineThread, RequestStream
 from baton_decode.errors import (
     DuplicateRequestError,
     EngineDeadError,
@@ -115,6 +116,65 @@ class WorkerInfoMixin:
         return codec.model_info_to_proto(self.engine.core, self.served_model_name, self.metrics_url)
 
 
+class _CallRequests:
+    """The requests of one ``GenerateStream`` call, on the asyncio loop: which are live, which
+    have news since the call's last message (``news`` is set when any has)."""
+
+    def __init__(self) -> None:
+        self.live: dict[str, tuple[RequestStream, tracing.Span]] = {}
+        self._ready: dict[str, None] = {}  # req_ids with queued outputs, in arrival order
+        self._refused: list[engine_pb2.GenerateStreamItem] = []
+        self.news = asyncio.Event()
+
+    def add(self, stream: RequestStream, span: tracing.Span) -> None:
+        self.live[stream.req_id] = (stream, span)
+        stream.on_put = self._on_put
+        if not stream.queue.empty():
+            self._on_put(stream)
+
+    def refused(self, req_id: str, code: grpc.StatusCode, message: str) -> None:
+        self._refused.append(_error_item(req_id, code, message))
+        self.news.set()
+
+    def _on_put(self, stream: RequestStream) -> None:
+        self._ready[stream.req_id] = None
+        self.news.set()
+
+    def take_items(self) -> list[engine_pb2.GenerateStreamItem]:
+        """One item per request with new outputs (and one per error), ending finished ones."""
+        items, self._refused = self._refused, []
+        ready, self._ready = self._ready, {}
+        for req_id in ready:
+            entry = self.live.get(req_id)
+            if entry is None:
+                continue
+            stream = entry[0]
+            outputs, error = stream.take_nowait()
+            if outputs:
+                response = codec.generate_response_to_proto(outputs, stream.num_prompt_tokens)
+                items.append(engine_pb2.GenerateStreamItem(req_id=req_id, response=response))
+            if error is not None:
+                items.append(_error_item(req_id, status_code(error), str(error)))
+                self._end(req_id, error)
+            elif outputs and outputs[-1].finish_reason is not None:
+                self._end(req_id, None)
+        return items
+
+    def _end(self, req_id: str, error: BaseException | str | None) -> None:
+        _, span = self.live.pop(req_id)
+        tracing.end_span(span, error)
+
+    def end_all(self, why: str) -> None:
+        for req_id in list(self.live):
+            self._end(req_id, why)
+
+
+def _error_item(req_id: str, code: grpc.StatusCode, message: str) -> engine_pb2.GenerateStreamItem:
+    return engine_pb2.GenerateStreamItem(
+        req_id=req_id, error_code=code.value[0], error_message=message
+    )
+
+
 class DecodeServicer(WorkerInfoMixin, engine_pb2_grpc.DecodeServiceServicer):
     """``DecodeService`` over one ``EngineLoop``; every method runs on the asyncio loop."""
 
@@ -133,22 +193,20 @@ class DecodeServicer(WorkerInfoMixin, engine_pb2_grpc.DecodeServiceServicer):
         self.block_size = engine.core.config.block_size
         self.draining = False
 
-    async def Generate(
-        self, request: engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> AsyncIterator[engine_pb2.GenerateResponse]:
-        """Stream the request's tokens; each message carries every token sampled since the
-        previous one. The call ending early for any reason (client cancel, deadline, error)
-        aborts the request in the engine, which frees its blocks."""
-        if self.draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is shutting down")
-            return
+    def _admit(
+        self, request: engine_pb2.GenerateRequest, metadata: Any
+    ) -> tuple[RequestStream, tracing.Span]:
+        """Validate and queue one request; ``metadata`` carries its trace context. Raises
+        BatonError (the span ended with it) if it is refused."""
         span = tracing.start_span(
             "decode worker",
-            tracing.extract(context.invocation_metadata()),
+            tracing.extract(metadata),
             tracing.SpanKind.SERVER,
             {"baton.req_id": request.req_id, "baton.remote_prefill": request.HasField("kv_handle")},
         )
         try:
+            if self.draining:
+                raise EngineDeadError("the worker is shutting down")
             inp = codec.generate_input_from_proto(request)
             remote = None
             if inp.kv_handle is not None:
@@ -166,6 +224,18 @@ class DecodeServicer(WorkerInfoMixin, engine_pb2_grpc.DecodeServiceServicer):
             )
         except BatonError as e:
             tracing.end_span(span, e)
+            raise
+        return stream, span
+
+    async def Generate(
+        self, request: engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[engine_pb2.GenerateResponse]:
+        """Stream the request's tokens; each message carries every token sampled since the
+        previous one. The call ending early for any reason (client cancel, deadline, error)
+        aborts the request in the engine, which frees its blocks."""
+        try:
+            stream, span = self._admit(request, context.invocation_metadata())
+        except BatonError as e:
             await context.abort(status_code(e), str(e))
             return
         finished = False
@@ -183,6 +253,52 @@ class DecodeServicer(WorkerInfoMixin, engine_pb2_grpc.DecodeServiceServicer):
             if not finished:
                 self.engine.abort([stream.req_id])
             tracing.end_span(span, None if finished else "cancelled")
+
+    async def GenerateStream(
+        self,
+        request_iterator: AsyncIterator[engine_pb2.GenerateStreamRequest],
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> AsyncIterator[engine_pb2.GenerateStreamResponse]:
+        """Many requests over one call: one response message per engine step with every
+        request's news (``_CallRequests``). The call ends once the client has sent everything
+        and every request has ended; ending it early aborts the requests still running."""
+        call = _CallRequests()
+        reader = asyncio.create_task(self._read_stream_requests(request_iterator, call))
+        try:
+            while True:
+                await call.news.wait()
+                call.news.clear()
+                items = call.take_items()
+                if items:
+                    yield engine_pb2.GenerateStreamResponse(items=items)
+                if reader.done():
+                    reader.result()  # the client's side failed: end the call with that
+                    if not call.live:
+                        return
+        finally:
+            reader.cancel()
+            if call.live:
+                self.engine.abort(list(call.live))
+            call.end_all("cancelled")
+
+    async def _read_stream_requests(
+        self, request_iterator: AsyncIterator[engine_pb2.GenerateStreamRequest], call: _CallRequests
+    ) -> None:
+        try:
+            async for message in request_iterator:
+                kind = message.WhichOneof("kind")
+                if kind == "generate":
+                    req_id = message.generate.req_id
+                    try:
+                        stream, span = self._admit(message.generate, message.trace_context.items())
+                    except BatonError as e:
+                        call.refused(req_id, status_code(e), str(e))
+                        continue
+                    call.add(stream, span)
+                elif kind == "cancel_req_id" and message.cancel_req_id in call.live:
+                    self.engine.abort([message.cancel_req_id])
+        finally:
+            call.news.set()  # the writer decides whether the call is over
 
     async def Abort(
         self, request: engine_pb2.AbortRequest, context: grpc.aio.ServicerContext[Any, Any]

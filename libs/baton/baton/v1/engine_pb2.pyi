@@ -41,6 +41,41 @@ class GenerateResponse(_message.Message):
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
+class GenerateStreamRequest(_message.Message):
+    __slots__ = ("generate", "cancel_req_id", "trace_context")
+    class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    GENERATE_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_REQ_ID_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    generate: GenerateRequest
+    cancel_req_id: str
+    trace_context: _containers.ScalarMap[str, str]
+    def __init__(self, generate: _Optional[_Union[GenerateRequest, _Mapping]] = ..., cancel_req_id: _Optional[str] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class GenerateStreamResponse(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[GenerateStreamItem]
+    def __init__(self, items: _Optional[_Iterable[_Union[GenerateStreamItem, _Mapping]]] = ...) -> None: ...
+
+class GenerateStreamItem(_message.Message):
+    __slots__ = ("req_id", "response", "error_code", "error_message")
+    REQ_ID_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    req_id: str
+    response: GenerateResponse
+    error_code: int
+    error_message: str
+    def __init__(self, req_id: _Optional[str] = ..., response: _Optional[_Union[GenerateResponse, _Mapping]] = ..., error_code: _Optional[int] = ..., error_message: _Optional[str] = ...) -> None: ...
+
 class AbortRequest(_message.Message):
     __slots__ = ("req_ids",)
     REQ_IDS_FIELD_NUMBER: _ClassVar[int]

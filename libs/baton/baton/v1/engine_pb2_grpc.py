@@ -39,6 +39,11 @@ class DecodeServiceStub(object):
                 request_serializer=baton_dot_v1_dot_engine__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=baton_dot_v1_dot_engine__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.GenerateStream = channel.stream_stream(
+                '/baton.v1.DecodeService/GenerateStream',
+                request_serializer=baton_dot_v1_dot_engine__pb2.GenerateStreamRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_engine__pb2.GenerateStreamResponse.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/baton.v1.DecodeService/Abort',
                 request_serializer=baton_dot_v1_dot_engine__pb2.AbortRequest.SerializeToString,
@@ -61,6 +66,17 @@ class DecodeServiceServicer(object):
 
     def Generate(self, request, context):
         """Streams sampled tokens as they come. Cancelling the call aborts the request.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GenerateStream(self, request_iterator, context):
+        """Many requests over one call, as a gateway sends them: each request message starts or
+        cancels one request; each response message carries what one engine step produced for every
+        request of the call (one message per step instead of one per request and step). A request
+        ends with its finish reason or its own error status; the others go on. Ending the call
+        aborts every request of it that has not finished.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -91,6 +107,11 @@ def add_DecodeServiceServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=baton_dot_v1_dot_engine__pb2.GenerateRequest.FromString,
                     response_serializer=baton_dot_v1_dot_engine__pb2.GenerateResponse.SerializeToString,
+            ),
+            'GenerateStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.GenerateStream,
+                    request_deserializer=baton_dot_v1_dot_engine__pb2.GenerateStreamRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_engine__pb2.GenerateStreamResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -135,6 +156,33 @@ class DecodeService(object):
             '/baton.v1.DecodeService/Generate',
             baton_dot_v1_dot_engine__pb2.GenerateRequest.SerializeToString,
             baton_dot_v1_dot_engine__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/baton.v1.DecodeService/GenerateStream',
+            baton_dot_v1_dot_engine__pb2.GenerateStreamRequest.SerializeToString,
+            baton_dot_v1_dot_engine__pb2.GenerateStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,
