@@ -8,6 +8,9 @@ against what they replace, in one process.
   memory as in the engine), oneDNN's packed GEMM vs the AVX512-BF16 kernel, per row count.
 - attention: ``paged_decode_attention`` over 30 layers of a block-major pool, 16 requests at
   context 130-250; once reading each layer from memory, once the same layer again (in cache).
+- prompt attention: one layer's attention (with the K/V write) for 16 fresh 128-token prompts
+  and for a 512-token chunk after 1,536 cached tokens, the reference backend (gather + SDPA)
+  vs the CPU backend's in-place ``paged_attention``.
 - argmax: 16 rows of 49,152 float32 logits, torch vs the C++ kernel.
 """
 
@@ -108,6 +111,53 @@ def bench_attention() -> None:
     )
 
 
+def bench_prompt_attention() -> None:
+    for label, cached, new, reqs in (
+        ("16 x 128 fresh", 0, 128, 16),
+        ("512 after 1536", 1536, 512, 1),
+    ):
+        times = time_prompt_attention(cached, new, reqs)
+        print(
+            f"prompt attention, {label} tokens, 9 query / 3 KV heads: reference "
+            f"{times['torch'] * 1e3:.2f} ms, in place {times['cpu'] * 1e3:.2f} ms per layer"
+        )
+
+
+def time_prompt_attention(cached: int, new: int, reqs: int) -> dict[str, float]:
+    """Seconds per call of each backend's forward for ``reqs`` chunks of ``new`` tokens after
+    ``cached`` cached ones (one layer, bf16, the default model's heads)."""
+    from baton_kernels.attention import AttentionMetadata, KVCacheView, create_attention_backend
+
+    gen = torch.Generator().manual_seed(0)
+    block, kv_heads, heads, dim = 16, 3, 9, 64
+    per_req = -(-(cached + new) // block)
+    pool = torch.randn(reqs * per_req + 1, 2, block, kv_heads, dim, generator=gen)
+    cache = KVCacheView(pool.to(torch.bfloat16))
+    tables = torch.arange(1, reqs * per_req + 1).view(reqs, per_req)
+    pos = torch.arange(cached, cached + new)
+    md = AttentionMetadata(
+        num_reqs=reqs,
+        num_decodes=0,
+        num_tokens=reqs * new,
+        query_start_loc=[i * new for i in range(reqs + 1)],
+        seq_lens=[cached + new] * reqs,
+        block_tables=tables,
+        slot_block=tables.gather(1, (pos // block)[None, :].expand(reqs, -1)).reshape(-1),
+        slot_offset=(pos % block).repeat(reqs),
+        decode_bias=None,
+        max_decode_blocks=0,
+    )
+    q = torch.randn(reqs * new, heads, dim, generator=gen).to(torch.bfloat16)
+    kv = torch.randn(reqs * new, 2, kv_heads, dim, generator=gen).to(torch.bfloat16)
+    times = {}
+    for name in ("torch", "cpu"):
+        backend = create_attention_backend(name)
+        times[name] = per_call(
+            lambda b=backend: b.forward(q, kv[:, 0], kv[:, 1], cache, md, dim**-0.5), 20
+        )
+    return times
+
+
 def bench_argmax() -> None:
     ops = load_cpu_ops()
     logits = torch.randn(16, 49152)
@@ -125,6 +175,7 @@ def main() -> int:
     print(f"{torch.get_num_threads()} threads")
     bench_linear([int(r) for r in args.rows.split(",")])
     bench_attention()
+    bench_prompt_attention()
     bench_argmax()
     return 0
 

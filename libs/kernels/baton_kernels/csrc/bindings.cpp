@@ -27,6 +27,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, nogil,
         "query [R, H, D], caches [blocks, block_size, KVH, D], tables [R, max_blocks] int64, "
         "seq_lens [R] int64, scale -> [R, H, D]");
+  m.def("paged_attention", &paged_attention, nogil,
+        "query [T, H, D] (each request's new tokens in order), caches [blocks, block_size, KVH, "
+        "D], tables [R, max_blocks] int64, seq_lens [R] int64 (cached + new), query_start_loc "
+        "[R + 1] int64, scale -> [T, H, D]: causal attention over each request's cached and new "
+        "tokens");
   m.def("write_kv_cache_", &write_kv_cache_, nogil,
         "key, value [T, KVH, D] into kv [blocks, 2, block_size, KVH, D] at (slot_block, "
         "slot_offset) [T] int64");

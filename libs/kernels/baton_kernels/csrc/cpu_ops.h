@@ -8,6 +8,9 @@
 
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor kc, torch::Tensor vc,
                                      torch::Tensor tables, torch::Tensor lens, double scale);
+torch::Tensor paged_attention(torch::Tensor query, torch::Tensor kc, torch::Tensor vc,
+                              torch::Tensor tables, torch::Tensor seq_lens,
+                              torch::Tensor query_start_loc, double scale);
 void write_kv_cache_(torch::Tensor key, torch::Tensor value, torch::Tensor kv,
                      torch::Tensor slot_block, torch::Tensor slot_offset);
 std::vector<torch::Tensor> fused_add_rms_norm(torch::Tensor x,

@@ -1,8 +1,10 @@
-// Paged decode attention on CPU: one query token per request. Each task is one (request, KV
-// head) pair: it reads that head's K and V rows in place from the paged cache through the block
-// table (no gather copy), scores the GQA group's query heads against them, and accumulates in
-// float32. Tasks run on torch's intra-op thread pool (at::parallel_for). The reference is
-// baton_kernels.attention.torch_backend (gather + SDPA); tests compare the two.
+// Paged attention on CPU, reading K and V in place from the paged cache through the block
+// tables (no gather copy). Each query row is a decode token, which attends to its whole
+// sequence, or a prompt token, which attends to its request's tokens up to its own position
+// (`Rows`); each task is one (row, KV head) pair: it scores the GQA group's query heads against
+// that head's rows and accumulates in float32. Tasks run on torch's intra-op thread pool
+// (at::parallel_for). The reference is baton_kernels.attention.torch_backend (gather + SDPA);
+// tests compare the two.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
@@ -18,6 +20,16 @@
 #endif
 
 namespace {
+// Which requests' block table each query row reads and how many tokens it attends to: a decode
+// row attends to its whole sequence, the row of a prompt token at position p to tokens [0, p].
+struct Rows {
+  const int64_t* tables;  // [requests, mb] block ids
+  int64_t mb;
+  const int64_t* req;  // [rows] the request of each row
+  const int64_t* len;  // [rows] tokens each row attends to
+  const int64_t* table(int64_t r) const { return tables + req[r] * mb; }
+};
+
 // Converts a row of `dim` values to float32.
 inline void load_row(const float* src, float* dst, int64_t dim) {
   std::memcpy(dst, src, dim * sizeof(float));
@@ -62,16 +74,14 @@ inline void softmax_rows_(float* scores, int64_t rows, int64_t stride, int64_t l
 // constant lets the group's accumulators stay in registers.
 template <typename scalar_t, int64_t D, int64_t GT>
 void kernel(const torch::Tensor& query, const torch::Tensor& kc, const torch::Tensor& vc,
-            const torch::Tensor& tables, const torch::Tensor& lens, float scale,
-            torch::Tensor& out) {
+            const Rows& rows, float scale, torch::Tensor& out) {
   const int64_t R = query.size(0), H = query.size(1), KVH = kc.size(2), BS = kc.size(1);
-  const int64_t G = GT ? GT : H / KVH, MB = tables.size(1);
+  const int64_t G = GT ? GT : H / KVH;
   const auto* q = query.data_ptr<scalar_t>();
   const auto* k = kc.data_ptr<scalar_t>();
   const auto* v = vc.data_ptr<scalar_t>();
   auto* o = out.data_ptr<scalar_t>();
-  const auto* tab = tables.data_ptr<int64_t>();
-  const auto* ln = lens.data_ptr<int64_t>();
+  const int64_t* ln = rows.len;
   const int64_t ks0 = kc.stride(0), ks1 = kc.stride(1), ks2 = kc.stride(2);
   const int64_t vs0 = vc.stride(0), vs1 = vc.stride(1), vs2 = vc.stride(2);
   const int64_t qs0 = query.stride(0), qs1 = query.stride(1);
@@ -90,11 +100,12 @@ void kernel(const torch::Tensor& query, const torch::Tensor& kc, const torch::Te
           load_row(q + r * qs0 + (h * G + g) * qs1, qf[g], D);
           for (int64_t d = 0; d < D; ++d) { qf[g][d] *= scale; acc[g][d] = 0.f; }
         }
+        const int64_t* tab = rows.table(r);
         const int64_t nb = (L + BS - 1) / BS;
         for (int64_t t = 0; t < L; ++t) {
-          const int64_t b = tab[r * MB + t / BS];
+          const int64_t b = tab[t / BS];
           if (t % BS == 0 && t / BS + 1 < nb) {
-            const int64_t nxt = tab[r * MB + t / BS + 1];
+            const int64_t nxt = tab[t / BS + 1];
             prefetch_block(k + nxt * ks0 + h * ks2, ks1, BS, D * sizeof(scalar_t));
             prefetch_block(v + nxt * vs0 + h * vs2, vs1, BS, D * sizeof(scalar_t));
           }
@@ -107,7 +118,7 @@ void kernel(const torch::Tensor& query, const torch::Tensor& kc, const torch::Te
         }
         softmax_rows_(scores.data(), G, L, L);
         for (int64_t t = 0; t < L; ++t) {
-          const int64_t b = tab[r * MB + t / BS];
+          const int64_t b = tab[t / BS];
           load_row(v + b * vs0 + (t % BS) * vs1 + h * vs2, row, D);
           for (int64_t g = 0; g < G; ++g) {
             const float p = scores[g * L + t];
@@ -154,18 +165,16 @@ inline __m512 bf16_to_f32(const uint16_t* p) {
 // of the kernel's time in cache); K rows are prefetched one and two chunks ahead.
 template <int64_t D, int64_t GT>
 void kernel_bf16(const torch::Tensor& query, const torch::Tensor& kc, const torch::Tensor& vc,
-                 const torch::Tensor& tables, const torch::Tensor& lens, float scale,
-                 torch::Tensor& out) {
+                 const Rows& rows, float scale, torch::Tensor& out) {
   constexpr int64_t QV = D / 32;  // zmm of bf16 per row
   constexpr int64_t DV = D / 16;  // zmm of float32 per row
   const int64_t R = query.size(0), H = query.size(1), KVH = kc.size(2), BS = kc.size(1);
-  const int64_t G = GT ? GT : H / KVH, MB = tables.size(1);
+  const int64_t G = GT ? GT : H / KVH;
   const auto* q = reinterpret_cast<const uint16_t*>(query.data_ptr());
   const auto* k = reinterpret_cast<const uint16_t*>(kc.data_ptr());
   const auto* v = reinterpret_cast<const uint16_t*>(vc.data_ptr());
   auto* o = reinterpret_cast<uint16_t*>(out.data_ptr());
-  const auto* tab = tables.data_ptr<int64_t>();
-  const auto* ln = lens.data_ptr<int64_t>();
+  const int64_t* ln = rows.len;
   const int64_t ks0 = kc.stride(0), ks1 = kc.stride(1), ks2 = kc.stride(2);
   const int64_t vs0 = vc.stride(0), vs1 = vc.stride(1), vs2 = vc.stride(2);
   const int64_t qs0 = query.stride(0), qs1 = query.stride(1);
@@ -197,8 +206,9 @@ void kernel_bf16(const torch::Tensor& query, const torch::Tensor& kc, const torc
       scores.resize(static_cast<size_t>(G * LP));
       krows.resize(static_cast<size_t>(L));
       vrows.resize(static_cast<size_t>(L));
+      const int64_t* tab = rows.table(r);
       for (int64_t t = 0; t < L; t += BS) {  // block by block: no division per token
-        const int64_t blk = tab[r * MB + t / BS];
+        const int64_t blk = tab[t / BS];
         const uint16_t* kb = k + blk * ks0 + h * ks2;
         const uint16_t* vb = v + blk * vs0 + h * vs2;
         for (int64_t i = 0, n = std::min(BS, L - t); i < n; ++i) {
@@ -210,7 +220,7 @@ void kernel_bf16(const torch::Tensor& query, const torch::Tensor& kc, const torc
       if (task + 1 < end) {  // the next task's first K rows, into L2, so it starts warm
         const int64_t r2 = (task + 1) / KVH, h2 = (task + 1) % KVH;
         for (int64_t t = 0; t < std::min<int64_t>(ln[r2], 32); t += BS) {
-          const uint16_t* kb = k + tab[r2 * MB + t / BS] * ks0 + h2 * ks2;
+          const uint16_t* kb = k + rows.table(r2)[t / BS] * ks0 + h2 * ks2;
           const int64_t n = std::min<int64_t>(BS, std::min<int64_t>(ln[r2], 32) - t);
           for (int64_t i = 0; i < n; ++i) prefetch_row(kb + i * ks1, false);
         }
@@ -275,35 +285,36 @@ void kernel_bf16(const torch::Tensor& query, const torch::Tensor& kc, const torc
 // The group sizes of common models (SmolLM2 3, Llama-3 4, Qwen2.5 7, ...) as constants.
 template <typename scalar_t, int64_t D>
 void dispatch_group(const torch::Tensor& query, const torch::Tensor& kc, const torch::Tensor& vc,
-                    const torch::Tensor& tables, const torch::Tensor& lens, float scale,
-                    torch::Tensor& out) {
+                    const Rows& rows, float scale, torch::Tensor& out) {
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
   if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
     switch (query.size(1) / kc.size(2)) {
-      case 1: return kernel_bf16<D, 1>(query, kc, vc, tables, lens, scale, out);
-      case 2: return kernel_bf16<D, 2>(query, kc, vc, tables, lens, scale, out);
-      case 3: return kernel_bf16<D, 3>(query, kc, vc, tables, lens, scale, out);
-      case 4: return kernel_bf16<D, 4>(query, kc, vc, tables, lens, scale, out);
-      case 7: return kernel_bf16<D, 7>(query, kc, vc, tables, lens, scale, out);
-      case 8: return kernel_bf16<D, 8>(query, kc, vc, tables, lens, scale, out);
-      default: return kernel_bf16<D, 0>(query, kc, vc, tables, lens, scale, out);
+      case 1: return kernel_bf16<D, 1>(query, kc, vc, rows, scale, out);
+      case 2: return kernel_bf16<D, 2>(query, kc, vc, rows, scale, out);
+      case 3: return kernel_bf16<D, 3>(query, kc, vc, rows, scale, out);
+      case 4: return kernel_bf16<D, 4>(query, kc, vc, rows, scale, out);
+      case 7: return kernel_bf16<D, 7>(query, kc, vc, rows, scale, out);
+      case 8: return kernel_bf16<D, 8>(query, kc, vc, rows, scale, out);
+      default: return kernel_bf16<D, 0>(query, kc, vc, rows, scale, out);
     }
   }
 #endif
   switch (query.size(1) / kc.size(2)) {
-    case 1: return kernel<scalar_t, D, 1>(query, kc, vc, tables, lens, scale, out);
-    case 2: return kernel<scalar_t, D, 2>(query, kc, vc, tables, lens, scale, out);
-    case 3: return kernel<scalar_t, D, 3>(query, kc, vc, tables, lens, scale, out);
-    case 4: return kernel<scalar_t, D, 4>(query, kc, vc, tables, lens, scale, out);
-    case 7: return kernel<scalar_t, D, 7>(query, kc, vc, tables, lens, scale, out);
-    case 8: return kernel<scalar_t, D, 8>(query, kc, vc, tables, lens, scale, out);
-    default: return kernel<scalar_t, D, 0>(query, kc, vc, tables, lens, scale, out);
+    case 1: return kernel<scalar_t, D, 1>(query, kc, vc, rows, scale, out);
+    case 2: return kernel<scalar_t, D, 2>(query, kc, vc, rows, scale, out);
+    case 3: return kernel<scalar_t, D, 3>(query, kc, vc, rows, scale, out);
+    case 4: return kernel<scalar_t, D, 4>(query, kc, vc, rows, scale, out);
+    case 7: return kernel<scalar_t, D, 7>(query, kc, vc, rows, scale, out);
+    case 8: return kernel<scalar_t, D, 8>(query, kc, vc, rows, scale, out);
+    default: return kernel<scalar_t, D, 0>(query, kc, vc, rows, scale, out);
   }
 }
 }  // namespace
 
-torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor kc, torch::Tensor vc,
-                                     torch::Tensor tables, torch::Tensor lens, double scale) {
+namespace {
+// Checks the shapes, then runs the kernel for `query`'s rows as `rows` maps them.
+torch::Tensor attend(const torch::Tensor& query, const torch::Tensor& kc, const torch::Tensor& vc,
+                     const torch::Tensor& tables, const Rows& rows, double scale) {
   TORCH_CHECK(query.dim() == 3 && kc.dim() == 4 && vc.dim() == 4, "bad ranks");
   TORCH_CHECK(query.size(2) == 64 || query.size(2) == 128, "head_dim must be 64 or 128");
   TORCH_CHECK(query.size(1) % kc.size(2) == 0 && query.size(1) / kc.size(2) <= 16,
@@ -313,19 +324,77 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor kc, torc
   TORCH_CHECK(query.scalar_type() == kc.scalar_type() && kc.scalar_type() == vc.scalar_type());
   TORCH_CHECK(query.scalar_type() == torch::kBFloat16 || query.scalar_type() == torch::kFloat,
               "float32 or bfloat16 only");
-  TORCH_CHECK(tables.scalar_type() == torch::kInt64 && lens.scalar_type() == torch::kInt64);
+  // Every block a row reads must be in the cache: the tokens each request's rows reach, then
+  // those requests' table entries.
+  const int64_t bs = kc.size(1), capacity = rows.mb * bs, nblocks = kc.size(0);
+  std::vector<int64_t> reach(static_cast<size_t>(tables.size(0)), 0);
+  for (int64_t r = 0; r < query.size(0); ++r) {
+    TORCH_CHECK(rows.len[r] >= 1 && rows.len[r] <= capacity, "row ", r, " attends to ",
+                rows.len[r], " tokens; its block table holds ", capacity);
+    reach[rows.req[r]] = std::max(reach[rows.req[r]], rows.len[r]);
+  }
+  for (size_t i = 0; i < reach.size(); ++i) {
+    const int64_t* tab = rows.tables + static_cast<int64_t>(i) * rows.mb;
+    for (int64_t b = 0; b < (reach[i] + bs - 1) / bs; ++b)
+      TORCH_CHECK(tab[b] >= 0 && tab[b] < nblocks, "block id ", tab[b], " outside the cache of ",
+                  nblocks, " blocks");
+  }
   auto out = torch::empty_like(query);
-  auto t = tables.contiguous();
-  auto l = lens.contiguous();
   const float s = static_cast<float>(scale);
   if (query.scalar_type() == torch::kBFloat16) {
-    if (query.size(2) == 64) dispatch_group<c10::BFloat16, 64>(query, kc, vc, t, l, s, out);
-    else dispatch_group<c10::BFloat16, 128>(query, kc, vc, t, l, s, out);
+    if (query.size(2) == 64) dispatch_group<c10::BFloat16, 64>(query, kc, vc, rows, s, out);
+    else dispatch_group<c10::BFloat16, 128>(query, kc, vc, rows, s, out);
   } else {
-    if (query.size(2) == 64) dispatch_group<float, 64>(query, kc, vc, t, l, s, out);
-    else dispatch_group<float, 128>(query, kc, vc, t, l, s, out);
+    if (query.size(2) == 64) dispatch_group<float, 64>(query, kc, vc, rows, s, out);
+    else dispatch_group<float, 128>(query, kc, vc, rows, s, out);
   }
   return out;
+}
+
+torch::Tensor int64_list(const torch::Tensor& t, const char* what) {
+  TORCH_CHECK(t.scalar_type() == torch::kInt64 && t.device().is_cpu(), what,
+              " must be an int64 CPU tensor");
+  return t.contiguous();
+}
+}  // namespace
+
+torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor kc, torch::Tensor vc,
+                                     torch::Tensor tables, torch::Tensor lens, double scale) {
+  auto t = int64_list(tables, "tables");
+  auto l = int64_list(lens, "seq_lens");
+  const int64_t R = query.size(0);
+  TORCH_CHECK(t.dim() == 2 && t.size(0) >= R && l.numel() == R,
+              "one block table row and one length per query row");
+  std::vector<int64_t> req(static_cast<size_t>(R));
+  for (int64_t r = 0; r < R; ++r) req[r] = r;
+  return attend(query, kc, vc, t, Rows{t.data_ptr<int64_t>(), t.size(1), req.data(),
+                                       l.data_ptr<int64_t>()}, scale);
+}
+
+torch::Tensor paged_attention(torch::Tensor query, torch::Tensor kc, torch::Tensor vc,
+                              torch::Tensor tables, torch::Tensor seq_lens,
+                              torch::Tensor query_start_loc, double scale) {
+  auto t = int64_list(tables, "tables");
+  auto sl = int64_list(seq_lens, "seq_lens");
+  auto qs = int64_list(query_start_loc, "query_start_loc");
+  const int64_t n = sl.numel(), T = query.size(0);
+  TORCH_CHECK(t.dim() == 2 && t.size(0) >= n && qs.numel() == n + 1,
+              "one block table row and length per request, and requests + 1 query starts");
+  const int64_t* seq = sl.data_ptr<int64_t>();
+  const int64_t* start = qs.data_ptr<int64_t>();
+  TORCH_CHECK(start[0] == 0 && start[n] == T, "query_start_loc must run from 0 to ", T);
+  std::vector<int64_t> req(static_cast<size_t>(T)), len(static_cast<size_t>(T));
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t q_len = start[i + 1] - start[i];
+    TORCH_CHECK(q_len >= 0 && seq[i] >= q_len, "request ", i, ": ", q_len,
+                " query tokens in a sequence of ", seq[i]);
+    for (int64_t j = 0; j < q_len; ++j) {
+      req[start[i] + j] = i;
+      len[start[i] + j] = seq[i] - q_len + j + 1;  // causal: up to its own position
+    }
+  }
+  return attend(query, kc, vc, t, Rows{t.data_ptr<int64_t>(), t.size(1), req.data(), len.data()},
+                scale);
 }
 
 // Writes each new token's K and V rows into the paged cache at (slot_block, slot_offset): one
