@@ -25,6 +25,7 @@ logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = (
     "paged_attention_cpu.cpp",
+    "prefill_attention_cpu.cpp",
     "fused_ops_cpu.cpp",
     "gemm_bf16_cpu.cpp",
     "decode_layers_cpu.cpp",

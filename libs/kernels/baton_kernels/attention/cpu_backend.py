@@ -2,10 +2,13 @@
 rows written by a C++ row copy (``csrc/paged_attention_cpu.cpp``); the reference backend where a
 shape or dtype has no kernel.
 
-A batch with prompt tokens is one ``paged_attention`` call: each prompt token's row attends to
-its request's tokens up to its own position, read from the cache like a decode row's. Against
-the reference's gather + SDPA this is ~2.5x faster for 16 fresh 128-token prompts in bf16
-(2.8 vs 7 ms per layer of the default model) and needs no gathered copy of a cached prefix."""
+A batch with prompt tokens is one ``paged_attention`` call: each prompt token attends to its
+request's tokens up to its own position, read from the cache. In bf16 on AVX512-BF16 CPUs,
+chunks of 8 or more tokens run as FlashAttention-style tiles (``csrc/prefill_attention_cpu.cpp``),
+decodes and shorter chunks row by row like a decode step. Per layer of the default model
+(``benchmarks/bench_cpu_kernels.py``): 16 fresh 128-token prompts ~2 ms against ~7 for the
+reference's gather + SDPA, a 512-token chunk after 1,536 cached tokens ~10 against ~21; no
+gathered copy of a cached prefix."""
 
 from __future__ import annotations
 

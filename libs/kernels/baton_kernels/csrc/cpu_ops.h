@@ -11,6 +11,18 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor kc, torc
 torch::Tensor paged_attention(torch::Tensor query, torch::Tensor kc, torch::Tensor vc,
                               torch::Tensor tables, torch::Tensor seq_lens,
                               torch::Tensor query_start_loc, double scale);
+// A prompt chunk of a batch for prefill_attention: its query rows [start, start + len), its
+// sequence's length (cached + new tokens) and its row of the block tables.
+struct PromptChunk {
+  int64_t start, len, seq_len, req;
+};
+// Whether prefill_attention runs on this CPU for this dtype and GQA group.
+bool prefill_attention_available(const torch::Tensor& query, const torch::Tensor& kc);
+// Causal attention of each chunk's rows over its sequence into `out` (bf16; checked by
+// paged_attention, its only caller).
+void prefill_attention(const torch::Tensor& query, const torch::Tensor& kc,
+                       const torch::Tensor& vc, const int64_t* tables, int64_t mb,
+                       const std::vector<PromptChunk>& chunks, float scale, torch::Tensor& out);
 void write_kv_cache_(torch::Tensor key, torch::Tensor value, torch::Tensor kv,
                      torch::Tensor slot_block, torch::Tensor slot_offset);
 std::vector<torch::Tensor> fused_add_rms_norm(torch::Tensor x,

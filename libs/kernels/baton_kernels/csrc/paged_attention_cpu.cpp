@@ -15,6 +15,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_ops.h"
+
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -25,9 +27,12 @@ namespace {
 struct Rows {
   const int64_t* tables;  // [requests, mb] block ids
   int64_t mb;
-  const int64_t* req;  // [rows] the request of each row
-  const int64_t* len;  // [rows] tokens each row attends to
+  int64_t count;       // rows to compute
+  const int64_t* req;  // [count] the request of each row
+  const int64_t* len;  // [count] tokens each row attends to
+  const int64_t* row;  // [count] its row of the query and the output (null: 0, 1, ...)
   const int64_t* table(int64_t r) const { return tables + req[r] * mb; }
+  int64_t at(int64_t r) const { return row ? row[r] : r; }
 };
 
 // Converts a row of `dim` values to float32.
@@ -75,7 +80,7 @@ inline void softmax_rows_(float* scores, int64_t rows, int64_t stride, int64_t l
 template <typename scalar_t, int64_t D, int64_t GT>
 void kernel(const torch::Tensor& query, const torch::Tensor& kc, const torch::Tensor& vc,
             const Rows& rows, float scale, torch::Tensor& out) {
-  const int64_t R = query.size(0), H = query.size(1), KVH = kc.size(2), BS = kc.size(1);
+  const int64_t R = rows.count, H = query.size(1), KVH = kc.size(2), BS = kc.size(1);
   const int64_t G = GT ? GT : H / KVH;
   const auto* q = query.data_ptr<scalar_t>();
   const auto* k = kc.data_ptr<scalar_t>();
@@ -97,7 +102,7 @@ void kernel(const torch::Tensor& query, const torch::Tensor& kc, const torch::Te
         const int64_t L = ln[r];
         scores.resize(static_cast<size_t>(G * L));
         for (int64_t g = 0; g < G; ++g) {
-          load_row(q + r * qs0 + (h * G + g) * qs1, qf[g], D);
+          load_row(q + rows.at(r) * qs0 + (h * G + g) * qs1, qf[g], D);
           for (int64_t d = 0; d < D; ++d) { qf[g][d] *= scale; acc[g][d] = 0.f; }
         }
         const int64_t* tab = rows.table(r);
@@ -125,7 +130,8 @@ void kernel(const torch::Tensor& query, const torch::Tensor& kc, const torch::Te
             for (int64_t d = 0; d < D; ++d) acc[g][d] += p * row[d];
           }
         }
-        for (int64_t g = 0; g < G; ++g) store_row(acc[g], o + r * os0 + (h * G + g) * os1, D);
+        for (int64_t g = 0; g < G; ++g)
+          store_row(acc[g], o + rows.at(r) * os0 + (h * G + g) * os1, D);
       }
     }
   });
@@ -168,7 +174,7 @@ void kernel_bf16(const torch::Tensor& query, const torch::Tensor& kc, const torc
                  const Rows& rows, float scale, torch::Tensor& out) {
   constexpr int64_t QV = D / 32;  // zmm of bf16 per row
   constexpr int64_t DV = D / 16;  // zmm of float32 per row
-  const int64_t R = query.size(0), H = query.size(1), KVH = kc.size(2), BS = kc.size(1);
+  const int64_t R = rows.count, H = query.size(1), KVH = kc.size(2), BS = kc.size(1);
   const int64_t G = GT ? GT : H / KVH;
   const auto* q = reinterpret_cast<const uint16_t*>(query.data_ptr());
   const auto* k = reinterpret_cast<const uint16_t*>(kc.data_ptr());
@@ -228,7 +234,8 @@ void kernel_bf16(const torch::Tensor& query, const torch::Tensor& kc, const torc
       __m512bh qv[16][QV];
       for (int64_t g = 0; g < G; ++g)
         for (int64_t i = 0; i < QV; ++i)
-          qv[g][i] = (__m512bh)_mm512_loadu_si512(q + r * qs0 + (h * G + g) * qs1 + i * 32);
+          qv[g][i] = (__m512bh)_mm512_loadu_si512(q + rows.at(r) * qs0 + (h * G + g) * qs1 +
+                                                  i * 32);
       // QK: 16 tokens at a time, each token's dot products as 16 partial sums, reduced together.
       for (int64_t t0 = 0; t0 < L; t0 += 16) {
         const int64_t n = std::min<int64_t>(16, L - t0);
@@ -271,7 +278,7 @@ void kernel_bf16(const torch::Tensor& query, const torch::Tensor& kc, const torc
         }
       }
       for (int64_t g = 0; g < G; ++g) {
-        uint16_t* orow = o + r * os0 + (h * G + g) * os1;
+        uint16_t* orow = o + rows.at(r) * os0 + (h * G + g) * os1;
         for (int64_t j = 0; j < DV; ++j) {
           const __m256i packed = (__m256i)_mm512_cvtneps_pbh(acc[g][j]);
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(orow + j * 16), packed);
@@ -312,9 +319,9 @@ void dispatch_group(const torch::Tensor& query, const torch::Tensor& kc, const t
 }  // namespace
 
 namespace {
-// Checks the shapes, then runs the kernel for `query`'s rows as `rows` maps them.
-torch::Tensor attend(const torch::Tensor& query, const torch::Tensor& kc, const torch::Tensor& vc,
-                     const torch::Tensor& tables, const Rows& rows, double scale) {
+// Checks the shapes and that every row's tokens and blocks lie inside the cache.
+void check(const torch::Tensor& query, const torch::Tensor& kc, const torch::Tensor& vc,
+           const torch::Tensor& tables, const Rows& rows) {
   TORCH_CHECK(query.dim() == 3 && kc.dim() == 4 && vc.dim() == 4, "bad ranks");
   TORCH_CHECK(query.size(2) == 64 || query.size(2) == 128, "head_dim must be 64 or 128");
   TORCH_CHECK(query.size(1) % kc.size(2) == 0 && query.size(1) / kc.size(2) <= 16,
@@ -328,7 +335,7 @@ torch::Tensor attend(const torch::Tensor& query, const torch::Tensor& kc, const 
   // those requests' table entries.
   const int64_t bs = kc.size(1), capacity = rows.mb * bs, nblocks = kc.size(0);
   std::vector<int64_t> reach(static_cast<size_t>(tables.size(0)), 0);
-  for (int64_t r = 0; r < query.size(0); ++r) {
+  for (int64_t r = 0; r < rows.count; ++r) {
     TORCH_CHECK(rows.len[r] >= 1 && rows.len[r] <= capacity, "row ", r, " attends to ",
                 rows.len[r], " tokens; its block table holds ", capacity);
     reach[rows.req[r]] = std::max(reach[rows.req[r]], rows.len[r]);
@@ -339,8 +346,11 @@ torch::Tensor attend(const torch::Tensor& query, const torch::Tensor& kc, const 
       TORCH_CHECK(tab[b] >= 0 && tab[b] < nblocks, "block id ", tab[b], " outside the cache of ",
                   nblocks, " blocks");
   }
-  auto out = torch::empty_like(query);
-  const float s = static_cast<float>(scale);
+}
+
+// The per-row kernel for `rows` into `out`.
+void attend(const torch::Tensor& query, const torch::Tensor& kc, const torch::Tensor& vc,
+            const Rows& rows, float s, torch::Tensor& out) {
   if (query.scalar_type() == torch::kBFloat16) {
     if (query.size(2) == 64) dispatch_group<c10::BFloat16, 64>(query, kc, vc, rows, s, out);
     else dispatch_group<c10::BFloat16, 128>(query, kc, vc, rows, s, out);
@@ -348,7 +358,6 @@ torch::Tensor attend(const torch::Tensor& query, const torch::Tensor& kc, const 
     if (query.size(2) == 64) dispatch_group<float, 64>(query, kc, vc, rows, s, out);
     else dispatch_group<float, 128>(query, kc, vc, rows, s, out);
   }
-  return out;
 }
 
 torch::Tensor int64_list(const torch::Tensor& t, const char* what) {
@@ -356,6 +365,10 @@ torch::Tensor int64_list(const torch::Tensor& t, const char* what) {
               " must be an int64 CPU tensor");
   return t.contiguous();
 }
+
+// Prompt chunks of at least this many tokens go to prefill_attention; shorter ones (and
+// decodes) to the per-row kernel.
+constexpr int64_t kMinPromptTile = 8;
 }  // namespace
 
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor kc, torch::Tensor vc,
@@ -367,8 +380,12 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor kc, torc
               "one block table row and one length per query row");
   std::vector<int64_t> req(static_cast<size_t>(R));
   for (int64_t r = 0; r < R; ++r) req[r] = r;
-  return attend(query, kc, vc, t, Rows{t.data_ptr<int64_t>(), t.size(1), req.data(),
-                                       l.data_ptr<int64_t>()}, scale);
+  const Rows rows{t.data_ptr<int64_t>(), t.size(1), R, req.data(), l.data_ptr<int64_t>(),
+                  nullptr};
+  check(query, kc, vc, t, rows);
+  auto out = torch::empty_like(query);
+  attend(query, kc, vc, rows, static_cast<float>(scale), out);
+  return out;
 }
 
 torch::Tensor paged_attention(torch::Tensor query, torch::Tensor kc, torch::Tensor vc,
@@ -393,8 +410,34 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor kc, torch::Tens
       len[start[i] + j] = seq[i] - q_len + j + 1;  // causal: up to its own position
     }
   }
-  return attend(query, kc, vc, t, Rows{t.data_ptr<int64_t>(), t.size(1), req.data(), len.data()},
-                scale);
+  const int64_t* tab = t.data_ptr<int64_t>();
+  check(query, kc, vc, t, Rows{tab, t.size(1), T, req.data(), len.data(), nullptr});
+  auto out = torch::empty_like(query);
+  const float s = static_cast<float>(scale);
+  // Prompt chunks in tiles where the CPU can; the other rows one at a time.
+  std::vector<PromptChunk> chunks;
+  std::vector<int64_t> rest;
+  const bool tiles = prefill_attention_available(query, kc);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t q_len = start[i + 1] - start[i];
+    if (tiles && q_len >= kMinPromptTile) {
+      chunks.push_back({start[i], q_len, seq[i], i});
+    } else {
+      for (int64_t r = start[i]; r < start[i + 1]; ++r) rest.push_back(r);
+    }
+  }
+  if (!chunks.empty()) prefill_attention(query, kc, vc, tab, t.size(1), chunks, s, out);
+  if (!rest.empty()) {
+    std::vector<int64_t> rest_req, rest_len;
+    for (int64_t r : rest) {
+      rest_req.push_back(req[r]);
+      rest_len.push_back(len[r]);
+    }
+    const auto count = static_cast<int64_t>(rest.size());
+    const Rows rest_rows{tab, t.size(1), count, rest_req.data(), rest_len.data(), rest.data()};
+    attend(query, kc, vc, rest_rows, s, out);
+  }
+  return out;
 }
 
 // Writes each new token's K and V rows into the paged cache at (slot_block, slot_offset): one
