@@ -166,6 +166,32 @@ def test_auto_picks_the_cpu_kernel_on_cpu_and_triton_on_cuda() -> None:
     assert create_attention_backend("auto", "cuda").name == on_cuda
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cpu_paged_attention_op_matches_reference(dtype: torch.dtype) -> None:
+    """The op itself in both dtypes (the backend sends it bf16 prompt batches only): decodes,
+    short chunks row by row and long ones in tiles, over cached prefixes."""
+    from baton_kernels.attention.torch_backend import write_kv_cache
+    from baton_kernels.cpu_ops import load_cpu_ops
+
+    ops = load_cpu_ops()
+    assert ops is not None
+    specs = [(9, 1), (0, 37), (300, 40), (0, 2), (517, 3), (200, 150)]
+    md, cache, ks, vs = build_step(specs, 16, 160, dtype, 64, 9, 3)
+    q = torch.randn(md.num_tokens, 9, 64, generator=torch.Generator().manual_seed(2)).to(dtype)
+    new_k = torch.cat([k[c:] for k, (c, _) in zip(ks, specs, strict=True)])
+    new_v = torch.cat([v[c:] for v, (c, _) in zip(vs, specs, strict=True)])
+    write_kv_cache(new_k, new_v, cache, md)
+    out = ops.paged_attention(
+        q, cache.key, cache.value, md.block_tables, torch.tensor(md.seq_lens),
+        torch.tensor(md.query_start_loc), 0.125,
+    )  # fmt: skip
+    rtol, atol = TOL[dtype]
+    for i in range(md.num_reqs):
+        s, e = md.query_start_loc[i], md.query_start_loc[i + 1]
+        want = ref_attention(q[s:e], ks[i], vs[i], 0.125)
+        torch.testing.assert_close(out[s:e].float(), want, rtol=rtol, atol=atol)
+
+
 def test_cpu_paged_attention_rejects_inconsistent_metadata() -> None:
     """The in-place kernel reads the cache through the tables: a table or length that points
     outside it is an error, not a read of foreign memory."""

@@ -2,13 +2,14 @@
 rows written by a C++ row copy (``csrc/paged_attention_cpu.cpp``); the reference backend where a
 shape or dtype has no kernel.
 
-A batch with prompt tokens is one ``paged_attention`` call: each prompt token attends to its
-request's tokens up to its own position, read from the cache. In bf16 on AVX512-BF16 CPUs,
+In bf16 on AVX512-BF16 CPUs a batch with prompt tokens is one ``paged_attention`` call: each
+prompt token attends to its request's tokens up to its own position, read from the cache;
 chunks of 8 or more tokens run as FlashAttention-style tiles (``csrc/prefill_attention_cpu.cpp``),
 decodes and shorter chunks row by row like a decode step. Per layer of the default model
 (``benchmarks/bench_cpu_kernels.py``): 16 fresh 128-token prompts ~2 ms against ~7 for the
 reference's gather + SDPA, a 512-token chunk after 1,536 cached tokens ~10 against ~21; no
-gathered copy of a cached prefix."""
+gathered copy of a cached prefix. Elsewhere prompts take the reference: the row-by-row kernel
+alone is ~2x slower than SDPA on a long cached prefix in float32 (44 vs 23 ms for that chunk)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     def __init__(self, ops: Any) -> None:
         self.ops = ops
+        self.prompt_tiles = bool(ops.bf16_gemm_available())  # AVX512-BF16: the tiled kernel
 
     def decodes_in_place(self, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
         """Whether ``_decode`` runs the C++ kernel for this shape (not the reference)."""
@@ -51,7 +53,12 @@ class CpuAttentionBackend(TorchAttentionBackend):
         scale: float,
     ) -> torch.Tensor:
         md = metadata
-        if md.num_decodes == md.num_reqs or not self._kernel_applies(query, kv_cache.kv):
+        if (
+            md.num_decodes == md.num_reqs
+            or query.dtype != torch.bfloat16
+            or not self.prompt_tiles
+            or not self._kernel_applies(query, kv_cache.kv)
+        ):
             return super().forward(query, key, value, kv_cache, md, scale)
         self._write_kv(key, value, kv_cache, md)
         out: torch.Tensor = self.ops.paged_attention(
