@@ -57,6 +57,20 @@ def receiver() -> Iterator[tuple[Receiver, str]]:
         server.stop(0)
 
 
+def _tree_closed(spans: list[tuple[str, str, bytes, bytes, bytes]]) -> bool:
+    """Whether the trace of the gateway's completion span has a root and every parent of its
+    spans has arrived."""
+    completion = ("baton-gateway", "gateway completion")
+    tids = [tid for svc, name, tid, _, _ in spans if (svc, name) == completion]
+    if not tids:
+        return False
+    in_trace = [(sid, parent) for _, _, tid, sid, parent in spans if tid == tids[0]]
+    ids = {sid for sid, _ in in_trace}
+    return any(not parent for _, parent in in_trace) and all(
+        not parent or parent in ids for _, parent in in_trace
+    )
+
+
 def test_spans_of_one_request_share_one_trace(receiver: tuple[Receiver, str]) -> None:
     collector, endpoint = receiver
     otlp = ["--otlp-endpoint", endpoint]
@@ -92,11 +106,13 @@ def test_spans_of_one_request_share_one_trace(receiver: tuple[Receiver, str]) ->
             ("baton-decode", "decode worker"),
             ("baton-decode", "kv_transfer"),
         }
+        # Wait for every span of the tree: the root ends last (after the response body), so
+        # the gateway may export it in a later batch than its children.
         deadline = time.monotonic() + 20
         while True:
             with collector.lock:
                 spans = list(collector.spans)
-            if want <= {(svc, name) for svc, name, *_ in spans}:
+            if want <= {(svc, name) for svc, name, *_ in spans} and _tree_closed(spans):
                 break
             assert time.monotonic() < deadline, sorted({(s, n) for s, n, *_ in spans})
             time.sleep(0.2)
