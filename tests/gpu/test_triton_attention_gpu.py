@@ -265,3 +265,42 @@ def test_backend_decode_step_replays_in_a_cuda_graph() -> None:
         torch.testing.assert_close(written, torch.stack([key, value], 1), atol=0, rtol=0)
         want = ref_decode_attention(query, cache, seq_lens, tables, 0.125)
         torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_fused_split_reduce_matches_separate_reduce_across_replays(
+    shape: tuple[int, int, int],
+) -> None:
+    """Back-to-back decode launches sharing the fused reduce's counters, captured in one graph
+    (as a model's layers are) and replayed with new lengths: each equals the two-kernel path."""
+    from baton_kernels.triton.decode_attention import _counters, decode_attention
+
+    torch.manual_seed(0)
+    num_heads, num_kv_heads, head_dim = shape
+    batch, max_len, layers, splits = 3, 3000, 12, 16
+    cache, _, tables = make_cache([max_len] * batch, 16, num_kv_heads, head_dim, torch.float32)
+    queries = [qkv_view(batch, num_heads, head_dim, torch.float32) for _ in range(layers)]
+    outs = [torch.empty_like(q) for q in queries]
+    lens = torch.full((batch,), 100, device="cuda")
+
+    scale = head_dim**-0.5
+
+    def run_layers() -> None:
+        for q, o in zip(queries, outs, strict=True):
+            decode_attention(q, cache, o, lens, tables, scale, splits, fuse_reduce=True)
+
+    run_layers()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run_layers()
+    rng = random.Random(2)
+    for _ in range(20):
+        lens.copy_(torch.tensor([rng.randrange(1, max_len + 1) for _ in range(batch)]))
+        for o in outs:
+            o.fill_(float("nan"))
+        graph.replay()
+        for q, o in zip(queries, outs, strict=True):
+            want = torch.full_like(q, float("nan"))
+            decode_attention(q, cache, want, lens, tables, scale, splits, fuse_reduce=False)
+            torch.testing.assert_close(o, want, atol=1e-5, rtol=1e-5)
+    assert int(_counters(queries[0].device, batch * num_kv_heads).count_nonzero()) == 0

@@ -176,9 +176,9 @@ def test_paged_attention_on_a_slice_leaves_other_rows() -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", HEAD_SIZES)
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
-@pytest.mark.parametrize("num_splits", [1, 4])
+@pytest.mark.parametrize(("num_splits", "fuse_reduce"), [(1, True), (4, True), (4, False)])
 def test_decode_attention_matches_reference(
-    dtype: torch.dtype, head_dim: int, block_size: int, num_splits: int
+    dtype: torch.dtype, head_dim: int, block_size: int, num_splits: int, fuse_reduce: bool
 ) -> None:
     num_heads, num_kv_heads = GQA[head_dim == 128]
     # lengths below one tile, across tile and block edges, and long enough for every split
@@ -195,9 +195,27 @@ def test_decode_attention_matches_reference(
         batch.block_tables,
         scale,
         num_splits,
+        fuse_reduce=fuse_reduce,
     )
     want = ref_decode_attention(query, batch.cache, seq_lens, batch.block_tables, scale)
     assert_close(out, want, dtype)
+
+
+def test_fused_split_reduce_leaves_its_counters_zero() -> None:
+    """The last split of each (request, KV head) combines the partials and resets its counter,
+    so the next launch (a CUDA graph replays the same buffers) starts from zero again."""
+    from baton_kernels.triton.decode_attention import _counters
+
+    seq_lens = [3, 130, 515]
+    batch = PagedBatch(seq_lens, 16, 2, 64, torch.float32, seed=4)
+    lens = torch.tensor(seq_lens, device=DEVICE)
+    for _ in range(2):
+        query = random_heads(3, 8, 64, torch.float32)
+        out = torch.full(query.shape, POISON, device=DEVICE)
+        decode_attention(query, batch.cache, out, lens, batch.block_tables, 0.125, 8)
+        assert int(_counters(DEVICE, 6)[:6].count_nonzero()) == 0
+        want = ref_decode_attention(query, batch.cache, seq_lens, batch.block_tables, 0.125)
+        assert_close(out, want, torch.float32)
 
 
 def test_decode_matches_paged_attention_reference() -> None:
@@ -216,8 +234,8 @@ def test_choose_num_splits() -> None:
     assert choose_num_splits(64, 8, 8192, cpu) == 1  # programs cover the SMs twice already
     assert choose_num_splits(4, 1, 8192, cpu) == 4  # 4 programs per SM
     assert choose_num_splits(1, 1, 8192, cpu) == 16
-    assert choose_num_splits(1, 1, 300, cpu) == 2  # no slice under MIN_SPLIT_TOKENS
-    assert choose_num_splits(1, 1, 100, cpu) == 1
+    assert choose_num_splits(1, 1, 150, cpu) == 2  # no slice under MIN_SPLIT_TOKENS (64)
+    assert choose_num_splits(1, 1, 60, cpu) == 1
     assert choose_num_splits(3, 1, 8192, cpu) == 4  # 6, rounded down to a power of two
 
 

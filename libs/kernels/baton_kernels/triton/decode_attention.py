@@ -14,6 +14,12 @@ on (num_decodes, num_kv_heads, num_splits), not on the lengths: a CUDA graph cap
 batch size replays for any lengths. Slices past a short request's end are empty and carry
 ``lse = -inf``. With one split the kernel writes the output directly and the reduce is skipped.
 
+The reduce normally runs in the attention kernel itself: each program counts itself done on a
+per-(request, KV head) counter, and the last of a head's splits combines the partials (the
+counter is reset to zero by that program, so a CUDA graph replays it as captured). At batch 1 a
+decode layer is then one launch instead of two; a decode step of a small model is bound by its
+launches. ``fuse_reduce=False`` keeps the separate reduce kernel (for A/B measurements).
+
 One program holds the ``GROUP`` query heads of its KV head as tile rows (padded to 16 for the
 tensor cores), so each K/V tile is read once per group.
 """
@@ -40,8 +46,11 @@ from baton_kernels.triton.common import (
     upcast_in_kernel,
 )
 
-MIN_SPLIT_TOKENS = 128  # shorter slices cost more in the reduce than they save
+# Shorter slices cost more in the reduce than they save. 64 since the reduce is fused: at batch 1
+# (Qwen2.5-0.5B shape, context ~640) the decode graph took 0.834 ms against 0.866 with 128.
+MIN_SPLIT_TOKENS = 64
 MAX_SPLITS = 64
+FUSE_REDUCE = True  # the default of decode_attention's fuse_reduce
 
 
 @triton.jit(
@@ -56,6 +65,7 @@ def _decode_kernel(
     part_lse_ptr,  # [num_decodes, num_heads, NUM_SPLITS] fp32, log2 domain
     seq_lens_ptr,
     tables_ptr,
+    counter_ptr,  # [num_decodes * num_kv_heads] int32, zero between launches (FUSE_REDUCE)
     qk_scale,
     s_qt,
     s_qh,
@@ -79,6 +89,8 @@ def _decode_kernel(
     TILE_N: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    FUSE_REDUCE: tl.constexpr,
+    BLOCK_S: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -142,6 +154,72 @@ def _decode_kernel(
         # an empty slice has l = 0: lse = -inf, weight 0 in the reduce
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
         tl.store(part_lse_ptr + row, lse, mask=h_ok)
+        if FUSE_REDUCE:
+            # every thread's partials are stored before the release of the count; the last
+            # program's acquire makes all of them visible to it (read past L1: ".cg")
+            tl.debug_barrier()
+            counter = counter_ptr + b * tl.num_programs(1) + kv_head
+            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
+                tl.debug_barrier()
+                tl.store(counter, 0)
+                _combine_splits(
+                    part_out_ptr, part_lse_ptr, out_ptr, b, head, h_ok, offs_d, d_ok,
+                    s_ot, s_oh, s_od, NUM_HEADS, NUM_SPLITS, HEAD_DIM, BLOCK_H, BLOCK_D, BLOCK_S,
+                )  # fmt: skip
+
+
+@triton.jit
+def _combine_splits(
+    part_out_ptr,
+    part_lse_ptr,
+    out_ptr,
+    b,
+    head,  # [BLOCK_H] query heads
+    h_ok,
+    offs_d,
+    d_ok,
+    s_ot,
+    s_oh,
+    s_od,
+    NUM_HEADS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    """out[b, head] from the heads' NUM_SPLITS partial outputs, weighted by exp(lse - max)."""
+    offs_s = tl.arange(0, BLOCK_S)
+    first = (b * NUM_HEADS + head) * NUM_SPLITS  # [BLOCK_H]
+    lse = tl.load(
+        part_lse_ptr + first[:, None] + offs_s[None, :],
+        mask=h_ok[:, None] & (offs_s < NUM_SPLITS)[None, :],
+        other=float("-inf"),
+        cache_modifier=".cg",
+    )
+    # split 0 is never empty, so a real head's max is finite; padding heads get 0
+    top = tl.where(h_ok, tl.max(lse, 1), 0.0)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    total = tl.zeros([BLOCK_H], tl.float32)
+    for s in tl.static_range(NUM_SPLITS):
+        lse_s = tl.load(
+            part_lse_ptr + first + s, mask=h_ok, other=float("-inf"), cache_modifier=".cg"
+        )
+        weight = tl.exp2(lse_s - top)
+        part = tl.load(
+            part_out_ptr + (first + s)[:, None] * HEAD_DIM + offs_d[None, :],
+            mask=(weight > 0)[:, None] & d_ok[None, :],
+            other=0.0,
+            cache_modifier=".cg",
+        )
+        acc += part * weight[:, None]
+        total += weight
+    out = acc / tl.where(total > 0, total, 1.0)[:, None]
+    tl.store(
+        out_ptr + b * s_ot + head[:, None] * s_oh + offs_d[None, :] * s_od,
+        out.to(out_ptr.dtype.element_ty),
+        mask=h_ok[:, None] & d_ok[None, :],
+    )
 
 
 @triton.jit
@@ -202,6 +280,21 @@ def choose_num_splits(
     return 1 << (splits.bit_length() - 1)
 
 
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    """The fused reduce's per-(request, KV head) counters on ``device``: zeros, kept zero by the
+    kernel, grown (never during a CUDA graph capture: its warm-up runs have sized them)."""
+    counters = _COUNTERS.get(device)
+    if counters is None or counters.numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("decode_attention: run the captured batch size once before capture")
+        size = max(n, 4096 if counters is None else 2 * counters.numel())
+        counters = _COUNTERS[device] = torch.zeros(size, dtype=torch.int32, device=device)
+    return counters
+
+
 def split_counts() -> list[int]:
     """Every ``num_splits`` that ``choose_num_splits`` can return (each is its own compiled
     variant of the kernel)."""
@@ -220,11 +313,14 @@ def decode_attention(
     tile_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int = 3,
+    fuse_reduce: bool | None = None,
 ) -> None:
     """Attention of each request's single query token over its ``seq_len`` cached keys (its own
     K/V included, written before). ``num_splits`` from ``choose_num_splits``, or fixed when the
     launch is captured in a CUDA graph. ``tile_n`` (keys per tile), ``num_warps`` and
-    ``num_stages`` are tuning knobs (benchmarks/bench_attention_gpu.py --sweep)."""
+    ``num_stages`` are tuning knobs (benchmarks/bench_attention_gpu.py --sweep); ``fuse_reduce``
+    (default ``FUSE_REDUCE``) combines the splits in the last program instead of a second
+    launch."""
     check_kv_cache(kv_cache, query)
     num_decodes, num_heads, head_dim = query.shape
     if num_decodes == 0:
@@ -247,6 +343,10 @@ def decode_attention(
         )
     else:
         part_out = part_lse = out  # unused
+    if fuse_reduce is None:
+        fuse_reduce = FUSE_REDUCE
+    fuse_reduce = fuse_reduce and num_splits > 1
+    counters = _counters(out.device, num_decodes * num_kv_heads) if fuse_reduce else seq_lens
     _decode_kernel[(num_decodes, num_kv_heads, num_splits)](
         query,
         kv,
@@ -255,6 +355,7 @@ def decode_attention(
         part_lse,
         seq_lens,
         block_tables,
+        counters,
         scale * LOG2E,
         *query.stride(),
         *out.stride(),
@@ -270,10 +371,12 @@ def decode_attention(
         TILE_N=tile_n,
         UPCAST=upcast_in_kernel(query),
         DOT_PREC=dot_precision(query.dtype),
+        FUSE_REDUCE=fuse_reduce,
+        BLOCK_S=next_pow2(num_splits),
         num_warps=num_warps,
         num_stages=num_stages,
     )
-    if num_splits > 1:
+    if num_splits > 1 and not fuse_reduce:
         _decode_reduce_kernel[(num_decodes, num_heads)](
             part_out,
             part_lse,
