@@ -8,9 +8,9 @@
 // into 16 float32 accumulators. A tile is MB rows x NB blocks (MB * NB accumulators + NB weight
 // registers + 1 <= 32 zmm) over all of K. Each thread owns a contiguous range of column blocks
 // and streams its part of the weight from memory once: up to 12 rows run as one tile (one pass
-// over the weight), more as tiles of 8 rows x 3 blocks that read it from L2 after the first, and
-// the later tiles prefetch the next column tile into L2 meanwhile so that the memory stream
-// overlaps their arithmetic.
+// over the weight), more as tiles of 8 rows x 3 blocks that read it from L2, each of them
+// prefetching the next column tile into L2 meanwhile so that the memory stream overlaps their
+// arithmetic (the first tile's prefetches fetch it, the later ones' find it there).
 //
 // Products of bf16 values are exact in float32 and the sums are float32, as in oneDNN; only the
 // order of the additions differs. The output is rounded to bf16 (round to nearest even), or
@@ -149,8 +149,10 @@ torch::Tensor linear_bf16_vnni(torch::Tensor x, torch::Tensor packed,
     while (kRowLimit[tile_blocks - 1] < m) --tile_blocks;
   }
   const int64_t row_tiles = (m + tile_rows - 1) / tile_rows;
-  // One tile streams its weight from memory with a prefetch 64 pairs ahead; with several, the
-  // first streams it and the others, reading it from L2, prefetch the next column tile.
+  // One tile streams its weight from memory with a prefetch 64 pairs ahead; several read it
+  // from L2 and prefetch the next column tile. (Letting the first tile prefetch too, rather
+  // than only the later ones, took 16 rows from 14.2 to 13.3 ms and 13 rows from 12.6 to 11.9
+  // per step's linear layers: the stream starts a tile earlier.)
   const int64_t ahead = row_tiles == 1 ? kAheadPairs * 2 * kBlock : tile_blocks * block_elems;
   // Each thread takes a contiguous range of column blocks.
   at::parallel_for(0, nblocks, tile_blocks, [&](int64_t begin, int64_t end) {
@@ -165,7 +167,7 @@ torch::Tensor linear_bf16_vnni(torch::Tensor x, torch::Tensor packed,
         for (int64_t t = 0, r0 = panel; t < tiles; ++t) {
           const int64_t r1 = panel + (t + 1) * (panel_end - panel) / tiles;
           kTable[nb - 1][r1 - r0 - 1](xp + r0 * ldx, ldx, wp + b0 * block_elems, kp, k,
-                                      row_tiles == 1 || t > 0 ? ahead : 0,
+                                      ahead,
                                       bp ? bp + col0 : nullptr,
                                       yp + (r0 * n + col0) * out_size, out_float32, n, n - col0);
           r0 = r1;
