@@ -38,9 +38,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
     def _kernel_applies(self, query: torch.Tensor, kv: torch.Tensor) -> bool:
         return (
             query.device.type == "cpu"
-            and query.shape[2] in KERNEL_HEAD_SIZES
-            and query.shape[1] // kv.shape[3] <= KERNEL_MAX_GROUP
             and query.dtype in (torch.float32, torch.bfloat16)
+            and self.decodes_in_place(query.shape[1], kv.shape[3], query.shape[2])
         )
 
     def forward(
