@@ -7,7 +7,7 @@ request's keys are cut into ``num_splits`` equal slices, each attended by its ow
 
     keys of request b:  | split 0 | split 1 | ... | split S-1 |    (each a multiple of TILE_N)
     program (b, h, s):  partial output o_s and log-sum-exp lse_s of its slice
-    reduce (b, head):   out = sum_s exp(lse_s - max) * o_s / sum_s exp(lse_s - max)
+    reduce (b, h):      out = sum_s exp(lse_s - max) * o_s / sum_s exp(lse_s - max), per query head
 
 The slice length is computed in the kernel from the request's length, so the grid depends only
 on (num_decodes, num_kv_heads, num_splits), not on the lengths: a CUDA graph captured for one
@@ -232,30 +232,20 @@ def _decode_reduce_kernel(
     s_od,
     NUM_HEADS: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
 ):
-    b = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    offs_s = tl.arange(0, BLOCK_S)
-    s_ok = offs_s < NUM_SPLITS
+    """The combine as a launch of its own (``fuse_reduce=False``): program (b, KV head)."""
+    offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
-    row = (b * NUM_HEADS + head) * NUM_SPLITS + offs_s
-    lse = tl.load(part_lse_ptr + row, mask=s_ok, other=float("-inf"))
-    weight = tl.exp2(lse - tl.max(lse, 0))  # split 0 is never empty, so the max is finite
-    part = tl.load(
-        part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
-        mask=(weight > 0)[:, None] & d_ok[None, :],
-        other=0.0,
-    )
-    out = tl.sum(part * weight[:, None], 0) / tl.sum(weight, 0)
-    tl.store(
-        out_ptr + b * s_ot + head * s_oh + offs_d * s_od,
-        out.to(out_ptr.dtype.element_ty),
-        mask=d_ok,
-    )
+    _combine_splits(
+        part_out_ptr, part_lse_ptr, out_ptr, tl.program_id(0).to(tl.int64),
+        tl.program_id(1) * GROUP + offs_h, offs_h < GROUP, offs_d, offs_d < HEAD_DIM,
+        s_ot, s_oh, s_od, NUM_HEADS, NUM_SPLITS, HEAD_DIM, BLOCK_H, BLOCK_D, BLOCK_S,
+    )  # fmt: skip
 
 
 @cache
@@ -377,17 +367,19 @@ def decode_attention(
         num_stages=num_stages,
     )
     if num_splits > 1 and not fuse_reduce:
-        _decode_reduce_kernel[(num_decodes, num_heads)](
+        _decode_reduce_kernel[(num_decodes, num_kv_heads)](
             part_out,
             part_lse,
             out,
             *out.stride(),
             NUM_HEADS=num_heads,
             NUM_SPLITS=num_splits,
+            GROUP=group,
             HEAD_DIM=head_dim,
+            BLOCK_H=next_pow2(group),
             BLOCK_D=bd,
             BLOCK_S=next_pow2(num_splits),
-            num_warps=1 if bd <= 64 else 2,
+            num_warps=2,
         )
 
 
