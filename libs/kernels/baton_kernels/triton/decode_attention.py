@@ -275,7 +275,9 @@ _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 def _counters(device: torch.device, n: int) -> torch.Tensor:
     """The fused reduce's per-(request, KV head) counters on ``device``: zeros, kept zero by the
-    kernel, grown (never during a CUDA graph capture: its warm-up runs have sized them)."""
+    kernel, grown (never during a CUDA graph capture: its warm-up runs have sized them). One set
+    per device, so fused decode launches on one device must not run concurrently (an engine
+    launches its layers on one stream)."""
     counters = _COUNTERS.get(device)
     if counters is None or counters.numel() < n:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
