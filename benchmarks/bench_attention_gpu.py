@@ -42,6 +42,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--sweep", default="", help="comma-separated: configs (decode launch), splits (decode)"
     )
+    p.add_argument(
+        "--points", default="", help="the sweeps' points instead of theirs: model:batch:context,..."
+    )
     return p.parse_args()
 
 
@@ -164,6 +167,7 @@ def sweep_splits() -> None:
     points = [("qwen", 1, 8192), ("qwen", 64, 512), ("qwen", 64, 2048), ("qwen", 64, 8192)]
     points += [("qwen", 256, 512), ("llama", 1, 2048), ("llama", 1, 8192), ("llama", 16, 4096)]
     points += [("llama", 64, 512)]
+    points = given_points() or points
     print("\n## decode split count: GB/s for num_splits")
     for model, batch, context in points:
         num_heads, num_kv_heads, head_dim = MODELS[model]
@@ -183,10 +187,20 @@ def sweep_splits() -> None:
         torch.cuda.empty_cache()
 
 
+def given_points() -> list[tuple[str, int, int]]:
+    """``--points``: (model, batch, context) triples."""
+    points = []
+    for item in filter(None, args.points.split(",")):
+        model, batch, context = item.split(":")
+        points.append((model, int(batch), int(context)))
+    return points
+
+
 def sweep_configs() -> None:
     """Decode launch configurations at a few points, graph-timed; the default is marked *."""
     points = [("llama", 1, 8192), ("llama", 64, 4096), ("llama", 256, 2048)]
     points += [("qwen", 1, 8192), ("qwen", 64, 2048), ("qwen", 256, 4096)]
+    points = given_points() or points
     print("\n## decode sweep: GB/s for (tile_n, num_warps, num_stages)")
     for model, batch, context in points:
         print(sweep_point(model, batch, context), flush=True)
@@ -203,7 +217,7 @@ def sweep_point(model: str, batch: int, context: int) -> str:
     kv_bytes = batch * context * num_kv_heads * head_dim * 2 * query.element_size()
     default = (64, 2, 3) if head_dim >= 128 else (128, 4, 3)
     results = []
-    for config in [(t, w, st) for t in (32, 64, 128) for w in (2, 4, 8) for st in (2, 3)]:
+    for config in [(t, w, st) for t in (32, 64, 128) for w in (2, 4, 8) for st in (2, 3, 4)]:
         run = functools.partial(
             decode_attention, query, cache, out, lens, tables, 0.1, splits,
             tile_n=config[0], num_warps=config[1], num_stages=config[2],

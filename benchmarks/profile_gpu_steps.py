@@ -35,6 +35,7 @@ def main() -> int:
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--rows", type=int, default=18)
     p.add_argument("--cprofile", action="store_true", help="also profile the host in Python")
+    p.add_argument("--only-config", default="1", help=argparse.SUPPRESS)  # engine(): alone
     args = p.parse_args()
     for name in args.shapes.split(","):
         model = SHAPES[name]

@@ -327,6 +327,29 @@ def test_prefix_hit_within_one_step() -> None:
     assert scheduler.kv.num_prefix_hits == 48
 
 
+def test_decode_steps_grow_and_index_blocks_as_they_fill() -> None:
+    """Most decode steps skip the KV manager (the request's blocks have room, ``kv_limit``);
+    the step that needs a new block still gets it, and a block that decode tokens fill is
+    indexed in that step, so a later request with the same tokens hits it."""
+    scheduler = make_scheduler(block_size=4)
+    a = make_request("a", range(100, 105), max_tokens=14)
+    scheduler.add_request(a)
+    run = Run()
+    probes = 0
+    while scheduler.has_unfinished_requests():
+        step(scheduler, run, token_fn=lambda r: 200 + r.num_output_tokens)
+        if a.is_finished():
+            break
+        assert len(scheduler.kv.get_block_ids("a")) * 4 >= a.num_computed_tokens
+        probe = make_request(f"p{probes}", [*a.all_token_ids, 999], max_tokens=1)
+        probes += 1
+        hit = scheduler.kv.match_prefix(probe).num_cached_tokens
+        scheduler.kv.forget(probe)
+        assert hit == min(a.num_computed_tokens, a.num_tokens) // 4 * 4
+    assert run.tokens["a"] == [200 + i for i in range(14)]
+    assert probes == 13 and scheduler.kv.num_free_blocks == 256
+
+
 def test_no_prefix_hits_without_caching() -> None:
     scheduler = make_scheduler(enable_caching=False)
     a, b = _shared_prefix_requests()

@@ -73,6 +73,10 @@ class Request:
     remote_kv: object | None = None
     # prompt_logprobs[i] is prompt token i + 1's (filled chunk by chunk, sent with token 1)
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # Set by the KV cache manager: a step whose computed tokens end at or below this needs no
+    # new block and fills no block to index, so the scheduler need not call ``allocate_slots``
+    # (most decode steps). 0 while the request holds no blocks.
+    kv_limit: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -296,7 +296,7 @@ class EngineCore:
         so, handle = self._in_flight
         self._in_flight = None
         outputs = self.scheduler.update_from_output(so, handle.result())
-        self.num_generated_tokens += sum(len(o.new_token_ids) for o in outputs)
+        self.num_generated_tokens += len(outputs)  # one new token each
         return outputs
 
     def stats(self) -> EngineStats:

@@ -161,39 +161,54 @@ class Scheduler:
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
         preempted: set[str] = set()
+        scheduled: list[Request] = []
 
+        # This loop runs for every running request every step: _num_new_tokens and
+        # may_run_ahead are inlined, and allocate_slots is skipped while the request's blocks
+        # have room (kv_limit).
         threshold = self.long_prefill_token_threshold
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            # _num_new_tokens, inlined: this loop runs for every running request every step
-            num_new = (
-                len(request.prompt_token_ids)
-                + len(request.output_token_ids)
-                + request.num_pending_tokens
-                - request.num_computed_tokens
-            )
+            num_output = len(request.output_token_ids)
+            num_pending = request.num_pending_tokens
+            num_known = len(request.prompt_token_ids) + num_output + num_pending
+            computed = request.num_computed_tokens
+            num_new = num_known - computed
             if 0 < threshold < num_new:
                 num_new = threshold
-            num_new = min(num_new, budget)
-            if num_new <= 0 or (request.num_pending_tokens and not request.may_run_ahead):
+            if num_new > budget:
+                num_new = budget
+            if num_new <= 0 or (
+                num_pending  # its pending token ends it: nothing to run ahead
+                and (request.prefill_only or num_output + num_pending >= request.max_tokens)
+            ):
                 i += 1
                 continue
-            new_block_ids = self.kv.allocate_slots(request, num_new)
-            while new_block_ids is None:
-                victim = self.running.pop()
-                self._preempt(victim)
-                preempted.add(victim.req_id)
-                if victim is request:
+            if computed + num_new <= request.kv_limit:
+                new_block_ids: list[int] = []
+            else:
+                allocated = self.kv.allocate_slots(request, num_new)
+                while allocated is None:
+                    victim = self.running.pop()
+                    self._preempt(victim)
+                    preempted.add(victim.req_id)
+                    if victim is request:
+                        break
+                    allocated = self.kv.allocate_slots(request, num_new)
+                if allocated is None:
                     break
-                new_block_ids = self.kv.allocate_slots(request, num_new)
-            if new_block_ids is None:
-                break
-            cached_reqs.append(
-                CachedRequestData(request.req_id, new_block_ids, request.num_computed_tokens)
-            )
+                new_block_ids = allocated
+            cached_reqs.append(CachedRequestData(request.req_id, new_block_ids, computed))
             num_scheduled[request.req_id] = num_new
             budget -= num_new
+            # Preemption takes the tail, which this loop has not reached: the requests it has
+            # passed stay scheduled, so their progress is recorded now.
+            computed += num_new
+            request.num_computed_tokens = computed
+            if computed == num_known:
+                request.num_pending_tokens = num_pending + 1  # this step samples its next token
+            scheduled.append(request)
             i += 1
 
         # Admit waiting requests only when nothing had to be preempted this step.
@@ -232,16 +247,11 @@ class Scheduler:
             )
             num_scheduled[request.req_id] = num_new
             budget -= num_new
-
-        scheduled = []
-        requests = self.requests
-        for req_id, num_new in num_scheduled.items():
-            request = requests[req_id]
-            computed = request.num_computed_tokens + num_new
-            request.num_computed_tokens = computed
-            if computed == request.num_tokens + request.num_pending_tokens:
-                request.num_pending_tokens += 1  # this step samples its next token
+            request.num_computed_tokens += num_new
+            if request.num_computed_tokens == request.num_tokens + request.num_pending_tokens:
+                request.num_pending_tokens += 1
             scheduled.append(request)
+
         finished, self._finished_req_ids = self._finished_req_ids, set()
         self._step_id += 1
         self._scheduled[self._step_id] = scheduled

@@ -109,6 +109,7 @@ class KVCacheManager:
                     or min(end, request.num_tokens) // self.block_size
                     <= self._num_cached_blocks.get(request.req_id, 0)
                 ):
+                    request.kv_limit = self._limit(request.req_id, len(table)) if cache else 0
                     return []
         table = self._tables.setdefault(request.req_id, [])
         cached = prefix.blocks if prefix is not None else []
@@ -136,9 +137,19 @@ class KVCacheManager:
                 hashes = self.block_hashes(request)
                 self.pool.cache_full_blocks(table, hashes, start, num_full)
                 self._num_cached_blocks[request.req_id] = num_full
+        request.kv_limit = self._limit(request.req_id, len(table)) if cache else 0
         if not (cached or new_blocks):
             return []
         return [b.block_id for b in cached] + [b.block_id for b in new_blocks]
+
+    def _limit(self, req_id: str, num_blocks: int) -> int:
+        """Where the request's computed tokens may end with no call to ``allocate_slots``: in
+        its table, and (with caching) short of filling a block not yet indexed."""
+        limit = num_blocks * self.block_size
+        if self.enable_caching:
+            num_indexed = self._num_cached_blocks.get(req_id, 0)
+            limit = min(limit, (num_indexed + 1) * self.block_size - 1)
+        return limit
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Index the request's full blocks among its first ``num_tokens`` tokens, once their KV
@@ -158,6 +169,7 @@ class KVCacheManager:
         table = self._tables.pop(request.req_id, [])
         self._num_cached_blocks.pop(request.req_id, None)
         self._hashes.pop(request.req_id, None)
+        request.kv_limit = 0
         self._held[request.req_id] = table
         return [b.block_id for b in table]
 
@@ -177,6 +189,7 @@ class KVCacheManager:
         """Release the request's blocks, tail first so chain tails are evicted first."""
         table = self._tables.pop(request.req_id, [])
         self._num_cached_blocks.pop(request.req_id, None)
+        request.kv_limit = 0
         self.pool.free_blocks(reversed(table))
 
     def forget(self, request: Request) -> None:

@@ -7,7 +7,7 @@ rebuilding per-request lists.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -16,7 +16,7 @@ from baton_engine.core.outputs import SchedulerOutput
 from baton_engine.sampling_params import SamplingParams
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity
 class CachedRequestState:
     req_id: str
     prompt_token_ids: list[int]
@@ -26,7 +26,7 @@ class CachedRequestState:
     num_blocks: int
     num_computed_tokens: int
     generator: torch.Generator | None
-    token_ids: list[int] = field(default_factory=list)  # prompt + output
+    num_tokens: int = 0  # prompt + output tokens on the host (in its row of the token table)
     # Tokens sampled by launched steps whose ids are still on the device: the last is the
     # input of this request's next decode (see ModelRunner.launch).
     num_pending: int = 0
@@ -38,7 +38,7 @@ class CachedRequestState:
     wants_prompt_logprobs: bool = False
 
     def __post_init__(self) -> None:
-        self.token_ids = self.prompt_token_ids + self.output_token_ids
+        self.num_tokens = len(self.prompt_token_ids) + len(self.output_token_ids)
         sp = self.sampling_params
         self.host_free = (
             sp.logprobs is None
@@ -49,6 +49,14 @@ class CachedRequestState:
         )
         self.plain_greedy = self.host_free and sp.is_greedy
         self.wants_prompt_logprobs = sp.prompt_logprobs is not None
+
+    @property
+    def always_host_free(self) -> bool:
+        return self.host_free and self.sampling_params.min_tokens == 0
+
+    @property
+    def always_plain_greedy(self) -> bool:
+        return self.plain_greedy and self.sampling_params.min_tokens == 0
 
 
 class InputBatch:
@@ -68,6 +76,11 @@ class InputBatch:
         self.token_table = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
         self.requests: dict[str, CachedRequestState] = {}  # req_id -> state
+        # Held requests whose sampling may need their tokens on the host (penalties, logprobs,
+        # min_tokens), and those that are not plain greedy: when none, a step skips the
+        # per-request checks.
+        self.num_host_bound = 0
+        self.num_not_plain_greedy = 0
 
     def update(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids | so.preempted_req_ids:
@@ -95,12 +108,17 @@ class InputBatch:
                 generator=generator,
             )
             self.requests[new.req_id] = state
-            self.token_table[state.row, : len(state.token_ids)] = state.token_ids
+            self._count(state, 1)
+            num_prompt = len(new.prompt_token_ids)
+            self.token_table[state.row, :num_prompt] = new.prompt_token_ids
+            self.token_table[state.row, num_prompt : state.num_tokens] = state.output_token_ids
             self._append_blocks(state, new.block_ids)
+        requests = self.requests
         for cached in so.scheduled_cached_reqs:
-            state = self.requests[cached.req_id]
+            state = requests[cached.req_id]
             state.num_computed_tokens = cached.num_computed_tokens
-            self._append_blocks(state, cached.new_block_ids)
+            if cached.new_block_ids:
+                self._append_blocks(state, cached.new_block_ids)
 
     def _append_blocks(self, state: CachedRequestState, block_ids: list[int]) -> None:
         if block_ids:
@@ -109,13 +127,28 @@ class InputBatch:
             )
             state.num_blocks += len(block_ids)
 
+    def _count(self, state: CachedRequestState, sign: int) -> None:
+        self.num_host_bound += sign * (not state.always_host_free)
+        self.num_not_plain_greedy += sign * (not state.always_plain_greedy)
+
     def _remove(self, req_id: str) -> None:
         state = self.requests.pop(req_id, None)
         if state is not None:
+            self._count(state, -1)
             self._free_rows.append(state.row)
 
-    def append_token(self, state: CachedRequestState, token_id: int) -> None:
-        if len(state.token_ids) < self.token_table.shape[1]:  # the last token needs no slot
-            self.token_table[state.row, len(state.token_ids)] = token_id
-        state.output_token_ids.append(token_id)
-        state.token_ids.append(token_id)
+    def append_tokens(self, states: list[CachedRequestState], token_ids: list[int]) -> None:
+        """Record one sampled token for each of ``states`` (held ones: see ``requests``)."""
+        rows: list[int] = []
+        cols: list[int] = []
+        for state, token_id in zip(states, token_ids, strict=True):
+            rows.append(state.row)
+            cols.append(state.num_tokens)
+            state.num_tokens += 1
+            state.output_token_ids.append(token_id)
+        width = self.token_table.shape[1]
+        if cols and max(cols) >= width:  # the last token of a full-length request needs no slot
+            keep = [i for i, c in enumerate(cols) if c < width]
+            rows, cols = [rows[i] for i in keep], [cols[i] for i in keep]
+            token_ids = [token_ids[i] for i in keep]
+        self.token_table[rows, cols] = token_ids

@@ -72,10 +72,10 @@ class ModelRunner:
         self._input_ids = np.zeros(max_num_batched_tokens, dtype=np.int64)
         self._positions = np.zeros(max_num_batched_tokens, dtype=np.int64)
         self._arange = np.arange(max_num_batched_tokens, dtype=np.int64)
-        # The last launched step's sampled ids (on the device) and each sampled request's
-        # index into them: the inputs of the next step's decodes while still pending.
+        # The last launched step's sampled ids (on the device) and the requests that sampled
+        # them, in order: the inputs of the next step's decodes while still pending.
         self._last_sampled: torch.Tensor | None = None
-        self._last_sampled_index: dict[str, int] = {}
+        self._last_sampled_reqs: list[CachedRequestState] = []
         self._host_flip = 0
         # room for one step's inputs: the block table, and a few int64 arrays per token
         max_blocks = -(max_model_len // -block_size)
@@ -236,6 +236,8 @@ class ModelRunner:
         """Whether ``so`` may be launched while the previous step's tokens are still on the
         device: none of its requests with a pending token needs its tokens on the host
         (penalties, logprobs, ``min_tokens``)."""
+        if not self.batch.num_host_bound:
+            return True
         states = self.batch.requests
         for cached in so.scheduled_cached_reqs:
             state = states.get(cached.req_id)
@@ -297,11 +299,11 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[last_token])
         if not sample_rows:
             return StepHandle.ready(ModelRunnerOutput({}, prompt_logprobs=prompt_logprobs))
-        sampled_reqs = [reqs[i] for i in sample_rows]
+        sampled_reqs = reqs if len(sample_rows) == len(reqs) else [reqs[i] for i in sample_rows]
         for state in sampled_reqs:
             state.num_pending += 1
         logprobs: dict[str, TokenLogprobs] = {}
-        if all(_plain_greedy(s) for s in sampled_reqs):
+        if not self.batch.num_not_plain_greedy or all(_plain_greedy(s) for s in sampled_reqs):
             # Nothing to process or report: the argmax alone (what the sampler would return).
             token_ids = fused.argmax(logits)
         else:
@@ -318,7 +320,7 @@ class ModelRunner:
                         rank=int(out.logprobs.ranks[j]),
                     )
         self._last_sampled = token_ids
-        self._last_sampled_index = {s.req_id: j for j, s in enumerate(sampled_reqs)}
+        self._last_sampled_reqs = sampled_reqs
         return StepHandle(
             self.batch, sampled_reqs, self._to_host(token_ids), logprobs, prompt_logprobs
         )
@@ -340,23 +342,23 @@ class ModelRunner:
         self, reqs: list[CachedRequestState], positions: np.ndarray, ids: torch.Tensor
     ) -> None:
         """Fill the input ids (``ids``, on the device, one per token of the step) of decodes
-        whose input token is still pending, from the last launched step's sampled ids."""
+        whose input token is still pending, from the last launched step's sampled ids. Row
+        ``i < len(reqs)`` is request ``i``'s first token, at ``positions[i]``: its input is
+        pending when the host has the request's tokens only up to that position."""
         last = self._last_sampled
         if last is None:
             return
-        dst: list[int] = []
-        src: list[int] = []
-        index = self._last_sampled_index
-        for i, state in enumerate(reqs):
-            if state.num_pending and positions[i] == len(state.token_ids):
-                dst.append(i)
-                src.append(index[state.req_id])
-        if not dst:
+        n = len(reqs)
+        num_host = np.fromiter((s.num_tokens for s in reqs), dtype=np.int64, count=n)
+        dst = np.flatnonzero(positions[:n] == num_host)
+        if not len(dst):
             return
-        n = len(dst)
-        if dst[-1] == n - 1 and src == dst:  # the usual decode batch: same requests, same order
-            ids[:n].copy_(last[:n])
+        last_reqs = self._last_sampled_reqs
+        if len(dst) == n and len(last_reqs) >= n and last_reqs[:n] == reqs:
+            ids[:n].copy_(last[:n])  # the usual decode batch: same requests, same order
             return
+        index = {s.req_id: j for j, s in enumerate(last_reqs)}
+        src = [index[reqs[i].req_id] for i in dst.tolist()]
         where = self.staging.to_device(dst, torch.long)
         which = self.staging.to_device(src, torch.long)
         ids.index_copy_(0, where, last.index_select(0, which))
@@ -407,9 +409,8 @@ class ModelRunner:
             patch=lambda ids: self._patch_pending(reqs, pos, ids),
             host=lambda a: self.staging.host(a, torch.int64),
         )
-        sample_rows = [
-            i for i, s in enumerate(reqs) if pos[i] + 1 == len(s.token_ids) + s.num_pending
-        ]
+        known = np.fromiter((s.num_tokens + s.num_pending for s in reqs), dtype=np.int64, count=n)
+        sample_rows = np.flatnonzero(pos + 1 == known).tolist()
         return hidden, sample_rows
 
     def _prepare_inputs(
@@ -433,9 +434,7 @@ class ModelRunner:
         seq_lens = ends.tolist()
         query_start_loc = cu.tolist()
         # the last chunk of a prompt (or a decode): its last logits are sampled
-        sample_rows = [
-            i for i, s in enumerate(reqs) if seq_lens[i] == len(s.token_ids) + s.num_pending
-        ]
+        sample_rows = [i for i, s in enumerate(reqs) if seq_lens[i] == s.num_tokens + s.num_pending]
         num_decodes = int(np.count_nonzero(counts == 1))
         max_blocks = -(max(seq_lens) // -bs)
         stage = self.staging.to_device
@@ -532,12 +531,16 @@ class StepHandle:
         if event is not None:
             event.synchronize()
         token_ids = ids.tolist()
+        reqs = self._reqs
         live = self._batch.requests
-        sampled: dict[str, int] = {}
-        for state, token_id in zip(self._reqs, token_ids, strict=True):
-            sampled[state.req_id] = token_id
+        sampled = dict(zip([s.req_id for s in reqs], token_ids, strict=True))
+        dropped = False
+        for state in reqs:
             state.num_pending -= 1
-            if live.get(state.req_id) is state:
-                self._batch.append_token(state, token_id)
+            dropped = dropped or live.get(state.req_id) is not state
+        if dropped:  # finished or preempted since the launch: their state is gone
+            kept = [(s, t) for s, t in zip(reqs, token_ids, strict=True) if live.get(s.req_id) is s]
+            reqs, token_ids = [s for s, _ in kept], [t for _, t in kept]
+        self._batch.append_tokens(reqs, token_ids)
         self._output = ModelRunnerOutput(sampled, self._logprobs, self._prompt_logprobs)
         return self._output
