@@ -159,3 +159,31 @@ def test_async_long_chunked_prompt_equals_sync(tmp_path: Path) -> None:
         del core
         _release_memory()
     assert results[1] == results[0] and len(results[0]) == 8
+
+
+def test_lone_request_decodes_through_fused_gemv_layers(tmp_path: Path) -> None:
+    """A small model on the GPU turns on the fused GEMV layers for one-request decode steps
+    (captured in the size-1 graph); a lone request's greedy tokens equal the reference's."""
+    from baton_engine.sampling_params import SamplingParams
+
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    prompts = [[(31 * j + 5) % 4000 + 1 for j in range(300)], [9, 8, 7, 6, 5]]
+    results = []
+    for backend, enforce_eager in (("torch", True), ("triton", False)):
+        core = _core(
+            tmp_path, max_model_len=1024, max_num_seqs=8, attention_backend=backend,
+            enforce_eager=enforce_eager,
+        )  # fmt: skip
+        assert core.runner.model.gemv_rows == (1 if backend == "triton" else 0)
+        tokens: dict[str, list[int]] = {}
+        for i, prompt in enumerate(prompts):  # one at a time
+            core.add_request(f"g{i}", prompt, params)
+            tokens |= _drain(core)
+        if backend == "triton":
+            graphs = core.runner.graphs
+            assert graphs is not None and graphs.num_steps.get(1, 0) >= 70
+        results.append(tokens)
+        del core
+        _release_memory()
+    assert results[1] == results[0] and all(len(t) == 40 for t in results[0].values())

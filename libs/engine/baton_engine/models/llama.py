@@ -75,8 +75,20 @@ class Attention(nn.Module):
         metadata: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:
-        num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        out = self.attend(rope, self.qkv_proj(hidden), kv_cache, metadata, backend)
+        return self.o_proj(out)  # type: ignore[no-any-return]
+
+    def attend(
+        self,
+        rope: RopeTables | FusedRope,
+        qkv: torch.Tensor,
+        kv_cache: KVCacheView,
+        metadata: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        """Attention of the projected ``qkv`` ``[T, q + 2 kv]``: ``[T, q]``, before o_proj."""
+        num_tokens = qkv.shape[0]
+        q, k, v = torch.split(qkv, [self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -90,7 +102,7 @@ class Attention(nn.Module):
         else:
             q, k = rope.apply_qk(q, k)
             out = backend.forward(q, k, v, kv_cache, metadata, self.scale)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))  # type: ignore[no-any-return]
+        return cast(torch.Tensor, out).reshape(num_tokens, self.q_size)
 
 
 class MLP(nn.Module):
@@ -133,6 +145,35 @@ class DecoderLayer(nn.Module):
         hidden = self.self_attn(rope, hidden, kv_cache, metadata, backend)
         hidden, residual = self.post_attention_layernorm.add_forward(hidden, residual)
         return self.mlp(hidden), residual
+
+    def forward_gemv(
+        self,
+        rope: RopeTables | FusedRope,
+        stream: torch.Tensor,
+        kv_cache: KVCacheView,
+        metadata: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        """The layer for a few rows (``LlamaForCausalLM.use_gemv_decode``), in 6 launches: each
+        norm runs inside the projection after it, SiLU-and-multiply inside the down
+        projection, and the residual adds inside o_proj and down_proj, which update
+        ``stream`` (the residual stream, normed by neither) in place."""
+        from baton_kernels.triton.gemv import gemv
+
+        attn, mlp = self.self_attn, self.mlp
+        norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
+        qkv = gemv(
+            stream,
+            attn.qkv_proj.weight,
+            attn.qkv_proj.bias,
+            norm_weight=norm1.weight,
+            eps=norm1.eps,
+        )
+        out = attn.attend(rope, qkv, kv_cache, metadata, backend)
+        gemv(out, attn.o_proj.weight, residual=stream, out=stream)
+        gate_up = gemv(stream, mlp.gate_up_proj.weight, norm_weight=norm2.weight, eps=norm2.eps)
+        gemv(gate_up, mlp.down_proj.weight, silu_mul=True, residual=stream, out=stream)
+        return stream
 
 
 class CpuDecodeLayers:
@@ -220,6 +261,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.fused_rope = False
         self.cpu_decode_layers: CpuDecodeLayers | None = None
+        self.gemv_rows = 0  # decode steps of at most this many rows run forward_gemv
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -246,6 +288,11 @@ class LlamaForCausalLM(nn.Module):
         if self.cpu_decode_layers and decode_only and metadata.decode_seq_lens is not None:
             last, stream = self.cpu_decode_layers(hidden, positions, kv_caches, metadata)
             return self.norm.add_forward(last, stream)[0]
+        if decode_only and input_ids.shape[0] <= self.gemv_rows:
+            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                layer = cast(DecoderLayer, layer)
+                hidden = layer.forward_gemv(rope, hidden, kv_cache, metadata, backend)
+            return self.norm.add_forward(hidden, None)[0]
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(rope, hidden, residual, kv_cache, metadata, backend)
@@ -265,6 +312,17 @@ class LlamaForCausalLM(nn.Module):
             return False
         self.cpu_decode_layers = layers
         return True
+
+    def use_gemv_decode(self, rows: int = 1) -> bool:
+        """Run decode steps of at most ``rows`` rows through ``DecoderLayer.forward_gemv``
+        (Triton GEMV kernels with the norms, SiLU and residual adds inside: 6 launches a layer
+        instead of 9). Needs the fused kernels on (``use_fused_kernels``) and no q/k norm;
+        returns whether the path is on."""
+        from baton_kernels.triton.gemv import MAX_ROWS
+
+        ok = self.fused_rope and not self.config.qk_norm and 0 < rows <= MAX_ROWS
+        self.gemv_rows = rows if ok else 0
+        return ok
 
     def use_fused_kernels(self) -> None:
         """Run the residual add + RMSNorm, the rotary embedding and SiLU-and-multiply as fused

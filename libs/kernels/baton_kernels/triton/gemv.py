@@ -1,0 +1,205 @@
+# Triton kernels (untyped decorator, pointer and stride arguments) are exempt; launchers are typed.
+# mypy: allow-untyped-defs, allow-incomplete-defs, allow-untyped-decorators
+"""Linear layers of a few rows (batch-1 decode) with the elementwise op before or after them in
+the same launch.
+
+``gemv(x, weight)`` is ``x @ weight.T`` for ``x`` ``[M, K]``, M at most ``MAX_ROWS``, reading
+``weight`` ``[N, K]`` once for all rows. Optionally, in the same kernel:
+
+- before: RMSNorm of each row of ``x`` (``norm_weight``; the normed row is not rounded to
+  ``x``'s dtype, where the separate norm kernel rounds it), or SiLU-and-multiply of ``x``
+  ``[M, 2K]`` (``silu_mul``, rounded as the separate kernel rounds it);
+- after: ``+ bias`` and ``+ residual`` (which may be ``out`` itself: each program reads and
+  writes only its own columns).
+
+At batch 1 a decode layer is memory-bound weight reads with small kernels between them; these
+launches take the norm and SiLU kernels and the residual add out of the graph (a layer runs 6
+kernels instead of 9). Each program computes its columns over the whole of K, so every program
+reads the (small) input rows in full, from L2, and computes a norm's sum of squares itself.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from baton_kernels.triton.common import SUPPORTED_DTYPES, cdiv, next_pow2
+
+MAX_ROWS = 4
+PRO_NONE, PRO_RMS_NORM, PRO_SILU_MUL = 0, 1, 2
+DEFAULT_CONFIG = (16, 256, 4, 4)  # (columns per program, K per iteration, warps, stages)
+
+
+def choose_config(n: int, k: int) -> tuple[int, int, int, int]:
+    """A launch configuration for a weight of ``n`` x ``k``, fitted to a one-row sweep on an
+    H200 (``benchmarks/bench_gemv_gpu.py --sweep``, bf16, the projections of Qwen2.5-0.5B and
+    Llama-3.1-8B): each pick is the best there or within 3% of it."""
+    if k >= 4096 and n <= 4096:  # a down projection: long rows
+        return (4, 2048, 8, 3)
+    if n >= 8192:  # a gate/up projection: many short rows
+        return (16, 256, 4, 4)
+    if n <= 1024:
+        return (2, 2048, 4, 2)
+    return (4, 1024, 4, 2)
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr,  # [M, K] (or [M, 2K] with SILU_MUL)
+    w_ptr,  # [N, K]
+    bias_ptr,  # [N]
+    norm_ptr,  # [K]
+    res_ptr,  # [M, N]
+    out_ptr,  # [M, N]
+    M,
+    N,
+    K,
+    s_xm,
+    s_wn,
+    s_rm,
+    s_om,
+    eps,
+    PROLOGUE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    x_rows = x_ptr + offs_m[:, None] * s_xm  # [BLOCK_M, 1]
+    # Products are summed lane by lane over the K loop and across lanes once at the end. An
+    # RMSNorm prologue scales by the norm weight in the loop and by each row's 1/rms at the
+    # end (the sum of squares comes from the same loads): no pass over x before the weights.
+    acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
+    ss = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + offs_k
+        k_ok = kk < K
+        mk = m_ok[:, None] & k_ok[None, :]
+        if PROLOGUE == 2:  # SiLU(gate) * up, gate and up the two halves of each row
+            gate = tl.load(x_rows + kk[None, :], mask=mk, other=0.0).to(tl.float32)
+            up = tl.load(x_rows + K + kk[None, :], mask=mk, other=0.0).to(tl.float32)
+            xk = gate / (1.0 + tl.exp(-gate)) * up
+            xk = xk.to(x_ptr.dtype.element_ty).to(tl.float32)
+        else:
+            xk = tl.load(x_rows + kk[None, :], mask=mk, other=0.0).to(tl.float32)
+            if PROLOGUE == 1:
+                ss += xk * xk
+                xk = xk * tl.load(norm_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        w = tl.load(
+            w_ptr + offs_n[:, None] * s_wn + kk[None, :],
+            mask=n_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        ).to(tl.float32)  # [BLOCK_N, BLOCK_K]
+        acc += xk[:, None, :] * w[None, :, :]
+    acc = tl.sum(acc, axis=2)  # [BLOCK_M, BLOCK_N]
+    if PROLOGUE == 1:
+        acc *= (1.0 / tl.sqrt(tl.sum(ss, axis=1) / K + eps))[:, None]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    mn = m_ok[:, None] & n_ok[None, :]
+    if HAS_RES:
+        res = tl.load(res_ptr + offs_m[:, None] * s_rm + offs_n[None, :], mask=mn, other=0.0)
+        acc += res.to(tl.float32)
+    tl.store(
+        out_ptr + offs_m[:, None] * s_om + offs_n[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=mn,
+    )
+
+
+def gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    silu_mul: bool = False,
+    residual: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    config: tuple[int, int, int, int] | None = None,
+) -> torch.Tensor:
+    """``prologue(x) @ weight.T (+ bias) (+ residual)`` for at most ``MAX_ROWS`` rows of ``x``.
+    ``norm_weight``: the prologue is RMSNorm; ``silu_mul``: SiLU-and-multiply of ``x``
+    ``[M, 2K]``. ``out`` may be ``residual`` (updated in place). ``config``: (columns per
+    program, K per iteration, warps, stages), default ``choose_config(N, K)``."""
+    if x.dim() != 2 or weight.dim() != 2:
+        raise ValueError(f"gemv: x {tuple(x.shape)} and weight {tuple(weight.shape)} must be 2-D")
+    if norm_weight is not None and silu_mul:
+        raise ValueError("gemv: one prologue at most (norm_weight or silu_mul)")
+    m, n, k = x.shape[0], weight.shape[0], weight.shape[1]
+    if not 1 <= m <= MAX_ROWS:
+        raise ValueError(f"gemv: {m} rows; 1 to {MAX_ROWS} are supported")
+    if x.shape[1] != (2 * k if silu_mul else k):
+        raise ValueError(f"gemv: x has {x.shape[1]} columns for a weight of K={k}")
+    if x.dtype not in SUPPORTED_DTYPES or weight.dtype != x.dtype:
+        raise ValueError(f"gemv: x {x.dtype} and weight {weight.dtype} must be one float dtype")
+    if x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError("gemv: the rows of x and weight must be contiguous")
+    if out is None:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    for t, what in ((out, "out"), (residual, "residual")):
+        if t is not None and (tuple(t.shape) != (m, n) or t.stride(1) != 1 or t.dtype != x.dtype):
+            raise ValueError(f"gemv: {what} must be a [{m}, {n}] {x.dtype} tensor, rows contiguous")
+    block_n, block_k, num_warps, num_stages = config or choose_config(n, k)
+    block_k = min(block_k, max(16, next_pow2(k)))
+    prologue = PRO_RMS_NORM if norm_weight is not None else PRO_SILU_MUL if silu_mul else PRO_NONE
+    _gemv_kernel[(cdiv(n, block_n),)](
+        x,
+        weight,
+        bias if bias is not None else x,
+        norm_weight if norm_weight is not None else x,
+        residual if residual is not None else out,
+        out,
+        m,
+        n,
+        k,
+        x.stride(0),
+        weight.stride(0),
+        residual.stride(0) if residual is not None else 0,
+        out.stride(0),
+        eps,
+        PROLOGUE=prologue,
+        HAS_BIAS=bias is not None,
+        HAS_RES=residual is not None,
+        BLOCK_M=next_pow2(m),
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    return out
+
+
+def ref_gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    silu_mul: bool = False,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The same in torch ops: the SiLU-and-multiply prologue rounded to ``x``'s dtype, the
+    normed rows not; the product accumulated in float32, one rounding at the end."""
+    xf = x.float()
+    if norm_weight is not None:
+        xf = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps) * norm_weight.float()
+    elif silu_mul:
+        gate, up = xf.chunk(2, dim=-1)
+        xf = (torch.nn.functional.silu(gate) * up).to(x.dtype).float()
+    y = xf @ weight.float().T
+    if bias is not None:
+        y = y + bias.float()
+    if residual is not None:
+        y = y + residual.float()
+    return y.to(x.dtype)

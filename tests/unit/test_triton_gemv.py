@@ -1,0 +1,102 @@
+"""The few-row GEMV with its fused prologue / epilogue (``baton_kernels.triton.gemv``) against
+its plain-PyTorch reference and against the separate ops it replaces.
+
+Without a GPU the kernel runs under Triton's interpreter at small shapes; with a GPU the same
+tests run compiled, on the device.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+
+from baton_kernels.triton.gemv import MAX_ROWS, choose_config, gemv, ref_gemv
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+# fp32 exact up to the order of the sums; bf16 within a unit in the last place of the output
+TOL = {torch.float32: (2e-5, 1e-5), torch.bfloat16: (4e-2, 1.6e-2)}
+PROLOGUES = ["none", "norm", "silu"]
+
+
+def make(rows: int, n: int, k: int, prologue: str, dtype: torch.dtype, seed: int = 0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+
+    def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g) * scale).to(dtype).to(DEVICE)
+
+    x = rand(rows, 2 * k if prologue == "silu" else k)
+    weight = rand(n, k, scale=0.1)
+    kwargs = {
+        "norm_weight": rand(k, scale=0.2) + 1 if prologue == "norm" else None,
+        "silu_mul": prologue == "silu",
+    }
+    return x, weight, rand(n), rand(rows, n), kwargs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", range(1, MAX_ROWS + 1))
+@pytest.mark.parametrize("prologue", PROLOGUES)
+def test_gemv_matches_the_reference(dtype: torch.dtype, rows: int, prologue: str) -> None:
+    # 37 x 100: neither a multiple of the column block nor of the K block
+    x, weight, bias, residual, kwargs = make(rows, 37, 100, prologue, dtype)
+    for config in ((4, 32, 4, 2), (16, 64, 4, 3), None):
+        got = gemv(x, weight, bias, residual=residual, config=config, **kwargs)
+        want = ref_gemv(x, weight, bias, residual=residual, **kwargs)
+        torch.testing.assert_close(got, want, atol=TOL[dtype][0], rtol=TOL[dtype][1])
+        plain = gemv(x, weight, config=config, **kwargs)
+        torch.testing.assert_close(plain, ref_gemv(x, weight, **kwargs), atol=TOL[dtype][0],
+                                   rtol=TOL[dtype][1])  # fmt: skip
+
+
+@pytest.mark.parametrize("prologue", PROLOGUES)
+def test_gemv_equals_the_separate_ops(prologue: str) -> None:
+    """What the decoder ran before: norm (or SiLU-and-multiply), linear, residual add."""
+    x, weight, bias, residual, kwargs = make(2, 48, 64, prologue, torch.float32, seed=1)
+    inp = x
+    if prologue == "norm":
+        inp = torch.nn.functional.rms_norm(x, (64,), kwargs["norm_weight"], 1e-6)
+    elif prologue == "silu":
+        gate, up = x.chunk(2, dim=-1)
+        inp = torch.nn.functional.silu(gate) * up
+    want = torch.nn.functional.linear(inp, weight, bias) + residual
+    got = gemv(x, weight, bias, residual=residual, **kwargs)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+
+
+def test_gemv_updates_the_residual_in_place() -> None:
+    x, weight, _, residual, kwargs = make(1, 40, 64, "silu", torch.float32)
+    want = ref_gemv(x, weight, residual=residual, **kwargs)
+    out = gemv(x, weight, residual=residual, out=residual, **kwargs)
+    assert out.data_ptr() == residual.data_ptr()
+    torch.testing.assert_close(residual, want, atol=2e-5, rtol=1e-5)
+
+
+def test_gemv_rejects_what_it_cannot_run() -> None:
+    x, weight, _, _, _ = make(1, 8, 16, "none", torch.float32)
+    with pytest.raises(ValueError, match="rows"):
+        gemv(torch.zeros(MAX_ROWS + 1, 16, device=DEVICE), weight)
+    with pytest.raises(ValueError, match="one prologue"):
+        gemv(x, weight, norm_weight=torch.ones(16, device=DEVICE), silu_mul=True)
+    with pytest.raises(ValueError, match="columns"):
+        gemv(x, weight, silu_mul=True)  # needs [M, 2K]
+    with pytest.raises(ValueError, match="dtype"):
+        gemv(x, weight.double())
+    with pytest.raises(ValueError, match="residual"):
+        gemv(x, weight, residual=torch.zeros(1, 9, device=DEVICE))
+
+
+def test_choose_config_covers_the_measured_shapes() -> None:
+    """Every pick is a valid launch (power-of-two blocks) for the shapes it was fitted to."""
+    for n, k in ((1152, 896), (896, 896), (9728, 896), (896, 4864), (6144, 4096),
+                 (4096, 4096), (28672, 4096), (4096, 14336)):  # fmt: skip
+        block_n, block_k, warps, stages = choose_config(n, k)
+        for v in (block_n, block_k, warps):
+            assert v & (v - 1) == 0
+        assert stages >= 2
