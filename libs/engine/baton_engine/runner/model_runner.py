@@ -29,6 +29,10 @@ logger = logging.getLogger(__name__)
 # whose projections are long bandwidth-bound reads that cuBLAS does as well, took 1% more
 # (benchmarks/bench_gemv_gpu.py).
 GEMV_MAX_HIDDEN = 2048
+# Decode steps of at most this many requests take that path. With 2 and 4 rows the kernel (its
+# launch fitted to one row) was slower than cuBLAS: Qwen batch 4 2,609 against 3,758 tok/s
+# (benchmarks/device/ab_gemv_rows.sh).
+GEMV_ROWS = 1
 
 
 def _host_free(state: CachedRequestState) -> bool:
@@ -104,9 +108,12 @@ class ModelRunner:
             if (
                 self.device.type == "cuda"
                 and model_config.hidden_size <= GEMV_MAX_HIDDEN
-                and self.model.use_gemv_decode(rows=1)
+                and self.model.use_gemv_decode(rows=GEMV_ROWS)
             ):
-                logger.info("one-request decode steps run the layers as fused GEMV kernels")
+                logger.info(
+                    "decode steps of up to %d requests run the layers as fused GEMV kernels",
+                    GEMV_ROWS,
+                )
         self.kv_pool: torch.Tensor | None = None
         self.kv_caches: list[KVCacheView] = []
 
