@@ -7,13 +7,6 @@
 # PROFILE (1: then the torch profiler over the new code's steps at 256).
 source benchmarks/device/setup.sh
 tmp=$(mktemp -d)
-cat > "$tmp/summary.py" <<'PY'
-import json, sys
-for r in json.load(open(sys.argv[1]))["throughput"]:
-    print(f"{sys.argv[2]:4} {r['shape']:6} batch {r['batch']:3} tok/s {r['output_tok_s']:9.1f}"
-          f"  step ms {r['median_decode_step_ms']:.3f}  graph ms {r['graph_replay_ms']:.3f}"
-          f"  prompt s {r.get('prompt_steps_s', 0):.3f}  decode s {r.get('decode_steps_s', 0):.3f}")
-PY
 if [ -z "$SKIP_TESTS" ]; then
   timeout 300 python -m pytest -q -x tests/gpu/test_engine_gpu.py 2>&1 | tail -3
 fi
@@ -22,7 +15,7 @@ variant() {  # name, extra PYTHONPATH, shape, batch, round
   PYTHONPATH="$2$PYTHONPATH" python benchmarks/bench_gpu_engine.py --shapes "$3" --batches "$4" \
       --no-hf --no-checks --output-json "$tmp/$run.json" > "$tmp/$run.log" 2>&1 \
       || tail -5 "$tmp/$run.log"
-  python "$tmp/summary.py" "$tmp/$run.json" "$1"
+  python benchmarks/device/ab_summary.py "$tmp/$run.json" "$1"
 }
 for round in $(seq 1 "${ROUNDS:-2}"); do
   for shape in ${SHAPES:-qwen}; do

@@ -36,6 +36,23 @@ TINY_LLAMA = {
 }
 
 
+def make_core(
+    model_dir: Path, backend: str, async_scheduling: bool, max_num_seqs: int = 8
+) -> EngineCore:
+    return EngineCore(
+        EngineConfig(
+            model=str(model_dir),
+            load_format="dummy",
+            dtype="float32",
+            max_model_len=128,
+            max_num_seqs=max_num_seqs,
+            num_gpu_blocks_override=64,
+            attention_backend=backend,
+            async_scheduling=async_scheduling,
+        )
+    )
+
+
 def run(
     model_dir: Path,
     backend: str,
@@ -43,18 +60,7 @@ def run(
     async_scheduling: bool = False,
     fused: bool = False,
 ) -> tuple[dict[str, list[int]], EngineCore]:
-    core = EngineCore(
-        EngineConfig(
-            model=str(model_dir),
-            load_format="dummy",
-            dtype="float32",
-            max_model_len=128,
-            max_num_seqs=8,
-            num_gpu_blocks_override=64,
-            attention_backend=backend,
-            async_scheduling=async_scheduling,
-        )
-    )
+    core = make_core(model_dir, backend, async_scheduling)
     if fused:
         core.runner.model.use_fused_kernels()
     if graphs:
@@ -102,18 +108,7 @@ def test_one_request_decode_runs_the_fused_gemv_layers(tmp_path: Path) -> None:
     prompts = {"a": [5, 17, 33, 2, 91, 40, 7], "b": [200, 3, 3, 150]}
     tokens: dict[str, dict[str, list[int]]] = {}
     for backend in ("torch", "triton"):
-        core = EngineCore(
-            EngineConfig(
-                model=str(tmp_path),
-                load_format="dummy",
-                dtype="float32",
-                max_model_len=128,
-                max_num_seqs=4,
-                num_gpu_blocks_override=64,
-                attention_backend=backend,
-                async_scheduling=backend == "triton",
-            )
-        )
+        core = make_core(tmp_path, backend, async_scheduling=backend == "triton", max_num_seqs=4)
         if backend == "triton":
             core.runner.model.use_fused_kernels()
             assert core.runner.model.use_gemv_decode(rows=1)
