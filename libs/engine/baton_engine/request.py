@@ -91,18 +91,6 @@ class Request:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
-    def may_run_ahead(self) -> bool:
-        """Whether another step may be scheduled while a sampled token is pending: not when
-        that token is certain to end the request (its last one, or a prefill-only request's
-        first)."""
-        if not self.num_pending_tokens:
-            return True
-        return (
-            not self.prefill_only
-            and self.num_output_tokens + self.num_pending_tokens < self.max_tokens
-        )
-
-    @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 

@@ -163,9 +163,8 @@ class Scheduler:
         preempted: set[str] = set()
         scheduled: list[Request] = []
 
-        # This loop runs for every running request every step: _num_new_tokens and
-        # may_run_ahead are inlined, and allocate_slots is skipped while the request's blocks
-        # have room (kv_limit).
+        # This loop runs for every running request every step: _num_new_tokens is inlined, and
+        # allocate_slots is skipped while the request's blocks have room (kv_limit).
         threshold = self.long_prefill_token_threshold
         i = 0
         while i < len(self.running) and budget > 0:
@@ -180,7 +179,9 @@ class Scheduler:
             if num_new > budget:
                 num_new = budget
             if num_new <= 0 or (
-                num_pending  # its pending token ends it: nothing to run ahead
+                # a pending token certain to end it (its last, or a prefill-only request's
+                # first): no step may run ahead of it
+                num_pending
                 and (request.prefill_only or num_output + num_pending >= request.max_tokens)
             ):
                 i += 1
