@@ -5,7 +5,7 @@ STAMP := .install-stamp
 # torch is pinned so pip takes the local CPU build; a loose pin pulls a multi-GB CUDA build.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: install serve demo test lint protos clean bench-throughput
+.PHONY: install serve demo test redis-server lint protos clean bench-throughput
 
 $(STAMP): pyproject.toml Makefile
 	$(PIP) install --quiet --disable-pip-version-check "$(TORCH_PIN)"
@@ -27,9 +27,16 @@ demo: $(STAMP)
 	$(PYTHON) -m baton_kernels.cpu_ops
 	baton generate
 
-test: $(STAMP)
+test: $(STAMP) redis-server
 	$(PYTHON) -m baton_kernels.cpu_ops
 	$(PYTHON) -m pytest -q
+
+# The kvstore tests run a real Redis (they start redis-server themselves on a free port).
+redis-server:
+	@command -v redis-server >/dev/null || { \
+	  sudo=""; [ "$$(id -u)" -ne 0 ] && sudo=sudo; \
+	  $$sudo apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $$sudo apt-get install -y -qq redis-server >/dev/null; }
 
 lint: $(STAMP)
 	ruff check .

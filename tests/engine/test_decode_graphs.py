@@ -37,7 +37,11 @@ TINY_LLAMA = {
 
 
 def make_core(
-    model_dir: Path, backend: str, async_scheduling: bool, max_num_seqs: int = 8
+    model_dir: Path,
+    backend: str,
+    async_scheduling: bool,
+    max_num_seqs: int = 8,
+    max_num_batched_tokens: int | None = None,
 ) -> EngineCore:
     return EngineCore(
         EngineConfig(
@@ -46,6 +50,7 @@ def make_core(
             dtype="float32",
             max_model_len=128,
             max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
             num_gpu_blocks_override=64,
             attention_backend=backend,
             async_scheduling=async_scheduling,
@@ -59,13 +64,19 @@ def run(
     graphs: bool,
     async_scheduling: bool = False,
     fused: bool = False,
+    pieces: bool = False,
+    max_num_batched_tokens: int | None = None,
 ) -> tuple[dict[str, list[int]], EngineCore]:
-    core = make_core(model_dir, backend, async_scheduling)
+    core = make_core(
+        model_dir, backend, async_scheduling, max_num_batched_tokens=max_num_batched_tokens
+    )
     if fused:
         core.runner.model.use_fused_kernels()
     if graphs:
         assert core.runner.enable_decode_graphs(capture=False)
         assert core.runner.graphs is not None and core.runner.graphs.sizes[:3] == [1, 2, 4]
+    if pieces:
+        core.runner.enable_piece_graphs(capture=False)
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     for i in range(5):  # 5 decodes: padded to the captured size 8
         core.add_request(f"r{i}", [(7 * i + j) % 250 + 1 for j in range(3 + 9 * i)], params)
@@ -97,6 +108,28 @@ def test_padded_decode_path_with_async_scheduling(tmp_path: Path) -> None:
     assert got == want
     graphs = core.runner.graphs
     assert graphs is not None and graphs.num_steps.get(8, 0) >= 8
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_prompt_steps_run_piecewise_through_padded_buffers(tmp_path: Path, fused: bool) -> None:
+    """What a GPU runs for every step that is not decode-only (``PieceGraphs``): the layers
+    between two attentions from static buffers padded to a captured token count, attention
+    eagerly on the real rows. With a 32-token budget the prompts are chunked and mixed with
+    decodes; the greedy tokens equal the reference backend's, eager and unpadded. With the
+    torch ops (``fused=False``) the residual stream is a new tensor in each piece and is
+    copied back; the fused norm updates it in place."""
+    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
+    want, _ = run(tmp_path, "torch", graphs=False, max_num_batched_tokens=32)
+    got, core = run(
+        tmp_path, "triton", graphs=True, async_scheduling=True, fused=fused, pieces=True,
+        max_num_batched_tokens=32,
+    )  # fmt: skip
+    assert got == want
+    pieces = core.runner.pieces
+    assert pieces is not None and pieces.sizes == [16, 32]
+    # 105 prompt tokens and the decodes mixed in: three full steps, the last (18 tokens)
+    # padded to 32
+    assert pieces.num_steps.get(32, 0) >= 4
 
 
 def test_one_request_decode_runs_the_fused_gemv_layers(tmp_path: Path) -> None:

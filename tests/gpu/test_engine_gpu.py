@@ -98,6 +98,9 @@ def test_graph_decode_matches_reference(tmp_path: Path, caplog: pytest.LogCaptur
     graphs = core.runner.graphs
     assert graphs is not None and graphs._graphs, "no CUDA graph was captured"
     assert graphs.num_steps.get(24, 0) > 0
+    pieces = core.runner.pieces  # the prompt steps, piecewise from captured graphs
+    assert pieces is not None and len(pieces._graphs) == len(pieces.sizes)
+    assert sum(pieces.num_steps.values()) > 0
     assert core.async_scheduling and core.runner.model.fused_rope
     assert any("KV cache:" in r.getMessage() and "blocks" in r.getMessage() for r in caplog.records)
     total = torch.cuda.get_device_properties(0).total_memory

@@ -23,7 +23,7 @@ _HELP = {
     "load_format": "auto | dummy (random weights, for benchmarks)",
     "attention_backend": "auto | cpu (C++ paged decode kernel) | triton (GPU) | torch "
     "(reference) | flash_attn | flashinfer (when installed); also $BATON_ATTENTION_BACKEND",
-    "enforce_eager": "GPU: run decode steps eagerly instead of replaying CUDA graphs",
+    "enforce_eager": "GPU: run every step eagerly instead of replaying CUDA graphs",
     "async_scheduling": "schedule the next step while the device runs this one (default: on "
     "for GPUs, off for CPUs)",
     "seed": "seed of the default random generator",

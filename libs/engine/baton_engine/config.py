@@ -144,7 +144,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     load_format: str = "auto"  # "auto" | "dummy"
     attention_backend: str = "auto"  # "auto" | "cpu" | "triton" | "torch" (reference) | ...
-    enforce_eager: bool = False  # GPU: no CUDA graphs for decode steps
+    enforce_eager: bool = False  # GPU: no CUDA graphs (decode steps, prompt-step pieces)
     # Schedule and launch step N+1 while step N runs on the device (its sampled tokens reach
     # the host one step later). None: on for GPUs, where it hides the host's per-step work;
     # off on CPUs, where the forward pass itself runs on the host.

@@ -90,6 +90,8 @@ class EngineCore:
             except ValueError as e:
                 raise ModelLoadError(f"cannot load weights from {self.model_dir}: {e}") from e
         self.runner.finalize_weights()
+        if self.runner.device.type == "cuda" and not config.enforce_eager:
+            self.runner.enable_piece_graphs(capture=True)
         num_blocks = self._num_kv_blocks()
         self.runner.initialize_kv_cache(num_blocks)
         if self.runner.device.type == "cuda":

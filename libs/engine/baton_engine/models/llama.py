@@ -67,17 +67,6 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = self.head_dim**-0.5
 
-    def forward(
-        self,
-        rope: RopeTables | FusedRope,
-        hidden: torch.Tensor,
-        kv_cache: KVCacheView,
-        metadata: AttentionMetadata,
-        backend: AttentionBackend,
-    ) -> torch.Tensor:
-        out = self.attend(rope, self.qkv_proj(hidden), kv_cache, metadata, backend)
-        return self.o_proj(out)  # type: ignore[no-any-return]
-
     def attend(
         self,
         rope: RopeTables | FusedRope,
@@ -130,19 +119,20 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(
-        self,
-        rope: RopeTables | FusedRope,
-        hidden: torch.Tensor,
-        residual: torch.Tensor | None,
-        kv_cache: KVCacheView,
-        metadata: AttentionMetadata,
-        backend: AttentionBackend,
+    def pre_attention(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``hidden`` is the previous layer's output not yet added to ``residual`` (None for
-        the first layer, whose input is the residual stream itself)."""
+        """The layer up to attention (which reads the step's metadata): ``hidden`` is the
+        previous layer's output not yet added to ``residual`` (None for the first layer, whose
+        input is the residual stream itself). Returns ``(qkv, residual)``."""
         hidden, residual = self.input_layernorm.add_forward(hidden, residual)
-        hidden = self.self_attn(rope, hidden, kv_cache, metadata, backend)
+        return self.self_attn.qkv_proj(hidden), residual
+
+    def post_attention(
+        self, out: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer after attention (``out`` ``[T, q]``): ``(mlp output, residual)``."""
+        hidden = self.self_attn.o_proj(out)
         hidden, residual = self.post_attention_layernorm.add_forward(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -278,25 +268,65 @@ class LlamaForCausalLM(nn.Module):
         metadata: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:  # [num_tokens, hidden]
-        hidden = self.embed_tokens(input_ids)
-        rope: RopeTables | FusedRope
-        if self.fused_rope:
-            rope = FusedRope(positions, self.rotary.cos_sin)
-        else:
-            rope = self.rotary(positions, hidden.dtype)
+        rope = self.rope_for(positions)
         decode_only = metadata.num_decodes == metadata.num_reqs
         if self.cpu_decode_layers and decode_only and metadata.decode_seq_lens is not None:
+            hidden = self.embed_tokens(input_ids)
             last, stream = self.cpu_decode_layers(hidden, positions, kv_caches, metadata)
             return self.norm.add_forward(last, stream)[0]
         if decode_only and input_ids.shape[0] <= self.gemv_rows:
+            hidden = self.embed_tokens(input_ids)
             for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
                 layer = cast(DecoderLayer, layer)
                 hidden = layer.forward_gemv(rope, hidden, kv_cache, metadata, backend)
             return self.norm.add_forward(hidden, None)[0]
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(rope, hidden, residual, kv_cache, metadata, backend)
-        return self.norm.add_forward(hidden, residual)[0]
+        x, residual = self.piece(0, input_ids, None)
+        for i, kv_cache in enumerate(kv_caches):
+            out = self.attend(i, rope, x, kv_cache, metadata, backend)
+            x, residual = self.piece(i + 1, out, residual)
+        return x
+
+    # The generic forward as alternating pieces, for prompt steps replayed piecewise from CUDA
+    # graphs (``runner.cuda_graphs.PieceGraphs``): piece i is everything between attention i - 1
+    # and attention i, with no host work and no dependence on the step's metadata; attention
+    # runs eagerly between them.
+
+    @property
+    def num_pieces(self) -> int:
+        return len(self.layers) + 1
+
+    def rope_for(self, positions: torch.Tensor) -> RopeTables | FusedRope:
+        if self.fused_rope:
+            return FusedRope(positions, self.rotary.cos_sin)
+        return cast(RopeTables, self.rotary(positions, self.embed_tokens.weight.dtype))
+
+    def piece(
+        self, i: int, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Piece ``i`` of ``num_pieces``: from the token ids (``i = 0``) or attention
+        ``i - 1``'s output to layer ``i``'s qkv, or (the last) to the final normed hidden
+        states; returns it with the residual stream."""
+        if i == 0:
+            hidden, residual = self.embed_tokens(x), None
+        else:
+            assert residual is not None
+            hidden, residual = cast(DecoderLayer, self.layers[i - 1]).post_attention(x, residual)
+        if i == len(self.layers):
+            return self.norm.add_forward(hidden, residual)
+        return cast(DecoderLayer, self.layers[i]).pre_attention(hidden, residual)
+
+    def attend(
+        self,
+        i: int,
+        rope: RopeTables | FusedRope,
+        qkv: torch.Tensor,
+        kv_cache: KVCacheView,
+        metadata: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        """Layer ``i``'s attention of its projected ``qkv``: ``[T, q]``."""
+        attn = cast(DecoderLayer, self.layers[i]).self_attn
+        return attn.attend(rope, qkv, kv_cache, metadata, backend)
 
     def use_cpu_decode_layers(self, ops: Any) -> bool:
         """Run the layers of decode-only steps as one C++ call (``CpuDecodeLayers``) if the

@@ -1,4 +1,6 @@
-"""Decode-only steps through persistent device buffers, replayed from CUDA graphs.
+"""Steps through persistent device buffers, replayed from CUDA graphs.
+
+``DecodeGraphs``: decode-only steps, the whole forward in one graph per batch size.
 
 A decode step of ``n`` requests is padded to the smallest captured batch size ``B >= n``. The
 step's inputs (token ids, positions, block tables, sequence lengths, cache slots) are copied into
@@ -11,6 +13,13 @@ The attention backend must support capture (``TritonAttentionBackend``: with
 ``decode_seq_lens`` set and ``max_decode_blocks`` fixed at the longest context, its launches read
 only device tensors). With ``capture=False`` the same padded path runs eagerly, which is how it is
 tested on CPU.
+
+``PieceGraphs``: every other step (prompt chunks, mixed batches), replayed piecewise. The
+attention of a prompt step depends on how its tokens split into requests, so it runs eagerly;
+everything between two attentions (o_proj, the MLP, the norms, the next qkv projection) is one
+graph per padded token count. An eager prompt step of a 24-layer model launches ~300 kernels
+from Python; on the H200's host that took ~21 ms, longer than the kernels of an 8,192-token step
+(~12.4 ms), so those steps were bound by the host.
 """
 
 from __future__ import annotations
@@ -18,11 +27,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
-from baton_kernels.attention import AttentionMetadata
+from baton_kernels.attention import AttentionBackend, AttentionMetadata, KVCacheView
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +40,13 @@ logger = logging.getLogger(__name__)
 DEFAULT_CAPTURE_SIZES = (1, 2, 4, *range(8, 257, 8), *range(272, 513, 16))
 
 ForwardFn = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
+
+
+def piece_capture_sizes(max_tokens: int) -> list[int]:
+    """Token counts that prompt steps are padded to: powers of two up to 512, then every 512
+    (at most ~6% padding above 8,192 - 512 tokens), and ``max_tokens`` itself."""
+    sizes = {16, 32, 64, 128, 256, *range(512, max_tokens, 512), max_tokens}
+    return sorted(s for s in sizes if s <= max_tokens)
 
 
 class DecodeGraphs:
@@ -151,3 +168,148 @@ class DecodeGraphs:
             return self.forward(self.input_ids[:b], self.positions[:b], self._metadata[b])[:n]
         graph.replay()
         return self._outputs[b][:n]
+
+
+class PieceModel(Protocol):
+    """What ``PieceGraphs`` needs of a model (``LlamaForCausalLM``)."""
+
+    @property
+    def num_pieces(self) -> int: ...
+
+    def piece(
+        self, i: int, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def attend(
+        self,
+        i: int,
+        rope: Any,
+        qkv: torch.Tensor,
+        kv_cache: KVCacheView,
+        metadata: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor: ...
+
+    def rope_for(self, positions: torch.Tensor) -> Any: ...
+
+
+class PieceGraphs:
+    """A step of ``n`` tokens runs at the smallest size ``T >= n`` of ``sizes``: piece ``i``
+    of the model reads its input from static buffers (the token ids; attention ``i - 1``'s
+    output and the residual stream) and leaves its output in others (layer ``i``'s qkv, or the
+    final hidden states), all ``[T, ...]`` views of buffers shared by every size. Attention
+    ``i`` runs eagerly on the first ``n`` rows of the qkv buffer. The padding rows compute
+    garbage that no row of the step reads: pieces are row-wise.
+
+    The graphs of every size share one memory pool (a piece's intermediates are dead once it
+    has run) and are captured before the KV cache is sized, so the pool's memory is counted
+    as in use. With ``capture=False`` the pieces run eagerly through the same buffers (tests
+    on CPU)."""
+
+    def __init__(
+        self,
+        model: PieceModel,
+        *,
+        hidden_size: int,
+        qkv_size: int,
+        q_size: int,
+        dtype: torch.dtype,
+        max_num_tokens: int,
+        device: torch.device,
+        capture: bool,
+        sizes: Sequence[int] | None = None,
+    ) -> None:
+        self.model = model
+        self.capture = capture
+        self.sizes = sorted(sizes) if sizes is not None else piece_capture_sizes(max_num_tokens)
+        n, dev = self.sizes[-1], device
+        self.max_num_tokens = n
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.qkv = torch.zeros((n, qkv_size), dtype=dtype, device=dev)
+        self.attn_out = torch.zeros((n, q_size), dtype=dtype, device=dev)
+        self.residual = torch.zeros((n, hidden_size), dtype=dtype, device=dev)
+        self.hidden = torch.zeros((n, hidden_size), dtype=dtype, device=dev)
+        self._graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
+        self.num_steps: dict[int, int] = {}  # padded size -> steps run at it
+
+    def padded_size(self, num_tokens: int) -> int | None:
+        for size in self.sizes:
+            if size >= num_tokens:
+                return size
+        return None
+
+    def _piece(self, i: int, t: int) -> None:
+        """Piece ``i`` at ``t`` rows, from the static buffers into them."""
+        if i == 0:
+            x, residual = self.model.piece(0, self.input_ids[:t], None)
+        else:
+            x, residual = self.model.piece(i, self.attn_out[:t], self.residual[:t])
+        if residual.data_ptr() != self.residual.data_ptr():  # not updated in place
+            self.residual[:t].copy_(residual)
+        out = self.hidden if i == self.model.num_pieces - 1 else self.qkv
+        out[:t].copy_(x)
+
+    @torch.inference_mode()
+    def capture_all(self) -> None:
+        """Capture every piece at every size, largest first, into one pool."""
+        if not self.capture:
+            return
+        start = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+        stream.wait_stream(torch.cuda.current_stream())
+        num_pieces = self.model.num_pieces
+        with torch.cuda.stream(stream):
+            for t in reversed(self.sizes):
+                for i in range(num_pieces):  # warm up: cuBLAS, Triton, the allocator
+                    self._piece(i, t)
+                graphs = []
+                for i in range(num_pieces):
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool, stream=stream):
+                        self._piece(i, t)
+                    graphs.append(graph)
+                self._graphs[t] = graphs
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        logger.info(
+            "captured %d CUDA graphs for prompt steps (%d pieces x %d token counts, %d..%d) "
+            "in %.1f s",
+            num_pieces * len(self.sizes),
+            num_pieces,
+            len(self.sizes),
+            self.sizes[0],
+            self.sizes[-1],
+            time.perf_counter() - start,
+        )
+
+    @torch.inference_mode()
+    def run(
+        self,
+        input_ids: torch.Tensor,  # [n] on the device
+        positions: torch.Tensor,  # [n]
+        kv_caches: list[KVCacheView],
+        metadata: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        """The final hidden states ``[n, hidden]`` of a step of ``n`` tokens (valid until the
+        next step runs here)."""
+        n = input_ids.shape[0]
+        t = self.padded_size(n)
+        assert t is not None, f"a step of {n} tokens exceeds the largest captured size"
+        self.num_steps[t] = self.num_steps.get(t, 0) + 1
+        self.input_ids[:n].copy_(input_ids, non_blocking=True)
+        rope = self.model.rope_for(positions)
+        graphs = self._graphs.get(t)
+        for i, kv_cache in enumerate(kv_caches):
+            if graphs is None:
+                self._piece(i, t)
+            else:
+                graphs[i].replay()
+            out = self.model.attend(i, rope, self.qkv[:n], kv_cache, metadata, backend)
+            self.attn_out[:n].copy_(out)
+        if graphs is None:
+            self._piece(len(kv_caches), t)
+        else:
+            graphs[-1].replay()
+        return self.hidden[:n]

@@ -12,7 +12,7 @@ import torch
 from baton_engine.config import ModelConfig
 from baton_engine.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from baton_engine.models import LlamaForCausalLM
-from baton_engine.runner.cuda_graphs import DecodeGraphs
+from baton_engine.runner.cuda_graphs import DecodeGraphs, PieceGraphs
 from baton_engine.runner.input_batch import CachedRequestState, InputBatch
 from baton_engine.runner.staging import InputStaging
 from baton_engine.sampler import Sampler, SamplingMetadata, compute_logprobs
@@ -74,6 +74,7 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.graphs: DecodeGraphs | None = None  # decode steps from CUDA graphs
+        self.pieces: PieceGraphs | None = None  # other steps, piecewise from CUDA graphs
         logger.info("attention backend: %s", self.backend.name)
         self.sampler = Sampler()
         self.batch = InputBatch(
@@ -171,16 +172,26 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warmup_kernels(self) -> None:
-        """Compile the attention backend's kernel variants before serving (GPU backends that
-        JIT-compile per variant), after ``initialize_kv_cache``."""
-        warmup = getattr(self.backend, "warmup", None)
-        if warmup is None or not self.kv_caches:
-            return
+        """Before serving, after ``initialize_kv_cache``: compile the attention backend's kernel
+        variants (GPU backends that JIT-compile per variant), and on a GPU run the LM head once
+        at every row count a step can sample. The LM head runs eagerly on the sampled rows
+        only; cuBLAS picks its kernel by shape and the CUDA driver loads each kernel on first
+        use, which took ~5 ms a new row count on the H200: the first pass of a workload paid
+        it in most steps."""
         start = time.perf_counter()
-        warmup(self.kv_caches[0], self.model_config.num_heads)
+        warmup = getattr(self.backend, "warmup", None)
+        if warmup is not None and self.kv_caches:
+            warmup(self.kv_caches[0], self.model_config.num_heads)
         if self.device.type == "cuda":
+            hidden = torch.zeros(
+                (self.max_num_seqs, self.model_config.hidden_size),
+                dtype=self.dtype,
+                device=self.device,
+            )
+            for rows in range(1, self.max_num_seqs + 1):
+                fused.argmax(self.model.compute_logits(hidden[:rows]))
             torch.cuda.synchronize()
-        logger.info("attention kernels ready in %.1f s", time.perf_counter() - start)
+        logger.info("kernels ready in %.1f s", time.perf_counter() - start)
 
     def enable_decode_graphs(self, capture: bool) -> bool:
         """Run decode-only steps through persistent buffers, from CUDA graphs when ``capture``
@@ -197,6 +208,24 @@ class ModelRunner:
         )
         self.graphs.capture_all()
         return True
+
+    def enable_piece_graphs(self, capture: bool) -> None:
+        """Run the steps that decode graphs do not take (prompt chunks, mixed batches) through
+        ``PieceGraphs``, captured now when ``capture``: before the KV cache is sized, so that
+        their memory is counted as in use."""
+        cfg = self.model_config
+        q_size = cfg.num_heads * cfg.head_dim
+        self.pieces = PieceGraphs(
+            self.model,
+            hidden_size=cfg.hidden_size,
+            qkv_size=q_size + 2 * cfg.num_kv_heads * cfg.head_dim,
+            q_size=q_size,
+            dtype=self.dtype,
+            max_num_tokens=self.max_num_batched_tokens,
+            device=self.device,
+            capture=capture,
+        )
+        self.pieces.capture_all()
 
     @torch.inference_mode()
     def profile_peak_bytes(self) -> int:
@@ -310,7 +339,11 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden)
         else:
             input_ids, positions, metadata, sample_rows = self._prepare_inputs(reqs, num_new)
-            hidden = self.model(input_ids, positions, self.kv_caches, metadata, self.backend)
+            pieces = self.pieces
+            if pieces is not None and pieces.padded_size(metadata.num_tokens) is not None:
+                hidden = pieces.run(input_ids, positions, self.kv_caches, metadata, self.backend)
+            else:
+                hidden = self.model(input_ids, positions, self.kv_caches, metadata, self.backend)
             if wants_prompt_logprobs:
                 prompt_logprobs = self._prompt_logprobs(reqs, metadata, hidden)
             last_token = self.staging.to_device(

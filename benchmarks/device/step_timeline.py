@@ -1,0 +1,246 @@
+"""Per-step timeline of issue 5's workload: where the GPU waits, step by step.
+
+    python benchmarks/device/step_timeline.py [--shape qwen] [--batch 256] [--runs 2]
+
+Runs the benchmark's workload (256 x 512 random prompt ids, 256 output tokens, greedy, bf16,
+dummy weights) as ``bench_gpu_engine.py`` does, after the same small warm-up, ``--runs`` times in
+one engine: the first run sees every step shape for the first time, later ones do not. Each
+``core.step()`` is timed on the host by phase (``schedule``, ``launch``, the wait for the
+previous step's ids, ``update_from_output``), and on the device by two CUDA events around the
+launch: the GPU's span from the step's first queued command to its last, and its idle gap
+before the step (the previous step's last command to this step's first). A host that falls
+behind shows as gaps; a stall inside a step (a synchronisation, a first-use cost) as a span
+longer than the step's kernels.
+
+Prints, per run, the phase totals (prompt phase: steps until every request has its first
+token; decode phase: the rest) and the slowest steps with their breakdown. ``--shape tiny
+--device cpu`` is a smoke run (host timers only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench_gpu_engine import SHAPES, TINY, engine, random_prompts
+
+import baton_engine.runner.model_runner as mr
+from baton_engine.config import ModelConfig
+from baton_engine.core.engine_core import EngineCore
+from baton_engine.sampling_params import SamplingParams
+
+
+@dataclass
+class Step:
+    tokens: int = 0
+    decodes: int = 0
+    prompts: int = 0
+    host: dict[str, float] = field(default_factory=dict)  # phase -> seconds
+    events: tuple[Any, Any] | None = None  # CUDA events around the launch
+    span_ms: float = float("nan")
+    gap_ms: float = float("nan")
+    wall: float = 0.0
+    outputs: int = 0
+
+
+class Recorder:
+    """Wraps the engine's phases; one ``Step`` per ``core.step()``."""
+
+    def __init__(self, core: EngineCore, cuda: bool) -> None:
+        self.core, self.cuda = core, cuda
+        self.steps: list[Step] = []
+        self.current = Step()
+        sched, runner = core.scheduler, core.runner
+        self._wrap(sched, "schedule", "schedule", self._on_schedule)
+        self._wrap(sched, "update_from_output", "update")
+        self._wrap(runner, "launch", "launch", before=self._before_launch, after=self._after_launch)
+        self._wrap(runner, "_prepare_inputs", "inputs")  # parts of launch
+        self._wrap(runner.model, "forward", "forward")
+        orig = mr.StepHandle.result
+        rec = self
+
+        def result(handle: Any) -> Any:
+            start = time.perf_counter()
+            out = orig(handle)
+            host = rec.current.host
+            host["result"] = host.get("result", 0.0) + time.perf_counter() - start
+            return out
+
+        mr.StepHandle.result = result  # type: ignore[method-assign]
+
+    def _wrap(self, obj: Any, name: str, label: str, on_out: Any = None,
+              before: Any = None, after: Any = None) -> None:  # fmt: skip
+        fn = getattr(obj, name)
+        rec = self
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if before is not None:
+                before()
+            start = time.perf_counter()
+            out = fn(*args, **kwargs)
+            host = rec.current.host
+            host[label] = host.get(label, 0.0) + time.perf_counter() - start
+            if after is not None:
+                after()
+            if on_out is not None:
+                on_out(out)
+            return out
+
+        setattr(obj, name, wrapper)
+
+    def _on_schedule(self, so: Any) -> None:
+        num = so.num_scheduled_tokens
+        self.current.tokens = so.total_num_scheduled_tokens
+        self.current.decodes = sum(1 for n in num.values() if n == 1)
+        self.current.prompts = len(num) - self.current.decodes
+
+    def _before_launch(self) -> None:
+        if self.cuda:
+            start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            start.record()
+            self.current.events = (start, None)
+
+    def _after_launch(self) -> None:
+        if self.cuda and self.current.events is not None:
+            end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            end.record()
+            self.current.events = (self.current.events[0], end)
+
+    def step(self) -> list[Any]:
+        self.current = Step()
+        start = time.perf_counter()
+        outs = self.core.step()
+        self.current.wall = time.perf_counter() - start
+        self.current.outputs = len(outs)
+        self.steps.append(self.current)
+        return outs
+
+    def finish(self) -> None:
+        if not self.cuda:
+            return
+        torch.cuda.synchronize()
+        prev_end = None
+        for s in self.steps:
+            if s.events is None or s.events[1] is None:
+                continue
+            start, end = s.events
+            s.span_ms = start.elapsed_time(end)
+            if prev_end is not None:
+                s.gap_ms = prev_end.elapsed_time(start)
+            prev_end = end
+            s.events = None
+
+
+def run(core: EngineCore, rec: Recorder, prompts: list[list[int]], params: SamplingParams,
+        tag: str) -> dict[str, Any]:  # fmt: skip
+    for i, p in enumerate(prompts):
+        core.add_request(f"{tag}-{i}", p, params)
+    rec.steps = []
+    seen: set[str] = set()
+    first_all = None
+    start = time.perf_counter()
+    while core.has_unfinished_requests():
+        for o in rec.step():
+            seen.add(o.req_id)
+        if first_all is None and len(seen) == len(prompts):
+            first_all = len(rec.steps)
+    elapsed = time.perf_counter() - start
+    rec.finish()
+    steps = rec.steps
+    n_out = sum(s.outputs for s in steps)
+    split = first_all or len(steps)
+    phases = {"prompt": steps[:split], "decode": steps[split:]}
+    summary: dict[str, Any] = {"elapsed_s": elapsed, "tok_s": n_out / elapsed, "phases": {}}
+    print(f"\n== {tag}: {len(steps)} steps, {elapsed:.3f} s, {n_out / elapsed:,.0f} tok/s")
+    print(f"{'phase':7} {'steps':>5} {'wall s':>7} {'GPU span s':>10} {'GPU gaps s':>10} "
+          f"{'sched':>6} {'launch':>6} {'inputs':>6} {'fwd':>6} {'result':>6} {'update':>6}"
+          "  (host s; inputs and fwd are parts of launch)")  # fmt: skip
+    for name, group in phases.items():
+        if not group:
+            continue
+        span = sum(s.span_ms for s in group if s.span_ms == s.span_ms) / 1e3
+        gaps = sum(s.gap_ms for s in group if s.gap_ms == s.gap_ms) / 1e3
+        host = {k: sum(s.host.get(k, 0.0) for s in group) for k in
+                ("schedule", "launch", "inputs", "forward", "result", "update")}  # fmt: skip
+        wall = sum(s.wall for s in group)
+        summary["phases"][name] = {
+            "steps": len(group), "wall_s": wall, "gpu_span_s": span, "gpu_gaps_s": gaps,
+            **{f"{k}_s": v for k, v in host.items()},
+        }  # fmt: skip
+        print(f"{name:7} {len(group):>5} {wall:7.3f} {span:10.3f} {gaps:10.3f} "
+              f"{host['schedule']:6.3f} {host['launch']:6.3f} {host['inputs']:6.3f} "
+              f"{host['forward']:6.3f} {host['result']:6.3f} {host['update']:6.3f}")  # fmt: skip
+    print(f"{'#':>4} {'tokens':>6} {'dec':>4} {'pr':>3} {'wall ms':>8} {'span':>7} {'gap':>6} "
+          f"{'sched':>6} {'launch':>6} {'inputs':>6} {'fwd':>6} {'result':>6} "
+          f"{'update':>6}")  # fmt: skip
+
+    def show(i: int, s: Step) -> None:
+        h = s.host
+        print(f"{i:>4} {s.tokens:>6} {s.decodes:>4} {s.prompts:>3} {s.wall * 1e3:8.2f} "
+              f"{s.span_ms:7.2f} {s.gap_ms:6.2f} {h.get('schedule', 0) * 1e3:6.2f} "
+              f"{h.get('launch', 0) * 1e3:6.2f} {h.get('inputs', 0) * 1e3:6.2f} "
+              f"{h.get('forward', 0) * 1e3:6.2f} {h.get('result', 0) * 1e3:6.2f} "
+              f"{h.get('update', 0) * 1e3:6.2f}")  # fmt: skip
+
+    print("-- the prompt phase and the step after it")
+    for i in range(min(split + 2, len(steps))):
+        show(i, steps[i])
+    decode = list(enumerate(steps))[split + 2 :]
+    if decode:
+        print("-- the slowest decode steps (wall)")
+        for i, s in sorted(decode, key=lambda x: -x[1].wall)[:10]:
+            show(i, s)
+        walls = sorted(s.wall for _, s in decode)
+        spans = sorted(s.span_ms for _, s in decode)
+        print(f"decode steps: wall median {walls[len(walls) // 2] * 1e3:.3f} ms, mean "
+              f"{sum(walls) / len(walls) * 1e3:.3f} ms; span median {spans[len(spans) // 2]:.3f}"
+              f" ms, mean {sum(spans) / len(spans):.3f} ms")  # fmt: skip
+    return summary
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--shape", default="qwen")
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--num-prompts", type=int, default=256)
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--runs", type=int, default=2)
+    p.add_argument("--only-config", default="1")  # engine(): the server's memory default
+    p.add_argument("--output-json", type=Path, default=None)
+    args = p.parse_args()
+    if args.shape == "tiny":
+        model = Path(tempfile.mkdtemp())
+        (model / "config.json").write_text(json.dumps(TINY))
+    else:
+        model = SHAPES[args.shape]
+    mc = ModelConfig.from_path(model)
+    core = engine(model, args, max_num_seqs=args.batch)
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    for i, prompt in enumerate(random_prompts(min(4, args.batch), 32, mc.vocab_size, seed=9)):
+        core.add_request(f"warm-{i}", prompt, params)  # as bench_gpu_engine.py warms up
+    while core.has_unfinished_requests():
+        core.step()
+    rec = Recorder(core, args.device == "cuda")
+    out = [
+        run(core, rec, random_prompts(args.num_prompts, args.prompt_len, mc.vocab_size, seed=k),
+            params, f"run {k + 1}")  # fresh prompts each run: no prefix-cache hits
+        for k in range(args.runs)
+    ]  # fmt: skip
+    if args.output_json:
+        args.output_json.write_text(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
