@@ -86,6 +86,29 @@ def engine(model: Path, args: argparse.Namespace, **kw: Any) -> EngineCore:
     return EngineCore(EngineConfig(**config))  # type: ignore[arg-type]
 
 
+def probe_args(description: str | None) -> argparse.ArgumentParser:
+    """The options of the device probes (``benchmarks/device/*.py``): one shape of issue 5's
+    workload (``tiny``: a smoke run on CPU), one engine alone in its process."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--shape", default="qwen", help="qwen, llama or tiny")
+    p.add_argument("--batch", type=int, default=256, help="max_num_seqs")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--num-prompts", type=int, default=256)
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--only-config", default="1", help=argparse.SUPPRESS)  # engine(): alone
+    return p
+
+
+def probe_model(shape: str) -> Path:
+    """The config folder of ``shape`` (``tiny``: a temporary one)."""
+    if shape != "tiny":
+        return SHAPES[shape]
+    model = Path(tempfile.mkdtemp())
+    (model / "config.json").write_text(json.dumps(TINY))
+    return model
+
+
 def run_all(core: EngineCore, prompts: list[list[int]], params: SamplingParams) -> dict[str, Any]:
     """Add every prompt, step until done; tokens per request and step timings."""
     for i, p in enumerate(prompts):

@@ -10,7 +10,6 @@ calls by self CPU time over 5 steps under the torch profiler.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import statistics
 import sys
@@ -22,7 +21,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench_gpu_engine import SHAPES, engine, random_prompts
+from bench_gpu_engine import engine, probe_args, probe_model, random_prompts
 
 import baton_engine.runner.model_runner as mr
 from baton_engine.config import ModelConfig
@@ -45,25 +44,8 @@ def timed(obj: Any, name: str, label: str | None = None) -> None:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--shape", default="qwen")
-    p.add_argument("--batch", type=int, default=256)
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--num-prompts", type=int, default=256)
-    p.add_argument("--prompt-len", type=int, default=512)
-    p.add_argument("--output-len", type=int, default=256)
-    p.add_argument("--only-config", default="1")  # engine(): the server's memory default
-    args = p.parse_args()
-    if args.shape == "tiny":  # a smoke run on CPU
-        import json
-        import tempfile
-
-        from bench_gpu_engine import TINY
-
-        model = Path(tempfile.mkdtemp())
-        (model / "config.json").write_text(json.dumps(TINY))
-    else:
-        model = SHAPES[args.shape]
+    args = probe_args(__doc__).parse_args()
+    model = probe_model(args.shape)
     mc = ModelConfig.from_path(model)
     core = engine(model, args, max_num_seqs=args.batch)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)

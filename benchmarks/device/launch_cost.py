@@ -12,7 +12,6 @@ kernel time, and the host's ``forward`` call takes nearly all of it).
 
 from __future__ import annotations
 
-import argparse
 import cProfile
 import pstats
 import sys
@@ -24,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench_gpu_engine import SHAPES, engine, random_prompts
+from bench_gpu_engine import engine, probe_args, probe_model, random_prompts
 
 from baton_engine.config import ModelConfig
 from baton_engine.sampling_params import SamplingParams
@@ -96,21 +95,15 @@ def launch_costs(device: str, n: int) -> None:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--shape", default="qwen")
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--num-prompts", type=int, default=256)
-    p.add_argument("--prompt-len", type=int, default=512)
-    p.add_argument("--output-len", type=int, default=256)
+    p = probe_args(__doc__)
     p.add_argument("--rows", type=int, default=30)
-    p.add_argument("--only-config", default="1")
     args = p.parse_args()
     launch_costs(args.device, 2000 if args.device == "cuda" else 2)
     if args.device != "cuda":  # a smoke run of the first part (TRITON_INTERPRET=1)
         return 0
-    model = SHAPES[args.shape]
+    model = probe_model(args.shape)
     mc = ModelConfig.from_path(model)
-    core = engine(model, args, max_num_seqs=args.num_prompts)
+    core = engine(model, args, max_num_seqs=args.batch)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     for rnd in range(2):
         stats0 = torch.cuda.memory_stats()

@@ -19,10 +19,8 @@ token; decode phase: the rest) and the slowest steps with their breakdown. ``--s
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,7 +29,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench_gpu_engine import SHAPES, TINY, engine, random_prompts
+from bench_gpu_engine import engine, probe_args, probe_model, random_prompts
 
 import baton_engine.runner.model_runner as mr
 from baton_engine.config import ModelConfig
@@ -208,22 +206,11 @@ def run(core: EngineCore, rec: Recorder, prompts: list[list[int]], params: Sampl
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--shape", default="qwen")
-    p.add_argument("--batch", type=int, default=256)
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--num-prompts", type=int, default=256)
-    p.add_argument("--prompt-len", type=int, default=512)
-    p.add_argument("--output-len", type=int, default=256)
+    p = probe_args(__doc__)
     p.add_argument("--runs", type=int, default=2)
-    p.add_argument("--only-config", default="1")  # engine(): the server's memory default
     p.add_argument("--output-json", type=Path, default=None)
     args = p.parse_args()
-    if args.shape == "tiny":
-        model = Path(tempfile.mkdtemp())
-        (model / "config.json").write_text(json.dumps(TINY))
-    else:
-        model = SHAPES[args.shape]
+    model = probe_model(args.shape)
     mc = ModelConfig.from_path(model)
     core = engine(model, args, max_num_seqs=args.batch)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)

@@ -12,14 +12,13 @@ specialisation differs between them.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench_gpu_engine import SHAPES, engine, random_prompts
+from bench_gpu_engine import engine, probe_args, probe_model, random_prompts
 
 import baton_kernels.triton.decode_attention as da
 import baton_kernels.triton.fused_ops as fo
@@ -51,16 +50,8 @@ def counts(ks: dict[str, Any]) -> str:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--shape", default="qwen")
-    p.add_argument("--batch", type=int, default=256)
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--num-prompts", type=int, default=256)
-    p.add_argument("--prompt-len", type=int, default=512)
-    p.add_argument("--output-len", type=int, default=256)
-    p.add_argument("--only-config", default="1")
-    args = p.parse_args()
-    model = SHAPES[args.shape]
+    args = probe_args(__doc__).parse_args()
+    model = probe_model(args.shape)
     mc = ModelConfig.from_path(model)
     core = engine(model, args, max_num_seqs=args.batch)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)

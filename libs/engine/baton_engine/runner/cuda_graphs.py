@@ -49,6 +49,18 @@ def piece_capture_sizes(max_tokens: int) -> list[int]:
     return sorted(s for s in sizes if s <= max_tokens)
 
 
+def _on_side_stream(capture: Callable[[Any, torch.cuda.Stream], None]) -> None:
+    """Run ``capture(pool, stream)``, which captures graphs on ``stream`` into the one memory
+    pool ``pool``, on a side stream (capture cannot run on the default stream); then wait."""
+    pool = torch.cuda.graph_pool_handle()
+    stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        capture(pool, stream)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+
+
 class DecodeGraphs:
     def __init__(
         self,
@@ -106,10 +118,8 @@ class DecodeGraphs:
         if not self.capture:
             return
         start = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
+
+        def capture(pool: Any, stream: torch.cuda.Stream) -> None:
             for b in reversed(self.sizes):
                 md = self._metadata[b]
                 for _ in range(2):  # warm up: autotuning, lazy init, allocator
@@ -118,8 +128,8 @@ class DecodeGraphs:
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
                     out = self.forward(self.input_ids[:b], self.positions[:b], md)
                 self._graphs[b], self._outputs[b] = graph, out
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
+
+        _on_side_stream(capture)
         logger.info(
             "captured %d CUDA graphs for decode batch sizes %d..%d in %.1f s",
             len(self._graphs),
@@ -255,11 +265,9 @@ class PieceGraphs:
         if not self.capture:
             return
         start = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
-        stream.wait_stream(torch.cuda.current_stream())
         num_pieces = self.model.num_pieces
-        with torch.cuda.stream(stream):
+
+        def capture(pool: Any, stream: torch.cuda.Stream) -> None:
             for t in reversed(self.sizes):
                 for i in range(num_pieces):  # warm up: cuBLAS, Triton, the allocator
                     self._piece(i, t)
@@ -270,8 +278,8 @@ class PieceGraphs:
                         self._piece(i, t)
                     graphs.append(graph)
                 self._graphs[t] = graphs
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
+
+        _on_side_stream(capture)
         logger.info(
             "captured %d CUDA graphs for prompt steps (%d pieces x %d token counts, %d..%d) "
             "in %.1f s",
