@@ -132,6 +132,26 @@ def test_prompt_steps_run_piecewise_through_padded_buffers(tmp_path: Path, fused
     assert pieces.num_steps.get(32, 0) >= 4
 
 
+def test_steps_beyond_the_largest_piece_size_run_eagerly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Pieces are captured up to ``PIECE_MAX_TOKENS``; a larger step runs the model's eager
+    forward, a smaller one the padded pieces, in the same engine."""
+    from baton_engine.runner import cuda_graphs
+
+    monkeypatch.setattr(cuda_graphs, "PIECE_MAX_TOKENS", 16)
+    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
+    want, _ = run(tmp_path, "torch", graphs=False, max_num_batched_tokens=32)
+    got, core = run(
+        tmp_path, "triton", graphs=True, async_scheduling=True, fused=True, pieces=True,
+        max_num_batched_tokens=32,
+    )  # fmt: skip
+    assert got == want
+    pieces = core.runner.pieces
+    assert pieces is not None and pieces.sizes == [16]
+    assert sum(pieces.num_steps.values()) == 0  # every step with prompt tokens had 18 or more
+
+
 def test_one_request_decode_runs_the_fused_gemv_layers(tmp_path: Path) -> None:
     """What a GPU runs for a lone request of a small model (``use_gemv_decode``): each layer
     as Triton GEMVs with the norms, SiLU and residual adds inside, through the padded graph
