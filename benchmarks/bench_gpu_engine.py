@@ -109,6 +109,21 @@ def probe_model(shape: str) -> Path:
     return model
 
 
+def probe_engine(args: argparse.Namespace) -> tuple[EngineCore, ModelConfig, SamplingParams]:
+    """A device probe's engine for ``probe_args``, built as the benchmark builds it, and the
+    workload's sampling parameters."""
+    model = probe_model(args.shape)
+    mc = ModelConfig.from_path(model)
+    core = engine(model, args, max_num_seqs=args.batch)
+    return core, mc, SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+
+
+def warm_up(core: EngineCore, mc: ModelConfig, params: SamplingParams) -> None:
+    """What the benchmark runs before its measured run: four 32-token prompts."""
+    batch = core.config.max_num_seqs
+    run_all(core, random_prompts(min(4, batch), 32, mc.vocab_size, seed=9), params)
+
+
 def run_all(core: EngineCore, prompts: list[list[int]], params: SamplingParams) -> dict[str, Any]:
     """Add every prompt, step until done; tokens per request and step timings."""
     for i, p in enumerate(prompts):
@@ -306,7 +321,7 @@ def bench_baton(name: str, model: Path, args: argparse.Namespace) -> None:
         batch_prompts = prompts[:1] if max_seqs == 1 else prompts
         core = engine(model, args, max_num_seqs=max_seqs, async_scheduling=async_scheduling)
         name_mode = f"{name}{'' if async_scheduling else ' (sync)'}"
-        run_all(core, random_prompts(min(4, max_seqs), 32, mc.vocab_size, seed=9), params)  # warm
+        warm_up(core, mc, params)
         r = run_all(core, batch_prompts, params)
         n_out = sum(len(t) for t in r["tokens"].values())
         steps = [dt for b, dt in r["decode_steps"] if b == max_seqs] or [

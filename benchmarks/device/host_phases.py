@@ -21,11 +21,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench_gpu_engine import engine, probe_args, probe_model, random_prompts
+from bench_gpu_engine import probe_args, probe_engine, random_prompts
 
 import baton_engine.runner.model_runner as mr
-from baton_engine.config import ModelConfig
-from baton_engine.sampling_params import SamplingParams
 
 TIMES: dict[str, list[float]] = {}
 
@@ -45,10 +43,7 @@ def timed(obj: Any, name: str, label: str | None = None) -> None:
 
 def main() -> int:
     args = probe_args(__doc__).parse_args()
-    model = probe_model(args.shape)
-    mc = ModelConfig.from_path(model)
-    core = engine(model, args, max_num_seqs=args.batch)
-    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    core, mc, params = probe_engine(args)
     for rnd in range(2):
         for i, prompt in enumerate(random_prompts(args.batch, args.prompt_len, mc.vocab_size, rnd)):
             core.add_request(f"{rnd}-{i}", prompt, params)

@@ -23,10 +23,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench_gpu_engine import engine, probe_args, probe_model, random_prompts
+from bench_gpu_engine import probe_args, probe_engine, random_prompts
 
-from baton_engine.config import ModelConfig
-from baton_engine.sampling_params import SamplingParams
 from baton_kernels import fused
 from baton_kernels.attention import KVCacheView
 from baton_kernels.triton.decode_attention import decode_attention
@@ -101,10 +99,7 @@ def main() -> int:
     launch_costs(args.device, 2000 if args.device == "cuda" else 2)
     if args.device != "cuda":  # a smoke run of the first part (TRITON_INTERPRET=1)
         return 0
-    model = probe_model(args.shape)
-    mc = ModelConfig.from_path(model)
-    core = engine(model, args, max_num_seqs=args.batch)
-    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    core, mc, params = probe_engine(args)
     for rnd in range(2):
         stats0 = torch.cuda.memory_stats()
         for i, prompt in enumerate(random_prompts(args.num_prompts, args.prompt_len,

@@ -29,10 +29,9 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench_gpu_engine import engine, probe_args, probe_model, random_prompts
+from bench_gpu_engine import probe_args, probe_engine, random_prompts, warm_up
 
 import baton_engine.runner.model_runner as mr
-from baton_engine.config import ModelConfig
 from baton_engine.core.engine_core import EngineCore
 from baton_engine.sampling_params import SamplingParams
 
@@ -210,14 +209,8 @@ def main() -> int:
     p.add_argument("--runs", type=int, default=2)
     p.add_argument("--output-json", type=Path, default=None)
     args = p.parse_args()
-    model = probe_model(args.shape)
-    mc = ModelConfig.from_path(model)
-    core = engine(model, args, max_num_seqs=args.batch)
-    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-    for i, prompt in enumerate(random_prompts(min(4, args.batch), 32, mc.vocab_size, seed=9)):
-        core.add_request(f"warm-{i}", prompt, params)  # as bench_gpu_engine.py warms up
-    while core.has_unfinished_requests():
-        core.step()
+    core, mc, params = probe_engine(args)
+    warm_up(core, mc, params)  # as bench_gpu_engine.py does
     rec = Recorder(core, args.device == "cuda")
     out = [
         run(core, rec, random_prompts(args.num_prompts, args.prompt_len, mc.vocab_size, seed=k),

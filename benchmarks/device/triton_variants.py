@@ -18,15 +18,13 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench_gpu_engine import engine, probe_args, probe_model, random_prompts
+from bench_gpu_engine import probe_args, probe_engine, random_prompts, warm_up
 
 import baton_kernels.triton.decode_attention as da
 import baton_kernels.triton.fused_ops as fo
 import baton_kernels.triton.gemv as gv
 import baton_kernels.triton.kv_write as kw
 import baton_kernels.triton.paged_attention as pa
-from baton_engine.config import ModelConfig
-from baton_engine.sampling_params import SamplingParams
 
 
 def kernels() -> dict[str, Any]:
@@ -51,14 +49,8 @@ def counts(ks: dict[str, Any]) -> str:
 
 def main() -> int:
     args = probe_args(__doc__).parse_args()
-    model = probe_model(args.shape)
-    mc = ModelConfig.from_path(model)
-    core = engine(model, args, max_num_seqs=args.batch)
-    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-    for i, prompt in enumerate(random_prompts(min(4, args.batch), 32, mc.vocab_size, seed=9)):
-        core.add_request(f"warm-{i}", prompt, params)
-    while core.has_unfinished_requests():
-        core.step()
+    core, mc, params = probe_engine(args)
+    warm_up(core, mc, params)  # as bench_gpu_engine.py does
     ks = kernels()
     print(f"after start-up and warm-up: {counts(ks)}")
     for rnd in range(2):

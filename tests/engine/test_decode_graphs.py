@@ -18,6 +18,7 @@ pytest.importorskip("triton")
 
 from baton_engine.config import EngineConfig
 from baton_engine.core.engine_core import EngineCore
+from baton_engine.runner.cuda_graphs import PieceGraphs
 from baton_engine.sampling_params import SamplingParams
 
 TINY_LLAMA = {
@@ -110,14 +111,9 @@ def test_padded_decode_path_with_async_scheduling(tmp_path: Path) -> None:
     assert graphs is not None and graphs.num_steps.get(8, 0) >= 8
 
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_prompt_steps_run_piecewise_through_padded_buffers(tmp_path: Path, fused: bool) -> None:
-    """What a GPU runs for every step that is not decode-only (``PieceGraphs``): the layers
-    between two attentions from static buffers padded to a captured token count, attention
-    eagerly on the real rows. With a 32-token budget the prompts are chunked and mixed with
-    decodes; the greedy tokens equal the reference backend's, eager and unpadded. With the
-    torch ops (``fused=False``) the residual stream is a new tensor in each piece and is
-    copied back; the fused norm updates it in place."""
+def run_pieces_against_reference(tmp_path: Path, fused: bool) -> PieceGraphs:
+    """The engine with ``PieceGraphs`` (eager, padded) and a 32-token budget, whose greedy
+    tokens must equal the reference backend's, eager and unpadded: its pieces."""
     (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
     want, _ = run(tmp_path, "torch", graphs=False, max_num_batched_tokens=32)
     got, core = run(
@@ -125,8 +121,19 @@ def test_prompt_steps_run_piecewise_through_padded_buffers(tmp_path: Path, fused
         max_num_batched_tokens=32,
     )  # fmt: skip
     assert got == want
-    pieces = core.runner.pieces
-    assert pieces is not None and pieces.sizes == [16, 32]
+    assert core.runner.pieces is not None
+    return core.runner.pieces
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_prompt_steps_run_piecewise_through_padded_buffers(tmp_path: Path, fused: bool) -> None:
+    """What a GPU runs for every step that is not decode-only (``PieceGraphs``): the layers
+    between two attentions from static buffers padded to a captured token count, attention
+    eagerly on the real rows. With a 32-token budget the prompts are chunked and mixed with
+    decodes. With the torch ops (``fused=False``) the residual stream is a new tensor in each
+    piece and is copied back; the fused norm updates it in place."""
+    pieces = run_pieces_against_reference(tmp_path, fused)
+    assert pieces.sizes == [16, 32]
     # 105 prompt tokens and the decodes mixed in: three full steps, the last (18 tokens)
     # padded to 32
     assert pieces.num_steps.get(32, 0) >= 4
@@ -135,21 +142,14 @@ def test_prompt_steps_run_piecewise_through_padded_buffers(tmp_path: Path, fused
 def test_steps_beyond_the_largest_piece_size_run_eagerly(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Pieces are captured up to ``PIECE_MAX_TOKENS``; a larger step runs the model's eager
-    forward, a smaller one the padded pieces, in the same engine."""
+    """Pieces are captured up to ``PIECE_MAX_TOKENS``; a step of more tokens runs the model's
+    eager forward. Here every step with prompt tokens has more than 16."""
     from baton_engine.runner import cuda_graphs
 
     monkeypatch.setattr(cuda_graphs, "PIECE_MAX_TOKENS", 16)
-    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
-    want, _ = run(tmp_path, "torch", graphs=False, max_num_batched_tokens=32)
-    got, core = run(
-        tmp_path, "triton", graphs=True, async_scheduling=True, fused=True, pieces=True,
-        max_num_batched_tokens=32,
-    )  # fmt: skip
-    assert got == want
-    pieces = core.runner.pieces
-    assert pieces is not None and pieces.sizes == [16]
-    assert sum(pieces.num_steps.values()) == 0  # every step with prompt tokens had 18 or more
+    pieces = run_pieces_against_reference(tmp_path, fused=True)
+    assert pieces.sizes == [16]
+    assert sum(pieces.num_steps.values()) == 0
 
 
 def test_one_request_decode_runs_the_fused_gemv_layers(tmp_path: Path) -> None:
