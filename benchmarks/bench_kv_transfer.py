@@ -1,6 +1,7 @@
 """KV transfer bandwidth between two processes on this machine.
 
-Moves 64 MiB of KV (256 blocks of 256 KiB, scattered ids on both sides) from a source process
+Moves 64 MiB of KV (256 blocks of 256 KiB, scattered ids on both sides; ``--layers 32``: 512 MiB
+in Llama-3.1-8B's 2 MiB blocks) from a source process
 (``KVTransferSource`` on a loopback gRPC server) into the benchmark process's pool with
 ``KVTransferSink.pull`` (handshake excluded, lease RPCs included), over:
 
@@ -45,11 +46,13 @@ import grpc
 import numpy as np
 import torch
 
-from baton_kvtransfer import KVTransferSink, KVTransferSource, LeaseTable, compat_hash
+from baton_kvtransfer import KVTransferSink, KVTransferSource, LeaseTable, compat_hash, nixl_agent
 
 NUM_POOL_BLOCKS = 512  # per side; 256 of them move
 NUM_BLOCKS = 256
-BLOCK_SHAPE = (4, 2, 16, 8, 128)  # layers, K/V, block_size, kv_heads, head_dim: 256 KiB in bf16
+# layers, K/V, block_size, kv_heads, head_dim: 256 KiB in bf16; --layers 32 makes Llama-3.1-8B's
+# 2 MiB blocks (spawned children see the setting through the environment)
+BLOCK_SHAPE = (int(os.environ.get("BENCH_KV_LAYERS", "4")), 2, 16, 8, 128)
 DTYPE = torch.bfloat16
 COMPAT = compat_hash("bench", "bfloat16", 16, "blocks,layers,kv,block_size,kv_heads,dim")
 MODES = ("nixl", "nixl-tcp", "nixl-alldev", "grpc", "shm", "copy")
@@ -285,10 +288,24 @@ def main() -> None:
         default=0.0,
         help="size of each side's registered pool (default: just the 512 blocks, 128 MiB)",
     )
+    p.add_argument("--layers", type=int, default=4, help="layers per block (4: 256 KiB blocks)")
+    p.add_argument(
+        "--spin-ms",
+        type=float,
+        default=None,
+        help="the sink's NIXL poll: spin this long before sleeping between checks\n"
+        "(default: the library's)",
+    )
     args = p.parse_args()
-    if args.contiguous and os.environ.get("BENCH_KV_CONTIGUOUS") != "1":
-        os.environ["BENCH_KV_CONTIGUOUS"] = "1"  # the ids are set at import: start again
+    wanted = {
+        "BENCH_KV_CONTIGUOUS": "1" if args.contiguous else "",
+        "BENCH_KV_LAYERS": str(args.layers),
+    }
+    if any(os.environ.get(k, "") != v for k, v in wanted.items()):
+        os.environ.update(wanted)  # the shapes and ids are set at import: start again
         os.execv(sys.executable, [sys.executable, *sys.argv])
+    if args.spin_ms is not None:
+        nixl_agent.SPIN_S = args.spin_ms / 1000
     src_dev, _, dst_dev = args.devices.partition(",")
     devices = (src_dev, dst_dev or src_dev)
     extra_env = dict(kv.split("=", 1) for kv in args.env)
@@ -316,7 +333,11 @@ def main() -> None:
         }
         print(f"{mode}: done", flush=True)
     layout = "contiguous" if args.contiguous else "scattered"
-    print(f"\n{num_bytes / 2**20:.0f} MiB in {NUM_BLOCKS} {layout} blocks, {args.reps} reps")
+    print(
+        f"\n{num_bytes / 2**20:.0f} MiB in {NUM_BLOCKS} {layout} blocks of "
+        f"{num_bytes // NUM_BLOCKS >> 10} KiB, {args.reps} reps; NIXL poll spin "
+        f"{nixl_agent.SPIN_S * 1000:.1f} ms"
+    )
     print("(a pull: from its slot to the release, the lease RPCs included; read: the bytes alone)")
     print(
         f"{'mode':<11} {'median GB/s':>12} {'best GB/s':>10} {'median ms':>10} "
