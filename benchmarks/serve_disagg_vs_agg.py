@@ -340,7 +340,7 @@ def run_mode(
 # --- the report -----------------------------------------------------------------------------------
 
 
-def _metric(delta: dict[MetricKey, float], name: str, **match: str) -> dict[str, float]:
+def metric_by_labels(delta: dict[MetricKey, float], name: str, **match: str) -> dict[str, float]:
     """``name``'s samples whose labels include ``match``, by their remaining labels."""
     out: dict[str, float] = {}
     for (n, labels), v in delta.items():
@@ -351,30 +351,31 @@ def _metric(delta: dict[MetricKey, float], name: str, **match: str) -> dict[str,
     return out
 
 
+def kv_pull_stats(delta: dict[MetricKey, float], roles: dict[str, str]) -> dict[str, float]:
+    """KV pulled by the decode worker(s) over a metrics delta: count, seconds, bytes."""
+    names = {
+        "count": "baton:kv_transfer_seconds_count",
+        "seconds": "baton:kv_transfer_seconds_sum",
+        "read_seconds": "baton:kv_transfer_read_seconds_sum",
+        "bytes": "baton:kv_transfer_bytes_total",
+    }
+    out = dict.fromkeys(names, 0.0)
+    for addr, role in roles.items():
+        if role == "decode":
+            for key, name in names.items():
+                out[key] += sum(metric_by_labels(delta, name, worker=addr).values())
+    return out
+
+
 def transfer_stats(r: ModeResult) -> dict[str, float]:
     """KV pulled by the decode worker(s) during the timed run: count, seconds, bytes."""
-    count = sum_s = read_s = num_bytes = 0.0
-    for addr, role in r.roles.items():
-        if role != "decode":
-            continue
-        count += sum(
-            _metric(r.metrics_delta, "baton:kv_transfer_seconds_count", worker=addr).values()
-        )
-        sum_s += sum(
-            _metric(r.metrics_delta, "baton:kv_transfer_seconds_sum", worker=addr).values()
-        )
-        read_s += sum(
-            _metric(r.metrics_delta, "baton:kv_transfer_read_seconds_sum", worker=addr).values()
-        )
-        num_bytes += sum(
-            _metric(r.metrics_delta, "baton:kv_transfer_bytes_total", worker=addr).values()
-        )
-    return {"count": count, "seconds": sum_s, "read_seconds": read_s, "bytes": num_bytes}
+    return kv_pull_stats(r.metrics_delta, r.roles)
 
 
-def decisions(r: ModeResult) -> dict[str, int]:
+def decisions(delta: dict[MetricKey, float]) -> dict[str, int]:
+    """The gateway's routing decisions (``baton:disagg_decisions_total``) over a metrics delta."""
     out: dict[str, int] = {}
-    for (n, labels), v in r.metrics_delta.items():
+    for (n, labels), v in delta.items():
         if n == "baton:disagg_decisions_total" and v:
             decision = dict(labels).get("decision", "?")
             out[decision] = out.get(decision, 0) + round(v)
@@ -440,7 +441,7 @@ def report(results: list[ModeResult], args: argparse.Namespace) -> dict[str, Any
     summary: dict[str, Any] = {"rows": rows, "runs": []}
     for r in results:
         t = transfer_stats(r)
-        d = decisions(r)
+        d = decisions(r.metrics_delta)
         mean_ms = 1000 * t["seconds"] / t["count"] if t["count"] else 0.0
         gbps = t["bytes"] / t["seconds"] / 1e9 if t["seconds"] else 0.0
         read_ms = 1000 * t["read_seconds"] / t["count"] if t["count"] else 0.0

@@ -6,6 +6,12 @@
 #   3. serve_disagg_vs_agg.py with the default model's shape (dummy weights) on the GPUs:
 #      aggregated (one GPU), two aggregated replicas (one GPU each), disaggregated with NIXL
 #      (prefill on GPU 0, decode on GPU 1) and with the gRPC transfer
+#   4. "kv": KV transfer GPU 0 -> GPU 1, NIXL against the peer copy (bench_kv_transfer.py): the
+#      default model's 256 KiB blocks and Llama-3.1-8B's 2 MiB blocks, scattered and contiguous,
+#      and the 2 MiB scattered case again without the poll's spin
+#   5. "goodput": serve_goodput.py on the Llama-3.1-8B shape (dummy weights, the default model's
+#      tokenizer; make_model_dir.py --shape): 4,000-token prompts, 200 output tokens, Poisson
+#      rates, disaggregated (NIXL) against two aggregated replicas
 # Output under ${OUT:-benchmarks/out/device}.
 #
 #     bash benchmarks/device/gpu_serving.sh [STAGES]   (default: "machine tests serve")
@@ -44,8 +50,9 @@ PY
 fi
 
 if [[ $stages == *tests* ]]; then
-    timeout 300 python3 -m pytest -m gpu tests/gpu/test_engine_gpu.py -q -x -p no:cacheprovider \
-        2>&1 | tail -15
+    BATON_TEST_MODEL=$model timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -m gpu -q -x \
+        -p no:cacheprovider ${TESTS:-tests/gpu/test_engine_gpu.py tests/gpu/test_disagg_gpu.py} \
+        2>&1 | grep -v 'NIXL INFO' | tail -15
 fi
 
 if [[ $stages == *serve* ]]; then
@@ -56,4 +63,24 @@ if [[ $stages == *serve* ]]; then
         --max-concurrency ${CONC:-8} --output-len ${OUT_LEN:-128} --max-model-len 8192 \
         --ready-timeout 240 --log-dir "$out/logs" --output-json "$out/disagg_vs_agg.json" \
         2>&1 | grep -v 'NIXL INFO'
+fi
+
+if [[ $stages == *kv* ]]; then
+    kv() { timeout 120 python3 benchmarks/bench_kv_transfer.py --devices cuda:0,cuda:1 --reps 7 \
+        --modes nixl,copy "$@" 2>&1 | grep -v 'NIXL INFO' | tail -6; }
+    kv --layers 4
+    kv --layers 4 --contiguous
+    kv --layers 32
+    kv --layers 32 --contiguous
+    kv --layers 32 --spin-ms 0
+fi
+
+if [[ $stages == *goodput* ]]; then
+    timeout ${GOODPUT_TIMEOUT:-540} python3 benchmarks/serve_goodput.py \
+        --model "${GOODPUT_MODEL:-.gpu/llama8b-shape}" \
+        --serve-args "--device cuda --gpus 0,1 --load-format dummy" \
+        --modes ${GOODPUT_MODES:-nixl,aggregated+dec2} --rates ${RATES:-2,4,6,8,10,12,14,16,20} \
+        --input-len 4000 --output-len 200 --seconds-per-rate ${SECONDS_PER_RATE:-6} \
+        --min-requests ${MIN_REQUESTS:-20} --max-model-len 8192 --ready-timeout 240 \
+        --log-dir "$out/goodput-logs" --output-json "$out/goodput.json" 2>&1 | grep -v 'NIXL INFO'
 fi

@@ -17,11 +17,13 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 import torch
 
@@ -30,6 +32,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
+_DISAGGREGATED = ("--kv-transfer", "nixl", "--remote-prefill-threshold", "0")
 _SERVING = re.compile(r"Baton is serving (\S+) at (http://\S+)/v1")
 _READY_TIMEOUT_S = 300.0
 
@@ -50,8 +53,9 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def _serve(log: Path, *args: str) -> Iterator[tuple[str, str]]:
-    """Run ``baton serve`` on the GPUs; yield (model id, base URL); stop it (SIGTERM, wait)."""
+def _serve(log: Path, *args: str) -> Iterator[tuple[str, str, int]]:
+    """Run ``baton serve`` on the GPUs; yield (model id, base URL, its pid); stop it (SIGTERM,
+    wait)."""
     cmd = [
         sys.executable, "-m", "baton.cli", "serve", *_model_argv(), "--port", str(_free_port()),
         "--device", "cuda", "--gpus", _gpus(), "--dtype", "float32", "--max-model-len", "1024",
@@ -67,7 +71,7 @@ def _serve(log: Path, *args: str) -> Iterator[tuple[str, str]]:
             assert proc.poll() is None, f"baton serve exited:\n{log.read_text()[-4000:]}"
             assert time.monotonic() < deadline, f"not serving:\n{log.read_text()[-4000:]}"
             time.sleep(0.5)
-        yield m.group(1), m.group(2)
+        yield m.group(1), m.group(2), proc.pid
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)
@@ -109,11 +113,46 @@ def _pulled_blocks(base: str) -> float:
 def test_disaggregated_equals_aggregated_on_gpus(tmp_path: Path) -> None:
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(100, 40000, (n,), generator=g).tolist() for n in (40, 100, 300, 17)]
-    with _serve(tmp_path / "aggregated.log", "--mode", "aggregated") as (model, base):
+    with _serve(tmp_path / "aggregated.log", "--mode", "aggregated") as (model, base, _):
         want = _complete(model, base, prompts)
-    disaggregated = ("--kv-transfer", "nixl", "--remote-prefill-threshold", "0")
-    with _serve(tmp_path / "disaggregated.log", *disaggregated) as (model, base):
+    with _serve(tmp_path / "disaggregated.log", *_DISAGGREGATED) as (model, base, _):
         got = _complete(model, base, prompts)
         pulled = _pulled_blocks(base)
     assert got == want
     assert pulled >= sum(n // 16 for n in (40, 100, 300, 17)), "the KV was not pulled"
+
+
+def _service_pid(serve_pid: int, kind: str) -> int:
+    """The pid of ``baton serve``'s child running ``baton.cli KIND``."""
+    for p in psutil.Process(serve_pid).children(recursive=True):
+        cmd = p.cmdline()
+        if "baton.cli" in cmd and kind in cmd:
+            return int(p.pid)
+    raise AssertionError(f"no {kind} process under baton serve")
+
+
+def test_prefill_worker_killed_on_gpus_costs_no_request(tmp_path: Path) -> None:
+    """SIGKILL to the prefill worker while requests keep coming: each one still completes with
+    the aggregated stack's tokens (the gateway prefills on the decode worker meanwhile, and
+    ``baton serve`` restarts the prefill worker)."""
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(100, 40000, (int(n),), generator=g).tolist()
+               for n in torch.randint(200, 600, (24,), generator=g)]  # fmt: skip
+    with _serve(tmp_path / "aggregated.log", "--mode", "aggregated") as (model, base, _):
+        want = _complete(model, base, prompts)
+    log = tmp_path / "disaggregated.log"
+    with _serve(log, *_DISAGGREGATED) as (model, base, serve_pid):
+        assert _complete(model, base, prompts[:2]) == want[:2]
+        assert _pulled_blocks(base) > 0, "the KV was not pulled"
+        prefill = _service_pid(serve_pid, "prefill")
+        # One request at a time (every forward pass shaped as in the aggregated run), the kill
+        # landing while they run.
+        killer = threading.Timer(0.2, os.kill, (prefill, signal.SIGKILL))
+        killer.start()
+        try:
+            got = _complete(model, base, prompts[2:])
+        finally:
+            killer.cancel()
+        assert not psutil.pid_exists(prefill) or psutil.Process(prefill).status() == "zombie"
+        assert "prefill exited with status" in log.read_text(errors="replace")
+    assert got == want[2:]
