@@ -43,10 +43,17 @@ def http(baton_server: Any) -> Iterator[httpx.Client]:
         yield c
 
 
-def _wait_for(predicate: Callable[[], bool], timeout_s: float = 15.0) -> None:
+def _wait_for(
+    predicate: Callable[[], bool],
+    timeout_s: float = 15.0,
+    observe: Callable[[], object] | None = None,
+) -> None:
+    """Poll ``predicate`` until it holds; on timeout fail with what ``observe`` sees then."""
     deadline = time.monotonic() + timeout_s
     while not predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
+        if time.monotonic() >= deadline:
+            seen = f": {observe()!r}" if observe is not None else ""
+            raise AssertionError(f"condition not met in {timeout_s} s{seen}")
         time.sleep(0.1)
 
 
@@ -424,6 +431,15 @@ def test_disconnect_mid_stream_cancels_on_the_worker(
     worker = baton_server.decode_addr
     assert worker
     cancelled_before = sum(_metric(http, "baton:gateway_requests_total", status="cancelled"))
+
+    def running() -> list[float]:
+        return _metric(http, "baton:num_requests_running", worker=worker)
+
+    def worker_state() -> dict[str, list[float]]:
+        """What the gateway's /metrics says of the worker (failures show it when they wait)."""
+        names = ("num_requests_running", "num_requests_waiting", "gateway_worker_metrics_up")
+        return {n: _metric(http, f"baton:{n}", worker=worker) for n in names}
+
     body = {
         "model": MODEL,
         "messages": STORY,
@@ -440,9 +456,9 @@ def test_disconnect_mid_stream_cancels_on_the_worker(
             if len(chunks) >= 4:
                 break
         assert all(c["object"] == "chat.completion.chunk" for c in chunks)
-        _wait_for(lambda: _metric(http, "baton:num_requests_running", worker=worker) == [1.0])
+        _wait_for(lambda: running() == [1.0], observe=worker_state)
     # 400 tokens take many seconds; the worker must drop the request well before that.
-    _wait_for(lambda: _metric(http, "baton:num_requests_running", worker=worker) == [0.0], 6)
+    _wait_for(lambda: running() == [0.0], 6, observe=worker_state)
     _wait_for(
         lambda: (
             sum(_metric(http, "baton:gateway_requests_total", status="cancelled"))
@@ -453,7 +469,7 @@ def test_disconnect_mid_stream_cancels_on_the_worker(
     # The same for a non-streamed request whose client gives up waiting.
     with pytest.raises(httpx.ReadTimeout):
         http.post("/v1/chat/completions", json={**body, "stream": False}, timeout=1.5)
-    _wait_for(lambda: _metric(http, "baton:num_requests_running", worker=worker) == [0.0], 6)
+    _wait_for(lambda: running() == [0.0], 6, observe=worker_state)
     ok = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=4)
     assert ok.choices[0].message.content
 
