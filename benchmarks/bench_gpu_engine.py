@@ -39,7 +39,11 @@ from baton_engine.core.engine_core import EngineCore
 from baton_engine.sampling_params import SamplingParams
 
 CONFIGS = Path(__file__).parent / "configs"
-SHAPES = {"qwen": CONFIGS / "qwen2.5-0.5b", "llama": CONFIGS / "llama-3.1-8b"}
+SHAPES = {
+    "qwen": CONFIGS / "qwen2.5-0.5b",
+    "llama": CONFIGS / "llama-3.1-8b",
+    "llama70b": CONFIGS / "llama-3.1-70b",  # tensor parallelism only (device/tp_probe.py)
+}
 COPY_BANDWIDTH = 4.28e12  # bytes/s, device-to-device copy on the H200 (read + write counted)
 TINY = {
     "architectures": ["Qwen2ForCausalLM"],
@@ -109,12 +113,14 @@ def probe_model(shape: str) -> Path:
     return model
 
 
-def probe_engine(args: argparse.Namespace) -> tuple[EngineCore, ModelConfig, SamplingParams]:
-    """A device probe's engine for ``probe_args``, built as the benchmark builds it, and the
-    workload's sampling parameters."""
+def probe_engine(
+    args: argparse.Namespace, **engine_args: Any
+) -> tuple[EngineCore, ModelConfig, SamplingParams]:
+    """A device probe's engine for ``probe_args``, built as the benchmark builds it (with
+    ``engine_args`` on top), and the workload's sampling parameters."""
     model = probe_model(args.shape)
     mc = ModelConfig.from_path(model)
-    core = engine(model, args, max_num_seqs=args.batch)
+    core = engine(model, args, max_num_seqs=args.batch, **engine_args)
     return core, mc, SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
 
 

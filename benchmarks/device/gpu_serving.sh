@@ -12,6 +12,8 @@
 #   5. "goodput": serve_goodput.py on the Llama-3.1-8B shape (dummy weights, the default model's
 #      tokenizer; make_model_dir.py --shape): 4,000-token prompts, 200 output tokens, Poisson
 #      rates, disaggregated (NIXL) against two aggregated replicas
+#   6. "tp": tensor parallelism on the two GPUs: tests/gpu/test_tensor_parallel_gpu.py, then
+#      device/tp_probe.py on Llama-3.1-8B's shape at 1 and 2 GPUs and Llama-3.1-70B's at 2
 # Output under ${OUT:-benchmarks/out/device}.
 #
 #     bash benchmarks/device/gpu_serving.sh [STAGES]   (default: "machine tests serve")
@@ -83,4 +85,15 @@ if [[ $stages == *goodput* ]]; then
         --input-len 4000 --output-len 200 --seconds-per-rate ${SECONDS_PER_RATE:-6} \
         --min-requests ${MIN_REQUESTS:-20} --max-model-len 8192 --ready-timeout 240 \
         --log-dir "$out/goodput-logs" --output-json "$out/goodput.json" 2>&1 | grep -v 'NIXL INFO'
+fi
+
+if [[ $stages == *tp* ]]; then
+    BATON_TEST_MODEL=$model timeout 300 python3 -m pytest -m gpu -q -x -p no:cacheprovider \
+        tests/gpu/test_tensor_parallel_gpu.py 2>&1 | tail -15
+    probe() { timeout 300 python3 benchmarks/device/tp_probe.py --num-prompts 64 --batch 64 "$@" \
+        > "$out/tp_probe.log" 2>&1; local rc=$?; grep -E " tp=" "$out/tp_probe.log" \
+        || tail -25 "$out/tp_probe.log"; return $rc; }
+    probe --shape llama --tp 1
+    probe --shape llama --tp 2 || probe --shape llama --tp 2 --enforce-eager
+    probe --shape llama70b --tp 2
 fi

@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
 import psutil
 import pytest
+from tiny_models import build_model
+
+from baton import LLM, SamplingParams
 
 pytestmark = pytest.mark.integration
 
@@ -82,3 +88,49 @@ def test_dead_worker_is_restarted_and_dead_gateway_stops_serve(serve_launcher: A
         _, survivors = serve_launcher.stop(server, signal.SIGTERM)
     assert not survivors, f"left behind: {survivors}"
     assert not any(p.is_running() for p in services.values())
+
+
+def test_tensor_parallel_serve_answers_as_one_process(
+    serve_launcher: Any, default_model_dir: Path, tmp_path: Path
+) -> None:
+    """``baton serve MODEL --tensor-parallel-size 2`` (aggregated by default then): the decode
+    worker runs rank 1 as a helper process, the greedy text equals the offline engine's in one
+    process, and stopping the stack leaves no process behind."""
+    build_model("qwen2", default_model_dir, tmp_path)
+    prompt = [10 + i for i in range(37)]
+    llm = LLM(str(tmp_path), dtype="float32", max_model_len=512, kv_cache_memory=1 << 24)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    want = llm.generate([{"prompt_token_ids": prompt}], params)[0].outputs[0].text
+    server = serve_launcher.start(
+        [str(tmp_path), "--tensor-parallel-size", "2", "--dtype", "float32"]
+    )
+    try:
+        services = _services(server)
+        assert sorted(services) == ["decode", "gateway"], server.output()
+        helpers = [
+            p
+            for p in services["decode"].children(recursive=True)
+            if any("spawn_main" in part for part in p.cmdline())
+        ]
+        assert len(helpers) == 1, helpers
+        resp = httpx.post(
+            f"{server.base_url}/completions",
+            json={"prompt": prompt, "max_tokens": 10, "temperature": 0.0, "ignore_eos": True},
+            timeout=60,
+        )
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["choices"][0]["text"] == want
+    finally:
+        _, survivors = serve_launcher.stop(server, signal.SIGTERM)
+    assert not survivors, f"left behind: {survivors}"
+    assert not any(p.is_running() for p in helpers)
+
+
+def test_tensor_parallel_refuses_disaggregated_mode(serve_launcher: Any) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "baton.cli", "serve", "--tensor-parallel-size", "2",
+         "--mode", "disaggregated"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode != 0
+    assert "runs --mode aggregated only" in proc.stdout + proc.stderr

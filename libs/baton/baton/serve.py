@@ -68,9 +68,9 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument(
         "--mode",
         choices=("aggregated", "disaggregated"),
-        default="disaggregated",
-        help="disaggregated: kvstore + prefill and decode workers; aggregated: decode workers "
-        "that prefill locally",
+        default=None,
+        help="disaggregated (the default): kvstore + prefill and decode workers; aggregated: "
+        "decode workers that prefill locally (the default with --tensor-parallel-size > 1)",
     )
     p.add_argument("--num-prefill", type=int, default=1, help="prefill workers (disaggregated)")
     p.add_argument("--num-decode", type=int, default=1, help="decode workers")
@@ -262,7 +262,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         gpus = _gpu_ids(args)
         workers = [label for kind, label, _ in plan if kind in ("prefill", "decode")]
         children = [
-            start_child(kind, label, argv, {**env, **_gpu_env(gpus, workers, label)})
+            start_child(
+                kind,
+                label,
+                argv,
+                {**env, **_gpu_env(gpus, workers, label, args.tensor_parallel_size)},
+            )
             for kind, label, argv in plan
         ]
         for child in children:
@@ -295,15 +300,37 @@ def _gpu_ids(args: argparse.Namespace) -> list[str]:
     return [g.strip() for g in listed.split(",") if g.strip()]
 
 
-def _gpu_env(gpus: list[str], workers: list[str], label: str) -> dict[str, str]:
-    """Worker ``label``'s own GPU (workers in plan order, round robin over ``gpus``)."""
+def resolve_mode(args: argparse.Namespace) -> None:
+    """Fill in ``args.mode``: disaggregated, but aggregated with tensor parallelism, whose
+    sharded KV pools the KV transfer does not move (an explicit disaggregated mode is refused
+    then)."""
+    from baton_engine.errors import InvalidRequestError
+
+    tp = getattr(args, "tensor_parallel_size", 1)
+    if args.mode is None:
+        args.mode = "aggregated" if tp > 1 else "disaggregated"
+    elif args.mode == "disaggregated" and tp > 1:
+        raise InvalidRequestError(
+            "--tensor-parallel-size > 1 runs --mode aggregated only: the KV transfer between "
+            "prefill and decode workers does not move tensor-parallel (sharded) KV caches"
+        )
+
+
+def _gpu_env(
+    gpus: list[str], workers: list[str], label: str, per_worker: int = 1
+) -> dict[str, str]:
+    """Worker ``label``'s own ``per_worker`` GPUs (workers in plan order, round robin over
+    ``gpus``)."""
     if not gpus or label not in workers:
         return {}
-    return {**_GPU_ENV, "CUDA_VISIBLE_DEVICES": gpus[workers.index(label) % len(gpus)]}
+    first = workers.index(label) * per_worker
+    mine = [gpus[(first + k) % len(gpus)] for k in range(per_worker)]
+    return {**_GPU_ENV, "CUDA_VISIBLE_DEVICES": ",".join(mine)}
 
 
 def _plan(args: argparse.Namespace, name: str) -> list[tuple[str, str, list[str]]]:
     """(kind, label, argv) of every child: the command lines a container would run."""
+    resolve_mode(args)
     model_argv = [] if args.model is None else [args.model]
     disaggregated = args.mode == "disaggregated"
     num_prefill = args.num_prefill if disaggregated else 0

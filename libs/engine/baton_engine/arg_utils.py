@@ -28,7 +28,12 @@ _HELP = {
     "for GPUs, off for CPUs)",
     "seed": "seed of the default random generator",
     "device": "cpu | cuda",
+    "tensor_parallel_size": "split the model's heads and MLP across this many processes (CPU "
+    "only for now: refused on GPUs until validated there)",
 }
+
+
+_ALIASES = {"tensor_parallel_size": ("-tp",)}  # vLLM's short forms
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -44,7 +49,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             )
         else:
             kind: Any = type(default) if default is not None else int
-            parser.add_argument(flag, type=kind, default=default, help=_HELP[f.name])
+            names = (flag, *_ALIASES.get(f.name, ()))
+            parser.add_argument(*names, type=kind, default=default, help=_HELP[f.name])
 
 
 def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:

@@ -151,6 +151,10 @@ class EngineConfig:
     async_scheduling: bool | None = None
     seed: int = 0
     device: str = "cpu"
+    # Split the model's heads and MLP across this many processes (ranks 1..N-1 are helper
+    # processes of the engine; gloo on CPUs; written for NCCL, one GPU each, but refused on GPUs
+    # until validated there).
+    tensor_parallel_size: int = 1
     usage_context: str = "offline"  # "offline" | "serving": picks defaults, as in vLLM
 
     def resolved_async_scheduling(self) -> bool:
@@ -166,7 +170,12 @@ class EngineConfig:
         return 8192
 
     def validate(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+        for name in (
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "block_size",
+            "tensor_parallel_size",
+        ):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise InvalidRequestError(f"{name} must be at least 1")

@@ -42,6 +42,11 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 
+    def shutdown(self) -> None:
+        """Stop the engine's helper processes (``tensor_parallel_size`` > 1; they also end
+        with this process)."""
+        self.engine.core.shutdown()
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],

@@ -324,6 +324,11 @@ def serve(engine_config: EngineConfig, config: WorkerConfig) -> int:
     """
     if config.role not in ("decode", "prefill"):
         raise InvalidRequestError(f"role must be decode or prefill, got {config.role!r}")
+    if config.role == "prefill" and engine_config.tensor_parallel_size > 1:
+        raise InvalidRequestError(
+            "a prefill worker runs with tensor_parallel_size 1: the KV transfer does not move "
+            "tensor-parallel (sharded) KV caches"
+        )
     if config.kvstore_address:
         engine_config = dataclasses.replace(engine_config, enable_kv_events=True)
     # Built (for seconds) before the event loop runs, on the thread that will step it.
@@ -346,7 +351,9 @@ def engine_compat_hash(core: EngineCore) -> bytes:
         model=f"{mc.architecture}/{mc.num_layers}x{mc.hidden_size}/{mc.vocab_size}",
         dtype=str(core.dtype),
         block_size=core.config.block_size,
-        layout=f"block-major/{tuple(core.kv_pool.shape[1:])}",
+        # A tensor-parallel pool holds rank 0's heads only: no peer may fill it (a decode
+        # worker with TP > 1 refuses every pull at the handshake and computes the prompt).
+        layout=f"block-major/{tuple(core.kv_pool.shape[1:])}/tp{core.config.tensor_parallel_size}",
     )
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from baton_engine import distributed
 from baton_engine.config import EngineConfig, ModelConfig, parse_dtype
 from baton_engine.core.outputs import EngineCoreOutput, KVLoad, SchedulerOutput
 from baton_engine.core.scheduler import Scheduler
@@ -19,6 +20,7 @@ from baton_engine.errors import InvalidRequestError, ModelLoadError
 from baton_engine.kv_cache import KVCacheManager
 from baton_engine.kv_cache.block_pool import KVCacheEvent
 from baton_engine.model_loader import iter_weights, resolve_model
+from baton_engine.models.llama import shard_config
 from baton_engine.request import Request, RequestStatus
 from baton_engine.runner.model_runner import ModelRunner, StepHandle
 from baton_engine.sampling_params import SamplingParams
@@ -54,59 +56,146 @@ def resolve_dtype(config: EngineConfig, model_config: ModelConfig) -> torch.dtyp
     return native
 
 
+@dataclass
+class RunnerSetup:
+    runner: ModelRunner
+    num_blocks: int  # of the KV cache
+    model_dir: Path
+    model_config: ModelConfig  # the whole model's (the runner holds its shard's)
+    max_model_len: int
+    dtype: torch.dtype
+
+
+def build_runner(config: EngineConfig, tp_rank: int = 0) -> RunnerSetup:
+    """Load the model (rank ``tp_rank``'s shard), size and allocate its KV cache, and prepare its
+    kernels and CUDA graphs. Every rank of a tensor-parallel engine runs this, in step: the
+    profiling pass, the graph captures and the KV sizing include collectives."""
+    start = time.perf_counter()
+    model_dir = resolve_model(config.model)
+    mc = ModelConfig.from_path(model_dir)
+    max_model_len = config.max_model_len or min(mc.max_position_embeddings, _DEFAULT_MAX_MODEL_LEN)
+    if max_model_len > mc.max_position_embeddings:
+        raise InvalidRequestError(
+            f"max_model_len {max_model_len} exceeds the model's "
+            f"max_position_embeddings {mc.max_position_embeddings}"
+        )
+    dtype = resolve_dtype(config, mc)
+    torch.manual_seed(config.seed)
+    tp_size = config.tensor_parallel_size
+    try:
+        runner = ModelRunner(
+            mc,
+            dtype=dtype,
+            device=distributed.device_for(config.device, tp_rank, tp_size),
+            block_size=config.block_size,
+            max_model_len=max_model_len,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.resolved_max_num_batched_tokens(),
+            attention_backend=config.attention_backend,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+        )
+    except ValueError as e:  # a model that does not split tensor_parallel_size ways
+        raise InvalidRequestError(str(e)) from e
+    if config.load_format == "dummy":
+        runner.load_dummy_weights(config.seed)
+    else:
+        try:
+            runner.load_weights(iter_weights(model_dir))
+        except ValueError as e:
+            raise ModelLoadError(f"cannot load weights from {model_dir}: {e}") from e
+    runner.finalize_weights()
+    if runner.device.type == "cuda" and not config.enforce_eager:
+        runner.enable_piece_graphs(capture=True)
+    num_blocks = _num_kv_blocks(config, runner, max_model_len)
+    runner.initialize_kv_cache(num_blocks)
+    if runner.device.type == "cuda":
+        runner.warmup_kernels()
+        graphs = runner.enable_decode_graphs(capture=not config.enforce_eager)
+        if not graphs and not config.enforce_eager:
+            logger.info("no CUDA graphs: the %s backend cannot be captured", runner.backend.name)
+    logger.info(
+        "KV cache: %d blocks, %d tokens (%s, %.1f s to load%s)",
+        num_blocks,
+        num_blocks * config.block_size,
+        dtype,
+        time.perf_counter() - start,
+        f"; each of {tp_size} ranks holds 1/{tp_size} of the heads" if tp_size > 1 else "",
+    )
+    return RunnerSetup(runner, num_blocks, model_dir, mc, max_model_len, dtype)
+
+
+def _num_kv_blocks(config: EngineConfig, runner: ModelRunner, max_model_len: int) -> int:
+    cfg = config
+    per_block = runner.kv_bytes_per_block()
+    if cfg.num_gpu_blocks_override is not None:
+        num_blocks = cfg.num_gpu_blocks_override
+    elif cfg.kv_cache_memory is not None:
+        num_blocks = cfg.kv_cache_memory // per_block
+    elif cfg.device.startswith("cuda"):
+        # Profile the largest step, then give the KV pool what the utilisation target
+        # leaves after everything in use now (weights, CUDA context) and that peak.
+        peak = runner.profile_peak_bytes()
+        free, total = torch.cuda.mem_get_info(runner.device)
+        used = total - free
+        budget = int(total * cfg.gpu_memory_utilization) - used - peak
+        num_blocks = max(0, budget) // per_block
+        logger.info(
+            "GPU memory: %.1f GiB total, %.1f GiB in use (weights and context), "
+            "%.2f GiB peak activations, %.1f GiB for the KV cache",
+            total / 2**30,
+            used / 2**30,
+            peak / 2**30,
+            max(0, budget) / 2**30,
+        )
+    else:
+        num_blocks = _DEFAULT_CPU_KV_BYTES // per_block
+    if cfg.tensor_parallel_size > 1:  # every rank holds the same blocks (its heads of them)
+        num_blocks = distributed.all_min(int(num_blocks), str(runner.device))
+    needed = -(max_model_len // -cfg.block_size)
+    if num_blocks < needed:
+        raise InvalidRequestError(
+            f"the KV cache holds {num_blocks} blocks ({num_blocks * cfg.block_size} tokens) "
+            f"but one request of max_model_len={max_model_len} needs {needed}; "
+            "give it more memory (kv_cache_memory) or lower max_model_len"
+        )
+    return int(num_blocks)
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         config.validate()
         self.config = config
-        start = time.perf_counter()
-        self.model_dir: Path = resolve_model(config.model)
-        self.model_config = ModelConfig.from_path(self.model_dir)
-        mc = self.model_config
-        self.max_model_len = config.max_model_len or min(
-            mc.max_position_embeddings, _DEFAULT_MAX_MODEL_LEN
-        )
-        if self.max_model_len > mc.max_position_embeddings:
-            raise InvalidRequestError(
-                f"max_model_len {self.max_model_len} exceeds the model's "
-                f"max_position_embeddings {mc.max_position_embeddings}"
-            )
-        self.dtype = resolve_dtype(config, mc)
-        torch.manual_seed(config.seed)
-        self.runner = ModelRunner(
-            mc,
-            dtype=self.dtype,
-            device=config.device,
-            block_size=config.block_size,
-            max_model_len=self.max_model_len,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.resolved_max_num_batched_tokens(),
-            attention_backend=config.attention_backend,
-        )
-        if config.load_format == "dummy":
-            self.runner.load_dummy_weights(config.seed)
-        else:
-            try:
-                self.runner.load_weights(iter_weights(self.model_dir))
+        # Tensor parallelism: ranks 1..N-1 start here and build their shards alongside ours.
+        self._tp: distributed.TensorParallelHelpers | None = None
+        if config.tensor_parallel_size > 1:
+            if config.device.startswith("cuda"):
+                # The first run on two H200s (2026-11-30) hung after start-up, cause not yet
+                # found (benchmarks/RESULTS.md, issue 6): refused rather than risk a hang.
+                raise InvalidRequestError(
+                    "tensor_parallel_size > 1 runs on CPU processes only for now: on GPUs it "
+                    "is not yet validated"
+                )
+            try:  # before any process starts: does the model split that many ways?
+                shard_config(
+                    ModelConfig.from_path(resolve_model(config.model)), config.tensor_parallel_size
+                )
             except ValueError as e:
-                raise ModelLoadError(f"cannot load weights from {self.model_dir}: {e}") from e
-        self.runner.finalize_weights()
-        if self.runner.device.type == "cuda" and not config.enforce_eager:
-            self.runner.enable_piece_graphs(capture=True)
-        num_blocks = self._num_kv_blocks()
-        self.runner.initialize_kv_cache(num_blocks)
-        if self.runner.device.type == "cuda":
-            self.runner.warmup_kernels()
-            graphs = self.runner.enable_decode_graphs(capture=not config.enforce_eager)
-            if not graphs and not config.enforce_eager:
-                logger.info("no CUDA graphs: the %s backend cannot be captured",
-                            self.runner.backend.name)  # fmt: skip
-        logger.info(
-            "KV cache: %d blocks, %d tokens (%s, %.1f s to load)",
-            num_blocks,
-            num_blocks * config.block_size,
-            self.dtype,
-            time.perf_counter() - start,
-        )
+                raise InvalidRequestError(str(e)) from e
+            self._tp = distributed.TensorParallelHelpers(config)
+        try:
+            setup = build_runner(config)
+            if self._tp is not None:
+                self._tp.wait_ready()
+        except BaseException:
+            self.shutdown()
+            raise
+        self.runner = setup.runner
+        self.model_dir = setup.model_dir
+        self.model_config = setup.model_config
+        self.max_model_len = setup.max_model_len
+        self.dtype = setup.dtype
+        num_blocks = setup.num_blocks
         self.kv = KVCacheManager(
             num_blocks,
             config.block_size,
@@ -132,39 +221,11 @@ class EngineCore:
         now = gc.get_threshold()[:3]
         gc.set_threshold(*(max(a, b) for a, b in zip(now, _GC_THRESHOLDS, strict=True)))
 
-    def _num_kv_blocks(self) -> int:
-        cfg = self.config
-        per_block = self.runner.kv_bytes_per_block()
-        if cfg.num_gpu_blocks_override is not None:
-            num_blocks = cfg.num_gpu_blocks_override
-        elif cfg.kv_cache_memory is not None:
-            num_blocks = cfg.kv_cache_memory // per_block
-        elif cfg.device.startswith("cuda"):
-            # Profile the largest step, then give the KV pool what the utilisation target
-            # leaves after everything in use now (weights, CUDA context) and that peak.
-            peak = self.runner.profile_peak_bytes()
-            free, total = torch.cuda.mem_get_info()
-            used = total - free
-            budget = int(total * cfg.gpu_memory_utilization) - used - peak
-            num_blocks = max(0, budget) // per_block
-            logger.info(
-                "GPU memory: %.1f GiB total, %.1f GiB in use (weights and context), "
-                "%.2f GiB peak activations, %.1f GiB for the KV cache",
-                total / 2**30,
-                used / 2**30,
-                peak / 2**30,
-                max(0, budget) / 2**30,
-            )
-        else:
-            num_blocks = _DEFAULT_CPU_KV_BYTES // per_block
-        needed = -(self.max_model_len // -cfg.block_size)
-        if num_blocks < needed:
-            raise InvalidRequestError(
-                f"the KV cache holds {num_blocks} blocks ({num_blocks * cfg.block_size} tokens) "
-                f"but one request of max_model_len={self.max_model_len} needs {needed}; "
-                "give it more memory (kv_cache_memory) or lower max_model_len"
-            )
-        return int(num_blocks)
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel helper processes (none with one rank); idempotent."""
+        if self._tp is not None:
+            self._tp.close()
+            self._tp = None
 
     # --- requests ------------------------------------------------------------------------------
 
@@ -283,6 +344,8 @@ class EngineCore:
         outputs: list[EngineCoreOutput] = []
         if self._in_flight is not None and not self.runner.can_run_ahead(so):
             outputs = self._finish_in_flight()
+        if self._tp is not None:
+            self._tp.step(so)
         handle = self.runner.launch(so)
         if self._in_flight is not None:
             outputs = self._finish_in_flight()

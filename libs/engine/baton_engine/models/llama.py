@@ -10,7 +10,8 @@ kernels.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import dataclasses
+from collections.abc import Callable, Iterable
 from typing import Any, cast
 
 import torch
@@ -111,7 +112,15 @@ class MLP(nn.Module):
         return self.down_proj(nn.functional.silu(gate) * up)  # type: ignore[no-any-return]
 
 
+def _no_reduce(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
 class DecoderLayer(nn.Module):
+    # Tensor parallelism: sums the partial outputs of the row-parallel o_proj and down_proj
+    # across the ranks (an all-reduce); the identity on one rank.
+    reduce: Callable[[torch.Tensor], torch.Tensor] = staticmethod(_no_reduce)
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -132,9 +141,9 @@ class DecoderLayer(nn.Module):
         self, out: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer after attention (``out`` ``[T, q]``): ``(mlp output, residual)``."""
-        hidden = self.self_attn.o_proj(out)
+        hidden = self.reduce(self.self_attn.o_proj(out))
         hidden, residual = self.post_attention_layernorm.add_forward(hidden, residual)
-        return self.mlp(hidden), residual
+        return self.reduce(self.mlp(hidden)), residual
 
     def forward_gemv(
         self,
@@ -240,9 +249,45 @@ _STACKED = {
 }
 
 
+# Tensor parallelism (Megatron-style): these projections are split by output rows (column
+# parallel: each rank computes its heads / its share of the MLP), those by input columns (row
+# parallel: each rank's partial product, summed by ``DecoderLayer.reduce``). The rest (the
+# embedding, the norms, the LM head) is replicated.
+_COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+_ROW_PARALLEL = ("o_proj", "down_proj")
+
+
+def shard_config(cfg: ModelConfig, tp_size: int) -> ModelConfig:
+    """The shape of one rank's shard of ``cfg`` split ``tp_size`` ways (its heads and its share
+    of the MLP); raises ValueError if the model does not split evenly."""
+    if tp_size == 1:
+        return cfg
+    for what, n in (
+        ("attention heads", cfg.num_heads),
+        ("KV heads", cfg.num_kv_heads),
+        ("intermediate size", cfg.intermediate_size),
+    ):
+        if n % tp_size:
+            raise ValueError(
+                f"tensor_parallel_size {tp_size} does not divide the model's {what} ({n})"
+            )
+    return dataclasses.replace(
+        cfg,
+        num_heads=cfg.num_heads // tp_size,
+        num_kv_heads=cfg.num_kv_heads // tp_size,
+        intermediate_size=cfg.intermediate_size // tp_size,
+    )
+
+
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+    def __init__(
+        self, cfg: ModelConfig, max_positions: int, tp_rank: int = 0, tp_size: int = 1
+    ) -> None:
+        """``cfg`` is the whole model's shape; with ``tp_size`` > 1 this builds rank
+        ``tp_rank``'s shard (``shard_config``), whose layers need ``set_reduce``."""
         super().__init__()
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        cfg = shard_config(cfg, tp_size)
         self.config = cfg
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
@@ -253,6 +298,11 @@ class LlamaForCausalLM(nn.Module):
         self.cpu_decode_layers: CpuDecodeLayers | None = None
         self.gemv_rows = 0  # decode steps of at most this many rows run forward_gemv
         self.tie_weights()
+
+    def set_reduce(self, reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """The all-reduce that sums the row-parallel projections' partial outputs."""
+        for layer in self.layers:
+            cast(DecoderLayer, layer).reduce = reduce
 
     def tie_weights(self) -> None:
         """Share the embedding with the LM head when the config says so (again after moving the
@@ -335,8 +385,8 @@ class LlamaForCausalLM(nn.Module):
         decode must be the C++ kernel). Call after the weights are loaded and packed; returns
         whether the path is on."""
         self.cpu_decode_layers = None
-        if ops is None or not self.fused_rope or self.config.qk_norm:
-            return False
+        if ops is None or not self.fused_rope or self.config.qk_norm or self.tp_size > 1:
+            return False  # (the C++ loop has no all-reduce)
         layers = CpuDecodeLayers(ops, self.config, self.rotary)
         if not all(layers.add_layer(cast(DecoderLayer, layer)) for layer in self.layers):
             return False
@@ -350,7 +400,12 @@ class LlamaForCausalLM(nn.Module):
         returns whether the path is on."""
         from baton_kernels.triton.gemv import MAX_ROWS
 
-        ok = self.fused_rope and not self.config.qk_norm and 0 < rows <= MAX_ROWS
+        ok = (
+            self.fused_rope
+            and not self.config.qk_norm
+            and self.tp_size == 1  # (the residual adds inside the GEMVs precede no all-reduce)
+            and 0 < rows <= MAX_ROWS
+        )
         self.gemv_rows = rows if ok else 0
         return ok
 
@@ -376,6 +431,7 @@ class LlamaForCausalLM(nn.Module):
                 name == "lm_head.weight" and self.config.tie_word_embeddings
             ):
                 continue
+            tensor = self._tp_slice(name, tensor)
             shard = None
             for frag, (fused_name, idx) in _STACKED.items():
                 if f".{frag}." in name:
@@ -391,6 +447,20 @@ class LlamaForCausalLM(nn.Module):
                     param.narrow(0, *self._shard_range(name, shard)).copy_(tensor)
             loaded.add(name)
         return loaded
+
+    def _tp_slice(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a whole checkpoint tensor (all of it when replicated)."""
+        if self.tp_size == 1:
+            return tensor
+        parts = name.split(".")
+        if any(p in parts for p in _COLUMN_PARALLEL):
+            dim = 0  # weight rows and bias
+        elif any(p in parts for p in _ROW_PARALLEL) and parts[-1] == "weight":
+            dim = 1
+        else:
+            return tensor
+        size = tensor.shape[dim] // self.tp_size
+        return tensor.narrow(dim, self.tp_rank * size, size)
 
     def _shard_range(self, name: str, shard: int) -> tuple[int, int]:
         cfg = self.config

@@ -9,9 +9,11 @@ from collections.abc import Iterable
 import numpy as np
 import torch
 
+from baton_engine import distributed
 from baton_engine.config import ModelConfig
 from baton_engine.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from baton_engine.models import LlamaForCausalLM
+from baton_engine.models.llama import shard_config
 from baton_engine.runner.cuda_graphs import DecodeGraphs, PieceGraphs
 from baton_engine.runner.input_batch import CachedRequestState, InputBatch
 from baton_engine.runner.staging import InputStaging
@@ -59,8 +61,17 @@ class ModelRunner:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         attention_backend: str = "auto",
+        tp_rank: int = 0,
+        tp_size: int = 1,
     ) -> None:
+        """``model_config`` is the whole model's; with ``tp_size`` > 1 the runner holds rank
+        ``tp_rank``'s shard (``model_config`` then becomes the shard's shape: its heads, its
+        share of the MLP) and must run in that rank's process of the group
+        (``baton_engine.distributed``)."""
+        whole_config = model_config
+        model_config = shard_config(model_config, tp_size)
         self.model_config = model_config
+        self.tp_size = tp_size
         self.dtype = dtype
         self.device = torch.device(device)
         self.block_size = block_size
@@ -99,7 +110,9 @@ class ModelRunner:
             for _ in range(2)
         ]
         with torch.device("meta"):
-            self.model = LlamaForCausalLM(model_config, max_model_len)
+            self.model = LlamaForCausalLM(whole_config, max_model_len, tp_rank, tp_size)
+        if tp_size > 1:
+            self.model.set_reduce(distributed.all_reduce)
         self.model.to_empty(device=self.device).to(dtype)
         self.model.tie_weights()
         self.model.rotary.reset(self.device)
@@ -372,6 +385,8 @@ class ModelRunner:
                         logprobs=out.logprobs.logprobs[j, :n].tolist(),
                         rank=int(out.logprobs.ranks[j]),
                     )
+        if self.tp_size > 1:  # every rank continues from rank 0's tokens
+            distributed.broadcast(token_ids)
         self._last_sampled = token_ids
         self._last_sampled_reqs = sampled_reqs
         return StepHandle(

@@ -1,0 +1,156 @@
+"""Tensor parallelism across processes: the group, its two collectives, the helper processes.
+
+An engine with ``tensor_parallel_size`` N > 1 is N processes on one host. Rank 0 is the engine
+(scheduler, outputs); ranks 1..N-1 are helpers started here, each holding its shard of the model
+and of the KV cache (``models.llama.shard_config``) on its own device (``cuda:<rank>``, or the
+CPU). Every rank builds its runner with the same calls in the same order (the collectives inside
+match up), then each helper runs every step that rank 0 sends it (``TensorParallelHelpers.step``)
+on its shard. The layers' row-parallel projections are summed with ``all_reduce``; rank 0's
+sampled token ids are broadcast, so that every rank feeds the same tokens to the next step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import multiprocessing as mp
+import os
+import socket
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+# A rank that died leaves the others blocked in a collective; they give up after this long.
+_TIMEOUT = datetime.timedelta(seconds=120)
+_START_TIMEOUT_S = 600.0
+_group: Any = None
+
+
+def device_for(device: str, rank: int, size: int) -> str:
+    """The device of ``rank``: ``cuda:<rank>`` for ``cuda`` with several ranks."""
+    if size > 1 and device == "cuda":
+        return f"cuda:{rank}"
+    return device
+
+
+def init_group(rank: int, size: int, port: int, device: str) -> None:
+    """Join the tensor-parallel group (NCCL on GPUs, gloo on CPUs) over loopback."""
+    global _group
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+    else:
+        # the ranks share the host's cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+    dist.init_process_group(
+        "nccl" if device.startswith("cuda") else "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=size,
+        timeout=_TIMEOUT,
+    )
+    _group = dist.group.WORLD
+    # The communicator is made on the first collective: here, not inside a CUDA graph capture.
+    all_reduce(torch.zeros(1, device=device))
+
+
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Sum ``x`` over the ranks, in place; returns it."""
+    dist.all_reduce(x, group=_group)
+    return x
+
+
+def broadcast(x: torch.Tensor) -> torch.Tensor:
+    """Rank 0's ``x`` on every rank, in place; returns it."""
+    dist.broadcast(x, src=0, group=_group)
+    return x
+
+
+def all_min(value: int, device: str) -> int:
+    """The smallest of the ranks' ``value``."""
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=_group)
+    return int(t.item())
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _helper_main(config: Any, rank: int, port: int, conn: Connection) -> None:
+    """A helper rank: build the runner as rank 0 does, then run each step it is sent until
+    ``None`` (or rank 0 is gone)."""
+    from baton_engine.core.engine_core import build_runner
+
+    logging.basicConfig(level=logging.WARNING)
+    size = config.tensor_parallel_size
+    init_group(rank, size, port, device_for(config.device, rank, size))
+    runner = build_runner(config, rank).runner
+    conn.send("ready")
+    while True:
+        try:
+            so = conn.recv()
+        except EOFError:
+            break
+        if so is None:
+            break
+        runner.launch(so).result()
+    dist.destroy_process_group()
+
+
+class TensorParallelHelpers:
+    """Ranks 1..N-1 of an engine, started in the background; then rank 0 joins the group."""
+
+    def __init__(self, config: Any) -> None:
+        size = config.tensor_parallel_size
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        self._conns: list[Connection] = []
+        self._procs: list[Any] = []
+        for rank in range(1, size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(
+                target=_helper_main,
+                args=(config, rank, port, child),
+                name=f"baton-tp-rank{rank}",
+                daemon=True,
+            )
+            proc.start()
+            child.close()
+            self._conns.append(parent)
+            self._procs.append(proc)
+        init_group(0, size, port, device_for(config.device, 0, size))
+
+    def wait_ready(self) -> None:
+        """After rank 0 built its runner: every helper has built its own."""
+        for rank, conn in enumerate(self._conns, start=1):
+            if not conn.poll(_START_TIMEOUT_S) or conn.recv() != "ready":
+                raise RuntimeError(f"tensor-parallel rank {rank} did not start")
+
+    def step(self, so: Any) -> None:
+        """Have every helper run ``so`` (before rank 0 launches it)."""
+        for rank, conn in enumerate(self._conns, start=1):
+            try:
+                conn.send(so)
+            except (BrokenPipeError, ConnectionResetError, EOFError) as e:
+                raise RuntimeError(f"tensor-parallel rank {rank} is gone") from e
+
+    def close(self) -> None:
+        for conn in self._conns:
+            with contextlib.suppress(OSError):
+                conn.send(None)
+            conn.close()
+        for proc in self._procs:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        self._conns, self._procs = [], []
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,57 @@
+"""Tensor parallelism on two GPUs (NCCL, CUDA graphs with the all-reduces inside): greedy tokens
+of a model split across cuda:0 and cuda:1 equal the one-GPU engine's (float32, a tiny model
+made by transformers; the tokenizer is the default model's, or that of the folder named by
+``BATON_TEST_MODEL`` on hosts without it)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_models import build_model
+
+from baton import LLM, SamplingParams
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs"),
+    # The engine refuses tensor parallelism on GPUs until this passes: on two H200s
+    # (2026-11-30) it hung, cause not yet found. Remove this mark and the refusal in
+    # EngineCore together.
+    pytest.mark.skip(reason="tensor parallelism on GPUs is refused until validated"),
+]
+
+PROMPTS = [[10 + i for i in range(n)] for n in (5, 23, 40, 70, 300)]
+
+
+def _generate(model_dir: Path, **engine_args: object) -> list[list[int]]:
+    llm = LLM(
+        str(model_dir),
+        device="cuda",
+        dtype="float32",
+        max_model_len=512,
+        num_gpu_blocks_override=1024,
+        **engine_args,
+    )
+    try:
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p in PROMPTS],
+            SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
+        )
+        return [list(o.outputs[0].token_ids) for o in outs]
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_two_gpus_generate_what_one_does(
+    arch: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    folder = os.environ.get("BATON_TEST_MODEL")
+    tokenizer_dir = Path(folder) if folder else request.getfixturevalue("default_model_dir")
+    build_model(arch, tokenizer_dir, tmp_path)
+    want = _generate(tmp_path)
+    got = _generate(tmp_path, tensor_parallel_size=2, max_num_batched_tokens=64)
+    assert got == want

@@ -1,0 +1,61 @@
+"""Tiny randomly initialised Hugging Face models (made by transformers itself; nothing is
+downloaded), saved as model folders with the default model's tokenizer."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
+
+ARCHITECTURES: dict[str, dict[str, Any]] = {
+    "llama": {},
+    "llama3-rope-scaling": {
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        }
+    },
+    "mistral": {"sliding_window": None},
+    "qwen2": {},
+    "qwen3": {"head_dim": 32},
+}
+
+
+def build_model(name: str, tokenizer_dir: Path, out: Path) -> Any:
+    import transformers
+
+    family = name.split("-")[0].removesuffix("3") if name != "qwen3" else "qwen3"
+    config_cls, model_cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    }[family]
+    torch.manual_seed(0)
+    config = config_cls(vocab_size=49152, **TINY, **ARCHITECTURES[name])
+    model = model_cls(config).eval()
+    with torch.no_grad():  # larger weights than the default init, so the argmax is not flat
+        for param_name, p in model.named_parameters():
+            if "norm" not in param_name:  # weights and biases (Qwen2's qkv bias) alike
+                p.normal_(0, 0.2)
+    model.save_pretrained(out)
+    for f in tokenizer_dir.iterdir():
+        if f.name.startswith("tokenizer") or f.name.endswith(".jinja"):
+            shutil.copy(f, out / f.name)
+    return model
