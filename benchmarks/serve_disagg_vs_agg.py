@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -46,7 +47,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -165,6 +166,24 @@ def parse_mode(mode: str) -> Mode:
     if base not in ("aggregated", "nixl", "grpc"):
         raise ValueError(f"unknown mode {mode!r}")
     return Mode(base, threads, num_decode)
+
+
+def parse_modes(p: argparse.ArgumentParser, text: str) -> list[str]:
+    """The comma-separated modes of ``text``, each checked (``p.error`` on a bad one)."""
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    for m in modes:
+        try:
+            parse_mode(m)
+        except ValueError as e:
+            p.error(str(e))
+    return modes
+
+
+def write_summary(summary: dict[str, Any], args: argparse.Namespace) -> None:
+    """``summary`` with the arguments, as JSON to ``args.output_json`` (if set)."""
+    if args.output_json is not None:
+        summary["args"] = {k: str(v) for k, v in vars(args).items()}
+        args.output_json.write_text(json.dumps(summary, indent=2))
 
 
 def start_stack(mode: str, args: argparse.Namespace, port: int, log: Path) -> subprocess.Popen[str]:
@@ -303,14 +322,16 @@ def timed_phase(
     )
 
 
-def run_mode(
+@contextlib.contextmanager
+def running_stack(
     mode: str,
     args: argparse.Namespace,
-    phases: list[Phase],
-    warm: list[SampleRequest],
     log_dir: Path,
-) -> list[ModeResult]:
-    """Start the stack of ``mode``, warm it up, run ``phases`` in order, stop it."""
+    warm_up: Callable[[RequestConfig], RunState],
+    timeout_s: float = 600.0,
+) -> Iterator[tuple[str, RequestConfig, dict[str, str]]]:
+    """Start the stack of ``mode``, wait until it serves, run ``warm_up`` (each of its requests
+    must succeed); yield (base URL, request config, worker roles); stop the stack."""
     port = free_port()
     log = log_dir / f"serve-{mode.replace('+', '-')}.log"
     proc = start_stack(mode, args, port, log)
@@ -322,19 +343,35 @@ def run_mode(
             model=discover_model(base, None),
             chat=False,
             ignore_eos=True,
-            timeout_s=600.0,
+            timeout_s=timeout_s,
         )
-        warm_state = asyncio.run(_send(cfg, warm, 1))
+        warm_state = warm_up(cfg)
         failed = [
             r.error if r else "no result" for r in warm_state.results if not (r and r.success)
         ]
         if failed:
             raise SystemExit(f"[{mode}] a warm-up request failed: {failed[0]}")
+        yield base, cfg, roles
+    finally:
+        stop_stack(proc)
+
+
+def run_mode(
+    mode: str,
+    args: argparse.Namespace,
+    phases: list[Phase],
+    warm: list[SampleRequest],
+    log_dir: Path,
+) -> list[ModeResult]:
+    """Start the stack of ``mode``, warm it up, run ``phases`` in order, stop it."""
+
+    def warm_up(cfg: RequestConfig) -> RunState:
+        return asyncio.run(_send(cfg, warm, 1))
+
+    with running_stack(mode, args, log_dir, warm_up) as (base, cfg, roles):
         return [
             timed_phase(mode, args, base, cfg, ph, roles, log_dir) for ph in phases if ph.samples
         ]
-    finally:
-        stop_stack(proc)
 
 
 # --- the report -----------------------------------------------------------------------------------
@@ -536,12 +573,7 @@ def main() -> int:
     p.add_argument("--log-dir", type=Path, default=None, help="keep serve logs and metrics here")
     p.add_argument("--output-json", type=Path, default=None)
     args = p.parse_args()
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    for m in modes:
-        try:
-            parse_mode(m)
-        except ValueError as e:
-            p.error(str(e))
+    modes = parse_modes(p, args.modes)
     phases, warm = build_workload(args)
     print(f"load average at start: {os.getloadavg()}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
@@ -550,9 +582,7 @@ def main() -> int:
         results = [r for m in modes for r in run_mode(m, args, phases, warm, log_dir)]
     summary = report(results, args)
     print(f"\nload average at end: {os.getloadavg()}")
-    if args.output_json is not None:
-        summary["args"] = {k: str(v) for k, v in vars(args).items()}
-        args.output_json.write_text(json.dumps(summary, indent=2))
+    write_summary(summary, args)
     return 0
 
 

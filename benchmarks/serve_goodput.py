@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import os
 import sys
@@ -40,20 +39,18 @@ from typing import Any
 from serve_disagg_vs_agg import (
     MetricKey,
     decisions,
-    free_port,
     kv_pull_stats,
     parse_mode,
+    parse_modes,
+    running_stack,
     scrape,
-    start_stack,
-    stop_stack,
-    wait_ready,
+    write_summary,
 )
 
 from baton.bench.client import RequestConfig
 from baton.bench.datasets import SampleRequest, load_bench_tokenizer, random_requests
 from baton.bench.metrics import RequestResult, meets_slos, summarize
 from baton.bench.runner import LoadShape, RunState, run_benchmark
-from baton.bench.serve import discover_model
 
 
 @dataclass
@@ -175,24 +172,12 @@ def run_mode(
     warm: list[SampleRequest],
     log_dir: Path,
 ) -> list[RatePoint]:
-    port = free_port()
-    log = log_dir / f"serve-{mode.replace('+', '-')}.log"
-    proc = start_stack(mode, args, port, log)
     points: list[RatePoint] = []
-    try:
-        roles = wait_ready(proc, log, args.ready_timeout)
-        base = f"http://127.0.0.1:{port}"
-        cfg = RequestConfig(
-            url=base + "/v1/completions",
-            model=discover_model(base, None),
-            chat=False,
-            ignore_eos=True,
-            timeout_s=args.request_timeout,
-        )
-        warm_state = asyncio.run(_send(cfg, warm, float("inf"), 0))
-        bad = [r.error if r else "no result" for r in warm_state.results if not (r and r.success)]
-        if bad:
-            raise SystemExit(f"[{mode}] a warm-up request failed: {bad[0]}")
+
+    def warm_up(cfg: RequestConfig) -> RunState:
+        return asyncio.run(_send(cfg, warm, float("inf"), 0))
+
+    with running_stack(mode, args, log_dir, warm_up, args.request_timeout) as (base, cfg, roles):
         for i, (rate, samples) in enumerate(zip(args.rates, loads, strict=True)):
             _, before = scrape(base)
             state = asyncio.run(_send(cfg, samples, rate, seed=i))
@@ -205,8 +190,6 @@ def run_mode(
             points.append(point)
             if point.attainment < args.stop_below:
                 break
-    finally:
-        stop_stack(proc)
     return points
 
 
@@ -302,12 +285,7 @@ def main() -> int:
     p.add_argument("--log-dir", type=Path, default=None, help="keep serve logs here")
     p.add_argument("--output-json", type=Path, default=None)
     args = p.parse_args()
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    for m in modes:
-        try:
-            parse_mode(m)
-        except ValueError as e:
-            p.error(str(e))
+    modes = parse_modes(p, args.modes)
     loads, warm = build_loads(args)
     print(f"load average at start: {os.getloadavg()}", flush=True)
     points: list[RatePoint] = []
@@ -317,9 +295,7 @@ def main() -> int:
         for mode in modes:
             points += run_mode(mode, args, loads, warm, log_dir)
     summary = report(points, modes, args)
-    if args.output_json is not None:
-        summary["args"] = {k: str(v) for k, v in vars(args).items()}
-        args.output_json.write_text(json.dumps(summary, indent=2))
+    write_summary(summary, args)
     return 0
 
 

@@ -59,3 +59,21 @@ def build_model(name: str, tokenizer_dir: Path, out: Path) -> Any:
         if f.name.startswith("tokenizer") or f.name.endswith(".jinja"):
             shutil.copy(f, out / f.name)
     return model
+
+
+def greedy_tokens(
+    model_dir: Path, prompts: list[list[int]], max_tokens: int, **engine_args: Any
+) -> list[list[int]]:
+    """Greedy output token ids of each prompt (``ignore_eos``) from an offline engine on
+    ``model_dir``, in float32; the engine is shut down afterwards (its helper processes too)."""
+    from baton import LLM, SamplingParams
+
+    llm = LLM(str(model_dir), dtype="float32", max_model_len=512, **engine_args)
+    try:
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts],
+            SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+        )
+        return [list(o.outputs[0].token_ids) for o in outs]
+    finally:
+        llm.shutdown()

@@ -6,34 +6,27 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from tiny_models import build_model
+from tiny_models import build_model, greedy_tokens
 
-from baton import LLM, SamplingParams
+from baton import LLM
 from baton_engine.errors import InvalidRequestError
 
 PROMPTS = [[10 + i for i in range(n)] for n in (5, 23, 40, 70)]
 
 
-def generate(model_dir: Path, **engine_args: object) -> list[list[int]]:
-    llm = LLM(
-        str(model_dir), dtype="float32", max_model_len=256, kv_cache_memory=1 << 24, **engine_args
-    )
-    try:
-        outs = llm.generate(
-            [{"prompt_token_ids": p} for p in PROMPTS],
-            SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
-        )
-        return [list(o.outputs[0].token_ids) for o in outs]
-    finally:
-        llm.shutdown()
-
-
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: biases on the split q/k/v
 def test_two_ranks_generate_what_one_does(arch: str, default_model_dir: Path, tmp_path: Path):
     build_model(arch, default_model_dir, tmp_path)
-    want = generate(tmp_path)
+    want = greedy_tokens(tmp_path, PROMPTS, 12, kv_cache_memory=1 << 24)
     # a small step budget: prompts in chunks, mixed with the others' decodes
-    got = generate(tmp_path, tensor_parallel_size=2, max_num_batched_tokens=32)
+    got = greedy_tokens(
+        tmp_path,
+        PROMPTS,
+        12,
+        kv_cache_memory=1 << 24,
+        tensor_parallel_size=2,
+        max_num_batched_tokens=32,
+    )
     assert got == want
 
 

@@ -10,9 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import build_model
-
-from baton import LLM, SamplingParams
+from tiny_models import build_model, greedy_tokens
 
 pytestmark = [
     pytest.mark.gpu,
@@ -26,25 +24,6 @@ pytestmark = [
 PROMPTS = [[10 + i for i in range(n)] for n in (5, 23, 40, 70, 300)]
 
 
-def _generate(model_dir: Path, **engine_args: object) -> list[list[int]]:
-    llm = LLM(
-        str(model_dir),
-        device="cuda",
-        dtype="float32",
-        max_model_len=512,
-        num_gpu_blocks_override=1024,
-        **engine_args,
-    )
-    try:
-        outs = llm.generate(
-            [{"prompt_token_ids": p} for p in PROMPTS],
-            SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
-        )
-        return [list(o.outputs[0].token_ids) for o in outs]
-    finally:
-        llm.shutdown()
-
-
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_two_gpus_generate_what_one_does(
     arch: str, tmp_path: Path, request: pytest.FixtureRequest
@@ -52,6 +31,9 @@ def test_two_gpus_generate_what_one_does(
     folder = os.environ.get("BATON_TEST_MODEL")
     tokenizer_dir = Path(folder) if folder else request.getfixturevalue("default_model_dir")
     build_model(arch, tokenizer_dir, tmp_path)
-    want = _generate(tmp_path)
-    got = _generate(tmp_path, tensor_parallel_size=2, max_num_batched_tokens=64)
+    engine = {"device": "cuda", "num_gpu_blocks_override": 1024}
+    want = greedy_tokens(tmp_path, PROMPTS, 16, **engine)
+    got = greedy_tokens(
+        tmp_path, PROMPTS, 16, **engine, tensor_parallel_size=2, max_num_batched_tokens=64
+    )
     assert got == want
