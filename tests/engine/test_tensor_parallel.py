@@ -3,12 +3,13 @@ the same model generates in one process."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
 from tiny_models import build_model, greedy_tokens
 
-from baton import LLM
+from baton import LLM, SamplingParams
 from baton_engine.errors import InvalidRequestError
 
 PROMPTS = [[10 + i for i in range(n)] for n in (5, 23, 40, 70)]
@@ -39,3 +40,21 @@ def test_a_model_that_does_not_split_evenly_is_refused(default_model_dir: Path, 
 def test_tensor_parallel_on_gpus_is_refused_until_validated(default_model_dir: Path) -> None:
     with pytest.raises(InvalidRequestError, match="CPU processes only"):
         LLM(str(default_model_dir), device="cuda", tensor_parallel_size=2)
+
+
+def test_a_dead_helper_rank_fails_the_engine_fast(default_model_dir: Path, tmp_path: Path):
+    """A helper process that dies makes the next step raise a clear error instead of leaving
+    rank 0 waiting in a collective."""
+    build_model("llama", default_model_dir, tmp_path)
+    llm = LLM(str(tmp_path), dtype="float32", max_model_len=256, kv_cache_memory=1 << 24,
+              tensor_parallel_size=2)  # fmt: skip
+    try:
+        helper = llm.engine.core._tp._procs[0]  # type: ignore[union-attr]
+        helper.kill()
+        helper.join(10)
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match="tensor-parallel rank 1"):
+            llm.generate([{"prompt_token_ids": PROMPTS[0]}], SamplingParams(max_tokens=4))
+        assert time.monotonic() - start < 10
+    finally:
+        llm.shutdown()
