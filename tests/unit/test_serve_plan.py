@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 
+import pytest
+
 from baton.serve import _gpu_env, _gpu_ids, _plan, add_parser
+from baton_engine.errors import InvalidRequestError
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -40,3 +43,15 @@ def test_workers_get_one_gpu_each_round_robin() -> None:
     assert all(e["NCCL_NVLS_ENABLE"] == "0" for e in envs)
     assert _gpu_env(gpus, workers, "gateway") == {}
     assert _gpu_ids(parse("--gpus", "0,1")) == []  # on CPU nothing is pinned
+
+
+def test_tensor_parallel_workers_get_that_many_gpus_and_run_aggregated() -> None:
+    args = parse("--device", "cuda", "--gpus", "0,1,2,3", "--num-decode", "2", "-tp", "2")
+    plan = _plan(args, "m")
+    assert args.mode == "aggregated"  # the default with tensor parallelism
+    assert [label for _, label, _ in plan] == ["decode-0", "decode-1", "gateway"]
+    workers = ["decode-0", "decode-1"]
+    envs = [_gpu_env(_gpu_ids(args), workers, w, args.tensor_parallel_size) for w in workers]
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["0,1", "2,3"]
+    with pytest.raises(InvalidRequestError, match="aggregated only"):
+        _plan(parse("-tp", "2", "--mode", "disaggregated"), "m")
