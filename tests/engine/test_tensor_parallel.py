@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from tiny_models import build_model, greedy_tokens
 
 from baton import LLM, SamplingParams
@@ -37,8 +38,9 @@ def test_a_model_that_does_not_split_evenly_is_refused(default_model_dir: Path, 
         LLM(str(tmp_path), tensor_parallel_size=3)
 
 
-def test_tensor_parallel_on_gpus_is_refused_until_validated(default_model_dir: Path) -> None:
-    with pytest.raises(InvalidRequestError, match="CPU processes only"):
+@pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="this host has two GPUs")
+def test_more_ranks_than_gpus_is_refused(default_model_dir: Path) -> None:
+    with pytest.raises(InvalidRequestError, match="tensor_parallel_size 2 needs 2 GPUs"):
         LLM(str(default_model_dir), device="cuda", tensor_parallel_size=2)
 
 

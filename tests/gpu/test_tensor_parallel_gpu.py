@@ -15,10 +15,6 @@ from tiny_models import build_model, greedy_tokens
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs"),
-    # The engine refuses tensor parallelism on GPUs until this passes: on two H200s
-    # (2026-11-30) it hung, cause not yet found. Remove this mark and the refusal in
-    # EngineCore together.
-    pytest.mark.skip(reason="tensor parallelism on GPUs is refused until validated"),
 ]
 
 PROMPTS = [[10 + i for i in range(n)] for n in (5, 23, 40, 70, 300)]

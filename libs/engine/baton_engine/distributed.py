@@ -11,12 +11,12 @@ sampled token ids are broadcast, so that every rank feeds the same tokens to the
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import logging
 import multiprocessing as mp
 import os
 import socket
+import threading
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -28,6 +28,7 @@ logger = logging.getLogger(__name__)
 # A rank that died leaves the others blocked in a collective; they give up after this long.
 _TIMEOUT = datetime.timedelta(seconds=120)
 _START_TIMEOUT_S = 600.0
+_TEARDOWN_TIMEOUT_S = 30.0
 _group: Any = None
 
 
@@ -83,6 +84,29 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _leave_group(clean: bool) -> None:
+    """Tear this rank's group down, as every rank does when the engine stops: ``destroy`` when
+    they all do (``clean``), else (a rank is gone) NCCL's ``abort``. The runner's CUDA graphs
+    must be gone first (``ModelRunner.release_graphs``): NCCL's teardown waits for the graphs
+    that captured its collectives. Bounded all the same: a teardown that does not finish in
+    ``_TEARDOWN_TIMEOUT_S`` is left behind in its thread, with a warning, rather than hang the
+    process."""
+    if not dist.is_initialized():
+        return
+    if clean or dist.get_backend() != "nccl":  # (gloo has no abort; its destroy does not wait)
+        leave = dist.destroy_process_group
+    else:
+        leave = dist.distributed_c10d._abort_process_group
+    thread = threading.Thread(target=leave, name="baton-tp-teardown", daemon=True)
+    thread.start()
+    thread.join(_TEARDOWN_TIMEOUT_S)
+    if thread.is_alive():
+        logger.warning(
+            "the tensor-parallel group did not tear down within %.0f s; left behind",
+            _TEARDOWN_TIMEOUT_S,
+        )
+
+
 def _helper_main(config: Any, rank: int, port: int, conn: Connection) -> None:
     """A helper rank: build the runner as rank 0 does, then run each step it is sent until
     ``None`` (or rank 0 is gone)."""
@@ -93,15 +117,18 @@ def _helper_main(config: Any, rank: int, port: int, conn: Connection) -> None:
     init_group(rank, size, port, device_for(config.device, rank, size))
     runner = build_runner(config, rank).runner
     conn.send("ready")
+    clean = False
     while True:
         try:
             so = conn.recv()
-        except EOFError:
+        except EOFError:  # rank 0 is gone
             break
         if so is None:
+            clean = True
             break
         runner.launch(so).result()
-    dist.destroy_process_group()
+    runner.release_graphs()
+    _leave_group(clean)
 
 
 class TensorParallelHelpers:
@@ -142,15 +169,19 @@ class TensorParallelHelpers:
                 raise RuntimeError(f"tensor-parallel rank {rank} is gone") from e
 
     def close(self) -> None:
+        """Stop the helpers: each leaves the group as it stops, and rank 0 (its graphs
+        released) leaves with them."""
+        clean = all(proc.is_alive() for proc in self._procs)
         for conn in self._conns:
-            with contextlib.suppress(OSError):
+            try:
                 conn.send(None)
+            except OSError:
+                clean = False
             conn.close()
+        _leave_group(clean)
         for proc in self._procs:
             proc.join(10)
             if proc.is_alive():
                 proc.kill()
                 proc.join()
         self._conns, self._procs = [], []
-        if dist.is_initialized():
-            dist.destroy_process_group()

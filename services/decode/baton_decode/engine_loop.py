@@ -328,9 +328,12 @@ class EngineLoop:
         return self.abort(list(self._streams))
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
-        """Stop the thread after its current step. Call ``abort_all`` first to end streams."""
+        """Stop the thread after its current step, then the engine's tensor-parallel ranks
+        (if any). Call ``abort_all`` first to end streams."""
         self._commands.put(_Stop())
         self._thread.join(timeout_s)
+        if not self._thread.is_alive():  # (else a step is stuck: the process exit ends it)
+            self.core.shutdown()
 
     def _deliver(
         self, outputs: list[EngineCoreOutput], errors: list[tuple[str, BatonError]]

@@ -169,12 +169,11 @@ class EngineCore:
         # Tensor parallelism: ranks 1..N-1 start here and build their shards alongside ours.
         self._tp: distributed.TensorParallelHelpers | None = None
         if config.tensor_parallel_size > 1:
-            if config.device.startswith("cuda"):
-                # The first run on two H200s (2026-11-30) hung after start-up, cause not yet
-                # found (benchmarks/RESULTS.md, issue 6): refused rather than risk a hang.
+            tp = config.tensor_parallel_size
+            if config.device.startswith("cuda") and torch.cuda.device_count() < tp:
                 raise InvalidRequestError(
-                    "tensor_parallel_size > 1 runs on CPU processes only for now: on GPUs it "
-                    "is not yet validated"
+                    f"tensor_parallel_size {tp} needs {tp} GPUs, one per rank; "
+                    f"{torch.cuda.device_count()} visible"
                 )
             try:  # before any process starts: does the model split that many ways?
                 shard_config(
@@ -224,6 +223,9 @@ class EngineCore:
     def shutdown(self) -> None:
         """Stop the tensor-parallel helper processes (none with one rank); idempotent."""
         if self._tp is not None:
+            runner = getattr(self, "runner", None)  # (none when start-up failed)
+            if runner is not None:
+                runner.release_graphs()
             self._tp.close()
             self._tp = None
 

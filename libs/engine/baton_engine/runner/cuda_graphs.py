@@ -146,6 +146,13 @@ class DecodeGraphs:
             time.perf_counter() - start,
         )
 
+    def release(self) -> None:
+        """Destroy the captured graphs (steps then run eagerly through the same buffers)."""
+        for graph in self._graphs.values():
+            graph.reset()
+        self._graphs.clear()
+        self._outputs.clear()
+
     @torch.inference_mode()
     def run(
         self,
@@ -299,6 +306,13 @@ class PieceGraphs:
             self.sizes[-1],
             time.perf_counter() - start,
         )
+
+    def release(self) -> None:
+        """Destroy the captured graphs (steps then run the pieces eagerly)."""
+        for graphs in self._graphs.values():
+            for graph in graphs:
+                graph.reset()
+        self._graphs.clear()
 
     @torch.inference_mode()
     def run(

@@ -113,7 +113,9 @@ class ModelRunner:
             self.model = LlamaForCausalLM(whole_config, max_model_len, tp_rank, tp_size)
         if tp_size > 1:
             self.model.set_reduce(distributed.all_reduce)
-        self.model.to_empty(device=self.device).to(dtype)
+        # in the model's dtype before any memory is taken (float32 first would need twice the
+        # bytes: more than an H200 holds for a rank of Llama-3.1-70B at TP 2)
+        self.model.to(dtype).to_empty(device=self.device)
         self.model.tie_weights()
         self.model.rotary.reset(self.device)
         self.model.eval()
@@ -239,6 +241,16 @@ class ModelRunner:
             capture=capture,
         )
         self.pieces.capture_all()
+
+    def release_graphs(self) -> None:
+        """Destroy the CUDA graphs, before a tensor-parallel group is torn down: NCCL's teardown
+        waits for the graphs that captured its collectives (it hung on the H200s while they
+        lived). Steps still run afterwards, eagerly."""
+        for graphs in (self.graphs, self.pieces):
+            if graphs is not None:
+                graphs.release()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
     def profile_peak_bytes(self) -> int:
