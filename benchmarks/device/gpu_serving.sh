@@ -13,7 +13,9 @@
 #      tokenizer; make_model_dir.py --shape): 4,000-token prompts, 200 output tokens, Poisson
 #      rates, disaggregated (NIXL) against two aggregated replicas
 #   6. "tp": tensor parallelism on the two GPUs: tests/gpu/test_tensor_parallel_gpu.py, then
-#      device/tp_probe.py on Llama-3.1-8B's shape at 1 and 2 GPUs and Llama-3.1-70B's at 2
+#      device/tp_probe.py on Llama-3.1-8B's shape at 2 and 1 GPUs and Llama-3.1-70B's at 2
+#      (TP_PROBES picks among llama2 llama70b llama1), then baton serve -tp 2 answering one
+#      completion (TP_SERVE=0 skips it)
 # Output under ${OUT:-benchmarks/out/device}.
 #
 #     bash benchmarks/device/gpu_serving.sh [STAGES]   (default: "machine tests serve")
@@ -88,12 +90,30 @@ if [[ $stages == *goodput* ]]; then
 fi
 
 if [[ $stages == *tp* ]]; then
-    BATON_TEST_MODEL=$model timeout 300 python3 -m pytest -m gpu -q -x -p no:cacheprovider \
+    BATON_TEST_MODEL=$model timeout 200 python3 -m pytest -m gpu -q -x -p no:cacheprovider \
         tests/gpu/test_tensor_parallel_gpu.py 2>&1 | tail -15
-    probe() { timeout 300 python3 benchmarks/device/tp_probe.py --num-prompts 64 --batch 64 "$@" \
-        > "$out/tp_probe.log" 2>&1; local rc=$?; grep -E " tp=" "$out/tp_probe.log" \
-        || tail -25 "$out/tp_probe.log"; return $rc; }
-    probe --shape llama --tp 1
-    probe --shape llama --tp 2 || probe --shape llama --tp 2 --enforce-eager
-    probe --shape llama70b --tp 2
+    probe() { local log="$out/tp_probe_$1.log"; shift; timeout "$@" > "$log" 2>&1; local rc=$?
+        grep -E " tp=|shut down" "$log" || tail -25 "$log"; return $rc; }
+    args="--num-prompts 64 --batch 64 --prompt-len 512 --output-len 256"
+    probes=${TP_PROBES:-llama2 llama70b llama1}
+    [[ $probes == *llama2* ]] &&
+        probe llama2 200 python3 benchmarks/device/tp_probe.py --shape llama --tp 2 $args
+    [[ $probes == *llama70b* ]] &&
+        probe llama70b 240 python3 benchmarks/device/tp_probe.py --shape llama70b --tp 2 $args
+    [[ $probes == *llama1* ]] &&
+        probe llama1 120 python3 benchmarks/device/tp_probe.py --shape llama --tp 1 $args
+    # baton serve -tp 2 on the two GPUs: one decode worker holding both, one completion
+    if [[ ${TP_SERVE:-1} == 1 ]]; then
+        python3 -m baton.cli serve .gpu/llama8b-shape --load-format dummy --device cuda -tp 2 \
+            --gpus 0,1 --port 8123 --max-model-len 4096 > "$out/tp_serve.log" 2>&1 &
+        pid=$!
+        for _ in $(seq 120); do curl -sf localhost:8123/health > /dev/null && break; sleep 1; done
+        ps -eo pid,args | grep -E "baton|tp-rank" | grep -v grep | cut -c1-150
+        name=$(curl -s localhost:8123/v1/models | python3 -c "import json,sys; print(json.load(sys.stdin)['data'][0]['id'])")
+        curl -s localhost:8123/v1/completions -H 'Content-Type: application/json' \
+            -d '{"model": "'"$name"'", "prompt": "Hello", "max_tokens": 8, "temperature": 0}'
+        echo; kill -TERM $pid; s=$SECONDS; wait $pid; echo "serve exited $? after $((SECONDS - s)) s"
+        grep -iE "error|warn" "$out/tp_serve.log" | head -5
+        ps -eo pid,args | grep -E "baton|tp-rank" | grep -v grep | cut -c1-150
+    fi
 fi
