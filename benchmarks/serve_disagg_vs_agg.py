@@ -149,23 +149,27 @@ class Mode:
     base: str  # "aggregated" | "nixl" | "grpc"
     threads: int | None  # OMP_NUM_THREADS for every process of the stack
     num_decode: int  # decode workers
+    prefill_wait_ms: float | None = None  # --max-remote-prefill-wait-ms
 
 
 def parse_mode(mode: str) -> Mode:
     """``"nixl+omp1"`` -> the nixl stack with OMP_NUM_THREADS=1; ``"aggregated+dec2"`` -> two
-    aggregated decode workers (replicas behind the gateway)."""
+    aggregated decode workers (replicas behind the gateway); ``"nixl+wait300"`` -> the nixl
+    stack prefilling on the decode worker what would wait over 300 ms for the prefill worker."""
     base, *opts = mode.split("+")
-    threads, num_decode = None, 1
+    threads, num_decode, wait_ms = None, 1, None
     for opt in opts:
         if m := re.fullmatch(r"omp(\d+)", opt):
             threads = int(m.group(1))
         elif m := re.fullmatch(r"dec(\d+)", opt):
             num_decode = int(m.group(1))
+        elif m := re.fullmatch(r"wait(\d+)", opt):
+            wait_ms = float(m.group(1))
         else:
             raise ValueError(f"unknown option {opt!r} in mode {mode!r}")
     if base not in ("aggregated", "nixl", "grpc"):
         raise ValueError(f"unknown mode {mode!r}")
-    return Mode(base, threads, num_decode)
+    return Mode(base, threads, num_decode, wait_ms)
 
 
 def parse_modes(p: argparse.ArgumentParser, text: str) -> list[str]:
@@ -197,6 +201,8 @@ def start_stack(mode: str, args: argparse.Namespace, port: int, log: Path) -> su
         cmd += ["--mode", "aggregated"]
     else:
         cmd += ["--kv-transfer", m.base]
+    if m.prefill_wait_ms is not None:
+        cmd += ["--max-remote-prefill-wait-ms", str(m.prefill_wait_ms)]
     env = dict(os.environ)
     if m.threads is not None:
         env["OMP_NUM_THREADS"] = str(m.threads)

@@ -3,7 +3,9 @@ land on the worker that caches it, and the gateway counts its decisions."""
 
 from __future__ import annotations
 
+import re
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -67,3 +69,59 @@ def test_requests_sharing_a_prefix_land_on_the_worker_caching_it() -> None:
         ), decisions
     finally:
         stop(reversed(services))
+
+
+def test_a_busy_prefill_worker_sheds_prompts_to_the_decode_worker() -> None:
+    """With ``--max-remote-prefill-wait-ms``, prompts that would queue behind others on the
+    prefill worker are prefilled on the decode worker while its own queue is shorter, and they
+    generate what they generate when prefilled remotely."""
+    services: list[Service] = []
+    try:
+        prefill = launch("prefill", ["--port", "0", *ENGINE_ARGS])
+        decode = launch("decode", ["--port", "0", *ENGINE_ARGS])
+        services += [prefill, decode]
+        wait_all(services)
+        gateway = launch(
+            "gateway",
+            [
+                *("--port", "0", "--disable-uvicorn-access-log"),
+                *("--decode-addr", decode.address, "--prefill-addr", prefill.address),
+                *("--remote-prefill-threshold", "0", "--max-remote-prefill-wait-ms", "0"),
+            ],
+        )
+        services.append(gateway)
+        wait_all(services)
+        prompts = [[100 + 7 * i + j for j in range(300)] for i in range(6)]
+
+        def complete(prompt: list[int]) -> str:
+            r = httpx.post(
+                f"{gateway.address}/v1/completions",
+                json={"prompt": prompt, "max_tokens": 8, "temperature": 0},
+                timeout=120,
+            )
+            assert r.status_code == 200, r.text
+            return str(r.json()["choices"][0]["text"])
+
+        # One at a time: the prefill worker's queue is empty, so every prompt goes there (and
+        # the gateway learns its speed).
+        alone = [complete(p) for p in prompts]
+        assert decisions(gateway) == {"remote": 6.0}
+        # All at once: every other prompt would wait behind the one before it.
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            together = list(pool.map(complete, prompts))
+        assert together == alone
+        counts = decisions(gateway)
+        assert counts.get("local_prefill_queue", 0) >= 1, counts
+        assert counts["remote"] >= 7, counts
+    finally:
+        stop(reversed(services))
+
+
+def decisions(gateway: Service) -> dict[str, float]:
+    """The gateway's ``baton:disagg_decisions_total`` by decision."""
+    text = httpx.get(gateway.metrics_url, timeout=5).text
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if m := re.match(r'baton:disagg_decisions_total\{.*decision="([^"]+)".*\} (\S+)$', line):
+            out[m.group(1)] = float(m.group(2))
+    return out

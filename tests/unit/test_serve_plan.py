@@ -32,6 +32,9 @@ def test_disaggregated_by_default_and_aggregated_on_request() -> None:
     assert gateway.count("--decode-addr") == 2 and gateway.count("--prefill-addr") == 1
     aggregated = _plan(parse("--mode", "aggregated"), "m")
     assert [label for _, label, _ in aggregated] == ["decode", "gateway"]
+    assert "--max-remote-prefill-wait-ms" not in gateway  # always remote unless asked
+    shed = _plan(parse("--max-remote-prefill-wait-ms", "300"), "m")[-1][2]
+    assert shed[shed.index("--max-remote-prefill-wait-ms") + 1] == "300.0"
 
 
 def test_workers_get_one_gpu_each_round_robin() -> None:

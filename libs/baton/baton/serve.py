@@ -91,6 +91,14 @@ def add_parser(subparsers: Any) -> None:
         "prefilled on a prefill worker (else locally)",
     )
     p.add_argument(
+        "--max-remote-prefill-wait-ms",
+        type=float,
+        default=None,
+        help="prefill a prompt on its decode worker instead when the prefill workers' queue "
+        "would keep it waiting longer than this and the decode worker has less prefill queued "
+        "(default: always on a prefill worker)",
+    )
+    p.add_argument(
         "--kv-load-failure-policy",
         choices=("recompute", "fail"),
         default="recompute",
@@ -370,6 +378,11 @@ def _plan(args: argparse.Namespace, name: str) -> list[tuple[str, str, list[str]
         *kvstore_argv,
         *otlp_argv,
         *("--remote-prefill-threshold", str(args.remote_prefill_threshold)),
+        *(
+            ["--max-remote-prefill-wait-ms", str(args.max_remote_prefill_wait_ms)]
+            if args.max_remote_prefill_wait_ms is not None
+            else []
+        ),
         *("--served-model-name", name, "--connect-timeout", str(args.ready_timeout)),
         *(["--model", args.model] if args.model is not None else []),
         *(["--disable-uvicorn-access-log"] if args.disable_uvicorn_access_log else []),

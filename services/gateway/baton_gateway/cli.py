@@ -64,6 +64,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "worker prefills the prompt",
     )
     p.add_argument(
+        "--max-remote-prefill-wait-ms",
+        type=float,
+        default=None,
+        help="prefill a prompt on its decode worker instead when the prefill worker's queue "
+        "would keep it waiting longer than this (estimated from the prefill speed seen so far) "
+        "and the decode worker has less prefill queued (default: always remote)",
+    )
+    p.add_argument(
         "--model", default=None, help="model path the tokenizer comes from (default: SmolLM2)"
     )
     tracing.add_otlp_argument(p)
@@ -102,12 +110,16 @@ def run_gateway(args: argparse.Namespace) -> int:
 
     if args.max_model_len is not None and args.max_model_len < 1:
         raise InvalidRequestError("--max-model-len must be at least 1")
+    wait_ms = args.max_remote_prefill_wait_ms
+    if wait_ms is not None and not wait_ms >= 0:
+        raise InvalidRequestError("--max-remote-prefill-wait-ms must be at least 0")
     tokenizer = load_model_tokenizer(args.model)
     config = GatewayConfig(
         decode_addrs=tuple(args.decode_addr or ([] if args.kvstore else [DEFAULT_DECODE_ADDR])),
         prefill_addrs=tuple(args.prefill_addr or []),
         kvstore_address=args.kvstore,
         remote_prefill_threshold=args.remote_prefill_threshold,
+        max_remote_prefill_wait_ms=args.max_remote_prefill_wait_ms,
         model=args.model,
         served_model_name=args.served_model_name,
         api_key=args.api_key or None,

@@ -14,7 +14,11 @@ Routing one sequence (``WorkerPool.generate``), as DESIGN.md §2 describes:
 3. If the tokens not cached there exceed ``remote_prefill_threshold`` and a healthy prefill worker
    has room, the prompt is prefilled remotely (the prefill worker with the lowest cost, same
    formula) and its first token is yielded at once, before the decode worker pulls the KV;
-   otherwise the decode worker prefills locally. Each decision is counted by reason.
+   otherwise the decode worker prefills locally. With ``max_remote_prefill_wait_s`` set, a
+   prompt is also prefilled locally when the prefill worker's queue would keep it waiting
+   longer than that and the decode worker has less prefill queued (conditional
+   disaggregation: a saturated prefill pool does not stall every new request while the decode
+   GPU has room). Each decision is counted by reason.
 
 Failures: a prefill worker that fails (unavailable, at capacity) is marked and another one is
 tried, then local prefill. A decode worker that fails before it streamed any token is replaced by
@@ -39,7 +43,7 @@ import itertools
 import logging
 from collections.abc import AsyncGenerator, Callable, Iterable, Sequence
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any
 
@@ -89,6 +93,51 @@ def rpc_error(error: grpc.aio.AioRpcError, addr: str) -> GatewayError:
     return GatewayError(status, message)
 
 
+class PrefillBacklog:
+    """Prompt tokens this gateway has sent a worker to prefill whose first token has not come
+    back yet, and the worker's prefill speed learnt from them: tokens completed per second
+    while tokens were pending (a decayed average over the last completions)."""
+
+    DECAY = 0.9  # per completion: about the last ten count
+
+    def __init__(self) -> None:
+        self.pending = 0
+        self._changed = 0.0  # loop time of the last change of ``pending``
+        self._busy_s = 0.0  # seconds with tokens pending since the last completion
+        self._avg_busy_s = 0.0
+        self._avg_tokens = 0.0
+
+    def _accrue(self, now: float) -> None:
+        if self.pending > 0:
+            self._busy_s += now - self._changed
+        self._changed = now
+
+    def add(self, num_tokens: int, now: float) -> None:
+        self._accrue(now)
+        self.pending += num_tokens
+
+    def remove(self, num_tokens: int, now: float, completed: bool) -> None:
+        """``num_tokens`` are no longer pending: prefilled (``completed``) or given up."""
+        self._accrue(now)
+        self.pending -= num_tokens
+        if completed:
+            self._avg_busy_s = self._avg_busy_s * self.DECAY + self._busy_s
+            self._avg_tokens = self._avg_tokens * self.DECAY + num_tokens
+            self._busy_s = 0.0
+
+    def tokens_per_s(self) -> float | None:
+        """The learnt prefill speed; None before a first completion."""
+        if self._avg_tokens <= 0 or self._avg_busy_s <= 0:
+            return None
+        return self._avg_tokens / self._avg_busy_s
+
+    def wait_s(self) -> float:
+        """How long a prompt sent now would wait for the tokens ahead of it (0 while the speed
+        is unknown)."""
+        speed = self.tokens_per_s()
+        return self.pending / speed if speed else 0.0
+
+
 @dataclass(eq=False)
 class Worker:
     """One engine worker as this gateway sees it."""
@@ -105,6 +154,7 @@ class Worker:
     load_time: float = -1.0  # loop time of that answer
     healthy: bool = False  # the last GetModelInfo / GetLoad call succeeded
     streams: GenerateStreams | None = None  # decode workers: the shared GenerateStream call
+    backlog: PrefillBacklog = field(default_factory=PrefillBacklog)  # prompts sent to prefill
 
     def num_requests(self, now: float) -> int:
         reported = 0
@@ -271,6 +321,7 @@ class WorkerPool:
         load_weight: int = 64,
         poll_interval_s: float = 0.5,
         on_decision: Callable[[str], None] | None = None,
+        max_remote_prefill_wait_s: float | None = None,
     ) -> None:
         if not decode_addrs and kvstore is None:
             raise ValueError("at least one decode worker address (or a kvstore) is needed")
@@ -279,6 +330,7 @@ class WorkerPool:
         self.kvstore = kvstore
         self.remote_prefill_threshold = remote_prefill_threshold
         self.load_weight = load_weight
+        self.max_remote_prefill_wait_s = max_remote_prefill_wait_s
         self._poll_interval_s = poll_interval_s
         self._on_decision = on_decision or (lambda reason: None)
         self._poller: asyncio.Task[None] | None = None
@@ -454,7 +506,17 @@ class WorkerPool:
         prefill = self._pick(PREFILL, len(prompt), cached)
         if prefill is None:
             return RouteDecision(decode, None, "local_prefill_busy", num_uncached)
+        if self._prefill_queue_too_long(prefill[0], decode):
+            return RouteDecision(decode, None, "local_prefill_queue", num_uncached)
         return RouteDecision(decode, prefill[0], "remote", num_uncached)
+
+    def _prefill_queue_too_long(self, prefill: Worker, decode: Worker) -> bool:
+        """Whether the prompt would wait longer than ``max_remote_prefill_wait_s`` in the
+        prefill worker's queue while the decode worker has less prefill queued."""
+        limit = self.max_remote_prefill_wait_s
+        if limit is None or decode.backlog.pending >= prefill.backlog.pending:
+            return False
+        return prefill.backlog.wait_s() > limit
 
     def _worth_lookup(self, prompt: Sequence[int]) -> bool:
         """Whether the prefix index can change this prompt's route: with one decode worker, a
@@ -493,6 +555,10 @@ class WorkerPool:
         prefill_worker: Worker | None = None
         decode_request = request
         finished = False
+        # a prompt the decode worker prefills counts in its backlog until its first token
+        local_backlog: Worker | None = None
+        num_prompt = len(request.prompt_token_ids)
+        loop = asyncio.get_running_loop()
         try:
             if route.prefill is not None:
                 prefilled = await self._prefill(request, route.prefill, trace_parent)
@@ -504,13 +570,21 @@ class WorkerPool:
                         finished = True  # nothing is held on the prefill worker
                         return
                     decode_request = codec.remote_generate_request(request, response)
+            if prefill_worker is None:
+                local_backlog = route.decode
+                local_backlog.backlog.add(num_prompt, loop.time())
             decode = self._decode(decode_request, route.decode, trace_parent)
             async with aclosing(decode) as chunks:
                 async for chunk in chunks:
+                    if local_backlog is not None:
+                        local_backlog.backlog.remove(num_prompt, loop.time(), completed=True)
+                        local_backlog = None
                     yield chunk
                     if chunk.finish_reason is not None:
                         finished = True
         finally:
+            if local_backlog is not None:
+                local_backlog.backlog.remove(num_prompt, loop.time(), completed=False)
             if prefill_worker is not None and not finished:
                 # The decode worker may never pull: let the prefill worker free the KV now.
                 self._spawn(self._abort(prefill_worker, request.req_id))
@@ -524,9 +598,13 @@ class WorkerPool:
         """Prefill on ``first`` or, if it fails, another prefill worker; None: prefill locally."""
         tried: list[Worker] = []
         worker: Worker | None = first
+        num_prompt = len(request.prompt_token_ids)
+        loop = asyncio.get_running_loop()
         while worker is not None:
             tried.append(worker)
             worker.num_inflight += 1
+            worker.backlog.add(num_prompt, loop.time())
+            completed = False
             span = tracing.start_span(
                 "prefill", trace_parent, tracing.SpanKind.CLIENT, {"baton.worker": worker.addr}
             )
@@ -535,6 +613,7 @@ class WorkerPool:
                 response = await worker.stub.Prefill(
                     codec.prefill_request(request), metadata=metadata
                 )
+                completed = True
                 tracing.end_span(span)
                 return worker, response
             except grpc.aio.AioRpcError as e:
@@ -547,6 +626,7 @@ class WorkerPool:
                 self._on_decision("prefill_retry")
             finally:
                 worker.num_inflight -= 1
+                worker.backlog.remove(num_prompt, loop.time(), completed)
             picked = self._pick(PREFILL, len(request.prompt_token_ids), {}, tried)
             worker = picked[0] if picked else None
         self._on_decision("local_prefill_failed")

@@ -49,6 +49,8 @@ class GatewayConfig:
     prefill_addrs: tuple[str, ...] = ()
     kvstore_address: str | None = None  # find workers there and route by its prefix index
     remote_prefill_threshold: int = 256  # uncached prompt tokens above which prefill is remote
+    # prefill locally rather than wait longer than this in the prefill worker's queue (None: never)
+    max_remote_prefill_wait_ms: float | None = None
     model: str | None = None  # the model the tokenizer comes from; None: the default model
     served_model_name: str | None = None  # None: the decode worker's model name
     api_key: str | None = None
@@ -123,6 +125,11 @@ def create_app(config: GatewayConfig, tokenizer: Any) -> FastAPI:
             config.prefill_addrs,
             kvstore=kvstore,
             remote_prefill_threshold=config.remote_prefill_threshold,
+            max_remote_prefill_wait_s=(
+                None
+                if config.max_remote_prefill_wait_ms is None
+                else config.max_remote_prefill_wait_ms / 1000
+            ),
             on_decision=on_decision,
         )
         http = httpx.AsyncClient()
