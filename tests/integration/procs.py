@@ -107,6 +107,31 @@ def wait_all(services: Iterable[Service], timeout_s: float = 300) -> None:
                 raise RuntimeError(f"baton {s.kind} did not start:\n{s.output()}")
 
 
+def launch_disaggregated(
+    services: list[Service], worker_args: Sequence[str] = (), gateway_args: Sequence[str] = ()
+) -> Service:
+    """A prefill worker, a decode worker and a gateway that prefills every prompt on the
+    prefill worker (``--remote-prefill-threshold 0``), appended to ``services`` once ready;
+    returns the gateway."""
+    workers = [
+        launch(kind, ["--port", "0", *worker_args, *ENGINE_ARGS]) for kind in ("prefill", "decode")
+    ]
+    services += workers
+    wait_all(services)
+    prefill, decode = workers
+    gateway = launch(
+        "gateway",
+        [
+            *("--port", "0", "--disable-uvicorn-access-log", "--remote-prefill-threshold", "0"),
+            *("--decode-addr", decode.address, "--prefill-addr", prefill.address),
+            *gateway_args,
+        ],
+    )
+    services.append(gateway)
+    wait_all(services)
+    return gateway
+
+
 def kill(service: Service, sig: int = signal.SIGKILL) -> None:
     if service.alive:
         os.killpg(service.proc.pid, sig)

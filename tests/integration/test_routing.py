@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from procs import ENGINE_ARGS, Service, launch, stop, wait_all
+from procs import ENGINE_ARGS, Service, launch, launch_disaggregated, stop, wait_all
 
 pytestmark = pytest.mark.integration
 
@@ -77,20 +77,7 @@ def test_a_busy_prefill_worker_sheds_prompts_to_the_decode_worker() -> None:
     generate what they generate when prefilled remotely."""
     services: list[Service] = []
     try:
-        prefill = launch("prefill", ["--port", "0", *ENGINE_ARGS])
-        decode = launch("decode", ["--port", "0", *ENGINE_ARGS])
-        services += [prefill, decode]
-        wait_all(services)
-        gateway = launch(
-            "gateway",
-            [
-                *("--port", "0", "--disable-uvicorn-access-log"),
-                *("--decode-addr", decode.address, "--prefill-addr", prefill.address),
-                *("--remote-prefill-threshold", "0", "--max-remote-prefill-wait-ms", "0"),
-            ],
-        )
-        services.append(gateway)
-        wait_all(services)
+        gateway = launch_disaggregated(services, gateway_args=["--max-remote-prefill-wait-ms", "0"])
         prompts = [[100 + 7 * i + j for j in range(300)] for i in range(6)]
 
         def complete(prompt: list[int]) -> str:

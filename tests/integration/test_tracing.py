@@ -13,7 +13,7 @@ import grpc
 import httpx
 import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
-from procs import ENGINE_ARGS, free_port, launch, stop, wait_all
+from procs import Service, free_port, launch_disaggregated, stop
 
 pytestmark = pytest.mark.integration
 
@@ -74,22 +74,9 @@ def _tree_closed(spans: list[tuple[str, str, bytes, bytes, bytes]]) -> bool:
 def test_spans_of_one_request_share_one_trace(receiver: tuple[Receiver, str]) -> None:
     collector, endpoint = receiver
     otlp = ["--otlp-endpoint", endpoint]
-    services = []
+    services: list[Service] = []
     try:
-        prefill = launch("prefill", ["--port", "0", *otlp, *ENGINE_ARGS])
-        decode = launch("decode", ["--port", "0", *otlp, *ENGINE_ARGS])
-        services += [prefill, decode]
-        wait_all(services)
-        gateway = launch(
-            "gateway",
-            [
-                *("--port", "0", "--decode-addr", decode.address),
-                *("--prefill-addr", prefill.address, "--remote-prefill-threshold", "0"),
-                *otlp,
-            ],
-        )
-        services.append(gateway)
-        wait_all(services)
+        gateway = launch_disaggregated(services, worker_args=otlp, gateway_args=otlp)
         r = httpx.post(
             f"{gateway.address}/v1/completions",
             json={"prompt": "Tracing a request through Baton", "max_tokens": 4},
