@@ -11,6 +11,8 @@ import torch
 from tiny_models import build_model, greedy_tokens
 
 from baton import LLM, SamplingParams
+from baton_engine.config import EngineConfig
+from baton_engine.core.engine_core import EngineCore
 from baton_engine.errors import InvalidRequestError
 
 PROMPTS = [[10 + i for i in range(n)] for n in (5, 23, 40, 70)]
@@ -60,3 +62,46 @@ def test_a_dead_helper_rank_fails_the_engine_fast(default_model_dir: Path, tmp_p
         assert time.monotonic() - start < 10
     finally:
         llm.shutdown()
+
+
+def test_a_split_decode_engine_continues_from_a_whole_prefill_engines_kv(
+    default_model_dir: Path, tmp_path: Path
+) -> None:
+    """Disaggregation into a tensor-parallel engine: the prefill engine (one rank) holds the
+    prompts' whole KV; the decode engine (two ranks) loads it, each rank keeping its heads
+    (``load_kv_blocks``), and generates the same greedy tokens as one engine doing both."""
+    build_model("llama", default_model_dir, tmp_path)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    want = greedy_tokens(tmp_path, PROMPTS, 10, kv_cache_memory=1 << 24)
+    engine = {"model": str(tmp_path), "dtype": "float32", "max_model_len": 512}
+    engine["kv_cache_memory"] = 1 << 24
+    prefill = EngineCore(EngineConfig(**engine))  # type: ignore[arg-type]
+    decode = EngineCore(EngineConfig(**engine, tensor_parallel_size=2))  # type: ignore[arg-type]
+    try:
+        for i, prompt in enumerate(PROMPTS):
+            prefill.add_request(f"r{i}", prompt, params, prefill_only=True)
+        held = {}
+        while prefill.has_schedulable_requests():
+            for out in prefill.step():
+                assert out.finish_reason == "prefilled" and out.kv_block_ids is not None
+                held[out.req_id] = out.kv_block_ids
+                decode.add_request(
+                    out.req_id,
+                    PROMPTS[int(out.req_id[1:])],
+                    params,
+                    remote_kv="handle",
+                    first_token_id=out.new_token_ids[0],
+                )
+        decode.step()  # admission: the requests wait for their KV
+        for load in decode.take_kv_loads():
+            remote = held[load.req_id][load.first_block :]
+            decode.load_kv_blocks(load.local_block_ids, prefill.kv_pool[remote])
+            decode.finish_kv_load(load.req_id, ok=True)
+        got: dict[str, list[int]] = {}
+        while decode.has_schedulable_requests():
+            for out in decode.step():
+                got.setdefault(out.req_id, []).extend(out.new_token_ids)
+        assert [[want[i][0], *got[f"r{i}"]] for i in range(len(PROMPTS))] == want
+        decode.check_invariants()
+    finally:
+        decode.shutdown()

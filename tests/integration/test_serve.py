@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -126,11 +124,36 @@ def test_tensor_parallel_serve_answers_as_one_process(
     assert not any(p.is_running() for p in helpers)
 
 
-def test_tensor_parallel_refuses_disaggregated_mode(serve_launcher: Any) -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "baton.cli", "serve", "--tensor-parallel-size", "2",
-         "--mode", "disaggregated"],
-        capture_output=True, text=True, timeout=120,
+@pytest.mark.parametrize("transfer", ["grpc", "nixl"])
+def test_disaggregated_into_a_tensor_parallel_decode_worker(
+    transfer: str, serve_launcher: Any, default_model_dir: Path, tmp_path: Path
+) -> None:
+    """``--mode disaggregated -tp 2``: the prefill worker runs one rank, the decode worker two;
+    the decode worker pulls the prompt's whole blocks and gives each rank its heads, and the
+    greedy text equals the offline engine's."""
+    build_model("llama", default_model_dir, tmp_path)
+    prompt = [10 + i for i in range(53)]
+    llm = LLM(str(tmp_path), dtype="float32", max_model_len=512, kv_cache_memory=1 << 24)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    want = llm.generate([{"prompt_token_ids": prompt}], params)[0].outputs[0].text
+    server = serve_launcher.start(
+        [str(tmp_path), "-tp", "2", "--mode", "disaggregated", "--dtype", "float32",
+         "--remote-prefill-threshold", "0", "--kv-transfer", transfer]
     )  # fmt: skip
-    assert proc.returncode != 0
-    assert "runs --mode aggregated only" in proc.stdout + proc.stderr
+    try:
+        services = _services(server)
+        assert sorted(services) == ["decode", "gateway", "kvstore", "prefill"], server.output()
+        body = {"prompt": prompt, "max_tokens": 10, "temperature": 0.0, "ignore_eos": True}
+        resp = httpx.post(f"{server.base_url}/completions", json=body, timeout=60)
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["choices"][0]["text"] == want
+        metrics = httpx.get(f"{server.root_url}/metrics", timeout=10).text
+        pulled = [m for m in metrics.splitlines() if m.startswith("baton:kv_transfer_blocks_total")]
+        assert pulled and float(pulled[0].rsplit(" ", 1)[1]) == 4, pulled  # 53 tokens: 4 blocks
+        assert not any(
+            m.startswith("baton:kv_transfer_failures_total") and not m.endswith(" 0.0")
+            for m in metrics.splitlines()
+        ), metrics
+    finally:
+        _, survivors = serve_launcher.stop(server, signal.SIGTERM)
+    assert not survivors, f"left behind: {survivors}"

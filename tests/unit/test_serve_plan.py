@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-import pytest
-
-from baton.serve import _gpu_env, _gpu_ids, _plan, add_parser
-from baton_engine.errors import InvalidRequestError
+from baton.serve import _gpu_counts, _gpu_env, _gpu_ids, _plan, add_parser
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -41,10 +38,10 @@ def test_workers_get_one_gpu_each_round_robin() -> None:
     args = parse("--device", "cuda", "--gpus", "2,3", "--num-decode", "2")
     gpus = _gpu_ids(args)
     workers = ["prefill", "decode-0", "decode-1"]
-    envs = [_gpu_env(gpus, workers, w) for w in workers]
+    envs = [_gpu_env(gpus, workers, w, [1, 1, 1]) for w in workers]
     assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["2", "3", "2"]
     assert all(e["NCCL_NVLS_ENABLE"] == "0" for e in envs)
-    assert _gpu_env(gpus, workers, "gateway") == {}
+    assert _gpu_env(gpus, workers, "gateway", [1, 1, 1]) == {}
     assert _gpu_ids(parse("--gpus", "0,1")) == []  # on CPU nothing is pinned
 
 
@@ -54,7 +51,19 @@ def test_tensor_parallel_workers_get_that_many_gpus_and_run_aggregated() -> None
     assert args.mode == "aggregated"  # the default with tensor parallelism
     assert [label for _, label, _ in plan] == ["decode-0", "decode-1", "gateway"]
     workers = ["decode-0", "decode-1"]
-    envs = [_gpu_env(_gpu_ids(args), workers, w, args.tensor_parallel_size) for w in workers]
+    envs = [_gpu_env(_gpu_ids(args), workers, w, _gpu_counts(args, plan)) for w in workers]
     assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["0,1", "2,3"]
-    with pytest.raises(InvalidRequestError, match="aggregated only"):
-        _plan(parse("-tp", "2", "--mode", "disaggregated"), "m")
+
+
+def test_disaggregated_with_tensor_parallelism_splits_the_decode_workers_only() -> None:
+    args = parse("--device", "cuda", "--gpus", "0,1,2", "-tp", "2", "--mode", "disaggregated")
+    plan = _plan(args, "m")
+    workers = [label for kind, label, _ in plan if kind in ("prefill", "decode")]
+    assert workers == ["prefill", "decode"]
+    counts = _gpu_counts(args, plan)
+    assert counts == [1, 2]
+    envs = [_gpu_env(_gpu_ids(args), workers, w, counts) for w in workers]
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["0", "1,2"]
+    prefill = next(a for _, label, a in plan if label == "prefill")
+    last = max(i for i, a in enumerate(prefill) if a == "--tensor-parallel-size")
+    assert prefill[last + 1] == "1"  # the last one given wins: one rank

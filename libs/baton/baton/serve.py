@@ -70,7 +70,8 @@ def add_parser(subparsers: Any) -> None:
         choices=("aggregated", "disaggregated"),
         default=None,
         help="disaggregated (the default): kvstore + prefill and decode workers; aggregated: "
-        "decode workers that prefill locally (the default with --tensor-parallel-size > 1)",
+        "decode workers that prefill locally (the default with --tensor-parallel-size > 1; "
+        "disaggregated then splits the decode workers only)",
     )
     p.add_argument("--num-prefill", type=int, default=1, help="prefill workers (disaggregated)")
     p.add_argument("--num-decode", type=int, default=1, help="decode workers")
@@ -267,15 +268,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     try:
         # Every child is started before any thread exists here (preexec_fn and threads do not
         # mix); the gateway waits for the workers to answer, the workers for the kvstore.
-        gpus = _gpu_ids(args)
+        gpus, counts = _gpu_ids(args), _gpu_counts(args, plan)
         workers = [label for kind, label, _ in plan if kind in ("prefill", "decode")]
         children = [
-            start_child(
-                kind,
-                label,
-                argv,
-                {**env, **_gpu_env(gpus, workers, label, args.tensor_parallel_size)},
-            )
+            start_child(kind, label, argv, {**env, **_gpu_env(gpus, workers, label, counts)})
             for kind, label, argv in plan
         ]
         for child in children:
@@ -309,30 +305,30 @@ def _gpu_ids(args: argparse.Namespace) -> list[str]:
 
 
 def resolve_mode(args: argparse.Namespace) -> None:
-    """Fill in ``args.mode``: disaggregated, but aggregated with tensor parallelism, whose
-    sharded KV pools the KV transfer does not move (an explicit disaggregated mode is refused
-    then)."""
-    from baton_engine.errors import InvalidRequestError
-
-    tp = getattr(args, "tensor_parallel_size", 1)
+    """Fill in ``args.mode``: disaggregated, but aggregated with tensor parallelism (prefill
+    workers run one rank, which a model split for size does not fit). An explicit
+    ``--mode disaggregated`` with ``-tp N`` splits the decode workers only."""
     if args.mode is None:
-        args.mode = "aggregated" if tp > 1 else "disaggregated"
-    elif args.mode == "disaggregated" and tp > 1:
-        raise InvalidRequestError(
-            "--tensor-parallel-size > 1 runs --mode aggregated only: the KV transfer between "
-            "prefill and decode workers does not move tensor-parallel (sharded) KV caches"
+        args.mode = (
+            "aggregated" if getattr(args, "tensor_parallel_size", 1) > 1 else "disaggregated"
         )
 
 
-def _gpu_env(
-    gpus: list[str], workers: list[str], label: str, per_worker: int = 1
-) -> dict[str, str]:
-    """Worker ``label``'s own ``per_worker`` GPUs (workers in plan order, round robin over
-    ``gpus``)."""
+def _gpu_counts(args: argparse.Namespace, plan: list[tuple[str, str, list[str]]]) -> list[int]:
+    """GPUs of each worker of ``plan``, in order: ``-tp`` for decode workers, one for prefill
+    workers (which run one rank)."""
+    tp = getattr(args, "tensor_parallel_size", 1)
+    return [tp if kind == "decode" else 1 for kind, _, _ in plan if kind in ("prefill", "decode")]
+
+
+def _gpu_env(gpus: list[str], workers: list[str], label: str, counts: list[int]) -> dict[str, str]:
+    """Worker ``label``'s own GPUs: ``counts[i]`` for worker ``i`` (workers in plan order,
+    round robin over ``gpus``)."""
     if not gpus or label not in workers:
         return {}
-    first = workers.index(label) * per_worker
-    mine = [gpus[(first + k) % len(gpus)] for k in range(per_worker)]
+    i = workers.index(label)
+    first = sum(counts[:i])
+    mine = [gpus[(first + k) % len(gpus)] for k in range(counts[i])]
     return {**_GPU_ENV, "CUDA_VISIBLE_DEVICES": ",".join(mine)}
 
 
@@ -370,6 +366,8 @@ def _plan(args: argparse.Namespace, name: str) -> list[tuple[str, str, list[str]
                 argv += ["--kv-load-failure-policy", args.kv_load_failure_policy]
             else:
                 argv += ["--kv-lease-ms", str(args.kv_lease_ms)]
+                if getattr(args, "tensor_parallel_size", 1) > 1:  # one rank: whole blocks move
+                    argv += ["--tensor-parallel-size", "1"]
             plan.append((role, f"{role}-{i}" if count > 1 else role, argv))
     gateway_argv = [
         *("--host", args.host, "--port", str(args.port)),

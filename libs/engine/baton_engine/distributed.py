@@ -17,6 +17,7 @@ import multiprocessing as mp
 import os
 import socket
 import threading
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -84,6 +85,16 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@dataclass(frozen=True)
+class KVBlocks:
+    """Sent to the helpers before rank 0 broadcasts KV blocks pulled from a peer (of this
+    shape and dtype) for the pool's ``block_ids``."""
+
+    block_ids: list[int]
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
 def _leave_group(clean: bool) -> None:
     """Tear this rank's group down, as every rank does when the engine stops: ``destroy`` when
     they all do (``clean``), else (a rank is gone) NCCL's ``abort``. The runner's CUDA graphs
@@ -126,6 +137,11 @@ def _helper_main(config: Any, rank: int, port: int, conn: Connection) -> None:
         if so is None:
             clean = True
             break
+        if isinstance(so, KVBlocks):  # rank 0 broadcasts the blocks; this rank keeps its heads
+            blocks = torch.empty(so.shape, dtype=so.dtype, device=runner.device)
+            broadcast(blocks)
+            runner.load_kv_blocks(so.block_ids, blocks)
+            continue
         runner.launch(so).result()
     runner.release_graphs()
     _leave_group(clean)
@@ -162,9 +178,16 @@ class TensorParallelHelpers:
 
     def step(self, so: Any) -> None:
         """Have every helper run ``so`` (before rank 0 launches it)."""
+        self._send(so)
+
+    def send_kv_blocks(self, block_ids: list[int], blocks: torch.Tensor) -> None:
+        """Have every helper take its heads of ``blocks`` (before rank 0 broadcasts them)."""
+        self._send(KVBlocks(block_ids, tuple(blocks.shape), blocks.dtype))
+
+    def _send(self, message: Any) -> None:
         for rank, conn in enumerate(self._conns, start=1):
             try:
-                conn.send(so)
+                conn.send(message)
             except (BrokenPipeError, ConnectionResetError, EOFError) as e:
                 raise RuntimeError(f"tensor-parallel rank {rank} is gone") from e
 

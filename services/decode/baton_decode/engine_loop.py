@@ -25,6 +25,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from baton_decode.errors import (
     DuplicateRequestError,
@@ -69,6 +70,20 @@ class _ReleaseHeld:
 class _LoadDone:
     req_id: str
     ok: bool
+    staged: StagedKV | None = None
+
+
+@dataclass(frozen=True)
+class StagedKV:
+    """A pull that landed in a staging buffer, not in the engine's pool: whole-head blocks in
+    rows ``slots`` of ``pool``, for the engine's ``block_ids``. The engine thread loads them
+    (``EngineCore.load_kv_blocks``: each tensor-parallel rank takes its heads), then calls
+    ``release`` (the rows may be reused)."""
+
+    block_ids: list[int]
+    pool: Any  # torch.Tensor
+    slots: list[int]
+    release: Callable[[], None]
 
 
 @dataclass(frozen=True)
@@ -294,10 +309,11 @@ class EngineLoop:
         """Free the prompt blocks prefill-only requests left held (unknown ids are ignored)."""
         self._commands.put(_ReleaseHeld(list(req_ids)))
 
-    def finish_kv_load(self, req_id: str, ok: bool) -> None:
+    def finish_kv_load(self, req_id: str, ok: bool, staged: StagedKV | None = None) -> None:
         """Report a pull handed out through ``on_kv_load``: the request decodes on success and
-        recomputes its prompt otherwise."""
-        self._commands.put(_LoadDone(req_id, ok))
+        recomputes its prompt otherwise. ``staged``: where the pull left the KV, when not in
+        the engine's pool (released in any case)."""
+        self._commands.put(_LoadDone(req_id, ok, staged))
 
     def abort(self, req_ids: Sequence[str]) -> int:
         """End these requests now with finish reason "abort" and free them in the engine.
@@ -459,7 +475,17 @@ class EngineLoop:
             for req_id in command.req_ids:
                 self.core.release_held(req_id)
         elif isinstance(command, _LoadDone):
-            self.core.finish_kv_load(command.req_id, command.ok)
+            ok, staged = command.ok, command.staged
+            if staged is not None:
+                try:
+                    if ok:
+                        self.core.load_kv_blocks(staged.block_ids, staged.pool[staged.slots])
+                except Exception:
+                    logger.exception("request %s: loading its pulled KV failed", command.req_id)
+                    ok = False
+                finally:
+                    staged.release()
+            self.core.finish_kv_load(command.req_id, ok)
 
     def _is_idle(self) -> bool:
         core = self.core

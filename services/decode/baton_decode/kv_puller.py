@@ -18,10 +18,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
 from baton import tracing
-from baton_decode.engine_loop import EngineLoop
+from baton_decode.engine_loop import EngineLoop, StagedKV
 from baton_decode.metrics import WorkerMetrics
 from baton_engine.core.outputs import KVLoad
 from baton_engine.errors import BatonError, InvalidRequestError
@@ -46,6 +49,50 @@ class RemoteKV:
     trace_parent: tracing.Context | None = None
 
 
+class StagingArea:
+    """Whole-head KV blocks that pulls land in first, for a decode worker whose engine is split
+    across tensor-parallel ranks (its pool holds rank 0's heads only): the engine thread then
+    gives each rank its heads (``StagedKV``) and the rows are free again. Use on one loop."""
+
+    def __init__(self, pool: torch.Tensor) -> None:
+        self.pool = pool
+        self._free = list(range(pool.shape[0]))
+        self._freed = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    async def acquire(self, n: int) -> list[int]:
+        """``n`` rows, once that many are free."""
+        if n > self.pool.shape[0]:
+            raise KVLoadFailedError(
+                f"the prompt's {n} blocks exceed the {self.pool.shape[0]} of the staging area"
+            )
+        self._loop = asyncio.get_running_loop()
+        while len(self._free) < n:
+            self._freed.clear()
+            await self._freed.wait()
+        rows, self._free = self._free[:n], self._free[n:]
+        return rows
+
+    def release(self, rows: list[int]) -> None:
+        """On the loop."""
+        self._free += rows
+        self._freed.set()
+
+    def releaser(self, rows: list[int]) -> Callable[[], None]:
+        """A function any thread may call (once) to give ``rows`` back."""
+        loop = self._loop
+        assert loop is not None
+
+        def release() -> None:
+            loop.call_soon_threadsafe(self.release, rows)
+
+        return release
+
+
 class KVPuller:
     def __init__(
         self,
@@ -56,7 +103,10 @@ class KVPuller:
         block_size: int,
         failure_policy: str = "recompute",
         metrics: WorkerMetrics | None = None,
+        staging: StagingArea | None = None,
     ) -> None:
+        """``staging``: pull into it (it is the ``sink``'s pool) rather than into the engine's
+        pool, whose blocks are then loaded by the engine thread."""
         if failure_policy not in ("recompute", "fail"):
             raise ValueError(f"kv load failure policy must be recompute or fail: {failure_policy}")
         self.engine = engine
@@ -65,6 +115,7 @@ class KVPuller:
         self.block_size = block_size
         self.failure_policy = failure_policy
         self.metrics = metrics
+        self.staging = staging
         self._tasks: set[asyncio.Task[None]] = set()
         self.num_pulled_blocks = 0
         self.num_failures = 0
@@ -90,8 +141,9 @@ class KVPuller:
             },
         )
         ok = False
+        staged: StagedKV | None = None
         try:
-            await self._pull(load, handle, span)
+            staged = await self._pull(load, handle, span)
             ok = True
         except (KVTransferError, BatonError) as e:
             span.set_attribute("baton.error", str(e))
@@ -114,10 +166,12 @@ class KVPuller:
                 self.metrics.kv_transfer_failures.inc()
         finally:
             # Always reported, so the blocks are freed or used: never left allocated.
-            self.engine.finish_kv_load(load.req_id, ok)
+            self.engine.finish_kv_load(load.req_id, ok, staged)
             tracing.end_span(span, None if ok else "pull failed")
 
-    async def _pull(self, load: KVLoad, handle: KVHandle, span: tracing.Span) -> None:
+    async def _pull(self, load: KVLoad, handle: KVHandle, span: tracing.Span) -> StagedKV | None:
+        """Pull the blocks ``load`` lacks; returns where they landed when not in the engine's
+        pool."""
         if handle.compat_hash != self.compat_hash:
             # Give the lease back at once: nobody else will pull it.
             with contextlib.suppress(KVTransferError):
@@ -134,15 +188,25 @@ class KVPuller:
             )
         if not remote_ids:  # everything was cached here: just give the lease back
             await self.sink.release(handle.transfer_endpoint, handle.lease_id)
-            return
-        result = await self.sink.pull(
-            handle.transfer_endpoint,
-            peer_engine_id=handle.engine_id,
-            peer_epoch=handle.epoch,
-            lease_id=handle.lease_id,
-            remote_block_ids=remote_ids,
-            local_block_ids=list(load.local_block_ids),
-        )
+            return None
+        staging = self.staging
+        if staging is None:
+            rows = list(load.local_block_ids)
+        else:
+            rows = await staging.acquire(len(remote_ids))
+        try:
+            result = await self.sink.pull(
+                handle.transfer_endpoint,
+                peer_engine_id=handle.engine_id,
+                peer_epoch=handle.epoch,
+                lease_id=handle.lease_id,
+                remote_block_ids=remote_ids,
+                local_block_ids=rows,
+            )
+        except BaseException:
+            if staging is not None:
+                staging.release(rows)
+            raise
         self.num_pulled_blocks += len(remote_ids)
         span.set_attribute("baton.bytes", result.num_bytes)
         span.set_attribute("baton.backend", result.backend)
@@ -151,6 +215,9 @@ class KVPuller:
             self.metrics.kv_transfer_read_seconds.observe(result.read_seconds)
             self.metrics.kv_transfer_bytes.inc(result.num_bytes)
             self.metrics.kv_transfer_blocks.inc(len(remote_ids))
+        if staging is None:
+            return None
+        return StagedKV(list(load.local_block_ids), staging.pool, rows, staging.releaser(rows))
 
     async def close(self) -> None:
         for task in list(self._tasks):

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from prometheus_client import start_http_server
@@ -41,7 +42,7 @@ from baton_decode.errors import (
     EngineDeadError,
     WorkerFullError,
 )
-from baton_decode.kv_puller import KVPuller, RemoteKV, check_block_hashes
+from baton_decode.kv_puller import KVPuller, RemoteKV, StagingArea, check_block_hashes
 from baton_decode.metrics import WorkerMetrics
 from baton_engine.config import EngineConfig
 from baton_engine.core.engine_core import EngineCore
@@ -57,6 +58,8 @@ from baton_kvtransfer.sink import KVTransferSink
 from baton_kvtransfer.source import KVTransferSource
 
 logger = logging.getLogger(__name__)
+# A decode worker split across ranks stages pulled KV for this many requests of max_model_len.
+_STAGING_REQUESTS = 2
 
 SERVICE_NAME = engine_pb2.DESCRIPTOR.services_by_name["DecodeService"].full_name
 PREFILL_SERVICE_NAME = engine_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name
@@ -326,8 +329,8 @@ def serve(engine_config: EngineConfig, config: WorkerConfig) -> int:
         raise InvalidRequestError(f"role must be decode or prefill, got {config.role!r}")
     if config.role == "prefill" and engine_config.tensor_parallel_size > 1:
         raise InvalidRequestError(
-            "a prefill worker runs with tensor_parallel_size 1: the KV transfer does not move "
-            "tensor-parallel (sharded) KV caches"
+            "a prefill worker runs with tensor_parallel_size 1: its KV moves as whole blocks "
+            "(decode workers may be split across ranks)"
         )
     if config.kvstore_address:
         engine_config = dataclasses.replace(engine_config, enable_kv_events=True)
@@ -344,16 +347,24 @@ def serve(engine_config: EngineConfig, config: WorkerConfig) -> int:
         tracing.shutdown()
 
 
+def whole_block_shape(core: EngineCore) -> tuple[int, ...]:
+    """The shape of one block of the unsharded model: ``[layers, 2, block_size, all KV heads,
+    head_dim]`` (the pool holds rank 0's heads only when the engine is split across ranks)."""
+    layers, kv, block_size, heads, head_dim = core.kv_pool.shape[1:]
+    return (layers, kv, block_size, heads * core.config.tensor_parallel_size, head_dim)
+
+
 def engine_compat_hash(core: EngineCore) -> bytes:
-    """What two workers must share for one's KV to be valid in the other's pool."""
+    """What two workers must share for one's KV to be valid in the other's pool. KV moves as
+    whole blocks of the unsharded model: prefill workers run one rank (a split one is refused at
+    start), and a decode worker split across N ranks stages the blocks it pulls and gives each
+    rank its heads, so its tensor-parallel size (>= the prefill side's 1) does not enter."""
     mc = core.model_config
     return compat_hash(
         model=f"{mc.architecture}/{mc.num_layers}x{mc.hidden_size}/{mc.vocab_size}",
         dtype=str(core.dtype),
         block_size=core.config.block_size,
-        # A tensor-parallel pool holds rank 0's heads only: no peer may fill it (a decode
-        # worker with TP > 1 refuses every pull at the handshake and computes the prompt).
-        layout=f"block-major/{tuple(core.kv_pool.shape[1:])}/tp{core.config.tensor_parallel_size}",
+        layout=f"block-major/{whole_block_shape(core)}",
     )
 
 
@@ -393,8 +404,18 @@ class _Role:
     def build(self, engine: EngineLoop, server: grpc.aio.Server) -> None:
         core = engine.core
         if self.config.role == "decode":
+            staging = None
+            if core.config.tensor_parallel_size > 1:
+                rows = _STAGING_REQUESTS * -(core.max_model_len // -core.config.block_size)
+                staging = StagingArea(
+                    torch.empty(
+                        (rows, *whole_block_shape(core)),
+                        dtype=core.kv_pool.dtype,
+                        device=core.kv_pool.device,
+                    )
+                )
             self.sink = KVTransferSink(
-                core.kv_pool,
+                core.kv_pool if staging is None else staging.pool,
                 engine_id=self.engine_id,
                 epoch=self.epoch,
                 compat_hash=self.compat,
@@ -407,6 +428,7 @@ class _Role:
                 block_size=core.config.block_size,
                 failure_policy=self.config.kv_load_failure_policy,
                 metrics=self.metrics,
+                staging=staging,
             )
             self.servicer = DecodeServicer(
                 engine,

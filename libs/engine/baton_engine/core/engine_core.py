@@ -300,6 +300,19 @@ class EngineCore:
         """Report a pull: on success the request decodes, otherwise it recomputes its prompt."""
         self.scheduler.finish_kv_load(req_id, ok)
 
+    def load_kv_blocks(self, block_ids: Sequence[int], blocks: torch.Tensor) -> None:
+        """Write KV pulled from an unsharded peer (``blocks``: ``[n, layers, 2, block_size,
+        all KV heads, head_dim]``) into blocks ``block_ids`` of every rank's pool, each rank
+        taking its heads. Between steps, on the thread that steps; ``blocks`` may be reused
+        once this returns."""
+        blocks = blocks.to(self.runner.device)
+        if self._tp is not None:
+            self._tp.send_kv_blocks(list(block_ids), blocks)
+            distributed.broadcast(blocks)
+        self.runner.load_kv_blocks(block_ids, blocks)
+        if self.runner.device.type == "cuda":
+            torch.cuda.synchronize(self.runner.device)
+
     def release_held(self, req_id: str) -> bool:
         """Free a prefilled request's held prompt blocks; False if none were held."""
         return self.scheduler.release_held(req_id)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 import torch
@@ -71,7 +71,7 @@ class ModelRunner:
         whole_config = model_config
         model_config = shard_config(model_config, tp_size)
         self.model_config = model_config
-        self.tp_size = tp_size
+        self.tp_rank, self.tp_size = tp_rank, tp_size
         self.dtype = dtype
         self.device = torch.device(device)
         self.block_size = block_size
@@ -184,6 +184,17 @@ class ModelRunner:
             device=self.device,
         )
         self.kv_caches = [KVCacheView(self.kv_pool[:, layer]) for layer in range(cfg.num_layers)]
+
+    @torch.inference_mode()
+    def load_kv_blocks(self, block_ids: Sequence[int], blocks: torch.Tensor) -> None:
+        """Write whole blocks of the unsharded model (``[n, layers, 2, block_size, all KV
+        heads, head_dim]``, on this device) into the pool at ``block_ids``: this rank's heads
+        of them (all of them with one rank)."""
+        assert self.kv_pool is not None
+        heads = self.model_config.num_kv_heads
+        mine = blocks.narrow(4, self.tp_rank * heads, heads)
+        ids = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
+        self.kv_pool.index_copy_(0, ids, mine.to(self.kv_pool.dtype))
 
     @torch.inference_mode()
     def warmup_kernels(self) -> None:
