@@ -4,6 +4,8 @@ land on the worker that caches it, and the gateway counts its decisions."""
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -112,3 +114,14 @@ def decisions(gateway: Service) -> dict[str, float]:
         if m := re.match(r'baton:disagg_decisions_total\{.*decision="([^"]+)".*\} (\S+)$', line):
             out[m.group(1)] = float(m.group(2))
     return out
+
+
+def test_a_negative_prefill_wait_is_refused() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "baton.cli", "gateway", "--max-remote-prefill-wait-ms", "-1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode != 0
+    assert "--max-remote-prefill-wait-ms must be at least 0" in proc.stdout + proc.stderr
