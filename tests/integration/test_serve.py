@@ -88,17 +88,25 @@ def test_dead_worker_is_restarted_and_dead_gateway_stops_serve(serve_launcher: A
     assert not any(p.is_running() for p in services.values())
 
 
+def _tiny_model_text(
+    arch: str, prompt_len: int, tokenizer_dir: Path, out: Path
+) -> tuple[list[int], str]:
+    """A tiny ``arch`` model saved in ``out``, a prompt of ``prompt_len`` token ids, and the
+    offline engine's greedy text for it (10 tokens, float32)."""
+    build_model(arch, tokenizer_dir, out)
+    prompt = [10 + i for i in range(prompt_len)]
+    llm = LLM(str(out), dtype="float32", max_model_len=512, kv_cache_memory=1 << 24)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    return prompt, llm.generate([{"prompt_token_ids": prompt}], params)[0].outputs[0].text
+
+
 def test_tensor_parallel_serve_answers_as_one_process(
     serve_launcher: Any, default_model_dir: Path, tmp_path: Path
 ) -> None:
     """``baton serve MODEL --tensor-parallel-size 2`` (aggregated by default then): the decode
     worker runs rank 1 as a helper process, the greedy text equals the offline engine's in one
     process, and stopping the stack leaves no process behind."""
-    build_model("qwen2", default_model_dir, tmp_path)
-    prompt = [10 + i for i in range(37)]
-    llm = LLM(str(tmp_path), dtype="float32", max_model_len=512, kv_cache_memory=1 << 24)
-    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-    want = llm.generate([{"prompt_token_ids": prompt}], params)[0].outputs[0].text
+    prompt, want = _tiny_model_text("qwen2", 37, default_model_dir, tmp_path)
     server = serve_launcher.start(
         [str(tmp_path), "--tensor-parallel-size", "2", "--dtype", "float32"]
     )
@@ -131,11 +139,7 @@ def test_disaggregated_into_a_tensor_parallel_decode_worker(
     """``--mode disaggregated -tp 2``: the prefill worker runs one rank, the decode worker two;
     the decode worker pulls the prompt's whole blocks and gives each rank its heads, and the
     greedy text equals the offline engine's."""
-    build_model("llama", default_model_dir, tmp_path)
-    prompt = [10 + i for i in range(53)]
-    llm = LLM(str(tmp_path), dtype="float32", max_model_len=512, kv_cache_memory=1 << 24)
-    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-    want = llm.generate([{"prompt_token_ids": prompt}], params)[0].outputs[0].text
+    prompt, want = _tiny_model_text("llama", 53, default_model_dir, tmp_path)
     server = serve_launcher.start(
         [str(tmp_path), "-tp", "2", "--mode", "disaggregated", "--dtype", "float32",
          "--remote-prefill-threshold", "0", "--kv-transfer", transfer]
