@@ -60,10 +60,6 @@ class StagingArea:
         self._freed = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
 
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
     async def acquire(self, n: int) -> list[int]:
         """``n`` rows, once that many are free."""
         if n > self.pool.shape[0]:
