@@ -105,3 +105,96 @@ def test_a_split_decode_engine_continues_from_a_whole_prefill_engines_kv(
         decode.check_invariants()
     finally:
         decode.shutdown()
+
+
+def _prefill(core: EngineCore, prompts: dict[str, list[int]], params: SamplingParams) -> None:
+    for req_id, prompt in prompts.items():
+        core.add_request(req_id, prompt, params, prefill_only=True)
+
+
+def test_a_whole_decode_engine_continues_from_a_split_prefill_engines_export(
+    default_model_dir: Path, tmp_path: Path
+) -> None:
+    """A prefill engine split across two ranks gathers each prompt's heads from its ranks into
+    whole blocks (``enable_kv_export``); an engine of one rank loads those and generates the
+    same greedy tokens as one engine doing both. The pool's blocks are released once exported
+    (kept in the prefix cache), the export rows when the pull is done."""
+    build_model("llama", default_model_dir, tmp_path)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    want = greedy_tokens(tmp_path, PROMPTS, 10, kv_cache_memory=1 << 24)
+    engine = {"model": str(tmp_path), "dtype": "float32", "max_model_len": 512}
+    engine["kv_cache_memory"] = 1 << 24
+    prefill = EngineCore(EngineConfig(**engine, tensor_parallel_size=2))  # type: ignore[arg-type]
+    decode = EngineCore(EngineConfig(**engine))  # type: ignore[arg-type]
+    try:
+        export = prefill.enable_kv_export(64)
+        assert export.shape[1:] == decode.kv_pool.shape[1:]  # whole blocks: all the heads
+        assert prefill.kv_pool.shape[-2] * 2 == export.shape[-2]
+        _prefill(prefill, {f"r{i}": p for i, p in enumerate(PROMPTS)}, params)
+        rows = {}
+        while prefill.has_schedulable_requests():
+            for out in prefill.step():
+                assert out.finish_reason == "prefilled" and out.kv_block_ids is not None
+                rows[out.req_id] = out.kv_block_ids
+                decode.add_request(
+                    out.req_id,
+                    PROMPTS[int(out.req_id[1:])],
+                    params,
+                    remote_kv="handle",
+                    first_token_id=out.new_token_ids[0],
+                )
+        assert prefill.kv.usage() == 0.0  # released to the prefix cache once gathered
+        decode.step()  # admission: the requests wait for their KV
+        for load in decode.take_kv_loads():
+            remote = rows[load.req_id][load.first_block :]
+            decode.load_kv_blocks(load.local_block_ids, export[remote])
+            decode.finish_kv_load(load.req_id, ok=True)
+            assert prefill.release_held(load.req_id)
+        got: dict[str, list[int]] = {}
+        while decode.has_schedulable_requests():
+            for out in decode.step():
+                got.setdefault(out.req_id, []).extend(out.new_token_ids)
+        assert [[want[i][0], *got[f"r{i}"]] for i in range(len(PROMPTS))] == want
+        prefill.check_invariants()  # every export row is free again
+        assert not prefill.release_held("r0")
+    finally:
+        prefill.shutdown()
+
+
+def test_a_prefilled_prompt_waits_for_room_in_the_export_area(
+    default_model_dir: Path, tmp_path: Path
+) -> None:
+    """An export area that holds one prompt: the second prefilled prompt's output is held
+    back (and the engine does not spin on it) until the first's rows are released; a prompt
+    aborted while it waits frees its pool blocks. An area smaller than one max_model_len
+    prompt is refused."""
+    build_model("llama", default_model_dir, tmp_path)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    config = EngineConfig(
+        model=str(tmp_path), dtype="float32", max_model_len=80, kv_cache_memory=1 << 24,
+        tensor_parallel_size=2,
+    )  # fmt: skip
+    prefill = EngineCore(config)
+    try:
+        with pytest.raises(InvalidRequestError, match="export area of 4 blocks"):
+            prefill.enable_kv_export(4)  # 80 tokens need 5 blocks of 16
+        prefill.enable_kv_export(5)
+        _prefill(prefill, {"a": PROMPTS[3], "b": PROMPTS[3][::-1], "c": PROMPTS[2]}, params)
+        done: list[str] = []
+        while prefill.has_schedulable_requests():
+            done += [out.req_id for out in prefill.step()]
+        assert len(done) == 1 and prefill.has_unfinished_requests()
+        prefill.check_invariants()
+        assert prefill.release_held(done[0])
+        while prefill.has_schedulable_requests():
+            done += [out.req_id for out in prefill.step()]
+        assert len(done) == 2
+        (waiting,) = {"a", "b", "c"} - set(done)
+        prefill.abort_requests([waiting])
+        assert prefill.release_held(waiting)  # its pool blocks
+        assert prefill.release_held(done[1])
+        assert not prefill.has_unfinished_requests()
+        assert prefill.kv.usage() == 0.0
+        prefill.check_invariants()
+    finally:
+        prefill.shutdown()

@@ -100,6 +100,13 @@ def _tiny_model_text(
     return prompt, llm.generate([{"prompt_token_ids": prompt}], params)[0].outputs[0].text
 
 
+def _helpers(service: Any) -> list[Any]:
+    """The tensor-parallel helper ranks (spawned processes) of a service's process."""
+    return [
+        p for p in service.children(recursive=True) if any("spawn_main" in a for a in p.cmdline())
+    ]
+
+
 def test_tensor_parallel_serve_answers_as_one_process(
     serve_launcher: Any, default_model_dir: Path, tmp_path: Path
 ) -> None:
@@ -113,11 +120,7 @@ def test_tensor_parallel_serve_answers_as_one_process(
     try:
         services = _services(server)
         assert sorted(services) == ["decode", "gateway"], server.output()
-        helpers = [
-            p
-            for p in services["decode"].children(recursive=True)
-            if any("spawn_main" in part for part in p.cmdline())
-        ]
+        helpers = _helpers(services["decode"])
         assert len(helpers) == 1, helpers
         resp = httpx.post(
             f"{server.base_url}/completions",
@@ -132,21 +135,37 @@ def test_tensor_parallel_serve_answers_as_one_process(
     assert not any(p.is_running() for p in helpers)
 
 
-@pytest.mark.parametrize("transfer", ["grpc", "nixl"])
-def test_disaggregated_into_a_tensor_parallel_decode_worker(
-    transfer: str, serve_launcher: Any, default_model_dir: Path, tmp_path: Path
+@pytest.mark.parametrize(
+    ("transfer", "tp_args", "ranks"),
+    [
+        ("grpc", ["-tp", "2"], {"prefill": 2, "decode": 2}),
+        ("nixl", ["--prefill-tensor-parallel-size", "2"], {"prefill": 2, "decode": 1}),
+        ("nixl", ["-tp", "2", "--prefill-tensor-parallel-size", "1"], {"prefill": 1, "decode": 2}),
+    ],
+    ids=["grpc-2to2", "nixl-2to1", "nixl-1to2"],
+)
+def test_disaggregated_with_tensor_parallel_workers(
+    transfer: str,
+    tp_args: list[str],
+    ranks: dict[str, int],
+    serve_launcher: Any,
+    default_model_dir: Path,
+    tmp_path: Path,
 ) -> None:
-    """``--mode disaggregated -tp 2``: the prefill worker runs one rank, the decode worker two;
-    the decode worker pulls the prompt's whole blocks and gives each rank its heads, and the
-    greedy text equals the offline engine's."""
+    """``--mode disaggregated`` with workers split across ranks, each side any size: a split
+    prefill worker gathers the prompt's whole blocks from its ranks, a split decode worker
+    pulls whole blocks and gives each rank its heads; the greedy text equals the offline
+    engine's."""
     prompt, want = _tiny_model_text("llama", 53, default_model_dir, tmp_path)
     server = serve_launcher.start(
-        [str(tmp_path), "-tp", "2", "--mode", "disaggregated", "--dtype", "float32",
+        [str(tmp_path), *tp_args, "--mode", "disaggregated", "--dtype", "float32",
          "--remote-prefill-threshold", "0", "--kv-transfer", transfer]
     )  # fmt: skip
     try:
         services = _services(server)
         assert sorted(services) == ["decode", "gateway", "kvstore", "prefill"], server.output()
+        for role, n in ranks.items():
+            assert len(_helpers(services[role])) == n - 1, role
         body = {"prompt": prompt, "max_tokens": 10, "temperature": 0.0, "ignore_eos": True}
         resp = httpx.post(f"{server.base_url}/completions", json=body, timeout=60)
         assert resp.status_code == 200, resp.text

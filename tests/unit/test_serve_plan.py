@@ -55,15 +55,25 @@ def test_tensor_parallel_workers_get_that_many_gpus_and_run_aggregated() -> None
     assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["0,1", "2,3"]
 
 
-def test_disaggregated_with_tensor_parallelism_splits_the_decode_workers_only() -> None:
-    args = parse("--device", "cuda", "--gpus", "0,1,2", "-tp", "2", "--mode", "disaggregated")
+def test_disaggregated_with_tensor_parallelism_splits_every_worker() -> None:
+    """Prefill workers take ``--prefill-tensor-parallel-size`` GPUs (default: ``-tp``), decode
+    workers ``-tp``."""
+    args = parse("--device", "cuda", "--gpus", "0,1,2,3", "-tp", "2", "--mode", "disaggregated")
     plan = _plan(args, "m")
     workers = [label for kind, label, _ in plan if kind in ("prefill", "decode")]
     assert workers == ["prefill", "decode"]
+    counts = _gpu_counts(args, plan)
+    assert counts == [2, 2]
+    envs = [_gpu_env(_gpu_ids(args), workers, w, counts) for w in workers]
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["0,1", "2,3"]
+
+    args = parse("--device", "cuda", "--gpus", "0,1,2", "-tp", "2", "--mode", "disaggregated",
+                 "--prefill-tensor-parallel-size", "1")  # fmt: skip
+    plan = _plan(args, "m")
     counts = _gpu_counts(args, plan)
     assert counts == [1, 2]
     envs = [_gpu_env(_gpu_ids(args), workers, w, counts) for w in workers]
     assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["0", "1,2"]
     prefill = next(a for _, label, a in plan if label == "prefill")
     last = max(i for i, a in enumerate(prefill) if a == "--tensor-parallel-size")
-    assert prefill[last + 1] == "1"  # the last one given wins: one rank
+    assert prefill[last + 1] == "1"  # the last one given wins

@@ -70,8 +70,8 @@ def add_parser(subparsers: Any) -> None:
         choices=("aggregated", "disaggregated"),
         default=None,
         help="disaggregated (the default): kvstore + prefill and decode workers; aggregated: "
-        "decode workers that prefill locally (the default with --tensor-parallel-size > 1; "
-        "disaggregated then splits the decode workers only)",
+        "decode workers that prefill locally (the default with --tensor-parallel-size > 1, "
+        "which disaggregation would need twice the GPUs for)",
     )
     p.add_argument("--num-prefill", type=int, default=1, help="prefill workers (disaggregated)")
     p.add_argument("--num-decode", type=int, default=1, help="decode workers")
@@ -112,6 +112,13 @@ def add_parser(subparsers: Any) -> None:
         "(prefill workers first), e.g. 0,1 (default: $CUDA_VISIBLE_DEVICES)",
     )
     tracing.add_otlp_argument(p)  # passed on to every service
+    p.add_argument(
+        "--prefill-tensor-parallel-size",
+        type=int,
+        default=None,
+        help="ranks of each prefill worker (default: --tensor-parallel-size); KV moves as "
+        "whole blocks, so it need not match the decode workers'",
+    )
     p.add_argument(
         "--kv-lease-ms",
         type=int,
@@ -247,6 +254,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     if args.num_decode < 1 or args.num_prefill < 0:
         raise InvalidRequestError("--num-decode must be at least 1 and --num-prefill at least 0")
+    if _prefill_tp(args) < 1:
+        raise InvalidRequestError("--prefill-tensor-parallel-size must be at least 1")
     resolve_model(args.model)  # convert once, before several processes race to
     name = args.served_model_name or served_model_name(args.model)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -305,9 +314,10 @@ def _gpu_ids(args: argparse.Namespace) -> list[str]:
 
 
 def resolve_mode(args: argparse.Namespace) -> None:
-    """Fill in ``args.mode``: disaggregated, but aggregated with tensor parallelism (prefill
-    workers run one rank, which a model split for size does not fit). An explicit
-    ``--mode disaggregated`` with ``-tp N`` splits the decode workers only."""
+    """Fill in ``args.mode``: disaggregated, but aggregated with tensor parallelism: ``-tp N``
+    on N GPUs is the common case, and a prefill plus a decode worker of N ranks each would
+    share them. ``--mode disaggregated`` then splits prefill workers
+    ``--prefill-tensor-parallel-size`` ways (default N) and decode workers N ways."""
     if args.mode is None:
         args.mode = (
             "aggregated" if getattr(args, "tensor_parallel_size", 1) > 1 else "disaggregated"
@@ -315,10 +325,15 @@ def resolve_mode(args: argparse.Namespace) -> None:
 
 
 def _gpu_counts(args: argparse.Namespace, plan: list[tuple[str, str, list[str]]]) -> list[int]:
-    """GPUs of each worker of ``plan``, in order: ``-tp`` for decode workers, one for prefill
-    workers (which run one rank)."""
+    """GPUs of each worker of ``plan``, in order: one per rank."""
     tp = getattr(args, "tensor_parallel_size", 1)
-    return [tp if kind == "decode" else 1 for kind, _, _ in plan if kind in ("prefill", "decode")]
+    ptp = _prefill_tp(args)
+    return [tp if kind == "decode" else ptp for kind, _, _ in plan if kind in ("prefill", "decode")]
+
+
+def _prefill_tp(args: argparse.Namespace) -> int:
+    ptp = getattr(args, "prefill_tensor_parallel_size", None)
+    return int(getattr(args, "tensor_parallel_size", 1) if ptp is None else ptp)
 
 
 def _gpu_env(gpus: list[str], workers: list[str], label: str, counts: list[int]) -> dict[str, str]:
@@ -366,8 +381,7 @@ def _plan(args: argparse.Namespace, name: str) -> list[tuple[str, str, list[str]
                 argv += ["--kv-load-failure-policy", args.kv_load_failure_policy]
             else:
                 argv += ["--kv-lease-ms", str(args.kv_lease_ms)]
-                if getattr(args, "tensor_parallel_size", 1) > 1:  # one rank: whole blocks move
-                    argv += ["--tensor-parallel-size", "1"]
+                argv += ["--tensor-parallel-size", str(_prefill_tp(args))]
             plan.append((role, f"{role}-{i}" if count > 1 else role, argv))
     gateway_argv = [
         *("--host", args.host, "--port", str(args.port)),

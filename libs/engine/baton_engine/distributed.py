@@ -72,6 +72,16 @@ def broadcast(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def gather(x: torch.Tensor) -> list[torch.Tensor] | None:
+    """Every rank's ``x`` (same shape everywhere), in rank order, on rank 0; None elsewhere."""
+    if dist.get_rank(_group) != 0:
+        dist.gather(x, dst=0, group=_group)
+        return None
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(_group))]
+    dist.gather(x, gather_list=parts, dst=0, group=_group)
+    return parts
+
+
 def all_min(value: int, device: str) -> int:
     """The smallest of the ranks' ``value``."""
     t = torch.tensor([value], dtype=torch.int64, device=device)
@@ -93,6 +103,14 @@ class KVBlocks:
     block_ids: list[int]
     shape: tuple[int, ...]
     dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class GatherKV:
+    """Sent to the helpers before rank 0 gathers each rank's heads of the pool's blocks
+    ``block_ids`` (``EngineCore`` exporting a prefilled prompt's KV as whole blocks)."""
+
+    block_ids: list[int]
 
 
 def _leave_group(clean: bool) -> None:
@@ -142,6 +160,9 @@ def _helper_main(config: Any, rank: int, port: int, conn: Connection) -> None:
             broadcast(blocks)
             runner.load_kv_blocks(so.block_ids, blocks)
             continue
+        if isinstance(so, GatherKV):  # this rank's heads of the blocks go to rank 0
+            gather(runner.read_kv_blocks(so.block_ids))
+            continue
         runner.launch(so).result()
     runner.release_graphs()
     _leave_group(clean)
@@ -183,6 +204,11 @@ class TensorParallelHelpers:
     def send_kv_blocks(self, block_ids: list[int], blocks: torch.Tensor) -> None:
         """Have every helper take its heads of ``blocks`` (before rank 0 broadcasts them)."""
         self._send(KVBlocks(block_ids, tuple(blocks.shape), blocks.dtype))
+
+    def send_gather_kv(self, block_ids: list[int]) -> None:
+        """Have every helper send rank 0 its heads of the pool's ``block_ids`` (before rank 0
+        gathers them)."""
+        self._send(GatherKV(block_ids))
 
     def _send(self, message: Any) -> None:
         for rank, conn in enumerate(self._conns, start=1):

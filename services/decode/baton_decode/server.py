@@ -58,7 +58,8 @@ from baton_kvtransfer.sink import KVTransferSink
 from baton_kvtransfer.source import KVTransferSource
 
 logger = logging.getLogger(__name__)
-# A decode worker split across ranks stages pulled KV for this many requests of max_model_len.
+# A worker split across ranks moves KV through whole-head blocks for this many requests of
+# max_model_len: a decode worker stages what it pulls, a prefill worker exports its prompts.
 _STAGING_REQUESTS = 2
 
 SERVICE_NAME = engine_pb2.DESCRIPTOR.services_by_name["DecodeService"].full_name
@@ -327,11 +328,6 @@ def serve(engine_config: EngineConfig, config: WorkerConfig) -> int:
     """
     if config.role not in ("decode", "prefill"):
         raise InvalidRequestError(f"role must be decode or prefill, got {config.role!r}")
-    if config.role == "prefill" and engine_config.tensor_parallel_size > 1:
-        raise InvalidRequestError(
-            "a prefill worker runs with tensor_parallel_size 1: its KV moves as whole blocks "
-            "(decode workers may be split across ranks)"
-        )
     if config.kvstore_address:
         engine_config = dataclasses.replace(engine_config, enable_kv_events=True)
     # Built (for seconds) before the event loop runs, on the thread that will step it.
@@ -347,24 +343,18 @@ def serve(engine_config: EngineConfig, config: WorkerConfig) -> int:
         tracing.shutdown()
 
 
-def whole_block_shape(core: EngineCore) -> tuple[int, ...]:
-    """The shape of one block of the unsharded model: ``[layers, 2, block_size, all KV heads,
-    head_dim]`` (the pool holds rank 0's heads only when the engine is split across ranks)."""
-    layers, kv, block_size, heads, head_dim = core.kv_pool.shape[1:]
-    return (layers, kv, block_size, heads * core.config.tensor_parallel_size, head_dim)
-
-
 def engine_compat_hash(core: EngineCore) -> bytes:
     """What two workers must share for one's KV to be valid in the other's pool. KV moves as
-    whole blocks of the unsharded model: prefill workers run one rank (a split one is refused at
-    start), and a decode worker split across N ranks stages the blocks it pulls and gives each
-    rank its heads, so its tensor-parallel size (>= the prefill side's 1) does not enter."""
+    whole blocks of the unsharded model whatever either side's tensor-parallel size: a prefill
+    worker split across ranks gathers a prompt's blocks from its ranks before it answers
+    (``EngineCore.enable_kv_export``), and a split decode worker stages the blocks it pulls and
+    gives each rank its heads. So the sizes do not enter, and any pair of them works."""
     mc = core.model_config
     return compat_hash(
         model=f"{mc.architecture}/{mc.num_layers}x{mc.hidden_size}/{mc.vocab_size}",
         dtype=str(core.dtype),
         block_size=core.config.block_size,
-        layout=f"block-major/{whole_block_shape(core)}",
+        layout=f"block-major/{core.whole_block_shape}",
     )
 
 
@@ -409,7 +399,7 @@ class _Role:
                 rows = _STAGING_REQUESTS * -(core.max_model_len // -core.config.block_size)
                 staging = StagingArea(
                     torch.empty(
-                        (rows, *whole_block_shape(core)),
+                        (rows, *core.whole_block_shape),
                         dtype=core.kv_pool.dtype,
                         device=core.kv_pool.device,
                     )
@@ -451,8 +441,9 @@ class _Role:
 
         leases = LeaseTable(on_free, default_ttl_s=self.config.kv_lease_ms / 1000)
         self.leases = leases
+        rows = _STAGING_REQUESTS * -(core.max_model_len // -core.config.block_size)
         self.source = KVTransferSource(
-            core.kv_pool,
+            core.enable_kv_export(rows),  # the pool itself unless split across ranks
             engine_id=self.engine_id,
             epoch=self.epoch,
             compat_hash=self.compat,

@@ -35,6 +35,21 @@ _GC_THRESHOLDS = (50_000, 50, 100)  # cyclic GC generations 0/1/2 (Python's defa
 _FULL_CHECK_MAX_BLOCKS = 32_768
 
 
+class _KVExport:
+    """Whole-head KV blocks of prefilled prompts, for a prefill engine split across ranks
+    (``EngineCore.enable_kv_export``): rows of ``pool``, free or held by a request until
+    ``release_held``, and the prefilled outputs waiting for room."""
+
+    def __init__(self, pool: torch.Tensor) -> None:
+        self.pool = pool
+        self.free = list(range(pool.shape[0]))
+        self.held: dict[str, list[int]] = {}
+        self.pending: list[EngineCoreOutput] = []
+
+    def has_room_for_next(self) -> bool:
+        return bool(self.pending) and len(self.pending[0].kv_block_ids or ()) <= len(self.free)
+
+
 @dataclass(frozen=True)
 class EngineStats:
     num_running: int
@@ -210,6 +225,7 @@ class EngineCore:
         )
         self.num_prompt_tokens = 0
         self.num_generated_tokens = 0
+        self._export: _KVExport | None = None  # see enable_kv_export
         self.async_scheduling = config.resolved_async_scheduling()
         # async scheduling: the step launched last, reported by the next call to step()
         self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None
@@ -313,8 +329,78 @@ class EngineCore:
         if self.runner.device.type == "cuda":
             torch.cuda.synchronize(self.runner.device)
 
+    @property
+    def whole_block_shape(self) -> tuple[int, ...]:
+        """One block of the unsharded model, as KV moves between engines: ``[layers, 2,
+        block_size, all KV heads, head_dim]`` (the pool holds rank 0's heads only when the
+        engine is split across ranks)."""
+        layers, kv, block_size, heads, head_dim = self.kv_pool.shape[1:]
+        return (layers, kv, block_size, heads * self.config.tensor_parallel_size, head_dim)
+
+    def enable_kv_export(self, num_blocks: int) -> torch.Tensor:
+        """The prefill side of disaggregation: the tensor peers read a prefilled prompt's KV
+        from, as whole blocks (``whole_block_shape``) at its ``prefilled`` output's
+        ``kv_block_ids``, until ``release_held``.
+
+        With one rank that is the pool itself (the prompt's blocks are held). Split across
+        ranks, the pool holds rank 0's heads only: each prefilled prompt's blocks are then
+        gathered from the ranks into an export area of ``num_blocks`` whole blocks (allocated
+        here, once), and the pool's blocks are released (they stay in the prefix cache). A
+        prompt whose blocks do not fit the area's free rows waits, its output with it, until
+        ``release_held`` frees some."""
+        if self._tp is None:
+            return self.kv_pool
+        if self._export is None:
+            needed = -(self.max_model_len // -self.config.block_size)
+            if num_blocks < needed:
+                raise InvalidRequestError(
+                    f"the KV export area of {num_blocks} blocks cannot hold one prompt of "
+                    f"max_model_len={self.max_model_len} ({needed} blocks)"
+                )
+            pool = torch.empty(
+                (num_blocks, *self.whole_block_shape), dtype=self.dtype, device=self.runner.device
+            )
+            self._export = _KVExport(pool)
+        return self._export.pool
+
+    def _export_prefilled(self, outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
+        """Gather the prefilled prompts' blocks into the export area while it has room; their
+        outputs then name its rows. The others wait, in order."""
+        export = self._export
+        assert export is not None and self._tp is not None
+        export.pending += [o for o in outputs if o.finish_reason == "prefilled"]
+        if export.pending:
+            outputs = [o for o in outputs if o.finish_reason != "prefilled"]
+        gathered = False
+        while export.has_room_for_next():
+            gathered = True
+            out = export.pending.pop(0)
+            block_ids = out.kv_block_ids or []
+            rows, export.free = export.free[: len(block_ids)], export.free[len(block_ids) :]
+            self._tp.send_gather_kv(list(block_ids))
+            parts = distributed.gather(self.runner.read_kv_blocks(block_ids))
+            assert parts is not None
+            index = torch.tensor(rows, dtype=torch.long, device=export.pool.device)
+            export.pool.index_copy_(0, index, torch.cat(parts, dim=4))
+            self.scheduler.release_held(out.req_id)
+            export.held[out.req_id] = rows
+            outputs.append(out._replace(kv_block_ids=rows))
+        if gathered and export.pool.device.type == "cuda":
+            torch.cuda.synchronize(export.pool.device)  # peers read the rows once we answer
+        return outputs
+
     def release_held(self, req_id: str) -> bool:
-        """Free a prefilled request's held prompt blocks; False if none were held."""
+        """Free a prefilled request's held prompt blocks (or export rows); False if none were
+        held."""
+        export = self._export
+        if export is not None:
+            rows = export.held.pop(req_id, None)
+            if rows is not None:
+                export.free += rows
+                return True
+            waiting = [o for o in export.pending if o.req_id == req_id]
+            if waiting:
+                export.pending.remove(waiting[0])
         return self.scheduler.release_held(req_id)
 
     def take_kv_events(self) -> list[KVCacheEvent]:
@@ -339,12 +425,20 @@ class EngineCore:
         self.scheduler.finish_requests(req_ids, status)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
+        return (
+            self.scheduler.has_unfinished_requests()
+            or self._in_flight is not None
+            or bool(self._export and self._export.pending)
+        )
 
     def has_schedulable_requests(self) -> bool:
         """Whether ``step`` would run or report anything (requests waiting for remote KV do
-        not count)."""
-        return self.scheduler.has_schedulable_requests() or self._in_flight is not None
+        not count, nor prefilled ones waiting for room in the export area)."""
+        return (
+            self.scheduler.has_schedulable_requests()
+            or self._in_flight is not None
+            or bool(self._export and self._export.has_room_for_next())
+        )
 
     # --- the loop ------------------------------------------------------------------------------
 
@@ -367,6 +461,8 @@ class EngineCore:
         self._in_flight = (so, handle)
         if not self.async_scheduling or so.is_empty:
             outputs += self._finish_in_flight()
+        if self._export is not None:
+            outputs = self._export_prefilled(outputs)
         if not self.scheduler.has_unfinished_requests() and not self.scheduler.num_loading:
             self.check_invariants(full=None)  # idle: it catches leaks early
         return outputs
@@ -402,3 +498,7 @@ class EngineCore:
             full = self.kv.pool.num_blocks <= _FULL_CHECK_MAX_BLOCKS
         if self._in_flight is None:
             self.scheduler.check_invariants(full)
+        export = self._export
+        if export is not None:
+            rows = [r for held in export.held.values() for r in held] + export.free
+            assert sorted(rows) == list(range(export.pool.shape[0])), "export rows leaked"

@@ -197,6 +197,14 @@ class ModelRunner:
         self.kv_pool.index_copy_(0, ids, mine.to(self.kv_pool.dtype))
 
     @torch.inference_mode()
+    def read_kv_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """This rank's heads of the pool's blocks ``block_ids``: ``[n, layers, 2, block_size,
+        this rank's KV heads, head_dim]``, a new contiguous tensor."""
+        assert self.kv_pool is not None
+        ids = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
+        return self.kv_pool.index_select(0, ids)
+
+    @torch.inference_mode()
     def warmup_kernels(self) -> None:
         """Before serving, after ``initialize_kv_cache``: compile the attention backend's kernel
         variants (GPU backends that JIT-compile per variant), and on a GPU run the LM head once
