@@ -48,8 +48,8 @@ import torch
 
 from baton_kvtransfer import KVTransferSink, KVTransferSource, LeaseTable, compat_hash, nixl_agent
 
-NUM_POOL_BLOCKS = 512  # per side; 256 of them move
-NUM_BLOCKS = 256
+NUM_BLOCKS = int(os.environ.get("BENCH_KV_BLOCKS", "256"))  # --blocks: how many move
+NUM_POOL_BLOCKS = max(512, 2 * NUM_BLOCKS)  # per side
 # layers, K/V, block_size, kv_heads, head_dim: 256 KiB in bf16; --layers 32 makes Llama-3.1-8B's
 # 2 MiB blocks (spawned children see the setting through the environment)
 BLOCK_SHAPE = (int(os.environ.get("BENCH_KV_LAYERS", "4")), 2, 16, 8, 128)
@@ -279,7 +279,7 @@ def main() -> None:
     p.add_argument(
         "--contiguous",
         action="store_true",
-        help="move blocks 0..255 on both sides (NIXL merges them into one descriptor), not\n"
+        help="move blocks 0..N-1 on both sides (NIXL merges them into one descriptor), not\n"
         "scattered ids (256 descriptors of 256 KiB)",
     )
     p.add_argument(
@@ -289,6 +289,7 @@ def main() -> None:
         help="size of each side's registered pool (default: just the 512 blocks, 128 MiB)",
     )
     p.add_argument("--layers", type=int, default=4, help="layers per block (4: 256 KiB blocks)")
+    p.add_argument("--blocks", type=int, default=256, help="blocks moved per pull")
     p.add_argument(
         "--spin-ms",
         type=float,
@@ -300,6 +301,7 @@ def main() -> None:
     wanted = {
         "BENCH_KV_CONTIGUOUS": "1" if args.contiguous else "",
         "BENCH_KV_LAYERS": str(args.layers),
+        "BENCH_KV_BLOCKS": str(args.blocks),
     }
     if any(os.environ.get(k, "") != v for k, v in wanted.items()):
         os.environ.update(wanted)  # the shapes and ids are set at import: start again

@@ -16,6 +16,10 @@
 #      device/tp_probe.py on Llama-3.1-8B's shape at 2 and 1 GPUs and Llama-3.1-70B's at 2
 #      (TP_PROBES picks among llama2 llama70b llama1), then baton serve -tp 2 answering one
 #      completion (TP_SERVE=0 skips it)
+#   7. "tpdisagg": tests/gpu/test_disagg_gpu.py's tensor-parallel disaggregation (prefill and
+#      decode workers split across the two GPUs, 2->2, 2->1, 1->2)
+#   8. "kvsize": KV transfer of Llama-3.1-8B's 2 MiB blocks at 1 to 1,024 blocks per pull, and
+#      variants of the UCX settings (KVSIZE_ENVS: --env arguments, one variant each)
 # Output under ${OUT:-benchmarks/out/device}.
 #
 #     bash benchmarks/device/gpu_serving.sh [STAGES]   (default: "machine tests serve")
@@ -116,4 +120,20 @@ if [[ $stages == *tp* ]]; then
         grep -iE "error|warn" "$out/tp_serve.log" | head -5
         ps -eo pid,args | grep -E "baton|tp-rank" | grep -v grep | cut -c1-150
     fi
+fi
+
+if [[ $stages == *tpdisagg* ]]; then
+    BATON_TEST_MODEL=$model timeout ${TPDISAGG_TIMEOUT:-400} python3 -m pytest -m gpu -q -x \
+        -p no:cacheprovider tests/gpu/test_disagg_gpu.py -k tensor_parallel 2>&1 \
+        | grep -v 'NIXL INFO' | tail -15
+fi
+
+if [[ $stages == *kvsize* ]]; then
+    kvs() { timeout 150 python3 benchmarks/bench_kv_transfer.py --devices cuda:0,cuda:1 \
+        --reps 7 --layers 32 --modes nixl,copy "$@" 2>&1 | grep -v 'NIXL INFO' | tail -5; }
+    for n in ${KVSIZE_BLOCKS:-1 16 256 1024}; do kvs --contiguous --blocks $n; done
+    kvs --blocks 1024
+    for e in ${KVSIZE_ENVS:-UCX_PROTO_ENABLE=n UCX_CUDA_IPC_MAX_STREAMS=1}; do
+        echo "with $e"; kvs --contiguous --env "$e"
+    done
 fi

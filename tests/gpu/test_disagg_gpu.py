@@ -26,6 +26,7 @@ import httpx
 import psutil
 import pytest
 import torch
+from tiny_models import build_model
 
 pytestmark = [
     pytest.mark.gpu,
@@ -53,11 +54,14 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def _serve(log: Path, *args: str) -> Iterator[tuple[str, str, int]]:
+def _serve(
+    log: Path, *args: str, model_argv: list[str] | None = None
+) -> Iterator[tuple[str, str, int]]:
     """Run ``baton serve`` on the GPUs; yield (model id, base URL, its pid); stop it (SIGTERM,
     wait)."""
+    model_argv = _model_argv() if model_argv is None else model_argv
     cmd = [
-        sys.executable, "-m", "baton.cli", "serve", *_model_argv(), "--port", str(_free_port()),
+        sys.executable, "-m", "baton.cli", "serve", *model_argv, "--port", str(_free_port()),
         "--device", "cuda", "--gpus", _gpus(), "--dtype", "float32", "--max-model-len", "1024",
         "--gpu-memory-utilization", "0.4", "--disable-uvicorn-access-log", *args,
     ]  # fmt: skip
@@ -156,3 +160,57 @@ def test_prefill_worker_killed_on_gpus_costs_no_request(tmp_path: Path) -> None:
         assert not psutil.pid_exists(prefill) or psutil.Process(prefill).status() == "zombie"
         assert "prefill exited with status" in log.read_text(errors="replace")
     assert got == want[2:]
+
+
+_TP_PROMPT_LENS = (40, 100, 300, 17)
+# A tiny Llama of real (seeded) weights: random dummy weights are drawn per shard, so a split
+# model's would differ from the whole one's.
+_TP_SERVE = ("--max-model-len", "512", "--num-gpu-blocks-override", "2048")
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> str:
+    folder = os.environ.get("BATON_TEST_MODEL")
+    tokenizer_dir = Path(folder) if folder else request.getfixturevalue("default_model_dir")
+    out = tmp_path_factory.mktemp("tiny-llama")
+    build_model("llama", tokenizer_dir, out)
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def aggregated_texts(tiny_llama: str, tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """The aggregated stack's greedy texts for ``_tp_prompts()`` (one rank, GPU 0)."""
+    log = tmp_path_factory.mktemp("aggregated") / "serve.log"
+    args = ("--mode", "aggregated", "--gpus", "0", *_TP_SERVE)
+    with _serve(log, *args, model_argv=[tiny_llama]) as (model, base, _):
+        return _complete(model, base, _tp_prompts())
+
+
+def _tp_prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(2)
+    return [torch.randint(100, 40000, (n,), generator=g).tolist() for n in _TP_PROMPT_LENS]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize(
+    "tp_args",
+    [
+        ("-tp", "2"),
+        ("--prefill-tensor-parallel-size", "2", "-tp", "1"),
+        ("--prefill-tensor-parallel-size", "1", "-tp", "2"),
+    ],
+    ids=["2to2", "2to1", "1to2"],
+)
+def test_tensor_parallel_disaggregation_on_gpus(
+    tp_args: tuple[str, ...], tiny_llama: str, aggregated_texts: list[str], tmp_path: Path
+) -> None:
+    """Prefill and decode workers split across the two GPUs (sharing them: a fixed KV pool
+    each), KV over NIXL as whole blocks: a split prefill worker gathers its ranks' heads over
+    NCCL, a split decode worker broadcasts them to its ranks. The greedy texts equal the
+    aggregated stack's of one rank."""
+    args = (*_DISAGGREGATED, "--mode", "disaggregated", *tp_args, *_TP_SERVE)
+    with _serve(tmp_path / "serve.log", *args, model_argv=[tiny_llama]) as (model, base, _):
+        got = _complete(model, base, _tp_prompts())
+        pulled = _pulled_blocks(base)
+    assert got == aggregated_texts
+    assert pulled >= sum(n // 16 for n in _TP_PROMPT_LENS), "the KV was not pulled"
