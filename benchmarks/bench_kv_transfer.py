@@ -12,7 +12,9 @@ in Llama-3.1-8B's 2 MiB blocks) from a source process
                 segment into its own pool with numpy (one copy, no protocol), timed in the child
 - ``nixl-alldev`` (GPUs) NIXL READ with every UCX device allowed (no ``UCX_NET_DEVICES=lo``)
 - ``copy``      (GPUs) the ceiling: the same bytes copied from the source GPU to the destination
-                GPU in one contiguous peer-to-peer copy (torch)
+                GPU in one contiguous peer-to-peer copy (torch: the source GPU writes)
+- ``copy-pull`` (GPUs) the same copy run by the destination GPU, reading the source's memory,
+                as a NIXL READ over CUDA IPC does (cudaMemcpyAsync through ctypes)
 
 With ``--devices cuda:0,cuda:1`` the source's pool lives on the first GPU and the sink's on the
 second (NIXL registers VRAM; ``UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y`` as ``baton serve`` sets for
@@ -41,6 +43,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from multiprocessing.connection import Connection
 from multiprocessing.shared_memory import SharedMemory
+from typing import Any
 
 import grpc
 import numpy as np
@@ -55,7 +58,7 @@ NUM_POOL_BLOCKS = max(512, 2 * NUM_BLOCKS)  # per side
 BLOCK_SHAPE = (int(os.environ.get("BENCH_KV_LAYERS", "4")), 2, 16, 8, 128)
 DTYPE = torch.bfloat16
 COMPAT = compat_hash("bench", "bfloat16", 16, "blocks,layers,kv,block_size,kv_heads,dim")
-MODES = ("nixl", "nixl-tcp", "nixl-alldev", "grpc", "shm", "copy")
+MODES = ("nixl", "nixl-tcp", "nixl-alldev", "grpc", "shm", "copy", "copy-pull")
 GPU_ENV = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y"}
 START_TIMEOUT_S = 60.0
 
@@ -220,6 +223,59 @@ def bench_copy(reps: int, devices: tuple[str, str]) -> list[float]:
     return seconds
 
 
+def _cudart() -> Any:
+    """The CUDA runtime library torch runs on (ctypes), for the one call torch does not offer:
+    a peer copy launched on the destination GPU."""
+    import ctypes
+    import ctypes.util
+    import glob
+
+    site = os.path.dirname(os.path.dirname(torch.__file__))
+    found = ctypes.util.find_library("cudart")
+    candidates = ([found] if found else []) + sorted(
+        glob.glob(os.path.join(site, "nvidia", "**", "libcudart.so*"), recursive=True)
+    )
+    for path in candidates:
+        try:
+            return ctypes.CDLL(path)
+        except OSError:
+            continue
+    raise RuntimeError("libcudart not found")
+
+
+def bench_copy_pull(reps: int, devices: tuple[str, str]) -> list[float]:
+    """The same bytes copied by the destination GPU's copy engine, reading the source GPU's
+    memory (cudaMemcpyAsync on a stream of the destination), as a NIXL READ over CUDA IPC
+    does; torch's ``copy_`` runs on the source GPU and writes to the destination."""
+    import ctypes
+
+    cudart = _cudart()
+    src = source_pool(device=devices[0])[:NUM_BLOCKS]
+    dst = torch.zeros_like(src, device=devices[1])
+    src_index, dst_index = torch.device(devices[0]).index, torch.device(devices[1]).index
+    seconds = []
+    with torch.cuda.device(dst.device):
+        cudart.cudaDeviceEnablePeerAccess(ctypes.c_int(src_index), ctypes.c_uint(0))
+        stream = torch.cuda.current_stream(dst.device)
+        for rep in range(reps + 1):
+            torch.cuda.synchronize(devices[0])
+            torch.cuda.synchronize(devices[1])
+            start = time.perf_counter()
+            err = cudart.cudaMemcpyAsync(
+                ctypes.c_void_p(dst.data_ptr()),
+                ctypes.c_void_p(src.data_ptr()),
+                ctypes.c_size_t(src.numel() * src.element_size()),
+                ctypes.c_int(4),  # cudaMemcpyDefault: unified addressing finds the devices
+                ctypes.c_void_p(stream.cuda_stream),
+            )
+            assert err == 0, f"cudaMemcpyAsync: error {err}"
+            torch.cuda.synchronize(dst_index)
+            if rep:
+                seconds.append(time.perf_counter() - start)
+    assert torch.equal(dst.cpu().view(torch.int16), src.cpu().view(torch.int16))
+    return seconds
+
+
 # -- the shared-memory ceiling -------------------------------------------------------------------
 
 
@@ -291,6 +347,9 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=4, help="layers per block (4: 256 KiB blocks)")
     p.add_argument("--blocks", type=int, default=256, help="blocks moved per pull")
     p.add_argument(
+        "--notify", action="store_true", help="attach a NIXL notification to each READ"
+    )
+    p.add_argument(
         "--spin-ms",
         type=float,
         default=None,
@@ -306,6 +365,7 @@ def main() -> None:
     if any(os.environ.get(k, "") != v for k, v in wanted.items()):
         os.environ.update(wanted)  # the shapes and ids are set at import: start again
         os.execv(sys.executable, [sys.executable, *sys.argv])
+    nixl_agent.NOTIFY_READS = args.notify
     if args.spin_ms is not None:
         nixl_agent.SPIN_S = args.spin_ms / 1000
     src_dev, _, dst_dev = args.devices.partition(",")
@@ -324,6 +384,8 @@ def main() -> None:
             seconds = read_seconds = bench_shm(args.reps)
         elif mode == "copy":
             seconds = read_seconds = bench_copy(args.reps, devices)
+        elif mode == "copy-pull":
+            seconds = read_seconds = bench_copy_pull(args.reps, devices)
         else:
             seconds, read_seconds = bench_pull(mode, args.reps, devices, extra_env, total_blocks)
         rows[mode] = {
@@ -352,7 +414,7 @@ def main() -> None:
             f"{row['read_median_gbps']:>10.2f}"
         )
     ratios = {}
-    for ceiling in ("shm", "copy"):
+    for ceiling in ("shm", "copy", "copy-pull"):
         if ceiling not in rows:
             continue
         for mode in ("nixl", "nixl-tcp", "nixl-alldev", "grpc"):

@@ -31,7 +31,7 @@ source benchmarks/device/setup.sh || exit 1
 stages=${1:-machine tests serve}
 model=${MODEL_DIR:-.gpu/smollm2-shape}
 
-if [[ $stages == *machine* ]]; then
+if [[ " $stages " == *" machine "* ]]; then
     nvidia-smi topo -m
     python3 - <<'PY'
 import time, torch
@@ -57,13 +57,13 @@ if n >= 2:
 PY
 fi
 
-if [[ $stages == *tests* ]]; then
+if [[ " $stages " == *" tests "* ]]; then
     BATON_TEST_MODEL=$model timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -m gpu -q -x \
         -p no:cacheprovider ${TESTS:-tests/gpu/test_engine_gpu.py tests/gpu/test_disagg_gpu.py} \
         2>&1 | grep -v 'NIXL INFO' | tail -15
 fi
 
-if [[ $stages == *serve* ]]; then
+if [[ " $stages " == *" serve "* ]]; then
     timeout ${SERVE_TIMEOUT:-420} python3 benchmarks/serve_disagg_vs_agg.py --model "$model" \
         --serve-args "--device cuda --gpus 0,1 --load-format dummy" \
         --modes ${MODES:-aggregated,aggregated+dec2,nixl,grpc} \
@@ -73,7 +73,7 @@ if [[ $stages == *serve* ]]; then
         2>&1 | grep -v 'NIXL INFO'
 fi
 
-if [[ $stages == *kv* ]]; then
+if [[ " $stages " == *" kv "* ]]; then
     kv() { timeout 120 python3 benchmarks/bench_kv_transfer.py --devices cuda:0,cuda:1 --reps 7 \
         --modes nixl,copy "$@" 2>&1 | grep -v 'NIXL INFO' | tail -6; }
     kv --layers 4
@@ -83,7 +83,7 @@ if [[ $stages == *kv* ]]; then
     kv --layers 32 --spin-ms 0
 fi
 
-if [[ $stages == *goodput* ]]; then
+if [[ " $stages " == *" goodput "* ]]; then
     timeout ${GOODPUT_TIMEOUT:-540} python3 benchmarks/serve_goodput.py \
         --model "${GOODPUT_MODEL:-.gpu/llama8b-shape}" \
         --serve-args "--device cuda --gpus 0,1 --load-format dummy" \
@@ -93,7 +93,7 @@ if [[ $stages == *goodput* ]]; then
         --log-dir "$out/goodput-logs" --output-json "$out/goodput.json" 2>&1 | grep -v 'NIXL INFO'
 fi
 
-if [[ $stages == *tp* ]]; then
+if [[ " $stages " == *" tp "* ]]; then
     BATON_TEST_MODEL=$model timeout 200 python3 -m pytest -m gpu -q -x -p no:cacheprovider \
         tests/gpu/test_tensor_parallel_gpu.py 2>&1 | tail -15
     probe() { local log="$out/tp_probe_$1.log"; shift; timeout "$@" > "$log" 2>&1; local rc=$?
@@ -122,13 +122,13 @@ if [[ $stages == *tp* ]]; then
     fi
 fi
 
-if [[ $stages == *tpdisagg* ]]; then
+if [[ " $stages " == *" tpdisagg "* ]]; then
     BATON_TEST_MODEL=$model timeout ${TPDISAGG_TIMEOUT:-400} python3 -m pytest -m gpu -q -x \
         -p no:cacheprovider tests/gpu/test_disagg_gpu.py -k tensor_parallel 2>&1 \
         | grep -v 'NIXL INFO' | tail -15
 fi
 
-if [[ $stages == *kvsize* ]]; then
+if [[ " $stages " == *" kvsize "* ]]; then
     kvs() { timeout 150 python3 benchmarks/bench_kv_transfer.py --devices cuda:0,cuda:1 \
         --reps 7 --layers 32 --modes nixl,copy "$@" 2>&1 | grep -v 'NIXL INFO' | tail -5; }
     for n in ${KVSIZE_BLOCKS:-1 16 256 1024}; do kvs --contiguous --blocks $n; done

@@ -37,6 +37,9 @@ BACKENDS = ("nixl", "grpc")
 # ``poll_s``. asyncio's timers tick in whole milliseconds (epoll), so sleeping from the start
 # rounds a GPU-to-GPU READ of a few hundred MB (~1-2 ms over NVLink) up by as much as it lasts.
 SPIN_S = 0.002
+# Attach the lease id to each READ as a NIXL notification for the source (which only counts
+# them). Off: see benchmarks/RESULTS.md (issue 6, fifteenth session) for what one costs.
+NOTIFY_READS = False
 _agent_counter = itertools.count()
 
 
@@ -237,7 +240,7 @@ class NixlBlockReader:
             self.peer_name,
             self.peer,
             merge_runs(remote, local),
-            tag=lease_id.encode(),
+            tag=lease_id.encode() if NOTIFY_READS else b"",
             timeout_s=self.timeout_s,
         )
 
