@@ -364,29 +364,34 @@ class EngineCore:
         return self._export.pool
 
     def _export_prefilled(self, outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
-        """Gather the prefilled prompts' blocks into the export area while it has room; their
-        outputs then name its rows. The others wait, in order."""
+        """Gather the prefilled prompts' blocks into the export area while it has room (one
+        collective for all of them); their outputs then name its rows. The others wait, in
+        order."""
         export = self._export
         assert export is not None and self._tp is not None
         export.pending += [o for o in outputs if o.finish_reason == "prefilled"]
-        if export.pending:
-            outputs = [o for o in outputs if o.finish_reason != "prefilled"]
-        gathered = False
+        if not export.pending:
+            return outputs
+        outputs = [o for o in outputs if o.finish_reason != "prefilled"]
+        block_ids: list[int] = []
+        rows: list[int] = []
         while export.has_room_for_next():
-            gathered = True
             out = export.pending.pop(0)
-            block_ids = out.kv_block_ids or []
-            rows, export.free = export.free[: len(block_ids)], export.free[len(block_ids) :]
-            self._tp.send_gather_kv(list(block_ids))
+            ids = out.kv_block_ids or []
+            mine, export.free = export.free[: len(ids)], export.free[len(ids) :]
+            block_ids += ids
+            rows += mine
+            self.scheduler.release_held(out.req_id)  # not reused before the gather below
+            export.held[out.req_id] = mine
+            outputs.append(out._replace(kv_block_ids=mine))
+        if block_ids:
+            self._tp.send_gather_kv(block_ids)
             parts = distributed.gather(self.runner.read_kv_blocks(block_ids))
             assert parts is not None
             index = torch.tensor(rows, dtype=torch.long, device=export.pool.device)
             export.pool.index_copy_(0, index, torch.cat(parts, dim=4))
-            self.scheduler.release_held(out.req_id)
-            export.held[out.req_id] = rows
-            outputs.append(out._replace(kv_block_ids=rows))
-        if gathered and export.pool.device.type == "cuda":
-            torch.cuda.synchronize(export.pool.device)  # peers read the rows once we answer
+            if export.pool.device.type == "cuda":
+                torch.cuda.synchronize(export.pool.device)  # peers read the rows once we answer
         return outputs
 
     def release_held(self, req_id: str) -> bool:
