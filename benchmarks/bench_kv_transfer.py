@@ -346,9 +346,7 @@ def main() -> None:
     )
     p.add_argument("--layers", type=int, default=4, help="layers per block (4: 256 KiB blocks)")
     p.add_argument("--blocks", type=int, default=256, help="blocks moved per pull")
-    p.add_argument(
-        "--notify", action="store_true", help="attach a NIXL notification to each READ"
-    )
+    p.add_argument("--notify", action="store_true", help="attach a NIXL notification to each READ")
     p.add_argument(
         "--spin-ms",
         type=float,
