@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from baton.serve import _gpu_counts, _gpu_env, _gpu_ids, _plan, add_parser
+from baton.serve import _gpu_counts, _gpu_env, _gpu_ids, _plan, add_parser, share_gpu_memory
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -77,3 +77,50 @@ def test_disaggregated_with_tensor_parallelism_splits_every_worker() -> None:
     prefill = next(a for _, label, a in plan if label == "prefill")
     last = max(i for i, a in enumerate(prefill) if a == "--tensor-parallel-size")
     assert prefill[last + 1] == "1"  # the last one given wins
+
+
+def _utilization(*argv: str) -> dict[str, str | None]:
+    """Each worker's ``--gpu-memory-utilization`` after ``share_gpu_memory`` (None: not set,
+    the engine's default or the one forwarded for every worker)."""
+    args = parse("--device", "cuda", *argv)
+    plan = _plan(args, "m")
+    share_gpu_memory(args, plan, _gpu_ids(args))
+    out: dict[str, str | None] = {}
+    for kind, label, a in plan:
+        if kind in ("prefill", "decode"):
+            last = [i for i, x in enumerate(a) if x == "--gpu-memory-utilization"]
+            out[label] = a[last[-1] + 1] if last else None
+    return out
+
+
+def test_workers_sharing_a_gpu_split_its_memory() -> None:
+    """Prefill and decode on one GPU take half the utilisation each; workers with GPUs of
+    their own keep theirs; an explicit KV size leaves it alone."""
+    assert _utilization("--gpus", "0") == {"prefill": "0.45", "decode": "0.45"}
+    assert _utilization("--gpus", "0", "--gpu-memory-utilization", "0.8") == {
+        "prefill": "0.4",
+        "decode": "0.4",
+    }
+    assert _utilization("--gpus", "0,1") == {"prefill": None, "decode": None}
+    assert _utilization("--gpus", "0,1,2", "--num-decode", "2") == {
+        "prefill": None,
+        "decode-0": None,
+        "decode-1": None,
+    }
+    # three workers on two GPUs: GPU 0 holds the prefill worker and decode-1
+    assert _utilization("--gpus", "0,1", "--num-decode", "2") == {
+        "prefill": "0.45",
+        "decode-0": None,
+        "decode-1": "0.45",
+    }
+    # two workers of two ranks each on two GPUs
+    assert _utilization("--gpus", "0,1", "-tp", "2", "--mode", "disaggregated") == {
+        "prefill": "0.45",
+        "decode": "0.45",
+    }
+    assert _utilization("--gpus", "0", "--num-gpu-blocks-override", "100") == {
+        "prefill": None,
+        "decode": None,
+    }
+    args = parse("--gpus", "0")  # on CPU nothing is pinned, nothing shared
+    assert share_gpu_memory(args, _plan(args, "m"), _gpu_ids(args)) == []

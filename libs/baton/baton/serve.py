@@ -21,6 +21,7 @@ excepted: they are started from a threaded process, where that hook is unsafe).
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import ctypes
 import itertools
@@ -278,6 +279,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         # Every child is started before any thread exists here (preexec_fn and threads do not
         # mix); the gateway waits for the workers to answer, the workers for the kvstore.
         gpus, counts = _gpu_ids(args), _gpu_counts(args, plan)
+        for note in share_gpu_memory(args, plan, gpus):
+            print(f"GPU memory: {note} of each GPU's memory", flush=True)
         workers = [label for kind, label, _ in plan if kind in ("prefill", "decode")]
         children = [
             start_child(kind, label, argv, {**env, **_gpu_env(gpus, workers, label, counts)})
@@ -336,15 +339,49 @@ def _prefill_tp(args: argparse.Namespace) -> int:
     return int(getattr(args, "tensor_parallel_size", 1) if ptp is None else ptp)
 
 
+def _worker_gpus(gpus: list[str], counts: list[int]) -> list[list[str]]:
+    """Each worker's GPUs: ``counts[i]`` for worker ``i`` (workers in plan order), round robin
+    over ``gpus``."""
+    out, first = [], 0
+    for n in counts:
+        out.append([gpus[(first + k) % len(gpus)] for k in range(n)])
+        first += n
+    return out
+
+
 def _gpu_env(gpus: list[str], workers: list[str], label: str, counts: list[int]) -> dict[str, str]:
-    """Worker ``label``'s own GPUs: ``counts[i]`` for worker ``i`` (workers in plan order,
-    round robin over ``gpus``)."""
+    """Worker ``label``'s own GPUs (``_worker_gpus``) as its environment."""
     if not gpus or label not in workers:
         return {}
-    i = workers.index(label)
-    first = sum(counts[:i])
-    mine = [gpus[(first + k) % len(gpus)] for k in range(counts[i])]
+    mine = _worker_gpus(gpus, counts)[workers.index(label)]
     return {**_GPU_ENV, "CUDA_VISIBLE_DEVICES": ",".join(mine)}
+
+
+def _gpu_shares(gpus: list[str], counts: list[int]) -> list[int]:
+    """For each worker, how many workers use its most shared GPU (1: it has its GPUs alone)."""
+    placed = _worker_gpus(gpus, counts)
+    users = collections.Counter(g for mine in placed for g in set(mine))
+    return [max((users[g] for g in mine), default=1) for mine in placed]
+
+
+def share_gpu_memory(
+    args: argparse.Namespace, plan: list[tuple[str, str, list[str]]], gpus: list[str]
+) -> list[str]:
+    """Workers that share a GPU split ``--gpu-memory-utilization`` between them (each
+    engine's share counts the device's total memory, as in vLLM): the argv of such a worker
+    gets its part. Nothing changes when the KV pool's size is given outright. Returns a line
+    per worker that shares, for the log."""
+    if not gpus or args.num_gpu_blocks_override is not None or args.kv_cache_memory is not None:
+        return []
+    workers = [(label, argv) for kind, label, argv in plan if kind in ("prefill", "decode")]
+    notes = []
+    shares = _gpu_shares(gpus, _gpu_counts(args, plan))
+    for (label, argv), share in zip(workers, shares, strict=True):
+        if share > 1:
+            part = args.gpu_memory_utilization / share
+            argv += ["--gpu-memory-utilization", f"{part:.4g}"]
+            notes.append(f"{label} shares its GPUs with {share - 1} other worker(s): {part:.4g}")
+    return notes
 
 
 def _plan(args: argparse.Namespace, name: str) -> list[tuple[str, str, list[str]]]:

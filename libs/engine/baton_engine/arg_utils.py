@@ -19,7 +19,8 @@ _HELP = {
     "dtype": "auto | bfloat16 | float32 | float16",
     "kv_cache_memory": "bytes for the KV cache on CPU (default 2 GiB)",
     "num_gpu_blocks_override": "exact number of KV blocks",
-    "gpu_memory_utilization": "share of GPU memory for weights, activations and KV cache",
+    "gpu_memory_utilization": "share of the GPU's total memory this engine takes for weights, "
+    "activations and KV cache (processes sharing a GPU each take their own share)",
     "load_format": "auto | dummy (random weights, for benchmarks)",
     "attention_backend": "auto | cpu (C++ paged decode kernel) | triton (GPU) | torch "
     "(reference) | flash_attn | flashinfer (when installed); also $BATON_ATTENTION_BACKEND",
@@ -28,8 +29,8 @@ _HELP = {
     "for GPUs, off for CPUs)",
     "seed": "seed of the default random generator",
     "device": "cpu | cuda",
-    "tensor_parallel_size": "split the model's heads and MLP across this many processes (CPU "
-    "only for now: refused on GPUs until validated there)",
+    "tensor_parallel_size": "split the model's heads and MLP across this many processes: one "
+    "GPU each (NCCL), or CPU processes (gloo)",
 }
 
 

@@ -97,11 +97,15 @@ def build_runner(config: EngineConfig, tp_rank: int = 0) -> RunnerSetup:
     dtype = resolve_dtype(config, mc)
     torch.manual_seed(config.seed)
     tp_size = config.tensor_parallel_size
+    device = distributed.device_for(config.device, tp_rank, tp_size)
+    free_at_start = None
+    if device.startswith("cuda"):  # before the model: what other processes leave us
+        free_at_start = _check_gpu_share(config, torch.device(device))
     try:
         runner = ModelRunner(
             mc,
             dtype=dtype,
-            device=distributed.device_for(config.device, tp_rank, tp_size),
+            device=device,
             block_size=config.block_size,
             max_model_len=max_model_len,
             max_num_seqs=config.max_num_seqs,
@@ -122,7 +126,7 @@ def build_runner(config: EngineConfig, tp_rank: int = 0) -> RunnerSetup:
     runner.finalize_weights()
     if runner.device.type == "cuda" and not config.enforce_eager:
         runner.enable_piece_graphs(capture=True)
-    num_blocks = _num_kv_blocks(config, runner, max_model_len)
+    num_blocks = _num_kv_blocks(config, runner, max_model_len, free_at_start)
     runner.initialize_kv_cache(num_blocks)
     if runner.device.type == "cuda":
         runner.warmup_kernels()
@@ -140,28 +144,61 @@ def build_runner(config: EngineConfig, tp_rank: int = 0) -> RunnerSetup:
     return RunnerSetup(runner, num_blocks, model_dir, mc, max_model_len, dtype)
 
 
-def _num_kv_blocks(config: EngineConfig, runner: ModelRunner, max_model_len: int) -> int:
+def _check_gpu_share(config: EngineConfig, device: torch.device) -> int:
+    """The device's free bytes before this engine loads anything. Refuses a
+    ``gpu_memory_utilization`` share larger than that (other processes hold the rest), as
+    vLLM does: each process on a GPU takes its own share of the device's total memory."""
+    free, total = torch.cuda.mem_get_info(device)
+    wanted = config.gpu_memory_utilization * total
+    if config.num_gpu_blocks_override is None and config.kv_cache_memory is None and wanted > free:
+        raise InvalidRequestError(
+            f"gpu_memory_utilization {config.gpu_memory_utilization} asks for "
+            f"{wanted / 2**30:.1f} GiB of {device}'s {total / 2**30:.1f} GiB, but only "
+            f"{free / 2**30:.1f} GiB are free ({(total - free) / 2**30:.1f} GiB are held by "
+            "other processes): lower it"
+        )
+    return int(free)
+
+
+def kv_budget_bytes(
+    total: int, utilization: float, free_at_start: int, free_now: int, peak: int
+) -> int:
+    """Bytes for the KV pool of an engine on a GPU of ``total`` bytes: its share
+    (``utilization`` of the total) less what it took since it started (weights, buffers,
+    CUDA graphs: ``free_at_start - free_now``) and its peak activations; what other processes
+    hold does not count against it (so workers sharing a GPU can start in any order), but the
+    pool never takes more than is free now, less that peak."""
+    own = free_at_start - free_now
+    budget = min(int(total * utilization) - own - peak, free_now - peak)
+    return max(0, budget)
+
+
+def _num_kv_blocks(
+    config: EngineConfig, runner: ModelRunner, max_model_len: int, free_at_start: int | None
+) -> int:
     cfg = config
     per_block = runner.kv_bytes_per_block()
     if cfg.num_gpu_blocks_override is not None:
         num_blocks = cfg.num_gpu_blocks_override
     elif cfg.kv_cache_memory is not None:
         num_blocks = cfg.kv_cache_memory // per_block
-    elif cfg.device.startswith("cuda"):
-        # Profile the largest step, then give the KV pool what the utilisation target
-        # leaves after everything in use now (weights, CUDA context) and that peak.
+    elif free_at_start is not None:
+        # Profile the largest step, then give the KV pool what this engine's share leaves
+        # after what it holds now (weights, buffers) and that peak.
         peak = runner.profile_peak_bytes()
         free, total = torch.cuda.mem_get_info(runner.device)
-        used = total - free
-        budget = int(total * cfg.gpu_memory_utilization) - used - peak
-        num_blocks = max(0, budget) // per_block
+        budget = kv_budget_bytes(total, cfg.gpu_memory_utilization, free_at_start, free, peak)
+        num_blocks = budget // per_block
         logger.info(
-            "GPU memory: %.1f GiB total, %.1f GiB in use (weights and context), "
-            "%.2f GiB peak activations, %.1f GiB for the KV cache",
+            "GPU memory: %.1f GiB total, %.1f GiB held by other processes at start, %.1f GiB "
+            "taken since (weights, buffers), %.2f GiB peak activations, %.1f GiB for the KV "
+            "cache (gpu_memory_utilization %.2f)",
             total / 2**30,
-            used / 2**30,
+            (total - free_at_start) / 2**30,
+            (free_at_start - free) / 2**30,
             peak / 2**30,
-            max(0, budget) / 2**30,
+            budget / 2**30,
+            cfg.gpu_memory_utilization,
         )
     else:
         num_blocks = _DEFAULT_CPU_KV_BYTES // per_block
