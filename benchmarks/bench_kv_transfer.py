@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import multiprocessing as mp
 import os
 import statistics
@@ -219,7 +220,7 @@ def bench_copy(reps: int, devices: tuple[str, str]) -> list[float]:
         torch.cuda.synchronize(devices[1])
         if rep:
             seconds.append(time.perf_counter() - start)
-    assert torch.equal(dst.cpu().view(torch.int16), src.cpu().view(torch.int16))
+    assert torch.equal(dst.view(torch.int16), src.to(dst.device).view(torch.int16))
     return seconds
 
 
@@ -272,7 +273,7 @@ def bench_copy_pull(reps: int, devices: tuple[str, str]) -> list[float]:
             torch.cuda.synchronize(dst_index)
             if rep:
                 seconds.append(time.perf_counter() - start)
-    assert torch.equal(dst.cpu().view(torch.int16), src.cpu().view(torch.int16))
+    assert torch.equal(dst.view(torch.int16), src.to(dst.device).view(torch.int16))
     return seconds
 
 
@@ -348,6 +349,12 @@ def main() -> None:
     p.add_argument("--blocks", type=int, default=256, help="blocks moved per pull")
     p.add_argument("--notify", action="store_true", help="attach a NIXL notification to each READ")
     p.add_argument(
+        "--max-run-mib",
+        type=float,
+        default=0.0,
+        help="cut contiguous runs into NIXL descriptors of at most this many MiB (0: never)",
+    )
+    p.add_argument(
         "--spin-ms",
         type=float,
         default=None,
@@ -364,18 +371,19 @@ def main() -> None:
         os.environ.update(wanted)  # the shapes and ids are set at import: start again
         os.execv(sys.executable, [sys.executable, *sys.argv])
     nixl_agent.NOTIFY_READS = args.notify
+    nixl_agent.MAX_RUN_BYTES = int(args.max_run_mib * 2**20)
     if args.spin_ms is not None:
         nixl_agent.SPIN_S = args.spin_ms / 1000
     src_dev, _, dst_dev = args.devices.partition(",")
     devices = (src_dev, dst_dev or src_dev)
     extra_env = dict(kv.split("=", 1) for kv in args.env)
-    block_bytes = source_pool()[0].numel() * 2
+    block_bytes = math.prod(BLOCK_SHAPE) * 2
     total_blocks = int(args.pool_gib * 2**30) // block_bytes
     modes = [m for m in args.modes.split(",") if m]
     for mode in modes:
         if mode not in MODES:
             p.error(f"unknown mode {mode}: expected some of {','.join(MODES)}")
-    num_bytes = NUM_BLOCKS * source_pool()[0].numel() * 2
+    num_bytes = NUM_BLOCKS * block_bytes
     rows: dict[str, dict[str, float]] = {}
     for mode in modes:
         if mode == "shm":

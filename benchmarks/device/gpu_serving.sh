@@ -18,8 +18,9 @@
 #      completion (TP_SERVE=0 skips it)
 #   7. "tpdisagg": tests/gpu/test_disagg_gpu.py's tensor-parallel disaggregation (prefill and
 #      decode workers split across the two GPUs, 2->2, 2->1, 1->2)
-#   8. "kvsize": KV transfer of Llama-3.1-8B's 2 MiB blocks at 1 to 1,024 blocks per pull, and
-#      variants of the UCX settings (KVSIZE_ENVS: --env arguments, one variant each)
+#   8. "kvsize": KV transfer of Llama-3.1-8B's 2 MiB blocks at 1 to 1,024 blocks per pull, a
+#      READ cut into descriptors of KVSIZE_SPLITS MiB, and UCX settings (KVSIZE_ENVS: --env
+#      arguments, one variant each); the copy both ways as the ceiling
 # Output under ${OUT:-benchmarks/out/device}.
 #
 #     bash benchmarks/device/gpu_serving.sh [STAGES]   (default: "machine tests serve")
@@ -130,10 +131,13 @@ fi
 
 if [[ " $stages " == *" kvsize "* ]]; then
     kvs() { timeout 150 python3 benchmarks/bench_kv_transfer.py --devices cuda:0,cuda:1 \
-        --reps 7 --layers 32 --modes nixl,copy "$@" 2>&1 | grep -v 'NIXL INFO' | tail -5; }
+        --reps 7 --layers 32 --modes nixl,copy,copy-pull "$@" 2>&1 | grep -v 'NIXL INFO' \
+        | tail -7; }
     for n in ${KVSIZE_BLOCKS:-1 16 256 1024}; do kvs --contiguous --blocks $n; done
-    kvs --blocks 1024
-    for e in ${KVSIZE_ENVS:-UCX_PROTO_ENABLE=n UCX_CUDA_IPC_MAX_STREAMS=1}; do
+    kvs
+    # one READ's runs cut into descriptors of at most M MiB (UCX may copy them side by side)
+    for m in ${KVSIZE_SPLITS:-128 32 8}; do kvs --contiguous --max-run-mib $m; done
+    for e in ${KVSIZE_ENVS:-UCX_CUDA_IPC_MAX_STREAMS=1}; do
         echo "with $e"; kvs --contiguous --env "$e"
     done
 fi

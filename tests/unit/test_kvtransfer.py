@@ -31,9 +31,10 @@ from baton_kvtransfer import (
     LeaseUnavailableError,
     TransferFailedError,
     compat_hash,
+    nixl_agent,
     resolve_backend,
 )
-from baton_kvtransfer.blocks import merge_runs, pool_bytes
+from baton_kvtransfer.blocks import merge_runs, pool_bytes, split_runs
 from baton_kvtransfer.metadata import PoolMetadata
 from baton_kvtransfer.streaming import ChunkWriter, iter_chunks
 
@@ -257,20 +258,26 @@ LOCAL = [10, 11, 12, 2, 30, 31, 50, 63]
 
 
 @pytest.mark.parametrize(
-    ("source_backend", "sink_backend", "ucx_tls"),
+    ("source_backend", "sink_backend", "ucx_tls", "max_run_blocks"),
     [
-        ("grpc", "grpc", None),
-        pytest.param("nixl", "nixl", None, marks=needs_nixl),
-        pytest.param("nixl", "nixl", "tcp", marks=needs_nixl),
-        pytest.param("nixl", "grpc", None, marks=needs_nixl),  # a gRPC sink ignores NIXL
-        pytest.param("grpc", "nixl", None, marks=needs_nixl),  # falls back to gRPC
+        ("grpc", "grpc", None, 0),
+        pytest.param("nixl", "nixl", None, 0, marks=needs_nixl),
+        pytest.param("nixl", "nixl", "tcp", 0, marks=needs_nixl),
+        pytest.param("nixl", "nixl", None, 2, marks=needs_nixl),  # runs cut into descriptors
+        pytest.param("nixl", "grpc", None, 0, marks=needs_nixl),  # a gRPC sink ignores NIXL
+        pytest.param("grpc", "nixl", None, 0, marks=needs_nixl),  # falls back to gRPC
     ],
 )
 def test_pull_between_processes(
-    source_backend: str, sink_backend: str, ucx_tls: str | None, monkeypatch: pytest.MonkeyPatch
+    source_backend: str,
+    sink_backend: str,
+    ucx_tls: str | None,
+    max_run_blocks: int,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     if ucx_tls is not None:
         monkeypatch.setenv("UCX_TLS", ucx_tls)  # before either agent exists
+    monkeypatch.setattr(nixl_agent, "MAX_RUN_BYTES", max_run_blocks * BLOCK_BYTES)
     pool = sink_pool()
     with start_source(source_backend, seed=3) as source:
         lease1 = source.grant("req-1", REMOTE)
@@ -434,6 +441,20 @@ def test_merge_runs() -> None:
     assert merge_runs([], []) == []
     with pytest.raises(ValueError):
         merge_runs([1], [])
+
+
+def test_split_runs() -> None:
+    runs = split_runs(merge_runs(REMOTE, LOCAL), 2)
+    assert [tuple(r) for r in runs] == [
+        (5, 10, 2),
+        (7, 12, 1),
+        (40, 2, 1),
+        (12, 30, 2),
+        (63, 50, 1),
+        (0, 63, 1),
+    ]
+    with pytest.raises(ValueError):
+        split_runs(runs, 0)
 
 
 def test_stream_chunks_cross_block_boundaries() -> None:

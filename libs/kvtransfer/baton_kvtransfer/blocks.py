@@ -63,3 +63,16 @@ def merge_runs(src_block_ids: Sequence[int], dst_block_ids: Sequence[int]) -> li
                 continue
         runs.append(BlockRun(src, dst, 1))
     return runs
+
+
+def split_runs(runs: Sequence[BlockRun], max_blocks: int) -> list[BlockRun]:
+    """``runs`` with every run longer than ``max_blocks`` cut into pieces of at most that many
+    blocks, in order (more descriptors, which a transport may move side by side)."""
+    if max_blocks < 1:
+        raise ValueError(f"max_blocks must be >= 1: {max_blocks}")
+    out: list[BlockRun] = []
+    for run in runs:
+        for start in range(0, run.num_blocks, max_blocks):
+            n = min(max_blocks, run.num_blocks - start)
+            out.append(BlockRun(run.src_block_id + start, run.dst_block_id + start, n))
+    return out

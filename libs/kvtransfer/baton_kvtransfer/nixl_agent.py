@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from baton_kvtransfer.blocks import BlockRun, block_bytes, check_block_ids, merge_runs
+from baton_kvtransfer.blocks import BlockRun, block_bytes, check_block_ids, merge_runs, split_runs
 from baton_kvtransfer.errors import KVTransferError, TransferFailedError
 from baton_kvtransfer.metadata import MemKind, PoolMetadata
 
@@ -40,6 +40,10 @@ SPIN_S = 0.002
 # Attach the lease id to each READ as a NIXL notification for the source (which only counts
 # them). Off: see benchmarks/RESULTS.md (issue 6, fifteenth session) for what one costs.
 NOTIFY_READS = False
+# Cut a READ's contiguous runs into descriptors of at most this many bytes (0: never), which
+# UCX may copy on several CUDA streams at once. An experiment (bench_kv_transfer.py
+# --max-run-mib), off by default until measured on GPUs.
+MAX_RUN_BYTES = 0
 _agent_counter = itertools.count()
 
 
@@ -166,6 +170,8 @@ class NixlAgent:
         if not runs:
             return 0
         bb = self.block_bytes
+        if MAX_RUN_BYTES:
+            runs = split_runs(runs, max(1, MAX_RUN_BYTES // bb))
         local = np.array(
             [
                 (self.base_address + r.dst_block_id * bb, r.num_blocks * bb, self.device_id)
