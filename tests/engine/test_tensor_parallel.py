@@ -4,6 +4,7 @@ the same model generates in one process."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -78,38 +79,48 @@ def test_a_split_decode_engine_continues_from_a_whole_prefill_engines_kv(
     prefill = EngineCore(EngineConfig(**engine))  # type: ignore[arg-type]
     decode = EngineCore(EngineConfig(**engine, tensor_parallel_size=2))  # type: ignore[arg-type]
     try:
-        for i, prompt in enumerate(PROMPTS):
-            prefill.add_request(f"r{i}", prompt, params, prefill_only=True)
-        held = {}
-        while prefill.has_schedulable_requests():
-            for out in prefill.step():
-                assert out.finish_reason == "prefilled" and out.kv_block_ids is not None
-                held[out.req_id] = out.kv_block_ids
-                decode.add_request(
-                    out.req_id,
-                    PROMPTS[int(out.req_id[1:])],
-                    params,
-                    remote_kv="handle",
-                    first_token_id=out.new_token_ids[0],
-                )
-        decode.step()  # admission: the requests wait for their KV
-        for load in decode.take_kv_loads():
-            remote = held[load.req_id][load.first_block :]
-            decode.load_kv_blocks(load.local_block_ids, prefill.kv_pool[remote])
-            decode.finish_kv_load(load.req_id, ok=True)
-        got: dict[str, list[int]] = {}
-        while decode.has_schedulable_requests():
-            for out in decode.step():
-                got.setdefault(out.req_id, []).extend(out.new_token_ids)
-        assert [[want[i][0], *got[f"r{i}"]] for i in range(len(PROMPTS))] == want
+        assert _disaggregate(prefill, decode, prefill.kv_pool, params) == want
         decode.check_invariants()
     finally:
         decode.shutdown()
 
 
-def _prefill(core: EngineCore, prompts: dict[str, list[int]], params: SamplingParams) -> None:
-    for req_id, prompt in prompts.items():
-        core.add_request(req_id, prompt, params, prefill_only=True)
+def _disaggregate(
+    prefill: EngineCore,
+    decode: EngineCore,
+    source: torch.Tensor,
+    params: SamplingParams,
+    after_prefill: Callable[[], None] = lambda: None,
+) -> list[list[int]]:
+    """Prefill ``PROMPTS`` on ``prefill``, have ``decode`` load their KV from ``source`` at
+    the prefilled outputs' block ids (releasing them), and decode: each prompt's greedy
+    tokens."""
+    for i, prompt in enumerate(PROMPTS):
+        prefill.add_request(f"r{i}", prompt, params, prefill_only=True)
+    held, first = {}, {}
+    while prefill.has_schedulable_requests():
+        for out in prefill.step():
+            assert out.finish_reason == "prefilled" and out.kv_block_ids is not None
+            held[out.req_id], first[out.req_id] = out.kv_block_ids, out.new_token_ids[0]
+            decode.add_request(
+                out.req_id,
+                PROMPTS[int(out.req_id[1:])],
+                params,
+                remote_kv="handle",
+                first_token_id=out.new_token_ids[0],
+            )
+    after_prefill()
+    decode.step()  # admission: the requests wait for their KV
+    for load in decode.take_kv_loads():
+        remote = held[load.req_id][load.first_block :]
+        decode.load_kv_blocks(load.local_block_ids, source[remote])
+        decode.finish_kv_load(load.req_id, ok=True)
+        assert prefill.release_held(load.req_id)
+    got: dict[str, list[int]] = {}
+    while decode.has_schedulable_requests():
+        for out in decode.step():
+            got.setdefault(out.req_id, []).extend(out.new_token_ids)
+    return [[first[f"r{i}"], *got[f"r{i}"]] for i in range(len(PROMPTS))]
 
 
 def test_a_whole_decode_engine_continues_from_a_split_prefill_engines_export(
@@ -130,31 +141,11 @@ def test_a_whole_decode_engine_continues_from_a_split_prefill_engines_export(
         export = prefill.enable_kv_export(64)
         assert export.shape[1:] == decode.kv_pool.shape[1:]  # whole blocks: all the heads
         assert prefill.kv_pool.shape[-2] * 2 == export.shape[-2]
-        _prefill(prefill, {f"r{i}": p for i, p in enumerate(PROMPTS)}, params)
-        rows = {}
-        while prefill.has_schedulable_requests():
-            for out in prefill.step():
-                assert out.finish_reason == "prefilled" and out.kv_block_ids is not None
-                rows[out.req_id] = out.kv_block_ids
-                decode.add_request(
-                    out.req_id,
-                    PROMPTS[int(out.req_id[1:])],
-                    params,
-                    remote_kv="handle",
-                    first_token_id=out.new_token_ids[0],
-                )
-        assert prefill.kv.usage() == 0.0  # released to the prefix cache once gathered
-        decode.step()  # admission: the requests wait for their KV
-        for load in decode.take_kv_loads():
-            remote = rows[load.req_id][load.first_block :]
-            decode.load_kv_blocks(load.local_block_ids, export[remote])
-            decode.finish_kv_load(load.req_id, ok=True)
-            assert prefill.release_held(load.req_id)
-        got: dict[str, list[int]] = {}
-        while decode.has_schedulable_requests():
-            for out in decode.step():
-                got.setdefault(out.req_id, []).extend(out.new_token_ids)
-        assert [[want[i][0], *got[f"r{i}"]] for i in range(len(PROMPTS))] == want
+
+        def released_once_gathered() -> None:  # to the prefix cache
+            assert prefill.kv.usage() == 0.0
+
+        assert _disaggregate(prefill, decode, export, params, released_once_gathered) == want
         prefill.check_invariants()  # every export row is free again
         assert not prefill.release_held("r0")
     finally:
@@ -179,7 +170,8 @@ def test_a_prefilled_prompt_waits_for_room_in_the_export_area(
         with pytest.raises(InvalidRequestError, match="export area of 4 blocks"):
             prefill.enable_kv_export(4)  # 80 tokens need 5 blocks of 16
         prefill.enable_kv_export(5)
-        _prefill(prefill, {"a": PROMPTS[3], "b": PROMPTS[3][::-1], "c": PROMPTS[2]}, params)
+        for req_id, prompt in {"a": PROMPTS[3], "b": PROMPTS[3][::-1], "c": PROMPTS[2]}.items():
+            prefill.add_request(req_id, prompt, params, prefill_only=True)
         done: list[str] = []
         while prefill.has_schedulable_requests():
             done += [out.req_id for out in prefill.step()]
