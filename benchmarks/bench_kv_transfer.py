@@ -51,6 +51,7 @@ import numpy as np
 import torch
 
 from baton_kvtransfer import KVTransferSink, KVTransferSource, LeaseTable, compat_hash, nixl_agent
+from baton_kvtransfer import sink as kv_sink
 
 NUM_BLOCKS = int(os.environ.get("BENCH_KV_BLOCKS", "256"))  # --blocks: how many move
 NUM_POOL_BLOCKS = max(512, 2 * NUM_BLOCKS)  # per side
@@ -116,7 +117,8 @@ async def _serve(conn: Connection, backend: str, device: str, total_blocks: int)
         except EOFError:
             stop.set()
             return
-        conn.send(leases.grant(req_id, REMOTE_IDS).lease_id)
+        lease = leases.grant(req_id, REMOTE_IDS)
+        conn.send((lease.lease_id, lease.expiry_unix_ms))
 
     loop.add_reader(conn.fileno(), on_command)
     conn.send(port)
@@ -176,7 +178,7 @@ def bench_pull(
                 try:
                     for rep in range(reps + 1):  # the first one warms up (handshake, connect)
                         conn.send(f"req-{rep}")
-                        lease_id = conn.recv()
+                        lease_id, expiry_ms = conn.recv()
                         result = await sink.pull(
                             endpoint,
                             peer_engine_id="bench-src",
@@ -184,6 +186,7 @@ def bench_pull(
                             lease_id=lease_id,
                             remote_block_ids=REMOTE_IDS,
                             local_block_ids=LOCAL_IDS,
+                            lease_expiry_unix_ms=expiry_ms,  # as a decode worker has it
                         )
                         assert result.backend == backend, result
                         if rep:
@@ -349,6 +352,11 @@ def main() -> None:
     p.add_argument("--blocks", type=int, default=256, help="blocks moved per pull")
     p.add_argument("--notify", action="store_true", help="attach a NIXL notification to each READ")
     p.add_argument(
+        "--always-extend",
+        action="store_true",
+        help="extend the lease before every read, even with ample time left on it",
+    )
+    p.add_argument(
         "--max-run-mib",
         type=float,
         default=0.0,
@@ -371,6 +379,8 @@ def main() -> None:
         os.environ.update(wanted)  # the shapes and ids are set at import: start again
         os.execv(sys.executable, [sys.executable, *sys.argv])
     nixl_agent.NOTIFY_READS = args.notify
+    if args.always_extend:
+        kv_sink.SKIP_EXTEND_MARGIN_S = float("inf")
     nixl_agent.MAX_RUN_BYTES = int(args.max_run_mib * 2**20)
     if args.spin_ms is not None:
         nixl_agent.SPIN_S = args.spin_ms / 1000

@@ -353,6 +353,53 @@ def test_lease_expiring_before_release_fails_the_pull(
     assert ("req-late", "expired") in shared_source.freed()
 
 
+@pytest.mark.parametrize("backend", ["grpc", pytest.param("nixl", marks=needs_nixl)])
+def test_a_lease_with_time_left_is_read_without_extending_it_first(
+    shared_source: SourceProcess, backend: str
+) -> None:
+    """A pull that does not queue, whose handle's expiry leaves ample time, skips the
+    ExtendLease round trip before its read; one close to its expiry extends first. The release
+    still confirms every lease: an unknown one fails the pull even with an ample expiry."""
+    ample = shared_source.grant("req-ample", [24, 25])
+    close = shared_source.grant("req-close", [26, 27])
+    extended: list[str] = []
+
+    async def count(request: Any) -> None:
+        extended.append(request.lease_id)
+
+    async def body(sink: KVTransferSink) -> None:
+        now_ms = int(time.time() * 1000)
+        for lease_id, remote, local, expiry in (
+            (ample, [24, 25], [0, 1], now_ms + 30_000),
+            (close, [26, 27], [2, 3], now_ms + 1_000),
+        ):
+            await sink.pull(
+                shared_source.endpoint,
+                peer_engine_id=shared_source.engine_id,
+                peer_epoch=shared_source.epoch,
+                lease_id=lease_id,
+                remote_block_ids=remote,
+                local_block_ids=local,
+                lease_expiry_unix_ms=expiry,
+            )
+        with pytest.raises(LeaseUnavailableError):  # by the stream (gRPC) or the release
+            await sink.pull(
+                shared_source.endpoint,
+                peer_engine_id=shared_source.engine_id,
+                peer_epoch=shared_source.epoch,
+                lease_id="0" * 32,
+                remote_block_ids=[28],
+                local_block_ids=[4],
+                lease_expiry_unix_ms=now_ms + 30_000,
+            )
+
+    pool = sink_pool()
+    run_with_sink(pool, backend, body, interceptors=[OnCall("ExtendLease", count)])
+    assert extended == [close]
+    assert {("req-ample", "released"), ("req-close", "released")} <= set(shared_source.freed())
+    assert torch.equal(bits(pool[[0, 1, 2, 3]]), bits(source_pool(1)[[24, 25, 26, 27]]))
+
+
 def test_release_without_pull(shared_source: SourceProcess) -> None:
     lease = shared_source.grant("req-cached", [3])
 

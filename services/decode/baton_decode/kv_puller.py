@@ -198,6 +198,7 @@ class KVPuller:
                 lease_id=handle.lease_id,
                 remote_block_ids=remote_ids,
                 local_block_ids=rows,
+                lease_expiry_unix_ms=handle.lease_expiry_unix_ms,
             )
         except BaseException:
             if staging is not None:
