@@ -201,7 +201,12 @@ def make_sink(pool: torch.Tensor, backend: str, **kwargs: Any) -> KVTransferSink
 
 
 async def pull(
-    sink: KVTransferSink, source: SourceProcess, lease_id: str, remote: list[int], local: list[int]
+    sink: KVTransferSink,
+    source: SourceProcess,
+    lease_id: str,
+    remote: list[int],
+    local: list[int],
+    lease_expiry_unix_ms: int | None = None,
 ) -> Any:
     return await sink.pull(
         source.endpoint,
@@ -210,6 +215,7 @@ async def pull(
         lease_id=lease_id,
         remote_block_ids=remote,
         local_block_ids=local,
+        lease_expiry_unix_ms=lease_expiry_unix_ms,
     )
 
 
@@ -373,25 +379,9 @@ def test_a_lease_with_time_left_is_read_without_extending_it_first(
             (ample, [24, 25], [0, 1], now_ms + 30_000),
             (close, [26, 27], [2, 3], now_ms + 1_000),
         ):
-            await sink.pull(
-                shared_source.endpoint,
-                peer_engine_id=shared_source.engine_id,
-                peer_epoch=shared_source.epoch,
-                lease_id=lease_id,
-                remote_block_ids=remote,
-                local_block_ids=local,
-                lease_expiry_unix_ms=expiry,
-            )
+            await pull(sink, shared_source, lease_id, remote, local, expiry)
         with pytest.raises(LeaseUnavailableError):  # by the stream (gRPC) or the release
-            await sink.pull(
-                shared_source.endpoint,
-                peer_engine_id=shared_source.engine_id,
-                peer_epoch=shared_source.epoch,
-                lease_id="0" * 32,
-                remote_block_ids=[28],
-                local_block_ids=[4],
-                lease_expiry_unix_ms=now_ms + 30_000,
-            )
+            await pull(sink, shared_source, "0" * 32, [28], [4], now_ms + 30_000)
 
     pool = sink_pool()
     run_with_sink(pool, backend, body, interceptors=[OnCall("ExtendLease", count)])
