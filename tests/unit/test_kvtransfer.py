@@ -431,6 +431,29 @@ def test_queued_pulls_keep_their_leases(shared_source: SourceProcess) -> None:
     assert torch.equal(bits(pool[[10, 11]]), bits(source_pool(1)[[10, 11]]))
 
 
+def test_a_lease_held_while_a_pull_waits_stays_live(shared_source: SourceProcess) -> None:
+    """``hold``: a pull that first waits 1.5 s for something else (a split decode worker
+    waits for room to land its blocks) keeps its 0.6 s lease alive meanwhile; the same wait
+    without it loses the lease."""
+    held = shared_source.grant("req-held", [13], ttl_s=0.6)
+    unheld = shared_source.grant("req-unheld", [14], ttl_s=0.6)
+
+    async def body(sink: KVTransferSink) -> None:
+        room = asyncio.sleep(1.5, result="room")
+        assert await sink.hold(shared_source.endpoint, held, room) == "room"
+        await pull(sink, shared_source, held, [13], [13])
+        await asyncio.sleep(1.5)
+        with pytest.raises(LeaseUnavailableError):
+            await pull(sink, shared_source, unheld, [14], [14])
+
+    pool = sink_pool()
+    run_with_sink(pool, "grpc", body, lease_extend_ms=600)
+    freed = shared_source.freed()
+    assert ("req-held", "released") in freed and ("req-held", "expired") not in freed
+    assert ("req-unheld", "expired") in freed
+    assert torch.equal(bits(pool[[13]]), bits(source_pool(1)[[13]]))
+
+
 @pytest.mark.parametrize("backend", ["grpc", pytest.param("nixl", marks=needs_nixl)])
 def test_killed_source_fails_fast(backend: str) -> None:
     """SIGKILL between pulls (the handshake is cached) and in the middle of one (after the

@@ -22,9 +22,9 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 import grpc
 import torch
@@ -46,6 +46,7 @@ logger = logging.getLogger(__name__)
 # A pull whose lease (by the handle's expiry) has more than this left skips the ExtendLease
 # round trip before its read (~0.5 ms on loopback).
 SKIP_EXTEND_MARGIN_S = 5.0
+T = TypeVar("T")
 
 
 class BlockReader(Protocol):
@@ -279,22 +280,35 @@ class KVTransferSink:
 
     # -- lease control -----------------------------------------------------------------------
 
+    async def hold(self, endpoint: str, lease_id: str, waiting: Awaitable[T]) -> T:
+        """Await ``waiting`` while keeping the lease alive (extended every third of
+        ``lease_extend_ms``): for whatever a pull waits on before it starts, such as room to
+        land its blocks. Cancelling this cancels ``waiting``."""
+        return await self._keep_alive(self._stub(endpoint), lease_id, waiting)
+
+    async def _keep_alive(self, stub: Any, lease_id: str, waiting: Awaitable[T]) -> T:
+        task = asyncio.ensure_future(waiting)
+        try:
+            await self._extend(stub, lease_id)
+            while not (await asyncio.wait({task}, timeout=self.lease_extend_ms / 3000))[0]:
+                await self._extend(stub, lease_id)
+        except BaseException:
+            task.cancel()
+            raise
+        return task.result()
+
     @contextlib.asynccontextmanager
     async def _slot(self, stub: Any, lease_id: str) -> AsyncIterator[bool]:
         """Hold one of the pull slots; while waiting for it, keep the lease alive. Yields
         whether it waited."""
         queued = self._slots.locked()
         if queued:
-            await self._extend(stub, lease_id)
             acquire = asyncio.ensure_future(self._slots.acquire())
             try:
-                while not (await asyncio.wait({acquire}, timeout=self.lease_extend_ms / 3000))[0]:
-                    await self._extend(stub, lease_id)
+                await self._keep_alive(stub, lease_id, acquire)
             except BaseException:
                 if acquire.done() and not acquire.cancelled() and acquire.exception() is None:
                     self._slots.release()
-                else:
-                    acquire.cancel()
                 raise
         else:
             await self._slots.acquire()

@@ -60,6 +60,9 @@ class StagingArea:
         self._freed = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
 
+    def has_room(self, n: int) -> bool:
+        return len(self._free) >= n
+
     async def acquire(self, n: int) -> list[int]:
         """``n`` rows, once that many are free."""
         if n > self.pool.shape[0]:
@@ -188,8 +191,12 @@ class KVPuller:
         staging = self.staging
         if staging is None:
             rows = list(load.local_block_ids)
-        else:
+        elif staging.has_room(len(remote_ids)):
             rows = await staging.acquire(len(remote_ids))
+        else:  # wait for room, the lease kept alive meanwhile
+            rows = await self.sink.hold(
+                handle.transfer_endpoint, handle.lease_id, staging.acquire(len(remote_ids))
+            )
         try:
             result = await self.sink.pull(
                 handle.transfer_endpoint,
