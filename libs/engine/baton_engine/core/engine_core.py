@@ -440,9 +440,7 @@ class EngineCore:
             if rows is not None:
                 export.free += rows
                 return True
-            waiting = [o for o in export.pending if o.req_id == req_id]
-            if waiting:
-                export.pending.remove(waiting[0])
+            export.pending = [o for o in export.pending if o.req_id != req_id]
         return self.scheduler.release_held(req_id)
 
     def take_kv_events(self) -> list[KVCacheEvent]:
