@@ -14,6 +14,7 @@ import torch
 
 from baton_engine import distributed
 from baton_engine.config import EngineConfig, ModelConfig, parse_dtype
+from baton_engine.core import gpu_lock
 from baton_engine.core.outputs import EngineCoreOutput, KVLoad, SchedulerOutput
 from baton_engine.core.scheduler import Scheduler
 from baton_engine.errors import InvalidRequestError, ModelLoadError
@@ -144,6 +145,20 @@ def build_runner(config: EngineConfig, tp_rank: int = 0) -> RunnerSetup:
     return RunnerSetup(runner, num_blocks, model_dir, mc, max_model_len, dtype)
 
 
+def _gpu_lock_keys(config: EngineConfig) -> list[str]:
+    """The ``gpu_lock`` keys of the GPUs an engine's ranks start on (none on a CPU)."""
+    if not config.device.startswith("cuda"):
+        return []
+    tp_size = config.tensor_parallel_size
+    keys = []
+    for rank in range(tp_size):
+        d = torch.device(distributed.device_for(config.device, rank, tp_size))
+        keys.append(
+            gpu_lock.device_key(torch.cuda.current_device() if d.index is None else d.index)
+        )
+    return keys
+
+
 def _check_gpu_share(config: EngineConfig, device: torch.device) -> int:
     """The device's free bytes before this engine loads anything. Refuses a
     ``gpu_memory_utilization`` share larger than that (other processes hold the rest), as
@@ -233,11 +248,15 @@ class EngineCore:
                 )
             except ValueError as e:
                 raise InvalidRequestError(str(e)) from e
-            self._tp = distributed.TensorParallelHelpers(config)
         try:
-            setup = build_runner(config)
-            if self._tp is not None:
-                self._tp.wait_ready()
+            # One engine at a time sizes its KV cache on a GPU (gpu_lock): every rank of this
+            # one starts under the locks of all their GPUs, held until the last is ready.
+            with gpu_lock.hold(_gpu_lock_keys(config)):
+                if config.tensor_parallel_size > 1:
+                    self._tp = distributed.TensorParallelHelpers(config)
+                setup = build_runner(config)
+                if self._tp is not None:
+                    self._tp.wait_ready()
         except BaseException:
             self.shutdown()
             raise
