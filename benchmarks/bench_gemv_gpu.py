@@ -30,7 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "libs" / "kernels")
 SMOKE = "--smoke" in sys.argv  # CPU, Triton's interpreter, tiny shapes: checks the script runs
 if SMOKE:
     os.environ["TRITON_INTERPRET"] = "1"
-from baton_kernels.triton import fused_ops  # noqa: E402
+from baton_kernels.triton import common, fused_ops  # noqa: E402
+from baton_kernels.triton import gemv as gemv_mod  # noqa: E402
 from baton_kernels.triton.gemv import choose_config, gemv, ref_gemv  # noqa: E402
 
 DEV = torch.device("cpu" if SMOKE else "cuda")
@@ -42,11 +43,14 @@ if SMOKE:
     MODELS = {"llama": (64, 96, 160, 2, False), "qwen": (32, 48, 96, 2, True)}
 
 
-def graph_us(fn: Callable[[], object], reps: int = 20) -> float:
-    """Microseconds per replay of a CUDA graph of one ``fn()`` call (median of ``reps``)."""
+def graph_us(fn: Callable[[], object], reps: int = 20, outputs: list[Any] | None = None) -> float:
+    """Microseconds per replay of a CUDA graph of one ``fn()`` call (median of ``reps``);
+    ``outputs`` gets what the captured call returned (as of the last replay)."""
     if SMOKE:
         start = time.perf_counter()
-        fn()
+        out = fn()
+        if outputs is not None:
+            outputs.append(out)
         return (time.perf_counter() - start) * 1e6
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -56,7 +60,9 @@ def graph_us(fn: Callable[[], object], reps: int = 20) -> float:
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn()
+        out = fn()
+    if outputs is not None:
+        outputs.append(out)
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -193,16 +199,28 @@ def stacks(model: str, rows: int, best: dict[str, tuple[int, int, int, int]]) ->
     a, b = separate(), fused(True)()
     err = (a.float() - b.float()).abs().max().item() / a.float().abs().max().item()
     t_sep = graph_us(separate)
-    t_def = graph_us(fused(False))
     t_best = graph_us(fused(True))
     gb = sum(w.numel() * 2 for lw in weights for w in lw.values() if w is not None) / 1e9
     print(
         f"{model} {layers} layers, {rows} row(s), {gb:.2f} GB of weights, attention left out: "
         f"separate kernels {t_sep:8.1f} us ({gb / (t_sep * 1e-6):.0f} GB/s); fused gemv "
-        f"{t_def:8.1f} us (choose_config), {t_best:8.1f} us (per-shape best: "
-        f"{[best[n] for n in names]}); relative |diff| of the output {err:.2e}",
+        f"{t_best:8.1f} us (per-shape best: {[best[n] for n in names]}, launch as default); "
+        f"relative |diff| of the output {err:.2e}",
         flush=True,
     )
+    # choose_config's launches, with and without programmatic dependent launch (PDL) and the
+    # first weight slice read before the wait; each graph's own output against the first's
+    variants = [("no PDL", False, False), ("PDL", True, False), ("PDL + prefetch", True, True)]
+    first: torch.Tensor | None = None
+    for name, pdl, prefetch in variants:
+        common.PDL, gemv_mod.PREFETCH = pdl, prefetch
+        outs: list[torch.Tensor] = []
+        t = graph_us(fused(False), outputs=outs)
+        same = "" if first is None else f", equal to no PDL: {torch.equal(outs[0], first)}"
+        first = outs[0] if first is None else first
+        print(f"  fused gemv, choose_config, {name:15s} {t:8.1f} us "
+              f"({gb / (t * 1e-6):.0f} GB/s){same}", flush=True)  # fmt: skip
+    common.PDL, gemv_mod.PREFETCH = True, True
     weights.clear()
     torch.cuda.empty_cache()
 

@@ -56,6 +56,20 @@ def test_gemv_matches_the_reference(dtype: torch.dtype, rows: int, prologue: str
 
 
 @pytest.mark.parametrize("prologue", PROLOGUES)
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_gemv_with_and_without_the_prefetched_first_slice(prologue: str, prefetch: bool) -> None:
+    """The first weight slice read before the wait for the previous kernel (the default under
+    programmatic dependent launch, a peeled first iteration) or in the loop: the same sums,
+    including a K of one slice (no loop left) and of a slice and a bit."""
+    for rows, k, config in ((1, 100, (4, 32, 4, 2)), (3, 100, None), (2, 16, (8, 64, 4, 2))):
+        x, weight, bias, residual, kwargs = make(rows, 37, k, prologue, torch.bfloat16, seed=k)
+        got = gemv(x, weight, bias, residual=residual, config=config, prefetch=prefetch, **kwargs)
+        want = ref_gemv(x, weight, bias, residual=residual, **kwargs)
+        atol, rtol = TOL[torch.bfloat16]
+        torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("prologue", PROLOGUES)
 def test_gemv_equals_the_separate_ops(prologue: str) -> None:
     """What the decoder ran before: norm (or SiLU-and-multiply), linear, residual add."""
     x, weight, bias, residual, kwargs = make(2, 48, 64, prologue, torch.float32, seed=1)

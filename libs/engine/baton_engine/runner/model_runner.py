@@ -29,7 +29,8 @@ logger = logging.getLogger(__name__)
 # residual adds inside the projections) for models up to this hidden size. On an H200 the
 # 24-layer Qwen2.5-0.5B stack (hidden 896) took 26% less time that way; Llama-3.1-8B's (4096),
 # whose projections are long bandwidth-bound reads that cuBLAS does as well, took 1% more
-# (benchmarks/bench_gemv_gpu.py).
+# (benchmarks/bench_gemv_gpu.py). With programmatic dependent launch the Llama engine's batch-1
+# graph still took 4.64 ms this way against 4.48 with cuBLAS (benchmarks/device/ab_pdl.sh).
 GEMV_MAX_HIDDEN = 2048
 # Decode steps of at most this many requests take that path. With 2 and 4 rows the kernel (its
 # launch fitted to one row) was slower than cuBLAS: Qwen batch 4 2,609 against 3,758 tok/s

@@ -6,6 +6,8 @@ of the online softmax, and launch-time helpers."""
 from __future__ import annotations
 
 import math
+import os
+from functools import cache
 
 import torch
 import triton
@@ -16,6 +18,35 @@ from baton_kernels.attention.base import KVCacheView
 LOG2E = math.log2(math.e)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
+
+# Programmatic dependent launch (Hopper and later): the Triton kernels of the decoder layers
+# (``gemv``, the rotary + K/V write, ``decode_attention``, RMSNorm, SiLU-and-multiply) are
+# launched so that each may start while the kernel before it drains, and wait
+# (``griddepcontrol.wait``) before they read anything it wrote. ``BATON_PDL=0`` turns it off.
+PDL = os.environ.get("BATON_PDL", "1") != "0"
+
+
+@cache
+def _capability_major(device_index: int) -> int:
+    return torch.cuda.get_device_capability(device_index)[0]
+
+
+def pdl_launch(device: torch.device) -> dict[str, bool]:
+    """Launch options of a kernel whose ``PDL`` constexpr waits for the previous grid before
+    its first dependent read: ``{"launch_pdl": True}`` on a CUDA device that supports it (and
+    with ``PDL`` on), else ``{}`` (the interpreter and older GPUs launch as usual)."""
+    if PDL and device.type == "cuda" and _capability_major(device.index or 0) >= 9:
+        return {"launch_pdl": True}
+    return {}
+
+
+@triton.jit
+def pdl_begin(PDL: tl.constexpr):
+    """A PDL kernel's start: let the next kernel launch once every program has begun (it waits
+    for this grid's end before its own dependent reads), then wait for the previous grid."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
 
 
 def check_kv_cache(kv_cache: KVCacheView, query: torch.Tensor) -> None:

@@ -43,6 +43,8 @@ from baton_kernels.triton.common import (
     load_kv_tile,
     next_pow2,
     online_softmax_step,
+    pdl_begin,
+    pdl_launch,
     upcast_in_kernel,
 )
 
@@ -91,7 +93,9 @@ def _decode_kernel(
     DOT_PREC: tl.constexpr,
     FUSE_REDUCE: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_begin(PDL)
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -339,6 +343,7 @@ def decode_attention(
         fuse_reduce = FUSE_REDUCE
     fuse_reduce = fuse_reduce and num_splits > 1
     counters = _counters(out.device, num_decodes * num_kv_heads) if fuse_reduce else seq_lens
+    pdl = pdl_launch(out.device)
     _decode_kernel[(num_decodes, num_kv_heads, num_splits)](
         query,
         kv,
@@ -365,8 +370,10 @@ def decode_attention(
         DOT_PREC=dot_precision(query.dtype),
         FUSE_REDUCE=fuse_reduce,
         BLOCK_S=next_pow2(num_splits),
+        PDL=bool(pdl),
         num_warps=num_warps,
         num_stages=num_stages,
+        **pdl,
     )
     if num_splits > 1 and not fuse_reduce:
         _decode_reduce_kernel[(num_decodes, num_kv_heads)](

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from baton_kernels.triton.common import SUPPORTED_DTYPES, cdiv, next_pow2
+from baton_kernels.triton.common import SUPPORTED_DTYPES, cdiv, next_pow2, pdl_begin, pdl_launch
 
 POSITION_DTYPES = (torch.int32, torch.int64)
 SILU_BLOCK = 1024  # columns of the output per program in silu_and_mul
@@ -114,10 +114,12 @@ def _rotary_kernel(
     BLOCK_HQ: tl.constexpr,
     BLOCK_HK: tl.constexpr,
     WRITE_KV: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program (t, j): token t's query heads block j, or key heads block j - #query blocks. With
     ``WRITE_KV`` a key program also stores its rotated K rows and the token's V rows into the
     paged cache at the token's slot (skipped for a negative block: a padding token)."""
+    pdl_begin(PDL)
     t = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
     pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -247,6 +249,7 @@ def _launch_rotary(
     block_hq = min(next_pow2(num_q_heads), cap)
     block_hk = min(next_pow2(num_k_heads), cap)
     grid = (num_tokens, cdiv(num_q_heads, block_hq) + cdiv(num_k_heads, block_hk))
+    pdl = pdl_launch(query.device)
     v_strides: tuple[int, ...]
     kv_strides: tuple[int, ...]
     if write is None:  # unused pointers and strides
@@ -276,7 +279,9 @@ def _launch_rotary(
         BLOCK_HQ=block_hq,
         BLOCK_HK=block_hk,
         WRITE_KV=write is not None,
+        PDL=bool(pdl),
         num_warps=_num_warps(2 * block_half * max(block_hq, block_hk)),
+        **pdl,
     )
 
 
@@ -308,7 +313,9 @@ def _silu_and_mul_kernel(
     s_ot,
     s_oc,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_begin(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < inter
@@ -334,6 +341,7 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
     if num_tokens == 0 or inter == 0:
         return out
     block = min(SILU_BLOCK, next_pow2(inter))
+    pdl = pdl_launch(x.device)
     _silu_and_mul_kernel[(num_tokens, cdiv(inter, block))](
         x,
         out,
@@ -341,7 +349,9 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
         *x.stride(),
         *out.stride(),
         BLOCK=block,
+        PDL=bool(pdl),
         num_warps=_num_warps(block),
+        **pdl,
     )
     return out
 
@@ -372,7 +382,9 @@ def _rms_norm_kernel(
     s_oc,
     BLOCK: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_begin(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden
@@ -418,6 +430,7 @@ def _launch_norm(
         return out
     res = x if residual is None else residual
     block = next_pow2(hidden)
+    pdl = pdl_launch(x.device)
     _rms_norm_kernel[(num_tokens,)](
         x,
         res,
@@ -431,7 +444,9 @@ def _launch_norm(
         *out.stride(),
         BLOCK=block,
         HAS_RESIDUAL=residual is not None,
+        PDL=bool(pdl),
         num_warps=_num_warps(block),
+        **pdl,
     )
     return out
 

@@ -24,11 +24,12 @@ import torch
 import triton
 import triton.language as tl
 
-from baton_kernels.triton.common import SUPPORTED_DTYPES, cdiv, next_pow2
+from baton_kernels.triton.common import SUPPORTED_DTYPES, cdiv, next_pow2, pdl_launch
 
 MAX_ROWS = 4
 PRO_NONE, PRO_RMS_NORM, PRO_SILU_MUL = 0, 1, 2
 DEFAULT_CONFIG = (16, 256, 4, 4)  # (columns per program, K per iteration, warps, stages)
+PREFETCH = True  # the default of gemv's prefetch
 
 
 def choose_config(n: int, k: int) -> tuple[int, int, int, int]:
@@ -42,6 +43,26 @@ def choose_config(n: int, k: int) -> tuple[int, int, int, int]:
     if n <= 1024:
         return (2, 2048, 4, 2)
     return (4, 1024, 4, 2)
+
+
+@triton.jit
+def _gemv_step(acc, ss, x_rows, norm_ptr, w, kk, K, m_ok, PROLOGUE: tl.constexpr):
+    """One K slice: ``acc`` += the slice of the (prologue'd) rows times ``w`` lane by lane;
+    ``ss`` accumulates the RMSNorm prologue's sums of squares."""
+    k_ok = kk < K
+    mk = m_ok[:, None] & k_ok[None, :]
+    if PROLOGUE == 2:  # SiLU(gate) * up, gate and up the two halves of each row
+        gate = tl.load(x_rows + kk[None, :], mask=mk, other=0.0).to(tl.float32)
+        up = tl.load(x_rows + K + kk[None, :], mask=mk, other=0.0).to(tl.float32)
+        xk = gate / (1.0 + tl.exp(-gate)) * up
+        xk = xk.to(x_rows.dtype.element_ty).to(tl.float32)
+    else:
+        xk = tl.load(x_rows + kk[None, :], mask=mk, other=0.0).to(tl.float32)
+        if PROLOGUE == 1:
+            ss += xk * xk
+            xk = xk * tl.load(norm_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+    acc += xk[:, None, :] * w.to(tl.float32)[None, :, :]
+    return acc, ss
 
 
 @triton.jit
@@ -66,6 +87,8 @@ def _gemv_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
@@ -74,31 +97,29 @@ def _gemv_kernel(
     m_ok = offs_m < M
     n_ok = offs_n < N
     x_rows = x_ptr + offs_m[:, None] * s_xm  # [BLOCK_M, 1]
+    w_rows = w_ptr + offs_n[:, None] * s_wn  # [BLOCK_N, 1]
     # Products are summed lane by lane over the K loop and across lanes once at the end. An
     # RMSNorm prologue scales by the norm weight in the loop and by each row's 1/rms at the
     # end (the sum of squares comes from the same loads): no pass over x before the weights.
     acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
     ss = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    k_start = 0
+    if PREFETCH:
+        # the weights are no kernel's output: the first slice is read before the wait for
+        # the previous kernel (under PDL, while it drains)
+        w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & (offs_k < K)[None, :], other=0.0)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+        acc, ss = _gemv_step(acc, ss, x_rows, norm_ptr, w, offs_k, K, m_ok, PROLOGUE)
+        k_start = BLOCK_K
+    elif PDL:
+        tl.extra.cuda.gdc_wait()
+    for k0 in range(k_start, K, BLOCK_K):
         kk = k0 + offs_k
-        k_ok = kk < K
-        mk = m_ok[:, None] & k_ok[None, :]
-        if PROLOGUE == 2:  # SiLU(gate) * up, gate and up the two halves of each row
-            gate = tl.load(x_rows + kk[None, :], mask=mk, other=0.0).to(tl.float32)
-            up = tl.load(x_rows + K + kk[None, :], mask=mk, other=0.0).to(tl.float32)
-            xk = gate / (1.0 + tl.exp(-gate)) * up
-            xk = xk.to(x_ptr.dtype.element_ty).to(tl.float32)
-        else:
-            xk = tl.load(x_rows + kk[None, :], mask=mk, other=0.0).to(tl.float32)
-            if PROLOGUE == 1:
-                ss += xk * xk
-                xk = xk * tl.load(norm_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-        w = tl.load(
-            w_ptr + offs_n[:, None] * s_wn + kk[None, :],
-            mask=n_ok[:, None] & k_ok[None, :],
-            other=0.0,
-        ).to(tl.float32)  # [BLOCK_N, BLOCK_K]
-        acc += xk[:, None, :] * w[None, :, :]
+        w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & (kk < K)[None, :], other=0.0)
+        acc, ss = _gemv_step(acc, ss, x_rows, norm_ptr, w, kk, K, m_ok, PROLOGUE)
     acc = tl.sum(acc, axis=2)  # [BLOCK_M, BLOCK_N]
     if PROLOGUE == 1:
         acc *= (1.0 / tl.sqrt(tl.sum(ss, axis=1) / K + eps))[:, None]
@@ -126,11 +147,15 @@ def gemv(
     residual: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     config: tuple[int, int, int, int] | None = None,
+    prefetch: bool | None = None,
 ) -> torch.Tensor:
     """``prologue(x) @ weight.T (+ bias) (+ residual)`` for at most ``MAX_ROWS`` rows of ``x``.
     ``norm_weight``: the prologue is RMSNorm; ``silu_mul``: SiLU-and-multiply of ``x``
     ``[M, 2K]``. ``out`` may be ``residual`` (updated in place). ``config``: (columns per
-    program, K per iteration, warps, stages), default ``choose_config(N, K)``."""
+    program, K per iteration, warps, stages), default ``choose_config(N, K)``. Launched with
+    programmatic dependent launch where the device has it (``common.pdl_launch``); ``prefetch``
+    (default: ``PREFETCH`` where PDL is on) reads the first weight slice before waiting for
+    the previous kernel (a peeled first iteration)."""
     if x.dim() != 2 or weight.dim() != 2:
         raise ValueError(f"gemv: x {tuple(x.shape)} and weight {tuple(weight.shape)} must be 2-D")
     if norm_weight is not None and silu_mul:
@@ -152,6 +177,7 @@ def gemv(
     block_n, block_k, num_warps, num_stages = config or choose_config(n, k)
     block_k = min(block_k, max(16, next_pow2(k)))
     prologue = PRO_RMS_NORM if norm_weight is not None else PRO_SILU_MUL if silu_mul else PRO_NONE
+    pdl = pdl_launch(x.device)
     _gemv_kernel[(cdiv(n, block_n),)](
         x,
         weight,
@@ -173,8 +199,11 @@ def gemv(
         BLOCK_M=next_pow2(m),
         BLOCK_N=block_n,
         BLOCK_K=block_k,
+        PDL=bool(pdl),
+        PREFETCH=PREFETCH and bool(pdl) if prefetch is None else prefetch,
         num_warps=num_warps,
         num_stages=num_stages,
+        **pdl,
     )
     return out
 
