@@ -27,7 +27,7 @@ PDL = os.environ.get("BATON_PDL", "1") != "0"
 
 
 @cache
-def _capability_major(device_index: int) -> int:
+def _capability_major(device_index: int | None) -> int:
     return torch.cuda.get_device_capability(device_index)[0]
 
 
@@ -35,7 +35,8 @@ def pdl_launch(device: torch.device) -> dict[str, bool]:
     """Launch options of a kernel whose ``PDL`` constexpr waits for the previous grid before
     its first dependent read: ``{"launch_pdl": True}`` on a CUDA device that supports it (and
     with ``PDL`` on), else ``{}`` (the interpreter and older GPUs launch as usual)."""
-    if PDL and device.type == "cuda" and _capability_major(device.index or 0) >= 9:
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"  # no griddepcontrol there
+    if PDL and device.type == "cuda" and not interpreted and _capability_major(device.index) >= 9:
         return {"launch_pdl": True}
     return {}
 
