@@ -63,7 +63,7 @@ def hold(
         for key in sorted(set(keys)):
             path = lock_dir() / f"baton-{key}.lock"
             try:
-                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+                fd = _open(path)
             except OSError as e:
                 logger.warning("cannot open %s (%s): sizing %s without it", path, e, what)
                 continue
@@ -71,6 +71,15 @@ def hold(
             _acquire(fd, key, what, deadline)
             stack.callback(fcntl.flock, fd, fcntl.LOCK_UN)
         yield
+
+
+def _open(path: Path) -> int:
+    """The lock file, created if missing; read-only if another user created it (a lock needs
+    no write access)."""
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    except PermissionError:
+        return os.open(path, os.O_RDONLY)
 
 
 def _acquire(fd: int, key: str, what: str, deadline: float) -> None:
