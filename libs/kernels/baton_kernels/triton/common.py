@@ -23,7 +23,10 @@ MAX_HEAD_DIM = 256
 # (``gemv``, the rotary + K/V write, ``decode_attention``, RMSNorm, SiLU-and-multiply) are
 # launched so that each may start while the kernel before it drains, and wait
 # (``griddepcontrol.wait``) before they read anything it wrote. ``BATON_PDL=0`` turns it off.
-PDL = os.environ.get("BATON_PDL", "1") != "0"
+# (Triton 3.4 and later have the instructions and the launch option.)
+PDL = os.environ.get("BATON_PDL", "1") != "0" and hasattr(
+    getattr(tl.extra, "cuda", None), "gdc_wait"
+)
 
 
 @cache
