@@ -454,6 +454,26 @@ def test_a_lease_held_while_a_pull_waits_stays_live(shared_source: SourceProcess
     assert torch.equal(bits(pool[[13]]), bits(source_pool(1)[[13]]))
 
 
+def test_a_hold_that_fails_gives_back_what_its_wait_took(shared_source: SourceProcess) -> None:
+    """``hold`` on a lease that is gone raises; a wait that had already finished (rows of a
+    staging area taken) has its result given back, and one still pending is cancelled."""
+    given: list[object] = []
+
+    async def body(sink: KVTransferSink) -> None:
+        done: asyncio.Future[list[int]] = asyncio.get_running_loop().create_future()
+        done.set_result([5, 6])
+        with pytest.raises(LeaseUnavailableError):
+            await sink.hold(shared_source.endpoint, "0" * 32, done, give_back=given.append)
+        pending = asyncio.ensure_future(asyncio.sleep(60))
+        with pytest.raises(LeaseUnavailableError):
+            await sink.hold(shared_source.endpoint, "0" * 32, pending, give_back=given.append)
+        await asyncio.sleep(0)
+        assert pending.cancelled()
+
+    run_with_sink(sink_pool(), "grpc", body)
+    assert given == [[5, 6]]
+
+
 @pytest.mark.parametrize("backend", ["grpc", pytest.param("nixl", marks=needs_nixl)])
 def test_killed_source_fails_fast(backend: str) -> None:
     """SIGKILL between pulls (the handshake is cached) and in the middle of one (after the

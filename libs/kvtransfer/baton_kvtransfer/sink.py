@@ -22,7 +22,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol, TypeVar
 
@@ -280,20 +280,36 @@ class KVTransferSink:
 
     # -- lease control -----------------------------------------------------------------------
 
-    async def hold(self, endpoint: str, lease_id: str, waiting: Awaitable[T]) -> T:
+    async def hold(
+        self,
+        endpoint: str,
+        lease_id: str,
+        waiting: Awaitable[T],
+        give_back: Callable[[T], object] | None = None,
+    ) -> T:
         """Await ``waiting`` while keeping the lease alive (extended every third of
         ``lease_extend_ms``): for whatever a pull waits on before it starts, such as room to
-        land its blocks. Cancelling this cancels ``waiting``."""
-        return await self._keep_alive(self._stub(endpoint), lease_id, waiting)
+        land its blocks. If this raises (the lease ended, or it was cancelled), ``waiting`` is
+        cancelled; had it already finished, ``give_back`` gets its result."""
+        return await self._keep_alive(self._stub(endpoint), lease_id, waiting, give_back)
 
-    async def _keep_alive(self, stub: Any, lease_id: str, waiting: Awaitable[T]) -> T:
+    async def _keep_alive(
+        self,
+        stub: Any,
+        lease_id: str,
+        waiting: Awaitable[T],
+        give_back: Callable[[T], object] | None = None,
+    ) -> T:
         task = asyncio.ensure_future(waiting)
         try:
             await self._extend(stub, lease_id)
             while not (await asyncio.wait({task}, timeout=self.lease_extend_ms / 3000))[0]:
                 await self._extend(stub, lease_id)
         except BaseException:
-            task.cancel()
+            task.cancel()  # a no-op once it finished
+            finished = task.done() and not task.cancelled() and task.exception() is None
+            if give_back is not None and finished:
+                give_back(task.result())
             raise
         return task.result()
 
@@ -303,13 +319,9 @@ class KVTransferSink:
         whether it waited."""
         queued = self._slots.locked()
         if queued:
-            acquire = asyncio.ensure_future(self._slots.acquire())
-            try:
-                await self._keep_alive(stub, lease_id, acquire)
-            except BaseException:
-                if acquire.done() and not acquire.cancelled() and acquire.exception() is None:
-                    self._slots.release()
-                raise
+            await self._keep_alive(
+                stub, lease_id, self._slots.acquire(), lambda _: self._slots.release()
+            )
         else:
             await self._slots.acquire()
         try:

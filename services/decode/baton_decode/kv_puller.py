@@ -195,7 +195,10 @@ class KVPuller:
             rows = await staging.acquire(len(remote_ids))
         else:  # wait for room, the lease kept alive meanwhile
             rows = await self.sink.hold(
-                handle.transfer_endpoint, handle.lease_id, staging.acquire(len(remote_ids))
+                handle.transfer_endpoint,
+                handle.lease_id,
+                staging.acquire(len(remote_ids)),
+                give_back=staging.release,
             )
         try:
             result = await self.sink.pull(
