@@ -212,6 +212,7 @@ def stacks(model: str, rows: int, best: dict[str, tuple[int, int, int, int]]) ->
     # first weight slice read before the wait; each graph's own output against the first's
     variants = [("no PDL", False, False), ("PDL", True, False), ("PDL + prefetch", True, True)]
     first: torch.Tensor | None = None
+    saved = common.PDL, gemv_mod.PREFETCH
     for name, pdl, prefetch in variants:
         common.PDL, gemv_mod.PREFETCH = pdl, prefetch
         outs: list[torch.Tensor] = []
@@ -220,7 +221,7 @@ def stacks(model: str, rows: int, best: dict[str, tuple[int, int, int, int]]) ->
         first = outs[0] if first is None else first
         print(f"  fused gemv, choose_config, {name:15s} {t:8.1f} us "
               f"({gb / (t * 1e-6):.0f} GB/s){same}", flush=True)  # fmt: skip
-    common.PDL, gemv_mod.PREFETCH = True, True
+    common.PDL, gemv_mod.PREFETCH = saved
     weights.clear()
     torch.cuda.empty_cache()
 

@@ -23,9 +23,11 @@ MAX_HEAD_DIM = 256
 # (``gemv``, the rotary + K/V write, ``decode_attention``, RMSNorm, SiLU-and-multiply) are
 # launched so that each may start while the kernel before it drains, and wait
 # (``griddepcontrol.wait``) before they read anything it wrote. ``BATON_PDL=0`` turns it off.
-# (Triton 3.4 and later have the instructions and the launch option.)
-PDL = os.environ.get("BATON_PDL", "1") != "0" and hasattr(
-    getattr(tl.extra, "cuda", None), "gdc_wait"
+# (Triton 3.4 and later have the instructions and the launch option; its interpreter has neither.)
+PDL = (
+    os.environ.get("BATON_PDL", "1") != "0"
+    and os.environ.get("TRITON_INTERPRET") != "1"
+    and hasattr(getattr(tl.extra, "cuda", None), "gdc_wait")
 )
 
 
@@ -35,13 +37,12 @@ def _capability_major(device_index: int | None) -> int:
 
 
 def pdl_launch(device: torch.device) -> dict[str, bool]:
-    """Launch options of a kernel whose ``PDL`` constexpr waits for the previous grid before
-    its first dependent read: ``{"launch_pdl": True}`` on a CUDA device that supports it (and
-    with ``PDL`` on), else ``{}`` (the interpreter and older GPUs launch as usual)."""
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"  # no griddepcontrol there
-    if PDL and device.type == "cuda" and not interpreted and _capability_major(device.index) >= 9:
-        return {"launch_pdl": True}
-    return {}
+    """Launch arguments for a kernel with a ``PDL`` constexpr that waits for the previous grid
+    before its first dependent read: ``PDL`` and ``launch_pdl`` on a CUDA device that supports
+    it (with ``PDL`` on), else ``PDL=False`` alone (older GPUs launch as usual)."""
+    if PDL and device.type == "cuda" and _capability_major(device.index) >= 9:
+        return {"PDL": True, "launch_pdl": True}
+    return {"PDL": False}
 
 
 @triton.jit

@@ -370,7 +370,6 @@ def decode_attention(
         DOT_PREC=dot_precision(query.dtype),
         FUSE_REDUCE=fuse_reduce,
         BLOCK_S=next_pow2(num_splits),
-        PDL=bool(pdl),
         num_warps=num_warps,
         num_stages=num_stages,
         **pdl,

@@ -279,7 +279,6 @@ def _launch_rotary(
         BLOCK_HQ=block_hq,
         BLOCK_HK=block_hk,
         WRITE_KV=write is not None,
-        PDL=bool(pdl),
         num_warps=_num_warps(2 * block_half * max(block_hq, block_hk)),
         **pdl,
     )
@@ -349,7 +348,6 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
         *x.stride(),
         *out.stride(),
         BLOCK=block,
-        PDL=bool(pdl),
         num_warps=_num_warps(block),
         **pdl,
     )
@@ -444,7 +442,6 @@ def _launch_norm(
         *out.stride(),
         BLOCK=block,
         HAS_RESIDUAL=residual is not None,
-        PDL=bool(pdl),
         num_warps=_num_warps(block),
         **pdl,
     )
