@@ -77,3 +77,50 @@ def greedy_tokens(
         return [list(o.outputs[0].token_ids) for o in outs]
     finally:
         llm.shutdown()
+
+
+def helper_dies_mid_step(model_dir: Path, **engine_args: Any) -> tuple[str, float, float]:
+    """Run two prompts on a two-rank engine (float32) and, while rank 0 steps, stop rank 1
+    (so that rank 0 waits for it in a collective) and kill it 0.5 s later. Returns the error
+    the steps raised, the seconds from the kill to that error and the seconds the engine's
+    shutdown took; raises AssertionError if the steps finished or kept going for 60 s."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from baton import LLM, SamplingParams
+
+    llm = LLM(str(model_dir), dtype="float32", max_model_len=512, tensor_parallel_size=2,
+              **engine_args)  # fmt: skip
+    core = llm.engine.core
+    pid = core._tp._procs[0].pid
+    killed_at: list[float] = []
+
+    def stop_then_kill() -> None:
+        os.kill(pid, signal.SIGSTOP)
+        time.sleep(0.5)
+        killed_at.append(time.monotonic())
+        os.kill(pid, signal.SIGKILL)
+
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+        for i, prompt in enumerate([[10 + j for j in range(n)] for n in (5, 23)]):
+            core.add_request(f"r{i}", prompt, params)
+        for _ in range(5):
+            core.step()
+        threading.Timer(0.2, stop_then_kill).start()
+        deadline = time.monotonic() + 60
+        try:
+            while time.monotonic() < deadline:
+                assert core.has_unfinished_requests(), "the steps finished before the kill"
+                core.step()
+        except RuntimeError as e:
+            error, failed_at = str(e), time.monotonic()
+        else:
+            raise AssertionError("the steps went on for 60 s after the kill")
+    finally:
+        start = time.monotonic()
+        llm.shutdown()
+        shutdown_s = time.monotonic() - start
+    return error, failed_at - killed_at[0], shutdown_s

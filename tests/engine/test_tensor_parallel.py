@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import build_model, greedy_tokens
+from tiny_models import build_model, greedy_tokens, helper_dies_mid_step
 
 from baton import LLM, SamplingParams
 from baton_engine.config import EngineConfig
@@ -63,6 +63,18 @@ def test_a_dead_helper_rank_fails_the_engine_fast(default_model_dir: Path, tmp_p
         assert time.monotonic() - start < 10
     finally:
         llm.shutdown()
+
+
+def test_a_helper_rank_that_dies_inside_a_collective_fails_the_engine_fast(
+    default_model_dir: Path, tmp_path: Path
+) -> None:
+    """Rank 0 waiting in a collective for a helper that then dies gets a clear error, not a
+    hang, and the engine still shuts down."""
+    build_model("llama", default_model_dir, tmp_path)
+    error, after_kill_s, shutdown_s = helper_dies_mid_step(tmp_path, kv_cache_memory=1 << 24)
+    assert "tensor-parallel rank 1 is gone" in error
+    assert after_kill_s < 10
+    assert shutdown_s < 40
 
 
 def test_a_split_decode_engine_continues_from_a_whole_prefill_engines_kv(

@@ -14,9 +14,11 @@ from __future__ import annotations
 import datetime
 import logging
 import multiprocessing as mp
+import multiprocessing.connection as mp_connection
 import os
 import socket
 import threading
+import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -190,6 +192,13 @@ class TensorParallelHelpers:
             self._conns.append(parent)
             self._procs.append(proc)
         init_group(0, size, port, device_for(config.device, 0, size))
+        # A helper that dies leaves rank 0's kernels waiting in a collective (NCCL cannot tell;
+        # on GPUs they are often inside a CUDA graph, where no timeout applies): the watcher
+        # aborts the group, which ends them, and check() fails the step that waited.
+        self._left = False
+        self._woken, self._wake = mp.Pipe(duplex=False)
+        self._watcher = threading.Thread(target=self._watch, name="baton-tp-watch", daemon=True)
+        self._watcher.start()
 
     def wait_ready(self) -> None:
         """After rank 0 built its runner: every helper has built its own."""
@@ -211,15 +220,45 @@ class TensorParallelHelpers:
         self._send(GatherKV(block_ids))
 
     def _send(self, message: Any) -> None:
+        self.check()
         for rank, conn in enumerate(self._conns, start=1):
             try:
                 conn.send(message)
             except (BrokenPipeError, ConnectionResetError, EOFError) as e:
                 raise RuntimeError(f"tensor-parallel rank {rank} is gone") from e
 
+    def check(self, grace_s: float = 0.0) -> None:
+        """Raise if a helper has exited, waiting up to ``grace_s`` for one to be seen gone
+        (a collective can fail a moment before its peer's exit is reaped)."""
+        deadline = time.monotonic() + grace_s
+        while True:
+            for rank, proc in enumerate(self._procs, start=1):
+                if proc.exitcode is not None:
+                    raise RuntimeError(
+                        f"tensor-parallel rank {rank} is gone (exit code {proc.exitcode})"
+                    )
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(0.01)
+
+    def _watch(self) -> None:
+        sentinels = {proc.sentinel: rank for rank, proc in enumerate(self._procs, start=1)}
+        ready = mp_connection.wait([*sentinels, self._woken])
+        gone = sorted(sentinels[s] for s in ready if s in sentinels)
+        if not gone:  # close() woke us: the helpers are being stopped
+            return
+        logger.error("tensor-parallel rank %d exited; the engine cannot step any more", gone[0])
+        if dist.is_initialized() and dist.get_backend() == "nccl":  # (gloo's peers notice)
+            self._left = True
+            _leave_group(clean=False)
+
     def close(self) -> None:
         """Stop the helpers: each leaves the group as it stops, and rank 0 (its graphs
         released) leaves with them."""
+        self._wake.send(None)  # (the watcher may be gone: the pipe's reader lives on)
+        self._watcher.join()
+        self._wake.close()
+        self._woken.close()
         clean = all(proc.is_alive() for proc in self._procs)
         for conn in self._conns:
             try:
@@ -227,7 +266,8 @@ class TensorParallelHelpers:
             except OSError:
                 clean = False
             conn.close()
-        _leave_group(clean)
+        if not self._left:
+            _leave_group(clean)
         for proc in self._procs:
             proc.join(10)
             if proc.is_alive():

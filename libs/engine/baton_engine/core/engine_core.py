@@ -3,10 +3,11 @@ out; no tokenizer, no text."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -261,6 +262,8 @@ class EngineCore:
             self.shutdown()
             raise
         self.runner = setup.runner
+        if self._tp is not None:
+            self.runner.check_ranks = self._tp.check
         self.model_dir = setup.model_dir
         self.model_config = setup.model_config
         self.max_model_len = setup.max_model_len
@@ -378,12 +381,12 @@ class EngineCore:
         taking its heads. Between steps, on the thread that steps; ``blocks`` may be reused
         once this returns."""
         blocks = blocks.to(self.runner.device)
-        if self._tp is not None:
-            self._tp.send_kv_blocks(list(block_ids), blocks)
-            distributed.broadcast(blocks)
-        self.runner.load_kv_blocks(block_ids, blocks)
-        if self.runner.device.type == "cuda":
-            torch.cuda.synchronize(self.runner.device)
+        with self._ranks_checked():
+            if self._tp is not None:
+                self._tp.send_kv_blocks(list(block_ids), blocks)
+                distributed.broadcast(blocks)
+            self.runner.load_kv_blocks(block_ids, blocks)
+            self.runner.synchronize()
 
     @property
     def whole_block_shape(self) -> tuple[int, ...]:
@@ -441,13 +444,13 @@ class EngineCore:
             export.held[out.req_id] = mine
             outputs.append(out._replace(kv_block_ids=mine))
         if block_ids:
-            self._tp.send_gather_kv(block_ids)
-            parts = distributed.gather(self.runner.read_kv_blocks(block_ids))
-            assert parts is not None
-            index = torch.tensor(rows, dtype=torch.long, device=export.pool.device)
-            export.pool.index_copy_(0, index, torch.cat(parts, dim=4))
-            if export.pool.device.type == "cuda":
-                torch.cuda.synchronize(export.pool.device)  # peers read the rows once we answer
+            with self._ranks_checked():
+                self._tp.send_gather_kv(block_ids)
+                parts = distributed.gather(self.runner.read_kv_blocks(block_ids))
+                assert parts is not None
+                index = torch.tensor(rows, dtype=torch.long, device=export.pool.device)
+                export.pool.index_copy_(0, index, torch.cat(parts, dim=4))
+                self.runner.synchronize()  # peers read the rows once we answer
         return outputs
 
     def release_held(self, req_id: str) -> bool:
@@ -510,21 +513,36 @@ class EngineCore:
         tokens on the host (penalties, logprobs) waits for them before it is launched."""
         so = self.scheduler.schedule()
         outputs: list[EngineCoreOutput] = []
-        if self._in_flight is not None and not self.runner.can_run_ahead(so):
-            outputs = self._finish_in_flight()
-        if self._tp is not None:
-            self._tp.step(so)
-        handle = self.runner.launch(so)
-        if self._in_flight is not None:
-            outputs = self._finish_in_flight()
-        self._in_flight = (so, handle)
-        if not self.async_scheduling or so.is_empty:
-            outputs += self._finish_in_flight()
+        with self._ranks_checked():
+            if self._in_flight is not None and not self.runner.can_run_ahead(so):
+                outputs = self._finish_in_flight()
+            if self._tp is not None:
+                self._tp.step(so)
+            handle = self.runner.launch(so)
+            if self._in_flight is not None:
+                outputs = self._finish_in_flight()
+            self._in_flight = (so, handle)
+            if not self.async_scheduling or so.is_empty:
+                outputs += self._finish_in_flight()
         if self._export is not None:
             outputs = self._export_prefilled(outputs)
         if not self.scheduler.has_unfinished_requests() and not self.scheduler.num_loading:
             self.check_invariants(full=None)  # idle: it catches leaks early
         return outputs
+
+    @contextlib.contextmanager
+    def _ranks_checked(self) -> Iterator[None]:
+        """Work with collectives inside: when a tensor-parallel rank is gone, a collective may
+        fail (gloo) or end early with garbage (NCCL, aborted): either way, the error names
+        the rank, and nothing computed with it comes out."""
+        try:
+            yield
+        except Exception:
+            if self._tp is not None:
+                self._tp.check(grace_s=1.0)
+            raise
+        if self._tp is not None:
+            self._tp.check()
 
     def _finish_in_flight(self) -> list[EngineCoreOutput]:
         assert self._in_flight is not None

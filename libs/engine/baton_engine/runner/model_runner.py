@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 import torch
@@ -36,6 +37,8 @@ GEMV_MAX_HIDDEN = 2048
 # launch fitted to one row) was slower than cuBLAS: Qwen batch 4 2,609 against 3,758 tok/s
 # (benchmarks/device/ab_gemv_rows.sh).
 GEMV_ROWS = 1
+# How often a wait for the device checks that the tensor-parallel ranks are alive.
+_POLL_S = 50e-6
 
 
 def _host_free(state: CachedRequestState) -> bool:
@@ -73,6 +76,9 @@ class ModelRunner:
         model_config = shard_config(model_config, tp_size)
         self.model_config = model_config
         self.tp_rank, self.tp_size = tp_rank, tp_size
+        # Tensor parallelism, rank 0: raises once a helper rank is gone. Waits for the device
+        # then poll and call it, since a collective waiting for a dead rank never completes.
+        self.check_ranks: Callable[[], None] | None = None
         self.dtype = dtype
         self.device = torch.device(device)
         self.block_size = block_size
@@ -269,8 +275,15 @@ class ModelRunner:
         for graphs in (self.graphs, self.pieces):
             if graphs is not None:
                 graphs.release()
+        with contextlib.suppress(RuntimeError):  # a rank is gone: its collectives never end
+            self.synchronize()
+
+    def synchronize(self) -> None:
+        """Wait for the work queued on the device (``check_ranks`` permitting)."""
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record()
+            wait_for(event, self.check_ranks)
 
     @torch.inference_mode()
     def profile_peak_bytes(self) -> int:
@@ -422,7 +435,12 @@ class ModelRunner:
         self._last_sampled = token_ids
         self._last_sampled_reqs = sampled_reqs
         return StepHandle(
-            self.batch, sampled_reqs, self._to_host(token_ids), logprobs, prompt_logprobs
+            self.batch,
+            sampled_reqs,
+            self._to_host(token_ids),
+            logprobs,
+            prompt_logprobs,
+            self.check_ranks,
         )
 
     def _to_host(self, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
@@ -599,6 +617,16 @@ class ModelRunner:
         )
 
 
+def wait_for(event: torch.cuda.Event, check: Callable[[], None] | None) -> None:
+    """``event.synchronize()``; with ``check``, a poll that calls it until the event is done."""
+    if check is None:
+        event.synchronize()
+        return
+    while not event.query():  # type: ignore[no-untyped-call]
+        check()
+        time.sleep(_POLL_S)
+
+
 class StepHandle:
     """A launched step. ``result()`` waits for its sampled token ids, records them in the
     runner's request state (unless the request was dropped meanwhile) and returns the output."""
@@ -610,8 +638,10 @@ class StepHandle:
         host: tuple[torch.Tensor, torch.cuda.Event | None],
         logprobs: dict[str, TokenLogprobs],
         prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]],
+        check_ranks: Callable[[], None] | None = None,
     ) -> None:
         self._batch = batch
+        self._check_ranks = check_ranks
         self._reqs = sampled_reqs
         self._host = host
         self._logprobs = logprobs
@@ -629,7 +659,7 @@ class StepHandle:
             return self._output
         ids, event = self._host
         if event is not None:
-            event.synchronize()
+            wait_for(event, self._check_ranks)
         token_ids = ids.tolist()
         reqs = self._reqs
         live = self._batch.requests
