@@ -135,6 +135,40 @@ def test_tensor_parallel_serve_answers_as_one_process(
     assert not any(p.is_running() for p in helpers)
 
 
+def test_a_dead_helper_rank_stops_its_worker_and_serve_restarts_it(
+    serve_launcher: Any, default_model_dir: Path, tmp_path: Path
+) -> None:
+    """A tensor-parallel helper rank that dies ends its worker at once, with status 1 (its
+    engine cannot step any more); ``baton serve`` restarts the worker, which then answers with
+    the offline engine's text again."""
+    prompt, want = _tiny_model_text("llama", 37, default_model_dir, tmp_path)
+    server = serve_launcher.start([str(tmp_path), "-tp", "2", "--dtype", "float32"])
+    body = {"prompt": prompt, "max_tokens": 10, "temperature": 0.0, "ignore_eos": True}
+    try:
+        decode = _services(server)["decode"]
+        (helper,) = _helpers(decode)
+        helper.kill()
+        deadline = time.monotonic() + 120
+        while "decode exited with status 1" not in server.output(200):
+            assert time.monotonic() < deadline, server.output()
+            time.sleep(0.1)
+        while True:  # the restarted worker serves again
+            resp = httpx.post(f"{server.base_url}/completions", json=body, timeout=60)
+            if resp.status_code == 200:
+                break
+            assert time.monotonic() < deadline, resp.text
+            time.sleep(0.5)
+        assert resp.json()["choices"][0]["text"] == want
+        restarted = _services(server)["decode"]
+        assert restarted.pid != decode.pid
+        helpers = _helpers(restarted)
+        assert len(helpers) == 1
+    finally:
+        _, survivors = serve_launcher.stop(server, signal.SIGTERM)
+    assert not survivors, f"left behind: {survivors}"
+    assert not any(p.is_running() for p in [decode, helper, *helpers])
+
+
 @pytest.mark.parametrize(
     ("transfer", "tp_args", "ranks"),
     [

@@ -19,6 +19,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -196,6 +197,8 @@ class TensorParallelHelpers:
         # on GPUs they are often inside a CUDA graph, where no timeout applies): the watcher
         # aborts the group, which ends them, and check() fails the step that waited.
         self._left = False
+        self._gone: int | None = None  # the rank the watcher saw exit
+        self.on_gone: Callable[[], None] | None = None  # called by the watcher, if set
         self._woken, self._wake = mp.Pipe(duplex=False)
         self._watcher = threading.Thread(target=self._watch, name="baton-tp-watch", daemon=True)
         self._watcher.start()
@@ -233,7 +236,7 @@ class TensorParallelHelpers:
         deadline = time.monotonic() + grace_s
         while True:
             for rank, proc in enumerate(self._procs, start=1):
-                if proc.exitcode is not None:
+                if rank == self._gone or proc.exitcode is not None:
                     raise RuntimeError(
                         f"tensor-parallel rank {rank} is gone (exit code {proc.exitcode})"
                     )
@@ -247,7 +250,12 @@ class TensorParallelHelpers:
         gone = sorted(sentinels[s] for s in ready if s in sentinels)
         if not gone:  # close() woke us: the helpers are being stopped
             return
+        # Its sentinel closes as it exits, a moment before it can be reaped (exitcode).
+        self._procs[gone[0] - 1].join(1.0)
+        self._gone = gone[0]
         logger.error("tensor-parallel rank %d exited; the engine cannot step any more", gone[0])
+        if self.on_gone is not None:
+            self.on_gone()
         if dist.is_initialized() and dist.get_backend() == "nccl":  # (gloo's peers notice)
             self._left = True
             _leave_group(clean=False)

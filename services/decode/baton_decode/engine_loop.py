@@ -91,7 +91,12 @@ class _Stop:
     pass
 
 
-_Command = _Add | _Abort | _ReleaseHeld | _LoadDone | _Stop
+@dataclass(frozen=True)
+class _Wake:
+    """Nothing to do: the loop only checks that its engine is alive."""
+
+
+_Command = _Add | _Abort | _ReleaseHeld | _LoadDone | _Stop | _Wake
 
 
 class EngineThread:
@@ -235,6 +240,8 @@ class EngineLoop:
     # --- asyncio side --------------------------------------------------------------------------
 
     def start(self) -> None:
+        # A tensor-parallel rank that exits ends the engine now, not at the next request.
+        self.core.on_rank_gone(lambda: self._commands.put(_Wake()))
         if self._engine_thread is not None:
             self._engine_thread.run(self._run)
         else:
@@ -406,6 +413,7 @@ class EngineLoop:
                 commands = self._take_commands()
                 if any(isinstance(c, _Stop) for c in commands):
                     return
+                self.core.check_alive()
                 errors: list[tuple[str, BatonError]] = []
                 for command in commands:
                     self._apply(command, errors)

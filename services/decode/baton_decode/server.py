@@ -11,7 +11,8 @@ bounding how long a request can sit in the queue.
 Shutdown (SIGTERM or SIGINT): health turns NOT_SERVING and new requests (``Generate`` calls,
 or requests sent on a ``GenerateStream`` call) get UNAVAILABLE; in-flight requests get
 ``shutdown_grace_s`` to finish (a second signal cuts that short); the rest end with finish
-reason ABORT; then the server stops and ``serve`` returns 0.
+reason ABORT; then the server stops and ``serve`` returns 0. A dead engine stops the worker the
+same way, and ``serve`` returns 1.
 """
 
 from __future__ import annotations
@@ -515,12 +516,22 @@ async def _serve(
     background: set[asyncio.Task[None]] = set()  # keeps fire-and-forget tasks alive
     service_name = SERVICE_NAME if config.role == "decode" else PREFILL_SERVICE_NAME
 
+    stop, force = asyncio.Event(), asyncio.Event()
+    died = False
+
     def on_dead() -> None:
+        # The engine cannot come back (a failed device, a tensor-parallel rank gone): its
+        # requests have failed; the worker stops with status 1, for its supervisor (baton serve,
+        # a container runtime) to restart it, as vLLM's server exits when its engine dies.
+        nonlocal died
+        died = True
+        logger.error("the engine is dead; the worker stops")
         for service in ("", service_name):
             not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
             task = loop.create_task(health.set(service, not_serving))
             background.add(task)
             task.add_done_callback(background.discard)
+        stop.set()
 
     # Without SO_REUSEPORT off, a second worker on the same port would silently share it.
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
@@ -543,8 +554,6 @@ async def _serve(
     )
     role.build(engine, server)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
-
-    stop, force = asyncio.Event(), asyncio.Event()
 
     def on_signal() -> None:
         (force if stop.is_set() else stop).set()
@@ -580,7 +589,7 @@ async def _serve(
         httpd.shutdown()
         httpd.server_close()
     logger.info("%s worker stopped", config.role)
-    return 0
+    return 1 if died else 0
 
 
 def _registration(address: str, role: _Role, engine: EngineLoop) -> WorkerRegistration:

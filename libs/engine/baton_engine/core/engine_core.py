@@ -7,7 +7,7 @@ import contextlib
 import gc
 import logging
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -303,6 +303,17 @@ class EngineCore:
                 runner.release_graphs()
             self._tp.close()
             self._tp = None
+
+    def check_alive(self) -> None:
+        """Raise if the engine cannot step any more: a tensor-parallel rank is gone."""
+        if self._tp is not None:
+            self._tp.check()
+
+    def on_rank_gone(self, callback: Callable[[], None]) -> None:
+        """Have ``callback`` called, on another thread, when a tensor-parallel rank exits
+        (never with one rank)."""
+        if self._tp is not None:
+            self._tp.on_gone = callback
 
     # --- requests ------------------------------------------------------------------------------
 
