@@ -214,3 +214,29 @@ def test_tensor_parallel_disaggregation_on_gpus(
         pulled = _pulled_blocks(base)
     assert got == aggregated_texts
     assert pulled >= sum(n // 16 for n in _TP_PROMPT_LENS), "the KV was not pulled"
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_a_dead_helper_rank_on_gpus_restarts_its_worker(
+    tiny_llama: str, aggregated_texts: list[str], tmp_path: Path
+) -> None:
+    """The decode worker's helper rank (GPU 1) killed: the worker exits with status 1 at once,
+    ``baton serve`` restarts it on both GPUs, and it answers with the one-rank texts again."""
+    log = tmp_path / "serve.log"
+    args = ("--mode", "aggregated", "-tp", "2", *_TP_SERVE)
+    with _serve(log, *args, model_argv=[tiny_llama]) as (model, base, serve_pid):
+        decode = psutil.Process(_service_pid(serve_pid, "decode"))
+        (helper,) = [p for p in decode.children(recursive=True)
+                     if any("spawn_main" in a for a in p.cmdline())]  # fmt: skip
+        helper.kill()
+        deadline = time.monotonic() + _READY_TIMEOUT_S
+        while "decode exited with status 1" not in log.read_text(errors="replace"):
+            assert time.monotonic() < deadline, log.read_text()[-4000:]
+            time.sleep(0.2)
+        body = {"model": model, "prompt": [1, 2, 3], "max_tokens": 2}
+        while httpx.post(f"{base}/v1/completions", json=body, timeout=120).status_code != 200:
+            assert time.monotonic() < deadline, log.read_text()[-4000:]
+            time.sleep(0.5)  # the restarted worker is still loading
+        got = _complete(model, base, _tp_prompts())
+        assert _service_pid(serve_pid, "decode") != decode.pid
+    assert got == aggregated_texts
