@@ -78,7 +78,7 @@ def engine(model: Path, args: argparse.Namespace, **kw: Any) -> EngineCore:
         device=args.device,
         max_model_len=max(args.prompt_len + args.output_len + 16, 256),
         max_num_seqs=args.num_prompts,
-        max_num_batched_tokens=8192,
+        max_num_batched_tokens=getattr(args, "max_num_batched_tokens", None),
         # alone in its process, the server's default; else room for what an earlier engine in
         # this process may not have freed
         gpu_memory_utilization=0.9 if args.only_config else 0.6,
@@ -299,6 +299,8 @@ def run_isolated(name: str, max_seqs: int, async_mode: bool, args: argparse.Name
         ]  # fmt: skip
         if args.tiny:
             cmd.append("--tiny")
+        if args.max_num_batched_tokens is not None:
+            cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
         subprocess.run(cmd, check=True)
         child = json.loads(out.read_text())
     RESULTS["throughput"] += child["throughput"]
@@ -430,6 +432,9 @@ def main() -> int:
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--batches", default="64,0,1", help="max_num_seqs values (0: all prompts)")
+    p.add_argument(
+        "--max-num-batched-tokens", type=int, help="the step budget (default: the engine's)"
+    )
     p.add_argument(
         "--compare-sync", default="", help="batches (as --batches) to run without async too"
     )
