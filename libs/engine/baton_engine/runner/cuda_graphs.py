@@ -79,12 +79,8 @@ class DecodeGraphs:
         device: torch.device,
         capture: bool,
         capture_sizes: Sequence[int] = DEFAULT_CAPTURE_SIZES,
-        greedy_head: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         self.forward = forward
-        # Hidden states -> greedy token ids (LM head and argmax), captured as a second graph
-        # per size: a batch that only takes the argmax replays it instead of launching both.
-        self.greedy_head = greedy_head
         self.device = device
         self.capture = capture
         self.max_blocks_per_req = max_blocks_per_req
@@ -102,9 +98,6 @@ class DecodeGraphs:
         self._metadata = {b: self._metadata_for(b) for b in self.sizes}
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
-        self._head_graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._head_outputs: dict[int, torch.Tensor] = {}
-        self._last_size = 0  # the padded size of the last step run
         self.num_steps: dict[int, int] = {}  # padded size -> decode steps run at it
 
     def _metadata_for(self, b: int) -> AttentionMetadata:
@@ -145,12 +138,6 @@ class DecodeGraphs:
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
                     out = self.forward(self.input_ids[:b], self.positions[:b], md)
                 self._graphs[b], self._outputs[b] = graph, out
-                if self.greedy_head is not None:
-                    self.greedy_head(out)  # warm up
-                    head = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(head, pool=pool, stream=stream):
-                        ids = self.greedy_head(out)
-                    self._head_graphs[b], self._head_outputs[b] = head, ids
 
         _on_side_stream(capture)
         logger.info(
@@ -163,12 +150,10 @@ class DecodeGraphs:
 
     def release(self) -> None:
         """Destroy the captured graphs (steps then run eagerly through the same buffers)."""
-        for graph in [*self._graphs.values(), *self._head_graphs.values()]:
+        for graph in self._graphs.values():
             graph.reset()
         self._graphs.clear()
         self._outputs.clear()
-        self._head_graphs.clear()
-        self._head_outputs.clear()
 
     @torch.inference_mode()
     def run(
@@ -204,21 +189,11 @@ class DecodeGraphs:
         self.block_tables[:n, :num_blocks].copy_(host(block_tables), non_blocking=True)
         if patch is not None:
             patch(self.input_ids[:n])
-        self._last_size = b
         graph = self._graphs.get(b)
         if graph is None:  # not captured (eager mode, CPU tests)
             return self.forward(self.input_ids[:b], self.positions[:b], self._metadata[b])[:n]
         graph.replay()
         return self._outputs[b][:n]
-
-    def greedy_ids(self, n: int) -> torch.Tensor | None:
-        """The greedy token ids ``[n]`` of the step just run, from its size's head graph; None
-        without one (eager, or no ``greedy_head``)."""
-        head = self._head_graphs.get(self._last_size)
-        if head is None:
-            return None
-        head.replay()
-        return self._head_outputs[self._last_size][:n]
 
 
 class PieceModel(Protocol):

@@ -246,7 +246,6 @@ class ModelRunner:
             max_blocks_per_req=-(self.max_model_len // -self.block_size),
             device=self.device,
             capture=capture,
-            greedy_head=lambda hidden: fused.argmax(self.model.compute_logits(hidden)),
         )
         self.graphs.capture_all()
         return True
@@ -384,7 +383,6 @@ class ModelRunner:
         reqs = [states[r] for r in order]
         num_new = [num_sched[r] for r in order]
         graphs = self.graphs
-        greedy_ids: torch.Tensor | None = None  # from the decode graph's head graph
         prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = {}
         wants_prompt_logprobs = any(s.wants_prompt_logprobs for s in reqs)
         if (
@@ -394,12 +392,9 @@ class ModelRunner:
             and not wants_prompt_logprobs
         ):
             hidden, sample_rows = self._run_decode_graph(graphs, reqs)
-            if len(sample_rows) == len(reqs) and self._greedy_only(reqs):
-                greedy_ids = graphs.greedy_ids(len(reqs))
-            if greedy_ids is None:
-                if len(sample_rows) < len(reqs):
-                    hidden = hidden[self.staging.to_device(sample_rows, torch.long)]
-                logits = self.model.compute_logits(hidden)
+            if len(sample_rows) < len(reqs):
+                hidden = hidden[self.staging.to_device(sample_rows, torch.long)]
+            logits = self.model.compute_logits(hidden)
         else:
             input_ids, positions, metadata, sample_rows = self._prepare_inputs(reqs, num_new)
             pieces = self.pieces
@@ -419,9 +414,7 @@ class ModelRunner:
         for state in sampled_reqs:
             state.num_pending += 1
         logprobs: dict[str, TokenLogprobs] = {}
-        if greedy_ids is not None:
-            token_ids = greedy_ids
-        elif self._greedy_only(sampled_reqs):
+        if not self.batch.num_not_plain_greedy or all(_plain_greedy(s) for s in sampled_reqs):
             # Nothing to process or report: the argmax alone (what the sampler would return).
             token_ids = fused.argmax(logits)
         else:
@@ -449,10 +442,6 @@ class ModelRunner:
             prompt_logprobs,
             self.check_ranks,
         )
-
-    def _greedy_only(self, sampled_reqs: list[CachedRequestState]) -> bool:
-        """Every request takes the argmax of its logits, with nothing to process or report."""
-        return not self.batch.num_not_plain_greedy or all(_plain_greedy(s) for s in sampled_reqs)
 
     def _to_host(self, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """Start copying the sampled ids to the host (pinned, alternating between two buffers:
