@@ -11,8 +11,8 @@ from baton_engine.config import EngineConfig
 _HELP = {
     "max_model_len": "context length (prompt + output); default: the model's, at most 8192",
     "max_num_seqs": "most requests running at once",
-    "max_num_batched_tokens": "token budget of one engine step (default: 8192 offline; "
-    "512 serving on CPU, 2048 on GPU)",
+    "max_num_batched_tokens": "token budget of one engine step (default: 8192 offline, 16384 "
+    "on GPUs of >= 70 GiB but the A100; 512 serving on CPU, 2048 on GPU)",
     "long_prefill_token_threshold": "chunk prompts longer than this (0: no limit)",
     "block_size": "tokens per KV cache block",
     "enable_prefix_caching": "reuse KV blocks across requests with equal prefixes",
