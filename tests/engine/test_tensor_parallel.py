@@ -3,6 +3,9 @@ the same model generates in one process."""
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -63,6 +66,50 @@ def test_a_dead_helper_rank_fails_the_engine_fast(default_model_dir: Path, tmp_p
         assert time.monotonic() - start < 10
     finally:
         llm.shutdown()
+
+
+def _spawned_children() -> list[int]:
+    """The pids of this process's children started by multiprocessing's spawn."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if ppid == os.getpid() and b"spawn_main" in (entry / "cmdline").read_bytes():
+                pids.append(int(entry.name))
+        except (ValueError, OSError):  # not a process, or gone
+            continue
+    return pids
+
+
+def test_a_helper_rank_that_dies_at_start_up_fails_the_start_fast(
+    default_model_dir: Path, tmp_path: Path
+) -> None:
+    """A helper that dies before it joins the group (killed here as soon as it exists) fails
+    the engine's start with an error naming it, instead of leaving rank 0 in the group's
+    rendezvous until its timeout; no process is left behind."""
+    build_model("llama", default_model_dir, tmp_path)
+    killed_at: list[float] = []
+
+    def kill_the_helper() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not killed_at:
+            for pid in _spawned_children():
+                os.kill(pid, signal.SIGKILL)
+                killed_at.append(time.monotonic())
+            time.sleep(0.005)
+
+    killer = threading.Thread(target=kill_the_helper)
+    killer.start()
+    try:
+        with pytest.raises(RuntimeError, match="tensor-parallel rank 1 is gone") as e:
+            LLM(str(tmp_path), dtype="float32", max_model_len=256, kv_cache_memory=1 << 24,
+                tensor_parallel_size=2)  # fmt: skip
+        failed_at = time.monotonic()
+    finally:
+        killer.join()
+    assert killed_at, "no helper process was seen"
+    assert failed_at - killed_at[0] < 10, str(e.value)
+    assert not _spawned_children()
 
 
 def test_a_helper_rank_that_dies_inside_a_collective_fails_the_engine_fast(

@@ -16,7 +16,6 @@ import logging
 import multiprocessing as mp
 import multiprocessing.connection as mp_connection
 import os
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -43,8 +42,8 @@ def device_for(device: str, rank: int, size: int) -> str:
     return device
 
 
-def init_group(rank: int, size: int, port: int, device: str) -> None:
-    """Join the tensor-parallel group (NCCL on GPUs, gloo on CPUs) over loopback."""
+def init_group(rank: int, size: int, store: Any, device: str) -> None:
+    """Join the tensor-parallel group (NCCL on GPUs, gloo on CPUs) through rank 0's ``store``."""
     global _group
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
@@ -53,7 +52,7 @@ def init_group(rank: int, size: int, port: int, device: str) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
     dist.init_process_group(
         "nccl" if device.startswith("cuda") else "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
+        store=store,
         rank=rank,
         world_size=size,
         timeout=_TIMEOUT,
@@ -92,10 +91,8 @@ def all_min(value: int, device: str) -> int:
     return int(t.item())
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _joined_key(rank: int) -> str:
+    return f"baton/tp/joined/{rank}"
 
 
 @dataclass(frozen=True)
@@ -146,7 +143,11 @@ def _helper_main(config: Any, rank: int, port: int, conn: Connection) -> None:
 
     logging.basicConfig(level=logging.WARNING)
     size = config.tensor_parallel_size
-    init_group(rank, size, port, device_for(config.device, rank, size))
+    store = dist.TCPStore(  # type: ignore[attr-defined]
+        "127.0.0.1", port, size, False, timeout=_TIMEOUT
+    )
+    store.set(_joined_key(rank), "1")  # rank 0 joins the group once every helper has come
+    init_group(rank, size, store, device_for(config.device, rank, size))
     runner = build_runner(config, rank).runner
     conn.send("ready")
     clean = False
@@ -177,14 +178,17 @@ class TensorParallelHelpers:
     def __init__(self, config: Any) -> None:
         size = config.tensor_parallel_size
         ctx = mp.get_context("spawn")
-        port = _free_port()
+        # Rank 0 holds the rendezvous store, on a port of its choosing.
+        store = dist.TCPStore(  # type: ignore[attr-defined]
+            "127.0.0.1", 0, size, True, timeout=_TIMEOUT, wait_for_workers=False
+        )
         self._conns: list[Connection] = []
         self._procs: list[Any] = []
         for rank in range(1, size):
             parent, child = ctx.Pipe()
             proc = ctx.Process(
                 target=_helper_main,
-                args=(config, rank, port, child),
+                args=(config, rank, store.port, child),
                 name=f"baton-tp-rank{rank}",
                 daemon=True,
             )
@@ -192,7 +196,6 @@ class TensorParallelHelpers:
             child.close()
             self._conns.append(parent)
             self._procs.append(proc)
-        init_group(0, size, port, device_for(config.device, 0, size))
         # A helper that dies leaves rank 0's kernels waiting in a collective (NCCL cannot tell;
         # on GPUs they are often inside a CUDA graph, where no timeout applies): the watcher
         # aborts the group, which ends them, and check() fails the step that waited.
@@ -202,11 +205,36 @@ class TensorParallelHelpers:
         self._woken, self._wake = mp.Pipe(duplex=False)
         self._watcher = threading.Thread(target=self._watch, name="baton-tp-watch", daemon=True)
         self._watcher.start()
+        try:
+            # Join the group only once every helper is in the store: a helper that dies
+            # before (a bad device, out of memory, killed) fails the start-up now, where
+            # the group's rendezvous would wait for it for _TIMEOUT.
+            joined = [_joined_key(rank) for rank in range(1, size)]
+            deadline = time.monotonic() + _START_TIMEOUT_S
+            while not store.check(joined):
+                self.check()
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the tensor-parallel ranks did not start")
+                time.sleep(0.02)
+            init_group(0, size, store, device_for(config.device, 0, size))
+        except BaseException:
+            self.close(kill=True)
+            raise
 
     def wait_ready(self) -> None:
         """After rank 0 built its runner: every helper has built its own."""
+        deadline = time.monotonic() + _START_TIMEOUT_S
         for rank, conn in enumerate(self._conns, start=1):
-            if not conn.poll(_START_TIMEOUT_S) or conn.recv() != "ready":
+            while not conn.poll(0.05):
+                self.check()
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"tensor-parallel rank {rank} did not start")
+            try:
+                message = conn.recv()
+            except EOFError:  # it died, closing its end of the pipe
+                self.check(grace_s=1.0)
+                message = None
+            if message != "ready":
                 raise RuntimeError(f"tensor-parallel rank {rank} did not start")
 
     def step(self, so: Any) -> None:
@@ -260,14 +288,17 @@ class TensorParallelHelpers:
             self._left = True
             _leave_group(clean=False)
 
-    def close(self) -> None:
+    def close(self, kill: bool = False) -> None:
         """Stop the helpers: each leaves the group as it stops, and rank 0 (its graphs
-        released) leaves with them."""
+        released) leaves with them; with ``kill`` (the start-up failed), at once."""
         self._wake.send(None)  # (the watcher may be gone: the pipe's reader lives on)
         self._watcher.join()
         self._wake.close()
         self._woken.close()
-        clean = all(proc.is_alive() for proc in self._procs)
+        if kill:
+            for proc in self._procs:
+                proc.kill()
+        clean = not kill and all(proc.is_alive() for proc in self._procs)
         for conn in self._conns:
             try:
                 conn.send(None)

@@ -6,11 +6,18 @@ server's startup or test waits for the compiler.
 ``load_cpu_ops()`` returns None when they cannot be built (or ``BATON_DISABLE_CPU_KERNELS=1``);
 callers then use the PyTorch reference. The build is specialised for this CPU (-march=native), so
 the module name carries a digest of the CPU's flags: a cache shared with another CPU model
-rebuilds instead of loading instructions this one lacks.
+rebuilds instead of loading instructions this one lacks. The digest covers the sources' folder
+too, so two checkouts on one machine keep a build each instead of rebuilding the other's.
+
+torch serialises builds with a lock file that a process killed mid-build leaves behind, after
+which every later load waits for it forever. Baton's processes take an ``flock`` (released by
+the kernel when its holder dies) around the load instead, so torch's lock found by the holder
+is stale and is removed.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
@@ -39,7 +46,8 @@ def _cpu_digest() -> str:
         flags = next((ln for ln in info.splitlines() if ln.startswith("flags")), "")
     except OSError:
         flags = ""
-    return hashlib.sha256((platform.machine() + flags).encode()).hexdigest()[:10]
+    key = platform.machine() + flags + str(_CSRC.resolve())
+    return hashlib.sha256(key.encode()).hexdigest()[:10]
 
 
 @cache
@@ -48,17 +56,24 @@ def load_cpu_ops() -> Any | None:
         return None
     start = time.perf_counter()
     try:
-        from torch.utils.cpp_extension import load
+        from torch.utils.cpp_extension import _get_build_directory, load
 
-        ops = load(
-            name=f"baton_cpu_ops_{_cpu_digest()}",
-            sources=[str(_CSRC / name) for name in _SOURCES],
-            # -fopenmp: at::parallel_for is inline and falls back to one thread without it.
-            # The module then needs libgomp.so.1, which resolves to the copy torch loaded.
-            extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
+        name = f"baton_cpu_ops_{_cpu_digest()}"
+        build_dir = Path(_get_build_directory(name, verbose=False))  # (made if missing)
+        with open(build_dir / "baton.lock", "w") as held:
+            fcntl.flock(held, fcntl.LOCK_EX)
+            (build_dir / "lock").unlink(missing_ok=True)  # torch's, left by a killed build
+            ops = load(
+                name=name,
+                sources=[str(_CSRC / source) for source in _SOURCES],
+                # -fopenmp: at::parallel_for is inline and falls back to one thread without
+                # it. The module then needs libgomp.so.1, which resolves to the copy torch
+                # loaded.
+                extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(build_dir),
+                verbose=False,
+            )
     except Exception as e:  # no compiler or ninja: fall back, do not fail the engine
         logger.warning("CPU kernels unavailable (%s); using the PyTorch reference", e)
         return None

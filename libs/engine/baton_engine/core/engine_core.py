@@ -255,7 +255,8 @@ class EngineCore:
             with gpu_lock.hold(_gpu_lock_keys(config)):
                 if config.tensor_parallel_size > 1:
                     self._tp = distributed.TensorParallelHelpers(config)
-                setup = build_runner(config)
+                with self._ranks_checked():  # (its collectives wait for every rank)
+                    setup = build_runner(config)
                 if self._tp is not None:
                     self._tp.wait_ready()
         except BaseException:
