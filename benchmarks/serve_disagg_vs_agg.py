@@ -227,8 +227,9 @@ def wait_ready(proc: subprocess.Popen[str], log: Path, timeout_s: float) -> dict
     raise SystemExit(f"baton serve not ready after {timeout_s:.0f} s; see {log}")
 
 
-def stop_stack(proc: subprocess.Popen[str]) -> None:
-    """SIGTERM to ``baton serve`` (it stops its children in order), then wait."""
+def stop_stack(proc: subprocess.Popen[Any]) -> None:
+    """SIGTERM to ``baton serve`` (it stops its children in order) or any server started in its
+    own session, then wait; SIGKILL after 90 s."""
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGTERM)
     try:

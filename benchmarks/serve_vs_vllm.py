@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import resource
-import signal
 import subprocess
 import sys
 import tempfile
@@ -34,6 +33,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from serve_disagg_vs_agg import stop_stack
 from serve_vs_offline import BATON, free_port
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -117,12 +117,7 @@ def run_one(args: argparse.Namespace, server_name: str, out: Path) -> dict[str, 
         result["client_cores"] = cpu_s / wall  # (over its whole run, start-up included)
         return result
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
+        stop_stack(server)
         log.close()
 
 
