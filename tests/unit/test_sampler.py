@@ -164,7 +164,9 @@ def test_logprobs_from_raw_logits(num: int) -> None:
     logits = _logits(5)
     params = [
         SamplingParams(temperature=0.0, logprobs=num),
-        SamplingParams(temperature=0.5, logprobs=num, repetition_penalty=1.8),
+        # a penalty that leaves its top 4 tokens no real chance (raw top logit ~9 -> ~2, against
+        # ~7.5 for the 5th), whatever the random draw
+        SamplingParams(temperature=0.5, logprobs=num, repetition_penalty=5.0),
         SamplingParams(temperature=2.0, frequency_penalty=2.0, presence_penalty=2.0),
         SamplingParams(temperature=1.0, top_k=3, logprobs=0),
         SamplingParams(temperature=1.0, min_p=0.2, logprobs=num),

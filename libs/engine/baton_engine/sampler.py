@@ -52,7 +52,7 @@ class SamplingMetadata:
     values: temperature 0 (greedy), top_k 0, top_p 1.0, min_p 0.0, penalties 1.0/0.0/0.0. The
     optional tensors are ``None`` when no row uses the feature, which skips its work entirely.
     ``generators`` maps a row to its request's own generator (seeded requests only); the
-    generator is advanced by ``V`` exponential draws on every non-greedy step of that row.
+    generator is advanced by ``V`` draws (``exponentials_``) on every non-greedy step of that row.
     """
 
     temperature: torch.Tensor
@@ -273,6 +273,17 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill_(probs < threshold, _NEG_INF)
 
 
+def exponentials_(q: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Fill ``q`` with Exp(1) draws, in place (from ``generator`` if given); returns it.
+
+    On CPUs as ``-log(U)`` with U uniform: the same distribution, but torch's own
+    ``exponential_`` is about 3.5x slower there (18 against 5 ms for 16 x 49,152 draws), which
+    added ~10 ms to every step that samples at a temperature. Elsewhere ``exponential_``."""
+    if q.device.type != "cpu":
+        return q.exponential_(generator=generator)
+    return q.uniform_(generator=generator).log_().neg_()
+
+
 def _exponential_race(
     probs: torch.Tensor, generators: Mapping[int, torch.Generator]
 ) -> torch.Tensor:
@@ -283,9 +294,9 @@ def _exponential_race(
     """
     q = torch.empty_like(probs)
     if len(generators) < probs.size(0):
-        q.exponential_()
+        exponentials_(q)
     for row, generator in generators.items():
-        q[row].exponential_(generator=generator)
+        exponentials_(q[row], generator)
     return probs.div_(q).argmax(dim=1)
 
 

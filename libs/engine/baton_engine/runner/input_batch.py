@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from baton_engine.core.outputs import SchedulerOutput
+from baton_engine.sampler import exponentials_
 from baton_engine.sampling_params import SamplingParams
 
 
@@ -96,7 +97,7 @@ class InputBatch:
                 # token is the one an uninterrupted run would sample.
                 scratch = torch.empty(self.vocab_size, device=self.device)
                 for _ in new.output_token_ids:
-                    scratch.exponential_(generator=generator)
+                    exponentials_(scratch, generator)
             state = CachedRequestState(
                 req_id=new.req_id,
                 prompt_token_ids=new.prompt_token_ids,
