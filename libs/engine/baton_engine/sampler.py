@@ -277,8 +277,9 @@ def exponentials_(q: torch.Tensor, generator: torch.Generator | None = None) -> 
     """Fill ``q`` with Exp(1) draws, in place (from ``generator`` if given); returns it.
 
     On CPUs as ``-log(U)`` with U uniform: the same distribution, but torch's own
-    ``exponential_`` is about 3.5x slower there (18 against 5 ms for 16 x 49,152 draws), which
-    added ~10 ms to every step that samples at a temperature. Elsewhere ``exponential_``."""
+    ``exponential_`` is about 5x slower there (17.2 against 3.2 ms for 16 x 49,152 draws,
+    ``benchmarks/bench_sampler.py``), which added ~14 ms to every step that samples at a
+    temperature. Elsewhere ``exponential_``."""
     if q.device.type != "cpu":
         return q.exponential_(generator=generator)
     return q.uniform_(generator=generator).log_().neg_()
