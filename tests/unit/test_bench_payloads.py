@@ -27,6 +27,11 @@ def test_payloads() -> None:
     body = build_payload(chat, SampleRequest("hi", 1, 7))
     assert body["messages"] == [{"role": "user", "content": "hi"}]
     assert body["max_completion_tokens"] == 7 and "ignore_eos" not in body
+    assert not {"top_p", "top_k", "min_p"} & body.keys()  # sent only when asked for
+    sampled = RequestConfig("u", "m", False, False, 1.0, temperature=1.0, top_p=0.9, top_k=50)
+    body = build_payload(sampled, SampleRequest("hi", 1, 7))
+    assert (body["temperature"], body["top_p"], body["top_k"]) == (1.0, 0.9, 50)
+    assert "min_p" not in body
 
 
 def test_arrival_gaps() -> None:

@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from baton_engine.sampler import Sampler, SamplingMetadata, apply_penalties
+from baton_engine.sampler import Sampler, SamplingMetadata, apply_penalties, apply_top_k_top_p
 from baton_engine.sampling_params import SamplingParams
 
 VOCAB = 1000
@@ -280,6 +280,35 @@ def test_top_p_allowed_set_and_tiny_p_is_argmax() -> None:
     assert _draws(row, SamplingParams(temperature=1.0, top_p=1e-6)) == {int(row.argmax())}
     # 1 - 1e-9 rounds to 1.0 in float32: without "keep at least one" every token would be cut.
     assert _draws(row, SamplingParams(temperature=1.0, top_p=1e-9), n=50) == {int(row.argmax())}
+
+
+def test_top_k_top_p_without_a_full_sort_masks_as_the_sort_does() -> None:
+    # On CPUs the nucleus is found in each row's topk of 256, else of 4096, else by sorting the
+    # row. Rows here need each of the three: peaked, flat and near-uniform logits, with top-k off,
+    # inside either width and beyond both, and top-p from off to tiny.
+    vocab = 5000
+    scales, ks, ps = (8.0, 1.0, 0.05), (0, 10, 300, 4500), (1.0, 0.9, 0.5, 1e-6)
+    combos = [(s, k, p) for s in scales for k in ks for p in ps if (k, p) != (0, 1.0)]
+    gen = torch.Generator().manual_seed(7)
+    logits = torch.cat([torch.randn(1, vocab, generator=gen) * s for s, _, _ in combos])
+    top_k = torch.tensor([k for _, k, _ in combos])
+    top_p = torch.tensor([p for _, _, p in combos])
+
+    got = apply_top_k_top_p(logits.clone(), top_k, top_p)
+    # The reference: sort each row, then take the top-k and the top-p cuts from the sorted order.
+    want = torch.full_like(logits, float("-inf"))
+    widths = []
+    for i in range(len(combos)):
+        values, order = logits[i].sort(descending=True)
+        k = int(top_k[i]) or vocab
+        probs = values[:k].softmax(0)
+        above = probs.cumsum(0) - probs
+        n = k if top_p[i] >= 1.0 else max(1, int((above < top_p[i]).sum()))
+        want[i, order[:n]] = logits[i, order[:n]]
+        widths.append(n)
+    assert torch.equal(got, want)
+    # The rows did need each path: nuclei within 256, within 4096 and wider.
+    assert min(widths) == 1 and any(256 < n <= 4096 for n in widths) and max(widths) > 4096
 
 
 def test_min_p_allowed_set() -> None:

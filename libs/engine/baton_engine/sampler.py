@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from baton_engine import penalties
@@ -246,17 +247,101 @@ def apply_top_k_top_p(
     """Mask (to ``-inf``, in place) tokens outside each row's top-k and top-p nucleus.
 
     ``top_k`` 0 (or >= V) and ``top_p`` 1.0 disable a row. Top-p keeps the smallest set of most
-    likely tokens whose probability reaches p, and always keeps at least the most likely token.
-    Tokens tied with the k-th logit are all kept.
+    likely tokens whose probability reaches p, and always keeps at least the most likely token;
+    with top-k too, p applies to the distribution renormalised over the top k.
+
+    On CPUs the cut is a logit threshold, found in each row's ``topk`` of 256 where the nucleus
+    lies within it, else from the row's values sorted by numpy; tokens tied with a row's last
+    kept logit are all kept. torch's sort with indices takes ~40 ms for 16 rows of a 49,152-token
+    vocabulary there. Elsewhere every row is sorted with its indices: finding the rows that need
+    it would wait for the device, inside a step launched ahead of the previous step's results.
     """
     if top_p is None:
         return logits if top_k is None else _apply_top_k_only(logits, top_k)
     vocab_size = logits.size(1)
+    k = (
+        None
+        if top_k is None
+        else torch.where((top_k <= 0) | (top_k > vocab_size), vocab_size, top_k)
+    )
+    if logits.device.type != "cpu":
+        return _apply_top_k_top_p_sorted(logits, k, top_p)
+    return _apply_top_k_top_p_topk_first(logits, k, top_p)
+
+
+def _apply_top_k_top_p_topk_first(
+    logits: torch.Tensor, k: torch.Tensor | None, top_p: torch.Tensor
+) -> torch.Tensor:
+    """``apply_top_k_top_p`` on CPU tensors (``k`` already V where top-k is off): each row's cut
+    from its ``topk`` of ``_TOP_P_WIDTH`` logits where that settles it, else from the whole row's
+    values sorted by numpy (a vectorised sort, ~13x faster than torch's here: 3.1 against 40 ms
+    for 16 x 49,152)."""
+    vocab_size = logits.size(1)
+    threshold = torch.full_like(top_p, _NEG_INF, dtype=logits.dtype)
+    lse = logits.logsumexp(dim=1)
+    rows = torch.arange(logits.size(0))
+    if vocab_size > _TOP_P_WIDTH:
+        top = logits.topk(_TOP_P_WIDTH, dim=1).values
+        cut, done = _top_p_cut(top, k, top_p, lse, vocab_size)
+        threshold[done] = cut[done]
+        rows = rows[~done]
+    if len(rows):
+        values = np.sort(logits[rows].numpy(), axis=1)[:, ::-1]  # descending
+        cut, _ = _top_p_cut(
+            torch.from_numpy(values.copy()),
+            None if k is None else k[rows],
+            top_p[rows],
+            lse[rows],
+            vocab_size,
+        )
+        threshold[rows] = cut
+    return logits.masked_fill_(logits < threshold.unsqueeze(1), _NEG_INF)
+
+
+# The ``topk`` width in which the CPU path looks for a row's nucleus before sorting the row.
+_TOP_P_WIDTH = 256
+
+
+def _top_p_cut(
+    top: torch.Tensor,
+    k: torch.Tensor | None,
+    top_p: torch.Tensor,
+    lse: torch.Tensor,
+    vocab_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's smallest kept logit, from its ``W`` largest (``top``, descending), and whether
+    that settles the row: its top-k lies within them, or their probability reaches p.
+
+    ``k`` (per row, V when off) and ``lse`` (the logsumexp of each whole row) as in the caller."""
+    width = top.size(1)
+    kth = torch.full_like(lse, _NEG_INF)
+    fits = beyond = torch.zeros_like(top_p, dtype=torch.bool)
+    if k is not None:
+        fits = k <= width
+        beyond = ~fits & (k < vocab_size)  # p applies within a top k wider than ``top``
+        top = top.masked_fill(torch.arange(width, device=top.device) >= k.unsqueeze(1), _NEG_INF)
+        kth = torch.where(
+            fits, top.gather(1, (k.clamp(max=width) - 1).unsqueeze(1)).squeeze(1), kth
+        )
+        lse = torch.where(fits, top.logsumexp(dim=1), lse)  # p applies within the top k
+    cumulative = (top - lse.unsqueeze(1)).exp_().cumsum_(dim=1)
+    # Token j + 1 is kept when the mass above it, ``cumulative[j]``, is below p; token 0 always.
+    below = torch.searchsorted(cumulative, top_p.unsqueeze(1).to(cumulative.dtype))
+    last = top.gather(1, below.clamp_(max=width - 1)).squeeze(1)
+    off = top_p >= 1.0
+    done = fits | ~beyond & (off | (cumulative[:, -1] >= top_p))
+    return torch.maximum(torch.where(off, _NEG_INF, last), kth), done
+
+
+def _apply_top_k_top_p_sorted(
+    logits: torch.Tensor, k: torch.Tensor | None, top_p: torch.Tensor
+) -> torch.Tensor:
+    """``apply_top_k_top_p`` by a full sort of each row (``k`` already V where top-k is off)."""
+    vocab_size = logits.size(1)
     # Ascending sort: the top-k cut is one gather, and a cumulative sum from the unlikely end
     # gives the top-p cut without a second pass.
     sorted_logits, order = logits.sort(dim=1)
-    if top_k is not None:
-        k = torch.where((top_k <= 0) | (top_k > vocab_size), vocab_size, top_k)
+    if k is not None:
         kth_value = sorted_logits.gather(1, (vocab_size - k).unsqueeze(1))
         sorted_logits.masked_fill_(sorted_logits < kth_value, _NEG_INF)
     cumulative = sorted_logits.softmax(dim=1).cumsum(dim=1)

@@ -38,6 +38,10 @@ class RequestConfig:
     timeout_s: float  # whole request, queueing on the server included
     api_key: str | None = None
     temperature: float = 0.0
+    # Sent only when set; top_k and min_p are vLLM extras, at the body's top level.
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
 
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
@@ -60,6 +64,9 @@ def build_payload(cfg: RequestConfig, sample: SampleRequest) -> dict[str, Any]:
         payload["max_tokens"] = sample.output_len
     if cfg.ignore_eos:
         payload["ignore_eos"] = True
+    for key in ("top_p", "top_k", "min_p"):
+        if (value := getattr(cfg, key)) is not None:
+            payload[key] = value
     return payload
 
 

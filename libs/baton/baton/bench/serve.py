@@ -80,6 +80,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (a vLLM extra)")
     p.add_argument(
+        "--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)"
+    )
+    p.add_argument("--top-p", type=float, default=None, help="send top_p (default: not sent)")
+    p.add_argument("--top-k", type=int, default=None, help="send top_k, a vLLM extra")
+    p.add_argument("--min-p", type=float, default=None, help="send min_p, a vLLM extra")
+    p.add_argument(
         "--goodput",
         nargs="+",
         default=None,
@@ -192,6 +198,10 @@ def _main(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
         timeout_s=args.request_timeout,
         api_key=args.api_key,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
     )
     print(
         f"Benchmarking {model} at {cfg.url}: {len(samples)} prompts, request rate "
