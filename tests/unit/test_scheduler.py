@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 
@@ -348,6 +349,43 @@ def test_decode_steps_grow_and_index_blocks_as_they_fill() -> None:
         assert hit == min(a.num_computed_tokens, a.num_tokens) // 4 * 4
     assert run.tokens["a"] == [200 + i for i in range(14)]
     assert probes == 13 and scheduler.kv.num_free_blocks == 256
+
+
+def test_running_ahead_indexes_each_filled_block_with_one_kv_call() -> None:
+    """With async scheduling (each step scheduled before the previous step's token is back), a
+    block that decode tokens fill is indexed by the next step, and the KV manager is called
+    once per block: at the step that fills a block its last token is still pending."""
+    scheduler = make_scheduler(block_size=4)
+    a = make_request("a", range(100, 105), max_tokens=30)
+    scheduler.add_request(a)
+    calls = 0
+    allocate = scheduler.kv.allocate_slots
+
+    def counted(*args: Any, **kwargs: Any) -> list[int] | None:
+        nonlocal calls
+        calls += 1
+        return allocate(*args, **kwargs)
+
+    scheduler.kv.allocate_slots = counted  # type: ignore[method-assign]
+    tokens: list[int] = []
+    in_flight = scheduler.schedule()
+    while in_flight is not None:
+        ahead = None if a.num_output_tokens + a.num_pending_tokens >= 30 else scheduler.schedule()
+        if ahead is not None:  # it ran ahead: the token it decodes from is still pending
+            assert a.num_pending_tokens == 2
+        outputs = scheduler.update_from_output(
+            in_flight, ModelRunnerOutput(sampled_token_ids={"a": 200 + len(tokens)})
+        )
+        tokens += [t for out in outputs for t in out.new_token_ids]
+        in_flight = ahead
+        known_full = min(a.num_computed_tokens, a.num_tokens) // 4
+        probe = make_request(f"p{len(tokens)}", [*a.all_token_ids, 999], max_tokens=1)
+        hit = scheduler.kv.match_prefix(probe).num_cached_tokens
+        scheduler.kv.forget(probe)
+        assert hit // 4 >= known_full - 1  # at most the block just filled is not indexed yet
+    assert tokens == [200 + i for i in range(30)] and a.is_finished()
+    # 34 tokens computed, in 9 blocks: at most one call per block (it was 15 calls).
+    assert calls <= 9
 
 
 def test_no_prefix_hits_without_caching() -> None:

@@ -109,7 +109,7 @@ class KVCacheManager:
                     or min(end, request.num_tokens) // self.block_size
                     <= self._num_cached_blocks.get(request.req_id, 0)
                 ):
-                    request.kv_limit = self._limit(request.req_id, len(table)) if cache else 0
+                    request.kv_limit = self._limit(request, len(table)) if cache else 0
                     return []
         table = self._tables.setdefault(request.req_id, [])
         cached = prefix.blocks if prefix is not None else []
@@ -137,17 +137,21 @@ class KVCacheManager:
                 hashes = self.block_hashes(request)
                 self.pool.cache_full_blocks(table, hashes, start, num_full)
                 self._num_cached_blocks[request.req_id] = num_full
-        request.kv_limit = self._limit(request.req_id, len(table)) if cache else 0
+        request.kv_limit = self._limit(request, len(table)) if cache else 0
         if not (cached or new_blocks):
             return []
         return [b.block_id for b in cached] + [b.block_id for b in new_blocks]
 
-    def _limit(self, req_id: str, num_blocks: int) -> int:
+    def _limit(self, request: Request, num_blocks: int) -> int:
         """Where the request's computed tokens may end with no call to ``allocate_slots``: in
-        its table, and (with caching) short of filling a block not yet indexed."""
+        its table, and (with caching) short of filling a block not yet indexed, so that the
+        step that fills it indexes it. Not while the request runs ahead of its tokens (async
+        scheduling): that step's input, the block's last token, is still pending then, and
+        the block is indexed by the next step's call, which allocates the next block. Before,
+        each block cost two calls in such runs, the first in vain."""
         limit = num_blocks * self.block_size
-        if self.enable_caching:
-            num_indexed = self._num_cached_blocks.get(req_id, 0)
+        if self.enable_caching and not request.num_pending_tokens:
+            num_indexed = self._num_cached_blocks.get(request.req_id, 0)
             limit = min(limit, (num_indexed + 1) * self.block_size - 1)
         return limit
 
