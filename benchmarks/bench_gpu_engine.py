@@ -296,6 +296,7 @@ def run_isolated(name: str, max_seqs: int, async_mode: bool, args: argparse.Name
             "--num-prompts", str(args.num_prompts), "--prompt-len", str(args.prompt_len),
             "--output-len", str(args.output_len), "--no-hf", "--no-checks",
             "--only-config", f"{max_seqs}:{int(async_mode)}", "--output-json", str(out),
+            "--temperature", str(args.temperature), "--top-p", str(args.top_p),
         ]  # fmt: skip
         if args.tiny:
             cmd.append("--tiny")
@@ -311,7 +312,12 @@ def run_isolated(name: str, max_seqs: int, async_mode: bool, args: argparse.Name
 def bench_baton(name: str, model: Path, args: argparse.Namespace) -> None:
     mc = ModelConfig.from_path(model)
     prompts = random_prompts(args.num_prompts, args.prompt_len, mc.vocab_size)
-    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        max_tokens=args.output_len,
+        ignore_eos=True,
+    )
     sync_too = {int(b) for b in args.compare_sync.split(",") if b}
     configs = [
         (int(b) or args.num_prompts, m)
@@ -439,6 +445,8 @@ def main() -> int:
         "--compare-sync", default="", help="batches (as --batches) to run without async too"
     )
     p.add_argument("--no-hf", action="store_true", help="skip the transformers comparison")
+    p.add_argument("--temperature", type=float, default=0.0, help="Baton's sampling (0: greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="Baton's sampling")
     p.add_argument("--no-checks", action="store_true")
     p.add_argument("--no-throughput", action="store_true")
     p.add_argument("--tiny", action="store_true", help="a tiny model and workload (smoke test)")

@@ -79,6 +79,8 @@ def time_rows(
     cuts = [("top-p 0.9 cut, sorted", sampler_module._apply_top_k_top_p_sorted)]
     if device == "cpu":  # (the CPU path: numpy's sort for the rows topk does not settle)
         cuts.append(("top-p 0.9 cut, topk first", sampler_module._apply_top_k_top_p_topk_first))
+    else:  # (the GPU path: the Triton search, no sort)
+        cuts.append(("top-p 0.9 cut, search", sampler_module.apply_top_k_top_p))
     for name, cut in cuts:
         out.append(
             (name, median_ms(lambda cut=cut: cut(logits.clone(), None, top_p), iters, device))

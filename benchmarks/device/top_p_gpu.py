@@ -1,12 +1,14 @@
-"""Top-p on the GPU: the sampler's sort of every row against a sort-free cut (a probe).
+"""Top-p on the GPU: sorting every row against two sort-free cuts (a probe).
 
     python benchmarks/device/top_p_gpu.py [--vocab 151936] [--rows 64,256]
 
-The sort-free cut finds each row's threshold by bucketing: a histogram of the probability
-mass over 1,024 logit buckets (the top 40 logits' worth of range), the bucket where the mass
-from the top reaches p, then the same inside that bucket, three levels deep. It reads the rows
-a few times and never waits for the device. Prints, per row count and logit scale (flat to
-peaked), both cuts' median time and how many tokens' kept/masked state differ.
+The first sort-free cut finds each row's threshold by bucketing: a histogram of the
+probability mass over 1,024 logit buckets (the top 40 logits' worth of range, by
+``scatter_add_``), the bucket where the mass from the top reaches p, then the same inside that
+bucket, three levels deep. The second is the sampler's: ``baton_kernels.triton.top_p``'s search
+(one program per row, the mass at 32 pivots per pass). Neither waits for the device. Prints, per
+row count and logit scale (flat to peaked), each cut's median time and how many tokens'
+kept/masked state differ from the sort's.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from baton_engine.sampler import _apply_top_k_top_p_sorted
+from baton_kernels.triton.top_p import top_p_threshold
 
 
 def bucketed_top_p(
@@ -76,7 +79,11 @@ def main() -> None:
             differ = int((ref.isfinite() != got.isfinite()).sum())
             sort_ms = median_ms(lambda x=x, p=top_p: _apply_top_k_top_p_sorted(x.clone(), None, p))
             bucket_ms = median_ms(lambda x=x, p=top_p: bucketed_top_p(x.clone(), p))
+            cut = top_p_threshold(x, top_p).unsqueeze(1)
+            search_differ = int((ref.isfinite() != (x >= cut)).sum())
+            search_ms = median_ms(lambda x=x, p=top_p: x < top_p_threshold(x, p).unsqueeze(1))
             print(f"{rows:>5} {scale:>6} {sort_ms:>10.3f} {bucket_ms:>12.3f} {differ:>7} "
+                  f"{search_ms:>10.3f} {search_differ:>7} "
                   f"{int(ref.isfinite().sum()):>9}")  # fmt: skip
 
 

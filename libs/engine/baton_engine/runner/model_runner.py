@@ -19,6 +19,7 @@ from baton_engine.runner.cuda_graphs import DecodeGraphs, PieceGraphs
 from baton_engine.runner.input_batch import CachedRequestState, InputBatch
 from baton_engine.runner.staging import InputStaging
 from baton_engine.sampler import Sampler, SamplingMetadata, compute_logprobs
+from baton_engine.sampling_params import SamplingParams
 from baton_kernels import fused
 from baton_kernels.attention import AttentionMetadata, KVCacheView, create_attention_backend
 from baton_kernels.cpu_linear import pack_linears
@@ -231,6 +232,13 @@ class ModelRunner:
             )
             for rows in range(1, self.max_num_seqs + 1):
                 fused.argmax(self.model.compute_logits(hidden[:rows]))
+            # Sampling at a temperature with top-p: its Triton kernel compiles on first use
+            # (the first such request paid ~0.5-1 s on the H200).
+            params = [SamplingParams(temperature=1.0, top_p=0.9)] * 2
+            metadata = SamplingMetadata.from_params(
+                params, [[], []], [[], []], {}, device=self.device
+            )
+            self.sampler(self.model.compute_logits(hidden[:2]), metadata)
             torch.cuda.synchronize()
         logger.info("kernels ready in %.1f s", time.perf_counter() - start)
 
