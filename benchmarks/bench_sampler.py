@@ -4,9 +4,11 @@
         [--device cuda]
 
 For each row count: ``Sampler`` on float32 logits, all greedy, all at temperature 1 and at
-temperature 1 with top-p 0.9; then the race's draws alone, torch's ``exponential_`` against
-``baton_engine.sampler.exponentials_`` (``-log(U)`` on CPUs). Median milliseconds. The random
-logits (``randn * 3``) are a flat case: a 0.9 nucleus holds ~2,000 of 49,152 tokens.
+temperature 1 with top-p 0.9; the top-p cut alone; one token per row from the probabilities,
+by the exponential race (GPUs) and by the inverse CDF (CPUs); then the race's draws alone,
+torch's ``exponential_`` against ``baton_engine.sampler.exponentials_`` (``-log(U)`` on CPUs).
+Median milliseconds. The random logits (``randn * 3``) are a flat case: a 0.9 nucleus holds
+~2,000 of 49,152 tokens.
 
 ``--real`` adds the top-p cut alone on the default model's own logits: 16 chat prompts decoded
 together at temperature 1 (64 tokens each), every 16-row step's logits kept, then
@@ -85,6 +87,13 @@ def time_rows(
         out.append(
             (name, median_ms(lambda cut=cut: cut(logits.clone(), None, top_p), iters, device))
         )
+    probs = logits.softmax(dim=1)
+    for name, draw in (
+        ("draw, exponential race", sampler_module._exponential_race),
+        ("draw, inverse CDF", sampler_module._inverse_cdf),
+    ):
+        if device == "cpu" or draw is sampler_module._exponential_race:
+            out.append((name, median_ms(lambda d=draw: d(probs.clone(), {}), iters, device)))
     q = torch.empty_like(logits)
     out.append(("draws, exponential_", median_ms(q.exponential_, iters, device)))
     out.append(("draws, exponentials_", median_ms(lambda: exponentials_(q), iters, device)))

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from baton_engine.core.outputs import SchedulerOutput
-from baton_engine.sampler import exponentials_
+from baton_engine.sampler import skip_draws
 from baton_engine.sampling_params import SamplingParams
 
 
@@ -93,11 +93,9 @@ class InputBatch:
             if sp.seed is not None and not sp.is_greedy:
                 generator = torch.Generator(device=self.device).manual_seed(sp.seed)
                 # Tokens sampled before (ahead of a preemption, or by a prefill worker) each
-                # drew one row of exponentials from this seed: replay the draws so the next
-                # token is the one an uninterrupted run would sample.
-                scratch = torch.empty(self.vocab_size, device=self.device)
-                for _ in new.output_token_ids:
-                    exponentials_(scratch, generator)
+                # drew from this seed: skip those draws so the next token is the one an
+                # uninterrupted run would sample.
+                skip_draws(generator, len(new.output_token_ids), self.vocab_size, self.device)
             state = CachedRequestState(
                 req_id=new.req_id,
                 prompt_token_ids=new.prompt_token_ids,
