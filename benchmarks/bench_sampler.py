@@ -1,14 +1,12 @@
-"""The sampler's time per step on CPU, and the Exp(1) draws of its exponential race.
+"""The sampler's time per step, and its parts: the top-p cut and the draw.
 
     python benchmarks/bench_sampler.py [--vocab 49152] [--rows 16,64] [--iters 30] [--real]
         [--device cuda]
 
 For each row count: ``Sampler`` on float32 logits, all greedy, all at temperature 1 and at
 temperature 1 with top-p 0.9; the top-p cut alone; one token per row from the probabilities,
-by the exponential race (GPUs) and by the inverse CDF (CPUs); then the race's draws alone,
-torch's ``exponential_`` against ``baton_engine.sampler.exponentials_`` (``-log(U)`` on CPUs).
-Median milliseconds. The random logits (``randn * 3``) are a flat case: a 0.9 nucleus holds
-~2,000 of 49,152 tokens.
+by the exponential race (GPUs) and by the inverse CDF (CPUs). Median milliseconds. The random
+logits (``randn * 3``) are a flat case: a 0.9 nucleus holds ~2,000 of 49,152 tokens.
 
 ``--real`` adds the top-p cut alone on the default model's own logits: 16 chat prompts decoded
 together at temperature 1 (64 tokens each), every 16-row step's logits kept, then
@@ -26,7 +24,7 @@ from collections.abc import Callable
 import torch
 
 from baton_engine import sampler as sampler_module
-from baton_engine.sampler import Sampler, SamplingMetadata, exponentials_
+from baton_engine.sampler import Sampler, SamplingMetadata
 from baton_engine.sampling_params import SamplingParams
 
 _CHATS = (
@@ -94,9 +92,6 @@ def time_rows(
     ):
         if device == "cpu" or draw is sampler_module._exponential_race:
             out.append((name, median_ms(lambda d=draw: d(probs.clone(), {}), iters, device)))
-    q = torch.empty_like(logits)
-    out.append(("draws, exponential_", median_ms(q.exponential_, iters, device)))
-    out.append(("draws, exponentials_", median_ms(lambda: exponentials_(q), iters, device)))
     return out
 
 
