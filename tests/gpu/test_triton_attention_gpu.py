@@ -273,7 +273,8 @@ def test_fused_split_reduce_matches_separate_reduce_across_replays(
 ) -> None:
     """Back-to-back decode launches sharing the fused reduce's counters, captured in one graph
     (as a model's layers are) and replayed with new lengths: each equals the two-kernel path."""
-    from baton_kernels.triton.decode_attention import _counters, decode_attention
+    from baton_kernels.triton.common import zeroed_counters
+    from baton_kernels.triton.decode_attention import decode_attention
 
     torch.manual_seed(0)
     num_heads, num_kv_heads, head_dim = shape
@@ -303,4 +304,11 @@ def test_fused_split_reduce_matches_separate_reduce_across_replays(
             want = torch.full_like(q, float("nan"))
             decode_attention(q, cache, want, lens, tables, scale, splits, fuse_reduce=False)
             torch.testing.assert_close(o, want, atol=1e-5, rtol=1e-5)
-    assert int(_counters(queries[0].device, batch * num_kv_heads).count_nonzero()) == 0
+    assert (
+        int(
+            zeroed_counters(
+                queries[0].device, batch * num_kv_heads, "decode_attention"
+            ).count_nonzero()
+        )
+        == 0
+    )

@@ -201,10 +201,30 @@ def test_decode_attention_matches_reference(
     assert_close(out, want, dtype)
 
 
+@pytest.mark.parametrize("fuse_reduce", [True, False])
+def test_decode_reduce_over_more_slices_than_it_unrolls(fuse_reduce: bool) -> None:
+    """Head size 128 cuts keys into 64-key slices: 16 splits of lengths 515 and 1000 give 9 and
+    16 slices with keys, read by the reduce over two rounds of ``COMBINE_UNROLL`` (8); a short
+    request beside them uses one slice."""
+    from baton_kernels.triton.decode_attention import COMBINE_UNROLL
+
+    assert COMBINE_UNROLL == 8
+    seq_lens = [515, 1000, 30]
+    batch = PagedBatch(seq_lens, 16, 2, 128, torch.float32, seed=5)
+    query = random_heads(3, 4, 128, torch.float32)
+    out = torch.full(query.shape, POISON, device=DEVICE)
+    lens = torch.tensor(seq_lens, device=DEVICE)
+    decode_attention(
+        query, batch.cache, out, lens, batch.block_tables, 0.1, 16, fuse_reduce=fuse_reduce
+    )
+    want = ref_decode_attention(query, batch.cache, seq_lens, batch.block_tables, 0.1)
+    assert_close(out, want, torch.float32)
+
+
 def test_fused_split_reduce_leaves_its_counters_zero() -> None:
     """The last split of each (request, KV head) combines the partials and resets its counter,
     so the next launch (a CUDA graph replays the same buffers) starts from zero again."""
-    from baton_kernels.triton.decode_attention import _counters
+    from baton_kernels.triton.common import zeroed_counters
 
     seq_lens = [3, 130, 515]
     batch = PagedBatch(seq_lens, 16, 2, 64, torch.float32, seed=4)
@@ -213,7 +233,7 @@ def test_fused_split_reduce_leaves_its_counters_zero() -> None:
         query = random_heads(3, 8, 64, torch.float32)
         out = torch.full(query.shape, POISON, device=DEVICE)
         decode_attention(query, batch.cache, out, lens, batch.block_tables, 0.125, 8)
-        assert int(_counters(DEVICE, 6)[:6].count_nonzero()) == 0
+        assert int(zeroed_counters(DEVICE, 6, "decode_attention")[:6].count_nonzero()) == 0
         want = ref_decode_attention(query, batch.cache, seq_lens, batch.block_tables, 0.125)
         assert_close(out, want, torch.float32)
 

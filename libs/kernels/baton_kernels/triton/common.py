@@ -1,6 +1,6 @@
 # Triton kernels (untyped decorator, pointer and stride arguments) are exempt; launchers are typed.
 # mypy: allow-untyped-defs, allow-incomplete-defs, allow-untyped-decorators
-"""Pieces shared by the attention kernels: loading one K/V tile through the block table, one step
+"""Pieces shared by the Triton kernels: loading one K/V tile through the block table, one step
 of the online softmax, and launch-time helpers."""
 
 from __future__ import annotations
@@ -29,6 +29,26 @@ PDL = (
     and os.environ.get("TRITON_INTERPRET") != "1"
     and hasattr(getattr(tl.extra, "cuda", None), "gdc_wait")
 )
+
+
+_COUNTERS: dict[tuple[torch.device, str], torch.Tensor] = {}
+
+
+def zeroed_counters(device: torch.device, n: int, owner: str) -> torch.Tensor:
+    """At least ``n`` int32 counters on ``device`` for the kernels of ``owner`` whose last
+    program (found by an atomic count) finishes a reduction: zeros, kept zero by those kernels
+    (the last program resets its counter, so a CUDA graph replays as captured), grown (never
+    during a capture: its warm-up runs have sized them). One set per (device, owner), so one
+    owner's launches on a device must not run concurrently (an engine launches on one
+    stream)."""
+    counters = _COUNTERS.get((device, owner))
+    if counters is None or counters.numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"{owner}: run the captured size once before capture")
+        size = max(n, 4096 if counters is None else 2 * counters.numel())
+        counters = torch.zeros(size, dtype=torch.int32, device=device)
+        _COUNTERS[device, owner] = counters
+    return counters
 
 
 @cache
