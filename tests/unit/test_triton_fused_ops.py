@@ -362,3 +362,44 @@ def test_fused_add_rms_norm_rejects_misuse() -> None:
         fused_add_rms_norm(x, residual, weight, EPS, out=torch.empty_like(x[:, :32]))
     with pytest.raises(ValueError):
         rms_norm(x, weight.half(), EPS)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("rows", "vocab"), [(1, 5), (3, 4096), (4, 9000)])
+def test_argmax_matches_torch_across_chunks(dtype: torch.dtype, rows: int, vocab: int) -> None:
+    """Each row's argmax, its maximum planted in a different chunk per row, equals torch's; the
+    per-row counters are left at zero for the next launch."""
+    from baton_kernels.triton.common import zeroed_counters
+
+    gen = torch.Generator().manual_seed(rows * vocab)
+    logits = torch.randn(rows, vocab, generator=gen).to(dtype)
+    for r in range(rows):  # far from any other logit, so rounding cannot move it
+        logits[r, (r * 4099 + 3) % vocab] = 50.0
+    logits = logits.to(DEVICE)
+    for _ in range(2):
+        got = fused_ops.argmax(logits)
+        assert got.dtype == torch.int64
+        assert got.tolist() == logits.argmax(dim=-1).tolist()
+        assert int(zeroed_counters(DEVICE, rows, "argmax")[:rows].count_nonzero()) == 0
+
+
+def test_argmax_ties_go_to_the_first_index_and_nan_wins() -> None:
+    """Ties within a chunk and across chunks pick the first index; a NaN is the largest and an
+    all -inf row gives index 0, as torch.argmax does."""
+    logits = torch.zeros(4, 9000)
+    logits[0, [7000, 100, 5000]] = 3.0  # across chunks
+    logits[1, [40, 41]] = 3.0  # within one
+    logits[2, 8000] = float("nan")
+    logits[3] = float("-inf")
+    logits = logits.to(DEVICE)
+    assert fused_ops.argmax(logits).tolist() == [100, 40, 8000, 0]
+
+
+def test_argmax_rejects_misuse() -> None:
+    with pytest.raises(ValueError, match="contiguous rows"):
+        fused_ops.argmax(torch.zeros(4, 8, device=DEVICE).t())
+    with pytest.raises(ValueError, match="contiguous rows"):
+        fused_ops.argmax(torch.zeros(8, device=DEVICE))
+    with pytest.raises(ValueError, match="empty vocabulary"):
+        fused_ops.argmax(torch.zeros(2, 0, device=DEVICE))
+    assert fused_ops.argmax(torch.zeros(0, 8, device=DEVICE)).shape == (0,)

@@ -31,6 +31,7 @@ import torch
 
 from baton_engine import penalties
 from baton_engine.sampling_params import SamplingParams
+from baton_kernels import fused
 
 __all__ = [
     "LogprobsTensors",
@@ -467,7 +468,7 @@ class Sampler:
     def _sample(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         """Greedy and random sampling of processed float32 ``logits`` (modified in place)."""
         if metadata.all_greedy:
-            return logits.argmax(dim=1)
+            return fused.argmax(logits)
         device = logits.device
         temperature = metadata.temperature.to(device=device, dtype=torch.float32)
         top_k = None if metadata.top_k is None else metadata.top_k.to(device)
@@ -480,7 +481,7 @@ class Sampler:
             greedy_rows |= top_k == 1
         greedy = None
         if not metadata.all_random or top_k is not None:
-            greedy = logits.argmax(dim=1)  # before temperature/truncation rewrite ``logits``
+            greedy = fused.argmax(logits)  # before temperature/truncation rewrite ``logits``
 
         # Greedy rows divide by 1: their temperature is 0 and their result comes from argmax.
         logits.div_(torch.where(greedy_rows, 1.0, temperature).unsqueeze(1))
