@@ -152,10 +152,13 @@ def test_steps_beyond_the_largest_piece_size_run_eagerly(
     assert sum(pieces.num_steps.values()) == 0
 
 
-def test_one_request_decode_runs_the_fused_gemv_layers(tmp_path: Path) -> None:
-    """What a GPU runs for a lone request of a small model (``use_gemv_decode``): each layer
-    as Triton GEMVs with the norms, SiLU and residual adds inside, through the padded graph
-    buffers of size 1. Its greedy tokens equal the reference backend's."""
+@pytest.mark.parametrize("gemv_mlp", [True, False])
+def test_one_request_decode_runs_the_fused_gemv_layers(tmp_path: Path, gemv_mlp: bool) -> None:
+    """What a GPU runs for a lone request (``use_gemv_decode``): each layer as Triton GEMVs
+    with the norms, SiLU and residual adds inside (a small model), or the attention's
+    projections only, the MLP through torch with its residual add in the GEMM (a large one),
+    through the padded graph buffers of size 1. Its greedy tokens equal the reference
+    backend's."""
     (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     prompts = {"a": [5, 17, 33, 2, 91, 40, 7], "b": [200, 3, 3, 150]}
@@ -164,7 +167,7 @@ def test_one_request_decode_runs_the_fused_gemv_layers(tmp_path: Path) -> None:
         core = make_core(tmp_path, backend, async_scheduling=backend == "triton", max_num_seqs=4)
         if backend == "triton":
             core.runner.model.use_fused_kernels()
-            assert core.runner.model.use_gemv_decode(rows=1)
+            assert core.runner.model.use_gemv_decode(rows=1, mlp=gemv_mlp)
             assert core.runner.enable_decode_graphs(capture=False)
         got = tokens[backend] = {}
         for req_id, prompt in prompts.items():  # one at a time: every decode step has one row

@@ -164,10 +164,18 @@ def test_async_long_chunked_prompt_equals_sync(tmp_path: Path) -> None:
     assert results[1] == results[0] and len(results[0]) == 8
 
 
-def test_lone_request_decodes_through_fused_gemv_layers(tmp_path: Path) -> None:
+@pytest.mark.parametrize("whole_layers", [True, False])
+def test_lone_request_decodes_through_fused_gemv_layers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, whole_layers: bool
+) -> None:
     """A small model on the GPU turns on the fused GEMV layers for one-request decode steps
-    (captured in the size-1 graph); a lone request's greedy tokens equal the reference's."""
+    (captured in the size-1 graph); a lone request's greedy tokens equal the reference's.
+    Above ``GEMV_MAX_HIDDEN`` (lowered here) only the attention's projections are GEMVs."""
+    from baton_engine.runner import model_runner
     from baton_engine.sampling_params import SamplingParams
+
+    if not whole_layers:
+        monkeypatch.setattr(model_runner, "GEMV_MAX_HIDDEN", 0)
 
     (tmp_path / "config.json").write_text(json.dumps(CONFIG))
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
@@ -175,10 +183,15 @@ def test_lone_request_decodes_through_fused_gemv_layers(tmp_path: Path) -> None:
     results = []
     for backend, enforce_eager in (("torch", True), ("triton", False)):
         core = _core(
-            tmp_path, max_model_len=1024, max_num_seqs=8, attention_backend=backend,
+            tmp_path,
+            max_model_len=1024,
+            max_num_seqs=1,
+            attention_backend=backend,
             enforce_eager=enforce_eager,
-        )  # fmt: skip
+        )  # one sequence: the start-up warm-up must fit that too
         assert core.runner.model.gemv_rows == (1 if backend == "triton" else 0)
+        if backend == "triton":
+            assert core.runner.model.layers[0].gemv_mlp == whole_layers
         tokens: dict[str, list[int]] = {}
         for i, prompt in enumerate(prompts):  # one at a time
             core.add_request(f"g{i}", prompt, params)

@@ -120,6 +120,7 @@ class DecoderLayer(nn.Module):
     # Tensor parallelism: sums the partial outputs of the row-parallel o_proj and down_proj
     # across the ranks (an all-reduce); the identity on one rank.
     reduce: Callable[[torch.Tensor], torch.Tensor] = staticmethod(_no_reduce)
+    gemv_mlp = True  # forward_gemv runs the MLP as GEMVs too (use_gemv_decode)
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -156,7 +157,11 @@ class DecoderLayer(nn.Module):
         """The layer for a few rows (``LlamaForCausalLM.use_gemv_decode``), in 6 launches: each
         norm runs inside the projection after it, SiLU-and-multiply inside the down
         projection, and the residual adds inside o_proj and down_proj, which update
-        ``stream`` (the residual stream, normed by neither) in place."""
+        ``stream`` (the residual stream, normed by neither) in place.
+
+        With ``gemv_mlp`` off only the attention's projections are GEMVs; the MLP's long
+        reads stay with cuBLAS: its norm and SiLU-and-multiply run as their own kernels, and
+        down_proj adds into ``stream`` in its GEMM (``addmm_``), 8 launches a layer."""
         from baton_kernels.triton.gemv import gemv
 
         attn, mlp = self.self_attn, self.mlp
@@ -170,6 +175,9 @@ class DecoderLayer(nn.Module):
         )
         out = attn.attend(rope, qkv, kv_cache, metadata, backend)
         gemv(out, attn.o_proj.weight, residual=stream, out=stream)
+        if not self.gemv_mlp:
+            gate_up = mlp.gate_up_proj(norm2.add_forward(stream, None)[0])
+            return stream.addmm_(fused.silu_and_mul(gate_up), mlp.down_proj.weight.t())
         gate_up = gemv(stream, mlp.gate_up_proj.weight, norm_weight=norm2.weight, eps=norm2.eps)
         gemv(gate_up, mlp.down_proj.weight, silu_mul=True, residual=stream, out=stream)
         return stream
@@ -393,11 +401,11 @@ class LlamaForCausalLM(nn.Module):
         self.cpu_decode_layers = layers
         return True
 
-    def use_gemv_decode(self, rows: int = 1) -> bool:
+    def use_gemv_decode(self, rows: int = 1, mlp: bool = True) -> bool:
         """Run decode steps of at most ``rows`` rows through ``DecoderLayer.forward_gemv``
         (Triton GEMV kernels with the norms, SiLU and residual adds inside: 6 launches a layer
-        instead of 9). Needs the fused kernels on (``use_fused_kernels``) and no q/k norm;
-        returns whether the path is on."""
+        instead of 9; with ``mlp`` off, the attention's projections only). Needs the fused
+        kernels on (``use_fused_kernels``) and no q/k norm; returns whether the path is on."""
         from baton_kernels.triton.gemv import MAX_ROWS
 
         ok = (
@@ -407,6 +415,8 @@ class LlamaForCausalLM(nn.Module):
             and 0 < rows <= MAX_ROWS
         )
         self.gemv_rows = rows if ok else 0
+        for layer in self.layers:
+            cast(DecoderLayer, layer).gemv_mlp = mlp
         return ok
 
     def use_fused_kernels(self) -> None:

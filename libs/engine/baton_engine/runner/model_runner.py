@@ -34,6 +34,12 @@ logger = logging.getLogger(__name__)
 # (benchmarks/bench_gemv_gpu.py). With programmatic dependent launch the Llama engine's batch-1
 # graph still took 4.64 ms this way against 4.48 with cuBLAS (benchmarks/device/ab_pdl.sh).
 GEMV_MAX_HIDDEN = 2048
+# Above that, up to this hidden size, only the attention's projections run as GEMVs (qkv with the
+# norm before it, o_proj with the residual add after it), where cuBLAS read Llama-3.1-8B's
+# shorter weights at 2.4-2.9 TB/s against the GEMV's 2.6-3.1 (bench_gemv_gpu.py); the MLP stays
+# with cuBLAS. Llama's batch-1 graph: 4.351 / 4.398 ms against 4.389 / 4.414 with cuBLAS
+# layers (benchmarks/device/ab_b1.sh, two machines).
+GEMV_ATTN_MAX_HIDDEN = 8192
 # Decode steps of at most this many requests take that path. With 2 and 4 rows the kernel (its
 # launch fitted to one row) was slower than cuBLAS: Qwen batch 4 2,609 against 3,758 tok/s
 # (benchmarks/device/ab_gemv_rows.sh).
@@ -129,14 +135,16 @@ class ModelRunner:
         self.model.eval()
         if self.backend.name != "torch" and fused.available(self.device):
             self.model.use_fused_kernels()  # (the torch backend is the reference: torch ops)
+            hidden = model_config.hidden_size
             if (
                 self.device.type == "cuda"
-                and model_config.hidden_size <= GEMV_MAX_HIDDEN
-                and self.model.use_gemv_decode(rows=GEMV_ROWS)
+                and hidden <= max(GEMV_MAX_HIDDEN, GEMV_ATTN_MAX_HIDDEN)
+                and self.model.use_gemv_decode(rows=GEMV_ROWS, mlp=hidden <= GEMV_MAX_HIDDEN)
             ):
                 logger.info(
-                    "decode steps of up to %d requests run the layers as fused GEMV kernels",
+                    "decode steps of up to %d requests run %s as fused GEMV kernels",
                     GEMV_ROWS,
+                    "the layers" if hidden <= GEMV_MAX_HIDDEN else "the attention projections",
                 )
         self.kv_pool: torch.Tensor | None = None
         self.kv_caches: list[KVCacheView] = []
@@ -234,11 +242,12 @@ class ModelRunner:
                 fused.argmax(self.model.compute_logits(hidden[:rows]))
             # Sampling at a temperature with top-p: its Triton kernel compiles on first use
             # (the first such request paid ~0.5-1 s on the H200).
-            params = [SamplingParams(temperature=1.0, top_p=0.9)] * 2
+            rows = min(2, self.max_num_seqs)
+            params = [SamplingParams(temperature=1.0, top_p=0.9)] * rows
             metadata = SamplingMetadata.from_params(
-                params, [[], []], [[], []], {}, device=self.device
+                params, [[]] * rows, [[]] * rows, {}, device=self.device
             )
-            self.sampler(self.model.compute_logits(hidden[:2]), metadata)
+            self.sampler(self.model.compute_logits(hidden[:rows]), metadata)
             torch.cuda.synchronize()
         logger.info("kernels ready in %.1f s", time.perf_counter() - start)
 
