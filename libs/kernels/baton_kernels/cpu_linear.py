@@ -15,6 +15,7 @@ Two kernels, chosen per machine:
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -40,11 +41,20 @@ def vnni_ops() -> Any | None:
     return ops if ops is not None and ops.bf16_gemm_available() else None
 
 
+@functools.cache
 def _onednn_available() -> bool:
-    return bool(
+    """Whether oneDNN packs bf16 weights on this CPU: it needs AVX512 (BW, VL, DQ) or
+    AVX-NE-CONVERT, and says so only when asked to (an AVX2-only CPU raises), so ask once."""
+    if not (
         torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-    )
+    ):
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), None)
+    except RuntimeError:
+        return False
+    return True
 
 
 def can_pack(weight: torch.Tensor) -> bool:
