@@ -155,7 +155,8 @@ class EngineConfig:
     block_size: int = 16
     enable_prefix_caching: bool = True
     enable_kv_events: bool = False  # record block stored/removed events (for the kvstore)
-    dtype: str = "auto"  # "auto": bfloat16 for the model's 16-bit dtypes, else its dtype
+    dtype: str = "auto"  # "auto": bfloat16 for the model's 16-bit dtypes (float32 on CPUs
+    # without AVX512, where bf16 matmuls are slow), else its dtype
     kv_cache_memory: int | None = None  # bytes for the KV pool on CPU; None: 1 GiB
     num_gpu_blocks_override: int | None = None  # exact number of KV blocks (tests)
     gpu_memory_utilization: float = 0.9

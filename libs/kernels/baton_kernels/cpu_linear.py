@@ -42,7 +42,7 @@ def vnni_ops() -> Any | None:
 
 
 @functools.cache
-def _onednn_available() -> bool:
+def onednn_bf16_available() -> bool:
     """Whether oneDNN packs bf16 weights on this CPU: it needs AVX512 (BW, VL, DQ) or
     AVX-NE-CONVERT, and says so only when asked to (an AVX2-only CPU raises), so ask once."""
     if not (
@@ -61,7 +61,7 @@ def can_pack(weight: torch.Tensor) -> bool:
     return (
         weight.device.type == "cpu"
         and weight.dtype == torch.bfloat16
-        and (vnni_ops() is not None or _onednn_available())
+        and (vnni_ops() is not None or onednn_bf16_available())
     )
 
 

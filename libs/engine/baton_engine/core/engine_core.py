@@ -68,7 +68,13 @@ def resolve_dtype(config: EngineConfig, model_config: ModelConfig) -> torch.dtyp
     if config.dtype != "auto":
         return parse_dtype(config.dtype)
     native = parse_dtype(model_config.torch_dtype) if model_config.torch_dtype else torch.float32
-    if native == torch.float16 and config.device == "cpu":
+    if native in (torch.float16, torch.bfloat16) and config.device == "cpu":
+        from baton_kernels.cpu_linear import onednn_bf16_available
+
+        if not onednn_bf16_available():
+            # no AVX512: bf16 linear layers ran 10x slower than float32 on an AVX2-only EPYC
+            logger.warning("this CPU has no fast bf16 matmul (AVX512): running in float32")
+            return torch.float32
         return torch.bfloat16  # fp16 matmuls are slow on CPUs; bf16 keeps the range
     return native
 
