@@ -6,7 +6,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from baton_kernels.cpu_linear import PackedLinear, can_pack, pack_vnni, vnni_ops
+from baton_kernels.cpu_linear import (
+    PackedLinear,
+    can_pack,
+    onednn_bf16_available,
+    pack_vnni,
+    vnni_ops,
+)
 
 needs_vnni = pytest.mark.skipif(vnni_ops() is None, reason="no AVX512-BF16 GEMM on this CPU")
 KERNELS = [
@@ -14,8 +20,7 @@ KERNELS = [
     pytest.param(
         "onednn",
         marks=pytest.mark.skipif(
-            not torch.backends.mkldnn.is_available(),  # type: ignore[no-untyped-call]
-            reason="no oneDNN",
+            not onednn_bf16_available(), reason="oneDNN packs no bf16 on this CPU (no AVX512)"
         ),
     ),
 ]
@@ -128,3 +133,22 @@ def test_default_cpu_engine_packs_every_linear_layer(default_model_dir: object) 
     assert float32_outputs == [model.lm_head]
     layers = core.runner.model_config.num_layers
     assert sum(isinstance(m, PackedLinear) for m in model.modules()) == 4 * layers + 1
+
+
+def test_auto_dtype_on_cpu_is_bf16_only_where_bf16_is_fast() -> None:
+    """``--dtype auto`` keeps a 16-bit model in bf16 on a CPU whose bf16 linear layers are
+    fast (AVX512: packed for oneDNN), and runs it in float32 on one without (AVX2 only), where
+    bf16 matmuls ran 10x slower; asked for explicitly, bf16 is kept."""
+    from types import SimpleNamespace
+
+    from baton_engine.core.engine_core import resolve_dtype
+
+    fast = onednn_bf16_available()
+    for native in ("bfloat16", "float16"):
+        auto = SimpleNamespace(dtype="auto", device="cpu")
+        model = SimpleNamespace(torch_dtype=native)
+        want = torch.bfloat16 if fast else torch.float32
+        assert resolve_dtype(auto, model) == want  # type: ignore[arg-type]
+    explicit = SimpleNamespace(dtype="bfloat16", device="cpu")
+    assert resolve_dtype(explicit, model) == torch.bfloat16  # type: ignore[arg-type]
+    assert can_pack(torch.zeros(4, 4, dtype=torch.bfloat16)) == (fast or vnni_ops() is not None)
