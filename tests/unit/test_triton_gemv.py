@@ -69,22 +69,6 @@ def test_gemv_with_and_without_the_prefetched_first_slice(prologue: str, prefetc
         torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
 
 
-@pytest.mark.parametrize("k", [100, 37, 16])
-def test_gemv_with_its_rows_prefetched_into_l2(k: int) -> None:
-    """``l2_prefetch`` (compiled with PDL only: a hint that writes nothing) leaves the sums as
-    they are, for rows of 200, 74 (no whole 16-byte units per program) and 32 bytes, the last
-    program's rows cut short (N = 37), and a weight whose rows are strided."""
-    x, weight, bias, residual, kwargs = make(1, 37, k, "norm", torch.bfloat16, seed=k)
-    padded = torch.zeros(37, k + 8, dtype=weight.dtype, device=DEVICE)
-    padded[:, :k] = weight
-    for w, config in ((weight, (4, 32, 4, 2)), (weight, None), (padded[:, :k], (2, 64, 4, 2))):
-        got = gemv(x, w, bias, residual=residual, config=config, l2_prefetch=True, **kwargs)
-        want = ref_gemv(x, weight, bias, residual=residual, **kwargs)
-        torch.testing.assert_close(
-            got, want, atol=TOL[torch.bfloat16][0], rtol=TOL[torch.bfloat16][1]
-        )
-
-
 @pytest.mark.parametrize("prologue", PROLOGUES)
 def test_gemv_equals_the_separate_ops(prologue: str) -> None:
     """What the decoder ran before: norm (or SiLU-and-multiply), linear, residual add."""

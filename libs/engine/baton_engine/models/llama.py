@@ -121,7 +121,6 @@ class DecoderLayer(nn.Module):
     # across the ranks (an all-reduce); the identity on one rank.
     reduce: Callable[[torch.Tensor], torch.Tensor] = staticmethod(_no_reduce)
     gemv_mlp = True  # forward_gemv runs the MLP as GEMVs too (use_gemv_decode)
-    l2_prefetch = False  # forward_gemv's o_proj reads its weight into L2 during the attention
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -162,10 +161,7 @@ class DecoderLayer(nn.Module):
 
         With ``gemv_mlp`` off only the attention's projections are GEMVs; the MLP's long
         reads stay with cuBLAS: its norm and SiLU-and-multiply run as their own kernels, and
-        down_proj adds into ``stream`` in its GEMM (``addmm_``), 8 launches a layer.
-
-        With ``l2_prefetch``, o_proj's programs, launched early under PDL, read their rows of
-        the weight into L2 while the attention runs (``gemv``'s ``l2_prefetch``)."""
+        down_proj adds into ``stream`` in its GEMM (``addmm_``), 8 launches a layer."""
         from baton_kernels.triton.gemv import gemv
 
         attn, mlp = self.self_attn, self.mlp
@@ -178,7 +174,7 @@ class DecoderLayer(nn.Module):
             eps=norm1.eps,
         )
         out = attn.attend(rope, qkv, kv_cache, metadata, backend)
-        gemv(out, attn.o_proj.weight, residual=stream, out=stream, l2_prefetch=self.l2_prefetch)
+        gemv(out, attn.o_proj.weight, residual=stream, out=stream)
         if not self.gemv_mlp:
             gate_up = mlp.gate_up_proj(norm2.add_forward(stream, None)[0])
             return stream.addmm_(fused.silu_and_mul(gate_up), mlp.down_proj.weight.t())
@@ -405,12 +401,11 @@ class LlamaForCausalLM(nn.Module):
         self.cpu_decode_layers = layers
         return True
 
-    def use_gemv_decode(self, rows: int = 1, mlp: bool = True, l2_prefetch: bool = False) -> bool:
+    def use_gemv_decode(self, rows: int = 1, mlp: bool = True) -> bool:
         """Run decode steps of at most ``rows`` rows through ``DecoderLayer.forward_gemv``
         (Triton GEMV kernels with the norms, SiLU and residual adds inside: 6 launches a layer
-        instead of 9; with ``mlp`` off, the attention's projections only; ``l2_prefetch``: see
-        ``forward_gemv``). Needs the fused kernels on (``use_fused_kernels``) and no q/k norm;
-        returns whether the path is on."""
+        instead of 9; with ``mlp`` off, the attention's projections only). Needs the fused
+        kernels on (``use_fused_kernels``) and no q/k norm; returns whether the path is on."""
         from baton_kernels.triton.gemv import MAX_ROWS
 
         ok = (
@@ -422,7 +417,6 @@ class LlamaForCausalLM(nn.Module):
         self.gemv_rows = rows if ok else 0
         for layer in self.layers:
             cast(DecoderLayer, layer).gemv_mlp = mlp
-            cast(DecoderLayer, layer).l2_prefetch = l2_prefetch
         return ok
 
     def use_fused_kernels(self) -> None:

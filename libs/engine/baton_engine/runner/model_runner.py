@@ -44,9 +44,6 @@ GEMV_ATTN_MAX_HIDDEN = 8192
 # launch fitted to one row) was slower than cuBLAS: Qwen batch 4 2,609 against 3,758 tok/s
 # (benchmarks/device/ab_gemv_rows.sh).
 GEMV_ROWS = 1
-# On those steps o_proj's GEMV, launched early under PDL, reads its weight into L2 while the
-# attention runs (``gemv``'s ``l2_prefetch``).
-L2_PREFETCH = True
 # How often a wait for the device checks that the tensor-parallel ranks are alive.
 _POLL_S = 50e-6
 
@@ -142,9 +139,7 @@ class ModelRunner:
             if (
                 self.device.type == "cuda"
                 and hidden <= max(GEMV_MAX_HIDDEN, GEMV_ATTN_MAX_HIDDEN)
-                and self.model.use_gemv_decode(
-                    rows=GEMV_ROWS, mlp=hidden <= GEMV_MAX_HIDDEN, l2_prefetch=L2_PREFETCH
-                )
+                and self.model.use_gemv_decode(rows=GEMV_ROWS, mlp=hidden <= GEMV_MAX_HIDDEN)
             ):
                 logger.info(
                     "decode steps of up to %d requests run %s as fused GEMV kernels",

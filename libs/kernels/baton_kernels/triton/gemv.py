@@ -25,7 +25,6 @@ import triton
 import triton.language as tl
 
 from baton_kernels.triton.common import SUPPORTED_DTYPES, cdiv, next_pow2, pdl_launch
-from baton_kernels.triton.prefetch import prefetch_l2
 
 MAX_ROWS = 4
 PRO_NONE, PRO_RMS_NORM, PRO_SILU_MUL = 0, 1, 2
@@ -90,9 +89,6 @@ def _gemv_kernel(
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,
     PREFETCH: tl.constexpr,
-    PREFETCH_L2: tl.constexpr,
-    W_BYTES: tl.constexpr,  # bytes per weight element
-    LANES: tl.constexpr,  # threads per program
 ):
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
@@ -109,13 +105,6 @@ def _gemv_kernel(
     ss = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    if PREFETCH_L2:
-        # this program's rows into L2 before the wait (their whole 16-byte units)
-        row0 = pid.to(tl.int64) * BLOCK_N
-        first = (row0 * s_wn * W_BYTES + 15) // 16 * 16
-        last = (tl.minimum(row0 + BLOCK_N, N) * s_wn * W_BYTES) // 16 * 16
-        w_bytes = w_ptr.to(tl.pointer_type(tl.uint8))
-        prefetch_l2(w_bytes + first, tl.maximum(last - first, 0), LANES)
     k_start = 0
     if PREFETCH:
         # the weights are no kernel's output: the first slice is read before the wait for
@@ -159,7 +148,6 @@ def gemv(
     out: torch.Tensor | None = None,
     config: tuple[int, int, int, int] | None = None,
     prefetch: bool | None = None,
-    l2_prefetch: bool = False,
 ) -> torch.Tensor:
     """``prologue(x) @ weight.T (+ bias) (+ residual)`` for at most ``MAX_ROWS`` rows of ``x``.
     ``norm_weight``: the prologue is RMSNorm; ``silu_mul``: SiLU-and-multiply of ``x``
@@ -167,9 +155,7 @@ def gemv(
     program, K per iteration, warps, stages), default ``choose_config(N, K)``. Launched with
     programmatic dependent launch where the device has it (``common.pdl_launch``); ``prefetch``
     (default: ``PREFETCH`` where PDL is on) reads the first weight slice before waiting for
-    the previous kernel (a peeled first iteration); ``l2_prefetch`` (with PDL only) reads each
-    program's rows of ``weight`` into L2 before that wait: for a GEMV after a kernel that
-    leaves the memory idle (the attention before o_proj)."""
+    the previous kernel (a peeled first iteration)."""
     if x.dim() != 2 or weight.dim() != 2:
         raise ValueError(f"gemv: x {tuple(x.shape)} and weight {tuple(weight.shape)} must be 2-D")
     if norm_weight is not None and silu_mul:
@@ -214,9 +200,6 @@ def gemv(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         PREFETCH=PREFETCH and pdl["PDL"] if prefetch is None else prefetch,
-        PREFETCH_L2=l2_prefetch and pdl["PDL"] and weight.data_ptr() % 16 == 0,
-        W_BYTES=weight.element_size(),
-        LANES=32 * num_warps,
         num_warps=num_warps,
         num_stages=num_stages,
         **pdl,
