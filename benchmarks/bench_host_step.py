@@ -102,6 +102,7 @@ def main() -> int:
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--profile", action="store_true", help="print a cProfile of the steps")
+    p.add_argument("--sort", default="tottime", help="the profile's order (pstats keys)")
     args = p.parse_args()
     output_len = args.steps + 64
     core = build(args.batch, args.prompt_len, output_len)
@@ -133,7 +134,7 @@ def main() -> int:
     for name, values in TIMES.items():
         print(f"  {name:<21} {statistics.median(values) * 1e3:7.3f}")
     if profiler:
-        pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+        pstats.Stats(profiler).sort_stats(args.sort).print_stats(25)
     return 0
 
 

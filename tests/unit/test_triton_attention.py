@@ -340,6 +340,82 @@ def test_triton_backend_forward_rope_matches_rotary_then_forward(dtype: torch.dt
     assert_close(out, ref, dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", HEAD_SIZES)
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_decode_attention_rotates_and_writes_the_new_token_itself(
+    dtype: torch.dtype, head_dim: int, num_splits: int
+) -> None:
+    """``rope``: the decode kernel rotates q and writes the rotated K and the V of each
+    request's new token before reading its keys. Out and cache equal the rotary kernel's
+    write followed by plain decode attention, within rounding; ``query`` and ``key`` are left
+    unrotated; a padding row (slot -1) writes nothing. Lengths put the new token in the
+    first, a middle and the last slice."""
+    from baton_engine.models.rotary import RotaryEmbedding
+    from baton_kernels.triton.decode_attention import DecodeRope
+    from baton_kernels.triton.fused_ops import rotary_embedding_and_write_kv_
+
+    num_heads, num_kv_heads = GQA[head_dim == 128]
+    specs = [(3, 1), (64, 1), (200, 1), (514, 1)]
+    md, batch = make_step(specs, 16, num_kv_heads, head_dim, dtype)
+    slot_block = md.slot_block.clone()
+    slot_block[1] = -1  # a padding row: its slot keeps what it held
+    slots = (md.slot_block, slice(None), md.slot_offset)
+    batch.cache.kv[slots] = torch.randn(batch.cache.kv[slots].shape, device=DEVICE).to(dtype)
+    query = random_heads(4, num_heads, head_dim, dtype)
+    key = random_heads(4, num_kv_heads, head_dim, dtype)
+    value = random_heads(4, num_kv_heads, head_dim, dtype)
+    positions = torch.tensor([c for c, _ in specs], device=DEVICE)
+    cos_sin = RotaryEmbedding(head_dim, 1024, 10000.0, None).to(DEVICE).cos_sin
+    lens = torch.tensor(md.seq_lens, device=DEVICE)
+    want_pool = batch.pool.clone()
+    want_cache = KVCacheView(want_pool[:, 1])
+    want_q, want_k = query.clone(), key.clone()
+    rotary_embedding_and_write_kv_(
+        want_q, want_k, value, positions, cos_sin, want_cache.kv, slot_block, md.slot_offset
+    )
+    want = torch.full(query.shape, POISON, dtype=dtype, device=DEVICE)
+    decode_attention(want_q, want_cache, want, lens, md.block_tables, 0.1, num_splits)
+    unrotated = query.clone(), key.clone()
+    out = torch.full(query.shape, POISON, dtype=dtype, device=DEVICE)
+    rope = DecodeRope(positions, cos_sin, key, value, slot_block, md.slot_offset)
+    decode_attention(query, batch.cache, out, lens, md.block_tables, 0.1, num_splits, rope=rope)
+    # (compiled, the two kernels' rotations may round differently: contracted multiply-adds)
+    assert_close(batch.pool, want_pool, dtype)
+    assert_close(out, want, dtype)
+    assert torch.equal(query, unrotated[0]) and torch.equal(key, unrotated[1])
+
+
+def test_forward_rope_of_a_decode_only_step_runs_one_launch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The backend's decode-only ``forward_rope`` hands the rotation to the decode kernel (the
+    rotary kernel would have rotated ``query`` in place) and matches the mixed-step path's
+    result for the same rows."""
+    from baton_engine.models.rotary import RotaryEmbedding
+    from baton_kernels.attention import triton_backend
+
+    specs = [(4, 1), (300, 1), (63, 1)]
+    outs, queries = [], []
+    for fused in (True, False):
+        md, batch = make_step(specs, 16, 2, 64, torch.bfloat16)
+        slots = (md.slot_block, slice(None), md.slot_offset)
+        new_k, new_v = (t.clone() for t in batch.cache.kv[slots].unbind(1))
+        query = random_heads(3, 8, 64, torch.bfloat16)
+        positions = torch.tensor([c for c, _ in specs], device=DEVICE)
+        cos_sin = RotaryEmbedding(64, 512, 10000.0, None).to(DEVICE).cos_sin
+        before = query.clone()
+        monkeypatch.setattr(triton_backend, "FUSE_DECODE_ROPE", fused)
+        outs.append(
+            TritonAttentionBackend().forward_rope(
+                query, new_k, new_v, batch.cache, md, 0.125, positions, cos_sin
+            )
+        )
+        queries.append(torch.equal(query, before))
+    assert queries == [True, False]
+    assert_close(outs[0], outs[1], torch.bfloat16)
+
+
 @pytest.fixture
 def no_backend_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
     monkeypatch.delenv("BATON_ATTENTION_BACKEND", raising=False)

@@ -154,14 +154,16 @@ class DecoderLayer(nn.Module):
         metadata: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:
-        """The layer for a few rows (``LlamaForCausalLM.use_gemv_decode``), in 6 launches: each
+        """The layer for a few rows (``LlamaForCausalLM.use_gemv_decode``), in 5 launches: each
         norm runs inside the projection after it, SiLU-and-multiply inside the down
         projection, and the residual adds inside o_proj and down_proj, which update
         ``stream`` (the residual stream, normed by neither) in place.
 
         With ``gemv_mlp`` off only the attention's projections are GEMVs; the MLP's long
         reads stay with cuBLAS: its norm and SiLU-and-multiply run as their own kernels, and
-        down_proj adds into ``stream`` in its GEMM (``addmm_``), 8 launches a layer."""
+        down_proj adds into ``stream`` in its GEMM (``addmm_``), 7 launches a layer. (The
+        attention is one launch: on these decode-only steps the Triton decode kernel rotates q
+        and writes the new K/V itself.)"""
         from baton_kernels.triton.gemv import gemv
 
         attn, mlp = self.self_attn, self.mlp
@@ -403,8 +405,8 @@ class LlamaForCausalLM(nn.Module):
 
     def use_gemv_decode(self, rows: int = 1, mlp: bool = True) -> bool:
         """Run decode steps of at most ``rows`` rows through ``DecoderLayer.forward_gemv``
-        (Triton GEMV kernels with the norms, SiLU and residual adds inside: 6 launches a layer
-        instead of 9; with ``mlp`` off, the attention's projections only). Needs the fused
+        (Triton GEMV kernels with the norms, SiLU and residual adds inside: 5 launches a layer
+        instead of 8; with ``mlp`` off, the attention's projections only). Needs the fused
         kernels on (``use_fused_kernels``) and no q/k norm; returns whether the path is on."""
         from baton_kernels.triton.gemv import MAX_ROWS
 

@@ -1,7 +1,8 @@
 """The Triton backend: three launches per layer at most.
 
     write_kv_cache      all new tokens' K/V into the paged cache (or, through ``forward_rope``,
-                        the rotary kernel rotating q and k writes them: one launch fewer)
+                        the rotary kernel rotating q and k writes them: one launch fewer; on a
+                        decode-only step the decode kernel rotates and writes itself)
     decode_attention    the first ``num_decodes`` requests (flash-decoding, split over the keys)
     paged_attention     the remaining prefill chunks, causal over cached + new tokens
 
@@ -17,12 +18,17 @@ import torch
 
 from baton_kernels.attention.base import AttentionMetadata, KVCacheView
 from baton_kernels.triton.decode_attention import (
+    DecodeRope,
     choose_num_splits,
     decode_attention,
     split_counts,
 )
 from baton_kernels.triton.kv_write import write_kv_cache
 from baton_kernels.triton.paged_attention import paged_attention
+
+# forward_rope on a decode-only step: the decode kernel rotates q and writes the new K/V
+# itself (one launch a layer instead of two); False keeps the rotary kernel (for A/B runs).
+FUSE_DECODE_ROPE = True
 
 
 class _StepTensors(NamedTuple):
@@ -67,10 +73,17 @@ class TritonAttentionBackend:
         positions: torch.Tensor,  # [num_tokens]
         cos_sin: torch.Tensor,  # [max_positions, 2, head_dim]
     ) -> torch.Tensor:
-        """``forward`` of q and k rotated in place by ``positions`` (``fused.rotary_embedding_``),
-        the rotation and the cache write in one launch."""
+        """``forward`` of q and k rotated by ``positions`` (``fused.rotary_embedding_``), the
+        rotation and the cache write in one launch; on a decode-only step, in the decode
+        kernel's launch (``FUSE_DECODE_ROPE``; ``query`` and ``key`` are then left as they
+        are), else in place before the attention."""
         from baton_kernels.triton.fused_ops import rotary_embedding_and_write_kv_
 
+        if FUSE_DECODE_ROPE and metadata.num_decodes == metadata.num_reqs:
+            rope = DecodeRope(
+                positions, cos_sin, key, value, metadata.slot_block, metadata.slot_offset
+            )
+            return self._attend(query, kv_cache, metadata, scale, rope)
         rotary_embedding_and_write_kv_(
             query, key, value, positions, cos_sin, kv_cache.kv, metadata.slot_block,
             metadata.slot_offset,
@@ -78,7 +91,12 @@ class TritonAttentionBackend:
         return self._attend(query, kv_cache, metadata, scale)
 
     def _attend(
-        self, query: torch.Tensor, kv_cache: KVCacheView, md: AttentionMetadata, scale: float
+        self,
+        query: torch.Tensor,
+        kv_cache: KVCacheView,
+        md: AttentionMetadata,
+        scale: float,
+        rope: DecodeRope | None = None,  # a decode-only step's rotation and cache write
     ) -> torch.Tensor:
         step = self._step_tensors(md, kv_cache, query.device)
         out = query.new_empty(query.shape)
@@ -94,6 +112,7 @@ class TritonAttentionBackend:
                 md.block_tables[:nd],
                 scale,
                 step.num_splits,
+                rope=rope,
             )
         if nd < md.num_reqs:
             assert step.query_start_loc is not None and step.seq_lens is not None
@@ -110,19 +129,24 @@ class TritonAttentionBackend:
         return out
 
     def warmup(self, kv_cache: KVCacheView, num_heads: int) -> None:
-        """Compile every kernel variant a step can launch (one per decode split count, the
-        prefill kernel, the cache write) now, so that no request waits ~1 s for Triton's JIT
-        the first time a batch shape needs a new one. Writes nothing into the cache."""
+        """Compile every kernel variant a step can launch (two per decode split count, with and
+        without the rotation; the prefill kernel, the cache write) now, so that no request
+        waits ~1 s for Triton's JIT the first time a batch shape needs a new one. Writes
+        nothing into the cache."""
         kv = kv_cache.kv
         dev, head_dim = kv.device, kv.shape[-1]
         query = torch.randn((1, num_heads, head_dim), dtype=kv.dtype, device=dev)
         out = torch.empty_like(query)
         table = torch.zeros((1, 1), dtype=torch.int64, device=dev)
         one = torch.ones(1, dtype=torch.int64, device=dev)
+        key = torch.randn((1, kv.shape[3], head_dim), dtype=kv.dtype, device=dev)
+        cos_sin = torch.ones((1, 2, head_dim), device=dev)
+        skip = torch.full_like(one, -1)  # slot -1: no K/V written
         for splits in split_counts():
             decode_attention(query, kv_cache, out, one, table, 1.0, splits)
-        key = torch.randn((1, kv.shape[3], head_dim), dtype=kv.dtype, device=dev)
-        write_kv_cache(key, key, kv_cache, torch.full_like(one, -1), one)  # slot -1: skipped
+            rope = DecodeRope(one - 1, cos_sin, key, key, skip, one)
+            decode_attention(query, kv_cache, out, one, table, 1.0, splits, rope=rope)
+        write_kv_cache(key, key, kv_cache, skip, one)
         cu = torch.tensor([0, 1], dtype=torch.int32, device=dev)
         paged_attention(query, kv_cache, out, cu, one.to(torch.int32), table, 1.0, 1)
         paged_attention(query, kv_cache, out, cu, one.to(torch.int32), table, 1.0, 64)

@@ -6,7 +6,8 @@ Three attention kernels, each with a plain-PyTorch ``ref_*`` beside it:
 - ``paged_attention.paged_attention``: a mixed batch of variable-length query chunks, causal over
   each request's cached + new tokens, FlashAttention-style tiles with an online softmax.
 - ``decode_attention.decode_attention``: one query token per request, with long contexts split
-  across programs (flash-decoding) and the partial results merged by a reduce kernel.
+  across programs (flash-decoding) and the partial results merged by a reduce kernel; on a
+  decode-only step it can also rotate q and write the new token's rotated K and V itself.
 
 All of them read the cache through its strides (each layer's view into the block-major pool is not
 contiguous), accept any GQA ratio (query heads of one KV head are packed as rows of one tile, so 7

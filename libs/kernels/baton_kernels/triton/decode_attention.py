@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 from functools import cache
+from typing import NamedTuple
 
 import torch
 import triton
@@ -68,10 +69,31 @@ def _split_bounds(seq_len, NUM_SPLITS: tl.constexpr, TILE_N: tl.constexpr):
     return split_len, tl.maximum(tl.cdiv(seq_len, split_len), 1)
 
 
+@triton.jit
+def _rotated(
+    x_ptr, rows, row_ok, s_h, s_d, cs_ptr, s_cc, s_cd, offs_d, d_ok, HEAD_DIM: tl.constexpr
+):  # fmt: skip
+    """Rows ``rows`` of ``x`` (heads at stride ``s_h``) rotated by one position, whose cos row
+    is at ``cs_ptr`` and sin row ``s_cc`` after it (rotate-half layout), rounded to ``x``'s
+    dtype: ``fused_ops._rotate_heads`` over the whole head dim, each dim with its partner."""
+    partner = tl.where(offs_d < HEAD_DIM // 2, offs_d + HEAD_DIM // 2, offs_d - HEAD_DIM // 2)
+    mask = row_ok[:, None] & d_ok[None, :]
+    x = tl.load(x_ptr + rows[:, None] * s_h + offs_d[None, :] * s_d, mask=mask, other=0.0)
+    xp = tl.load(x_ptr + rows[:, None] * s_h + partner[None, :] * s_d, mask=mask, other=0.0)
+    dtype = x.dtype
+    # rounded to the activations' dtype first, as the model's ``cos_sin[positions].to(dtype)``
+    cos = tl.load(cs_ptr + offs_d * s_cd, mask=d_ok, other=0.0).to(dtype).to(tl.float32)
+    sin = tl.load(cs_ptr + s_cc + offs_d * s_cd, mask=d_ok, other=0.0).to(dtype).to(tl.float32)
+    sin = tl.where(offs_d < HEAD_DIM // 2, -sin, sin)  # rotate_half(x) = cat(-x2, x1)
+    return (x.to(tl.float32) * cos[None, :] + xp.to(tl.float32) * sin[None, :]).to(dtype)
+
+
 @triton.jit(
     do_not_specialize=["s_tb"],  # the table width changes from step to step
-    do_not_specialize_on_alignment=["seq_lens_ptr", "tables_ptr"],
-)
+    do_not_specialize_on_alignment=[
+        "seq_lens_ptr", "tables_ptr", "pos_ptr", "slot_block_ptr", "slot_offset_ptr"
+    ],
+)  # fmt: skip
 def _decode_kernel(
     q_ptr,
     kv_ptr,
@@ -94,6 +116,22 @@ def _decode_kernel(
     s_ch,
     s_cd,
     s_tb,
+    pos_ptr,  # ROPE: each request's position, the rotary table, the new K/V rows, their slots
+    cos_sin_ptr,
+    k_ptr,
+    v_ptr,
+    slot_block_ptr,
+    slot_offset_ptr,
+    s_csp,  # cos_sin strides: position, cos/sin, dim
+    s_csc,
+    s_csd,
+    s_kt,
+    s_kh,
+    s_kd,
+    s_vt,
+    s_vh,
+    s_vd,
+    ROPE: tl.constexpr,
     NUM_HEADS: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     GROUP: tl.constexpr,
@@ -126,11 +164,36 @@ def _decode_kernel(
     h_ok = offs_h < GROUP
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
-    q = tl.load(
-        q_ptr + b * s_qt + head[:, None] * s_qh + offs_d[None, :] * s_qd,
-        mask=h_ok[:, None] & d_ok[None, :],
-        other=0.0,
-    )
+    if ROPE:
+        # q rotated here, in every slice's program; the program of the last slice (which
+        # holds the new token) writes the rotated K and the V into the cache first
+        cs = cos_sin_ptr + tl.load(pos_ptr + b).to(tl.int64) * s_csp
+        q = _rotated(q_ptr + b * s_qt, head, h_ok, s_qh, s_qd, cs, s_csc, s_csd, offs_d, d_ok,
+                     HEAD_DIM)  # fmt: skip
+        if split == active - 1:
+            block = tl.load(slot_block_ptr + b).to(tl.int64)
+            if block >= 0:  # (a padding row's is negative)
+                one = offs_h == 0  # a tile of one row
+                rows = kv_head + 0 * offs_h
+                k_new = _rotated(k_ptr + b * s_kt, rows, one, s_kh, s_kd, cs, s_csc, s_csd,
+                                 offs_d, d_ok, HEAD_DIM)  # fmt: skip
+                mask = one[:, None] & d_ok[None, :]
+                v_new = tl.load(
+                    v_ptr + b * s_vt + rows[:, None] * s_vh + offs_d[None, :] * s_vd, mask=mask
+                )
+                dst = (
+                    kv_ptr + block * s_cb + tl.load(slot_offset_ptr + b).to(tl.int64) * s_cs
+                    + rows[:, None] * s_ch + offs_d[None, :] * s_cd
+                )  # fmt: skip
+                tl.store(dst, k_new, mask=mask)
+                tl.store(dst + s_ckv, v_new, mask=mask)
+            tl.debug_barrier()  # the stores are seen by this program's loads of its tiles
+    else:
+        q = tl.load(
+            q_ptr + b * s_qt + head[:, None] * s_qh + offs_d[None, :] * s_qd,
+            mask=h_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
     if UPCAST:
         q = q.to(tl.float32)
 
@@ -329,6 +392,18 @@ def split_counts() -> list[int]:
     return [1 << i for i in range(MAX_SPLITS.bit_length())]
 
 
+class DecodeRope(NamedTuple):
+    """What ``decode_attention`` needs to rotate q and write the new K/V itself (the work of
+    ``fused_ops.rotary_embedding_and_write_kv_`` for a decode-only step), one row a request."""
+
+    positions: torch.Tensor  # [num_decodes] int
+    cos_sin: torch.Tensor  # [max_positions, 2, head_dim] (cos then sin)
+    key: torch.Tensor  # [num_decodes, num_kv_heads, head_dim], not rotated, any strides
+    value: torch.Tensor  # [num_decodes, num_kv_heads, head_dim], any strides
+    slot_block: torch.Tensor  # [num_decodes] int: block id, < 0 to skip the row
+    slot_offset: torch.Tensor  # [num_decodes] int: offset inside that block
+
+
 def decode_attention(
     query: torch.Tensor,  # [num_decodes, num_heads, head_dim], any strides
     kv_cache: KVCacheView,
@@ -342,19 +417,30 @@ def decode_attention(
     num_warps: int | None = None,
     num_stages: int = 3,
     fuse_reduce: bool | None = None,
+    rope: DecodeRope | None = None,
 ) -> None:
     """Attention of each request's single query token over its ``seq_len`` cached keys (its own
     K/V included, written before). ``num_splits`` from ``choose_num_splits``, or fixed when the
     launch is captured in a CUDA graph. ``tile_n`` (keys per tile), ``num_warps`` and
     ``num_stages`` are tuning knobs (benchmarks/bench_attention_gpu.py --sweep); ``fuse_reduce``
     (default ``FUSE_REDUCE``) combines the splits in the last program instead of a second
-    launch."""
+    launch. With ``rope``, ``query`` is not rotated yet and the new tokens' K/V are not in the
+    cache: the kernel rotates q (leaving ``query`` as it is) and writes the rotated K and the
+    V at each request's slot before it reads the keys, one launch instead of two."""
     check_kv_cache(kv_cache, query)
     num_decodes, num_heads, head_dim = query.shape
     if num_decodes == 0:
         return
     kv = kv_cache.kv
     num_kv_heads = kv.shape[3]
+    if rope is not None:
+        _check_rope(rope, num_decodes, num_kv_heads, head_dim, query.dtype)
+        rope_args = (
+            rope.positions, rope.cos_sin, rope.key, rope.value, rope.slot_block,
+            rope.slot_offset, *rope.cos_sin.stride(), *rope.key.stride(), *rope.value.stride(),
+        )  # fmt: skip
+    else:
+        rope_args = (seq_lens,) * 6 + (0,) * 9  # unused pointers and strides
     group = num_heads // num_kv_heads
     bd = block_d(head_dim)
     # best of a sweep on an H200 (bench_attention_gpu.py --sweep configs), bf16
@@ -394,6 +480,8 @@ def decode_attention(
         *out.stride(),
         *kv.stride(),
         block_tables.stride(0),
+        *rope_args,
+        ROPE=rope is not None,
         NUM_HEADS=num_heads,
         NUM_SPLITS=num_splits,
         GROUP=group,
@@ -429,6 +517,22 @@ def decode_attention(
             TILE_N=tile_n,
             num_warps=2,
         )
+
+
+def _check_rope(
+    rope: DecodeRope, num_decodes: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> None:
+    rows = (num_decodes, num_kv_heads, head_dim)
+    for name in ("key", "value"):
+        t = getattr(rope, name)
+        if tuple(t.shape) != rows or t.dtype != dtype:
+            raise ValueError(f"rope.{name} must be {list(rows)} {dtype}, not {tuple(t.shape)}")
+    for name in ("positions", "slot_block", "slot_offset"):
+        if tuple(getattr(rope, name).shape) != (num_decodes,):
+            raise ValueError(f"rope.{name} must be [{num_decodes}]")
+    cs = rope.cos_sin
+    if cs.dim() != 3 or cs.shape[1] != 2 or cs.shape[2] != head_dim or head_dim % 2:
+        raise ValueError(f"rope.cos_sin must be [max_positions, 2, {head_dim}]: {tuple(cs.shape)}")
 
 
 def ref_decode_attention(
