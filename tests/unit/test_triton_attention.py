@@ -386,6 +386,27 @@ def test_decode_attention_rotates_and_writes_the_new_token_itself(
     assert torch.equal(query, unrotated[0]) and torch.equal(key, unrotated[1])
 
 
+def test_decode_attention_rejects_a_mismatched_rope() -> None:
+    from baton_kernels.triton.decode_attention import DecodeRope
+
+    batch = PagedBatch([5, 9], 16, 2, 64, torch.float32)
+    query = random_heads(2, 8, 64, torch.float32)
+    out = torch.empty_like(query)
+    lens = torch.tensor([5, 9], device=DEVICE)
+    two = torch.zeros(2, dtype=torch.int64, device=DEVICE)
+    key = random_heads(2, 2, 64, torch.float32)
+    cos_sin = torch.ones(16, 2, 64, device=DEVICE)
+    bad = {
+        "key": DecodeRope(two, cos_sin, key[:, :1], key, two, two),
+        "value": DecodeRope(two, cos_sin, key, key.to(torch.bfloat16), two, two),
+        "positions": DecodeRope(two[:1], cos_sin, key, key, two, two),
+        "cos_sin": DecodeRope(two, cos_sin[:, :, :32], key, key, two, two),
+    }
+    for name, rope in bad.items():
+        with pytest.raises(ValueError, match=f"rope.{name}"):
+            decode_attention(query, batch.cache, out, lens, batch.block_tables, 0.1, 1, rope=rope)
+
+
 def test_forward_rope_of_a_decode_only_step_runs_one_launch(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
