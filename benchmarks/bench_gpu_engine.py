@@ -10,7 +10,8 @@ Throughput (issue 5's workload): 256 prompts x 512 random token ids, 256 output 
 ignore_eos, greedy, bf16, dummy weights; max_num_seqs 64 and 256, and batch-1 decode; the same
 workload through transformers (sdpa, cuDNN SDPA off) in the same run; the share of the decode
 roofline (weights + KV bytes read per step over the device copy bandwidth, 4.28 TB/s on the
-H200); and per decode step the GPU time of the graph replay next to the step's wall time. Each
+H200); and per decode step the GPU time of the decode graph's replay (at the inputs of the
+run's last step with every row a request: ``FullStepRecorder``) next to the step's wall time. Each
 engine configuration runs in a fresh process (``--in-process`` builds them all in this one).
 Results are printed as they come and written to $OUT/bench_gpu_engine.json (benchmarks/out/
 without $OUT; or --output-json).
@@ -267,22 +268,46 @@ def roofline(mc: ModelConfig, batch: int, context: float, dtype_bytes: int = 2) 
     return batch / ((weight_bytes + kv_bytes) / COPY_BANDWIDTH)
 
 
-def graph_replay_seconds(core: EngineCore, batch: int, reps: int = 20) -> float | None:
-    graphs = core.runner.graphs
-    if graphs is None or not torch.cuda.is_available():
-        return None
-    size = graphs.padded_size(batch)
-    graph = graphs._graphs.get(size) if size is not None else None
-    if graph is None:
-        return None
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    graph.replay()
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return float(start.elapsed_time(end)) / reps / 1000
+class FullStepRecorder:
+    """Keeps the inputs of the last decode step that filled ``batch`` rows of the captured
+    graphs (``DecodeGraphs.run``'s arguments; a reference per step, no copy), so that the
+    graph's replay can be timed after the run at that state. The graph's buffers themselves
+    end the run holding its last step, whose rows are mostly padding (length 1) when the
+    requests finished at different steps: a replay then reads almost no KV."""
+
+    def __init__(self, core: EngineCore, batch: int) -> None:
+        self.graphs = core.runner.graphs
+        self.last: dict[str, Any] | None = None  # the step's numpy inputs, by argument name
+        if self.graphs is None:
+            return
+        run = self.graphs.run
+
+        def recording(**kw: Any) -> Any:
+            if len(kw["input_ids"]) == batch:
+                self.last = kw
+            return run(**kw)
+
+        self.graphs.run = recording  # type: ignore[method-assign]
+
+    def replay_seconds(self, reps: int = 20) -> float | None:
+        """The graph's GPU time at the recorded step (None without graphs or such a step)."""
+        graphs = self.graphs
+        if graphs is None or self.last is None or not torch.cuda.is_available():
+            return None
+        vars(graphs).pop("run", None)  # the class's own again
+        inputs = {k: v for k, v in self.last.items() if k not in ("patch", "host")}
+        size = graphs.padded_size(len(inputs["input_ids"]))
+        graph = graphs._graphs.get(size) if size is not None else None
+        if graph is None:
+            return None
+        graphs.run(**inputs)  # the step's inputs into the buffers, and one replay
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        return float(start.elapsed_time(end)) / reps / 1000
 
 
 def run_isolated(name: str, max_seqs: int, async_mode: bool, args: argparse.Namespace) -> None:
@@ -336,13 +361,14 @@ def bench_baton(name: str, model: Path, args: argparse.Namespace) -> None:
         core = engine(model, args, max_num_seqs=max_seqs, async_scheduling=async_scheduling)
         name_mode = f"{name}{'' if async_scheduling else ' (sync)'}"
         warm_up(core, mc, params)
+        recorder = FullStepRecorder(core, max_seqs)
         r = run_all(core, batch_prompts, params)
         n_out = sum(len(t) for t in r["tokens"].values())
         steps = [dt for b, dt in r["decode_steps"] if b == max_seqs] or [
             dt for _, dt in r["decode_steps"]
         ]
         step_wall = sorted(steps)[len(steps) // 2] if steps else float("nan")
-        replay = graph_replay_seconds(core, max_seqs)
+        replay = recorder.replay_seconds()
         if max_seqs == 1:
             tps = (len(steps) / sum(steps)) if steps else float("nan")
         else:

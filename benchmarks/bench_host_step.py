@@ -1,5 +1,6 @@
-"""Host time of a decode step on the GPU path, measured on any machine (issue 5: Qwen at 256 is
-host-bound on the H200).
+"""Host time of a decode step on the GPU path, measured on any machine (issue 5: Qwen at 256 was
+host-bound on the H200 until the eleventh session; the twenty-second found ~0.24 ms of slack a
+step there, benchmarks/device/qwen256_bound.sh).
 
     python benchmarks/bench_host_step.py [--batch 256] [--steps 200] [--profile]
 

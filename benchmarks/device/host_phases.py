@@ -1,4 +1,4 @@
-"""Where a decode step's host time goes on the GPU path (issue 5: Qwen at 256 is host-bound).
+"""Where a decode step's host time goes on the GPU path (issue 5: Qwen at 256, once host-bound).
 
     python benchmarks/device/host_phases.py [--shape qwen] [--batch 256]
 
