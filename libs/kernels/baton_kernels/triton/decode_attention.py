@@ -206,25 +206,24 @@ def _decode_kernel(
             v_vec = tl.sum(v_new.to(tl.float32), 0)  # row 0's: the others are zeros
             end = tl.minimum(end, seq_len - 1)
             full_end = start + (end - start) // TILE_N * TILE_N
-        else:
-            if split == active - 1:
-                block = tl.load(slot_block_ptr + b).to(tl.int64)
-                if block >= 0:  # (a padding row's is negative)
-                    one = offs_h == 0  # a tile of one row
-                    rows = kv_head + 0 * offs_h
-                    k_new = _rotated(k_ptr + b * s_kt, rows, one, s_kh, s_kd, cs, s_csc, s_csd,
-                                     offs_d, d_ok, HEAD_DIM)  # fmt: skip
-                    mask = one[:, None] & d_ok[None, :]
-                    v_new = tl.load(
-                        v_ptr + b * s_vt + rows[:, None] * s_vh + offs_d[None, :] * s_vd, mask=mask
-                    )
-                    dst = (
-                        kv_ptr + block * s_cb + tl.load(slot_offset_ptr + b).to(tl.int64) * s_cs
-                        + rows[:, None] * s_ch + offs_d[None, :] * s_cd
-                    )  # fmt: skip
-                    tl.store(dst, k_new, mask=mask)
-                    tl.store(dst + s_ckv, v_new, mask=mask)
-                tl.debug_barrier()  # the stores are seen by this program's loads of its tiles
+        elif split == active - 1:
+            block = tl.load(slot_block_ptr + b).to(tl.int64)
+            if block >= 0:  # (a padding row's is negative)
+                one = offs_h == 0  # a tile of one row
+                rows = kv_head + 0 * offs_h
+                k_new = _rotated(k_ptr + b * s_kt, rows, one, s_kh, s_kd, cs, s_csc, s_csd,
+                                 offs_d, d_ok, HEAD_DIM)  # fmt: skip
+                mask = one[:, None] & d_ok[None, :]
+                v_new = tl.load(
+                    v_ptr + b * s_vt + rows[:, None] * s_vh + offs_d[None, :] * s_vd, mask=mask
+                )
+                dst = (
+                    kv_ptr + block * s_cb + tl.load(slot_offset_ptr + b).to(tl.int64) * s_cs
+                    + rows[:, None] * s_ch + offs_d[None, :] * s_cd
+                )  # fmt: skip
+                tl.store(dst, k_new, mask=mask)
+                tl.store(dst + s_ckv, v_new, mask=mask)
+            tl.debug_barrier()  # the stores are seen by this program's loads of its tiles
     else:
         q = tl.load(
             q_ptr + b * s_qt + head[:, None] * s_qh + offs_d[None, :] * s_qd,
