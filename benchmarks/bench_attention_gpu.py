@@ -17,7 +17,6 @@ import argparse
 import functools
 import math
 import os
-import random
 import sys
 import time
 from collections.abc import Callable
@@ -54,6 +53,7 @@ if args.interpret:
 
 import torch  # noqa: E402
 import triton  # noqa: E402
+from kv_pools import scattered_pool  # noqa: E402
 
 from baton_kernels.attention import AttentionMetadata, KVCacheView  # noqa: E402
 from baton_kernels.attention.torch_backend import TorchAttentionBackend  # noqa: E402
@@ -88,19 +88,9 @@ def make_cache(
     seq_lens: list[int], num_kv_heads: int, head_dim: int
 ) -> tuple[KVCacheView, torch.Tensor]:
     """Layer 0 of a two-layer block-major pool, blocks scattered at random."""
-    bs = args.block_size
-    blocks = [math.ceil(s / bs) for s in seq_lens]
-    num_blocks = sum(blocks) + 1
-    pool = torch.empty(num_blocks, 2, 2, bs, num_kv_heads, head_dim, dtype=DTYPE, device=DEVICE)
-    pool.normal_()
-    order = list(range(num_blocks))
-    random.Random(0).shuffle(order)
-    table = torch.zeros(len(seq_lens), max(blocks), dtype=torch.int64)
-    at = 0
-    for i, n in enumerate(blocks):
-        table[i, :n] = torch.tensor(order[at : at + n])
-        at += n
-    return KVCacheView(pool[:, 0]), table.to(DEVICE)
+    return scattered_pool(
+        seq_lens, num_kv_heads, head_dim, block_size=args.block_size, dtype=DTYPE, device=DEVICE
+    )
 
 
 def decode_row(model: str, batch: int, context: int) -> str:

@@ -14,14 +14,15 @@ launch configurations; each output checked against ``ref_decode_attention``. (It
 from __future__ import annotations
 
 import functools
-import math
-import random
-from typing import Any
+import sys
+from pathlib import Path
 
 import torch
 import triton
 
-from baton_kernels.attention.base import KVCacheView
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kv_pools import scattered_pool
+
 from baton_kernels.triton.decode_attention import (
     choose_num_splits,
     decode_attention,
@@ -35,22 +36,6 @@ CONFIGS = {"qwen": [(128, 4, 3), (128, 4, 2), (64, 4, 3)], "llama": [(64, 2, 3),
 BLOCK = 16
 
 
-def pool_for(lens: list[int], kv_heads: int, dim: int, layers: int) -> tuple[KVCacheView, Any]:
-    blocks = [math.ceil(n / BLOCK) for n in lens]
-    num_blocks = sum(blocks) + 1
-    pool = torch.empty(num_blocks, layers, 2, BLOCK, kv_heads, dim, dtype=torch.bfloat16,
-                       device="cuda")  # fmt: skip
-    pool.normal_()
-    order = list(range(num_blocks))
-    random.Random(0).shuffle(order)
-    table = torch.zeros(len(lens), max(blocks), dtype=torch.int64)
-    at = 0
-    for i, n in enumerate(blocks):
-        table[i, :n] = torch.tensor(order[at : at + n])
-        at += n
-    return KVCacheView(pool[:, layers // 2]), table.cuda()
-
-
 def main() -> None:
     torch.manual_seed(0)
     print("model  batch ctx layers splits config        GB/s   (max err)")
@@ -62,7 +47,10 @@ def main() -> None:
         splits = choose_num_splits(batch, kv_heads, max(lens), torch.device("cuda"))
         nbytes = sum(lens) * kv_heads * dim * 2 * 2
         for layers in (2, num_layers):
-            cache, table = pool_for(lens, kv_heads, dim, layers)
+            cache, table = scattered_pool(
+                lens, kv_heads, dim, block_size=BLOCK, dtype=torch.bfloat16,
+                device=torch.device("cuda"), num_layers=layers, layer=layers // 2,
+            )  # fmt: skip
             want = ref_decode_attention(q[:4], cache, lens[:4], table[:4], dim**-0.5)
             for tile, warps, stages in CONFIGS[model]:
                 out = torch.full_like(q, float("nan"))
