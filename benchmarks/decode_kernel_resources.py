@@ -4,10 +4,9 @@ ptxas its package carries, and cuobjdump reads the cubin's resource usage.
 
     python benchmarks/decode_kernel_resources.py
 
-One line per (shape, variant): the launch configurations the engine uses for Qwen2.5-0.5B at
-256 requests (one split) and Llama-3.1-8B at batch 1 (64 splits), with the rotation inside the
-kernel, the new token's K/V read back from the cache or attended from registers
-(``NEW_KEY_IN_REGS``). Registers per thread set how many programs fit on an SM (65,536 per SM).
+One line per shape: the launch configurations the engine uses for Qwen2.5-0.5B at 256 requests
+(one split) and Llama-3.1-8B at batch 1 (64 splits), with the rotation inside the kernel.
+Registers per thread set how many programs fit on an SM (65,536 per SM).
 """
 
 from __future__ import annotations
@@ -35,13 +34,13 @@ UNIT_STRIDES = {"s_qd", "s_od", "s_cd", "s_kd", "s_vd", "s_csd"}  # specialized 
 SHAPES = {"qwen 256": (64, 7, 14, 128, 4, 3, 1), "llama b1": (128, 4, 32, 64, 2, 3, 64)}
 
 
-def compile_decode(shape: tuple[int, ...], new_key_in_regs: bool) -> triton.compiler.CompiledKernel:
+def compile_decode(shape: tuple[int, ...]) -> triton.compiler.CompiledKernel:
     head_dim, group, num_heads, tile_n, num_warps, num_stages, splits = shape
     consts = dict(
         ROPE=True, NUM_HEADS=num_heads, NUM_SPLITS=splits, GROUP=group, HEAD_DIM=head_dim,
         BLOCK_D=head_dim, BLOCK_SIZE=16, BLOCK_H=16, TILE_N=tile_n, UPCAST=False,
         DOT_PREC="ieee", FUSE_REDUCE=splits > 1, BLOCK_S=splits, UNROLL=min(8, splits),
-        NEW_KEY_IN_REGS=new_key_in_regs, PDL=True,
+        PDL=True,
     )  # fmt: skip
     signature: dict[str, str] = {}
     constexprs: dict[tuple[int, ...], object] = {}
@@ -63,18 +62,17 @@ def compile_decode(shape: tuple[int, ...], new_key_in_regs: bool) -> triton.comp
 def main() -> None:
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
     for label, shape in SHAPES.items():
-        for regs in (False, True):
-            kernel = compile_decode(shape, regs)
-            with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-                f.write(kernel.asm["cubin"])
-                f.flush()
-                cmd = [cuobjdump, "--dump-resource-usage", f.name]
-                usage = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-            found = re.search(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", usage)
-            reg, stack, local = found.groups() if found else ("?", "?", "?")
-            shared = kernel.metadata.shared
-            print(f"{label:9} new key in registers {regs!s:5}: {reg} registers, stack {stack}, "
-                  f"local (spills) {local}, dynamic shared {shared} bytes")  # fmt: skip
+        kernel = compile_decode(shape)
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(kernel.asm["cubin"])
+            f.flush()
+            cmd = [cuobjdump, "--dump-resource-usage", f.name]
+            usage = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+        found = re.search(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", usage)
+        reg, stack, local = found.groups() if found else ("?", "?", "?")
+        shared = kernel.metadata.shared
+        print(f"{label:9}: {reg} registers, stack {stack}, local (spills) {local}, "
+              f"dynamic shared {shared} bytes")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -59,11 +59,6 @@ MIN_SPLIT_TOKENS = 64
 MAX_SPLITS = 64
 FUSE_REDUCE = True  # the default of decode_attention's fuse_reduce
 COMBINE_UNROLL = 8  # partials the reduce reads per loop iteration
-# With ``rope``: the new token's K/V enter the attention from registers, as one more key after
-# the cached ones (nothing in the launch reads their cache slot back), instead of being written,
-# then a barrier, then read back with the keys. The loop then waits for no store. Not yet
-# measured on a GPU, so off by default (benchmarks/device/ab_new_key.sh measures it).
-NEW_KEY_IN_REGISTERS = False
 
 
 @triton.jit
@@ -150,7 +145,6 @@ def _decode_kernel(
     FUSE_REDUCE: tl.constexpr,
     BLOCK_S: tl.constexpr,
     UNROLL: tl.constexpr,
-    NEW_KEY_IN_REGS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_begin(PDL)
@@ -176,37 +170,7 @@ def _decode_kernel(
         cs = cos_sin_ptr + tl.load(pos_ptr + b).to(tl.int64) * s_csp
         q = _rotated(q_ptr + b * s_qt, head, h_ok, s_qh, s_qd, cs, s_csc, s_csd, offs_d, d_ok,
                      HEAD_DIM)  # fmt: skip
-        if NEW_KEY_IN_REGS:
-            # The last slice's program (its slice holds the new token, at seq_len - 1) writes
-            # the new K/V and keeps their score and V (the others: -inf and zeros); every
-            # program reads only the cached keys, before seq_len - 1, so no read waits for
-            # the write.
-            last = split == active - 1
-            new_block = tl.load(slot_block_ptr + b, mask=last, other=-1).to(tl.int64)
-            new_offset = tl.load(slot_offset_ptr + b, mask=last, other=0).to(tl.int64)
-            new_row = (offs_h == 0) & last
-            new_heads = kv_head + 0 * offs_h
-            new_mask = new_row[:, None] & d_ok[None, :]
-            k_new = _rotated(k_ptr + b * s_kt, new_heads, new_row, s_kh, s_kd, cs, s_csc,
-                             s_csd, offs_d, d_ok, HEAD_DIM)  # fmt: skip
-            v_new = tl.load(
-                v_ptr + b * s_vt + new_heads[:, None] * s_vh + offs_d[None, :] * s_vd,
-                mask=new_mask,
-                other=0.0,
-            )
-            dst = (
-                kv_ptr + new_block * s_cb + new_offset * s_cs
-                + new_heads[:, None] * s_ch + offs_d[None, :] * s_cd
-            )  # fmt: skip
-            new_mask = new_mask & (new_block >= 0)  # (a padding row's block is negative)
-            tl.store(dst, k_new, mask=new_mask)
-            tl.store(dst + s_ckv, v_new, mask=new_mask)
-            s_new = tl.sum(q.to(tl.float32) * tl.sum(k_new.to(tl.float32), 0)[None, :], 1)
-            s_new = tl.where(last, s_new * qk_scale, float("-inf"))
-            v_vec = tl.sum(v_new.to(tl.float32), 0)  # row 0's: the others are zeros
-            end = tl.minimum(end, seq_len - 1)
-            full_end = start + (end - start) // TILE_N * TILE_N
-        elif split == active - 1:
+        if split == active - 1:
             block = tl.load(slot_block_ptr + b).to(tl.int64)
             if block >= 0:  # (a padding row's is negative)
                 one = offs_h == 0  # a tile of one row
@@ -255,9 +219,6 @@ def _decode_kernel(
         s = tl.dot(q, k, input_precision=DOT_PREC) * qk_scale
         s = tl.where(pos_ok[None, :], s, float("-inf"))
         m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, DOT_PREC)
-    if ROPE:  # noqa: SIM102 (nested: Triton 3.6 may not fold `and` of constexprs)
-        if NEW_KEY_IN_REGS:  # the new token: one more key, after the cached ones
-            m_i, l_i, acc = _attend_one_key(s_new, v_vec, m_i, l_i, acc, v_new.dtype)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     if NUM_SPLITS == 1:
@@ -288,20 +249,6 @@ def _decode_kernel(
                     s_ot, s_oh, s_od, NUM_HEADS, NUM_SPLITS, HEAD_DIM, BLOCK_H, BLOCK_D, BLOCK_S,
                     UNROLL,
                 )  # fmt: skip
-
-
-@triton.jit
-def _attend_one_key(s_new, v_vec, m_i, l_i, acc, v_dtype: tl.constexpr):
-    """One online-softmax step over a single key: its scores ``s_new`` ``[BLOCK_H]`` (scaled,
-    -inf where it does not count) and its value ``v_vec`` ``[BLOCK_D]``. Its probability is
-    rounded to ``v_dtype``, as the loop's ``p @ V`` rounds it."""
-    m_new = tl.maximum(m_i, s_new)
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s_new - m_safe)
-    l_i = l_i * alpha + p
-    p = p.to(v_dtype).to(tl.float32)
-    return m_new, l_i, acc * alpha[:, None] + p[:, None] * v_vec[None, :]
 
 
 @triton.jit
@@ -471,7 +418,6 @@ def decode_attention(
     num_stages: int = 3,
     fuse_reduce: bool | None = None,
     rope: DecodeRope | None = None,
-    new_key_in_registers: bool | None = None,
 ) -> None:
     """Attention of each request's single query token over its ``seq_len`` cached keys (its own
     K/V included, written before). ``num_splits`` from ``choose_num_splits``, or fixed when the
@@ -480,9 +426,7 @@ def decode_attention(
     (default ``FUSE_REDUCE``) combines the splits in the last program instead of a second
     launch. With ``rope``, ``query`` is not rotated yet and the new tokens' K/V are not in the
     cache: the kernel rotates q (leaving ``query`` as it is) and writes the rotated K and the
-    V at each request's slot before it reads the keys, one launch instead of two
-    (``new_key_in_registers``, default ``NEW_KEY_IN_REGISTERS``: it attends to the new token's
-    K/V from registers and reads only the cached keys from the cache)."""
+    V at each request's slot before it reads the keys, one launch instead of two."""
     check_kv_cache(kv_cache, query)
     num_decodes, num_heads, head_dim = query.shape
     if num_decodes == 0:
@@ -551,9 +495,6 @@ def decode_attention(
         FUSE_REDUCE=fuse_reduce,
         BLOCK_S=next_pow2(num_splits),
         UNROLL=min(COMBINE_UNROLL, num_splits),
-        NEW_KEY_IN_REGS=(
-            NEW_KEY_IN_REGISTERS if new_key_in_registers is None else new_key_in_registers
-        ),
         num_warps=num_warps,
         num_stages=num_stages,
         **pdl,
