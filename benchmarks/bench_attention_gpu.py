@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import math
 import os
 import sys
@@ -39,7 +40,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--contexts", default=None, help="default 512,1024,2048,4096,8192")
     p.add_argument("--no-prefill", action="store_true")
     p.add_argument(
-        "--sweep", default="", help="comma-separated: configs (decode launch), splits (decode)"
+        "--sweep",
+        default="",
+        help="comma-separated: configs (decode launch), splits (decode), prefill (launch)",
+    )
+    p.add_argument(
+        "--best-out", default="", help="--sweep prefill writes its best launch per head size here"
     )
     p.add_argument(
         "--points", default="", help="the sweeps' points instead of theirs: model:batch:context,..."
@@ -62,7 +68,12 @@ from baton_kernels.triton.decode_attention import (  # noqa: E402
     decode_attention,
     ref_decode_attention,
 )
-from baton_kernels.triton.paged_attention import paged_attention, ref_paged_attention  # noqa: E402
+from baton_kernels.triton.paged_attention import (  # noqa: E402
+    LONG_CHUNK_CONFIGS,
+    PrefillConfig,
+    paged_attention,
+    ref_paged_attention,
+)
 
 DEVICE = torch.device(args.device)
 DTYPE = getattr(torch, DTYPES[args.dtype])
@@ -223,32 +234,105 @@ def sweep_point(model: str, batch: int, context: int) -> str:
     return f"{model:6} b{batch:<4} ctx {context:5} splits {splits:2}: default {base:.0f}; {top}"
 
 
+class PrefillCase:
+    """``num_chunks`` query chunks of ``chunk`` tokens, each over ``context`` cached keys (its
+    new tokens' K/V already in the cache), with the reference output of the first chunk."""
+
+    def __init__(self, model: str, num_chunks: int, chunk: int, context: int) -> None:
+        num_heads, num_kv_heads, self.head_dim = MODELS[model]
+        self.chunk = chunk
+        seq_lens = [context + chunk] * num_chunks
+        self.cache, self.tables = make_cache(seq_lens, num_kv_heads, self.head_dim)
+        qsl = [i * chunk for i in range(num_chunks + 1)]
+        self.query = torch.randn(qsl[-1], num_heads, self.head_dim, device=DEVICE).to(DTYPE)
+        self.out = torch.empty_like(self.query)
+        self.qsl = torch.tensor(qsl, dtype=torch.int32, device=DEVICE)
+        self.lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+        self.scale = self.head_dim**-0.5
+        self.want = ref_paged_attention(
+            self.query[:chunk], self.cache, qsl[:2], seq_lens[:1], self.tables[:1], self.scale
+        )[:chunk]
+        # causal: each query row sees context + its position + 1 keys; 2 matmuls of 2 flops each
+        keys = num_chunks * (chunk * context + chunk * (chunk + 1) / 2)
+        self.flops = 4 * keys * num_heads * self.head_dim
+
+    def run(self, config: PrefillConfig | None = None) -> None:
+        paged_attention(
+            self.query, self.cache, self.out, self.qsl, self.lens, self.tables, self.scale,
+            self.chunk, config=config,
+        )  # fmt: skip
+
+    def error(self) -> float:
+        return float((self.out[: self.chunk].float() - self.want).abs().max().item())
+
+    def tflops(self, config: PrefillConfig | None = None) -> tuple[float, str]:
+        """TFLOP/s (graph-timed) and "ok"/"FAIL" for the first chunk's output."""
+        self.out.fill_(float("nan"))
+        self.run(config)
+        ok = "ok" if self.error() <= TOL[DTYPE] * 4 else "FAIL"
+        return self.flops / bench_ms(functools.partial(self.run, config)) / 1e9, ok
+
+
 def prefill_row(model: str, num_chunks: int, chunk: int, context: int) -> str:
-    num_heads, num_kv_heads, head_dim = MODELS[model]
-    seq_lens = [context + chunk] * num_chunks
-    cache, tables = make_cache(seq_lens, num_kv_heads, head_dim)
-    qsl = [i * chunk for i in range(num_chunks + 1)]
-    query = torch.randn(qsl[-1], num_heads, head_dim, device=DEVICE).to(DTYPE)
-    out = torch.empty_like(query)
-    qsl_t = torch.tensor(qsl, dtype=torch.int32, device=DEVICE)
-    lens_t = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
-    scale = head_dim**-0.5
-
-    def run() -> None:
-        paged_attention(query, cache, out, qsl_t, lens_t, tables, scale, chunk)
-
-    run()
-    want = ref_paged_attention(query[:chunk], cache, qsl[:2], seq_lens[:1], tables[:1], scale)
-    err = (out[:chunk].float() - want[:chunk]).abs().max().item()
-    ok = "ok" if err <= TOL[DTYPE] * 4 else "FAIL"
-    t = bench_ms(run)
-    # causal: each query row sees context + its position + 1 keys; 2 matmuls of 2 flops each
-    keys = num_chunks * (chunk * context + chunk * (chunk + 1) / 2)
-    flops = 4 * keys * num_heads * head_dim
+    case = PrefillCase(model, num_chunks, chunk, context)
+    tflops, ok = case.tflops()
+    t = case.flops / tflops / 1e9
     return (
         f"{model:6} {num_chunks:6} {chunk:6} {context:7} {t * 1e3:10.1f} "
-        f"{flops / t / 1e9:8.1f}  {err:.1e} {ok}"
+        f"{tflops:8.1f}  {case.error():.1e} {ok}"
     )
+
+
+def measure_prefill(
+    cases: list[PrefillCase], config: PrefillConfig, default: bool
+) -> tuple[float, list[str]]:
+    """The geometric mean of TFLOP/s over the cases (0 if any failed) and each case's cell,
+    printed as a line (marked * for the default launch)."""
+    cells, logs = [], 0.0
+    for case in cases:
+        try:
+            tflops, ok = case.tflops(config)
+        except Exception as e:  # e.g. out of shared memory for big tiles
+            cells.append(type(e).__name__)
+            logs = -math.inf
+            break
+        cells.append(f"{tflops:6.1f}{'' if ok == 'ok' else ' FAIL'}")
+        logs += math.log(tflops) if ok == "ok" else -math.inf
+    mean = math.exp(logs / len(cases))
+    print(f"  {'*' if default else ' '}{tuple(config)!s:30} mean {mean:6.1f}: " + " ".join(cells))
+    return mean, cells
+
+
+def sweep_prefill() -> dict[int, PrefillConfig]:
+    """Prompt-attention launches (rows, keys per tile, warps, stages) at the issue's prompt step
+    (32 chunks of 512), one 8,192-token prompt and 8 chunks of 512 over 4,096 cached keys; the
+    top three by geometric mean again with the heaviest q-blocks first. Returns the best launch
+    per head size."""
+    points = [(32, 512, 0), (1, 8192, 0), (8, 512, 4096)]
+    configs = [
+        PrefillConfig(r, t, w, st)
+        for r in (64, 128) for t in (32, 64, 128) for w in (4, 8) for st in (2, 3, 4)
+    ]  # fmt: skip
+    best: dict[int, PrefillConfig] = {}
+    print("\n## prefill sweep: TFLOP/s at (chunks, chunk, context) for (rows, tile, warps, stages)")
+    for model in args.models.split(","):
+        cases = [PrefillCase(model, *p) for p in points]
+        default = LONG_CHUNK_CONFIGS[cases[0].head_dim]
+        print(f"{model}: points {points}; the default is marked *")
+        results: dict[PrefillConfig, tuple[float, list[str]]] = {}
+        for c in configs:
+            results[c] = measure_prefill(cases, c, c == default)
+        for c in sorted(results, key=lambda c: -results[c][0])[:3]:
+            heavy = c._replace(heavy_first=True)
+            results[heavy] = measure_prefill(cases, heavy, heavy == default)
+        if default not in results:
+            results[default] = measure_prefill(cases, default, True)
+        ranked = sorted(results, key=lambda c: -results[c][0])
+        print(f"{model} best: " + ", ".join(f"{tuple(c)} {results[c][0]:.1f}" for c in ranked[:4]))
+        best[cases[0].head_dim] = ranked[0]
+        del cases
+        torch.cuda.empty_cache()
+    return best
 
 
 def main() -> None:
@@ -275,6 +359,11 @@ def main() -> None:
         sweep_configs()
     if "splits" in sweeps and DEVICE.type == "cuda":
         sweep_splits()
+    if "prefill" in sweeps and DEVICE.type == "cuda":
+        best = sweep_prefill()
+        if args.best_out:
+            with open(args.best_out, "w") as f:
+                json.dump({d: list(c) for d, c in best.items()}, f)
     if args.no_prefill:
         return
     print("\n## prefill chunks over cached context (mixed-batch kernel): time in us, TFLOP/s")

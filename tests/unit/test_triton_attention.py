@@ -37,6 +37,7 @@ from baton_kernels.triton.decode_attention import (
 from baton_kernels.triton.fused_ops import ref_rotary_embedding
 from baton_kernels.triton.kv_write import ref_write_kv_cache, write_kv_cache
 from baton_kernels.triton.paged_attention import (
+    PrefillConfig,
     paged_attention,
     ref_paged_attention,
 )
@@ -144,6 +145,35 @@ def test_paged_attention_matches_reference(
         max(n for _, n in specs),
     )
     want = ref_paged_attention(query, batch.cache, qsl, batch.seq_lens, batch.block_tables, scale)
+    assert_close(out, want, dtype)
+
+
+@pytest.mark.parametrize("head_dim", HEAD_SIZES)
+@pytest.mark.parametrize(
+    "config",
+    [
+        PrefillConfig(128, 32, 8, 3, True),
+        PrefillConfig(64, 128, 4, 4),
+        PrefillConfig(128, 64, 4, 2),
+    ],
+    ids=str,
+)
+def test_paged_attention_launches_agree(head_dim: int, config: PrefillConfig) -> None:
+    """Other launches of the prompt kernel (``config``: more tile rows, other key tiles, the
+    heaviest q-blocks first) give the reference's output: 7 query heads a KV head, chunks over
+    context, one longer than a 128-row tile's tokens."""
+    dtype, num_heads, num_kv_heads = torch.bfloat16, 14, 2
+    specs = [(0, 45), (70, 13), (129, 30), (0, 1)]
+    batch = PagedBatch([c + n for c, n in specs], 16, num_kv_heads, head_dim, dtype)
+    qsl = [0]
+    for _, n in specs:
+        qsl.append(qsl[-1] + n)
+    query = random_heads(qsl[-1], num_heads, head_dim, dtype)
+    out = torch.full(query.shape, POISON, dtype=dtype, device=DEVICE)
+    lens = torch.tensor(batch.seq_lens, dtype=torch.int32, device=DEVICE)
+    cu = torch.tensor(qsl, dtype=torch.int32, device=DEVICE)
+    paged_attention(query, batch.cache, out, cu, lens, batch.block_tables, 0.1, 45, config=config)
+    want = ref_paged_attention(query, batch.cache, qsl, batch.seq_lens, batch.block_tables, 0.1)
     assert_close(out, want, dtype)
 
 

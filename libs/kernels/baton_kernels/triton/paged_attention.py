@@ -19,12 +19,14 @@ below the first row's diagonal run without a mask.
 
 Programs are numbered per request: request ``i``'s q-blocks start at ``query_start_loc[i] //
 BLOCK_Q + i``, which leaves a few idle programs but lets each find its request by binary search
-with no host-side work list.
+with no host-side work list. ``HEAVY_FIRST`` walks that numbering backwards, so each request's
+last q-blocks (the most keys, under the causal mask) start first and the grid ends on light ones.
 """
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import triton
@@ -41,6 +43,28 @@ from baton_kernels.triton.common import (
     online_softmax_step,
     upcast_in_kernel,
 )
+
+
+class PrefillConfig(NamedTuple):
+    """A launch of the kernel: tile rows (query tokens x the group's heads), keys per tile,
+    warps, software-pipeline stages, and the program order (``HEAVY_FIRST``)."""
+
+    rows: int
+    tile_n: int
+    num_warps: int
+    num_stages: int
+    heavy_first: bool = False
+
+
+# The launch for chunks longer than a few tokens of 16-bit queries, by padded head size: the best
+# of 39 (mean TFLOP/s over 32 x 512 tokens, 1 x 8,192 and 8 x 512 over 4,096 cached; H200,
+# benchmarks/device/ab_prefill.sh). Against 64 rows, 64-key tiles, 4 warps, 2 stages (kept for
+# float32 and other head sizes): Qwen's shape (head 64) 250 against 219 TFLOP/s, Llama's (128)
+# 292 against 262.
+LONG_CHUNK_CONFIGS = {
+    64: PrefillConfig(128, 64, 8, 2, heavy_first=True),
+    128: PrefillConfig(128, 32, 4, 3, heavy_first=True),
+}
 
 
 @triton.jit
@@ -95,8 +119,11 @@ def _paged_attention_kernel(
     TILE_N: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    HEAVY_FIRST: tl.constexpr,
 ):
     pid = tl.program_id(0)
+    if HEAVY_FIRST:
+        pid = tl.num_programs(0) - 1 - pid
     kv_head = tl.program_id(1)
     q_base = tl.load(cu_q_ptr)
     req = _find_request(cu_q_ptr, q_base, pid, num_reqs, BLOCK_Q)
@@ -167,10 +194,14 @@ def paged_attention(
     block_tables: torch.Tensor,  # [num_reqs, max_blocks] int
     scale: float,
     max_query_len: int,
+    *,
+    config: PrefillConfig | None = None,
 ) -> None:
     """Causal attention of each request's query chunk over its ``seq_len`` cached keys. Token
     indices in ``query_start_loc`` index ``query`` and ``out`` directly, so a slice of a larger
-    batch (the prefills after its decodes) is passed without copying."""
+    batch (the prefills after its decodes) is passed without copying. ``config`` overrides the
+    launch of chunks longer than a few tokens (benchmarks/bench_attention_gpu.py --sweep
+    prefill)."""
     check_kv_cache(kv_cache, query)
     num_reqs = int(seq_lens.shape[0])
     num_tokens, num_heads, head_dim = query.shape
@@ -179,13 +210,17 @@ def paged_attention(
     kv = kv_cache.kv
     num_kv_heads = kv.shape[3]
     group = num_heads // num_kv_heads
+    bd = block_d(head_dim)
     # Short chunks (decodes) get small tiles so few rows are wasted; long ones amortise K/V reads.
-    rows = 64 if max_query_len * group > 16 else 16
-    block_m = max(rows, next_pow2(group))
+    tile_n = 64 if bd <= 128 else 32
+    if max_query_len * group > 16:
+        tuned = LONG_CHUNK_CONFIGS.get(bd) if query.element_size() == 2 else None
+        cfg = config or tuned or PrefillConfig(64, tile_n, 4, 2)
+    else:
+        cfg = PrefillConfig(16, tile_n, 4, 2)
+    block_m = max(cfg.rows, next_pow2(group))
     block_q = block_m // group
     grid = (num_tokens // block_q + num_reqs, num_kv_heads)
-    bd = block_d(head_dim)
-    tile_n = 64 if bd <= 128 else 32
     _paged_attention_kernel[grid](
         query,
         kv,
@@ -205,11 +240,12 @@ def paged_attention(
         BLOCK_SIZE=kv_cache.block_size,
         BLOCK_M=block_m,
         BLOCK_Q=block_q,
-        TILE_N=tile_n,
+        TILE_N=cfg.tile_n,
         UPCAST=upcast_in_kernel(query),
         DOT_PREC=dot_precision(query.dtype),
-        num_warps=4,
-        num_stages=2,
+        HEAVY_FIRST=cfg.heavy_first,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
 
 
