@@ -80,6 +80,7 @@ def engine(model: Path, args: argparse.Namespace, **kw: Any) -> EngineCore:
         max_model_len=max(args.prompt_len + args.output_len + 16, 256),
         max_num_seqs=args.num_prompts,
         max_num_batched_tokens=getattr(args, "max_num_batched_tokens", None),
+        block_size=getattr(args, "block_size", None) or EngineConfig.block_size,
         # alone in its process, the server's default; else room for what an earlier engine in
         # this process may not have freed
         gpu_memory_utilization=0.9 if args.only_config else 0.6,
@@ -327,6 +328,8 @@ def run_isolated(name: str, max_seqs: int, async_mode: bool, args: argparse.Name
             cmd.append("--tiny")
         if args.max_num_batched_tokens is not None:
             cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+        if args.block_size is not None:
+            cmd += ["--block-size", str(args.block_size)]
         subprocess.run(cmd, check=True)
         child = json.loads(out.read_text())
     RESULTS["throughput"] += child["throughput"]
@@ -467,6 +470,7 @@ def main() -> int:
     p.add_argument(
         "--max-num-batched-tokens", type=int, help="the step budget (default: the engine's)"
     )
+    p.add_argument("--block-size", type=int, help="tokens per KV block (default: the engine's, 16)")
     p.add_argument(
         "--compare-sync", default="", help="batches (as --batches) to run without async too"
     )

@@ -9,6 +9,11 @@ only ~2.5 TB/s where that benchmark saw ~3.3. For each point: graph-timed GB/s o
 with a 2-layer pool and with the model's own layer count, blocks scattered at random, for a few
 launch configurations; each output checked against ``ref_decode_attention``. (Its first run,
 2026-12-01, also compared two grid orders through a kernel parameter since removed.)
+
+Those rows replay one layer, whose ~72 MB at Qwen's 256 x 550 partly stay in the H200's L2
+(60 MiB) from one replay to the next. The "all" rows replay one launch per layer, every layer
+in turn, as a decode step does (each layer's KV read once per graph replay, after the other
+layers' traffic), at block sizes 16 and 32, in the engine's launch configuration.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import torch
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kv_pools import scattered_pool
+from kv_pools import scattered_pool, scattered_pool_layers
 
 from baton_kernels.triton.decode_attention import (
     choose_num_splits,
@@ -66,6 +71,33 @@ def main() -> None:
                       f"{nbytes / ms / 1e6:6.0f}   ({err:.1e})", flush=True)  # fmt: skip
             del cache, table
             torch.cuda.empty_cache()
+        for block in (16, 32):
+            print(every_layer(model, lens, q, seq, splits, nbytes, block), flush=True)
+            torch.cuda.empty_cache()
+
+
+def every_layer(
+    model: str, lens: list[int], q: torch.Tensor, seq: torch.Tensor, splits: int, nbytes: int,
+    block: int,
+) -> str:  # fmt: skip
+    """GB/s of one graph that runs the decode kernel over each of the model's layers in turn."""
+    _, kv_heads, dim, num_layers = MODELS[model]
+    views, table = scattered_pool_layers(
+        lens, kv_heads, dim, block_size=block, dtype=torch.bfloat16,
+        device=q.device, num_layers=num_layers,
+    )  # fmt: skip
+    out = torch.full_like(q, float("nan"))
+
+    def run() -> None:
+        for view in views:
+            decode_attention(q, view, out, seq, table, dim**-0.5, splits)
+
+    want = ref_decode_attention(q[:4], views[-1], lens[:4], table[:4], dim**-0.5)
+    run()
+    err = (out[:4].float() - want).abs().max().item()
+    ms = triton.testing.do_bench_cudagraph(run, rep=50) / num_layers
+    return (f"{model:6} {q.shape[0]:5} {max(lens):4} {'all':>6} {splits:6} "
+            f"{f'block {block}':12} {nbytes / ms / 1e6:6.0f}   ({err:.1e})")  # fmt: skip
 
 
 if __name__ == "__main__":
