@@ -99,9 +99,10 @@ def make_cache(
     seq_lens: list[int], num_kv_heads: int, head_dim: int
 ) -> tuple[KVCacheView, torch.Tensor]:
     """Layer 0 of a two-layer block-major pool, blocks scattered at random."""
-    return scattered_pool(
+    views, table = scattered_pool(
         seq_lens, num_kv_heads, head_dim, block_size=args.block_size, dtype=DTYPE, device=DEVICE
     )
+    return views[0], table
 
 
 def decode_row(model: str, batch: int, context: int) -> str:

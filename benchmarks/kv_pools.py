@@ -20,29 +20,10 @@ def scattered_pool(
     dtype: torch.dtype,
     device: torch.device,
     num_layers: int = 2,
-    layer: int = 0,
-) -> tuple[KVCacheView, torch.Tensor]:
-    """Layer ``layer`` of a pool of ``num_layers`` layers (a block holds every layer's K/V, as
-    the engine's pool does) with room for ``seq_lens``, and the requests' block tables
-    ``[num_reqs, max_blocks]``: blocks assigned in a shuffled order (seeded)."""
-    views, table = scattered_pool_layers(
-        seq_lens, num_kv_heads, head_dim, block_size=block_size, dtype=dtype, device=device,
-        num_layers=num_layers,
-    )  # fmt: skip
-    return views[layer], table
-
-
-def scattered_pool_layers(
-    seq_lens: list[int],
-    num_kv_heads: int,
-    head_dim: int,
-    *,
-    block_size: int,
-    dtype: torch.dtype,
-    device: torch.device,
-    num_layers: int,
 ) -> tuple[list[KVCacheView], torch.Tensor]:
-    """``scattered_pool``, every layer's view."""
+    """Every layer's view of a pool of ``num_layers`` layers (a block holds every layer's K/V,
+    as the engine's pool does) with room for ``seq_lens``, and the requests' block tables
+    ``[num_reqs, max_blocks]``: blocks assigned in a shuffled order (seeded)."""
     blocks = [math.ceil(n / block_size) for n in seq_lens]
     num_blocks = sum(blocks) + 1
     pool = torch.empty(

@@ -26,7 +26,7 @@ import torch
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kv_pools import scattered_pool, scattered_pool_layers
+from kv_pools import scattered_pool
 
 from baton_kernels.triton.decode_attention import (
     choose_num_splits,
@@ -52,10 +52,11 @@ def main() -> None:
         splits = choose_num_splits(batch, kv_heads, max(lens), torch.device("cuda"))
         nbytes = sum(lens) * kv_heads * dim * 2 * 2
         for layers in (2, num_layers):
-            cache, table = scattered_pool(
+            views, table = scattered_pool(
                 lens, kv_heads, dim, block_size=BLOCK, dtype=torch.bfloat16,
-                device=torch.device("cuda"), num_layers=layers, layer=layers // 2,
+                device=torch.device("cuda"), num_layers=layers,
             )  # fmt: skip
+            cache = views[layers // 2]
             want = ref_decode_attention(q[:4], cache, lens[:4], table[:4], dim**-0.5)
             for tile, warps, stages in CONFIGS[model]:
                 out = torch.full_like(q, float("nan"))
@@ -69,7 +70,7 @@ def main() -> None:
                 print(f"{model:6} {batch:5} {ctx:4} {layers:6} {splits:6} "
                       f"{f'{tile}/{warps}/{stages}':12} "
                       f"{nbytes / ms / 1e6:6.0f}   ({err:.1e})", flush=True)  # fmt: skip
-            del cache, table
+            del views, cache, table
             torch.cuda.empty_cache()
         for block in (16, 32):
             print(every_layer(model, lens, q, seq, splits, nbytes, block), flush=True)
@@ -82,7 +83,7 @@ def every_layer(
 ) -> str:  # fmt: skip
     """GB/s of one graph that runs the decode kernel over each of the model's layers in turn."""
     _, kv_heads, dim, num_layers = MODELS[model]
-    views, table = scattered_pool_layers(
+    views, table = scattered_pool(
         lens, kv_heads, dim, block_size=block, dtype=torch.bfloat16,
         device=q.device, num_layers=num_layers,
     )  # fmt: skip
