@@ -127,6 +127,19 @@ def test_paged_attention_matches_reference(
     # (cached, new) per request: decodes, a fresh prefill spanning several q-blocks, chunks over
     # context longer than a 64-key tile (so the unmasked-tile loop runs) and shorter than a block
     specs = [(0, 1), (37, 1), (0, 21), (70, 13), (5, 40), (129, 3)]
+    check_paged_attention(specs, dtype, head_dim, block_size, num_heads, num_kv_heads)
+
+
+def check_paged_attention(
+    specs: list[tuple[int, int]],
+    dtype: torch.dtype,
+    head_dim: int,
+    block_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    config: PrefillConfig | None = None,
+) -> None:
+    """``paged_attention`` over requests of ``(cached, new)`` tokens equals the reference."""
     batch = PagedBatch([c + n for c, n in specs], block_size, num_kv_heads, head_dim, dtype)
     qsl = [0]
     for _, n in specs:
@@ -143,6 +156,7 @@ def test_paged_attention_matches_reference(
         batch.block_tables,
         scale,
         max(n for _, n in specs),
+        config=config,
     )
     want = ref_paged_attention(query, batch.cache, qsl, batch.seq_lens, batch.block_tables, scale)
     assert_close(out, want, dtype)
@@ -162,19 +176,8 @@ def test_paged_attention_launches_agree(head_dim: int, config: PrefillConfig) ->
     """Other launches of the prompt kernel (``config``: more tile rows, other key tiles, the
     heaviest q-blocks first) give the reference's output: 7 query heads a KV head, chunks over
     context, one longer than a 128-row tile's tokens."""
-    dtype, num_heads, num_kv_heads = torch.bfloat16, 14, 2
     specs = [(0, 45), (70, 13), (129, 30), (0, 1)]
-    batch = PagedBatch([c + n for c, n in specs], 16, num_kv_heads, head_dim, dtype)
-    qsl = [0]
-    for _, n in specs:
-        qsl.append(qsl[-1] + n)
-    query = random_heads(qsl[-1], num_heads, head_dim, dtype)
-    out = torch.full(query.shape, POISON, dtype=dtype, device=DEVICE)
-    lens = torch.tensor(batch.seq_lens, dtype=torch.int32, device=DEVICE)
-    cu = torch.tensor(qsl, dtype=torch.int32, device=DEVICE)
-    paged_attention(query, batch.cache, out, cu, lens, batch.block_tables, 0.1, 45, config=config)
-    want = ref_paged_attention(query, batch.cache, qsl, batch.seq_lens, batch.block_tables, 0.1)
-    assert_close(out, want, dtype)
+    check_paged_attention(specs, torch.bfloat16, head_dim, 16, 14, 2, config)
 
 
 def test_paged_attention_on_a_slice_leaves_other_rows() -> None:
@@ -378,10 +381,10 @@ def test_decode_attention_rotates_and_writes_the_new_token_itself(
 ) -> None:
     """``rope``: the decode kernel rotates q and writes the rotated K and the V of each
     request's new token before reading its keys. Out and cache equal the rotary kernel's
-    write followed by plain decode attention, within rounding;
-    ``query`` and ``key`` are left unrotated; a padding row (slot -1) writes nothing. Lengths
-    put the new token alone (no cached key), in the first, a middle and the last slice, and
-    alone in its slice (257 keys: with 4 splits of one 128-key tile, the third slice)."""
+    write followed by plain decode attention, within rounding; ``query`` and ``key`` are left
+    unrotated; a padding row (slot -1) writes nothing. Lengths put the new token alone (no
+    cached key), in the first, a middle and the last slice, and alone in its slice (257 keys:
+    with 4 splits of one 128-key tile, the third slice)."""
     from baton_engine.models.rotary import RotaryEmbedding
     from baton_kernels.triton.decode_attention import DecodeRope
     from baton_kernels.triton.fused_ops import rotary_embedding_and_write_kv_
