@@ -59,6 +59,16 @@ def make_core(
     )
 
 
+def randomize_norms(core: EngineCore) -> None:
+    """Norm weights drawn from a fixed seed in place of the dummy weights' ones (so that folding
+    them into the projections changes the weights)."""
+    gen = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for name, param in core.runner.model.named_parameters():
+            if "norm" in name:
+                param.copy_(1 + 0.5 * torch.randn(param.shape, generator=gen))
+
+
 def run(
     model_dir: Path,
     backend: str,
@@ -67,12 +77,18 @@ def run(
     fused: bool = False,
     pieces: bool = False,
     max_num_batched_tokens: int | None = None,
+    random_norms: bool = False,
+    fold: bool = False,
 ) -> tuple[dict[str, list[int]], EngineCore]:
     core = make_core(
         model_dir, backend, async_scheduling, max_num_batched_tokens=max_num_batched_tokens
     )
+    if random_norms:
+        randomize_norms(core)
     if fused:
         core.runner.model.use_fused_kernels()
+    if fold:
+        assert core.runner.model.fold_norms()
     if graphs:
         assert core.runner.enable_decode_graphs(capture=False)
         assert core.runner.graphs is not None and core.runner.graphs.sizes[:3] == [1, 2, 4]
@@ -107,6 +123,27 @@ def test_padded_decode_path_with_async_scheduling(tmp_path: Path) -> None:
     want, _ = run(tmp_path, "torch", graphs=False)
     got, core = run(tmp_path, "triton", graphs=True, async_scheduling=True, fused=True)
     assert got == want
+    graphs = core.runner.graphs
+    assert graphs is not None and graphs.num_steps.get(8, 0) >= 8
+
+
+@pytest.mark.parametrize("qkv_bias", [False, True])
+def test_decode_steps_with_folded_norms_match_reference(tmp_path: Path, qkv_bias: bool) -> None:
+    """What a GPU runs for decode steps of several requests (``fold_norms``): the norms'
+    weights folded into the projections after them, each layer without its norm kernels (the
+    decode kernel and SiLU-and-multiply apply the 1/rms; o_proj and down_proj add into the
+    residual stream), through the padded graph buffers. The prompt steps run the ordinary
+    layers on the folded weights. Greedy tokens equal the reference backend's on the unfolded
+    model, whose norms' weights are random."""
+    (tmp_path / "config.json").write_text(json.dumps({**TINY_LLAMA, "attention_bias": qkv_bias}))
+    want, _ = run(tmp_path, "torch", graphs=False, random_norms=True)
+    got, core = run(
+        tmp_path, "triton", graphs=True, async_scheduling=True, fused=True, random_norms=True,
+        fold=True,
+    )  # fmt: skip
+    assert got == want
+    model = core.runner.model
+    assert model.folded_norms and model.layers[0].input_layernorm.weight.eq(1).all()
     graphs = core.runner.graphs
     assert graphs is not None and graphs.num_steps.get(8, 0) >= 8
 
@@ -152,22 +189,28 @@ def test_steps_beyond_the_largest_piece_size_run_eagerly(
     assert sum(pieces.num_steps.values()) == 0
 
 
-@pytest.mark.parametrize("gemv_mlp", [True, False])
-def test_one_request_decode_runs_the_fused_gemv_layers(tmp_path: Path, gemv_mlp: bool) -> None:
+@pytest.mark.parametrize(("gemv_mlp", "fold"), [(True, False), (False, False), (False, True)])
+def test_one_request_decode_runs_the_fused_gemv_layers(
+    tmp_path: Path, gemv_mlp: bool, fold: bool
+) -> None:
     """What a GPU runs for a lone request (``use_gemv_decode``): each layer as Triton GEMVs
     with the norms, SiLU and residual adds inside (a small model), or the attention's
-    projections only, the MLP through torch with its residual add in the GEMM (a large one),
-    through the padded graph buffers of size 1. Its greedy tokens equal the reference
-    backend's."""
+    projections only, the MLP through torch with its residual add in the GEMM (a large one;
+    with the norms folded, ``fold``, SiLU-and-multiply applies the second norm), through the
+    padded graph buffers of size 1. Its greedy tokens equal the reference backend's (with
+    random norm weights when folded)."""
     (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     prompts = {"a": [5, 17, 33, 2, 91, 40, 7], "b": [200, 3, 3, 150]}
     tokens: dict[str, dict[str, list[int]]] = {}
     for backend in ("torch", "triton"):
         core = make_core(tmp_path, backend, async_scheduling=backend == "triton", max_num_seqs=4)
+        if fold:
+            randomize_norms(core)
         if backend == "triton":
             core.runner.model.use_fused_kernels()
             assert core.runner.model.use_gemv_decode(rows=1, mlp=gemv_mlp)
+            assert not fold or core.runner.model.fold_norms()
             assert core.runner.enable_decode_graphs(capture=False)
         got = tokens[backend] = {}
         for req_id, prompt in prompts.items():  # one at a time: every decode step has one row

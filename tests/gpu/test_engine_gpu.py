@@ -102,6 +102,7 @@ def test_graph_decode_matches_reference(tmp_path: Path, caplog: pytest.LogCaptur
     assert pieces is not None and len(pieces._graphs) == len(pieces.sizes)
     assert sum(pieces.num_steps.values()) > 0
     assert core.async_scheduling and core.runner.model.fused_rope
+    assert core.runner.model.folded_norms  # decode steps without the norms' kernels
     assert any("KV cache:" in r.getMessage() and "blocks" in r.getMessage() for r in caplog.records)
     total = torch.cuda.get_device_properties(0).total_memory
     pool_bytes = core.kv_pool.numel() * core.kv_pool.element_size()

@@ -421,8 +421,55 @@ def test_decode_attention_rotates_and_writes_the_new_token_itself(
     assert torch.equal(query, unrotated[0]) and torch.equal(key, unrotated[1])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_decode_attention_applies_a_folded_norm(
+    dtype: torch.dtype, bias: bool, num_splits: int
+) -> None:
+    """``rope.norm`` (a layer whose input RMSNorm is folded into its qkv projection): the
+    kernel multiplies q, k and v by each request's 1/rms of its stream row and adds the bias,
+    rounded to the dtype as a projection's output, before rotating and writing. Out and cache
+    equal the same launch on q/k/v normed beforehand (a hidden size of 96: not a power of
+    two), within rounding; a padding row writes nothing."""
+    from baton_engine.models.rotary import RotaryEmbedding
+    from baton_kernels.triton.decode_attention import DecodeNorm, DecodeRope
+
+    num_heads, num_kv_heads, head_dim, hidden = 7, 1, 64, 96
+    specs = [(3, 1), (64, 1), (514, 1), (0, 1), (200, 1)]
+    md, batch = make_step(specs, 16, num_kv_heads, head_dim, dtype)
+    slot_block = md.slot_block.clone()
+    slot_block[1] = -1
+    n = len(specs)
+    stream = (torch.randn(n, hidden, device=DEVICE) * torch.rand(n, 1, device=DEVICE) * 4).to(dtype)
+    width = num_heads + 2 * num_kv_heads
+    raw = torch.randn(n, width, head_dim, device=DEVICE).to(dtype)
+    qkv_bias = torch.randn(width, head_dim, device=DEVICE).to(dtype) if bias else None
+    rstd = torch.rsqrt(stream.float().pow(2).mean(-1) + 1e-6)[:, None, None]
+    normed = (raw.float() * rstd + (qkv_bias.float() if bias else 0.0)).to(dtype)
+    positions = torch.tensor([c for c, _ in specs], device=DEVICE)
+    cos_sin = RotaryEmbedding(head_dim, 1024, 10000.0, None).to(DEVICE).cos_sin
+    lens = torch.tensor(md.seq_lens, device=DEVICE)
+    outs, pools = [], []
+    for qkv, norm in ((normed, None), (raw, DecodeNorm(stream, 1e-6, qkv_bias))):
+        pool = batch.pool.clone()
+        cache = KVCacheView(pool[:, 1])
+        q, k, v = qkv.split([num_heads, num_kv_heads, num_kv_heads], dim=1)
+        rope = DecodeRope(positions, cos_sin, k, v, slot_block, md.slot_offset, norm)
+        out = torch.full(q.shape, POISON, dtype=dtype, device=DEVICE)
+        decode_attention(q, cache, out, lens, md.block_tables, 0.1, num_splits, rope=rope)
+        outs.append(out)
+        pools.append(pool)
+    assert_close(pools[1], pools[0], dtype)
+    assert_close(outs[1], outs[0], dtype)
+    unchanged = (md.slot_block[1:2], slice(None), md.slot_offset[1:2])
+    assert torch.equal(pools[1][:, 1][unchanged], batch.pool[:, 1][unchanged])
+
+
 def test_decode_attention_rejects_a_mismatched_rope() -> None:
-    from baton_kernels.triton.decode_attention import DecodeRope
+    """A ``rope`` (or its folded ``norm``) whose tensors do not fit the batch is a clear
+    error."""
+    from baton_kernels.triton.decode_attention import DecodeNorm, DecodeRope
 
     batch = PagedBatch([5, 9], 16, 2, 64, torch.float32)
     query = random_heads(2, 8, 64, torch.float32)
@@ -437,8 +484,19 @@ def test_decode_attention_rejects_a_mismatched_rope() -> None:
         "positions": DecodeRope(two[:1], cos_sin, key, key, two, two),
         "cos_sin": DecodeRope(two, cos_sin[:, :, :32], key, key, two, two),
     }
+    stream = torch.randn(2, 32, device=DEVICE)
+    bad_norms = {
+        "stream must be \\[2, hidden\\]": DecodeNorm(stream[:1], 1e-6, None),
+        "stream must be \\[2, hidden\\], its rows dense": DecodeNorm(
+            stream.t().contiguous().t(), 1e-6, None
+        ),
+        "stream must be torch.float32": DecodeNorm(stream.double(), 1e-6, None),
+        "bias must be": DecodeNorm(stream, 1e-6, torch.zeros(12, 32, device=DEVICE)),
+    }
+    for match, norm in bad_norms.items():
+        bad[f"norm.{match}"] = DecodeRope(two, cos_sin, key, key, two, two, norm)
     for name, rope in bad.items():
-        with pytest.raises(ValueError, match=f"rope.{name}"):
+        with pytest.raises(ValueError, match=name if "norm" in name else f"rope.{name}"):
             decode_attention(query, batch.cache, out, lens, batch.block_tables, 0.1, 1, rope=rope)
 
 

@@ -275,6 +275,30 @@ def test_silu_and_mul_strided_input(dtype: torch.dtype) -> None:
     assert_close(silu_and_mul(x), ref_silu_and_mul(x), dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_applies_a_folded_norm(dtype: torch.dtype) -> None:
+    """``norm_of``: gate and up are a gate/up projection's outputs whose weight holds the
+    RMSNorm's (``fold_norms``); each row is multiplied by the 1/rms of its ``norm_of`` row
+    (rounded as the projection's output) before SiLU-and-multiply, in every column block."""
+    torch.manual_seed(4)
+    x = randn(5, 2 * 1500, dtype=dtype) * 3
+    stream = randn(5, 96, dtype=dtype) * torch.arange(1, 6, device=DEVICE)[:, None].to(dtype)
+    out = torch.full((5, 1500), POISON, dtype=dtype, device=DEVICE)
+    got = silu_and_mul(x, out=out, norm_of=stream, eps=1e-5)
+    rstd = torch.rsqrt(stream.float().pow(2).mean(-1, keepdim=True) + 1e-5)
+    gate, up = (x.float() * rstd).to(dtype).split(1500, dim=-1)
+    # gate and up are each rounded once more than in test_silu_and_mul (where the interpreter
+    # truncates, one ulp off torch's rounding): twice its relative tolerance
+    atol, rtol = TOL[dtype]
+    for want in (F.silu(gate) * up, ref_silu_and_mul(x, stream, 1e-5)):
+        torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=2 * rtol)
+    assert not torch.allclose(got.float(), ref_silu_and_mul(x).float(), atol=0.1)
+    with pytest.raises(ValueError, match="norm_of"):
+        silu_and_mul(x, norm_of=stream[:4])
+    with pytest.raises(ValueError, match="norm_of"):
+        silu_and_mul(x, norm_of=stream.t().contiguous().t())
+
+
 def test_silu_and_mul_rejects_misuse() -> None:
     x = randn(3, 8, dtype=torch.float16)
     for bad_x in (x[:, :7], x.flatten(), x.long()):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterable
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +23,9 @@ from baton_engine.models.rotary import FusedRope, RopeTables, RotaryEmbedding
 from baton_kernels import fused
 from baton_kernels.attention import AttentionBackend, AttentionMetadata, KVCacheView
 from baton_kernels.cpu_linear import PackedLinear
+
+if TYPE_CHECKING:
+    from baton_kernels.triton.decode_attention import DecodeNorm
 
 
 class RMSNorm(nn.Module):
@@ -75,8 +78,11 @@ class Attention(nn.Module):
         kv_cache: KVCacheView,
         metadata: AttentionMetadata,
         backend: AttentionBackend,
+        norm: DecodeNorm | None = None,
     ) -> torch.Tensor:
-        """Attention of the projected ``qkv`` ``[T, q + 2 kv]``: ``[T, q]``, before o_proj."""
+        """Attention of the projected ``qkv`` ``[T, q + 2 kv]``: ``[T, q]``, before o_proj.
+        ``norm``: ``qkv`` is a folded projection's, normed in the decode kernel
+        (``DecoderLayer.forward_folded``)."""
         num_tokens = qkv.shape[0]
         q, k, v = torch.split(qkv, [self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
@@ -86,10 +92,12 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if isinstance(rope, FusedRope) and getattr(backend, "fuses_rope", False):
             # rotation and cache write in one launch (TritonAttentionBackend.forward_rope)
+            extra = () if norm is None else (norm,)
             out = backend.forward_rope(  # type: ignore[attr-defined]
-                q, k, v, kv_cache, metadata, self.scale, rope.positions, rope.cos_sin
+                q, k, v, kv_cache, metadata, self.scale, rope.positions, rope.cos_sin, *extra
             )
         else:
+            assert norm is None, "a folded norm needs the backend's forward_rope"
             q, k = rope.apply_qk(q, k)
             out = backend.forward(q, k, v, kv_cache, metadata, self.scale)
         return cast(torch.Tensor, out).reshape(num_tokens, self.q_size)
@@ -121,6 +129,7 @@ class DecoderLayer(nn.Module):
     # across the ranks (an all-reduce); the identity on one rank.
     reduce: Callable[[torch.Tensor], torch.Tensor] = staticmethod(_no_reduce)
     gemv_mlp = True  # forward_gemv runs the MLP as GEMVs too (use_gemv_decode)
+    folded_norms = False  # the norms' weights are in the projections (fold_norms)
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -161,7 +170,8 @@ class DecoderLayer(nn.Module):
 
         With ``gemv_mlp`` off only the attention's projections are GEMVs; the MLP's long
         reads stay with cuBLAS: its norm and SiLU-and-multiply run as their own kernels, and
-        down_proj adds into ``stream`` in its GEMM (``addmm_``), 7 launches a layer. (The
+        down_proj adds into ``stream`` in its GEMM (``addmm_``), 7 launches a layer (6 with the
+        norms folded, ``fold_norms``: SiLU-and-multiply applies the norm). (The
         attention is one launch: on these decode-only steps the Triton decode kernel rotates q
         and writes the new K/V itself.)"""
         from baton_kernels.triton.gemv import gemv
@@ -178,11 +188,52 @@ class DecoderLayer(nn.Module):
         out = attn.attend(rope, qkv, kv_cache, metadata, backend)
         gemv(out, attn.o_proj.weight, residual=stream, out=stream)
         if not self.gemv_mlp:
-            gate_up = mlp.gate_up_proj(norm2.add_forward(stream, None)[0])
-            return stream.addmm_(fused.silu_and_mul(gate_up), mlp.down_proj.weight.t())
+            if self.folded_norms:
+                return self.folded_mlp(stream)
+            act = fused.silu_and_mul(mlp.gate_up_proj(norm2.add_forward(stream, None)[0]))
+            return stream.addmm_(act, mlp.down_proj.weight.t())
         gate_up = gemv(stream, mlp.gate_up_proj.weight, norm_weight=norm2.weight, eps=norm2.eps)
         gemv(gate_up, mlp.down_proj.weight, silu_mul=True, residual=stream, out=stream)
         return stream
+
+    def forward_folded(
+        self,
+        rope: RopeTables | FusedRope,
+        stream: torch.Tensor,
+        kv_cache: KVCacheView,
+        metadata: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        """The layer on a decode-only step once its norms are folded into the projections
+        after them (``LlamaForCausalLM.fold_norms``), in 6 launches instead of 8: the qkv
+        projection reads the residual stream itself and the decode kernel applies the norm's
+        1/rms and the bias to q, k and v (``DecodeNorm``); o_proj and down_proj add into
+        ``stream`` in their GEMMs (``addmm_``); SiLU-and-multiply applies the second norm's
+        1/rms to gate and up. Returns ``stream``, updated in place."""
+        from baton_kernels.triton.decode_attention import DecodeNorm
+
+        attn = self.self_attn
+        bias = attn.qkv_proj.bias
+        norm = DecodeNorm(
+            stream,
+            self.input_layernorm.eps,
+            None if bias is None else bias.view(-1, attn.head_dim),
+        )
+        qkv = F.linear(stream, attn.qkv_proj.weight)
+        out = attn.attend(rope, qkv, kv_cache, metadata, backend, norm)
+        stream.addmm_(out, attn.o_proj.weight.t())
+        return self.folded_mlp(stream)
+
+    def folded_mlp(self, stream: torch.Tensor) -> torch.Tensor:
+        """The MLP of a folded layer (``forward_folded``) added into ``stream`` in place: the
+        gate/up GEMM on the stream itself, SiLU-and-multiply applying the norm's 1/rms, the
+        down GEMM adding into the stream. Returns ``stream``."""
+        from baton_kernels.triton.fused_ops import silu_and_mul
+
+        mlp = self.mlp
+        gate_up = F.linear(stream, mlp.gate_up_proj.weight)
+        act = silu_and_mul(gate_up, norm_of=stream, eps=self.post_attention_layernorm.eps)
+        return stream.addmm_(act, mlp.down_proj.weight.t())
 
 
 class CpuDecodeLayers:
@@ -307,6 +358,7 @@ class LlamaForCausalLM(nn.Module):
         self.fused_rope = False
         self.cpu_decode_layers: CpuDecodeLayers | None = None
         self.gemv_rows = 0  # decode steps of at most this many rows run forward_gemv
+        self.folded_norms = False  # decode steps run forward_folded (fold_norms)
         self.tie_weights()
 
     def set_reduce(self, reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:
@@ -340,6 +392,12 @@ class LlamaForCausalLM(nn.Module):
                 layer = cast(DecoderLayer, layer)
                 hidden = layer.forward_gemv(rope, hidden, kv_cache, metadata, backend)
             return self.norm.add_forward(hidden, None)[0]
+        if decode_only and self.folded_norms:
+            stream = self.embed_tokens(input_ids)
+            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                layer = cast(DecoderLayer, layer)
+                stream = layer.forward_folded(rope, stream, kv_cache, metadata, backend)
+            return self.norm.add_forward(stream, None)[0]
         x, residual = self.piece(0, input_ids, None)
         for i, kv_cache in enumerate(kv_caches):
             out = self.attend(i, rope, x, kv_cache, metadata, backend)
@@ -420,6 +478,33 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             cast(DecoderLayer, layer).gemv_mlp = mlp
         return ok
+
+    def fold_norms(self) -> bool:
+        """Fold each layer's two RMSNorm weights into the projection after each (qkv and
+        gate/up: ``W[:, j] *= w[j]``, rounded to the weights' dtype once; the norms' weights
+        become ones, so every other path computes the same model), and run decode-only steps
+        of more than ``gemv_rows`` rows through ``DecoderLayer.forward_folded``, without the
+        norms' kernels. Needs the fused kernels on (``use_fused_kernels``), an attention
+        backend whose ``forward_rope`` takes a ``DecodeNorm`` (the caller vouches), no q/k
+        norm, one rank (o_proj and down_proj add into the residual stream before any
+        all-reduce), and GPU-side Triton (or its interpreter). Call after the weights are
+        loaded; a second call folds what the norms hold then (ones, unless they were changed).
+        Returns whether the path is on."""
+        if not self.fused_rope or self.config.qk_norm or self.tp_size > 1:
+            return False
+        with torch.no_grad():
+            for layer in self.layers:
+                layer = cast(DecoderLayer, layer)
+                for norm, proj in (
+                    (layer.input_layernorm, layer.self_attn.qkv_proj),
+                    (layer.post_attention_layernorm, layer.mlp.gate_up_proj),
+                ):
+                    w = proj.weight
+                    w.copy_(w.float().mul_(norm.weight.float()).to(w.dtype))
+                    norm.weight.fill_(1.0)
+                layer.folded_norms = True
+        self.folded_norms = True
+        return True
 
     def use_fused_kernels(self) -> None:
         """Run the residual add + RMSNorm, the rotary embedding and SiLU-and-multiply as fused

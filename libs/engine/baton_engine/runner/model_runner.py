@@ -44,6 +44,11 @@ GEMV_ATTN_MAX_HIDDEN = 8192
 # launch fitted to one row) was slower than cuBLAS: Qwen batch 4 2,609 against 3,758 tok/s
 # (benchmarks/device/ab_gemv_rows.sh).
 GEMV_ROWS = 1
+# Decode steps on a GPU run with each layer's RMSNorms folded into the projections after them
+# (LlamaForCausalLM.fold_norms): 2 launches fewer a layer. On an H200 the decode graph took
+# 1.69-1.70 ms against 1.79 for Qwen2.5-0.5B at 256 rows, 1.04 against 1.12 at 64, and
+# Llama-3.1-8B's batch-1 graph 4.31 against 4.37 (benchmarks/device/ab_fold.sh).
+FOLD_NORMS = True
 # How often a wait for the device checks that the tensor-parallel ranks are alive.
 _POLL_S = 50e-6
 
@@ -172,10 +177,18 @@ class ModelRunner:
                     param.copy_(noise.mul_(0.02))
 
     def finalize_weights(self) -> None:
-        """After loading: pack linear weights for the CPU's GEMM kernels (CPU, bf16); the LM
-        head's logits stay float32 where the kernel allows."""
+        """After loading: pack linear weights for the CPU's GEMM kernels (CPU, bf16; the LM
+        head's logits stay float32 where the kernel allows), or fold the norms into the
+        projections for decode steps (GPU, ``FOLD_NORMS``)."""
         for kernel, num in pack_linears(self.model, float32_outputs=("lm_head",)).items():
             logger.info("packed %d linear layers for the %s kernel", num, kernel)
+        if (
+            FOLD_NORMS
+            and self.device.type == "cuda"
+            and getattr(self.backend, "fuses_decode_norm", False)
+            and self.model.fold_norms()
+        ):
+            logger.info("decode steps run with the RMSNorms folded into the projections")
         cfg = self.model_config
         decodes_in_place = getattr(self.backend, "decodes_in_place", None)
         if (

@@ -18,6 +18,7 @@ import torch
 
 from baton_kernels.attention.base import AttentionMetadata, KVCacheView
 from baton_kernels.triton.decode_attention import (
+    DecodeNorm,
     DecodeRope,
     choose_num_splits,
     decode_attention,
@@ -45,6 +46,7 @@ class TritonAttentionBackend:
 
     name = "triton"
     fuses_rope = True  # has forward_rope
+    fuses_decode_norm = True  # forward_rope takes a folded norm on decode-only steps
 
     def __init__(self) -> None:
         self._step_key: AttentionMetadata | None = None
@@ -72,16 +74,21 @@ class TritonAttentionBackend:
         scale: float,
         positions: torch.Tensor,  # [num_tokens]
         cos_sin: torch.Tensor,  # [max_positions, 2, head_dim]
+        norm: DecodeNorm | None = None,
     ) -> torch.Tensor:
         """``forward`` of q and k rotated by ``positions`` (``fused.rotary_embedding_``), the
         rotation and the cache write in one launch; on a decode-only step, in the decode
         kernel's launch (``FUSE_DECODE_ROPE``; ``query`` and ``key`` are then left as they
-        are), else in place before the attention."""
+        are), else in place before the attention. ``norm`` (decode-only steps): q, k and v
+        are a folded projection's, still to be normed (``DecodeNorm``), in the same launch."""
         from baton_kernels.triton.fused_ops import rotary_embedding_and_write_kv_
 
-        if FUSE_DECODE_ROPE and metadata.num_decodes == metadata.num_reqs:
+        decode_only = metadata.num_decodes == metadata.num_reqs
+        if norm is not None and not (FUSE_DECODE_ROPE and decode_only):
+            raise ValueError("a folded norm needs a decode-only step through the decode kernel")
+        if FUSE_DECODE_ROPE and decode_only:
             rope = DecodeRope(
-                positions, cos_sin, key, value, metadata.slot_block, metadata.slot_offset
+                positions, cos_sin, key, value, metadata.slot_block, metadata.slot_offset, norm
             )
             return self._attend(query, kv_cache, metadata, scale, rope)
         rotary_embedding_and_write_kv_(

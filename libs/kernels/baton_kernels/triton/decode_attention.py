@@ -70,16 +70,32 @@ def _split_bounds(seq_len, NUM_SPLITS: tl.constexpr, TILE_N: tl.constexpr):
 
 
 @triton.jit
+def _normed(x, rstd, bias_ptr, rows, cols, mask, HEAD_DIM: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """A tile of a folded projection's output ``x`` (``DecodeNorm``) times its row's 1/rms, plus
+    the bias (``rows`` of ``HEAD_DIM`` values), rounded to ``x``'s dtype as the projection's
+    output is."""
+    y = x.to(tl.float32) * rstd
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + rows[:, None] * HEAD_DIM + cols[None, :], mask=mask, other=0.0)
+    return y.to(x.dtype)
+
+
+@triton.jit
 def _rotated(
-    x_ptr, rows, row_ok, s_h, s_d, cs_ptr, s_cc, s_cd, offs_d, d_ok, HEAD_DIM: tl.constexpr
+    x_ptr, rows, row_ok, s_h, s_d, cs_ptr, s_cc, s_cd, offs_d, d_ok, rstd, bias_ptr,
+    HEAD_DIM: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):  # fmt: skip
     """Rows ``rows`` of ``x`` (heads at stride ``s_h``) rotated by one position, whose cos row
     is at ``cs_ptr`` and sin row ``s_cc`` after it (rotate-half layout), rounded to ``x``'s
-    dtype: ``fused_ops._rotate_heads`` over the whole head dim, each dim with its partner."""
+    dtype: ``fused_ops._rotate_heads`` over the whole head dim, each dim with its partner.
+    With ``NORM``, ``x`` is normed first (``_normed``)."""
     partner = tl.where(offs_d < HEAD_DIM // 2, offs_d + HEAD_DIM // 2, offs_d - HEAD_DIM // 2)
     mask = row_ok[:, None] & d_ok[None, :]
     x = tl.load(x_ptr + rows[:, None] * s_h + offs_d[None, :] * s_d, mask=mask, other=0.0)
     xp = tl.load(x_ptr + rows[:, None] * s_h + partner[None, :] * s_d, mask=mask, other=0.0)
+    if NORM:
+        x = _normed(x, rstd, bias_ptr, rows, offs_d, mask, HEAD_DIM, HAS_BIAS)
+        xp = _normed(xp, rstd, bias_ptr, rows, partner, mask, HEAD_DIM, HAS_BIAS)
     dtype = x.dtype
     # rounded to the activations' dtype first, as the model's ``cos_sin[positions].to(dtype)``
     cos = tl.load(cs_ptr + offs_d * s_cd, mask=d_ok, other=0.0).to(dtype).to(tl.float32)
@@ -131,7 +147,17 @@ def _decode_kernel(
     s_vt,
     s_vh,
     s_vd,
+    hid_ptr,  # NORM: each request's row of the stream the folded norm reads, its q/k/v biases
+    s_hid,
+    hidden,
+    eps,
+    qb_ptr,
+    kb_ptr,
+    vb_ptr,
     ROPE: tl.constexpr,
+    NORM: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_HID: tl.constexpr,
     NUM_HEADS: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     GROUP: tl.constexpr,
@@ -168,19 +194,27 @@ def _decode_kernel(
         # q rotated here, in every slice's program; the program of the last slice (which
         # holds the new token) writes the rotated K and the V into the cache first
         cs = cos_sin_ptr + tl.load(pos_ptr + b).to(tl.int64) * s_csp
+        rstd = 1.0
+        if NORM:  # the 1/rms of the request's row of the stream (DecodeNorm)
+            offs_x = tl.arange(0, BLOCK_HID)
+            xs = tl.load(hid_ptr + b * s_hid + offs_x, mask=offs_x < hidden, other=0.0)
+            xs = xs.to(tl.float32)
+            rstd = tl.rsqrt(tl.sum(xs * xs, axis=0) / hidden + eps)
         q = _rotated(q_ptr + b * s_qt, head, h_ok, s_qh, s_qd, cs, s_csc, s_csd, offs_d, d_ok,
-                     HEAD_DIM)  # fmt: skip
+                     rstd, qb_ptr, HEAD_DIM, NORM, HAS_BIAS)  # fmt: skip
         if split == active - 1:
             block = tl.load(slot_block_ptr + b).to(tl.int64)
             if block >= 0:  # (a padding row's is negative)
                 one = offs_h == 0  # a tile of one row
                 rows = kv_head + 0 * offs_h
                 k_new = _rotated(k_ptr + b * s_kt, rows, one, s_kh, s_kd, cs, s_csc, s_csd,
-                                 offs_d, d_ok, HEAD_DIM)  # fmt: skip
+                                 offs_d, d_ok, rstd, kb_ptr, HEAD_DIM, NORM, HAS_BIAS)  # fmt: skip
                 mask = one[:, None] & d_ok[None, :]
                 v_new = tl.load(
                     v_ptr + b * s_vt + rows[:, None] * s_vh + offs_d[None, :] * s_vd, mask=mask
                 )
+                if NORM:
+                    v_new = _normed(v_new, rstd, vb_ptr, rows, offs_d, mask, HEAD_DIM, HAS_BIAS)
                 dst = (
                     kv_ptr + block * s_cb + tl.load(slot_offset_ptr + b).to(tl.int64) * s_cs
                     + rows[:, None] * s_ch + offs_d[None, :] * s_cd
@@ -392,6 +426,18 @@ def split_counts() -> list[int]:
     return [1 << i for i in range(MAX_SPLITS.bit_length())]
 
 
+class DecodeNorm(NamedTuple):
+    """A decode layer's input RMSNorm folded into its qkv projection (the norm's weight
+    multiplied into the projection's columns, ``LlamaForCausalLM.fold_norms``): the query, key
+    and value ``decode_attention`` reads are rows of ``stream @ weight.T``, without the bias, and
+    the kernel multiplies each by its request's 1/rms of ``stream`` and adds the bias, where the
+    unfolded layer runs a norm kernel before the projection."""
+
+    stream: torch.Tensor  # [num_decodes, hidden], the rows the projection read (last dim dense)
+    eps: float
+    bias: torch.Tensor | None  # [num_heads + 2 * num_kv_heads, head_dim] q, k, v, or None
+
+
 class DecodeRope(NamedTuple):
     """What ``decode_attention`` needs to rotate q and write the new K/V itself (the work of
     ``fused_ops.rotary_embedding_and_write_kv_`` for a decode-only step), one row a request."""
@@ -402,6 +448,7 @@ class DecodeRope(NamedTuple):
     value: torch.Tensor  # [num_decodes, num_kv_heads, head_dim], any strides
     slot_block: torch.Tensor  # [num_decodes] int: block id, < 0 to skip the row
     slot_offset: torch.Tensor  # [num_decodes] int: offset inside that block
+    norm: DecodeNorm | None = None  # q, k and v still to be normed (a folded layer)
 
 
 def decode_attention(
@@ -426,7 +473,9 @@ def decode_attention(
     (default ``FUSE_REDUCE``) combines the splits in the last program instead of a second
     launch. With ``rope``, ``query`` is not rotated yet and the new tokens' K/V are not in the
     cache: the kernel rotates q (leaving ``query`` as it is) and writes the rotated K and the
-    V at each request's slot before it reads the keys, one launch instead of two."""
+    V at each request's slot before it reads the keys, one launch instead of two; with
+    ``rope.norm`` it also applies the layer's input RMSNorm that was folded into the projection
+    (``DecodeNorm``) to q, k and v first."""
     check_kv_cache(kv_cache, query)
     num_decodes, num_heads, head_dim = query.shape
     if num_decodes == 0:
@@ -441,6 +490,18 @@ def decode_attention(
         )  # fmt: skip
     else:
         rope_args = (seq_lens,) * 6 + (0,) * 9  # unused pointers and strides
+    norm = rope.norm if rope is not None else None
+    if norm is not None:
+        _check_norm(norm, num_decodes, num_heads + 2 * num_kv_heads, head_dim, query.dtype)
+        hidden = norm.stream.shape[1]
+        bias = norm.bias if norm.bias is not None else norm.stream
+        norm_args = (
+            norm.stream, norm.stream.stride(0), hidden, norm.eps,
+            bias, bias[num_heads:], bias[num_heads + num_kv_heads:],
+        )  # fmt: skip
+    else:
+        hidden = 1
+        norm_args = (seq_lens, 0, 1, 0.0, seq_lens, seq_lens, seq_lens)  # unused
     group = num_heads // num_kv_heads
     bd = block_d(head_dim)
     # best of a sweep on an H200 (bench_attention_gpu.py --sweep configs), bf16
@@ -481,7 +542,11 @@ def decode_attention(
         *kv.stride(),
         block_tables.stride(0),
         *rope_args,
+        *norm_args,
         ROPE=rope is not None,
+        NORM=norm is not None,
+        HAS_BIAS=norm is not None and norm.bias is not None,
+        BLOCK_HID=next_pow2(hidden),
         NUM_HEADS=num_heads,
         NUM_SPLITS=num_splits,
         GROUP=group,
@@ -533,6 +598,21 @@ def _check_rope(
     cs = rope.cos_sin
     if cs.dim() != 3 or cs.shape[1] != 2 or cs.shape[2] != head_dim or head_dim % 2:
         raise ValueError(f"rope.cos_sin must be [max_positions, 2, {head_dim}]: {tuple(cs.shape)}")
+
+
+def _check_norm(
+    norm: DecodeNorm, num_decodes: int, qkv_heads: int, head_dim: int, dtype: torch.dtype
+) -> None:
+    stream = norm.stream
+    if stream.dim() != 2 or stream.shape[0] != num_decodes or stream.stride(1) != 1:
+        raise ValueError(f"norm.stream must be [{num_decodes}, hidden], its rows dense")
+    if stream.dtype != dtype:
+        raise ValueError(f"norm.stream must be {dtype}, not {stream.dtype}")
+    bias = norm.bias
+    if bias is not None and (
+        tuple(bias.shape) != (qkv_heads, head_dim) or not bias.is_contiguous()
+    ):
+        raise ValueError(f"norm.bias must be a contiguous [{qkv_heads}, {head_dim}]")
 
 
 def ref_decode_attention(

@@ -319,7 +319,13 @@ def _silu_and_mul_kernel(
     s_xc,
     s_ot,
     s_oc,
+    norm_ptr,  # NORM: the rows whose 1/rms scales gate and up (silu_and_mul's norm_of)
+    s_nt,
+    hidden,
+    eps,
     BLOCK: tl.constexpr,
+    NORM: tl.constexpr,
+    BLOCK_HID: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_begin(PDL)
@@ -327,20 +333,46 @@ def _silu_and_mul_kernel(
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < inter
     gate_ptrs = x_ptr + t * s_xt + offs * s_xc
-    gate = tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(gate_ptrs + inter * s_xc, mask=mask, other=0.0).to(tl.float32)
+    gate = tl.load(gate_ptrs, mask=mask, other=0.0)
+    up = tl.load(gate_ptrs + inter * s_xc, mask=mask, other=0.0)
+    if NORM:  # rounded as the unfolded projection's output is
+        offs_x = tl.arange(0, BLOCK_HID)
+        xs = tl.load(norm_ptr + t * s_nt + offs_x, mask=offs_x < hidden, other=0.0)
+        xs = xs.to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(xs * xs, axis=0) / hidden + eps)
+        gate = (gate.to(tl.float32) * rstd).to(gate.dtype)
+        up = (up.to(tl.float32) * rstd).to(up.dtype)
+    gate = gate.to(tl.float32)
+    up = up.to(tl.float32)
     out = gate / (1.0 + tl.exp(-gate)) * up
     tl.store(out_ptr + t * s_ot + offs * s_oc, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def silu_and_mul(
+    x: torch.Tensor,
+    out: torch.Tensor | None = None,
+    *,
+    norm_of: torch.Tensor | None = None,
+    eps: float = 0.0,
+) -> torch.Tensor:
     """``silu(x[:, :I]) * x[:, I:]`` for ``x`` ``[num_tokens, 2 * I]`` (any strides), computed in
-    float32 and stored in ``x.dtype``, into ``out`` ``[num_tokens, I]`` when given."""
+    float32 and stored in ``x.dtype``, into ``out`` ``[num_tokens, I]`` when given.
+
+    With ``norm_of`` ``[num_tokens, hidden]`` (its rows dense), ``x`` is first multiplied row by
+    row by ``1 / rms(norm_of[t])`` (``eps`` inside the root) and rounded to its dtype: the RMSNorm
+    before a gate/up projection whose weight has the norm's folded in
+    (``LlamaForCausalLM.fold_norms``), without its own kernel."""
     if x.dim() != 2 or x.shape[1] % 2:
         raise ValueError(f"x must be [tokens, 2 * intermediate]: {tuple(x.shape)}")
     if x.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"unsupported dtype {x.dtype}")
     num_tokens, inter = x.shape[0], x.shape[1] // 2
+    if norm_of is None:
+        norm_args: tuple[torch.Tensor | int | float, ...] = (x, 0, 1, 0.0)  # unused
+    elif norm_of.dim() != 2 or norm_of.shape[0] != num_tokens or norm_of.stride(1) != 1:
+        raise ValueError(f"norm_of must be [{num_tokens}, hidden], its rows dense")
+    else:
+        norm_args = (norm_of, norm_of.stride(0), norm_of.shape[1], eps)
     if out is None:
         out = torch.empty((num_tokens, inter), dtype=x.dtype, device=x.device)
     else:
@@ -355,14 +387,22 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
         inter,
         *x.stride(),
         *out.stride(),
+        *norm_args,
         BLOCK=block,
+        NORM=norm_of is not None,
+        BLOCK_HID=next_pow2(norm_of.shape[1]) if norm_of is not None else 1,
         num_warps=_num_warps(block),
         **pdl,
     )
     return out
 
 
-def ref_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+def ref_silu_and_mul(
+    x: torch.Tensor, norm_of: torch.Tensor | None = None, eps: float = 0.0
+) -> torch.Tensor:
+    if norm_of is not None:
+        rstd = torch.rsqrt(norm_of.float().pow(2).mean(-1, keepdim=True) + eps)
+        x = (x.float() * rstd).to(x.dtype)
     gate, up = x.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
 
