@@ -92,9 +92,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if isinstance(rope, FusedRope) and getattr(backend, "fuses_rope", False):
             # rotation and cache write in one launch (TritonAttentionBackend.forward_rope)
-            extra = () if norm is None else (norm,)
             out = backend.forward_rope(  # type: ignore[attr-defined]
-                q, k, v, kv_cache, metadata, self.scale, rope.positions, rope.cos_sin, *extra
+                q, k, v, kv_cache, metadata, self.scale, rope.positions, rope.cos_sin, norm
             )
         else:
             assert norm is None, "a folded norm needs the backend's forward_rope"
@@ -386,17 +385,14 @@ class LlamaForCausalLM(nn.Module):
             hidden = self.embed_tokens(input_ids)
             last, stream = self.cpu_decode_layers(hidden, positions, kv_caches, metadata)
             return self.norm.add_forward(last, stream)[0]
-        if decode_only and input_ids.shape[0] <= self.gemv_rows:
-            hidden = self.embed_tokens(input_ids)
-            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-                layer = cast(DecoderLayer, layer)
-                hidden = layer.forward_gemv(rope, hidden, kv_cache, metadata, backend)
-            return self.norm.add_forward(hidden, None)[0]
-        if decode_only and self.folded_norms:
+        gemv = input_ids.shape[0] <= self.gemv_rows
+        if decode_only and (gemv or self.folded_norms):
+            # layers that update the residual stream in place (no norm kernel between them)
+            layer_forward = DecoderLayer.forward_gemv if gemv else DecoderLayer.forward_folded
             stream = self.embed_tokens(input_ids)
             for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
                 layer = cast(DecoderLayer, layer)
-                stream = layer.forward_folded(rope, stream, kv_cache, metadata, backend)
+                stream = layer_forward(layer, rope, stream, kv_cache, metadata, backend)
             return self.norm.add_forward(stream, None)[0]
         x, residual = self.piece(0, input_ids, None)
         for i, kv_cache in enumerate(kv_caches):
