@@ -79,7 +79,6 @@ def run(
     max_num_batched_tokens: int | None = None,
     random_norms: bool = False,
     fold: bool = False,
-    fused_down: bool = False,
 ) -> tuple[dict[str, list[int]], EngineCore]:
     core = make_core(
         model_dir, backend, async_scheduling, max_num_batched_tokens=max_num_batched_tokens
@@ -90,8 +89,6 @@ def run(
         core.runner.model.use_fused_kernels()
     if fold:
         assert core.runner.model.fold_norms()
-    if fused_down:
-        assert core.runner.model.use_fused_down(decode=True, prompt=True)
     if graphs:
         assert core.runner.enable_decode_graphs(capture=False)
         assert core.runner.graphs is not None and core.runner.graphs.sizes[:3] == [1, 2, 4]
@@ -149,22 +146,6 @@ def test_decode_steps_with_folded_norms_match_reference(tmp_path: Path, qkv_bias
     assert model.folded_norms and model.layers[0].input_layernorm.weight.eq(1).all()
     graphs = core.runner.graphs
     assert graphs is not None and graphs.num_steps.get(8, 0) >= 8
-
-
-def test_mlp_with_silu_inside_the_down_projection_matches_reference(tmp_path: Path) -> None:
-    """``use_fused_down``: SiLU-and-multiply inside the down projection's GEMM, one launch
-    (``silu_and_mul_linear``), in the folded decode layers (applying the norm's 1/rms and
-    adding into the residual stream, which it returns anew) and in the prompt steps' layers.
-    Greedy tokens equal the reference backend's on the unfolded model."""
-    (tmp_path / "config.json").write_text(json.dumps({**TINY_LLAMA, "attention_bias": True}))
-    want, _ = run(tmp_path, "torch", graphs=False, random_norms=True)
-    got, core = run(
-        tmp_path, "triton", graphs=True, async_scheduling=True, fused=True, random_norms=True,
-        fold=True, fused_down=True,
-    )  # fmt: skip
-    assert got == want
-    layer = core.runner.model.layers[0]
-    assert layer.fused_down and layer.mlp.fused_down
 
 
 def run_pieces_against_reference(tmp_path: Path, fused: bool) -> PieceGraphs:

@@ -104,8 +104,6 @@ class Attention(nn.Module):
 
 class MLP(nn.Module):
     fused = False  # Triton SiLU-and-multiply (set by use_fused_kernels)
-    # SiLU-and-multiply inside the down projection's GEMM, one Triton launch (use_fused_down)
-    fused_down = False
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -115,10 +113,6 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if self.fused_down:
-            from baton_kernels.triton.silu_linear import silu_and_mul_linear
-
-            return silu_and_mul_linear(gate_up, self.down_proj.weight)
         if self.fused:
             return self.down_proj(fused.silu_and_mul(gate_up))  # type: ignore[no-any-return]
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
@@ -135,9 +129,6 @@ class DecoderLayer(nn.Module):
     reduce: Callable[[torch.Tensor], torch.Tensor] = staticmethod(_no_reduce)
     gemv_mlp = True  # forward_gemv runs the MLP as GEMVs too (use_gemv_decode)
     folded_norms = False  # the norms' weights are in the projections (fold_norms)
-    # forward_folded's SiLU-and-multiply, down projection and residual add in one Triton
-    # launch (use_fused_down)
-    fused_down = False
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -197,7 +188,7 @@ class DecoderLayer(nn.Module):
         gemv(out, attn.o_proj.weight, residual=stream, out=stream)
         if not self.gemv_mlp:
             if self.folded_norms:
-                return self.folded_mlp(stream, fused_down=False)
+                return self.folded_mlp(stream)
             act = fused.silu_and_mul(mlp.gate_up_proj(norm2.add_forward(stream, None)[0]))
             return stream.addmm_(act, mlp.down_proj.weight.t())
         gate_up = gemv(stream, mlp.gate_up_proj.weight, norm_weight=norm2.weight, eps=norm2.eps)
@@ -232,23 +223,15 @@ class DecoderLayer(nn.Module):
         stream.addmm_(out, attn.o_proj.weight.t())
         return self.folded_mlp(stream)
 
-    def folded_mlp(self, stream: torch.Tensor, fused_down: bool | None = None) -> torch.Tensor:
-        """The MLP of a folded layer (``forward_folded``) added into ``stream``: the gate/up
-        GEMM on the stream itself, SiLU-and-multiply applying the norm's 1/rms, the down GEMM
-        adding into the stream in place. Returns the updated stream: with ``fused_down``
-        (default: the layer's) the last three are one launch
-        (``silu_linear.silu_and_mul_linear``), whose output is a new tensor."""
+    def folded_mlp(self, stream: torch.Tensor) -> torch.Tensor:
+        """The MLP of a folded layer (``forward_folded``) added into ``stream`` in place: the
+        gate/up GEMM on the stream itself, SiLU-and-multiply applying the norm's 1/rms, the
+        down GEMM adding into the stream. Returns ``stream``."""
         from baton_kernels.triton.fused_ops import silu_and_mul
-        from baton_kernels.triton.silu_linear import silu_and_mul_linear
 
         mlp = self.mlp
-        eps = self.post_attention_layernorm.eps
         gate_up = F.linear(stream, mlp.gate_up_proj.weight)
-        if self.fused_down if fused_down is None else fused_down:
-            return silu_and_mul_linear(
-                gate_up, mlp.down_proj.weight, residual=stream, norm_of=stream, eps=eps
-            )
-        act = silu_and_mul(gate_up, norm_of=stream, eps=eps)
+        act = silu_and_mul(gate_up, norm_of=stream, eps=self.post_attention_layernorm.eps)
         return stream.addmm_(act, mlp.down_proj.weight.t())
 
 
@@ -518,20 +501,6 @@ class LlamaForCausalLM(nn.Module):
                 layer.folded_norms = True
         self.folded_norms = True
         return True
-
-    def use_fused_down(self, decode: bool, prompt: bool) -> bool:
-        """Run SiLU-and-multiply inside the down projection's GEMM, one Triton launch
-        (``silu_linear.silu_and_mul_linear``): in the folded decode layers (``decode``, which
-        also takes the residual add in) and in the ordinary layers (``prompt``). Needs the
-        fused kernels on (``use_fused_kernels``) and, for ``decode``, the norms folded
-        (``fold_norms``). Returns whether either is on."""
-        decode = decode and self.folded_norms
-        prompt = prompt and self.fused_rope
-        for layer in self.layers:
-            layer = cast(DecoderLayer, layer)
-            layer.fused_down = decode
-            layer.mlp.fused_down = prompt
-        return decode or prompt
 
     def use_fused_kernels(self) -> None:
         """Run the residual add + RMSNorm, the rotary embedding and SiLU-and-multiply as fused

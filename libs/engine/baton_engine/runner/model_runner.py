@@ -49,13 +49,6 @@ GEMV_ROWS = 1
 # 1.69-1.70 ms against 1.79 for Qwen2.5-0.5B at 256 rows, 1.04 against 1.12 at 64, and
 # Llama-3.1-8B's batch-1 graph 4.31 against 4.37 (benchmarks/device/ab_fold.sh).
 FOLD_NORMS = True
-# SiLU-and-multiply inside the down projection's GEMM (one Triton launch,
-# LlamaForCausalLM.use_fused_down): in the folded decode layers (with the residual add) and in
-# the prompt steps' layers. Off: on an H200 the Triton GEMM is slower than the three launches
-# it replaces (Qwen2.5-0.5B at 256: decode graph 2.45 against 1.68 ms, 75.5k against 97.4k
-# tok/s; benchmarks/device/ab_silu_down.sh).
-FUSED_DOWN_DECODE = False
-FUSED_DOWN_PROMPT = False
 # How often a wait for the device checks that the tensor-parallel ranks are alive.
 _POLL_S = 50e-6
 
@@ -196,15 +189,6 @@ class ModelRunner:
             and self.model.fold_norms()
         ):
             logger.info("decode steps run with the RMSNorms folded into the projections")
-        if self.device.type == "cuda" and self.model.use_fused_down(
-            FUSED_DOWN_DECODE, FUSED_DOWN_PROMPT
-        ):
-            logger.info(
-                "SiLU-and-multiply runs inside the down projection (decode steps: %s, prompt "
-                "steps: %s)",
-                FUSED_DOWN_DECODE,
-                FUSED_DOWN_PROMPT,
-            )
         cfg = self.model_config
         decodes_in_place = getattr(self.backend, "decodes_in_place", None)
         if (
