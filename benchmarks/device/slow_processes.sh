@@ -1,13 +1,16 @@
 # Why one engine process in two to four runs issue 5's Qwen-256 decode steps at 2.3-2.7 ms on a
-# decode graph of ~1.7-1.8 ms (seen since the twenty-second session; the cause is not known):
-# step_timeline.py (host phases, the GPU's span and idle gaps, per phase) in fresh processes,
-# REPS (3) of each variant: the default; pinned to one core (taskset -c PIN_CPU, default 2);
-# one intra-op thread (OMP_NUM_THREADS=1: torch's threads, if an op runs wide on the host, then
-# spin on no core); the hash seed fixed (PYTHONHASHSEED=0). Each variant prints the decode
-# phase's totals (a slow process shows whether its host phases or the GPU's gaps grow) and the
-# CPUs the process could run on and last ran on. The host's CPU and NUMA layout and the GPU's
-# affinity first.
-#     bash benchmarks/device/slow_processes.sh        (carry .whl)
+# decode graph of ~1.7 ms (seen since the twenty-second session): step_timeline.py (host
+# phases, the GPU's span and idle gaps, per phase) in fresh processes, REPS (3) rounds of the
+# VARIANTS (default: all four): the default; pinned to one core (taskset -c PIN_CPU, default
+# 2); one intra-op thread (OMP_NUM_THREADS=1); the hash seed fixed (PYTHONHASHSEED=0). Each
+# process prints the decode phase's totals, the CPUs it could run on and last ran on, a fixed
+# pure-Python loop's time before and after the workload (the host CPU's speed as that process
+# saw it) and the share of the machine's CPU time stolen by the hypervisor meanwhile
+# (/proc/stat). The host's CPU and NUMA layout and the GPU's affinity first.
+# The twenty-fifth session ran the four variants (REPS=2): none was the cause, and every host
+# phase of a slow process was slower by the same factor; the calibration loop and the steal
+# time, added since, say whether the host CPU itself was slow then:
+#     VARIANTS=default REPS=6 bash benchmarks/device/slow_processes.sh        (carry .whl)
 # (On a CPU, a smoke run: SMOKE=1 REPS=1 PIN_CPU=1 bash benchmarks/device/slow_processes.sh.)
 if [[ -z "${SMOKE:-}" ]]; then
   source benchmarks/device/setup.sh || exit 1
@@ -19,25 +22,44 @@ export PYTHONUNBUFFERED=1
 echo "started $(date +%T)"
 lscpu | grep -E "^(Model name|CPU\(s\)|Thread|Core|Socket|NUMA|CPU max MHz)"
 nvidia-smi topo -m 2>/dev/null | head -3
+cpu_ticks() {  # the machine's CPU time so far: total and stolen ticks (/proc/stat)
+  awk '/^cpu /{t = 0; for (i = 2; i <= NF; i++) t += $i; print t, $9}' /proc/stat
+}
 timeline() {
   local name="$1"
   shift
+  local before after
+  before=$(cpu_ticks)
   "$@" python3 -c "
-import os, runpy, sys
+import os, runpy, sys, time
+def calibrate():  # a fixed pure-Python loop: the host CPU's speed as this process sees it
+    start = time.perf_counter()
+    total = 0
+    for i in range(2_000_000):
+        total += i * i
+    return (time.perf_counter() - start) * 1e3
+first = calibrate()
 sys.argv = ['step_timeline.py', $args]
 try:
     runpy.run_path('benchmarks/device/step_timeline.py', run_name='__main__')
 except SystemExit:
     pass
+print(f'calibration loop ms: {first:.1f} before, {calibrate():.1f} after')
 print('cpus', len(os.sched_getaffinity(0)), 'last on', open('/proc/self/stat').read().split()[38])
 " > /tmp/timeline.txt 2>&1 || tail -5 /tmp/timeline.txt
+  after=$(cpu_ticks)
   echo "$name: $(grep -E '^== ' /tmp/timeline.txt | tail -1)"
-  grep -E "^(phase|decode |cpus|decode steps)" /tmp/timeline.txt | sed 's/^/    /'
+  grep -E "^(phase|decode |cpus|decode steps|calibration)" /tmp/timeline.txt | sed 's/^/    /'
+  echo "$before $after" | awk '{printf "    stolen: %.1f%% of the CPU time meanwhile\n", 100 * ($4 - $2) / ($3 - $1 + 1e-9)}'
 }
 for rep in $(seq 1 "${REPS:-3}"); do
-  timeline default env
-  timeline pinned taskset -c "${PIN_CPU:-2}"
-  timeline omp1 env OMP_NUM_THREADS=1
-  timeline hashseed0 env PYTHONHASHSEED=0
+  for variant in ${VARIANTS:-default pinned omp1 hashseed0}; do
+    case $variant in
+      default) timeline default env ;;
+      pinned) timeline pinned taskset -c "${PIN_CPU:-2}" ;;
+      omp1) timeline omp1 env OMP_NUM_THREADS=1 ;;
+      hashseed0) timeline hashseed0 env PYTHONHASHSEED=0 ;;
+    esac
+  done
 done
 echo "ended $(date +%T)"
