@@ -8,8 +8,11 @@ The engine runs on the CPU with a tiny model; its decode steps go through ``Deco
 GPU path: persistent buffers, pending tokens patched in, argmax over the logits), but the
 graph's forward returns a fixed hidden state instead of running the layers. What remains is
 what the host does per step on a GPU: ``Scheduler.schedule``, the runner's input gathering and
-launch, reading the sampled ids back and ``Scheduler.update_from_output``. Prints the median
-of each phase over ``--steps`` decode-only steps at full batch (async scheduling, as on GPUs).
+launch, reading the sampled ids back and ``Scheduler.update_from_output``. Prints the median,
+mean and maximum of each phase over ``--steps`` decode-only steps at full batch (async
+scheduling, as on GPUs). The mean counts the steps in which the requests' blocks fill (every
+16th, all requests at once in this lockstep workload): they allocate blocks and hash the full
+ones for the prefix cache.
 Absolute figures depend on the CPU; compare variants in the same run or on the same machine.
 """
 
@@ -130,10 +133,12 @@ def main() -> int:
         assert len(outs) == args.batch, "every step must be a full decode step"
     if profiler:
         profiler.disable()
-    print(f"decode steps at batch {args.batch}, medians of {args.steps} (ms):")
-    print(f"  whole step            {statistics.median(steps) * 1e3:7.3f}")
-    for name, values in TIMES.items():
-        print(f"  {name:<21} {statistics.median(values) * 1e3:7.3f}")
+    print(f"decode steps at batch {args.batch}, over {args.steps} steps (ms):")
+    print(f"  {'':21} {'median':>7} {'mean':>7} {'max':>7}")
+    for name, values in {"whole step": steps, **TIMES}.items():
+        ms = [v * 1e3 for v in values]
+        median, mean = statistics.median(ms), statistics.mean(ms)
+        print(f"  {name:<21} {median:7.3f} {mean:7.3f} {max(ms):7.3f}")
     if profiler:
         pstats.Stats(profiler).sort_stats(args.sort).print_stats(25)
     return 0

@@ -1,5 +1,6 @@
 """One line per Baton configuration of a ``bench_gpu_engine.py --output-json`` file, for the
-device A/B scripts: ``python benchmarks/device/ab_summary.py FILE.json VARIANT``."""
+device A/B scripts: ``python benchmarks/device/ab_summary.py FILE.json VARIANT [NOTE]`` (NOTE
+is appended to each line)."""
 
 import json
 import sys
@@ -14,4 +15,5 @@ for r in json.loads(Path(sys.argv[1]).read_text())["throughput"]:
         f"  step ms {r['median_decode_step_ms']:.3f}"
         f"  graph ms {'-' if graph is None else f'{graph:.3f}'}"
         f"  prompt s {r.get('prompt_steps_s', 0):.3f}  decode s {r.get('decode_steps_s', 0):.3f}"
+        + (f"  {sys.argv[3]}" if len(sys.argv) > 3 and sys.argv[3] else "")
     )

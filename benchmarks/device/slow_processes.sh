@@ -31,13 +31,9 @@ timeline() {
   local before after
   before=$(cpu_ticks)
   "$@" python3 -c "
-import os, runpy, sys, time
-def calibrate():  # a fixed pure-Python loop: the host CPU's speed as this process sees it
-    start = time.perf_counter()
-    total = 0
-    for i in range(2_000_000):
-        total += i * i
-    return (time.perf_counter() - start) * 1e3
+import os, runpy, sys
+sys.path.insert(0, 'benchmarks/device')
+from cpu_speed import calibrate
 first = calibrate()
 sys.argv = ['step_timeline.py', $args]
 try:

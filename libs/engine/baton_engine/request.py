@@ -77,6 +77,19 @@ class Request:
     # new block and fills no block to index, so the scheduler need not call ``allocate_slots``
     # (most decode steps). 0 while the request holds no blocks.
     kv_limit: int = 0
+    # For the scheduler's common case, set once: while fewer than ``stop_len`` tokens are out
+    # and the last is not in ``stop_ids``, ``check_stop`` returns None and the step's output is
+    # the token alone (``stop_len`` is 0 when a request must take the full path: prefill-only,
+    # logprobs or prompt logprobs asked for).
+    stop_len: int = field(init=False, repr=False)
+    stop_ids: frozenset[int] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        sp = self.sampling_params
+        plain = not self.prefill_only and sp.logprobs is None and sp.prompt_logprobs is None
+        self.stop_len = self.max_tokens if plain else 0
+        eos = () if sp.ignore_eos else self.eos_token_ids
+        self.stop_ids = frozenset((*eos, *sp.stop_token_ids))
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -39,6 +39,11 @@ from baton_engine.core.outputs import (
 from baton_engine.kv_cache import KVCacheManager, PrefixMatch
 from baton_engine.request import Request, RequestStatus
 
+# Built per request per step: a NamedTuple's own constructor is a Python function, a third of
+# the cost; tuple.__new__ fills every field (in declaration order) in one C call.
+_tuple_new = tuple.__new__
+_RUNNING = RequestStatus.RUNNING
+
 
 class Scheduler:
     def __init__(
@@ -200,7 +205,9 @@ class Scheduler:
                 if allocated is None:
                     break
                 new_block_ids = allocated
-            cached_reqs.append(CachedRequestData(request.req_id, new_block_ids, computed))
+            cached_reqs.append(
+                _tuple_new(CachedRequestData, (request.req_id, new_block_ids, computed))
+            )
             num_scheduled[request.req_id] = num_new
             budget -= num_new
             # Preemption takes the tail, which this loop has not reached: the requests it has
@@ -318,20 +325,26 @@ class Scheduler:
             token_id = sampled.get(request.req_id)
             if token_id is not None:
                 request.num_pending_tokens -= 1
-            if request.status.is_finished:
+            if request.status is not _RUNNING and request.status.is_finished:
                 continue  # its blocks are gone; a token sampled past its end is dropped
             if prompt_logprobs:
                 _add_prompt_logprobs(request, prompt_logprobs.get(request.req_id))
             if token_id is None:  # a prefill chunk that is not the last
                 continue
-            request.output_token_ids.append(token_id)
+            out = request.output_token_ids
+            out.append(token_id)
+            if len(out) < request.stop_len and token_id not in request.stop_ids:
+                # the common case (nothing can stop it, nothing more to report), built with the
+                # fewest lookups: Request.check_stop would return None
+                fields = (request.req_id, [token_id], None, None, None, request.num_cached_tokens)
+                outputs.append(_tuple_new(EngineCoreOutput, (*fields, None, None)))
+                continue
             status = request.check_stop()
             if (
                 status is None
                 and not logprobs_of
                 and request.sampling_params.prompt_logprobs is None
             ):
-                # the common case, built with the fewest lookups
                 outputs.append(
                     EngineCoreOutput(
                         request.req_id, [token_id], None, None, None, request.num_cached_tokens

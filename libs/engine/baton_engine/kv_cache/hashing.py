@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 
@@ -21,11 +21,17 @@ class BlockHash(NamedTuple):
 _ROOT = b"\x00" * 16
 
 
+_tuple_new = tuple.__new__  # a NamedTuple without its Python-level constructor (per block)
+_PACK: dict[int, Callable[..., bytes]] = {}  # token count -> its struct's pack
+
+
 def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
-    h = hashlib.blake2b(digest_size=16)
-    h.update(parent.hash_value if parent is not None else _ROOT)
-    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
-    return BlockHash(h.digest(), tuple(token_ids))
+    tokens = tuple(token_ids)
+    pack = _PACK.get(len(tokens))
+    if pack is None:
+        pack = _PACK[len(tokens)] = struct.Struct(f"<{len(tokens)}q").pack
+    data = (parent.hash_value if parent is not None else _ROOT) + pack(*tokens)
+    return _tuple_new(BlockHash, (hashlib.blake2b(data, digest_size=16).digest(), tokens))
 
 
 def hash_request_tokens(

@@ -21,13 +21,14 @@ from baton_engine.sampling_params import SamplingParams
 class CachedRequestState:
     req_id: str
     prompt_token_ids: list[int]
-    output_token_ids: list[int]
     sampling_params: SamplingParams
     row: int  # its row of the block table
     num_blocks: int
     num_computed_tokens: int
     generator: torch.Generator | None
-    num_tokens: int = 0  # prompt + output tokens on the host (in its row of the token table)
+    # prompt + output tokens on the host, in its row of the token table (the output tokens are
+    # kept there only: InputBatch.output_token_ids)
+    num_tokens: int = 0
     # Tokens sampled by launched steps whose ids are still on the device: the last is the
     # input of this request's next decode (see ModelRunner.launch).
     num_pending: int = 0
@@ -39,7 +40,6 @@ class CachedRequestState:
     wants_prompt_logprobs: bool = False
 
     def __post_init__(self) -> None:
-        self.num_tokens = len(self.prompt_token_ids) + len(self.output_token_ids)
         sp = self.sampling_params
         self.host_free = (
             sp.logprobs is None
@@ -50,6 +50,10 @@ class CachedRequestState:
         )
         self.plain_greedy = self.host_free and sp.is_greedy
         self.wants_prompt_logprobs = sp.prompt_logprobs is not None
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.num_tokens - len(self.prompt_token_ids)
 
     @property
     def always_host_free(self) -> bool:
@@ -82,6 +86,7 @@ class InputBatch:
         # per-request checks.
         self.num_host_bound = 0
         self.num_not_plain_greedy = 0
+        self.num_prompt_logprobs = 0  # held requests that ask for prompt logprobs
 
     def update(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids | so.preempted_req_ids:
@@ -96,21 +101,21 @@ class InputBatch:
                 # drew from this seed: skip those draws so the next token is the one an
                 # uninterrupted run would sample.
                 skip_draws(generator, len(new.output_token_ids), self.vocab_size, self.device)
+            num_prompt = len(new.prompt_token_ids)
             state = CachedRequestState(
                 req_id=new.req_id,
                 prompt_token_ids=new.prompt_token_ids,
-                output_token_ids=list(new.output_token_ids),
                 sampling_params=sp,
                 row=self._free_rows.pop(),
                 num_blocks=0,
                 num_computed_tokens=new.num_computed_tokens,
                 generator=generator,
+                num_tokens=num_prompt + len(new.output_token_ids),
             )
             self.requests[new.req_id] = state
             self._count(state, 1)
-            num_prompt = len(new.prompt_token_ids)
             self.token_table[state.row, :num_prompt] = new.prompt_token_ids
-            self.token_table[state.row, num_prompt : state.num_tokens] = state.output_token_ids
+            self.token_table[state.row, num_prompt : state.num_tokens] = new.output_token_ids
             self._append_blocks(state, new.block_ids)
         requests = self.requests
         for cached in so.scheduled_cached_reqs:
@@ -129,6 +134,7 @@ class InputBatch:
     def _count(self, state: CachedRequestState, sign: int) -> None:
         self.num_host_bound += sign * (not state.always_host_free)
         self.num_not_plain_greedy += sign * (not state.always_plain_greedy)
+        self.num_prompt_logprobs += sign * state.wants_prompt_logprobs
 
     def _remove(self, req_id: str) -> None:
         state = self.requests.pop(req_id, None)
@@ -136,15 +142,33 @@ class InputBatch:
             self._count(state, -1)
             self._free_rows.append(state.row)
 
-    def append_tokens(self, states: list[CachedRequestState], token_ids: list[int]) -> None:
-        """Record one sampled token for each of ``states`` (held ones: see ``requests``)."""
+    def output_token_ids(self, state: CachedRequestState) -> list[int]:
+        """The request's output tokens on the host (a full-length request's last one, which
+        has no slot in the table, is left out: nothing is sampled after it)."""
+        tokens: list[int] = self.token_table[
+            state.row, len(state.prompt_token_ids) : state.num_tokens
+        ].tolist()
+        return tokens
+
+    def record_sampled(self, states: list[CachedRequestState], token_ids: list[int]) -> None:
+        """One launched step's sampled tokens reached the host: one for each of ``states``, no
+        longer pending. Each held request records its token (in ``requests``: one finished or
+        preempted since the launch has given its row away)."""
         rows: list[int] = []
         cols: list[int] = []
-        for state, token_id in zip(states, token_ids, strict=True):
-            rows.append(state.row)
-            cols.append(state.num_tokens)
-            state.num_tokens += 1
-            state.output_token_ids.append(token_id)
+        live = self.requests
+        dropped = False
+        for state in states:
+            state.num_pending -= 1
+            if live.get(state.req_id) is state:
+                rows.append(state.row)
+                cols.append(state.num_tokens)
+                state.num_tokens += 1
+            else:
+                dropped = True
+        if dropped:
+            pairs = zip(states, token_ids, strict=True)
+            token_ids = [t for s, t in pairs if live.get(s.req_id) is s]
         width = self.token_table.shape[1]
         if cols and max(cols) >= width:  # the last token of a full-length request needs no slot
             keep = [i for i, c in enumerate(cols) if c < width]

@@ -56,13 +56,13 @@ _POLL_S = 50e-6
 def _host_free(state: CachedRequestState) -> bool:
     """Sampling needs none of the request's own tokens on the host: no penalties, no logprobs,
     past ``min_tokens`` (counting only tokens already reported)."""
-    return state.host_free and len(state.output_token_ids) >= state.sampling_params.min_tokens
+    return state.host_free and state.num_output_tokens >= state.sampling_params.min_tokens
 
 
 def _plain_greedy(state: CachedRequestState) -> bool:
     """Greedy with nothing that changes or reports the logits: no penalties, no logprobs, no
     tokens suppressed below ``min_tokens``."""
-    return state.plain_greedy and len(state.output_token_ids) >= state.sampling_params.min_tokens
+    return state.plain_greedy and state.num_output_tokens >= state.sampling_params.min_tokens
 
 
 class ModelRunner:
@@ -411,10 +411,11 @@ class ModelRunner:
                 key=lambda r: (num_sched[r] != 1, states[r].num_computed_tokens > 0, num_sched[r]),
             )
         reqs = [states[r] for r in order]
-        num_new = [num_sched[r] for r in order]
         graphs = self.graphs
         prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = {}
-        wants_prompt_logprobs = any(s.wants_prompt_logprobs for s in reqs)
+        wants_prompt_logprobs = self.batch.num_prompt_logprobs > 0 and any(
+            s.wants_prompt_logprobs for s in reqs
+        )
         if (
             graphs is not None
             and one_token_each
@@ -426,6 +427,7 @@ class ModelRunner:
                 hidden = hidden[self.staging.to_device(sample_rows, torch.long)]
             logits = self.model.compute_logits(hidden)
         else:
+            num_new = [num_sched[r] for r in order]
             input_ids, positions, metadata, sample_rows = self._prepare_inputs(reqs, num_new)
             pieces = self.pieces
             if pieces is not None and pieces.padded_size(metadata.num_tokens) is not None:
@@ -635,12 +637,12 @@ class ModelRunner:
         suppressed: list[list[int]] = []
         for s in reqs:
             sp = s.sampling_params
-            below_min = len(s.output_token_ids) < sp.min_tokens
+            below_min = s.num_output_tokens < sp.min_tokens
             suppressed.append([*eos, *sp.stop_token_ids] if below_min else [])
         return SamplingMetadata.from_params(
             [s.sampling_params for s in reqs],
             prompt_token_ids=[s.prompt_token_ids for s in reqs],
-            output_token_ids=[s.output_token_ids for s in reqs],
+            output_token_ids=[self.batch.output_token_ids(s) for s in reqs],
             generators={i: s.generator for i, s in enumerate(reqs) if s.generator is not None},
             suppressed_token_ids=suppressed,
             device=self.device,
@@ -692,15 +694,7 @@ class StepHandle:
             wait_for(event, self._check_ranks)
         token_ids = ids.tolist()
         reqs = self._reqs
-        live = self._batch.requests
         sampled = dict(zip([s.req_id for s in reqs], token_ids, strict=True))
-        dropped = False
-        for state in reqs:
-            state.num_pending -= 1
-            dropped = dropped or live.get(state.req_id) is not state
-        if dropped:  # finished or preempted since the launch: their state is gone
-            kept = [(s, t) for s, t in zip(reqs, token_ids, strict=True) if live.get(s.req_id) is s]
-            reqs, token_ids = [s for s, _ in kept], [t for _, t in kept]
-        self._batch.append_tokens(reqs, token_ids)
+        self._batch.record_sampled(reqs, token_ids)
         self._output = ModelRunnerOutput(sampled, self._logprobs, self._prompt_logprobs)
         return self._output

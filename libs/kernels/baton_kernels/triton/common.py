@@ -65,6 +65,16 @@ def pdl_launch(device: torch.device) -> dict[str, bool]:
     return {"PDL": False}
 
 
+def bulk_prefetch_ok(device: torch.device) -> bool:
+    """Whether kernels on ``device`` may issue Hopper's bulk L2 prefetches (compiled code on
+    sm_90 or later; the interpreter runs no inline assembly)."""
+    return (
+        device.type == "cuda"
+        and os.environ.get("TRITON_INTERPRET") != "1"
+        and _capability_major(device.index) >= 9
+    )
+
+
 @triton.jit
 def pdl_begin(PDL: tl.constexpr):
     """A PDL kernel's start: let the next kernel launch once every program has begun (it waits

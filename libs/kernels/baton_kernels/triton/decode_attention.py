@@ -30,6 +30,7 @@ tensor cores), so each K/V tile is read once per group.
 from __future__ import annotations
 
 import math
+import os
 from functools import cache
 from typing import NamedTuple
 
@@ -41,13 +42,13 @@ from baton_kernels.attention.base import KVCacheView
 from baton_kernels.triton.common import (
     LOG2E,
     block_d,
+    bulk_prefetch_ok,
     cdiv,
     check_kv_cache,
     dot_precision,
     load_kv_tile,
     next_pow2,
     online_softmax_step,
-    pdl_begin,
     pdl_launch,
     upcast_in_kernel,
     zeroed_counters,
@@ -59,6 +60,17 @@ MIN_SPLIT_TOKENS = 64
 MAX_SPLITS = 64
 FUSE_REDUCE = True  # the default of decode_attention's fuse_reduce
 COMBINE_UNROLL = 8  # partials the reduce reads per loop iteration
+# When a request's keys are split (few requests), each program under PDL reads the step's
+# inputs (lengths, block table, positions, the rotary rows, the new token's slot) before it
+# waits for the kernel before it, and starts reading the first PREFETCH_TILES tiles of its
+# slice into the L2 (Hopper's bulk prefetch), so that the reads which must wait (q, k, v and
+# the stream's row for the norm) are not followed by the first tiles' full latency. On an H200
+# (ab_prefetch.sh, ab_host.sh), Qwen2.5-0.5B's batch-1 decode graph: 0.608 ms with neither,
+# 0.595-0.597 with the early reads, 0.580-0.582 with both. With one split (256 requests) both
+# made the graph slower (1.690-1.695 ms: early reads 1.698-1.702, both 1.725), so neither is
+# used there. BATON_DECODE_EARLY=0 / BATON_DECODE_PREFETCH_TILES=0 turn them off.
+EARLY_INPUTS = os.environ.get("BATON_DECODE_EARLY", "1") != "0"
+PREFETCH_TILES = int(os.environ.get("BATON_DECODE_PREFETCH_TILES", "1"))
 
 
 @triton.jit
@@ -81,14 +93,24 @@ def _normed(x, rstd, bias_ptr, rows, cols, mask, HEAD_DIM: tl.constexpr, HAS_BIA
 
 
 @triton.jit
+def _rotation(cs_ptr, s_cc, s_cd, offs_d, d_ok, dtype: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """The cos row at ``cs_ptr`` and the sin row ``s_cc`` after it (rotate-half layout) as
+    float32 vectors, rounded to ``dtype`` first, as the model's ``cos_sin[positions].to(dtype)``;
+    the sin negated on the first half: ``rotate_half(x) = cat(-x2, x1)``."""
+    cos = tl.load(cs_ptr + offs_d * s_cd, mask=d_ok, other=0.0).to(dtype).to(tl.float32)
+    sin = tl.load(cs_ptr + s_cc + offs_d * s_cd, mask=d_ok, other=0.0).to(dtype).to(tl.float32)
+    return cos, tl.where(offs_d < HEAD_DIM // 2, -sin, sin)
+
+
+@triton.jit
 def _rotated(
-    x_ptr, rows, row_ok, s_h, s_d, cs_ptr, s_cc, s_cd, offs_d, d_ok, rstd, bias_ptr,
+    x_ptr, rows, row_ok, s_h, s_d, cos, sin, offs_d, d_ok, rstd, bias_ptr,
     HEAD_DIM: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):  # fmt: skip
-    """Rows ``rows`` of ``x`` (heads at stride ``s_h``) rotated by one position, whose cos row
-    is at ``cs_ptr`` and sin row ``s_cc`` after it (rotate-half layout), rounded to ``x``'s
-    dtype: ``fused_ops._rotate_heads`` over the whole head dim, each dim with its partner.
-    With ``NORM``, ``x`` is normed first (``_normed``)."""
+    """Rows ``rows`` of ``x`` (heads at stride ``s_h``) rotated by one position (``cos`` and
+    ``sin`` from ``_rotation``), rounded to ``x``'s dtype: ``fused_ops._rotate_heads`` over the
+    whole head dim, each dim with its partner. With ``NORM``, ``x`` is normed first
+    (``_normed``)."""
     partner = tl.where(offs_d < HEAD_DIM // 2, offs_d + HEAD_DIM // 2, offs_d - HEAD_DIM // 2)
     mask = row_ok[:, None] & d_ok[None, :]
     x = tl.load(x_ptr + rows[:, None] * s_h + offs_d[None, :] * s_d, mask=mask, other=0.0)
@@ -96,12 +118,22 @@ def _rotated(
     if NORM:
         x = _normed(x, rstd, bias_ptr, rows, offs_d, mask, HEAD_DIM, HAS_BIAS)
         xp = _normed(xp, rstd, bias_ptr, rows, partner, mask, HEAD_DIM, HAS_BIAS)
-    dtype = x.dtype
-    # rounded to the activations' dtype first, as the model's ``cos_sin[positions].to(dtype)``
-    cos = tl.load(cs_ptr + offs_d * s_cd, mask=d_ok, other=0.0).to(dtype).to(tl.float32)
-    sin = tl.load(cs_ptr + s_cc + offs_d * s_cd, mask=d_ok, other=0.0).to(dtype).to(tl.float32)
-    sin = tl.where(offs_d < HEAD_DIM // 2, -sin, sin)  # rotate_half(x) = cat(-x2, x1)
-    return (x.to(tl.float32) * cos[None, :] + xp.to(tl.float32) * sin[None, :]).to(dtype)
+    return (x.to(tl.float32) * cos[None, :] + xp.to(tl.float32) * sin[None, :]).to(x.dtype)
+
+
+@triton.jit
+def _prefetch_rows(ptrs, ok, ROW_BYTES: tl.constexpr):
+    """Start reading the ``ROW_BYTES`` at each of ``ptrs`` (where ``ok``) into the L2, without
+    waiting (Hopper's bulk L2 prefetch: 16-byte aligned rows, a multiple of 16 bytes)."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred has; setp.gt.s32 has, $2, 0; "
+        "@has cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r",
+        [ptrs, tl.where(ok, ROW_BYTES, 0)],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
 
 
 @triton.jit(
@@ -171,9 +203,19 @@ def _decode_kernel(
     FUSE_REDUCE: tl.constexpr,
     BLOCK_S: tl.constexpr,
     UNROLL: tl.constexpr,
+    PREFETCH: tl.constexpr,  # keys read into the L2 before the wait (0: none)
+    ROW_BYTES: tl.constexpr,  # bytes of one key's row of one KV head
+    EARLY: tl.constexpr,  # the step's inputs read before the PDL wait
     PDL: tl.constexpr,
 ):
-    pdl_begin(PDL)
+    # Under PDL this launch may start while the kernel before it (the qkv projection) still
+    # runs. With EARLY, what that kernel does not write (the step's inputs, the rotary table,
+    # the cached keys with PREFETCH) is read before the wait, so those reads overlap its end
+    # and the latency of the reads that must follow it (q, k, v, the stream's row).
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        if not EARLY:
+            tl.extra.cuda.gdc_wait()
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -184,6 +226,14 @@ def _decode_kernel(
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
     full_end = start + (end - start) // TILE_N * TILE_N
+    table_ptr = tables_ptr + b * s_tb
+    if PREFETCH > 0:  # the slice's first PREFETCH keys into the L2 (see decode_attention)
+        ahead = start + tl.arange(0, PREFETCH)
+        ahead_ok = ahead < end
+        ahead_block = tl.load(table_ptr + ahead // BLOCK_SIZE, mask=ahead_ok, other=0)
+        keys = kv_ptr + ahead_block.to(tl.int64) * s_cb + (ahead % BLOCK_SIZE) * s_cs
+        _prefetch_rows(keys + kv_head * s_ch, ahead_ok, ROW_BYTES)
+        _prefetch_rows(keys + kv_head * s_ch + s_ckv, ahead_ok, ROW_BYTES)
 
     offs_h = tl.arange(0, BLOCK_H)
     head = kv_head * GROUP + offs_h
@@ -194,20 +244,24 @@ def _decode_kernel(
         # q rotated here, in every slice's program; the program of the last slice (which
         # holds the new token) writes the rotated K and the V into the cache first
         cs = cos_sin_ptr + tl.load(pos_ptr + b).to(tl.int64) * s_csp
+        cos, sin = _rotation(cs, s_csc, s_csd, offs_d, d_ok, q_ptr.dtype.element_ty, HEAD_DIM)
+        slot_block = tl.load(slot_block_ptr + b).to(tl.int64)
+        slot = tl.load(slot_offset_ptr + b).to(tl.int64)
+        if PDL and EARLY:
+            tl.extra.cuda.gdc_wait()
         rstd = 1.0
         if NORM:  # the 1/rms of the request's row of the stream (DecodeNorm)
             offs_x = tl.arange(0, BLOCK_HID)
             xs = tl.load(hid_ptr + b * s_hid + offs_x, mask=offs_x < hidden, other=0.0)
             xs = xs.to(tl.float32)
             rstd = tl.rsqrt(tl.sum(xs * xs, axis=0) / hidden + eps)
-        q = _rotated(q_ptr + b * s_qt, head, h_ok, s_qh, s_qd, cs, s_csc, s_csd, offs_d, d_ok,
+        q = _rotated(q_ptr + b * s_qt, head, h_ok, s_qh, s_qd, cos, sin, offs_d, d_ok,
                      rstd, qb_ptr, HEAD_DIM, NORM, HAS_BIAS)  # fmt: skip
         if split == active - 1:
-            block = tl.load(slot_block_ptr + b).to(tl.int64)
-            if block >= 0:  # (a padding row's is negative)
+            if slot_block >= 0:  # (a padding row's is negative)
                 one = offs_h == 0  # a tile of one row
                 rows = kv_head + 0 * offs_h
-                k_new = _rotated(k_ptr + b * s_kt, rows, one, s_kh, s_kd, cs, s_csc, s_csd,
+                k_new = _rotated(k_ptr + b * s_kt, rows, one, s_kh, s_kd, cos, sin,
                                  offs_d, d_ok, rstd, kb_ptr, HEAD_DIM, NORM, HAS_BIAS)  # fmt: skip
                 mask = one[:, None] & d_ok[None, :]
                 v_new = tl.load(
@@ -216,13 +270,15 @@ def _decode_kernel(
                 if NORM:
                     v_new = _normed(v_new, rstd, vb_ptr, rows, offs_d, mask, HEAD_DIM, HAS_BIAS)
                 dst = (
-                    kv_ptr + block * s_cb + tl.load(slot_offset_ptr + b).to(tl.int64) * s_cs
-                    + rows[:, None] * s_ch + offs_d[None, :] * s_cd
+                    kv_ptr + slot_block * s_cb + slot * s_cs + rows[:, None] * s_ch
+                    + offs_d[None, :] * s_cd
                 )  # fmt: skip
                 tl.store(dst, k_new, mask=mask)
                 tl.store(dst + s_ckv, v_new, mask=mask)
             tl.debug_barrier()  # the stores are seen by this program's loads of its tiles
     else:
+        if PDL and EARLY:
+            tl.extra.cuda.gdc_wait()
         q = tl.load(
             q_ptr + b * s_qt + head[:, None] * s_qh + offs_d[None, :] * s_qd,
             mask=h_ok[:, None] & d_ok[None, :],
@@ -234,7 +290,6 @@ def _decode_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    table_ptr = tables_ptr + b * s_tb
     for tile in range(start, full_end, TILE_N):
         pos = tile + tl.arange(0, TILE_N)
         k, v = load_kv_tile(
@@ -527,6 +582,17 @@ def decode_attention(
         else seq_lens
     )
     pdl = pdl_launch(out.device)
+    row_bytes = head_dim * kv.element_size()
+    prefetch = (
+        PREFETCH_TILES * tile_n
+        if num_splits > 1  # (one split a request: measured slower, see PREFETCH_TILES)
+        and bulk_prefetch_ok(out.device)
+        and kv.stride(4) == 1
+        and kv.data_ptr() % 16 == 0
+        and all(st * kv.element_size() % 16 == 0 for st in kv.stride()[:4])
+        and row_bytes % 16 == 0
+        else 0
+    )
     _decode_kernel[(num_decodes, num_kv_heads, num_splits)](
         query,
         kv,
@@ -560,6 +626,9 @@ def decode_attention(
         FUSE_REDUCE=fuse_reduce,
         BLOCK_S=next_pow2(num_splits),
         UNROLL=min(COMBINE_UNROLL, num_splits),
+        PREFETCH=prefetch,
+        ROW_BYTES=row_bytes,
+        EARLY=EARLY_INPUTS and num_splits > 1,
         num_warps=num_warps,
         num_stages=num_stages,
         **pdl,
