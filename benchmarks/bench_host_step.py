@@ -2,7 +2,7 @@
 host-bound on the H200 until the eleventh session; the twenty-second found ~0.24 ms of slack a
 step there, benchmarks/device/qwen256_bound.sh).
 
-    python benchmarks/bench_host_step.py [--batch 256] [--steps 200] [--profile]
+    python benchmarks/bench_host_step.py [--batch 256] [--steps 200] [--profile] [--bytecodes 20]
 
 The engine runs on the CPU with a tiny model; its decode steps go through ``DecodeGraphs`` (the
 GPU path: persistent buffers, pending tokens patched in, argmax over the logits), but the
@@ -19,15 +19,18 @@ Absolute figures depend on the CPU; compare variants in the same run or on the s
 from __future__ import annotations
 
 import argparse
+import collections
 import cProfile
 import functools
 import json
 import pstats
 import random
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import torch
@@ -58,17 +61,48 @@ MODEL = {
 }
 
 
+PHASE = ["other"]  # the timed phase running now (for --bytecodes)
+
+
 def timed(obj: Any, name: str) -> None:
     fn = getattr(obj, name)
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        outer, PHASE[0] = PHASE[0], name
         start = time.perf_counter()
-        out = fn(*args, **kwargs)
-        TIMES.setdefault(name, []).append(time.perf_counter() - start)
-        return out
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            TIMES.setdefault(name, []).append(time.perf_counter() - start)
+            PHASE[0] = outer
 
     setattr(obj, name, wrapper)
+
+
+def count_bytecodes(core: EngineCore, steps: int) -> collections.Counter[str]:
+    """Python bytecodes executed in ``steps`` decode steps, by phase: a measure of the host's
+    Python work that does not depend on the CPU's speed (this VM's and the H200 host's vary by
+    1.5x and more from run to run). Work in C (numpy, torch, the CPU kernels) is not counted."""
+    counts: collections.Counter[str] = collections.Counter()
+
+    def local(frame: FrameType, event: str, arg: Any) -> Any:
+        if event == "opcode":
+            counts[PHASE[0]] += 1
+        return local
+
+    def tracer(frame: FrameType, event: str, arg: Any) -> Any:
+        frame.f_trace_opcodes = True
+        frame.f_trace_lines = False
+        return local
+
+    sys.settrace(tracer)
+    try:
+        for _ in range(steps):
+            core.step()
+    finally:
+        sys.settrace(None)
+    return counts
 
 
 def build(batch: int, prompt_len: int, output_len: int) -> EngineCore:
@@ -107,8 +141,15 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--profile", action="store_true", help="print a cProfile of the steps")
     p.add_argument("--sort", default="tottime", help="the profile's order (pstats keys)")
+    p.add_argument(
+        "--bytecodes",
+        type=int,
+        default=0,
+        metavar="N",
+        help="then count the Python bytecodes of N more steps, by phase (speed-independent)",
+    )
     args = p.parse_args()
-    output_len = args.steps + 64
+    output_len = args.steps + args.bytecodes + 64
     core = build(args.batch, args.prompt_len, output_len)
     rng = random.Random(0)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
@@ -141,6 +182,12 @@ def main() -> int:
         print(f"  {name:<21} {median:7.3f} {mean:7.3f} {max(ms):7.3f}")
     if profiler:
         pstats.Stats(profiler).sort_stats(args.sort).print_stats(25)
+    if args.bytecodes:
+        counts = count_bytecodes(core, args.bytecodes)
+        print(f"Python bytecodes per decode step (mean of {args.bytecodes}):")
+        print(f"  {'whole step':<21} {sum(counts.values()) / args.bytecodes:9.0f}")
+        for name in (*TIMES, "other"):  # other: reading the ids back, the engine's loop
+            print(f"  {name:<21} {counts[name] / args.bytecodes:9.0f}")
     return 0
 
 

@@ -43,14 +43,18 @@ def launched(state: CachedRequestState) -> CachedRequestState:
     return state
 
 
+def record(batch: InputBatch, states: list[CachedRequestState], token_ids: list[int]) -> None:
+    batch.record_sampled(states, token_ids, batch.num_removed)  # nothing removed meanwhile
+
+
 def test_sampled_tokens_are_read_back_after_a_resume() -> None:
     batch = make_batch()
     batch.update(step((new_request("a", [1, 2, 3], output=(7, 8)),)))  # resumed after preemption
     a = batch.requests["a"]
     assert batch.output_token_ids(a) == [7, 8]
     assert a.num_output_tokens == 2
-    batch.record_sampled([launched(a)], [9])
-    batch.record_sampled([launched(a)], [10])
+    record(batch, [launched(a)], [9])
+    record(batch, [launched(a)], [10])
     assert batch.output_token_ids(a) == [7, 8, 9, 10]
     assert a.num_tokens == 7 and a.num_pending == 0
     assert batch.token_table[a.row, :7].tolist() == [1, 2, 3, 7, 8, 9, 10]
@@ -61,11 +65,12 @@ def test_a_token_of_a_request_dropped_since_the_launch_is_not_recorded() -> None
     batch.update(step((new_request("a", [1, 2, 3]), new_request("b", [4, 5]))))
     a, b = batch.requests["a"], batch.requests["b"]
     in_flight = [launched(a), launched(b)]
+    num_removed = batch.num_removed  # at the launch
     # b finishes before its token is reported; c takes its row
     batch.update(step((new_request("c", [6, 6, 6, 6]),), finished=frozenset({"b"})))
     c = batch.requests["c"]
     assert c.row == b.row
-    batch.record_sampled(in_flight, [11, 12])
+    batch.record_sampled(in_flight, [11, 12], num_removed)
     assert batch.output_token_ids(a) == [11]
     assert batch.output_token_ids(c) == []
     assert batch.token_table[c.row, :4].tolist() == [6, 6, 6, 6]  # b's token 12 not written
@@ -77,7 +82,7 @@ def test_the_last_token_of_a_full_length_request_has_no_slot() -> None:
     prompt = list(range(1, MAX_MODEL_LEN))
     batch.update(step((new_request("a", prompt),)))
     a = batch.requests["a"]
-    batch.record_sampled([launched(a)], [20])  # fills the last slot
-    batch.record_sampled([launched(a)], [21])  # past max_model_len: kept off the table
+    record(batch, [launched(a)], [20])  # fills the last slot
+    record(batch, [launched(a)], [21])  # past max_model_len: kept off the table
     assert batch.output_token_ids(a) == [20]
     assert a.num_tokens == MAX_MODEL_LEN + 1

@@ -87,6 +87,7 @@ class InputBatch:
         self.num_host_bound = 0
         self.num_not_plain_greedy = 0
         self.num_prompt_logprobs = 0  # held requests that ask for prompt logprobs
+        self.num_removed = 0  # requests dropped so far (see record_sampled)
 
     def update(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids | so.preempted_req_ids:
@@ -140,6 +141,7 @@ class InputBatch:
         state = self.requests.pop(req_id, None)
         if state is not None:
             self._count(state, -1)
+            self.num_removed += 1
             self._free_rows.append(state.row)
 
     def output_token_ids(self, state: CachedRequestState) -> list[int]:
@@ -150,28 +152,28 @@ class InputBatch:
         ].tolist()
         return tokens
 
-    def record_sampled(self, states: list[CachedRequestState], token_ids: list[int]) -> None:
+    def record_sampled(
+        self, states: list[CachedRequestState], token_ids: list[int], num_removed: int
+    ) -> None:
         """One launched step's sampled tokens reached the host: one for each of ``states``, no
-        longer pending. Each held request records its token (in ``requests``: one finished or
-        preempted since the launch has given its row away)."""
-        rows: list[int] = []
-        cols: list[int] = []
-        live = self.requests
-        dropped = False
+        longer pending. Each held request records its token; one finished or preempted since
+        the launch (``num_removed`` was ``self.num_removed`` then) has given its row away."""
         for state in states:
             state.num_pending -= 1
-            if live.get(state.req_id) is state:
-                rows.append(state.row)
-                cols.append(state.num_tokens)
-                state.num_tokens += 1
-            else:
-                dropped = True
-        if dropped:
-            pairs = zip(states, token_ids, strict=True)
-            token_ids = [t for s, t in pairs if live.get(s.req_id) is s]
-        width = self.token_table.shape[1]
-        if cols and max(cols) >= width:  # the last token of a full-length request needs no slot
-            keep = [i for i, c in enumerate(cols) if c < width]
-            rows, cols = [rows[i] for i in keep], [cols[i] for i in keep]
-            token_ids = [token_ids[i] for i in keep]
-        self.token_table[rows, cols] = token_ids
+        if num_removed != self.num_removed:  # some state may be gone: keep the held ones
+            live = self.requests
+            kept = [
+                (s, t) for s, t in zip(states, token_ids, strict=True) if live.get(s.req_id) is s
+            ]
+            states, token_ids = [s for s, _ in kept], [t for _, t in kept]
+        n = len(states)
+        rows = np.fromiter((s.row for s in states), dtype=np.int64, count=n)
+        cols = np.fromiter((s.num_tokens for s in states), dtype=np.int64, count=n)
+        for state in states:
+            state.num_tokens += 1
+        ids = np.asarray(token_ids, dtype=np.int64)
+        if n and cols.max() >= self.token_table.shape[1]:
+            # the last token of a full-length request needs no slot
+            keep = cols < self.token_table.shape[1]
+            rows, cols, ids = rows[keep], cols[keep], ids[keep]
+        self.token_table[rows, cols] = ids

@@ -673,6 +673,7 @@ class StepHandle:
         check_ranks: Callable[[], None] | None = None,
     ) -> None:
         self._batch = batch
+        self._num_removed = batch.num_removed  # (the step's requests are all held now)
         self._check_ranks = check_ranks
         self._reqs = sampled_reqs
         self._host = host
@@ -695,6 +696,6 @@ class StepHandle:
         token_ids = ids.tolist()
         reqs = self._reqs
         sampled = dict(zip([s.req_id for s in reqs], token_ids, strict=True))
-        self._batch.record_sampled(reqs, token_ids)
+        self._batch.record_sampled(reqs, token_ids, self._num_removed)
         self._output = ModelRunnerOutput(sampled, self._logprobs, self._prompt_logprobs)
         return self._output
