@@ -37,7 +37,7 @@ SHAPES = {"qwen 256": (64, 7, 14, 128, 4, 3, 1), "llama b1": (128, 4, 32, 64, 2,
 
 
 def compile_decode(
-    shape: tuple[int, ...], prefetch_tiles: int = 0, early: bool = False, tail_in_loop: bool = False
+    shape: tuple[int, ...], prefetch_tiles: int = 0, early: bool = False
 ) -> triton.compiler.CompiledKernel:
     head_dim, group, num_heads, tile_n, num_warps, num_stages, splits = shape
     consts = dict(
@@ -46,7 +46,7 @@ def compile_decode(
         NUM_SPLITS=splits, GROUP=group, HEAD_DIM=head_dim,
         BLOCK_D=head_dim, BLOCK_SIZE=16, BLOCK_H=16, TILE_N=tile_n, UPCAST=False,
         DOT_PREC="ieee", FUSE_REDUCE=splits > 1, BLOCK_S=splits, UNROLL=min(8, splits),
-        PREFETCH=prefetch_tiles * tile_n, ROW_BYTES=head_dim * 2, EARLY=early, TAIL_IN_LOOP=tail_in_loop, PDL=True,
+        PREFETCH=prefetch_tiles * tile_n, ROW_BYTES=head_dim * 2, EARLY=early, PDL=True,
     )  # fmt: skip
     signature: dict[str, str] = {}
     constexprs: dict[tuple[int, ...], object] = {}

@@ -71,12 +71,6 @@ COMBINE_UNROLL = 8  # partials the reduce reads per loop iteration
 # used there. BATON_DECODE_EARLY=0 / BATON_DECODE_PREFETCH_TILES=0 turn them off.
 EARLY_INPUTS = os.environ.get("BATON_DECODE_EARLY", "1") != "0"
 PREFETCH_TILES = int(os.environ.get("BATON_DECODE_PREFETCH_TILES", "1"))
-# The loop over a slice's key tiles is software-pipelined by Triton (the block ids two tiles
-# ahead, the keys one). With TAIL_IN_LOOP every tile is masked and the partial last tile is
-# one more round of that loop; without, the full tiles run unmasked and the partial one after
-# the loop, where its block ids and then its keys are two loads in a row, each a full memory
-# latency (BATON_DECODE_TAIL_IN_LOOP=0/1).
-TAIL_IN_LOOP = os.environ.get("BATON_DECODE_TAIL_IN_LOOP", "0") != "0"
 
 
 @triton.jit
@@ -212,7 +206,6 @@ def _decode_kernel(
     PREFETCH: tl.constexpr,  # keys read into the L2 before the wait (0: none)
     ROW_BYTES: tl.constexpr,  # bytes of one key's row of one KV head
     EARLY: tl.constexpr,  # the step's inputs read before the PDL wait
-    TAIL_IN_LOOP: tl.constexpr,  # the partial last tile in the pipelined loop (masked tiles)
     PDL: tl.constexpr,
 ):
     # Under PDL this launch may start while the kernel before it (the qkv projection) still
@@ -297,29 +290,15 @@ def _decode_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    if TAIL_IN_LOOP:
-        # every tile masked, the partial last one inside the software pipeline: its block ids
-        # and keys are fetched ahead like the others', not by two loads in a row after the loop
-        for tile in range(start, end, TILE_N):
-            pos = tile + tl.arange(0, TILE_N)
-            pos_ok = pos < end
-            k, v = load_kv_tile(
-                kv_ptr, table_ptr, pos, pos_ok, kv_head, offs_d,
-                s_cb, s_ckv, s_cs, s_ch, s_cd, BLOCK_SIZE, HEAD_DIM, BLOCK_D, True, UPCAST,
-            )  # fmt: skip
-            s = tl.dot(q, k, input_precision=DOT_PREC) * qk_scale
-            s = tl.where(pos_ok[None, :], s, float("-inf"))
-            m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, DOT_PREC)
-    else:
-        for tile in range(start, full_end, TILE_N):
-            pos = tile + tl.arange(0, TILE_N)
-            k, v = load_kv_tile(
-                kv_ptr, table_ptr, pos, pos < end, kv_head, offs_d,
-                s_cb, s_ckv, s_cs, s_ch, s_cd, BLOCK_SIZE, HEAD_DIM, BLOCK_D, False, UPCAST,
-            )  # fmt: skip
-            s = tl.dot(q, k, input_precision=DOT_PREC) * qk_scale
-            m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, DOT_PREC)
-    if not TAIL_IN_LOOP and full_end < end:
+    for tile in range(start, full_end, TILE_N):
+        pos = tile + tl.arange(0, TILE_N)
+        k, v = load_kv_tile(
+            kv_ptr, table_ptr, pos, pos < end, kv_head, offs_d,
+            s_cb, s_ckv, s_cs, s_ch, s_cd, BLOCK_SIZE, HEAD_DIM, BLOCK_D, False, UPCAST,
+        )  # fmt: skip
+        s = tl.dot(q, k, input_precision=DOT_PREC) * qk_scale
+        m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, DOT_PREC)
+    if full_end < end:
         pos = full_end + tl.arange(0, TILE_N)
         pos_ok = pos < end
         k, v = load_kv_tile(
@@ -541,7 +520,6 @@ def decode_attention(
     num_stages: int = 3,
     fuse_reduce: bool | None = None,
     rope: DecodeRope | None = None,
-    tail_in_loop: bool | None = None,
 ) -> None:
     """Attention of each request's single query token over its ``seq_len`` cached keys (its own
     K/V included, written before). ``num_splits`` from ``choose_num_splits``, or fixed when the
@@ -651,7 +629,6 @@ def decode_attention(
         PREFETCH=prefetch,
         ROW_BYTES=row_bytes,
         EARLY=EARLY_INPUTS and num_splits > 1,
-        TAIL_IN_LOOP=TAIL_IN_LOOP if tail_in_loop is None else tail_in_loop,
         num_warps=num_warps,
         num_stages=num_stages,
         **pdl,
