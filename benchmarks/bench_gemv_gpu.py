@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import os
 import statistics
 import sys
@@ -85,8 +86,14 @@ def shapes(model: str) -> list[tuple[str, int, int, str]]:
     ]
 
 
-def per_shape(model: str, rows: int, sweep: bool) -> dict[str, tuple[int, int, int, int]]:
-    best: dict[str, tuple[int, int, int, int]] = {}
+# The fixed-grid kernel's sweep (``--stream-sweep``): (columns, K per step, warps) x programs an SM
+STREAM_TILES = [(4, 1024, 4), (8, 512, 4), (2, 2048, 4), (4, 2048, 8), (8, 1024, 8), (16, 512, 8)]
+STREAM_PER_SM = (2, 3, 4, 6)
+Launch = tuple[int, int, int, int, int]  # gemv's config and its stream (programs an SM, 0: none)
+
+
+def per_shape(model: str, rows: int, sweep: bool, stream_sweep: bool) -> dict[str, Launch]:
+    best: dict[str, Launch] = {}
     for name, n, k, kind in shapes(model):
         copies = max(1, -(-2 * L2_BYTES // (n * k * 2)))
         ws = [torch.randn(n, k, device=DEV, dtype=DT) * 0.02 for _ in range(copies)]
@@ -108,33 +115,39 @@ def per_shape(model: str, rows: int, sweep: bool) -> dict[str, tuple[int, int, i
                 F.linear(x, w)
 
         t_cublas = graph_us(cublas)
-        chosen = choose_config(n, k)
+        chosen: Launch = (*choose_config(n, k), 0)
         configs = [chosen]
         if sweep:
-            grid = itertools.product((1, 2, 4, 8), (1024, 2048, 4096), (4, 8), (2, 3))
+            grid = itertools.product((1, 2, 4, 8), (1024, 2048, 4096), (4, 8), (2, 3), (0,))
             configs += [c for c in grid if c != chosen]
+        if stream_sweep:
+            configs += [(bn, bk, w, 1, p) for (bn, bk, w), p in
+                        itertools.product(STREAM_TILES, STREAM_PER_SM)]  # fmt: skip
         timed = []
         for cfg in configs:
-            got = gemv(gx, ws[0], config=cfg, **kw)
+            got = gemv(gx, ws[0], config=cfg[:4], stream=cfg[4], **kw)
             err = (got.float() - ref_gemv(gx, ws[0], **kw).float()).abs().max().item()
             if err > 0.05:
                 print(f"  {name} {cfg}: max |diff| {err:.3g} FAIL")
                 continue
 
             def triton_fn(
-                cfg: tuple[int, int, int, int] = cfg,
+                cfg: Launch = cfg,
                 ws: list[torch.Tensor] = ws,
                 x: torch.Tensor = gx,
                 kw: dict[str, Any] = kw,
             ) -> None:
                 for w in ws:
-                    gemv(x, w, config=cfg, **kw)
+                    gemv(x, w, config=cfg[:4], stream=cfg[4], **kw)
 
             timed.append((graph_us(triton_fn), cfg))
         timed.sort()
         best[name] = timed[0][1]
         t_def = next(t for t, c in timed if c == chosen)
         top = ", ".join(f"{c} {gb / (t * 1e-6):.0f}" for t, c in timed[:4])
+        classic = [t for t, c in timed if not c[4]]
+        if stream_sweep and classic:
+            top += f"; best one-program-a-block {gb / (classic[0] * 1e-6):.0f}"
         print(
             f"{name:14} N {n:6} K {k:6} ({kind:8}) x{copies:3}: cuBLAS {t_cublas / copies:7.1f} us "
             f"{gb / (t_cublas * 1e-6):5.0f} GB/s; gemv {chosen} {t_def / copies:7.1f} us "
@@ -146,7 +159,7 @@ def per_shape(model: str, rows: int, sweep: bool) -> dict[str, tuple[int, int, i
     return best
 
 
-def stacks(model: str, rows: int, best: dict[str, tuple[int, int, int, int]]) -> None:
+def stacks(model: str, rows: int, best: dict[str, Launch]) -> None:
     h, qkv_n, inter, layers, has_bias = MODELS[model]
     q = h  # query heads x head size: the hidden size in both shapes
     g = torch.Generator(device=DEV).manual_seed(0)
@@ -183,15 +196,17 @@ def stacks(model: str, rows: int, best: dict[str, tuple[int, int, int, int]]) ->
         return hidden + residual
 
     def fused(per_shape_cfg: bool) -> Callable[[], torch.Tensor]:
-        cfg = (lambda i: best[names[i]]) if per_shape_cfg else (lambda i: None)
+        def cfg(i: int) -> dict[str, Any]:
+            launch = best[names[i]]
+            return {"config": launch[:4], "stream": launch[4]} if per_shape_cfg else {}
 
         def run() -> torch.Tensor:
             stream = x0.clone()
             for w in weights:
-                qkv = gemv(stream, w["qkv"], w["bias"], norm_weight=w["n1"], config=cfg(0))
-                gemv(qkv[:, :q], w["o"], residual=stream, out=stream, config=cfg(1))
-                gu = gemv(stream, w["gate_up"], norm_weight=w["n2"], config=cfg(2))
-                gemv(gu, w["down"], silu_mul=True, residual=stream, out=stream, config=cfg(3))
+                qkv = gemv(stream, w["qkv"], w["bias"], norm_weight=w["n1"], **cfg(0))
+                gemv(qkv[:, :q], w["o"], residual=stream, out=stream, **cfg(1))
+                gu = gemv(stream, w["gate_up"], norm_weight=w["n2"], **cfg(2))
+                gemv(gu, w["down"], silu_mul=True, residual=stream, out=stream, **cfg(3))
             return stream
 
         return run
@@ -231,13 +246,22 @@ def main() -> int:
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--rows", type=int, default=1)
     p.add_argument("--models", default="llama,qwen")
+    p.add_argument("--stream-sweep", action="store_true", help="the fixed-grid kernel's sweep")
+    p.add_argument("--best-json", type=Path, help="write each shape's best launch: N,K -> launch")
+    p.add_argument("--no-stacks", action="store_true")
     p.add_argument("--smoke", action="store_true", help="CPU, interpreter, tiny shapes")
     args = p.parse_args()
     device = "cpu (smoke)" if SMOKE else torch.cuda.get_device_name()
     print(f"# {device}, torch {torch.__version__}, bf16, {args.rows} row(s)")
+    found: dict[str, Launch] = {}
     for model in args.models.split(","):
-        best = per_shape(model, args.rows, args.sweep)
-        stacks(model, args.rows, best)
+        best = per_shape(model, args.rows, args.sweep, args.stream_sweep)
+        for name, n, k, _ in shapes(model):
+            found[f"{n},{k}"] = best[name]
+        if not args.no_stacks:
+            stacks(model, args.rows, best)
+    if args.best_json:
+        args.best_json.write_text(json.dumps(found))
     return 0
 
 

@@ -17,7 +17,8 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
-from baton_kernels.triton.gemv import MAX_ROWS, choose_config, gemv, ref_gemv
+from baton_kernels.triton import gemv as gemv_mod
+from baton_kernels.triton.gemv import MAX_ROWS, choose_config, choose_launch, gemv, ref_gemv
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # fp32 exact up to the order of the sums; bf16 within a unit in the last place of the output
@@ -104,6 +105,40 @@ def test_gemv_rejects_what_it_cannot_run() -> None:
         gemv(x, weight.double())
     with pytest.raises(ValueError, match="residual"):
         gemv(x, weight, residual=torch.zeros(1, 9, device=DEVICE))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("prologue", PROLOGUES)
+def test_fixed_grid_gemv_matches_the_reference(
+    dtype: torch.dtype, rows: int, prologue: str
+) -> None:
+    """The fixed-grid kernel (``stream``: programs an SM): programs that loop over several
+    column blocks (37 columns in blocks of 4 or 2, on a grid of at most 4 or 8 programs), K in
+    slices with a partial last one or in one slice, a single column block, and the residual
+    updated in place."""
+    atol, rtol = TOL[dtype]
+    for n, k, config, stream in (
+        (37, 100, (4, 32, 4, 1), 1),
+        (37, 100, (2, 64, 4, 1), 2),
+        (37, 24, (4, 32, 4, 1), 1),
+        (3, 100, (4, 32, 4, 1), 2),
+    ):
+        x, weight, bias, residual, kwargs = make(rows, n, k, prologue, dtype, seed=n + k)
+        want = ref_gemv(x, weight, bias, residual=residual, **kwargs)
+        got = gemv(x, weight, bias, residual=residual, config=config, stream=stream, **kwargs)
+        torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
+        plain = gemv(x, weight, config=config, stream=stream, **kwargs)
+        torch.testing.assert_close(plain, ref_gemv(x, weight, **kwargs), atol=atol, rtol=rtol)
+        gemv(x, weight, bias, residual=residual, out=residual, config=config, stream=stream,
+             **kwargs)  # fmt: skip
+        torch.testing.assert_close(residual, want, atol=atol, rtol=rtol)
+
+
+def test_choose_launch_picks_the_fixed_grid_where_it_was_measured_faster() -> None:
+    assert choose_launch(4096, 4096)[1] > 0  # Llama-3.1-8B's o_proj
+    for n, k in ((6144, 4096), (28672, 4096), (1152, 896), (896, 896), (9728, 896)):
+        assert choose_launch(n, k) == (choose_config(n, k), gemv_mod.STREAM)
 
 
 def test_choose_config_covers_the_measured_shapes() -> None:

@@ -56,6 +56,18 @@ def _capability_major(device_index: int | None) -> int:
     return torch.cuda.get_device_capability(device_index)[0]
 
 
+def num_sms(device: torch.device) -> int:
+    """The device's multiprocessors (4 on a CPU, where the interpreter runs the kernels)."""
+    if device.type != "cuda":
+        return 4
+    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@cache
+def _num_sms(index: int) -> int:
+    return int(torch.cuda.get_device_properties(index).multi_processor_count)
+
+
 def pdl_launch(device: torch.device) -> dict[str, bool]:
     """Launch arguments for a kernel with a ``PDL`` constexpr that waits for the previous grid
     before its first dependent read: ``PDL`` and ``launch_pdl`` on a CUDA device that supports

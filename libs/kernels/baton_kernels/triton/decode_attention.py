@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import math
 import os
-from functools import cache
 from typing import NamedTuple
 
 import torch
@@ -48,6 +47,7 @@ from baton_kernels.triton.common import (
     dot_precision,
     load_kv_tile,
     next_pow2,
+    num_sms,
     online_softmax_step,
     pdl_launch,
     upcast_in_kernel,
@@ -453,11 +453,6 @@ def _decode_reduce_kernel(
     )  # fmt: skip
 
 
-@cache
-def _num_sms(device_index: int) -> int:
-    return int(torch.cuda.get_device_properties(device_index).multi_processor_count)
-
-
 def choose_num_splits(
     num_decodes: int, num_kv_heads: int, max_seq_len: int, device: torch.device
 ) -> int:
@@ -465,11 +460,11 @@ def choose_num_splits(
     about four programs per SM, none shorter than MIN_SPLIT_TOKENS; a power of two (rounded
     down) so few variants get compiled. Fitted to a split-count sweep on an H200
     (``bench_attention_gpu.py --sweep splits``): within 5% of the best count at each point."""
-    num_sms = _num_sms(device.index or 0) if device.type == "cuda" else 4
+    sms = num_sms(device)
     programs = max(num_decodes * num_kv_heads, 1)
-    if programs >= 2 * num_sms:
+    if programs >= 2 * sms:
         return 1
-    wanted = cdiv(4 * num_sms, programs)
+    wanted = cdiv(4 * sms, programs)
     by_len = cdiv(max_seq_len, MIN_SPLIT_TOKENS)
     splits = max(1, min(wanted, by_len, MAX_SPLITS))
     return 1 << (splits.bit_length() - 1)

@@ -20,16 +20,19 @@ reads the (small) input rows in full, from L2, and computes a norm's sum of squa
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
-from baton_kernels.triton.common import SUPPORTED_DTYPES, cdiv, next_pow2, pdl_launch
+from baton_kernels.triton.common import SUPPORTED_DTYPES, cdiv, next_pow2, num_sms, pdl_launch
 
 MAX_ROWS = 4
 PRO_NONE, PRO_RMS_NORM, PRO_SILU_MUL = 0, 1, 2
 DEFAULT_CONFIG = (16, 256, 4, 4)  # (columns per program, K per iteration, warps, stages)
 PREFETCH = True  # the default of gemv's prefetch
+STREAM = int(os.environ.get("BATON_GEMV_STREAM", "0"))  # the default of gemv's stream
 
 
 def choose_config(n: int, k: int) -> tuple[int, int, int, int]:
@@ -43,6 +46,19 @@ def choose_config(n: int, k: int) -> tuple[int, int, int, int]:
     if n <= 1024:
         return (2, 2048, 4, 2)
     return (4, 1024, 4, 2)
+
+
+def choose_launch(n: int, k: int) -> tuple[tuple[int, int, int, int], int]:
+    """The launch ``gemv`` uses for a weight of ``n`` x ``k`` when not told: a configuration and
+    the programs per SM of the fixed-grid kernel (0: ``_gemv_kernel``, one program a column
+    block). From a one-row sweep of both kernels on an H200 (``bench_gemv_gpu.py
+    --stream-sweep``): the fixed grid won only at Llama-3.1-8B's o_proj, 4,096 x 4,096 (2,564
+    GB/s, 4 programs an SM, against 2,486; the engine's batch-1 graph 4.230 ms against 4.271);
+    at its down projection (3,133 against 2,802) the engine runs cuBLAS; at every other
+    projection of it and of Qwen2.5-0.5B the one-program-a-block launch was faster."""
+    if n == k and n >= 4096:  # a large model's o_proj
+        return (4, 1024, 4, 1), 4
+    return choose_config(n, k), STREAM
 
 
 @triton.jit
@@ -63,6 +79,29 @@ def _gemv_step(acc, ss, x_rows, norm_ptr, w, kk, K, m_ok, PROLOGUE: tl.constexpr
             xk = xk * tl.load(norm_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)[None, :]
     acc += xk[:, None, :] * w.to(tl.float32)[None, :, :]
     return acc, ss
+
+
+@triton.jit
+def _gemv_epilogue(
+    acc, ss, offs_m, offs_n, m_ok, n_ok, K, eps, bias_ptr, res_ptr, out_ptr, s_rm, s_om,
+    PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
+):  # fmt: skip
+    """Sum a column block's lanes, apply the norm's 1/rms, add the bias and the residual,
+    store."""
+    y = tl.sum(acc, axis=2)  # [BLOCK_M, BLOCK_N]
+    if PROLOGUE == 1:
+        y *= (1.0 / tl.sqrt(tl.sum(ss, axis=1) / K + eps))[:, None]
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    mn = m_ok[:, None] & n_ok[None, :]
+    if HAS_RES:
+        res = tl.load(res_ptr + offs_m[:, None] * s_rm + offs_n[None, :], mask=mn, other=0.0)
+        y += res.to(tl.float32)
+    tl.store(
+        out_ptr + offs_m[:, None] * s_om + offs_n[None, :],
+        y.to(out_ptr.dtype.element_ty),
+        mask=mn,
+    )
 
 
 @triton.jit
@@ -120,20 +159,107 @@ def _gemv_kernel(
         kk = k0 + offs_k
         w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & (kk < K)[None, :], other=0.0)
         acc, ss = _gemv_step(acc, ss, x_rows, norm_ptr, w, kk, K, m_ok, PROLOGUE)
-    acc = tl.sum(acc, axis=2)  # [BLOCK_M, BLOCK_N]
-    if PROLOGUE == 1:
-        acc *= (1.0 / tl.sqrt(tl.sum(ss, axis=1) / K + eps))[:, None]
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    mn = m_ok[:, None] & n_ok[None, :]
-    if HAS_RES:
-        res = tl.load(res_ptr + offs_m[:, None] * s_rm + offs_n[None, :], mask=mn, other=0.0)
-        acc += res.to(tl.float32)
-    tl.store(
-        out_ptr + offs_m[:, None] * s_om + offs_n[None, :],
-        acc.to(out_ptr.dtype.element_ty),
-        mask=mn,
-    )
+    _gemv_epilogue(acc, ss, offs_m, offs_n, m_ok, n_ok, K, eps, bias_ptr, res_ptr, out_ptr,
+                   s_rm, s_om, PROLOGUE, HAS_BIAS, HAS_RES)  # fmt: skip
+
+
+@triton.jit
+def _stream_slice(
+    x_rows, w_ptr, norm_ptr, s_wn, it, total, k_iters, pid, grid, N, K, m_ok, offs_k,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PROLOGUE: tl.constexpr,
+):  # fmt: skip
+    """Issue the loads of step ``it`` of a program of ``_gemv_stream_kernel`` (nothing past
+    ``total``): its weight slice, the input rows' slice (gate and up with SiLU) and the norm
+    weight's."""
+    j = it // k_iters
+    offs_n = (pid + j * grid) * BLOCK_N + tl.arange(0, BLOCK_N)
+    kk = (it - j * k_iters) * BLOCK_K + offs_k
+    live = it < total
+    n_ok = (offs_n < N) & live
+    k_ok = (kk < K) & live
+    w = tl.load(w_ptr + offs_n[:, None] * s_wn + kk[None, :], mask=n_ok[:, None] & k_ok[None, :],
+                other=0.0)  # fmt: skip
+    mk = m_ok[:, None] & k_ok[None, :]
+    xa = tl.load(x_rows + kk[None, :], mask=mk, other=0.0)
+    xb = tl.load(x_rows + K + kk[None, :], mask=mk, other=0.0) if PROLOGUE == 2 else xa
+    nw = tl.load(norm_ptr + kk, mask=k_ok, other=0.0) if PROLOGUE == 1 else kk
+    return w, xa, xb, nw
+
+
+@triton.jit
+def _stream_compute(acc, ss, w, xa, xb, nw, PROLOGUE: tl.constexpr):
+    """``_gemv_step``'s arithmetic on loads issued earlier (``_stream_slice``)."""
+    if PROLOGUE == 2:  # SiLU(gate) * up, rounded as the separate kernel rounds it
+        gate = xa.to(tl.float32)
+        xk = (gate / (1.0 + tl.exp(-gate)) * xb.to(tl.float32)).to(xa.dtype).to(tl.float32)
+    else:
+        xk = xa.to(tl.float32)
+        if PROLOGUE == 1:
+            ss += xk * xk
+            xk = xk * nw.to(tl.float32)[None, :]
+    acc += xk[:, None, :] * w.to(tl.float32)[None, :, :]
+    return acc, ss
+
+
+@triton.jit
+def _gemv_stream_kernel(
+    x_ptr,  # [M, K] (or [M, 2K] with SILU_MUL)
+    w_ptr,  # [N, K]
+    bias_ptr,  # [N]
+    norm_ptr,  # [K]
+    res_ptr,  # [M, N]
+    out_ptr,  # [M, N]
+    M,
+    N,
+    K,
+    s_xm,
+    s_wn,
+    s_rm,
+    s_om,
+    eps,
+    PROLOGUE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """``_gemv_kernel``'s work with a fixed grid (a few programs an SM): program ``p`` does the
+    column blocks ``p, p + grid, ...``, each over all of K, in one flat loop over (column block,
+    K slice). The loads of step ``i + 2`` are issued before step ``i``'s arithmetic (two slices
+    in flight a program: Triton does not pipeline loads that feed no ``tl.dot``), and no
+    program ends while others start (no tail of waves)."""
+    pid = tl.program_id(0)
+    grid = tl.num_programs(0)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_ok = offs_m < M
+    x_rows = x_ptr + offs_m[:, None] * s_xm  # [BLOCK_M, 1]
+    k_iters = tl.cdiv(K, BLOCK_K)
+    total = tl.cdiv(tl.cdiv(N, BLOCK_N) - pid, grid) * k_iters
+    acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
+    ss = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    a = _stream_slice(x_rows, w_ptr, norm_ptr, s_wn, 0, total, k_iters, pid, grid, N, K, m_ok,
+                      offs_k, BLOCK_N, BLOCK_K, PROLOGUE)  # fmt: skip
+    b = _stream_slice(x_rows, w_ptr, norm_ptr, s_wn, 1, total, k_iters, pid, grid, N, K, m_ok,
+                      offs_k, BLOCK_N, BLOCK_K, PROLOGUE)  # fmt: skip
+    for it in range(0, total):
+        c = _stream_slice(x_rows, w_ptr, norm_ptr, s_wn, it + 2, total, k_iters, pid, grid, N,
+                          K, m_ok, offs_k, BLOCK_N, BLOCK_K, PROLOGUE)  # fmt: skip
+        acc, ss = _stream_compute(acc, ss, a[0], a[1], a[2], a[3], PROLOGUE)
+        j = it // k_iters
+        if it - j * k_iters == k_iters - 1:  # the block's last slice: its columns are done
+            offs_n = (pid + j * grid) * BLOCK_N + tl.arange(0, BLOCK_N)
+            _gemv_epilogue(acc, ss, offs_m, offs_n, m_ok, offs_n < N, K, eps, bias_ptr,
+                           res_ptr, out_ptr, s_rm, s_om, PROLOGUE, HAS_BIAS, HAS_RES)  # fmt: skip
+            acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
+            ss = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
+        a = b
+        b = c
 
 
 def gemv(
@@ -148,14 +274,17 @@ def gemv(
     out: torch.Tensor | None = None,
     config: tuple[int, int, int, int] | None = None,
     prefetch: bool | None = None,
+    stream: int | None = None,
 ) -> torch.Tensor:
     """``prologue(x) @ weight.T (+ bias) (+ residual)`` for at most ``MAX_ROWS`` rows of ``x``.
     ``norm_weight``: the prologue is RMSNorm; ``silu_mul``: SiLU-and-multiply of ``x``
     ``[M, 2K]``. ``out`` may be ``residual`` (updated in place). ``config``: (columns per
-    program, K per iteration, warps, stages), default ``choose_config(N, K)``. Launched with
+    program, K per iteration, warps, stages), default ``choose_launch(N, K)``'s. Launched with
     programmatic dependent launch where the device has it (``common.pdl_launch``); ``prefetch``
     (default: ``PREFETCH`` where PDL is on) reads the first weight slice before waiting for
-    the previous kernel (a peeled first iteration)."""
+    the previous kernel (a peeled first iteration). ``stream``: programs per SM of the
+    fixed-grid kernel (``_gemv_stream_kernel``; 0: one program per column block,
+    ``_gemv_kernel``); default ``choose_launch``'s without ``config``, else ``STREAM``."""
     if x.dim() != 2 or weight.dim() != 2:
         raise ValueError(f"gemv: x {tuple(x.shape)} and weight {tuple(weight.shape)} must be 2-D")
     if norm_weight is not None and silu_mul:
@@ -174,10 +303,28 @@ def gemv(
     for t, what in ((out, "out"), (residual, "residual")):
         if t is not None and (tuple(t.shape) != (m, n) or t.stride(1) != 1 or t.dtype != x.dtype):
             raise ValueError(f"gemv: {what} must be a [{m}, {n}] {x.dtype} tensor, rows contiguous")
-    block_n, block_k, num_warps, num_stages = config or choose_config(n, k)
+    if config is None:
+        config, per_sm = choose_launch(n, k)
+    else:
+        per_sm = STREAM
+    if stream is not None:
+        per_sm = stream
+    block_n, block_k, num_warps, num_stages = config
     block_k = min(block_k, max(16, next_pow2(k)))
     prologue = PRO_RMS_NORM if norm_weight is not None else PRO_SILU_MUL if silu_mul else PRO_NONE
     pdl = pdl_launch(x.device)
+    if per_sm:
+        grid = min(cdiv(n, block_n), per_sm * num_sms(x.device))
+        _gemv_stream_kernel[(grid,)](
+            x, weight, bias if bias is not None else x,
+            norm_weight if norm_weight is not None else x,
+            residual if residual is not None else out, out, m, n, k,
+            x.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0,
+            out.stride(0), eps, PROLOGUE=prologue, HAS_BIAS=bias is not None,
+            HAS_RES=residual is not None, BLOCK_M=next_pow2(m), BLOCK_N=block_n,
+            BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages, **pdl,
+        )  # fmt: skip
+        return out
     _gemv_kernel[(cdiv(n, block_n),)](
         x,
         weight,
