@@ -189,14 +189,18 @@ def test_steps_beyond_the_largest_piece_size_run_eagerly(
     assert sum(pieces.num_steps.values()) == 0
 
 
-@pytest.mark.parametrize(("gemv_mlp", "fold"), [(True, False), (False, False), (False, True)])
+@pytest.mark.parametrize(
+    ("gemv_mlp", "fold", "down"),
+    [(True, False, False), (False, False, False), (False, True, False), (False, True, True)],
+)
 def test_one_request_decode_runs_the_fused_gemv_layers(
-    tmp_path: Path, gemv_mlp: bool, fold: bool
+    tmp_path: Path, gemv_mlp: bool, fold: bool, down: bool
 ) -> None:
     """What a GPU runs for a lone request (``use_gemv_decode``): each layer as Triton GEMVs
     with the norms, SiLU and residual adds inside (a small model), or the attention's
     projections only, the MLP through torch with its residual add in the GEMM (a large one;
-    with the norms folded, ``fold``, SiLU-and-multiply applies the second norm), through the
+    with the norms folded, ``fold``, SiLU-and-multiply applies the second norm; with ``down``,
+    the down projection as a GEMV that applies it and SiLU-and-multiply itself), through the
     padded graph buffers of size 1. Its greedy tokens equal the reference backend's (with
     random norm weights when folded)."""
     (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
@@ -209,7 +213,7 @@ def test_one_request_decode_runs_the_fused_gemv_layers(
             randomize_norms(core)
         if backend == "triton":
             core.runner.model.use_fused_kernels()
-            assert core.runner.model.use_gemv_decode(rows=1, mlp=gemv_mlp)
+            assert core.runner.model.use_gemv_decode(rows=1, mlp=gemv_mlp, down=down)
             assert not fold or core.runner.model.fold_norms()
             assert core.runner.enable_decode_graphs(capture=False)
         got = tokens[backend] = {}

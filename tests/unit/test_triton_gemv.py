@@ -135,8 +135,38 @@ def test_fixed_grid_gemv_matches_the_reference(
         torch.testing.assert_close(residual, want, atol=atol, rtol=rtol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("stream", [0, 2])
+def test_gemv_silu_with_the_folded_norm_matches_silu_and_mul(
+    dtype: torch.dtype, stream: int
+) -> None:
+    """``norm_of``: gate and up scaled by each row's 1/rms of another tensor (the norm folded
+    into the gate/up projection) inside the down projection equals
+    ``fused_ops.silu_and_mul(norm_of=)`` then the projection, on both kernels; the residual is
+    the rows the norm reads (as in a decode layer), the output a new tensor."""
+    from baton_kernels.triton.fused_ops import silu_and_mul
+
+    atol, rtol = TOL[dtype]
+    for rows, n, k, config in ((1, 37, 100, (4, 32, 4, 1)), (3, 40, 64, (8, 16, 4, 2))):
+        x, weight, _, stream_rows, _ = make(rows, n, k, "silu", dtype, seed=rows)
+        want = ref_gemv(x, weight, silu_mul=True, norm_of=stream_rows, eps=1e-5,
+                        residual=stream_rows)  # fmt: skip
+        act = silu_and_mul(x, norm_of=stream_rows, eps=1e-5)
+        separate = ref_gemv(act, weight, residual=stream_rows)
+        torch.testing.assert_close(want, separate, atol=atol, rtol=rtol)
+        got = gemv(x, weight, silu_mul=True, norm_of=stream_rows, eps=1e-5,
+                   residual=stream_rows, config=config, stream=stream)  # fmt: skip
+        torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
+        with pytest.raises(ValueError, match="norm_of"):
+            gemv(x, weight, silu_mul=True, norm_of=stream_rows, residual=stream_rows,
+                 out=stream_rows)  # fmt: skip
+    with pytest.raises(ValueError, match="silu_mul"):
+        gemv(stream_rows, torch.zeros(3, n, dtype=dtype, device=DEVICE), norm_of=stream_rows)
+
+
 def test_choose_launch_picks_the_fixed_grid_where_it_was_measured_faster() -> None:
     assert choose_launch(4096, 4096)[1] > 0  # Llama-3.1-8B's o_proj
+    assert choose_launch(4096, 14336)[1] > 0  # and its down projection
     for n, k in ((6144, 4096), (28672, 4096), (1152, 896), (896, 896), (9728, 896)):
         assert choose_launch(n, k) == (choose_config(n, k), gemv_mod.STREAM)
 

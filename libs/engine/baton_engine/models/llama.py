@@ -128,6 +128,7 @@ class DecoderLayer(nn.Module):
     # across the ranks (an all-reduce); the identity on one rank.
     reduce: Callable[[torch.Tensor], torch.Tensor] = staticmethod(_no_reduce)
     gemv_mlp = True  # forward_gemv runs the MLP as GEMVs too (use_gemv_decode)
+    gemv_down = False  # without gemv_mlp, folded: the down projection as a GEMV (use_gemv_decode)
     folded_norms = False  # the norms' weights are in the projections (fold_norms)
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -170,7 +171,9 @@ class DecoderLayer(nn.Module):
         With ``gemv_mlp`` off only the attention's projections are GEMVs; the MLP's long
         reads stay with cuBLAS: its norm and SiLU-and-multiply run as their own kernels, and
         down_proj adds into ``stream`` in its GEMM (``addmm_``), 7 launches a layer (6 with the
-        norms folded, ``fold_norms``: SiLU-and-multiply applies the norm). (The
+        norms folded, ``fold_norms``: SiLU-and-multiply applies the norm; 5 with ``gemv_down``
+        too: the down projection is a GEMV that applies the norm and SiLU-and-multiply, and
+        returns a new stream). (The
         attention is one launch: on these decode-only steps the Triton decode kernel rotates q
         and writes the new K/V itself.)"""
         from baton_kernels.triton.gemv import gemv
@@ -187,6 +190,12 @@ class DecoderLayer(nn.Module):
         out = attn.attend(rope, qkv, kv_cache, metadata, backend)
         gemv(out, attn.o_proj.weight, residual=stream, out=stream)
         if not self.gemv_mlp:
+            if self.folded_norms and self.gemv_down:
+                # SiLU-and-multiply, with the folded norm's 1/rms, inside the down projection,
+                # which reads the stream while it adds into it: its output is a new tensor
+                gate_up = F.linear(stream, mlp.gate_up_proj.weight)
+                return gemv(gate_up, mlp.down_proj.weight, silu_mul=True, norm_of=stream,
+                            eps=norm2.eps, residual=stream)  # fmt: skip
             if self.folded_norms:
                 return self.folded_mlp(stream)
             act = fused.silu_and_mul(mlp.gate_up_proj(norm2.add_forward(stream, None)[0]))
@@ -457,10 +466,11 @@ class LlamaForCausalLM(nn.Module):
         self.cpu_decode_layers = layers
         return True
 
-    def use_gemv_decode(self, rows: int = 1, mlp: bool = True) -> bool:
+    def use_gemv_decode(self, rows: int = 1, mlp: bool = True, down: bool = False) -> bool:
         """Run decode steps of at most ``rows`` rows through ``DecoderLayer.forward_gemv``
         (Triton GEMV kernels with the norms, SiLU and residual adds inside: 5 launches a layer
-        instead of 8; with ``mlp`` off, the attention's projections only). Needs the fused
+        instead of 8; with ``mlp`` off, the attention's projections only, and with ``down``
+        the down projection too once the norms are folded, ``fold_norms``). Needs the fused
         kernels on (``use_fused_kernels``) and no q/k norm; returns whether the path is on."""
         from baton_kernels.triton.gemv import MAX_ROWS
 
@@ -473,6 +483,7 @@ class LlamaForCausalLM(nn.Module):
         self.gemv_rows = rows if ok else 0
         for layer in self.layers:
             cast(DecoderLayer, layer).gemv_mlp = mlp
+            cast(DecoderLayer, layer).gemv_down = down
         return ok
 
     def fold_norms(self) -> bool:

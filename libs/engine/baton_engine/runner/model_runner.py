@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Callable, Iterable, Sequence
 
@@ -40,6 +41,12 @@ GEMV_MAX_HIDDEN = 2048
 # with cuBLAS. Llama's batch-1 graph: 4.351 / 4.398 ms against 4.389 / 4.414 with cuBLAS
 # layers (benchmarks/device/ab_b1.sh, two machines).
 GEMV_ATTN_MAX_HIDDEN = 8192
+# With only the attention's projections as GEMVs and the norms folded, the down projection too,
+# SiLU-and-multiply and the folded norm inside it (on the fixed-grid kernel, gemv.choose_launch):
+# one launch fewer a layer and no split-K reduce. Prepared in the twenty-seventh session, not yet
+# measured in the engine (the kernel alone: 3,133 GB/s against cuBLAS's 3,258 for the GEMM
+# without the SiLU kernel and the reduce), so off: BATON_GEMV_DOWN=1 turns it on.
+GEMV_DOWN = os.environ.get("BATON_GEMV_DOWN", "0") != "0"
 # Decode steps of at most this many requests take that path. With 2 and 4 rows the kernel (its
 # launch fitted to one row) was slower than cuBLAS: Qwen batch 4 2,609 against 3,758 tok/s
 # (benchmarks/device/ab_gemv_rows.sh).
@@ -144,7 +151,9 @@ class ModelRunner:
             if (
                 self.device.type == "cuda"
                 and hidden <= max(GEMV_MAX_HIDDEN, GEMV_ATTN_MAX_HIDDEN)
-                and self.model.use_gemv_decode(rows=GEMV_ROWS, mlp=hidden <= GEMV_MAX_HIDDEN)
+                and self.model.use_gemv_decode(
+                    rows=GEMV_ROWS, mlp=hidden <= GEMV_MAX_HIDDEN, down=GEMV_DOWN
+                )
             ):
                 logger.info(
                     "decode steps of up to %d requests run %s as fused GEMV kernels",

@@ -29,7 +29,7 @@ import triton.language as tl
 from baton_kernels.triton.common import SUPPORTED_DTYPES, cdiv, next_pow2, num_sms, pdl_launch
 
 MAX_ROWS = 4
-PRO_NONE, PRO_RMS_NORM, PRO_SILU_MUL = 0, 1, 2
+PRO_NONE, PRO_RMS_NORM, PRO_SILU_MUL, PRO_SILU_MUL_NORMED = 0, 1, 2, 3
 DEFAULT_CONFIG = (16, 256, 4, 4)  # (columns per program, K per iteration, warps, stages)
 PREFETCH = True  # the default of gemv's prefetch
 STREAM = int(os.environ.get("BATON_GEMV_STREAM", "0"))  # the default of gemv's stream
@@ -53,23 +53,68 @@ def choose_launch(n: int, k: int) -> tuple[tuple[int, int, int, int], int]:
     the programs per SM of the fixed-grid kernel (0: ``_gemv_kernel``, one program a column
     block). From a one-row sweep of both kernels on an H200 (``bench_gemv_gpu.py
     --stream-sweep``): the fixed grid won only at Llama-3.1-8B's o_proj, 4,096 x 4,096 (2,564
-    GB/s, 4 programs an SM, against 2,486; the engine's batch-1 graph 4.230 ms against 4.271);
-    at its down projection (3,133 against 2,802) the engine runs cuBLAS; at every other
-    projection of it and of Qwen2.5-0.5B the one-program-a-block launch was faster."""
+    GB/s, 4 programs an SM, against 2,486; the engine's batch-1 graph 4.230 ms against 4.271)
+    and at its down projection (3,133 against 2,802, 3 programs an SM; the engine runs it as a
+    GEMV only with ``model_runner.GEMV_DOWN``); at every other projection of it and of
+    Qwen2.5-0.5B the one-program-a-block launch was faster."""
     if n == k and n >= 4096:  # a large model's o_proj
         return (4, 1024, 4, 1), 4
+    if n >= 4096 and k >= 3 * n:  # a large model's down projection
+        return (16, 512, 8, 1), 3
     return choose_config(n, k), STREAM
 
 
 @triton.jit
-def _gemv_step(acc, ss, x_rows, norm_ptr, w, kk, K, m_ok, PROLOGUE: tl.constexpr):
-    """One K slice: ``acc`` += the slice of the (prologue'd) rows times ``w`` lane by lane;
-    ``ss`` accumulates the RMSNorm prologue's sums of squares."""
+def _x_slice(x_rows, norm_ptr, kk, k_ok, m_ok, K, PROLOGUE: tl.constexpr):
+    """Issue the loads of a K slice of the input rows (gate and up with SiLU) and of the norm
+    weight (RMSNorm)."""
+    mk = m_ok[:, None] & k_ok[None, :]
+    xa = tl.load(x_rows + kk[None, :], mask=mk, other=0.0)
+    xb = tl.load(x_rows + K + kk[None, :], mask=mk, other=0.0) if PROLOGUE >= 2 else xa
+    nw = tl.load(norm_ptr + kk, mask=k_ok, other=0.0) if PROLOGUE == 1 else kk
+    return xa, xb, nw
+
+
+@triton.jit
+def _gemv_compute(acc, ss, w, xa, xb, nw, rstd, PROLOGUE: tl.constexpr):
+    """``acc`` += the slice of the (prologue'd) rows times ``w`` lane by lane; ``ss``
+    accumulates the RMSNorm prologue's sums of squares. With SiLU, gate and up are first
+    scaled by each row's ``rstd`` (``PRO_SILU_MUL_NORMED``) and rounded, as
+    ``fused_ops.silu_and_mul(norm_of=)`` does, and the product is rounded as it stores it."""
+    if PROLOGUE >= 2:  # SiLU(gate) * up
+        gate = xa
+        up = xb
+        if PROLOGUE == 3:
+            gate = (gate.to(tl.float32) * rstd[:, None]).to(xa.dtype)
+            up = (up.to(tl.float32) * rstd[:, None]).to(xa.dtype)
+        gate = gate.to(tl.float32)
+        xk = (gate / (1.0 + tl.exp(-gate)) * up.to(tl.float32)).to(xa.dtype).to(tl.float32)
+    else:
+        xk = xa.to(tl.float32)
+        if PROLOGUE == 1:
+            ss += xk * xk
+            xk = xk * nw.to(tl.float32)[None, :]
+    acc += xk[:, None, :] * w.to(tl.float32)[None, :, :]
+    return acc, ss
+
+
+@triton.jit
+def _gemv_step(acc, ss, x_rows, norm_ptr, w, kk, K, m_ok, rstd, PROLOGUE: tl.constexpr):
+    """One K slice of ``_gemv_kernel``: ``acc`` += the slice of the (prologue'd) rows times
+    ``w`` lane by lane; ``ss`` accumulates the RMSNorm prologue's sums of squares. (Its own
+    loads and arithmetic, as before ``_gemv_compute`` was written for the fixed-grid kernel:
+    the compiled code of the measured launches stays the same.)"""
     k_ok = kk < K
     mk = m_ok[:, None] & k_ok[None, :]
-    if PROLOGUE == 2:  # SiLU(gate) * up, gate and up the two halves of each row
-        gate = tl.load(x_rows + kk[None, :], mask=mk, other=0.0).to(tl.float32)
-        up = tl.load(x_rows + K + kk[None, :], mask=mk, other=0.0).to(tl.float32)
+    if PROLOGUE >= 2:  # SiLU(gate) * up, gate and up the two halves of each row
+        if PROLOGUE == 3:  # scaled by the folded norm's 1/rms and rounded first
+            gate = tl.load(x_rows + kk[None, :], mask=mk, other=0.0)
+            up = tl.load(x_rows + K + kk[None, :], mask=mk, other=0.0)
+            gate = (gate.to(tl.float32) * rstd[:, None]).to(gate.dtype).to(tl.float32)
+            up = (up.to(tl.float32) * rstd[:, None]).to(up.dtype).to(tl.float32)
+        else:
+            gate = tl.load(x_rows + kk[None, :], mask=mk, other=0.0).to(tl.float32)
+            up = tl.load(x_rows + K + kk[None, :], mask=mk, other=0.0).to(tl.float32)
         xk = gate / (1.0 + tl.exp(-gate)) * up
         xk = xk.to(x_rows.dtype.element_ty).to(tl.float32)
     else:
@@ -79,6 +124,19 @@ def _gemv_step(acc, ss, x_rows, norm_ptr, w, kk, K, m_ok, PROLOGUE: tl.constexpr
             xk = xk * tl.load(norm_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)[None, :]
     acc += xk[:, None, :] * w.to(tl.float32)[None, :, :]
     return acc, ss
+
+
+@triton.jit
+def _rows_rstd(ptr, s_m, offs_m, m_ok, H, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``1 / rms`` of rows ``offs_m`` of ``ptr`` ``[M, H]`` (``eps`` inside the root), float32;
+    1 where there is no such row."""
+    sq = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
+    for h0 in range(0, H, BLOCK_K):
+        hh = h0 + tl.arange(0, BLOCK_K)
+        v = tl.load(ptr + offs_m[:, None] * s_m + hh[None, :],
+                    mask=m_ok[:, None] & (hh < H)[None, :], other=0.0).to(tl.float32)  # fmt: skip
+        sq += v * v
+    return tl.where(m_ok, tl.rsqrt(tl.sum(sq, axis=1) / H + eps), 1.0)
 
 
 @triton.jit
@@ -120,6 +178,9 @@ def _gemv_kernel(
     s_rm,
     s_om,
     eps,
+    nrm_ptr,  # [M, H]: the rows whose 1/rms scales gate and up (PRO_SILU_MUL_NORMED)
+    s_nm,
+    H,
     PROLOGUE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_RES: tl.constexpr,
@@ -145,20 +206,26 @@ def _gemv_kernel(
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     k_start = 0
+    rstd = tl.full([BLOCK_M], 1.0, tl.float32)
     if PREFETCH:
         # the weights are no kernel's output: the first slice is read before the wait for
         # the previous kernel (under PDL, while it drains)
         w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & (offs_k < K)[None, :], other=0.0)
         if PDL:
             tl.extra.cuda.gdc_wait()
-        acc, ss = _gemv_step(acc, ss, x_rows, norm_ptr, w, offs_k, K, m_ok, PROLOGUE)
+        if PROLOGUE == 3:
+            rstd = _rows_rstd(nrm_ptr, s_nm, offs_m, m_ok, H, eps, BLOCK_M, BLOCK_K)
+        acc, ss = _gemv_step(acc, ss, x_rows, norm_ptr, w, offs_k, K, m_ok, rstd, PROLOGUE)
         k_start = BLOCK_K
-    elif PDL:
-        tl.extra.cuda.gdc_wait()
+    else:
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+        if PROLOGUE == 3:
+            rstd = _rows_rstd(nrm_ptr, s_nm, offs_m, m_ok, H, eps, BLOCK_M, BLOCK_K)
     for k0 in range(k_start, K, BLOCK_K):
         kk = k0 + offs_k
         w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & (kk < K)[None, :], other=0.0)
-        acc, ss = _gemv_step(acc, ss, x_rows, norm_ptr, w, kk, K, m_ok, PROLOGUE)
+        acc, ss = _gemv_step(acc, ss, x_rows, norm_ptr, w, kk, K, m_ok, rstd, PROLOGUE)
     _gemv_epilogue(acc, ss, offs_m, offs_n, m_ok, n_ok, K, eps, bias_ptr, res_ptr, out_ptr,
                    s_rm, s_om, PROLOGUE, HAS_BIAS, HAS_RES)  # fmt: skip
 
@@ -179,26 +246,8 @@ def _stream_slice(
     k_ok = (kk < K) & live
     w = tl.load(w_ptr + offs_n[:, None] * s_wn + kk[None, :], mask=n_ok[:, None] & k_ok[None, :],
                 other=0.0)  # fmt: skip
-    mk = m_ok[:, None] & k_ok[None, :]
-    xa = tl.load(x_rows + kk[None, :], mask=mk, other=0.0)
-    xb = tl.load(x_rows + K + kk[None, :], mask=mk, other=0.0) if PROLOGUE == 2 else xa
-    nw = tl.load(norm_ptr + kk, mask=k_ok, other=0.0) if PROLOGUE == 1 else kk
+    xa, xb, nw = _x_slice(x_rows, norm_ptr, kk, k_ok, m_ok, K, PROLOGUE)
     return w, xa, xb, nw
-
-
-@triton.jit
-def _stream_compute(acc, ss, w, xa, xb, nw, PROLOGUE: tl.constexpr):
-    """``_gemv_step``'s arithmetic on loads issued earlier (``_stream_slice``)."""
-    if PROLOGUE == 2:  # SiLU(gate) * up, rounded as the separate kernel rounds it
-        gate = xa.to(tl.float32)
-        xk = (gate / (1.0 + tl.exp(-gate)) * xb.to(tl.float32)).to(xa.dtype).to(tl.float32)
-    else:
-        xk = xa.to(tl.float32)
-        if PROLOGUE == 1:
-            ss += xk * xk
-            xk = xk * nw.to(tl.float32)[None, :]
-    acc += xk[:, None, :] * w.to(tl.float32)[None, :, :]
-    return acc, ss
 
 
 @triton.jit
@@ -217,6 +266,9 @@ def _gemv_stream_kernel(
     s_rm,
     s_om,
     eps,
+    nrm_ptr,  # [M, H]: the rows whose 1/rms scales gate and up (PRO_SILU_MUL_NORMED)
+    s_nm,
+    H,
     PROLOGUE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_RES: tl.constexpr,
@@ -243,6 +295,9 @@ def _gemv_stream_kernel(
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
+    rstd = tl.full([BLOCK_M], 1.0, tl.float32)
+    if PROLOGUE == 3:
+        rstd = _rows_rstd(nrm_ptr, s_nm, offs_m, m_ok, H, eps, BLOCK_M, BLOCK_K)
     a = _stream_slice(x_rows, w_ptr, norm_ptr, s_wn, 0, total, k_iters, pid, grid, N, K, m_ok,
                       offs_k, BLOCK_N, BLOCK_K, PROLOGUE)  # fmt: skip
     b = _stream_slice(x_rows, w_ptr, norm_ptr, s_wn, 1, total, k_iters, pid, grid, N, K, m_ok,
@@ -250,7 +305,7 @@ def _gemv_stream_kernel(
     for it in range(0, total):
         c = _stream_slice(x_rows, w_ptr, norm_ptr, s_wn, it + 2, total, k_iters, pid, grid, N,
                           K, m_ok, offs_k, BLOCK_N, BLOCK_K, PROLOGUE)  # fmt: skip
-        acc, ss = _stream_compute(acc, ss, a[0], a[1], a[2], a[3], PROLOGUE)
+        acc, ss = _gemv_compute(acc, ss, a[0], a[1], a[2], a[3], rstd, PROLOGUE)
         j = it // k_iters
         if it - j * k_iters == k_iters - 1:  # the block's last slice: its columns are done
             offs_n = (pid + j * grid) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -270,6 +325,7 @@ def gemv(
     norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
     silu_mul: bool = False,
+    norm_of: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     config: tuple[int, int, int, int] | None = None,
@@ -278,8 +334,11 @@ def gemv(
 ) -> torch.Tensor:
     """``prologue(x) @ weight.T (+ bias) (+ residual)`` for at most ``MAX_ROWS`` rows of ``x``.
     ``norm_weight``: the prologue is RMSNorm; ``silu_mul``: SiLU-and-multiply of ``x``
-    ``[M, 2K]``. ``out`` may be ``residual`` (updated in place). ``config``: (columns per
-    program, K per iteration, warps, stages), default ``choose_launch(N, K)``'s. Launched with
+    ``[M, 2K]``, with ``norm_of`` ``[M, H]`` after scaling gate and up by each row's 1/rms of
+    ``norm_of`` (``eps`` inside the root), as ``fused_ops.silu_and_mul(norm_of=)`` does (the
+    norm before a gate/up projection it was folded into). ``out`` may be ``residual`` (updated
+    in place). ``config``: (columns per program, K per iteration, warps, stages), default
+    ``choose_launch(N, K)``'s. Launched with
     programmatic dependent launch where the device has it (``common.pdl_launch``); ``prefetch``
     (default: ``PREFETCH`` where PDL is on) reads the first weight slice before waiting for
     the previous kernel (a peeled first iteration). ``stream``: programs per SM of the
@@ -290,6 +349,15 @@ def gemv(
     if norm_weight is not None and silu_mul:
         raise ValueError("gemv: one prologue at most (norm_weight or silu_mul)")
     m, n, k = x.shape[0], weight.shape[0], weight.shape[1]
+    if norm_of is not None:
+        if not silu_mul:
+            raise ValueError("gemv: norm_of scales SiLU-and-multiply's input (silu_mul)")
+        if norm_of.dim() != 2 or norm_of.shape[0] != m or norm_of.stride(1) != 1:
+            raise ValueError(f"gemv: norm_of must be [{m}, hidden], its rows dense")
+        if norm_of.dtype != x.dtype:
+            raise ValueError(f"gemv: norm_of must be {x.dtype}, not {norm_of.dtype}")
+        if out is not None and out.data_ptr() == norm_of.data_ptr():
+            raise ValueError("gemv: out may not be norm_of (every program reads all of it)")
     if not 1 <= m <= MAX_ROWS:
         raise ValueError(f"gemv: {m} rows; 1 to {MAX_ROWS} are supported")
     if x.shape[1] != (2 * k if silu_mul else k):
@@ -311,46 +379,31 @@ def gemv(
         per_sm = stream
     block_n, block_k, num_warps, num_stages = config
     block_k = min(block_k, max(16, next_pow2(k)))
-    prologue = PRO_RMS_NORM if norm_weight is not None else PRO_SILU_MUL if silu_mul else PRO_NONE
+    if norm_of is not None:
+        prologue = PRO_SILU_MUL_NORMED
+        nrm: tuple[torch.Tensor | int, ...] = (norm_of, norm_of.stride(0), norm_of.shape[1])
+    else:
+        prologue = PRO_RMS_NORM if norm_weight is not None else PRO_SILU_MUL if silu_mul else 0
+        nrm = (x, 0, 1)  # unused
     pdl = pdl_launch(x.device)
+    args = (
+        x, weight, bias if bias is not None else x,
+        norm_weight if norm_weight is not None else x,
+        residual if residual is not None else out, out, m, n, k,
+        x.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0,
+        out.stride(0), eps, *nrm,
+    )  # fmt: skip
+    consts = dict(
+        PROLOGUE=prologue, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
+        BLOCK_M=next_pow2(m), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+        num_stages=num_stages, **pdl,
+    )  # fmt: skip
     if per_sm:
         grid = min(cdiv(n, block_n), per_sm * num_sms(x.device))
-        _gemv_stream_kernel[(grid,)](
-            x, weight, bias if bias is not None else x,
-            norm_weight if norm_weight is not None else x,
-            residual if residual is not None else out, out, m, n, k,
-            x.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0,
-            out.stride(0), eps, PROLOGUE=prologue, HAS_BIAS=bias is not None,
-            HAS_RES=residual is not None, BLOCK_M=next_pow2(m), BLOCK_N=block_n,
-            BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages, **pdl,
-        )  # fmt: skip
-        return out
-    _gemv_kernel[(cdiv(n, block_n),)](
-        x,
-        weight,
-        bias if bias is not None else x,
-        norm_weight if norm_weight is not None else x,
-        residual if residual is not None else out,
-        out,
-        m,
-        n,
-        k,
-        x.stride(0),
-        weight.stride(0),
-        residual.stride(0) if residual is not None else 0,
-        out.stride(0),
-        eps,
-        PROLOGUE=prologue,
-        HAS_BIAS=bias is not None,
-        HAS_RES=residual is not None,
-        BLOCK_M=next_pow2(m),
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
-        PREFETCH=PREFETCH and pdl["PDL"] if prefetch is None else prefetch,
-        num_warps=num_warps,
-        num_stages=num_stages,
-        **pdl,
-    )
+        _gemv_stream_kernel[(grid,)](*args, **consts)
+    else:
+        prefetch = PREFETCH and pdl["PDL"] if prefetch is None else prefetch
+        _gemv_kernel[(cdiv(n, block_n),)](*args, PREFETCH=prefetch, **consts)
     return out
 
 
@@ -362,14 +415,19 @@ def ref_gemv(
     norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
     silu_mul: bool = False,
+    norm_of: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The same in torch ops: the SiLU-and-multiply prologue rounded to ``x``'s dtype, the
-    normed rows not; the product accumulated in float32, one rounding at the end."""
+    """The same in torch ops: the SiLU-and-multiply prologue rounded to ``x``'s dtype (with
+    ``norm_of``, gate and up scaled and rounded first), the normed rows not; the product
+    accumulated in float32, one rounding at the end."""
     xf = x.float()
     if norm_weight is not None:
         xf = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps) * norm_weight.float()
     elif silu_mul:
+        if norm_of is not None:
+            rstd = torch.rsqrt(norm_of.float().pow(2).mean(dim=-1, keepdim=True) + eps)
+            xf = (xf * rstd).to(x.dtype).float()
         gate, up = xf.chunk(2, dim=-1)
         xf = (torch.nn.functional.silu(gate) * up).to(x.dtype).float()
     y = xf @ weight.float().T
