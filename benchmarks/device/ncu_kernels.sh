@@ -3,7 +3,10 @@
 # step (duration, DRAM throughput and bytes, SM throughput, grid, registers, warps active;
 # ncu_table.py), then the full sections (speed of light, memory, occupancy, launch, scheduler,
 # warp stalls) of the kernels matching DETAIL (default: the decode attention, the GEMVs and
-# cuBLAS's kernels), the first DETAIL_COUNT (8) of them. Output under $OUT/ncu-*.txt.
+# cuBLAS's kernels), the first DETAIL_COUNT (8) of them, with SOURCE=1 also where their warps
+# stall, line by line (SourceCounters). Output under $OUT/ncu-*.txt. The twenty-seventh
+# session ran RUNS="qwen:256" DETAIL="regex:_decode_kernel" DETAIL_COUNT=2, then
+# RUNS="llama:1" NO_DETAIL=1, each with TIMEOUT=160.
 # ncu serializes and replays each profiled kernel: the durations are of each kernel alone,
 # with the clocks left alone (--clock-control none), caches flushed between passes.
 #
@@ -41,6 +44,7 @@ for run in ${RUNS:-qwen:256 llama:1}; do
       -k "$DETAIL" --launch-count "$DETAIL_COUNT" \
       --section SpeedOfLight --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \
       --section Occupancy --section LaunchStats --section SchedulerStats --section WarpStateStats \
+      ${SOURCE:+--section SourceCounters --import-source yes} \
       "${probe[@]}" --steps 1 > "$OUT/ncu-$shape-$batch-detail.txt" 2>&1
   echo "rc $?"
   pkill -9 -f ncu_probe.py; sleep 1
