@@ -173,9 +173,8 @@ class DecoderLayer(nn.Module):
         down_proj adds into ``stream`` in its GEMM (``addmm_``), 7 launches a layer (6 with the
         norms folded, ``fold_norms``: SiLU-and-multiply applies the norm; 5 with ``gemv_down``
         too: the down projection is a GEMV that applies the norm and SiLU-and-multiply, and
-        returns a new stream). (The
-        attention is one launch: on these decode-only steps the Triton decode kernel rotates q
-        and writes the new K/V itself.)"""
+        returns a new stream). (The attention is one launch: on these decode-only steps the
+        Triton decode kernel rotates q and writes the new K/V itself.)"""
         from baton_kernels.triton.gemv import gemv
 
         attn, mlp = self.self_attn, self.mlp

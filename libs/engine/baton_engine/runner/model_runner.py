@@ -44,8 +44,8 @@ GEMV_ATTN_MAX_HIDDEN = 8192
 # With only the attention's projections as GEMVs and the norms folded, the down projection too,
 # SiLU-and-multiply and the folded norm inside it (on the fixed-grid kernel, gemv.choose_launch):
 # one launch fewer a layer and no split-K reduce. Prepared in the twenty-seventh session, not yet
-# measured in the engine (the kernel alone: 3,133 GB/s against cuBLAS's 3,258 for the GEMM
-# without the SiLU kernel and the reduce), so off: BATON_GEMV_DOWN=1 turns it on.
+# measured in the engine (alone, with plain SiLU: 3,133 GB/s, where cuBLAS's GEMM, without the
+# SiLU kernel before it, read 3,258; bench_gemv_gpu.py), so off: BATON_GEMV_DOWN=1 turns it on.
 GEMV_DOWN = os.environ.get("BATON_GEMV_DOWN", "0") != "0"
 # Decode steps of at most this many requests take that path. With 2 and 4 rows the kernel (its
 # launch fitted to one row) was slower than cuBLAS: Qwen batch 4 2,609 against 3,758 tok/s

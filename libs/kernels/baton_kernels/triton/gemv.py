@@ -383,7 +383,9 @@ def gemv(
         prologue = PRO_SILU_MUL_NORMED
         nrm: tuple[torch.Tensor | int, ...] = (norm_of, norm_of.stride(0), norm_of.shape[1])
     else:
-        prologue = PRO_RMS_NORM if norm_weight is not None else PRO_SILU_MUL if silu_mul else 0
+        prologue = (
+            PRO_RMS_NORM if norm_weight is not None else PRO_SILU_MUL if silu_mul else PRO_NONE
+        )
         nrm = (x, 0, 1)  # unused
     pdl = pdl_launch(x.device)
     args = (
