@@ -228,3 +228,50 @@ def test_one_request_decode_runs_the_fused_gemv_layers(
         core.check_invariants()
     assert tokens["triton"] == tokens["torch"]
     assert all(len(t) == 12 for t in tokens["torch"].values())
+
+
+def _staggered_run(
+    model_dir: Path, reuse: bool, monkeypatch: pytest.MonkeyPatch
+) -> tuple[dict[str, list[int]], int, int]:
+    from baton_engine.runner import model_runner
+
+    monkeypatch.setattr(model_runner, "REUSE_GATHER", reuse)
+    core = make_core(model_dir, "triton", async_scheduling=True)
+    assert core.runner.enable_decode_graphs(capture=False)
+    tokens: dict[str, list[int]] = {}
+
+    def add(i: int, max_tokens: int) -> None:
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        core.add_request(f"r{i}", [(5 * i + j) % 250 + 1 for j in range(4 + 3 * i)], params)
+
+    for i, n in enumerate((30, 14, 60, 22)):
+        add(i, n)
+    steps = 0
+    while core.has_unfinished_requests():
+        for out in core.step():
+            tokens.setdefault(out.req_id, []).extend(out.new_token_ids)
+        steps += 1
+        if steps == 10:
+            add(4, 12)  # joins the running batch
+        if steps == 35:
+            core.abort_requests(["r2"])  # leaves it
+    core.check_invariants()
+    graphs = core.runner.graphs
+    assert graphs is not None
+    return tokens, core.runner.num_steady_launches, sum(graphs.num_steps.values())
+
+
+def test_steady_decode_reuses_the_last_launch_and_samples_the_same(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A decode step of the same requests in the same order as the step just launched reuses
+    its rows and positions (``model_runner.REUSE_GATHER``): with requests finishing at
+    different steps, one joining and one aborted mid-way, every request's tokens equal those of
+    a run that reads every request's state each step, and most decode steps did reuse."""
+    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
+    want, none, _ = _staggered_run(tmp_path, False, monkeypatch)
+    got, reused, graph_steps = _staggered_run(tmp_path, True, monkeypatch)
+    assert got == want
+    assert none == 0 and reused >= graph_steps // 2
+    assert [len(want[f"r{i}"]) for i in (0, 1, 3, 4)] == [30, 14, 22, 12]
+    assert 0 < len(want["r2"]) < 60

@@ -153,11 +153,16 @@ class InputBatch:
         return tokens
 
     def record_sampled(
-        self, states: list[CachedRequestState], token_ids: list[int], num_removed: int
+        self,
+        states: list[CachedRequestState],
+        token_ids: list[int],
+        num_removed: int,
+        rows: np.ndarray | None = None,
     ) -> None:
         """One launched step's sampled tokens reached the host: one for each of ``states``, no
         longer pending. Each held request records its token; one finished or preempted since
-        the launch (``num_removed`` was ``self.num_removed`` then) has given its row away."""
+        the launch (``num_removed`` was ``self.num_removed`` then) has given its row away.
+        ``rows``: the states' rows, in order, if the caller has them."""
         for state in states:
             state.num_pending -= 1
         if num_removed != self.num_removed:  # some state may be gone: keep the held ones
@@ -166,8 +171,10 @@ class InputBatch:
                 (s, t) for s, t in zip(states, token_ids, strict=True) if live.get(s.req_id) is s
             ]
             states, token_ids = [s for s, _ in kept], [t for _, t in kept]
+            rows = None
         n = len(states)
-        rows = np.fromiter((s.row for s in states), dtype=np.int64, count=n)
+        if rows is None:
+            rows = np.fromiter((s.row for s in states), dtype=np.int64, count=n)
         cols = np.fromiter((s.num_tokens for s in states), dtype=np.int64, count=n)
         for state in states:
             state.num_tokens += 1

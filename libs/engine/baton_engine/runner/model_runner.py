@@ -7,6 +7,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterable, Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -51,6 +52,11 @@ GEMV_DOWN = os.environ.get("BATON_GEMV_DOWN", "0") != "0"
 # launch fitted to one row) was slower than cuBLAS: Qwen batch 4 2,609 against 3,758 tok/s
 # (benchmarks/device/ab_gemv_rows.sh).
 GEMV_ROWS = 1
+# A decode-graph step of the same requests in the same order as the step launched just before
+# reuses that step's rows and positions (one further) instead of reading every request's state
+# again (_DecodeGather): ~30 of the ~355 Python bytecodes a request costs the host per decode
+# step (benchmarks/bench_host_step.py --bytecodes). False: every step reads them.
+REUSE_GATHER = True
 # Decode steps on a GPU run with each layer's RMSNorms folded into the projections after them
 # (LlamaForCausalLM.fold_norms): 2 launches fewer a layer. On an H200 the decode graph took
 # 1.69-1.70 ms against 1.79 for Qwen2.5-0.5B at 256 rows, 1.04 against 1.12 at 64, and
@@ -70,6 +76,22 @@ def _plain_greedy(state: CachedRequestState) -> bool:
     """Greedy with nothing that changes or reports the logits: no penalties, no logprobs, no
     tokens suppressed below ``min_tokens``."""
     return state.plain_greedy and state.num_output_tokens >= state.sampling_params.min_tokens
+
+
+class _DecodeGather(NamedTuple):
+    """What a decode-graph launch gathered from its requests' states, for the next launch to
+    reuse when it runs the same requests in the same order right after (a steady decode
+    batch): then every request is one token further (each was scheduled one token, and none
+    was dropped and resumed, which would have changed ``InputBatch.num_removed``), and if
+    every row sampled, every row samples again (each has one more known token, pending)."""
+
+    launch: int  # ModelRunner._num_launches at that launch
+    order: list[str]  # its requests' ids in order
+    num_removed: int  # InputBatch.num_removed then
+    reqs: list[CachedRequestState]
+    rows: np.ndarray  # their rows of the tables
+    pos: np.ndarray  # their input tokens' positions
+    all_sampled: bool
 
 
 class ModelRunner:
@@ -125,6 +147,9 @@ class ModelRunner:
         # them, in order: the inputs of the next step's decodes while still pending.
         self._last_sampled: torch.Tensor | None = None
         self._last_sampled_reqs: list[CachedRequestState] = []
+        self._num_launches = 0
+        self._gathered: _DecodeGather | None = None  # the last launch's, if a decode graph's
+        self.num_steady_launches = 0  # launches that reused the previous one's (REUSE_GATHER)
         self._host_flip = 0
         # room for one step's inputs: the block table, and a few int64 arrays per token
         max_blocks = -(max_model_len // -block_size)
@@ -398,6 +423,7 @@ class ModelRunner:
         token is still pending (sampled by the step launched before, not yet reported) takes
         it from that step's device tensor, so the host need not wait between steps."""
         self.batch.update(so)
+        self._num_launches += 1
         if so.is_empty:
             return StepHandle.ready(ModelRunnerOutput({}))
         self.staging.next_step()
@@ -419,7 +445,18 @@ class ModelRunner:
                 num_sched,
                 key=lambda r: (num_sched[r] != 1, states[r].num_computed_tokens > 0, num_sched[r]),
             )
-        reqs = [states[r] for r in order]
+        gathered, self._gathered = self._gathered, None
+        if (
+            REUSE_GATHER
+            and gathered is not None
+            and gathered.launch == self._num_launches - 1
+            and gathered.num_removed == self.batch.num_removed
+            and gathered.order == order
+        ):
+            reqs = gathered.reqs  # a steady decode batch (_DecodeGather)
+        else:
+            gathered = None
+            reqs = [states[r] for r in order]
         graphs = self.graphs
         prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = {}
         wants_prompt_logprobs = self.batch.num_prompt_logprobs > 0 and any(
@@ -431,7 +468,7 @@ class ModelRunner:
             and len(reqs) <= graphs.max_batch_size
             and not wants_prompt_logprobs
         ):
-            hidden, sample_rows = self._run_decode_graph(graphs, reqs)
+            hidden, sample_rows = self._run_decode_graph(graphs, reqs, order, gathered)
             if len(sample_rows) < len(reqs):
                 hidden = hidden[self.staging.to_device(sample_rows, torch.long)]
             logits = self.model.compute_logits(hidden)
@@ -475,6 +512,8 @@ class ModelRunner:
             distributed.broadcast(token_ids)
         self._last_sampled = token_ids
         self._last_sampled_reqs = sampled_reqs
+        # every request sampled: their ids (and, from a decode graph, rows) are known in order
+        mine = self._gathered if sampled_reqs is reqs else None
         return StepHandle(
             self.batch,
             sampled_reqs,
@@ -482,6 +521,8 @@ class ModelRunner:
             logprobs,
             prompt_logprobs,
             self.check_ranks,
+            req_ids=order if sampled_reqs is reqs else None,
+            rows=mine.rows if mine is not None else None,
         )
 
     def _to_host(self, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
@@ -550,13 +591,25 @@ class ModelRunner:
         return out
 
     def _run_decode_graph(
-        self, graphs: DecodeGraphs, reqs: list[CachedRequestState]
+        self,
+        graphs: DecodeGraphs,
+        reqs: list[CachedRequestState],
+        order: list[str],
+        gathered: _DecodeGather | None,
     ) -> tuple[torch.Tensor, list[int]]:
-        """One token per request through the captured graphs: hidden states, rows to sample."""
+        """One token per request through the captured graphs: hidden states, rows to sample.
+        ``gathered``: the previous launch's, of the same requests (a steady decode batch)."""
         bs = self.block_size
         n = len(reqs)
-        rows = np.fromiter((s.row for s in reqs), dtype=np.int64, count=n)
-        pos = np.fromiter((s.num_computed_tokens for s in reqs), dtype=np.int64, count=n)
+        if gathered is not None:
+            rows, pos = gathered.rows, gathered.pos + 1
+            if pos[0] != reqs[0].num_computed_tokens or pos[-1] != reqs[-1].num_computed_tokens:
+                gathered = None  # (not expected: a guard on the reasoning above)
+            else:
+                self.num_steady_launches += 1
+        if gathered is None:
+            rows = np.fromiter((s.row for s in reqs), dtype=np.int64, count=n)
+            pos = np.fromiter((s.num_computed_tokens for s in reqs), dtype=np.int64, count=n)
         max_blocks = int(pos.max()) // bs + 1
         table = self.batch.block_table[rows, :max_blocks]
         hidden = graphs.run(
@@ -568,8 +621,17 @@ class ModelRunner:
             patch=lambda ids: self._patch_pending(reqs, pos, ids),
             host=lambda a: self.staging.host(a, torch.int64),
         )
-        known = np.fromiter((s.num_tokens + s.num_pending for s in reqs), dtype=np.int64, count=n)
-        sample_rows = np.flatnonzero(pos + 1 == known).tolist()
+        if gathered is not None and gathered.all_sampled:
+            sample_rows = list(range(n))
+        else:
+            known = np.fromiter(
+                (s.num_tokens + s.num_pending for s in reqs), dtype=np.int64, count=n
+            )
+            sample_rows = np.flatnonzero(pos + 1 == known).tolist()
+        self._gathered = _DecodeGather(
+            self._num_launches, order, self.batch.num_removed, reqs, rows, pos,
+            len(sample_rows) == n,
+        )  # fmt: skip
         return hidden, sample_rows
 
     def _prepare_inputs(
@@ -680,8 +742,15 @@ class StepHandle:
         logprobs: dict[str, TokenLogprobs],
         prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]],
         check_ranks: Callable[[], None] | None = None,
+        *,
+        req_ids: list[str] | None = None,
+        rows: np.ndarray | None = None,
     ) -> None:
+        """``req_ids`` / ``rows``: the ids and table rows of ``sampled_reqs`` in order, where
+        the launch had them at hand."""
         self._batch = batch
+        self._req_ids = req_ids
+        self._rows = rows
         self._num_removed = batch.num_removed  # (the step's requests are all held now)
         self._check_ranks = check_ranks
         self._reqs = sampled_reqs
@@ -704,7 +773,8 @@ class StepHandle:
             wait_for(event, self._check_ranks)
         token_ids = ids.tolist()
         reqs = self._reqs
-        sampled = dict(zip([s.req_id for s in reqs], token_ids, strict=True))
-        self._batch.record_sampled(reqs, token_ids, self._num_removed)
+        req_ids = self._req_ids if self._req_ids is not None else [s.req_id for s in reqs]
+        sampled = dict(zip(req_ids, token_ids, strict=True))
+        self._batch.record_sampled(reqs, token_ids, self._num_removed, self._rows)
         self._output = ModelRunnerOutput(sampled, self._logprobs, self._prompt_logprobs)
         return self._output
