@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+import pytest
+
 from baton.serve import _gpu_counts, _gpu_env, _gpu_ids, _plan, add_parser, share_gpu_memory
 
 
@@ -124,3 +126,20 @@ def test_workers_sharing_a_gpu_split_its_memory() -> None:
     }
     args = parse("--gpus", "0")  # on CPU nothing is pinned, nothing shared
     assert share_gpu_memory(args, _plan(args, "m"), _gpu_ids(args)) == []
+
+
+def test_services_get_distinct_ports_never_the_gateways(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A port found free is free again once found, so the search can return it twice, or return
+    the user's ``--port`` (free until the gateway binds it, after the workers are up): the
+    kvstore, each worker's gRPC and metrics ports are all distinct and never the gateway's."""
+    from baton import serve
+
+    found = iter([8123, 9001, 9001, 9002, 8123, 9002, 9003, 9004, 9005, 9006, 9007, 9008])
+    monkeypatch.setattr(serve, "free_port", lambda host="127.0.0.1": next(found))
+    plan = _plan(parse("--port", "8123", "--num-decode", "2"), "m")
+    ports = [argv[argv.index(flag) + 1] for kind, _, argv in plan if kind != "gateway"
+             for flag in ("--port", "--metrics-port") if flag in argv]  # fmt: skip
+    assert len(ports) == 7  # the kvstore's, then two for each of three workers
+    assert len(set(ports)) == len(ports) and "8123" not in ports
+    gateway = plan[-1][2]
+    assert gateway[gateway.index("--port") + 1] == "8123"

@@ -32,7 +32,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any
 
@@ -164,6 +164,24 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def _port_picker(avoid: int) -> Callable[[], int]:
+    """Free loopback ports for the stack's services, none twice and never ``avoid`` (the
+    gateway's, which is bound only once the workers are up). A port ``free_port`` found is
+    free again once it returns, so the next call can find it again: the user's ``--port``,
+    picked the same way and released, came back as a worker's."""
+    taken = {avoid}
+
+    def pick() -> int:
+        for _ in range(1000):
+            port = free_port()
+            if port not in taken:
+                taken.add(port)
+                return port
+        raise RuntimeError("no free loopback port found for the stack's services")
+
+    return pick
 
 
 def _die_with_parent() -> None:
@@ -393,8 +411,9 @@ def _plan(args: argparse.Namespace, name: str) -> list[tuple[str, str, list[str]
     plan: list[tuple[str, str, list[str]]] = []
     kvstore_argv: list[str] = []
     otlp_argv = ["--otlp-endpoint", args.otlp_endpoint] if args.otlp_endpoint else []
+    port = _port_picker(args.port)
     if disaggregated:
-        kvstore_addr = f"127.0.0.1:{free_port()}"
+        kvstore_addr = f"127.0.0.1:{port()}"
         kvstore_argv = ["--kvstore", kvstore_addr]
         argv = ["--host", "127.0.0.1", "--port", kvstore_addr.rsplit(":", 1)[1]]
         if args.redis_url:
@@ -403,11 +422,13 @@ def _plan(args: argparse.Namespace, name: str) -> list[tuple[str, str, list[str]
     addrs: dict[str, list[str]] = {"prefill": [], "decode": []}
     for role, count in (("prefill", num_prefill), ("decode", args.num_decode)):
         for i in range(count):
-            addr = f"127.0.0.1:{free_port()}"
+            addr = f"127.0.0.1:{port()}"
             addrs[role].append(addr)
+            metrics = str(port())
             argv = [
                 *model_argv,
-                *("--host", "127.0.0.1", "--port", addr.rsplit(":", 1)[1], "--metrics-port", "0"),
+                *("--host", "127.0.0.1", "--port", addr.rsplit(":", 1)[1]),
+                *("--metrics-port", metrics),
                 *("--served-model-name", name, "--worker-id", f"{role}-{i}"),
                 *kvstore_argv,
                 *otlp_argv,
