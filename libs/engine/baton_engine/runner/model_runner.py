@@ -44,10 +44,10 @@ GEMV_MAX_HIDDEN = 2048
 GEMV_ATTN_MAX_HIDDEN = 8192
 # With only the attention's projections as GEMVs and the norms folded, the down projection too,
 # SiLU-and-multiply and the folded norm inside it (on the fixed-grid kernel, gemv.choose_launch):
-# one launch fewer a layer and no split-K reduce. Prepared in the twenty-seventh session, not yet
-# measured in the engine (alone, with plain SiLU: 3,133 GB/s, where cuBLAS's GEMM, without the
-# SiLU kernel before it, read 3,258; bench_gemv_gpu.py), so off: BATON_GEMV_DOWN=1 turns it on.
-GEMV_DOWN = os.environ.get("BATON_GEMV_DOWN", "0") != "0"
+# one launch fewer a layer and no split-K reduce. Llama-3.1-8B's batch-1 graph on an H200: 4.276 /
+# 4.279 ms against 4.287 / 4.293 with cuBLAS's GEMM after the SiLU kernel (219.8 / 220.9 tok/s
+# against 218.6 / 219.4; benchmarks/device/ab_gemv_down.sh). BATON_GEMV_DOWN=0 turns it off.
+GEMV_DOWN = os.environ.get("BATON_GEMV_DOWN", "1") != "0"
 # Decode steps of at most this many requests take that path. With 2 and 4 rows the kernel (its
 # launch fitted to one row) was slower than cuBLAS: Qwen batch 4 2,609 against 3,758 tok/s
 # (benchmarks/device/ab_gemv_rows.sh).

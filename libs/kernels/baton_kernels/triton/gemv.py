@@ -54,8 +54,8 @@ def choose_launch(n: int, k: int) -> tuple[tuple[int, int, int, int], int]:
     block). From a one-row sweep of both kernels on an H200 (``bench_gemv_gpu.py
     --stream-sweep``): the fixed grid won only at Llama-3.1-8B's o_proj, 4,096 x 4,096 (2,564
     GB/s, 4 programs an SM, against 2,486; the engine's batch-1 graph 4.230 ms against 4.271)
-    and at its down projection (3,133 against 2,802, 3 programs an SM; the engine runs it as a
-    GEMV only with ``model_runner.GEMV_DOWN``); at every other projection of it and of
+    and at its down projection (3,133 against 2,802, 3 programs an SM; the engine runs it so,
+    SiLU-and-multiply inside, ``model_runner.GEMV_DOWN``); at every other projection of it and of
     Qwen2.5-0.5B the one-program-a-block launch was faster."""
     if n == k and n >= 4096:  # a large model's o_proj
         return (4, 1024, 4, 1), 4
