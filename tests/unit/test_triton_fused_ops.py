@@ -134,12 +134,21 @@ def test_rotary_in_place_on_fused_qkv(shape: tuple[int, int, int, int], dtype: t
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", ROPE_SHAPES)
+@pytest.mark.parametrize("tokens", [1, None])
 def test_rotary_and_kv_write_in_one_launch(
-    shape: tuple[int, int, int, int], dtype: torch.dtype
+    shape: tuple[int, int, int, int],
+    dtype: torch.dtype,
+    tokens: int | None,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The decode path's rotary + cache write: q and k rotated in place as by rotary_embedding_,
     the rotated K and the V rows in the cache at each token's slot, padding tokens (block -1)
-    not written, and nothing else in the cache touched."""
+    not written, and nothing else in the cache touched; with one token a program or as many
+    as fit (``ROPE_TOKENS``: 4 for Qwen's heads, 8 for the 128-dim shape; 5 and 17 tokens end
+    on a partial program)."""
+    from baton_kernels.triton import fused_ops
+
+    monkeypatch.setattr(fused_ops, "ROPE_TOKENS", tokens)
     torch.manual_seed(1)
     num_tokens, hq, hk, dim = shape
     rope = RotaryEmbedding(dim, MAX_POSITIONS, 10000.0, None).to(DEVICE)

@@ -33,7 +33,10 @@ from baton_kernels.triton.common import (
 
 POSITION_DTYPES = (torch.int32, torch.int64)
 SILU_BLOCK = 1024  # columns of the output per program in silu_and_mul
-ROPE_MAX_ELEMS = 4096  # heads x head_dim per rotary program
+ROPE_MAX_ELEMS = 4096  # tokens x heads x head_dim per rotary program
+# Tokens per rotary program: 1 (one program per token and head block), or None: as many as
+# ROPE_MAX_ELEMS allows (benchmarks/bench_rotary_gpu.py; not yet measured on a GPU).
+ROPE_TOKENS: int | None = 1
 
 
 def _num_warps(block: int) -> int:
@@ -55,13 +58,14 @@ def _check_out(out: torch.Tensor, shape: tuple[int, ...], like: torch.Tensor, wh
 @triton.jit
 def _rotate_heads(
     x_ptr,
-    t,
+    t,  # [BLOCK_T] the program's tokens
+    t_ok,  # [BLOCK_T] which of them exist
     head_block,
     num_heads,
     s_t,
     s_h,
     s_d,
-    cos1,  # [1, BLOCK_HALF] fp32, first half of cos
+    cos1,  # [BLOCK_T, 1, BLOCK_HALF] fp32, first half of cos
     cos2,
     sin1,
     sin2,
@@ -71,8 +75,10 @@ def _rotate_heads(
     BLOCK_HALF: tl.constexpr,
 ):
     offs_h = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
-    mask = (offs_h < num_heads)[:, None] & (offs_d < HALF)[None, :]
-    p1 = x_ptr + t * s_t + offs_h[:, None] * s_h + offs_d[None, :] * s_d
+    mask = (
+        t_ok[:, None, None] & (offs_h < num_heads)[None, :, None] & (offs_d < HALF)[None, None, :]
+    )
+    p1 = x_ptr + t[:, None, None] * s_t + offs_h[None, :, None] * s_h + offs_d[None, None, :] * s_d
     p2 = p1 + HALF * s_d
     x1 = tl.load(p1, mask=mask, other=0.0)
     x2 = tl.load(p2, mask=mask, other=0.0)
@@ -88,12 +94,16 @@ def _rotate_heads(
 
 
 # position and slot tensors are often slices of persistent buffers
-@triton.jit(do_not_specialize_on_alignment=["pos_ptr", "slot_block_ptr", "slot_offset_ptr"])
+@triton.jit(
+    do_not_specialize=["num_tokens"],
+    do_not_specialize_on_alignment=["pos_ptr", "slot_block_ptr", "slot_offset_ptr"],
+)
 def _rotary_kernel(
     q_ptr,
     k_ptr,
     pos_ptr,
     cos_sin_ptr,
+    num_tokens,
     num_q_heads,
     num_k_heads,
     s_qt,
@@ -121,55 +131,59 @@ def _rotary_kernel(
     BLOCK_HALF: tl.constexpr,
     BLOCK_HQ: tl.constexpr,
     BLOCK_HK: tl.constexpr,
+    BLOCK_T: tl.constexpr,
     WRITE_KV: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """Program (t, j): token t's query heads block j, or key heads block j - #query blocks. With
-    ``WRITE_KV`` a key program also stores its rotated K rows and the token's V rows into the
-    paged cache at the token's slot (skipped for a negative block: a padding token)."""
+    """Program (i, j): tokens ``i * BLOCK_T`` on, their query heads block j, or key heads
+    block j - #query blocks. With ``WRITE_KV`` a key program also stores its rotated K rows and
+    the tokens' V rows into the paged cache at each token's slot (skipped for a negative block:
+    a padding token)."""
     pdl_begin(PDL)
-    t = tl.program_id(0).to(tl.int64)
+    t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = t < num_tokens
     j = tl.program_id(1)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
+    pos = tl.load(pos_ptr + t, mask=t_ok, other=0).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_HALF)
-    d_ok = offs_d < HALF
-    row = cos_sin_ptr + pos * s_cp + offs_d * s_cd
-    cos1 = tl.load(row, mask=d_ok, other=0.0)
-    cos2 = tl.load(row + HALF * s_cd, mask=d_ok, other=0.0)
-    sin1 = tl.load(row + s_cc, mask=d_ok, other=0.0)
-    sin2 = tl.load(row + s_cc + HALF * s_cd, mask=d_ok, other=0.0)
+    cs_ok = t_ok[:, None] & (offs_d < HALF)[None, :]
+    row = cos_sin_ptr + pos[:, None] * s_cp + offs_d[None, :] * s_cd
+    cos1 = tl.load(row, mask=cs_ok, other=0.0)
+    cos2 = tl.load(row + HALF * s_cd, mask=cs_ok, other=0.0)
+    sin1 = tl.load(row + s_cc, mask=cs_ok, other=0.0)
+    sin2 = tl.load(row + s_cc + HALF * s_cd, mask=cs_ok, other=0.0)
     # rounded to the activations' dtype first, as the model's ``cos_sin[positions].to(dtype)``
     dtype = q_ptr.dtype.element_ty
-    cos1 = cos1.to(dtype).to(tl.float32)[None, :]
-    cos2 = cos2.to(dtype).to(tl.float32)[None, :]
-    sin1 = sin1.to(dtype).to(tl.float32)[None, :]
-    sin2 = sin2.to(dtype).to(tl.float32)[None, :]
+    cos1 = cos1.to(dtype).to(tl.float32)[:, None, :]
+    cos2 = cos2.to(dtype).to(tl.float32)[:, None, :]
+    sin1 = sin1.to(dtype).to(tl.float32)[:, None, :]
+    sin2 = sin2.to(dtype).to(tl.float32)[:, None, :]
     q_blocks = tl.cdiv(num_q_heads, BLOCK_HQ)
     if j < q_blocks:
         _rotate_heads(
-            q_ptr, t, j, num_q_heads, s_qt, s_qh, s_qd, cos1, cos2, sin1, sin2, offs_d,
+            q_ptr, t, t_ok, j, num_q_heads, s_qt, s_qh, s_qd, cos1, cos2, sin1, sin2, offs_d,
             HALF, BLOCK_HQ, BLOCK_HALF,
         )  # fmt: skip
     else:
         k1, k2, offs_h, mask = _rotate_heads(
-            k_ptr, t, j - q_blocks, num_k_heads, s_kt, s_kh, s_kd, cos1, cos2, sin1, sin2, offs_d,
-            HALF, BLOCK_HK, BLOCK_HALF,
+            k_ptr, t, t_ok, j - q_blocks, num_k_heads, s_kt, s_kh, s_kd, cos1, cos2, sin1, sin2,
+            offs_d, HALF, BLOCK_HK, BLOCK_HALF,
         )  # fmt: skip
         if WRITE_KV:
-            block = tl.load(slot_block_ptr + t).to(tl.int64)
-            if block >= 0:
-                offset = tl.load(slot_offset_ptr + t).to(tl.int64)
-                dst = (
-                    kv_ptr + block * s_kvb + offset * s_kvs
-                    + offs_h[:, None] * s_kvh + offs_d[None, :] * s_kvd
-                )  # fmt: skip
-                tl.store(dst, k1, mask=mask)
-                tl.store(dst + HALF * s_kvd, k2, mask=mask)
-                src = v_ptr + t * s_vt + offs_h[:, None] * s_vh + offs_d[None, :] * s_vd
-                tl.store(dst + s_kvkv, tl.load(src, mask=mask), mask=mask)
-                tl.store(
-                    dst + s_kvkv + HALF * s_kvd, tl.load(src + HALF * s_vd, mask=mask), mask=mask
-                )
+            block = tl.load(slot_block_ptr + t, mask=t_ok, other=-1).to(tl.int64)
+            offset = tl.load(slot_offset_ptr + t, mask=t_ok, other=0).to(tl.int64)
+            mask = mask & (block >= 0)[:, None, None]
+            dst = (
+                kv_ptr + block[:, None, None] * s_kvb + offset[:, None, None] * s_kvs
+                + offs_h[None, :, None] * s_kvh + offs_d[None, None, :] * s_kvd
+            )  # fmt: skip
+            tl.store(dst, k1, mask=mask)
+            tl.store(dst + HALF * s_kvd, k2, mask=mask)
+            src = (
+                v_ptr + t[:, None, None] * s_vt + offs_h[None, :, None] * s_vh
+                + offs_d[None, None, :] * s_vd
+            )  # fmt: skip
+            tl.store(dst + s_kvkv, tl.load(src, mask=mask), mask=mask)
+            tl.store(dst + s_kvkv + HALF * s_kvd, tl.load(src + HALF * s_vd, mask=mask), mask=mask)
 
 
 def _check_rotary(
@@ -256,7 +270,9 @@ def _launch_rotary(
     cap = max(1, ROPE_MAX_ELEMS // (2 * block_half))
     block_hq = min(next_pow2(num_q_heads), cap)
     block_hk = min(next_pow2(num_k_heads), cap)
-    grid = (num_tokens, cdiv(num_q_heads, block_hq) + cdiv(num_k_heads, block_hk))
+    per_token = 2 * block_half * max(block_hq, block_hk)
+    block_t = ROPE_TOKENS or max(1, ROPE_MAX_ELEMS // per_token)
+    grid = (cdiv(num_tokens, block_t), cdiv(num_q_heads, block_hq) + cdiv(num_k_heads, block_hk))
     pdl = pdl_launch(query.device)
     v_strides: tuple[int, ...]
     kv_strides: tuple[int, ...]
@@ -271,6 +287,7 @@ def _launch_rotary(
         key,
         positions,
         cos_sin,
+        num_tokens,
         num_q_heads,
         num_k_heads,
         *query.stride(),
@@ -286,8 +303,9 @@ def _launch_rotary(
         BLOCK_HALF=block_half,
         BLOCK_HQ=block_hq,
         BLOCK_HK=block_hk,
+        BLOCK_T=block_t,
         WRITE_KV=write is not None,
-        num_warps=_num_warps(2 * block_half * max(block_hq, block_hk)),
+        num_warps=_num_warps(per_token * block_t),
         **pdl,
     )
 
