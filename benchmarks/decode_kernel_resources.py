@@ -6,8 +6,7 @@ ptxas its package carries, and cuobjdump reads the cubin's resource usage.
 
 One line per shape: the launch configurations the engine uses for Qwen2.5-0.5B at 256 requests
 (one split) and Llama-3.1-8B at batch 1 (64 splits), with the rotation inside the kernel, each
-with 0, 1 or 2 tiles prefetched and the inputs read before the PDL wait or after it; then Qwen's
-with the key loop pipelined by hand (``next_tile``) at several tiles and warps.
+with 0, 1 or 2 tiles prefetched and the inputs read before the PDL wait or after it.
 Registers per thread set how many programs fit on an SM (65,536 per SM).
 """
 
@@ -38,7 +37,7 @@ SHAPES = {"qwen 256": (64, 7, 14, 128, 4, 3, 1), "llama b1": (128, 4, 32, 64, 2,
 
 
 def compile_decode(
-    shape: tuple[int, ...], prefetch_tiles: int = 0, early: bool = False, next_tile: bool = False
+    shape: tuple[int, ...], prefetch_tiles: int = 0, early: bool = False
 ) -> triton.compiler.CompiledKernel:
     head_dim, group, num_heads, tile_n, num_warps, num_stages, splits = shape
     consts = dict(
@@ -48,7 +47,6 @@ def compile_decode(
         BLOCK_D=head_dim, BLOCK_SIZE=16, BLOCK_H=16, TILE_N=tile_n, UPCAST=False,
         DOT_PREC="ieee", FUSE_REDUCE=splits > 1, BLOCK_S=splits, UNROLL=min(8, splits),
         PREFETCH=prefetch_tiles * tile_n, ROW_BYTES=head_dim * 2, EARLY=early, PDL=True,
-        NEXT_TILE=next_tile,
     )  # fmt: skip
     signature: dict[str, str] = {}
     constexprs: dict[tuple[int, ...], object] = {}
@@ -69,15 +67,10 @@ def compile_decode(
 
 def main() -> None:
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
-    variants = [(label, shape, p, e, False) for label, shape in SHAPES.items()
+    variants = [(label, shape, p, e) for label, shape in SHAPES.items()
                 for p, e in ((0, False), (0, True), (1, True), (2, True))]  # fmt: skip
-    # the key loop pipelined by hand (decode_attention's next_tile): tile, warps, stages 1
-    qwen = SHAPES["qwen 256"]
-    for tile_n, warps in ((128, 4), (64, 4), (128, 8), (64, 2)):
-        shape = (*qwen[:3], tile_n, warps, 1, 1)
-        variants.append((f"qwen 256 next {tile_n}/{warps}", shape, 0, False, True))
-    for label, shape, prefetch_tiles, early, next_tile in variants:
-        kernel = compile_decode(shape, prefetch_tiles, early, next_tile)
+    for label, shape, prefetch_tiles, early in variants:
+        kernel = compile_decode(shape, prefetch_tiles, early)
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
             f.write(kernel.asm["cubin"])
             f.flush()
@@ -86,7 +79,7 @@ def main() -> None:
         found = re.search(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", usage)
         reg, stack, local = found.groups() if found else ("?", "?", "?")
         shared = kernel.metadata.shared
-        label = label if next_tile else f"{label}, prefetch {prefetch_tiles}, early {int(early)}"
+        label = f"{label}, prefetch {prefetch_tiles}, early {int(early)}"
         print(f"{label:29}: {reg} registers, stack {stack}, local (spills) {local}, "
               f"dynamic shared {shared} bytes")  # fmt: skip
 

@@ -10,12 +10,12 @@ CUDA graph of every layer's launch in turn (each layer's KV read once, as in a d
 with the rotation, the new K/V's write and the folded RMSNorm inside (``DecodeRope`` with
 ``DecodeNorm``, the engine's decode path), lengths spread over 64 tokens, blocks scattered at
 random in a block-major pool of all layers. Variants: the key tile, warps and pipeline stages,
-the split count, and (twenty-eighth session) the key loop pipelined by hand, ``next_tile``: each
-tile's block ids and keys requested into registers before the previous tile's arithmetic, the
-partial last tile inside the loop. (The twenty-seventh session's run also had the partial last
-tile inside Triton's pipelined loop, an option of commit 09f87ce since removed: slower
-everywhere.) Each variant's
-output is compared with the default launch's (same inputs).
+the split count. (The twenty-seventh session's run also had the partial last tile inside the
+pipelined loop, an option of commit 09f87ce since removed: slower everywhere. The twenty-eighth
+session's had the key loop pipelined by hand, each tile's block ids and keys requested into
+registers before the previous tile's arithmetic, commit fd1fde9, since removed: 6-83% slower at
+Qwen 256 and Qwen 1, up to 11x at Llama batch 1; 4-10% faster at Qwen 64 with 64-key tiles.)
+Each variant's output is compared with the default launch's (same inputs).
 """
 
 from __future__ import annotations
@@ -46,19 +46,16 @@ MODELS = {
     "tiny": (4, 2, 64, 2, True),
 }  # + layers, qkv bias
 # name -> decode_attention keywords (on top of the engine's defaults)
-NEXT = {"next_tile": True, "num_stages": 1}  # the key loop pipelined by hand
 VARIANTS = {
     "qwen": {
         "default": {},
-        "128/8/3": {"num_warps": 8},
-        "next 128/4": {**NEXT},
-        "next 128/8": {**NEXT, "num_warps": 8},
-        "next 64/4": {**NEXT, "tile_n": 64},
-        "next 64/2": {**NEXT, "tile_n": 64, "num_warps": 2},
-        "next 64/8": {**NEXT, "tile_n": 64, "num_warps": 8},
+        "128/4/5": {"num_stages": 5},
+        "64/4/3": {"tile_n": 64, "num_stages": 3},
+        "64/4/5": {"tile_n": 64, "num_stages": 5},
+        "2 splits": {"splits": 2},
     },
-    "llama": {"default": {}, "next 64/2": {**NEXT}, "next 32/2": {**NEXT, "tile_n": 32}},
-    "tiny": {"default": {}, "2 splits": {"splits": 2}, "next": {**NEXT, "tile_n": 32}},
+    "llama": {"default": {}, "64/2/5": {"num_stages": 5}, "32/2/3": {"tile_n": 32}},
+    "tiny": {"default": {}, "2 splits": {"splits": 2}},
 }
 
 

@@ -234,27 +234,6 @@ def test_decode_attention_matches_reference(
     assert_close(out, want, dtype)
 
 
-@pytest.mark.parametrize("head_dim", HEAD_SIZES)
-@pytest.mark.parametrize("num_splits", [1, 4])
-def test_decode_attention_pipelined_by_hand_matches_reference(
-    head_dim: int, num_splits: int
-) -> None:
-    """``next_tile``: each key tile requested before the previous tile's arithmetic, the
-    partial last tile inside the loop; 32-key tiles so that slices hold several, lengths
-    across tile and block edges."""
-    num_heads, num_kv_heads = GQA[head_dim == 128]
-    seq_lens = [1, 5, 64, 97, 300, 515]
-    dtype = torch.bfloat16
-    batch = PagedBatch(seq_lens, 16, num_kv_heads, head_dim, dtype, seed=3)
-    query = random_heads(len(seq_lens), num_heads, head_dim, dtype)
-    out = torch.full(query.shape, POISON, dtype=dtype, device=DEVICE)
-    lens = torch.tensor(seq_lens, device=DEVICE)
-    decode_attention(query, batch.cache, out, lens, batch.block_tables, head_dim**-0.5,
-                     num_splits, tile_n=32, num_stages=1, next_tile=True)  # fmt: skip
-    want = ref_decode_attention(query, batch.cache, seq_lens, batch.block_tables, head_dim**-0.5)
-    assert_close(out, want, dtype)
-
-
 @pytest.mark.parametrize("fuse_reduce", [True, False])
 def test_decode_reduce_over_more_slices_than_it_unrolls(fuse_reduce: bool) -> None:
     """Head size 128 cuts keys into 64-key slices: 16 splits of lengths 515 and 1000 give 9 and

@@ -207,7 +207,6 @@ def _decode_kernel(
     ROW_BYTES: tl.constexpr,  # bytes of one key's row of one KV head
     EARLY: tl.constexpr,  # the step's inputs read before the PDL wait
     PDL: tl.constexpr,
-    NEXT_TILE: tl.constexpr,  # each key tile's reads issued before the previous tile's math
 ):
     # Under PDL this launch may start while the kernel before it (the qkv projection) still
     # runs. With EARLY, what that kernel does not write (the step's inputs, the rotary table,
@@ -291,35 +290,14 @@ def _decode_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    if NEXT_TILE:
-        # software-pipelined by hand, the partial last tile included: the next tile's block
-        # ids and keys are requested (into registers) before this tile's arithmetic
-        pos = start + tl.arange(0, TILE_N)
+    for tile in range(start, full_end, TILE_N):
+        pos = tile + tl.arange(0, TILE_N)
         k, v = load_kv_tile(
             kv_ptr, table_ptr, pos, pos < end, kv_head, offs_d,
-            s_cb, s_ckv, s_cs, s_ch, s_cd, BLOCK_SIZE, HEAD_DIM, BLOCK_D, True, UPCAST,
+            s_cb, s_ckv, s_cs, s_ch, s_cd, BLOCK_SIZE, HEAD_DIM, BLOCK_D, False, UPCAST,
         )  # fmt: skip
-        for _tile in range(start, end, TILE_N):
-            pos_ok = pos < end
-            nxt = pos + TILE_N
-            k_next, v_next = load_kv_tile(
-                kv_ptr, table_ptr, nxt, nxt < end, kv_head, offs_d,
-                s_cb, s_ckv, s_cs, s_ch, s_cd, BLOCK_SIZE, HEAD_DIM, BLOCK_D, True, UPCAST,
-            )  # fmt: skip
-            s = tl.dot(q, k, input_precision=DOT_PREC) * qk_scale
-            s = tl.where(pos_ok[None, :], s, float("-inf"))
-            m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, DOT_PREC)
-            pos, k, v = nxt, k_next, v_next
-        full_end = end  # (no tail left)
-    else:
-        for tile in range(start, full_end, TILE_N):
-            pos = tile + tl.arange(0, TILE_N)
-            k, v = load_kv_tile(
-                kv_ptr, table_ptr, pos, pos < end, kv_head, offs_d,
-                s_cb, s_ckv, s_cs, s_ch, s_cd, BLOCK_SIZE, HEAD_DIM, BLOCK_D, False, UPCAST,
-            )  # fmt: skip
-            s = tl.dot(q, k, input_precision=DOT_PREC) * qk_scale
-            m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, DOT_PREC)
+        s = tl.dot(q, k, input_precision=DOT_PREC) * qk_scale
+        m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, DOT_PREC)
     if full_end < end:
         pos = full_end + tl.arange(0, TILE_N)
         pos_ok = pos < end
@@ -537,19 +515,17 @@ def decode_attention(
     num_stages: int = 3,
     fuse_reduce: bool | None = None,
     rope: DecodeRope | None = None,
-    next_tile: bool = False,
 ) -> None:
     """Attention of each request's single query token over its ``seq_len`` cached keys (its own
     K/V included, written before). ``num_splits`` from ``choose_num_splits``, or fixed when the
     launch is captured in a CUDA graph. ``tile_n`` (keys per tile), ``num_warps`` and
     ``num_stages`` are tuning knobs (benchmarks/bench_attention_gpu.py --sweep); ``fuse_reduce``
     (default ``FUSE_REDUCE``) combines the splits in the last program instead of a second
-    launch. ``next_tile`` (experimental, off) pipelines the key loop by hand: each tile's reads
-    are issued before the previous tile's arithmetic. With ``rope``, ``query`` is not rotated
-    yet and the new tokens' K/V are not in the cache: the kernel rotates q (leaving ``query``
-    as it is) and writes the rotated K and the V at each request's slot before it reads the
-    keys, one launch instead of two; with ``rope.norm`` it also applies the layer's input
-    RMSNorm that was folded into the projection (``DecodeNorm``) to q, k and v first."""
+    launch. With ``rope``, ``query`` is not rotated yet and the new tokens' K/V are not in the
+    cache: the kernel rotates q (leaving ``query`` as it is) and writes the rotated K and the
+    V at each request's slot before it reads the keys, one launch instead of two; with
+    ``rope.norm`` it also applies the layer's input RMSNorm that was folded into the projection
+    (``DecodeNorm``) to q, k and v first."""
     check_kv_cache(kv_cache, query)
     num_decodes, num_heads, head_dim = query.shape
     if num_decodes == 0:
@@ -648,7 +624,6 @@ def decode_attention(
         PREFETCH=prefetch,
         ROW_BYTES=row_bytes,
         EARLY=EARLY_INPUTS and num_splits > 1,
-        NEXT_TILE=next_tile,
         num_warps=num_warps,
         num_stages=num_stages,
         **pdl,
