@@ -12,8 +12,9 @@
 All math is in float32 with one rounding to the tensors' dtype at the end; the results agree with
 the torch code paths within a rounding of the output (those round some intermediates to the dtype
 too). Tensors are read through their strides, so the q/k views split from a fused projection are
-rotated where they lie. The token count only sets the grid, and no integer argument changes from
-step to step, so a new batch size never compiles a new variant.
+rotated where they lie. The token count sets the grid, and where a kernel also takes it (the
+rotary's last program masks the tokens past it) it is not specialized on: no integer argument that
+changes from step to step selects a variant, so a new batch size never compiles one.
 """
 
 from __future__ import annotations
