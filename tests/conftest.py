@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from ports import free_port
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -97,17 +98,11 @@ class RedisServer:
             return False
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture
 def redis_server() -> Iterator[RedisServer]:
     if shutil.which("redis-server") is None:
         pytest.skip("redis-server is not installed")
-    server = RedisServer(_free_port())
+    server = RedisServer(free_port())
     server.start()
     try:
         yield server

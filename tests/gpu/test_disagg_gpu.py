@@ -14,7 +14,6 @@ import contextlib
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -26,6 +25,7 @@ import httpx
 import psutil
 import pytest
 import torch
+from ports import free_port
 from tiny_models import build_model
 
 pytestmark = [
@@ -58,12 +58,6 @@ def _gpus() -> str:
     return "0,1" if torch.cuda.device_count() >= 2 else "0"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextlib.contextmanager
 def _serve(
     log: Path, *args: str, model_argv: list[str] | None = None
@@ -72,7 +66,7 @@ def _serve(
     wait)."""
     model_argv = _model_argv() if model_argv is None else model_argv
     cmd = [
-        sys.executable, "-m", "baton.cli", "serve", *model_argv, "--port", str(_free_port()),
+        sys.executable, "-m", "baton.cli", "serve", *model_argv, "--port", str(free_port()),
         "--device", "cuda", "--gpus", _gpus(), "--dtype", "float32", "--max-model-len", "1024",
         "--gpu-memory-utilization", "0.4", "--disable-uvicorn-access-log", *args,
     ]  # fmt: skip

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -20,6 +19,7 @@ from dataclasses import dataclass, field
 
 import psutil
 import pytest
+from ports import free_port
 
 ENGINE_ARGS = ("--max-model-len", "512", "--kv-cache-memory", "268435456")
 API_KEY = "test-key-123"
@@ -27,12 +27,6 @@ SERVING = re.compile(r"Baton is serving (\S+) at (\S+)")
 DECODE_READY = re.compile(r"baton decode ready on (\S+) ")
 START_TIMEOUT_S = 300.0  # first start may convert the GGUF
 STOP_TIMEOUT_S = 30.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -20,12 +19,6 @@ from prometheus_client.parser import text_string_to_metric_families
 READY = re.compile(r"baton (\w+) ready on (\S+?)(?: |$)")
 METRICS = re.compile(r"metrics (http://\S+?/metrics)")
 ENGINE_ARGS = ("--max-model-len", "1024", "--kv-cache-memory", str(64 << 20), "--dtype", "float32")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -21,6 +20,7 @@ from typing import Any
 
 import pytest
 from openai import OpenAI
+from ports import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -55,16 +55,10 @@ sys.exit(main(sys.argv[1:]))
 READY = re.compile(r"baton gateway ready on (http://\S+)")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_gateway_serves_without_torch(baton_server: Any, tmp_path: Path) -> None:
     env = dict(os.environ, BATON_CACHE_DIR=str(tmp_path / "empty-cache"))
     env.pop("BATON_API_KEY", None)
-    cmd = [sys.executable, "-c", NO_TORCH, "gateway", "--port", str(_free_port())]
+    cmd = [sys.executable, "-c", NO_TORCH, "gateway", "--port", str(free_port())]
     cmd += ["--decode-addr", baton_server.decode_addr, "--disable-uvicorn-access-log"]
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env

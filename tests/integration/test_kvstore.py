@@ -8,7 +8,6 @@ import logging
 import queue
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -22,6 +21,7 @@ from typing import Any, TypeVar
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from ports import free_port
 from prometheus_client.parser import text_string_to_metric_families
 
 from baton.v1 import kvstore_pb2, kvstore_pb2_grpc
@@ -47,12 +47,6 @@ class KVStoreProcess:
 
     def log_tail(self) -> str:
         return self.log_path.read_text()[-3000:]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def start_kvstore(log_path: Path, *extra: str, port: int = 0) -> KVStoreProcess:

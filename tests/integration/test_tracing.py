@@ -13,7 +13,8 @@ import grpc
 import httpx
 import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
-from procs import Service, free_port, launch_disaggregated, stop
+from ports import free_port
+from procs import Service, launch_disaggregated, stop
 
 pytestmark = pytest.mark.integration
 
