@@ -19,6 +19,7 @@ token; decode phase: the rest) and the slowest steps with their breakdown. ``--s
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 import time
@@ -156,7 +157,24 @@ def run(core: EngineCore, rec: Recorder, prompts: list[list[int]], params: Sampl
     n_out = sum(s.outputs for s in steps)
     split = first_all or len(steps)
     phases = {"prompt": steps[:split], "decode": steps[split:]}
-    summary: dict[str, Any] = {"elapsed_s": elapsed, "tok_s": n_out / elapsed, "phases": {}}
+    summary: dict[str, Any] = {
+        "elapsed_s": elapsed,
+        "tok_s": n_out / elapsed,
+        "phases": {},
+        "steps": [
+            [
+                s.tokens,
+                s.decodes,
+                s.prompts,
+                s.outputs,
+                s.wall * 1e3,
+                s.span_ms,
+                s.gap_ms,
+                {k: v * 1e3 for k, v in s.host.items()},
+            ]
+            for s in steps
+        ],
+    }
     print(f"\n== {tag}: {len(steps)} steps, {elapsed:.3f} s, {n_out / elapsed:,.0f} tok/s")
     print(f"{'phase':7} {'steps':>5} {'wall s':>7} {'GPU span s':>10} {'GPU gaps s':>10} "
           f"{'sched':>6} {'launch':>6} {'inputs':>6} {'fwd':>6} {'result':>6} {'update':>6}"
@@ -198,6 +216,20 @@ def run(core: EngineCore, rec: Recorder, prompts: list[list[int]], params: Sampl
             show(i, s)
         walls = sorted(s.wall for _, s in decode)
         spans = sorted(s.span_ms for _, s in decode)
+        # What the steps above the median cost in all: the decode phase's time over a median step
+        med = walls[len(walls) // 2]
+        excess = [(i, s.wall - med) for i, s in decode if s.wall > med]
+        big = [(i, x) for i, x in excess if x > 0.5 * med]
+        print(
+            f"decode steps above the median: {sum(x for _, x in excess) * 1e3:.1f} ms over "
+            f"{len(excess)} steps; {sum(x for _, x in big) * 1e3:.1f} ms of it in {len(big)} "
+            f"steps over 1.5x the median: " + " ".join(f"#{i}" for i, _ in big[:30])
+        )
+        tail = [(i, s) for i, s in decode if s.outputs < max(x.outputs for _, x in decode)]
+        print(
+            f"decode steps with fewer requests than the most: {len(tail)}, "
+            f"{sum(s.wall for _, s in tail) * 1e3:.1f} ms"
+        )
         print(f"decode steps: wall median {walls[len(walls) // 2] * 1e3:.3f} ms, mean "
               f"{sum(walls) / len(walls) * 1e3:.3f} ms; span median {spans[len(spans) // 2]:.3f}"
               f" ms, mean {sum(spans) / len(spans):.3f} ms")  # fmt: skip
@@ -208,9 +240,19 @@ def main() -> int:
     p = probe_args(__doc__)
     p.add_argument("--runs", type=int, default=2)
     p.add_argument("--output-json", type=Path, default=None)
+    p.add_argument(
+        "--gc",
+        choices=("default", "freeze", "off"),
+        default="default",
+        help="after the warm-up: gc.freeze(), or no cyclic collection at all",
+    )
     args = p.parse_args()
     core, mc, params = probe_engine(args)
     warm_up(core, mc, params)  # as bench_gpu_engine.py does
+    if args.gc == "freeze":
+        gc.freeze()
+    elif args.gc == "off":
+        gc.disable()
     rec = Recorder(core, args.device == "cuda")
     out = [
         run(core, rec, random_prompts(args.num_prompts, args.prompt_len, mc.vocab_size, seed=k),

@@ -123,6 +123,24 @@ def test_touch_revives_a_free_block_and_shares_a_used_one() -> None:
     pool.check_invariants()
 
 
+def test_invariant_check_catches_a_broken_free_queue() -> None:
+    """The free queue is linked through the blocks: a link that skips a block, or a block in
+    use that still links into the queue, fails the check."""
+    pool = BlockPool(6)
+    (taken,) = pool.get_new_blocks(1)
+    pool.check_invariants()
+    block3, block5 = pool.blocks[3], pool.blocks[5]
+    saved = block3.prev_free
+    block3.prev_free = block5
+    with pytest.raises(AssertionError, match="back link"):
+        pool.check_invariants()
+    block3.prev_free = saved
+    pool.check_invariants()
+    taken.next_free = block3
+    with pytest.raises(AssertionError, match="links"):
+        pool.check_invariants()
+
+
 def test_cached_block_lookup_checks_token_ids() -> None:
     """Equal digests with different tokens (a collision) must never be shared."""
     pool = BlockPool(2)
