@@ -301,6 +301,13 @@ class EngineCore:
         # of 256 running requests ~3x slower. Collect less often (never more often than now).
         now = gc.get_threshold()[:3]
         gc.set_threshold(*(max(a, b) for a, b in zip(now, _GC_THRESHOLDS, strict=True)))
+        # The start-up heap (the KV pool's blocks among it: ~600k objects on a GPU) would
+        # otherwise wait in a young generation for the collector's first pass over that
+        # generation, which then walked it all inside one step: a 45 ms stall in the 52nd
+        # decode step of a Qwen-256 run on the H200 (benchmarks/device/step_timeline.py). A
+        # full collection now moves it to the oldest, which the thresholds keep from being
+        # walked again for a long time (~50 ms here, once).
+        gc.collect()
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel helper processes (none with one rank); idempotent."""
