@@ -79,6 +79,7 @@ def run(
     max_num_batched_tokens: int | None = None,
     random_norms: bool = False,
     fold: bool = False,
+    fold_prompts: bool = False,
 ) -> tuple[dict[str, list[int]], EngineCore]:
     core = make_core(
         model_dir, backend, async_scheduling, max_num_batched_tokens=max_num_batched_tokens
@@ -88,7 +89,7 @@ def run(
     if fused:
         core.runner.model.use_fused_kernels()
     if fold:
-        assert core.runner.model.fold_norms()
+        assert core.runner.model.fold_norms(prompts=fold_prompts)
     if graphs:
         assert core.runner.enable_decode_graphs(capture=False)
         assert core.runner.graphs is not None and core.runner.graphs.sizes[:3] == [1, 2, 4]
@@ -146,6 +147,26 @@ def test_decode_steps_with_folded_norms_match_reference(tmp_path: Path, qkv_bias
     assert model.folded_norms and model.layers[0].input_layernorm.weight.eq(1).all()
     graphs = core.runner.graphs
     assert graphs is not None and graphs.num_steps.get(8, 0) >= 8
+
+
+@pytest.mark.parametrize("pieces", [False, True])
+def test_prompt_steps_with_folded_norms_match_reference(tmp_path: Path, pieces: bool) -> None:
+    """What a GPU runs for every step (``fold_norms(prompts=True)``): the prompt chunks and the
+    mixed steps' layers folded too, without norm kernels (the rotary kernel applies the input
+    norm and the qkv bias, SiLU-and-multiply the second norm), eagerly or through the padded
+    piece buffers; a 32-token budget chunks the prompts and mixes them with decodes. Greedy
+    tokens equal the reference backend's on the unfolded model with random norm weights."""
+    (tmp_path / "config.json").write_text(json.dumps({**TINY_LLAMA, "attention_bias": True}))
+    want, _ = run(tmp_path, "torch", graphs=False, random_norms=True, max_num_batched_tokens=32)
+    got, core = run(
+        tmp_path, "triton", graphs=True, async_scheduling=True, fused=True, random_norms=True,
+        fold=True, fold_prompts=True, pieces=pieces, max_num_batched_tokens=32,
+    )  # fmt: skip
+    assert got == want
+    model = core.runner.model
+    assert model.folded_prompts and model.layers[0].post_attention_layernorm.weight.eq(1).all()
+    if pieces:
+        assert core.runner.pieces is not None and core.runner.pieces.num_steps.get(32, 0) >= 4
 
 
 def run_pieces_against_reference(tmp_path: Path, fused: bool) -> PieceGraphs:

@@ -179,6 +179,49 @@ def test_rotary_and_kv_write_in_one_launch(
     assert torch.equal(pool[:, 0], want_pool[:, 0]) and torch.equal(pool[:, 2], want_pool[:, 2])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", ROPE_SHAPES)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_rotary_and_kv_write_apply_a_folded_norm(
+    shape: tuple[int, int, int, int], dtype: torch.dtype, with_bias: bool
+) -> None:
+    """``norm_of``: q, k and v are a qkv projection's outputs, without its bias, whose weight
+    holds the RMSNorm's (``fold_norms``, prompt steps): each token's q, k and v are multiplied
+    by the 1/rms of its ``norm_of`` row and given the bias (rounded as the unfolded
+    projection's output), then q and k rotated as without it, and K and V written."""
+    torch.manual_seed(6)
+    num_tokens, hq, hk, dim = shape
+    rope = RotaryEmbedding(dim, MAX_POSITIONS, 10000.0, None).to(DEVICE)
+    _, q, k, v = fused_qkv(num_tokens, hq, hk, dim, dtype)
+    scales = torch.arange(1, num_tokens + 1, device=DEVICE)[:, None].to(dtype)
+    stream = randn(num_tokens, 96, dtype=dtype) * scales  # rows of different norms
+    bias = randn(hq + 2 * hk, dim, dtype=dtype) if with_bias else None
+    positions = shuffled_positions(num_tokens)
+    pool = randn(24, 2, 4, hk, dim, dtype=dtype)
+    slot_block = torch.randperm(24)[:num_tokens].to(DEVICE)
+    slot_offset = torch.randint(0, 4, (num_tokens,)).to(DEVICE)
+
+    rstd = torch.rsqrt(stream.float().pow(2).mean(-1) + 1e-5)[:, None, None]
+    b = bias.float() if bias is not None else torch.zeros(hq + 2 * hk, dim, device=DEVICE)
+    want_q, want_k, want_v = (
+        (x.float() * rstd + part).to(dtype)
+        for x, part in ((q, b[:hq]), (k, b[hq : hq + hk]), (v, b[hq + hk :]))
+    )
+    want_q, want_k = ref_rotary_embedding(want_q, want_k, positions, rope.cos_sin)
+    want_pool = pool.clone()
+    ref_write_kv_cache(want_k, want_v, KVCacheView(want_pool), slot_block, slot_offset)
+
+    rotary_embedding_and_write_kv_(
+        q, k, v, positions, rope.cos_sin, pool, slot_block, slot_offset, norm_of=stream,
+        eps=1e-5, bias=bias,
+    )  # fmt: skip
+
+    # q and v are rounded once more than in test_rotary_and_kv_write_in_one_launch
+    atol, rtol = ROPE_TOL[dtype]
+    for got, want in ((q, want_q), (k, want_k), (pool, want_pool)):
+        torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=2 * rtol)
+
+
 def test_rotary_and_kv_write_rejects_misuse() -> None:
     _, q, k, v = fused_qkv(3, 4, 2, 64, torch.float32)
     cos_sin = RotaryEmbedding(64, MAX_POSITIONS, 10000.0, None).to(DEVICE).cos_sin
@@ -191,6 +234,19 @@ def test_rotary_and_kv_write_rejects_misuse() -> None:
         rotary_embedding_and_write_kv_(q, k, v, positions, cos_sin, kv.half(), slots, slots)
     with pytest.raises(ValueError, match="slot_block"):
         rotary_embedding_and_write_kv_(q, k, v, positions, cos_sin, kv, slots[:2], slots)
+    stream = randn(3, 32, dtype=torch.float32)
+    with pytest.raises(ValueError, match="norm_of"):
+        rotary_embedding_and_write_kv_(
+            q, k, v, positions, cos_sin, kv, slots, slots, norm_of=stream[:2]
+        )
+    with pytest.raises(ValueError, match="bias must be"):
+        rotary_embedding_and_write_kv_(
+            q, k, v, positions, cos_sin, kv, slots, slots, norm_of=stream, bias=stream
+        )
+    with pytest.raises(ValueError, match="only with norm_of"):
+        rotary_embedding_and_write_kv_(
+            q, k, v, positions, cos_sin, kv, slots, slots, bias=randn(8, 64, dtype=torch.float32)
+        )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -285,10 +341,16 @@ def test_silu_and_mul_strided_input(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_silu_and_mul_applies_a_folded_norm(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("row_loop", [False, True])
+def test_silu_and_mul_applies_a_folded_norm(
+    dtype: torch.dtype, row_loop: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``norm_of``: gate and up are a gate/up projection's outputs whose weight holds the
     RMSNorm's (``fold_norms``); each row is multiplied by the 1/rms of its ``norm_of`` row
-    (rounded as the projection's output) before SiLU-and-multiply, in every column block."""
+    (rounded as the projection's output) before SiLU-and-multiply, in every column block; with
+    one program a row looping over the blocks (``row_loop``: prompt steps' row counts) or one
+    per row and block."""
+    monkeypatch.setattr(fused_ops, "SILU_ROW_LOOP_MIN_ROWS", 1 if row_loop else 1 << 30)
     torch.manual_seed(4)
     x = randn(5, 2 * 1500, dtype=dtype) * 3
     stream = randn(5, 96, dtype=dtype) * torch.arange(1, 6, device=DEVICE)[:, None].to(dtype)

@@ -217,19 +217,24 @@ class DecoderLayer(nn.Module):
         1/rms and the bias to q, k and v (``DecodeNorm``); o_proj and down_proj add into
         ``stream`` in their GEMMs (``addmm_``); SiLU-and-multiply applies the second norm's
         1/rms to gate and up. Returns ``stream``, updated in place."""
+        attn = self.self_attn
+        qkv = F.linear(stream, attn.qkv_proj.weight)
+        out = attn.attend(rope, qkv, kv_cache, metadata, backend, self.folded_norm(stream))
+        stream.addmm_(out, attn.o_proj.weight.t())
+        return self.folded_mlp(stream)
+
+    def folded_norm(self, stream: torch.Tensor) -> DecodeNorm:
+        """The input norm of a folded layer, for the attention backend to apply to the qkv
+        projection of ``stream`` (one row a token) with the projection's bias."""
         from baton_kernels.triton.decode_attention import DecodeNorm
 
         attn = self.self_attn
         bias = attn.qkv_proj.bias
-        norm = DecodeNorm(
+        return DecodeNorm(
             stream,
             self.input_layernorm.eps,
             None if bias is None else bias.view(-1, attn.head_dim),
         )
-        qkv = F.linear(stream, attn.qkv_proj.weight)
-        out = attn.attend(rope, qkv, kv_cache, metadata, backend, norm)
-        stream.addmm_(out, attn.o_proj.weight.t())
-        return self.folded_mlp(stream)
 
     def folded_mlp(self, stream: torch.Tensor) -> torch.Tensor:
         """The MLP of a folded layer (``forward_folded``) added into ``stream`` in place: the
@@ -366,6 +371,7 @@ class LlamaForCausalLM(nn.Module):
         self.cpu_decode_layers: CpuDecodeLayers | None = None
         self.gemv_rows = 0  # decode steps of at most this many rows run forward_gemv
         self.folded_norms = False  # decode steps run forward_folded (fold_norms)
+        self.folded_prompts = False  # and the other steps' pieces are folded too (fold_norms)
         self.tie_weights()
 
     def set_reduce(self, reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:
@@ -404,7 +410,7 @@ class LlamaForCausalLM(nn.Module):
             return self.norm.add_forward(stream, None)[0]
         x, residual = self.piece(0, input_ids, None)
         for i, kv_cache in enumerate(kv_caches):
-            out = self.attend(i, rope, x, kv_cache, metadata, backend)
+            out = self.attend(i, rope, x, kv_cache, metadata, backend, residual)
             x, residual = self.piece(i + 1, out, residual)
         return x
 
@@ -427,7 +433,12 @@ class LlamaForCausalLM(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Piece ``i`` of ``num_pieces``: from the token ids (``i = 0``) or attention
         ``i - 1``'s output to layer ``i``'s qkv, or (the last) to the final normed hidden
-        states; returns it with the residual stream."""
+        states; returns it with the residual stream. With the norms folded into the prompts'
+        layers too (``folded_prompts``) the stream is the whole residual stream, updated in
+        place, and layer ``i``'s qkv is its projection without the norm and the bias, which
+        the attention applies (``attend``)."""
+        if self.folded_prompts:
+            return self._folded_piece(i, x, residual)
         if i == 0:
             hidden, residual = self.embed_tokens(x), None
         else:
@@ -437,6 +448,25 @@ class LlamaForCausalLM(nn.Module):
             return self.norm.add_forward(hidden, residual)
         return cast(DecoderLayer, self.layers[i]).pre_attention(hidden, residual)
 
+    def _folded_piece(
+        self, i: int, x: torch.Tensor, stream: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``piece`` as ``DecoderLayer.forward_folded`` runs a layer: o_proj and down_proj
+        add into the stream in their GEMMs, SiLU-and-multiply applies the second norm, and no
+        norm kernel runs but the final one."""
+        if i == 0:
+            stream = self.embed_tokens(x)
+        else:
+            assert stream is not None
+            layer = cast(DecoderLayer, self.layers[i - 1])
+            stream.addmm_(x, layer.self_attn.o_proj.weight.t())
+            layer.folded_mlp(stream)
+        assert stream is not None
+        if i == len(self.layers):
+            return self.norm.add_forward(stream, None)
+        qkv_proj = cast(DecoderLayer, self.layers[i]).self_attn.qkv_proj
+        return F.linear(stream, qkv_proj.weight), stream
+
     def attend(
         self,
         i: int,
@@ -445,10 +475,17 @@ class LlamaForCausalLM(nn.Module):
         kv_cache: KVCacheView,
         metadata: AttentionMetadata,
         backend: AttentionBackend,
+        stream: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Layer ``i``'s attention of its projected ``qkv``: ``[T, q]``."""
-        attn = cast(DecoderLayer, self.layers[i]).self_attn
-        return attn.attend(rope, qkv, kv_cache, metadata, backend)
+        """Layer ``i``'s attention of its projected ``qkv``: ``[T, q]``. ``stream``: the
+        residual stream of the step's tokens, whose norm the attention applies to a folded
+        layer's ``qkv`` (``folded_prompts``)."""
+        layer = cast(DecoderLayer, self.layers[i])
+        norm = None
+        if self.folded_prompts:
+            assert stream is not None, "a folded layer's attention needs the residual stream"
+            norm = layer.folded_norm(stream)
+        return layer.self_attn.attend(rope, qkv, kv_cache, metadata, backend, norm)
 
     def use_cpu_decode_layers(self, ops: Any) -> bool:
         """Run the layers of decode-only steps as one C++ call (``CpuDecodeLayers``) if the
@@ -485,17 +522,18 @@ class LlamaForCausalLM(nn.Module):
             cast(DecoderLayer, layer).gemv_down = down
         return ok
 
-    def fold_norms(self) -> bool:
+    def fold_norms(self, prompts: bool = False) -> bool:
         """Fold each layer's two RMSNorm weights into the projection after each (qkv and
         gate/up: ``W[:, j] *= w[j]``, rounded to the weights' dtype once; the norms' weights
         become ones, so every other path computes the same model), and run decode-only steps
         of more than ``gemv_rows`` rows through ``DecoderLayer.forward_folded``, without the
-        norms' kernels. Needs the fused kernels on (``use_fused_kernels``), an attention
-        backend whose ``forward_rope`` takes a ``DecodeNorm`` (the caller vouches), no q/k
-        norm, one rank (o_proj and down_proj add into the residual stream before any
-        all-reduce), and GPU-side Triton (or its interpreter). Call after the weights are
-        loaded; a second call folds what the norms hold then (ones, unless they were changed).
-        Returns whether the path is on."""
+        norms' kernels; with ``prompts`` every other step's layers too (``piece``). Needs the
+        fused kernels on (``use_fused_kernels``), an attention backend whose ``forward_rope``
+        takes a ``DecodeNorm`` (on decode-only steps, and on all with ``prompts``: the caller
+        vouches), no q/k norm, one rank (o_proj and down_proj add into the residual stream
+        before any all-reduce), and GPU-side Triton (or its interpreter). Call after the
+        weights are loaded; a second call folds what the norms hold then (ones, unless they
+        were changed). Returns whether the path is on."""
         if not self.fused_rope or self.config.qk_norm or self.tp_size > 1:
             return False
         with torch.no_grad():
@@ -510,6 +548,7 @@ class LlamaForCausalLM(nn.Module):
                     norm.weight.fill_(1.0)
                 layer.folded_norms = True
         self.folded_norms = True
+        self.folded_prompts = prompts
         return True
 
     def use_fused_kernels(self) -> None:

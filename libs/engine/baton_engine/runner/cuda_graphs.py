@@ -214,6 +214,7 @@ class PieceModel(Protocol):
         kv_cache: KVCacheView,
         metadata: AttentionMetadata,
         backend: AttentionBackend,
+        stream: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
 
     def rope_for(self, positions: torch.Tensor) -> Any: ...
@@ -338,7 +339,9 @@ class PieceGraphs:
                 self._piece(i, t)
             else:
                 graphs[i].replay()
-            out = self.model.attend(i, rope, self.qkv[:n], kv_cache, metadata, backend)
+            out = self.model.attend(
+                i, rope, self.qkv[:n], kv_cache, metadata, backend, self.residual[:n]
+            )
             self.attn_out[:n].copy_(out)
         if graphs is None:
             self._piece(len(kv_caches), t)

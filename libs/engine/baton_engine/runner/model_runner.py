@@ -62,6 +62,11 @@ REUSE_GATHER = True
 # 1.69-1.70 ms against 1.79 for Qwen2.5-0.5B at 256 rows, 1.04 against 1.12 at 64, and
 # Llama-3.1-8B's batch-1 graph 4.31 against 4.37 (benchmarks/device/ab_fold.sh).
 FOLD_NORMS = True
+# ... and in every other step's layers (prompt chunks, mixed steps): the rotary kernel applies
+# the input norm, SiLU-and-multiply the second, o_proj and down_proj add into the residual
+# stream; no norm kernel a layer (49 a step for Qwen2.5-0.5B, 1.39 ms of a 23.1 ms prompt step
+# of 16,384 tokens on an H200, benchmarks/profile_gpu_steps.py). BATON_FOLD_PROMPTS=0: not.
+FOLD_PROMPTS = os.environ.get("BATON_FOLD_PROMPTS", "1") != "0"
 # How often a wait for the device checks that the tensor-parallel ranks are alive.
 _POLL_S = 50e-6
 
@@ -216,13 +221,17 @@ class ModelRunner:
         projections for decode steps (GPU, ``FOLD_NORMS``)."""
         for kernel, num in pack_linears(self.model, float32_outputs=("lm_head",)).items():
             logger.info("packed %d linear layers for the %s kernel", num, kernel)
+        prompts = FOLD_PROMPTS and getattr(self.backend, "fuses_prompt_norm", False)
         if (
             FOLD_NORMS
             and self.device.type == "cuda"
             and getattr(self.backend, "fuses_decode_norm", False)
-            and self.model.fold_norms()
+            and self.model.fold_norms(prompts=prompts)
         ):
-            logger.info("decode steps run with the RMSNorms folded into the projections")
+            logger.info(
+                "%s steps run with the RMSNorms folded into the projections",
+                "all" if prompts else "decode",
+            )
         cfg = self.model_config
         decodes_in_place = getattr(self.backend, "decodes_in_place", None)
         if (

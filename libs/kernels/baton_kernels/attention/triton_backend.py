@@ -47,6 +47,7 @@ class TritonAttentionBackend:
     name = "triton"
     fuses_rope = True  # has forward_rope
     fuses_decode_norm = True  # forward_rope takes a folded norm on decode-only steps
+    fuses_prompt_norm = True  # ... and on every other step (through the rotary kernel)
 
     def __init__(self) -> None:
         self._step_key: AttentionMetadata | None = None
@@ -79,13 +80,12 @@ class TritonAttentionBackend:
         """``forward`` of q and k rotated by ``positions`` (``fused.rotary_embedding_``), the
         rotation and the cache write in one launch; on a decode-only step, in the decode
         kernel's launch (``FUSE_DECODE_ROPE``; ``query`` and ``key`` are then left as they
-        are), else in place before the attention. ``norm`` (decode-only steps): q, k and v
-        are a folded projection's, still to be normed (``DecodeNorm``), in the same launch."""
+        are), else in place before the attention. ``norm``: q, k and v are a folded
+        projection's, still to be normed (``DecodeNorm``, its stream one row a token), in the
+        same launch (the decode kernel's, or the rotary kernel's, which stores q normed)."""
         from baton_kernels.triton.fused_ops import rotary_embedding_and_write_kv_
 
         decode_only = metadata.num_decodes == metadata.num_reqs
-        if norm is not None and not (FUSE_DECODE_ROPE and decode_only):
-            raise ValueError("a folded norm needs a decode-only step through the decode kernel")
         if FUSE_DECODE_ROPE and decode_only:
             rope = DecodeRope(
                 positions, cos_sin, key, value, metadata.slot_block, metadata.slot_offset, norm
@@ -94,6 +94,9 @@ class TritonAttentionBackend:
         rotary_embedding_and_write_kv_(
             query, key, value, positions, cos_sin, kv_cache.kv, metadata.slot_block,
             metadata.slot_offset,
+            norm_of=None if norm is None else norm.stream,
+            eps=0.0 if norm is None else norm.eps,
+            bias=None if norm is None else norm.bias,
         )  # fmt: skip
         return self._attend(query, kv_cache, metadata, scale)
 

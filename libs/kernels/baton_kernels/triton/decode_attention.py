@@ -481,7 +481,8 @@ class DecodeNorm(NamedTuple):
     multiplied into the projection's columns, ``LlamaForCausalLM.fold_norms``): the query, key
     and value ``decode_attention`` reads are rows of ``stream @ weight.T``, without the bias, and
     the kernel multiplies each by its request's 1/rms of ``stream`` and adds the bias, where the
-    unfolded layer runs a norm kernel before the projection."""
+    unfolded layer runs a norm kernel before the projection. (Prompt steps hand the same to
+    ``fused_ops.rotary_embedding_and_write_kv_``, one row a token.)"""
 
     stream: torch.Tensor  # [num_decodes, hidden], the rows the projection read (last dim dense)
     eps: float

@@ -34,6 +34,9 @@ from baton_kernels.triton.common import (
 
 POSITION_DTYPES = (torch.int32, torch.int64)
 SILU_BLOCK = 1024  # columns of the output per program in silu_and_mul
+# silu_and_mul(norm_of=) of at least this many rows runs one program a row, looping over its
+# columns blocks (prompt steps with the norms folded, LlamaForCausalLM.fold_norms)
+SILU_ROW_LOOP_MIN_ROWS = 1024
 ROPE_MAX_ELEMS = 8192  # tokens x heads x head_dim per rotary program
 # Tokens per rotary program (None: as many as ROPE_MAX_ELEMS allows). One program per token and
 # head block moved 2 KB or less each: on an H200 the launch took 41.0 us at 16,384 tokens of
@@ -59,6 +62,27 @@ def _check_out(out: torch.Tensor, shape: tuple[int, ...], like: torch.Tensor, wh
 
 
 @triton.jit
+def _normed(x, rstd, bias_ptr, offs_h, cols, mask, HALF: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """A ``[BLOCK_T, BLOCK_H, BLOCK_HALF]`` tile of a folded projection's output times each
+    token's 1/rms, plus the bias of its head and columns, rounded to ``x``'s dtype as the
+    unfolded projection's output is (``decode_attention._normed``, per token)."""
+    y = x.to(tl.float32) * rstd[:, None, None]
+    if HAS_BIAS:
+        b = bias_ptr + offs_h[None, :, None] * (2 * HALF) + cols[None, None, :]
+        y += tl.load(b, mask=mask, other=0.0).to(tl.float32)
+    return y.to(x.dtype)
+
+
+@triton.jit
+def _row_rstd(x_ptr, t, t_ok, s_t, hidden, eps, BLOCK_HID: tl.constexpr):
+    """``[BLOCK_T]`` fp32: 1/rms of rows ``t`` of ``x`` (``hidden`` dense values each)."""
+    offs = tl.arange(0, BLOCK_HID)
+    ok = t_ok[:, None] & (offs < hidden)[None, :]
+    xs = tl.load(x_ptr + t[:, None] * s_t + offs[None, :], mask=ok, other=0.0).to(tl.float32)
+    return tl.rsqrt(tl.sum(xs * xs, axis=1) / hidden + eps)
+
+
+@triton.jit
 def _rotate_heads(
     x_ptr,
     t,  # [BLOCK_T] the program's tokens
@@ -73,9 +97,13 @@ def _rotate_heads(
     sin1,
     sin2,
     offs_d,  # [BLOCK_HALF]
+    rstd,  # NORM: [BLOCK_T] fp32, each token's 1/rms
+    bias_ptr,  # HAS_BIAS: these heads' bias rows [num_heads, 2 * HALF]
     HALF: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
+    NORM: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
 ):
     offs_h = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = (
@@ -85,6 +113,9 @@ def _rotate_heads(
     p2 = p1 + HALF * s_d
     x1 = tl.load(p1, mask=mask, other=0.0)
     x2 = tl.load(p2, mask=mask, other=0.0)
+    if NORM:
+        x1 = _normed(x1, rstd, bias_ptr, offs_h, offs_d, mask, HALF, HAS_BIAS)
+        x2 = _normed(x2, rstd, bias_ptr, offs_h, offs_d + HALF, mask, HALF, HAS_BIAS)
     dtype = x1.dtype
     x1 = x1.to(tl.float32)
     x2 = x2.to(tl.float32)
@@ -130,22 +161,34 @@ def _rotary_kernel(
     s_kvs,
     s_kvh,
     s_kvd,
+    norm_ptr,  # NORM: the rows of the stream whose 1/rms scales q, k and v (else unused)
+    s_nt,
+    hidden,
+    eps,
+    bias_ptr,  # HAS_BIAS: [num_q_heads + 2 * num_k_heads, 2 * HALF], q then k then v
     HALF: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     BLOCK_HQ: tl.constexpr,
     BLOCK_HK: tl.constexpr,
     BLOCK_T: tl.constexpr,
     WRITE_KV: tl.constexpr,
+    NORM: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_HID: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Program (i, j): tokens ``i * BLOCK_T`` on, their query heads block j, or key heads
     block j - #query blocks. With ``WRITE_KV`` a key program also stores its rotated K rows and
     the tokens' V rows into the paged cache at each token's slot (skipped for a negative block:
-    a padding token)."""
+    a padding token). With ``NORM`` q, k and v are a folded projection's output, multiplied by
+    each token's 1/rms of its stream row and given the bias first (and q and k stored so)."""
     pdl_begin(PDL)
     t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = t < num_tokens
     j = tl.program_id(1)
+    rstd = tl.full([BLOCK_T], 1.0, tl.float32)
+    if NORM:
+        rstd = _row_rstd(norm_ptr, t, t_ok, s_nt, hidden, eps, BLOCK_HID)
     pos = tl.load(pos_ptr + t, mask=t_ok, other=0).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_HALF)
     cs_ok = t_ok[:, None] & (offs_d < HALF)[None, :]
@@ -164,12 +207,13 @@ def _rotary_kernel(
     if j < q_blocks:
         _rotate_heads(
             q_ptr, t, t_ok, j, num_q_heads, s_qt, s_qh, s_qd, cos1, cos2, sin1, sin2, offs_d,
-            HALF, BLOCK_HQ, BLOCK_HALF,
+            rstd, bias_ptr, HALF, BLOCK_HQ, BLOCK_HALF, NORM, HAS_BIAS,
         )  # fmt: skip
     else:
+        k_bias = bias_ptr + num_q_heads * 2 * HALF
         k1, k2, offs_h, mask = _rotate_heads(
             k_ptr, t, t_ok, j - q_blocks, num_k_heads, s_kt, s_kh, s_kd, cos1, cos2, sin1, sin2,
-            offs_d, HALF, BLOCK_HK, BLOCK_HALF,
+            offs_d, rstd, k_bias, HALF, BLOCK_HK, BLOCK_HALF, NORM, HAS_BIAS,
         )  # fmt: skip
         if WRITE_KV:
             block = tl.load(slot_block_ptr + t, mask=t_ok, other=-1).to(tl.int64)
@@ -185,8 +229,14 @@ def _rotary_kernel(
                 v_ptr + t[:, None, None] * s_vt + offs_h[None, :, None] * s_vh
                 + offs_d[None, None, :] * s_vd
             )  # fmt: skip
-            tl.store(dst + s_kvkv, tl.load(src, mask=mask), mask=mask)
-            tl.store(dst + s_kvkv + HALF * s_kvd, tl.load(src + HALF * s_vd, mask=mask), mask=mask)
+            v1 = tl.load(src, mask=mask)
+            v2 = tl.load(src + HALF * s_vd, mask=mask)
+            if NORM:
+                v_bias = k_bias + num_k_heads * 2 * HALF
+                v1 = _normed(v1, rstd, v_bias, offs_h, offs_d, mask, HALF, HAS_BIAS)
+                v2 = _normed(v2, rstd, v_bias, offs_h, offs_d + HALF, mask, HALF, HAS_BIAS)
+            tl.store(dst + s_kvkv, v1, mask=mask)
+            tl.store(dst + s_kvkv + HALF * s_kvd, v2, mask=mask)
 
 
 def _check_rotary(
@@ -241,9 +291,20 @@ def rotary_embedding_and_write_kv_(
     kv: torch.Tensor,  # one layer's cache [num_blocks, 2, block_size, num_k_heads, head_dim]
     slot_block: torch.Tensor,  # [num_tokens] int: block id, < 0 to skip the token
     slot_offset: torch.Tensor,  # [num_tokens] int: offset inside that block
+    *,
+    norm_of: torch.Tensor | None = None,
+    eps: float = 0.0,
+    bias: torch.Tensor | None = None,
 ) -> None:
     """``rotary_embedding_`` and then ``kv_write.write_kv_cache`` of the rotated keys and the
-    values, in one launch: a decode step of a small model is bound by its kernel count."""
+    values, in one launch: a decode step of a small model is bound by its kernel count.
+
+    With ``norm_of`` ``[num_tokens, hidden]`` (its rows dense), q, k and v are the output of a
+    projection with an RMSNorm's weight folded in (``LlamaForCausalLM.fold_norms``), taken
+    without its ``bias`` (``[num_q_heads + 2 * num_k_heads, head_dim]``, contiguous, or None):
+    each token's q, k and v are first multiplied by ``1 / rms(norm_of[t])`` (``eps`` inside
+    the root), given the bias and rounded to their dtype, the norm before the projection
+    without its own kernel; q and k are stored so, rotated."""
     _check_rotary(query, key, positions, cos_sin)
     num_tokens, num_k_heads, head_dim = key.shape
     if value.shape != key.shape or value.dtype != key.dtype:
@@ -254,7 +315,19 @@ def rotary_embedding_and_write_kv_(
         raise ValueError(f"cache dtype {kv.dtype} differs from K/V {key.dtype}")
     if slot_block.shape != (num_tokens,) or slot_offset.shape != (num_tokens,):
         raise ValueError(f"slot_block and slot_offset must be [{num_tokens}]")
-    _launch_rotary(query, key, positions, cos_sin, (value, kv, slot_block, slot_offset))
+    norm = None
+    if norm_of is not None:
+        if norm_of.dim() != 2 or norm_of.shape[0] != num_tokens or norm_of.stride(1) != 1:
+            raise ValueError(f"norm_of must be [{num_tokens}, hidden], its rows dense")
+        heads = query.shape[1] + 2 * num_k_heads
+        if bias is not None and (
+            tuple(bias.shape) != (heads, head_dim) or not bias.is_contiguous()
+        ):
+            raise ValueError(f"bias must be a contiguous [{heads}, {head_dim}]")
+        norm = (norm_of, eps, bias)
+    elif bias is not None:
+        raise ValueError("a bias is applied only with norm_of (a folded projection's q/k/v)")
+    _launch_rotary(query, key, positions, cos_sin, (value, kv, slot_block, slot_offset), norm)
 
 
 def _launch_rotary(
@@ -263,6 +336,7 @@ def _launch_rotary(
     positions: torch.Tensor,
     cos_sin: torch.Tensor,
     write: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    norm: tuple[torch.Tensor, float, torch.Tensor | None] | None = None,
 ) -> None:
     num_tokens, num_q_heads, head_dim = query.shape
     num_k_heads = key.shape[1]
@@ -285,6 +359,8 @@ def _launch_rotary(
     else:
         value, kv, slot_block, slot_offset = write
         v_strides, kv_strides = value.stride(), kv.stride()
+    norm_of, eps, bias = norm if norm is not None else (query, 0.0, None)
+    hidden = norm_of.shape[1] if norm is not None else 1
     _rotary_kernel[grid](
         query,
         key,
@@ -302,12 +378,20 @@ def _launch_rotary(
         slot_offset,
         *v_strides,
         *kv_strides,
+        norm_of,
+        norm_of.stride(0),
+        hidden,
+        eps,
+        bias if bias is not None else query,
         HALF=half,
         BLOCK_HALF=block_half,
         BLOCK_HQ=block_hq,
         BLOCK_HK=block_hk,
         BLOCK_T=block_t,
         WRITE_KV=write is not None,
+        NORM=norm is not None,
+        HAS_BIAS=bias is not None,
+        BLOCK_HID=next_pow2(hidden),
         num_warps=_num_warps(per_token * block_t),
         **pdl,
     )
@@ -347,20 +431,37 @@ def _silu_and_mul_kernel(
     BLOCK: tl.constexpr,
     NORM: tl.constexpr,
     BLOCK_HID: tl.constexpr,
+    ROW_LOOP: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    """Program (t, j): row t's output columns block j; with ``ROW_LOOP`` program t does every
+    block of row t in turn (its 1/rms computed once)."""
     pdl_begin(PDL)
     t = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    rstd = 1.0
+    if NORM:
+        offs_x = tl.arange(0, BLOCK_HID)
+        xs = tl.load(norm_ptr + t * s_nt + offs_x, mask=offs_x < hidden, other=0.0)
+        xs = xs.to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(xs * xs, axis=0) / hidden + eps)
+    if ROW_LOOP:
+        for start in range(0, inter, BLOCK):
+            _silu_and_mul_block(x_ptr, out_ptr, t, start + tl.arange(0, BLOCK), inter, s_xt,
+                                s_xc, s_ot, s_oc, rstd, NORM)  # fmt: skip
+    else:
+        _silu_and_mul_block(x_ptr, out_ptr, t, tl.program_id(1) * BLOCK + tl.arange(0, BLOCK),
+                            inter, s_xt, s_xc, s_ot, s_oc, rstd, NORM)  # fmt: skip
+
+
+@triton.jit
+def _silu_and_mul_block(
+    x_ptr, out_ptr, t, offs, inter, s_xt, s_xc, s_ot, s_oc, rstd, NORM: tl.constexpr
+):  # fmt: skip
     mask = offs < inter
     gate_ptrs = x_ptr + t * s_xt + offs * s_xc
     gate = tl.load(gate_ptrs, mask=mask, other=0.0)
     up = tl.load(gate_ptrs + inter * s_xc, mask=mask, other=0.0)
     if NORM:  # rounded as the unfolded projection's output is
-        offs_x = tl.arange(0, BLOCK_HID)
-        xs = tl.load(norm_ptr + t * s_nt + offs_x, mask=offs_x < hidden, other=0.0)
-        xs = xs.to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(xs * xs, axis=0) / hidden + eps)
         gate = (gate.to(tl.float32) * rstd).to(gate.dtype)
         up = (up.to(tl.float32) * rstd).to(up.dtype)
     gate = gate.to(tl.float32)
@@ -402,7 +503,10 @@ def silu_and_mul(
         return out
     block = min(SILU_BLOCK, next_pow2(inter))
     pdl = pdl_launch(x.device)
-    _silu_and_mul_kernel[(num_tokens, cdiv(inter, block))](
+    # many rows with a norm: one program a row, not one per row and columns block, each of
+    # which would read the row of ``norm_of`` again
+    row_loop = norm_of is not None and num_tokens >= SILU_ROW_LOOP_MIN_ROWS
+    _silu_and_mul_kernel[(num_tokens, 1 if row_loop else cdiv(inter, block))](
         x,
         out,
         inter,
@@ -412,6 +516,7 @@ def silu_and_mul(
         BLOCK=block,
         NORM=norm_of is not None,
         BLOCK_HID=next_pow2(norm_of.shape[1]) if norm_of is not None else 1,
+        ROW_LOOP=row_loop,
         num_warps=_num_warps(block),
         **pdl,
     )
@@ -563,6 +668,7 @@ def ref_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
 # argmax over the vocabulary
 
 ARGMAX_CHUNK = 4096  # logits per program
+ARGMAX_WARPS: int | None = None  # warps per program (None: 4, or 1 for chunks under 1,024)
 _ARGMAX_PAD = tl.constexpr(2**31 - 1)  # an index past every chunk's
 
 
@@ -644,6 +750,6 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
         NUM_CHUNKS=num_chunks,
         CHUNK=chunk,
         BLOCK_C=next_pow2(num_chunks),
-        num_warps=4 if chunk >= 1024 else 1,
+        num_warps=ARGMAX_WARPS or (4 if chunk >= 1024 else 1),
     )
     return out
