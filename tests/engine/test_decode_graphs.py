@@ -285,14 +285,17 @@ def _staggered_run(
 def test_steady_decode_reuses_the_last_launch_and_samples_the_same(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A decode step of the same requests in the same order as the step just launched reuses
-    its rows and positions (``model_runner.REUSE_GATHER``): with requests finishing at
-    different steps, one joining and one aborted mid-way, every request's tokens equal those of
-    a run that reads every request's state each step, and most decode steps did reuse."""
+    """A decode step of the same requests in the same order as the step just launched, or of
+    those less some that left, reuses its rows and positions (``model_runner.REUSE_GATHER``):
+    with requests finishing at different steps, one joining and one aborted mid-way, every
+    request's tokens equal those of a run that reads every request's state each step, and
+    every decode step but two did reuse."""
     (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
     want, none, _ = _staggered_run(tmp_path, False, monkeypatch)
     got, reused, graph_steps = _staggered_run(tmp_path, True, monkeypatch)
     assert got == want
-    assert none == 0 and reused >= graph_steps // 2
+    # every graph step but the first and the one a new request joins: those that lost
+    # requests reuse the rest (_DecodeGather.fewer)
+    assert none == 0 and reused >= graph_steps - 2
     assert [len(want[f"r{i}"]) for i in (0, 1, 3, 4)] == [30, 14, 22, 12]
     assert 0 < len(want["r2"]) < 60

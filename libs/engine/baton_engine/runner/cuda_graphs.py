@@ -140,6 +140,14 @@ class DecodeGraphs:
                 self._graphs[b], self._outputs[b] = graph, out
 
         _on_side_stream(capture)
+        # A graph's first replay also uploads it to the device, which cost the host ~0.4 ms
+        # more in the first step of each batch size on the H200 (the first full-batch step of
+        # a run and each of its last steps, where finished requests shrink the batch: Qwen
+        # 256, benchmarks/device/step_timeline.py). Replay each once now, on the buffers'
+        # padding rows (length 1, no K/V written).
+        for graph in self._graphs.values():
+            graph.replay()
+        torch.cuda.synchronize()
         logger.info(
             "captured %d CUDA graphs for decode batch sizes %d..%d in %.1f s",
             len(self._graphs),

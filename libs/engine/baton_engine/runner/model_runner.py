@@ -98,6 +98,25 @@ class _DecodeGather(NamedTuple):
     pos: np.ndarray  # their input tokens' positions
     all_sampled: bool
 
+    def fewer(self, order: list[str]) -> _DecodeGather | None:
+        """This gathering for ``order`` when it is this launch's requests in the same order
+        less some (finished or preempted since, while none joined or resumed: the caller
+        checks that), else None: the last steps of a batch whose requests end at different
+        steps keep the steady batch's saving."""
+        keep: list[int] = []
+        j, n = 0, len(order)
+        for i, req_id in enumerate(self.order):
+            if j < n and order[j] == req_id:
+                keep.append(i)
+                j += 1
+        if j < n:
+            return None
+        idx = np.asarray(keep, dtype=np.intp)
+        reqs = self.reqs
+        return self._replace(
+            order=order, reqs=[reqs[i] for i in keep], rows=self.rows[idx], pos=self.pos[idx]
+        )
+
 
 class ModelRunner:
     def __init__(
@@ -459,13 +478,15 @@ class ModelRunner:
             REUSE_GATHER
             and gathered is not None
             and gathered.launch == self._num_launches - 1
-            and gathered.num_removed == self.batch.num_removed
-            and gathered.order == order
+            and one_token_each
         ):
-            reqs = gathered.reqs  # a steady decode batch (_DecodeGather)
+            if gathered.num_removed != self.batch.num_removed or gathered.order != order:
+                # requests left since: the rest are the same states if none joined or resumed
+                gathered = None if so.scheduled_new_reqs else gathered.fewer(order)
         else:
             gathered = None
-            reqs = [states[r] for r in order]
+        # a steady decode batch, or one that lost requests (_DecodeGather)
+        reqs = gathered.reqs if gathered is not None else [states[r] for r in order]
         graphs = self.graphs
         prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = {}
         wants_prompt_logprobs = self.batch.num_prompt_logprobs > 0 and any(
