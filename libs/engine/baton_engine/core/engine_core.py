@@ -306,7 +306,8 @@ class EngineCore:
         # generation, which then walked it all inside one step: a 45 ms stall in the 52nd
         # decode step of a Qwen-256 run on the H200 (benchmarks/device/step_timeline.py). A
         # full collection now moves it to the oldest, which the thresholds keep from being
-        # walked again for a long time (~50 ms here, once).
+        # walked again for a long time (~0.1 s, once;
+        # benchmarks/bench_gc_startup.py).
         gc.collect()
 
     def shutdown(self) -> None:
