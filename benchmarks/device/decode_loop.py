@@ -15,8 +15,8 @@ pipelined loop, an option of commit 09f87ce since removed: slower everywhere. Th
 session's had the key loop pipelined by hand, each tile's block ids and keys requested into
 registers before the previous tile's arithmetic, commit fd1fde9, since removed: 6-83% slower at
 Qwen 256 and Qwen 1, up to 11x at Llama batch 1; 4-10% faster at Qwen 64 with 64-key tiles.
-The thirtieth session's: the next tile's blocks started into the L2 at each iteration,
-``prefetch_next``, no registers held across the arithmetic.)
+The thirtieth session's: each tile's iteration starting the next tile's blocks into the L2,
+``prefetch_next`` of commit 587d63b, since removed: +17% at Qwen 256, +20% at Llama batch 1.)
 Each variant's output is compared with the default launch's (same inputs).
 """
 
@@ -51,14 +51,13 @@ MODELS = {
 VARIANTS = {
     "qwen": {
         "default": {},
-        "next": {"prefetch_next": True},
-        "next 128/8/3": {"prefetch_next": True, "num_warps": 8},
-        "next 64/4/3": {"prefetch_next": True, "tile_n": 64},
-        "128/4/2": {"num_stages": 2},
-        "next 128/4/2": {"prefetch_next": True, "num_stages": 2},
+        "128/4/5": {"num_stages": 5},
+        "64/4/3": {"tile_n": 64, "num_stages": 3},
+        "64/4/5": {"tile_n": 64, "num_stages": 5},
+        "2 splits": {"splits": 2},
     },
-    "llama": {"default": {}, "next": {"prefetch_next": True}},
-    "tiny": {"default": {}, "next": {"prefetch_next": True}},
+    "llama": {"default": {}, "64/2/5": {"num_stages": 5}, "32/2/3": {"tile_n": 32}},
+    "tiny": {"default": {}, "2 splits": {"splits": 2}},
 }
 
 

@@ -113,37 +113,6 @@ def test_decode_attention(dtype: torch.dtype, block_size: int, shape: tuple[int,
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
 @pytest.mark.parametrize("shape", SHAPES)
-def test_decode_attention_prefetching_the_next_tile(
-    dtype: torch.dtype, block_size: int, shape: tuple[int, int, int]
-) -> None:
-    """``prefetch_next``: each key tile's iteration starts the next tile's blocks into the L2
-    (compiled here with the prefetches, ``_next_pieces`` > 0): the same output at one split
-    (the 256-request launch) and at several, lengths ending inside a tile and on its edge."""
-    from baton_kernels.triton.decode_attention import (
-        _next_pieces,
-        decode_attention,
-        ref_decode_attention,
-    )
-
-    torch.manual_seed(0)
-    num_heads, num_kv_heads, head_dim = shape
-    seq_lens = [1, 17, 127, 128, 129, 640, 1000, 2049]
-    cache, _, tables = make_cache(seq_lens, block_size, num_kv_heads, head_dim, dtype)
-    query = qkv_view(len(seq_lens), num_heads, head_dim, dtype)
-    lens = torch.tensor(seq_lens, device="cuda")
-    want = ref_decode_attention(query, cache, seq_lens, tables, head_dim**-0.5)
-    assert _next_pieces(cache.kv, 64, block_size, 2) > 0
-    atol, rtol = TOL[dtype]
-    for num_splits in (1, 4):
-        out = torch.full_like(query, float("nan"))
-        decode_attention(query, cache, out, lens, tables, head_dim**-0.5, num_splits,
-                         prefetch_next=True)  # fmt: skip
-        torch.testing.assert_close(out.float(), want, atol=atol, rtol=rtol)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("block_size", BLOCK_SIZES)
-@pytest.mark.parametrize("shape", SHAPES)
 def test_paged_attention_mixed_batch(
     dtype: torch.dtype, block_size: int, shape: tuple[int, int, int]
 ) -> None:

@@ -282,21 +282,6 @@ def test_decode_matches_paged_attention_reference() -> None:
     torch.testing.assert_close(a, b)
 
 
-def test_next_tile_prefetch_needs_whole_blocks_in_whole_pieces() -> None:
-    """``_next_pieces``: a prefetch a thread, each block's K and V (all heads) one range cut
-    into 16-byte pieces; 0 where the layout or the sizes do not allow it."""
-    from baton_kernels.triton.decode_attention import _next_pieces
-
-    # Qwen2.5-0.5B's layer view of a block-major pool: 8 KB a block, 8 blocks a 128-key tile
-    pool = torch.zeros(4, 3, 2, 16, 2, 64, dtype=torch.bfloat16)
-    assert _next_pieces(pool[:, 1], 128, 16, 4) == 128  # 16 pieces of 512 bytes a block
-    assert _next_pieces(pool[:, 1], 64, 16, 2) == 64
-    assert _next_pieces(pool[:, 1], 8, 16, 4) == 0  # tiles of part of a block
-    assert _next_pieces(pool[:, :, :, :, :1], 128, 16, 4) == 0  # one head of two: not dense
-    tiny = torch.zeros(4, 2, 16, 1, 2, dtype=torch.bfloat16)  # 128 bytes a block
-    assert _next_pieces(tiny, 128, 16, 4) == 0  # 16 pieces of 8 bytes
-
-
 def test_choose_num_splits() -> None:
     cpu = torch.device("cpu")  # counts as 4 SMs
     assert choose_num_splits(64, 8, 8192, cpu) == 1  # programs cover the SMs twice already

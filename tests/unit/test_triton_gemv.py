@@ -164,37 +164,6 @@ def test_gemv_silu_with_the_folded_norm_matches_silu_and_mul(
         gemv(stream_rows, torch.zeros(3, n, dtype=dtype, device=DEVICE), norm_of=stream_rows)
 
 
-@pytest.mark.parametrize("stream", [0, 2])
-def test_gemv_with_the_weight_prefetched_into_the_l2(
-    stream: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """``l2_prefetch``: each program starts its share of the weight into the L2 before the wait
-    (compiled on a GPU from Hopper on; ignored elsewhere): the same output, on both kernels,
-    for blocks whose bytes split into fewer pieces than the program has threads (800 bytes a
-    block at 37 x 100), a partial last block, and, on a GPU, Llama-3.1-8B's o_proj."""
-    monkeypatch.setattr(gemv_mod, "L2_PREFETCH", True)
-    shapes = [(1, 37, 100, (4, 32, 4, 1)), (2, 300, 256, (16, 64, 4, 1))]
-    if DEVICE.type == "cuda":
-        shapes.append((1, 4096, 4096, None))
-    atol, rtol = TOL[torch.bfloat16]
-    for rows, n, k, config in shapes:
-        x, weight, bias, residual, _ = make(rows, n, k, "none", torch.bfloat16, seed=n)
-        want = ref_gemv(x, weight, bias, residual=residual)
-        got = gemv(x, weight, bias, residual=residual, config=config, stream=stream,
-                   l2_prefetch=True)  # fmt: skip
-        torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_l2_prefetch_is_on_for_dense_weights_on_hopper(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(gemv_mod, "L2_PREFETCH", True)
-    weight = torch.zeros(64, 64, dtype=torch.bfloat16, device=DEVICE)
-    hopper = torch.cuda.get_device_capability()[0] >= 9
-    assert gemv_mod.l2_prefetch_ok(weight) == hopper
-    assert not gemv_mod.l2_prefetch_ok(weight.t())  # not dense
-
-
 def test_choose_launch_picks_the_fixed_grid_where_it_was_measured_faster() -> None:
     assert choose_launch(4096, 4096)[1] > 0  # Llama-3.1-8B's o_proj
     assert choose_launch(4096, 14336)[1] > 0  # and its down projection

@@ -187,9 +187,7 @@ class DecoderLayer(nn.Module):
             eps=norm1.eps,
         )
         out = attn.attend(rope, qkv, kv_cache, metadata, backend)
-        # the decode attention of a few requests reads little: o_proj's weight streams into
-        # the L2 meanwhile (its programs start under PDL while the attention runs)
-        gemv(out, attn.o_proj.weight, residual=stream, out=stream, l2_prefetch=True)
+        gemv(out, attn.o_proj.weight, residual=stream, out=stream)
         if not self.gemv_mlp:
             if self.folded_norms and self.gemv_down:
                 # SiLU-and-multiply, with the folded norm's 1/rms, inside the down projection,

@@ -50,7 +50,6 @@ from baton_kernels.triton.common import (
     num_sms,
     online_softmax_step,
     pdl_launch,
-    prefetch_rows_l2,
     upcast_in_kernel,
     zeroed_counters,
 )
@@ -72,12 +71,6 @@ COMBINE_UNROLL = 8  # partials the reduce reads per loop iteration
 # used there. BATON_DECODE_EARLY=0 / BATON_DECODE_PREFETCH_TILES=0 turn them off.
 EARLY_INPUTS = os.environ.get("BATON_DECODE_EARLY", "1") != "0"
 PREFETCH_TILES = int(os.environ.get("BATON_DECODE_PREFETCH_TILES", "1"))
-# Each iteration of the key loop starts the next tile's blocks (K and V of every KV head of a
-# block: one range of bytes in the cache) into the L2 before its own arithmetic, so that memory
-# stays busy while a program computes: the decode attention of 256 requests read ~2.9 TB/s with
-# 0.34 eligible warps a scheduler, each program waiting on one tile after another (ncu,
-# twenty-seventh session). BATON_DECODE_PREFETCH_NEXT=1: on (not measured yet: off).
-PREFETCH_NEXT = os.environ.get("BATON_DECODE_PREFETCH_NEXT", "0") == "1"
 
 
 @triton.jit
@@ -129,21 +122,18 @@ def _rotated(
 
 
 @triton.jit
-def _prefetch_blocks(
-    kv_ptr, table_ptr, first, end, s_cb,
-    PIECES: tl.constexpr, PIECE_BYTES: tl.constexpr, TILE_N: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-):  # fmt: skip
-    """Start the blocks of keys ``first .. first + TILE_N`` (before ``end``) into the L2: each
-    block's K and V of all KV heads (one range of bytes) in ``PIECES // (TILE_N //
-    BLOCK_SIZE)`` pieces of ``PIECE_BYTES``, one a thread."""
-    per_block: tl.constexpr = PIECES // (TILE_N // BLOCK_SIZE)
-    p = tl.arange(0, PIECES)
-    key = first + (p // per_block) * BLOCK_SIZE
-    ok = key < end
-    block = tl.load(table_ptr + key // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
-    base = (kv_ptr + block * s_cb).to(tl.pointer_type(tl.int8), bitcast=True)
-    prefetch_rows_l2(base + (p % per_block) * PIECE_BYTES, ok, PIECE_BYTES)
+def _prefetch_rows(ptrs, ok, ROW_BYTES: tl.constexpr):
+    """Start reading the ``ROW_BYTES`` at each of ``ptrs`` (where ``ok``) into the L2, without
+    waiting (Hopper's bulk L2 prefetch: 16-byte aligned rows, a multiple of 16 bytes)."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred has; setp.gt.s32 has, $2, 0; "
+        "@has cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r",
+        [ptrs, tl.where(ok, ROW_BYTES, 0)],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
 
 
 @triton.jit(
@@ -216,8 +206,6 @@ def _decode_kernel(
     PREFETCH: tl.constexpr,  # keys read into the L2 before the wait (0: none)
     ROW_BYTES: tl.constexpr,  # bytes of one key's row of one KV head
     EARLY: tl.constexpr,  # the step's inputs read before the PDL wait
-    NEXT_PIECES: tl.constexpr,  # PREFETCH_NEXT: the next tile in this many prefetches (0: off)
-    PIECE_BYTES: tl.constexpr,  # ... each this many bytes of a block
     PDL: tl.constexpr,
 ):
     # Under PDL this launch may start while the kernel before it (the qkv projection) still
@@ -244,8 +232,8 @@ def _decode_kernel(
         ahead_ok = ahead < end
         ahead_block = tl.load(table_ptr + ahead // BLOCK_SIZE, mask=ahead_ok, other=0)
         keys = kv_ptr + ahead_block.to(tl.int64) * s_cb + (ahead % BLOCK_SIZE) * s_cs
-        prefetch_rows_l2(keys + kv_head * s_ch, ahead_ok, ROW_BYTES)
-        prefetch_rows_l2(keys + kv_head * s_ch + s_ckv, ahead_ok, ROW_BYTES)
+        _prefetch_rows(keys + kv_head * s_ch, ahead_ok, ROW_BYTES)
+        _prefetch_rows(keys + kv_head * s_ch + s_ckv, ahead_ok, ROW_BYTES)
 
     offs_h = tl.arange(0, BLOCK_H)
     head = kv_head * GROUP + offs_h
@@ -303,9 +291,6 @@ def _decode_kernel(
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     for tile in range(start, full_end, TILE_N):
-        if NEXT_PIECES > 0:
-            _prefetch_blocks(kv_ptr, table_ptr, tile + TILE_N, end, s_cb, NEXT_PIECES,
-                             PIECE_BYTES, TILE_N, BLOCK_SIZE)  # fmt: skip
         pos = tile + tl.arange(0, TILE_N)
         k, v = load_kv_tile(
             kv_ptr, table_ptr, pos, pos < end, kv_head, offs_d,
@@ -531,7 +516,6 @@ def decode_attention(
     num_stages: int = 3,
     fuse_reduce: bool | None = None,
     rope: DecodeRope | None = None,
-    prefetch_next: bool | None = None,
 ) -> None:
     """Attention of each request's single query token over its ``seq_len`` cached keys (its own
     K/V included, written before). ``num_splits`` from ``choose_num_splits``, or fixed when the
@@ -542,9 +526,7 @@ def decode_attention(
     cache: the kernel rotates q (leaving ``query`` as it is) and writes the rotated K and the
     V at each request's slot before it reads the keys, one launch instead of two; with
     ``rope.norm`` it also applies the layer's input RMSNorm that was folded into the projection
-    (``DecodeNorm``) to q, k and v first. ``prefetch_next`` (default ``PREFETCH_NEXT``): each
-    key tile's iteration starts the next tile's blocks into the L2 (where ``_next_pieces``
-    allows)."""
+    (``DecodeNorm``) to q, k and v first."""
     check_kv_cache(kv_cache, query)
     num_decodes, num_heads, head_dim = query.shape
     if num_decodes == 0:
@@ -607,13 +589,6 @@ def decode_attention(
         and row_bytes % 16 == 0
         else 0
     )
-    nb = tile_n // kv_cache.block_size  # blocks a tile
-    next_pieces = (
-        _next_pieces(kv, tile_n, kv_cache.block_size, num_warps)
-        if (PREFETCH_NEXT if prefetch_next is None else prefetch_next)
-        and bulk_prefetch_ok(out.device)
-        else 0
-    )
     _decode_kernel[(num_decodes, num_kv_heads, num_splits)](
         query,
         kv,
@@ -650,8 +625,6 @@ def decode_attention(
         PREFETCH=prefetch,
         ROW_BYTES=row_bytes,
         EARLY=EARLY_INPUTS and num_splits > 1,
-        NEXT_PIECES=next_pieces,
-        PIECE_BYTES=kv[0].numel() * kv.element_size() * nb // next_pieces if next_pieces else 0,
         num_warps=num_warps,
         num_stages=num_stages,
         **pdl,
@@ -674,25 +647,6 @@ def decode_attention(
             TILE_N=tile_n,
             num_warps=2,
         )
-
-
-def _next_pieces(kv: torch.Tensor, tile_n: int, block_size: int, num_warps: int) -> int:
-    """How many prefetches start a tile's blocks into the L2 (one a thread), or 0 where the
-    cache's layout does not allow it: each block's K and V of all heads one 16-byte aligned
-    range, cut into whole 16-byte pieces, the same number a block."""
-    pieces = 32 * num_warps
-    nb = tile_n // block_size
-    block_bytes = kv[0].numel() * kv.element_size()
-    if (
-        not kv[0].is_contiguous()
-        or kv.data_ptr() % 16
-        or kv.stride(0) * kv.element_size() % 16
-        or tile_n % block_size
-        or pieces % nb
-        or block_bytes % (16 * (pieces // nb))
-    ):
-        return 0
-    return pieces
 
 
 def _check_rope(

@@ -26,26 +26,13 @@ import torch
 import triton
 import triton.language as tl
 
-from baton_kernels.triton.common import (
-    SUPPORTED_DTYPES,
-    bulk_prefetch_ok,
-    cdiv,
-    next_pow2,
-    num_sms,
-    pdl_launch,
-    prefetch_rows_l2,
-)
+from baton_kernels.triton.common import SUPPORTED_DTYPES, cdiv, next_pow2, num_sms, pdl_launch
 
 MAX_ROWS = 4
 PRO_NONE, PRO_RMS_NORM, PRO_SILU_MUL, PRO_SILU_MUL_NORMED = 0, 1, 2, 3
 DEFAULT_CONFIG = (16, 256, 4, 4)  # (columns per program, K per iteration, warps, stages)
 PREFETCH = True  # the default of gemv's prefetch
 STREAM = int(os.environ.get("BATON_GEMV_STREAM", "0"))  # the default of gemv's stream
-# gemv(l2_prefetch=True) starts each program's share of the weight into the L2 (Hopper's bulk
-# prefetch) before it waits for the kernel before it: for a projection after a kernel that
-# leaves the memory idle (the decode attention at batch 1), which then reads its weight from
-# the L2. BATON_GEMV_L2=1: on (not measured yet: off).
-L2_PREFETCH = os.environ.get("BATON_GEMV_L2", "0") == "1"
 
 
 def choose_config(n: int, k: int) -> tuple[int, int, int, int]:
@@ -176,21 +163,6 @@ def _gemv_epilogue(
 
 
 @triton.jit
-def _prefetch_blocks_l2(w_ptr, s_wn, first, step, N, row_bytes, BLOCK_N: tl.constexpr,
-                        THREADS: tl.constexpr):  # fmt: skip
-    """Start reading column blocks ``first, first + step, ...`` of the weight (``BLOCK_N``
-    dense rows of ``row_bytes`` each) into the L2: each block in ``THREADS`` pieces, one a
-    thread (a smaller tensor would repeat each prefetch in several threads)."""
-    for n0 in range(first * BLOCK_N, N, step * BLOCK_N):
-        num_bytes = tl.minimum(N - n0, BLOCK_N) * row_bytes
-        piece = tl.cdiv(tl.cdiv(num_bytes, THREADS), 16) * 16
-        offs = tl.arange(0, THREADS) * piece
-        size = tl.minimum(num_bytes - offs, piece)
-        block = (w_ptr + n0 * s_wn).to(tl.pointer_type(tl.int8), bitcast=True)
-        prefetch_rows_l2(block + offs, size > 0, size)
-
-
-@triton.jit
 def _gemv_kernel(
     x_ptr,  # [M, K] (or [M, 2K] with SILU_MUL)
     w_ptr,  # [N, K]
@@ -215,11 +187,8 @@ def _gemv_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    row_bytes,  # bytes of a weight row (L2_PREFETCH)
     PDL: tl.constexpr,
     PREFETCH: tl.constexpr,
-    L2_PREFETCH: tl.constexpr,
-    THREADS: tl.constexpr,  # the program's threads (32 a warp)
 ):
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
@@ -236,8 +205,6 @@ def _gemv_kernel(
     ss = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-        if L2_PREFETCH:  # this program's rows, all of K, into the L2 before the wait
-            _prefetch_blocks_l2(w_ptr, s_wn, pid, N, N, row_bytes, BLOCK_N, THREADS)
     k_start = 0
     rstd = tl.full([BLOCK_M], 1.0, tl.float32)
     if PREFETCH:
@@ -308,10 +275,7 @@ def _gemv_stream_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    row_bytes,  # bytes of a weight row (L2_PREFETCH)
     PDL: tl.constexpr,
-    L2_PREFETCH: tl.constexpr,
-    THREADS: tl.constexpr,  # the program's threads (32 a warp)
 ):
     """``_gemv_kernel``'s work with a fixed grid (a few programs an SM): program ``p`` does the
     column blocks ``p, p + grid, ...``, each over all of K, in one flat loop over (column block,
@@ -330,8 +294,6 @@ def _gemv_stream_kernel(
     ss = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-        if L2_PREFETCH:  # this program's column blocks, all of K, into the L2 before the wait
-            _prefetch_blocks_l2(w_ptr, s_wn, pid, grid, N, row_bytes, BLOCK_N, THREADS)
         tl.extra.cuda.gdc_wait()
     rstd = tl.full([BLOCK_M], 1.0, tl.float32)
     if PROLOGUE == 3:
@@ -355,18 +317,6 @@ def _gemv_stream_kernel(
         b = c
 
 
-def l2_prefetch_ok(weight: torch.Tensor) -> bool:
-    """Whether ``gemv(l2_prefetch=True)`` prefetches ``weight``: with ``L2_PREFETCH``, on a
-    device that runs bulk prefetches, the weight dense (each column block one range of
-    bytes) and 16-byte aligned. (Under PDL only: without it there is no wait to overlap.)"""
-    return (
-        L2_PREFETCH
-        and bulk_prefetch_ok(weight.device)
-        and weight.is_contiguous()
-        and weight.data_ptr() % 16 == 0
-    )
-
-
 def gemv(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -381,7 +331,6 @@ def gemv(
     config: tuple[int, int, int, int] | None = None,
     prefetch: bool | None = None,
     stream: int | None = None,
-    l2_prefetch: bool = False,
 ) -> torch.Tensor:
     """``prologue(x) @ weight.T (+ bias) (+ residual)`` for at most ``MAX_ROWS`` rows of ``x``.
     ``norm_weight``: the prologue is RMSNorm; ``silu_mul``: SiLU-and-multiply of ``x``
@@ -394,10 +343,7 @@ def gemv(
     (default: ``PREFETCH`` where PDL is on) reads the first weight slice before waiting for
     the previous kernel (a peeled first iteration). ``stream``: programs per SM of the
     fixed-grid kernel (``_gemv_stream_kernel``; 0: one program per column block,
-    ``_gemv_kernel``); default ``choose_launch``'s without ``config``, else ``STREAM``.
-    ``l2_prefetch``: each program starts its share of the weight into the L2 before the wait
-    (under PDL, on sm_90 and later, with ``L2_PREFETCH``): for a projection launched after a
-    kernel that leaves the memory idle."""
+    ``_gemv_kernel``); default ``choose_launch``'s without ``config``, else ``STREAM``."""
     if x.dim() != 2 or weight.dim() != 2:
         raise ValueError(f"gemv: x {tuple(x.shape)} and weight {tuple(weight.shape)} must be 2-D")
     if norm_weight is not None and silu_mul:
@@ -442,8 +388,6 @@ def gemv(
         )
         nrm = (x, 0, 1)  # unused
     pdl = pdl_launch(x.device)
-    row_bytes = k * weight.element_size()
-    l2_prefetch = l2_prefetch and pdl["PDL"] and l2_prefetch_ok(weight)
     args = (
         x, weight, bias if bias is not None else x,
         norm_weight if norm_weight is not None else x,
@@ -454,8 +398,7 @@ def gemv(
     consts = dict(
         PROLOGUE=prologue, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
         BLOCK_M=next_pow2(m), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
-        num_stages=num_stages, row_bytes=row_bytes, L2_PREFETCH=l2_prefetch,
-        THREADS=32 * num_warps, **pdl,
+        num_stages=num_stages, **pdl,
     )  # fmt: skip
     if per_sm:
         grid = min(cdiv(n, block_n), per_sm * num_sms(x.device))
