@@ -69,6 +69,13 @@ COMBINE_UNROLL = 8  # partials the reduce reads per loop iteration
 # 0.595-0.597 with the early reads, 0.580-0.582 with both. With one split (256 requests) both
 # made the graph slower (1.690-1.695 ms: early reads 1.698-1.702, both 1.725), so neither is
 # used there. BATON_DECODE_EARLY=0 / BATON_DECODE_PREFETCH_TILES=0 turn them off.
+# Software-pipeline stages of the key loop: with one split a request (many requests, every SM
+# full), 2; with several (few requests), 3. Qwen2.5-0.5B's 256-request decode graph on an H200:
+# 1.672 / 1.679 ms with 2 against 1.703 / 1.698 with 3 (two pairs of fresh processes,
+# benchmarks/device/two_halves.sh), the kernel alone 26.01 against 26.66 us a layer
+# (decode_loop.py).
+ONE_SPLIT_STAGES = 2
+SPLIT_STAGES = 3
 EARLY_INPUTS = os.environ.get("BATON_DECODE_EARLY", "1") != "0"
 PREFETCH_TILES = int(os.environ.get("BATON_DECODE_PREFETCH_TILES", "1"))
 
@@ -513,14 +520,15 @@ def decode_attention(
     *,
     tile_n: int | None = None,
     num_warps: int | None = None,
-    num_stages: int = 3,
+    num_stages: int | None = None,
     fuse_reduce: bool | None = None,
     rope: DecodeRope | None = None,
 ) -> None:
     """Attention of each request's single query token over its ``seq_len`` cached keys (its own
     K/V included, written before). ``num_splits`` from ``choose_num_splits``, or fixed when the
     launch is captured in a CUDA graph. ``tile_n`` (keys per tile), ``num_warps`` and
-    ``num_stages`` are tuning knobs (benchmarks/bench_attention_gpu.py --sweep); ``fuse_reduce``
+    ``num_stages`` (default ``ONE_SPLIT_STAGES`` or ``SPLIT_STAGES``) are tuning knobs
+    (benchmarks/bench_attention_gpu.py --sweep); ``fuse_reduce``
     (default ``FUSE_REDUCE``) combines the splits in the last program instead of a second
     launch. With ``rope``, ``query`` is not rotated yet and the new tokens' K/V are not in the
     cache: the kernel rotates q (leaving ``query`` as it is) and writes the rotated K and the
@@ -560,6 +568,8 @@ def decode_attention(
         tile_n = 64 if bd >= 128 else 128
     if num_warps is None:
         num_warps = 2 if bd >= 128 else 4
+    if num_stages is None:
+        num_stages = ONE_SPLIT_STAGES if num_splits == 1 else SPLIT_STAGES
     if num_splits > 1:
         part_out = torch.empty(
             (num_decodes, num_heads, num_splits, head_dim), dtype=torch.float32, device=out.device
