@@ -33,7 +33,7 @@ if SMOKE:
     os.environ["TRITON_INTERPRET"] = "1"
 from baton_kernels.triton import common, fused_ops  # noqa: E402
 from baton_kernels.triton import gemv as gemv_mod  # noqa: E402
-from baton_kernels.triton.gemv import choose_config, gemv, ref_gemv  # noqa: E402
+from baton_kernels.triton.gemv import choose_launch, gemv, ref_gemv  # noqa: E402
 
 DEV = torch.device("cpu" if SMOKE else "cuda")
 DT = torch.float32 if os.environ.get("GEMV_FP32") else torch.bfloat16
@@ -75,24 +75,65 @@ def graph_us(fn: Callable[[], object], reps: int = 20, outputs: list[Any] | None
     return statistics.median(times)
 
 
+FOLDED = "--folded" in sys.argv  # the engine's calls once the norms are folded (gemv_down)
+# --dot-json PATH: each shape's best tensor-core launch where it beats what the engine runs
+DOT_JSON = Path(sys.argv[sys.argv.index("--dot-json") + 1]) if "--dot-json" in sys.argv else None
+
+
 def shapes(model: str) -> list[tuple[str, int, int, str]]:
-    """(name, N, K, prologue/epilogue) of one layer's projections."""
+    """(name, N, K, prologue/epilogue) of one layer's projections; with ``--folded`` as the
+    engine's batch-1 decode layers call them once their norms are folded into the weights
+    (``LlamaDecoderLayer.forward_gemv`` with ``gemv_down``): gate_up without a prologue, the
+    down projection scaling gate and up by the residual stream's 1/rms."""
     h, qkv, inter, _, _ = MODELS[model]
     return [
         (f"{model} qkv", qkv, h, "norm"),
         (f"{model} o", h, h, "res"),
-        (f"{model} gate_up", 2 * inter, h, "norm"),
-        (f"{model} down", h, inter, "silu+res"),
+        (f"{model} gate_up", 2 * inter, h, "plain" if FOLDED else "norm"),
+        (f"{model} down", h, inter, "silu_norm+res" if FOLDED else "silu+res"),
     ]
 
 
 # The fixed-grid kernel's sweep (``--stream-sweep``): (columns, K per step, warps) x programs an SM
 STREAM_TILES = [(4, 1024, 4), (8, 512, 4), (2, 2048, 4), (4, 2048, 8), (8, 1024, 8), (16, 512, 8)]
 STREAM_PER_SM = (2, 3, 4, 6)
-Launch = tuple[int, int, int, int, int]  # gemv's config and its stream (programs an SM, 0: none)
+# gemv's config and its stream (programs an SM, 0: none); or "dot" and the tensor-core kernel's
+# launch (columns, K per step, warps, stages, programs a column block)
+Launch = tuple[Any, ...]
 
 
-def per_shape(model: str, rows: int, sweep: bool, stream_sweep: bool) -> dict[str, Launch]:
+def launch_kwargs(launch: Launch) -> dict[str, Any]:
+    if launch[0] == "dot":
+        return {"dot": tuple(launch[1:])}
+    return {"config": tuple(launch[:4]), "stream": launch[4]}
+
+
+def dot_launches(n: int, k: int, sms: int, kind: str) -> list[Launch]:
+    """The tensor-core kernel's sweep (``--dot-sweep``): column blocks of 32-256, K slices of
+    64-256, 3-6 stages (8 of 64) within the shared memory, 4 warps (8 at 256 columns, both at
+    128), K split so that the grid covers the SMs once or twice where the column blocks alone
+    do not."""
+    out: list[Launch] = []
+    x_tiles = 2 if kind.startswith("silu") else 1
+    for bn, bk, stages, warps in itertools.product(
+        (32, 64, 128, 256), (64, 128, 256), (3, 4, 6, 8), (4, 8)
+    ):
+        smem = stages * (bn + 16 * x_tiles) * bk * 2
+        if smem > 220_000 or bn * bk > 32_768 or (stages == 8) != (bk == 64):
+            continue
+        if warps != (8 if bn == 256 else 4) and bn != 128:
+            continue
+        blocks = -(-n // bn)
+        splits = {1} | {max(1, round(waves * sms / blocks)) for waves in (1, 2)}
+        for split in sorted(splits):
+            if split <= 16 and k // split >= 2 * bk:
+                out.append(("dot", bn, bk, warps, stages, split))
+    return out
+
+
+def per_shape(
+    model: str, rows: int, sweep: bool, stream_sweep: bool, dot_sweep: bool = False
+) -> dict[str, Launch]:
     best: dict[str, Launch] = {}
     for name, n, k, kind in shapes(model):
         copies = max(1, -(-2 * L2_BYTES // (n * k * 2)))
@@ -109,13 +150,17 @@ def per_shape(model: str, rows: int, sweep: bool, stream_sweep: bool) -> dict[st
             kw["silu_mul"] = True
         if kind.endswith("res"):
             kw["residual"] = torch.randn(rows, n, device=DEV, dtype=DT)
+        if kind.startswith("silu_norm"):
+            kw["norm_of"] = kw["residual"]
+            kw["eps"] = 1e-5
 
         def cublas(ws: list[torch.Tensor] = ws, x: torch.Tensor = x) -> None:
             for w in ws:
                 F.linear(x, w)
 
         t_cublas = graph_us(cublas)
-        chosen: Launch = (*choose_config(n, k), 0)
+        default_config, default_stream = choose_launch(n, k)
+        chosen: Launch = (*default_config, default_stream)
         configs = [chosen]
         if sweep:
             grid = itertools.product((1, 2, 4, 8), (1024, 2048, 4096), (4, 8), (2, 3), (0,))
@@ -123,9 +168,15 @@ def per_shape(model: str, rows: int, sweep: bool, stream_sweep: bool) -> dict[st
         if stream_sweep:
             configs += [(bn, bk, w, 1, p) for (bn, bk, w), p in
                         itertools.product(STREAM_TILES, STREAM_PER_SM)]  # fmt: skip
+        if dot_sweep:
+            configs += dot_launches(n, k, common.num_sms(DEV) if not SMOKE else 4, kind)
         timed = []
         for cfg in configs:
-            got = gemv(gx, ws[0], config=cfg[:4], stream=cfg[4], **kw)
+            try:
+                got = gemv(gx, ws[0], **launch_kwargs(cfg), **kw)
+            except Exception as e:  # a launch the GPU cannot run (its shared memory)
+                print(f"  {name} {cfg}: {type(e).__name__}: {str(e)[:120]}")
+                continue
             err = (got.float() - ref_gemv(gx, ws[0], **kw).float()).abs().max().item()
             if err > 0.05:
                 print(f"  {name} {cfg}: max |diff| {err:.3g} FAIL")
@@ -138,16 +189,25 @@ def per_shape(model: str, rows: int, sweep: bool, stream_sweep: bool) -> dict[st
                 kw: dict[str, Any] = kw,
             ) -> None:
                 for w in ws:
-                    gemv(x, w, config=cfg[:4], stream=cfg[4], **kw)
+                    gemv(x, w, **launch_kwargs(cfg), **kw)
 
             timed.append((graph_us(triton_fn), cfg))
         timed.sort()
         best[name] = timed[0][1]
         t_def = next(t for t, c in timed if c == chosen)
         top = ", ".join(f"{c} {gb / (t * 1e-6):.0f}" for t, c in timed[:4])
-        classic = [t for t, c in timed if not c[4]]
+        classic = [t for t, c in timed if c[0] != "dot" and not c[4]]
         if stream_sweep and classic:
             top += f"; best one-program-a-block {gb / (classic[0] * 1e-6):.0f}"
+        dots = [(t, c) for t, c in timed if c[0] == "dot"]
+        if dots:
+            top += f"; best tensor-core {dots[0][1]} {gb / (dots[0][0] * 1e-6):.0f}"
+            # what the engine runs now: cuBLAS for a plain projection (gate_up), else the GEMV
+            engine_us = t_cublas if kind == "plain" else t_def
+            if dots[0][0] < engine_us and DOT_JSON is not None:
+                picks = json.loads(DOT_JSON.read_text()) if DOT_JSON.exists() else {}
+                picks[f"{n},{k}"] = list(dots[0][1][1:])
+                DOT_JSON.write_text(json.dumps(picks))
         print(
             f"{name:14} N {n:6} K {k:6} ({kind:8}) x{copies:3}: cuBLAS {t_cublas / copies:7.1f} us "
             f"{gb / (t_cublas * 1e-6):5.0f} GB/s; gemv {chosen} {t_def / copies:7.1f} us "
@@ -198,7 +258,7 @@ def stacks(model: str, rows: int, best: dict[str, Launch]) -> None:
     def fused(per_shape_cfg: bool) -> Callable[[], torch.Tensor]:
         def cfg(i: int) -> dict[str, Any]:
             launch = best[names[i]]
-            return {"config": launch[:4], "stream": launch[4]} if per_shape_cfg else {}
+            return launch_kwargs(launch) if per_shape_cfg else {}
 
         def run() -> torch.Tensor:
             stream = x0.clone()
@@ -241,6 +301,63 @@ def stacks(model: str, rows: int, best: dict[str, Launch]) -> None:
     torch.cuda.empty_cache()
 
 
+def folded_stack(model: str, picks: dict[tuple[int, int], tuple[int, ...]]) -> None:
+    """The engine's batch-1 decode layers without attention, norms folded (``--folded-stack``):
+    qkv (RMSNorm inside), o (residual), gate_up (cuBLAS, or the tensor-core GEMV where
+    ``DOT_LAUNCHES`` has it), down (SiLU and the folded norm inside, a new residual stream),
+    every layer its own weights, one CUDA graph. Variants of ``DOT_LAUNCHES`` (the sweep's
+    ``picks``, all or one shape at a time) and ``DOT_PREFETCH``, in two rounds; each graph's
+    output against the default's."""
+    h, qkv_n, inter, layers, _ = MODELS[model]
+    g = torch.Generator(device=DEV).manual_seed(0)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g, device=DEV) * 0.02).to(DT)
+
+    weights = [
+        (rand(qkv_n, h), rand(h, h), rand(2 * inter, h), rand(h, inter),
+         torch.ones(h, device=DEV, dtype=DT) + rand(h))
+        for _ in range(layers)
+    ]  # fmt: skip
+    x0 = torch.randn(1, h, device=DEV, dtype=DT)
+
+    def run() -> torch.Tensor:
+        stream = x0.clone()
+        for qkv_w, o_w, gu_w, down_w, n1 in weights:
+            qkv = gemv(stream, qkv_w, norm_weight=n1, eps=1e-5)
+            gemv(qkv[:, :h], o_w, residual=stream, out=stream)
+            gate_up = (gemv(stream, gu_w) if tuple(gu_w.shape) in gemv_mod.DOT_LAUNCHES
+                       else F.linear(stream, gu_w))  # fmt: skip
+            stream = gemv(gate_up, down_w, silu_mul=True, norm_of=stream, eps=1e-5,
+                          residual=stream)  # fmt: skip
+        return stream
+
+    names = {(qkv_n, h): "qkv", (h, h): "o", (2 * inter, h): "gate_up", (h, inter): "down"}
+    variants: list[tuple[str, dict[tuple[int, int], tuple[int, ...]], int]] = [("default", {}, 0)]
+    if picks:
+        variants += [("dot all", picks, 0), ("dot all, prefetch 1", picks, 1),
+                     ("dot all, prefetch 2", picks, 2)]  # fmt: skip
+        variants += [(f"dot {names.get(key, key)} only", {key: launch}, 0)
+                     for key, launch in picks.items()]  # fmt: skip
+    gb = sum(w.numel() * 2 for lw in weights for w in lw) / 1e9
+    saved = gemv_mod.DOT_LAUNCHES, gemv_mod.DOT_PREFETCH
+    first: torch.Tensor | None = None
+    for round_ in (1, 2):
+        for name, launches, prefetch in variants:
+            gemv_mod.DOT_LAUNCHES, gemv_mod.DOT_PREFETCH = launches, prefetch  # type: ignore[assignment]
+            outs: list[torch.Tensor] = []
+            t = graph_us(run, outputs=outs)
+            out = outs[0].float()
+            first = out if first is None else first
+            err = ((out - first).abs().max() / first.abs().max()).item()
+            print(f"folded stack {model} round {round_} {name:24s} {t:8.1f} us "
+                  f"({gb / (t * 1e-6):.0f} GB/s), relative |diff| {err:.1e}",
+                  flush=True)  # fmt: skip
+    gemv_mod.DOT_LAUNCHES, gemv_mod.DOT_PREFETCH = saved
+    weights.clear()
+    torch.cuda.empty_cache()
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sweep", action="store_true")
@@ -248,6 +365,12 @@ def main() -> int:
     p.add_argument("--models", default="llama,qwen")
     p.add_argument("--stream-sweep", action="store_true", help="the fixed-grid kernel's sweep")
     p.add_argument("--best-json", type=Path, help="write each shape's best launch: N,K -> launch")
+    p.add_argument("--dot-sweep", action="store_true", help="the tensor-core kernel's sweep")
+    p.add_argument("--folded", action="store_true", help="the engine's calls, norms folded")
+    p.add_argument("--dot-json", type=Path, help="write (N,K -> launch) where --dot-sweep's best "
+                   "beats the engine's launch (cuBLAS for gate_up with --folded)")  # fmt: skip
+    p.add_argument("--folded-stack", action="store_true",
+                   help="the engine's batch-1 layers, norms folded, tensor-core picks")  # fmt: skip
     p.add_argument("--no-stacks", action="store_true")
     p.add_argument("--smoke", action="store_true", help="CPU, interpreter, tiny shapes")
     args = p.parse_args()
@@ -255,13 +378,22 @@ def main() -> int:
     print(f"# {device}, torch {torch.__version__}, bf16, {args.rows} row(s)")
     found: dict[str, Launch] = {}
     for model in args.models.split(","):
-        best = per_shape(model, args.rows, args.sweep, args.stream_sweep)
+        best = per_shape(model, args.rows, args.sweep, args.stream_sweep, args.dot_sweep)
         for name, n, k, _ in shapes(model):
             found[f"{n},{k}"] = best[name]
         if not args.no_stacks:
             stacks(model, args.rows, best)
     if args.best_json:
         args.best_json.write_text(json.dumps(found))
+    if args.folded_stack:
+        picked = (
+            json.loads(args.dot_json.read_text())
+            if args.dot_json and args.dot_json.exists()
+            else {}
+        )
+        picks = {tuple(map(int, key.split(","))): tuple(v) for key, v in picked.items()}
+        for model in args.models.split(","):
+            folded_stack(model, picks)  # type: ignore[arg-type]
     return 0
 
 

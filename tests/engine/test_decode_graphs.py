@@ -211,19 +211,35 @@ def test_steps_beyond_the_largest_piece_size_run_eagerly(
 
 
 @pytest.mark.parametrize(
-    ("gemv_mlp", "fold", "down"),
-    [(True, False, False), (False, False, False), (False, True, False), (False, True, True)],
+    ("gemv_mlp", "fold", "down", "dot"),
+    [
+        (True, False, False, False),
+        (False, False, False, False),
+        (False, True, False, False),
+        (False, True, True, False),
+        (False, True, True, True),
+    ],
 )
 def test_one_request_decode_runs_the_fused_gemv_layers(
-    tmp_path: Path, gemv_mlp: bool, fold: bool, down: bool
-) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, gemv_mlp: bool, fold: bool, down: bool,
+    dot: bool,
+) -> None:  # fmt: skip
     """What a GPU runs for a lone request (``use_gemv_decode``): each layer as Triton GEMVs
     with the norms, SiLU and residual adds inside (a small model), or the attention's
     projections only, the MLP through torch with its residual add in the GEMM (a large one;
     with the norms folded, ``fold``, SiLU-and-multiply applies the second norm; with ``down``,
     the down projection as a GEMV that applies it and SiLU-and-multiply itself), through the
-    padded graph buffers of size 1. Its greedy tokens equal the reference backend's (with
+    padded graph buffers of size 1; with ``dot``, every projection on the tensor-core GEMV,
+    gate_up too, some split over K). Its greedy tokens equal the reference backend's (with
     random norm weights when folded)."""
+    if dot:
+        from baton_kernels.triton import common, gemv
+
+        h, inter = TINY_LLAMA["hidden_size"], TINY_LLAMA["intermediate_size"]
+        launches = {(2 * h, h): (16, 32, 4, 2, 2), (h, h): (32, 64, 4, 2, 1),
+                    (2 * inter, h): (64, 32, 4, 2, 1), (h, inter): (16, 32, 4, 2, 3)}  # fmt: skip
+        monkeypatch.setattr(gemv, "DOT_LAUNCHES", launches)
+        monkeypatch.setattr(common, "_COUNTERS", {})
     (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     prompts = {"a": [5, 17, 33, 2, 91, 40, 7], "b": [200, 3, 3, 150]}
@@ -246,6 +262,11 @@ def test_one_request_decode_runs_the_fused_gemv_layers(
         if backend == "triton":
             graphs = core.runner.graphs
             assert graphs is not None and graphs.num_steps.get(1, 0) >= 20
+            if dot:  # the split launches ran (their counters exist, back at zero)
+                from baton_kernels.triton import common
+
+                counters = [c for (_, owner), c in common._COUNTERS.items() if owner == "gemv"]
+                assert counters and not counters[0].any()
         core.check_invariants()
     assert tokens["triton"] == tokens["torch"]
     assert all(len(t) == 12 for t in tokens["torch"].values())

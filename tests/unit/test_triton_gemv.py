@@ -164,6 +164,58 @@ def test_gemv_silu_with_the_folded_norm_matches_silu_and_mul(
         gemv(stream_rows, torch.zeros(3, n, dtype=dtype, device=DEVICE), norm_of=stream_rows)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("prologue", [*PROLOGUES, "silu_norm"])
+def test_tensor_core_gemv_matches_the_reference(
+    dtype: torch.dtype, rows: int, prologue: str
+) -> None:
+    """The tensor-core kernel (``dot``): 37 columns in blocks of 16 or 32 (a partial last
+    block), K = 100 in slices of 32 or 64 (a partial last slice), in one K range or split over
+    2-4 programs a column block whose last sums the partials (the RMSNorm's sums of squares
+    too); a single partial column block; the folded norm's 1/rms of another tensor before
+    SiLU; the residual updated in place. Each split launch is run twice (its counters are
+    left at zero for the next launch)."""
+    atol, rtol = TOL[dtype]
+    for n, k, dot in (
+        (37, 100, (16, 32, 4, 3, 1)),
+        (37, 100, (32, 32, 4, 2, 3)),
+        (37, 100, (16, 64, 4, 3, 2)),
+        (3, 100, (16, 32, 4, 2, 4)),
+    ):
+        x, weight, bias, residual, kwargs = make(rows, n, k, prologue.split("_")[0], dtype, n + k)
+        if prologue == "silu_norm":
+            kwargs |= {"norm_of": residual.clone(), "eps": 1e-5}
+        want = ref_gemv(x, weight, bias, residual=residual, **kwargs)
+        for _ in range(2 if dot[4] > 1 else 1):
+            got = gemv(x, weight, bias, residual=residual, dot=dot, **kwargs)
+            torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
+        plain = gemv(x, weight, dot=dot, **kwargs)
+        torch.testing.assert_close(plain, ref_gemv(x, weight, **kwargs), atol=atol, rtol=rtol)
+        gemv(x, weight, bias, residual=residual, out=residual, dot=dot, **kwargs)
+        torch.testing.assert_close(residual, want, atol=atol, rtol=rtol)
+
+
+def test_dot_launches_route_their_shapes_to_the_tensor_core_kernel(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A shape listed in ``DOT_LAUNCHES`` runs the tensor-core kernel when the call names no
+    launch (its split launch leaves a counter of the ``gemv`` owner), others as before; an
+    explicit ``config`` or ``stream`` still picks the CUDA-core kernels."""
+    from baton_kernels.triton import common
+
+    x, weight, *_ = make(1, 37, 100, "none", torch.float32)
+    monkeypatch.setattr(gemv_mod, "DOT_LAUNCHES", {(37, 100): (16, 32, 4, 2, 2)})
+    monkeypatch.setattr(common, "_COUNTERS", {})
+    torch.testing.assert_close(gemv(x, weight), ref_gemv(x, weight), atol=2e-5, rtol=1e-5)
+    counters = [c for (_, owner), c in common._COUNTERS.items() if owner == "gemv"]
+    assert len(counters) == 1 and not counters[0].any()
+    monkeypatch.setattr(common, "_COUNTERS", {})
+    gemv(x, weight, config=(4, 32, 4, 1))
+    gemv(x[:, :64], weight[:, :64])
+    assert not common._COUNTERS
+
+
 def test_choose_launch_picks_the_fixed_grid_where_it_was_measured_faster() -> None:
     assert choose_launch(4096, 4096)[1] > 0  # Llama-3.1-8B's o_proj
     assert choose_launch(4096, 14336)[1] > 0  # and its down projection

@@ -88,6 +88,21 @@ def bulk_prefetch_ok(device: torch.device) -> bool:
 
 
 @triton.jit
+def prefetch_rows_l2(ptrs, ok, ROW_BYTES: tl.constexpr):
+    """Start reading the ``ROW_BYTES`` at each of ``ptrs`` (where ``ok``) into the L2, without
+    waiting (Hopper's bulk L2 prefetch: 16-byte aligned rows, a multiple of 16 bytes)."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred has; setp.gt.s32 has, $2, 0; "
+        "@has cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r",
+        [ptrs, tl.where(ok, ROW_BYTES, 0)],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@triton.jit
 def pdl_begin(PDL: tl.constexpr):
     """A PDL kernel's start: let the next kernel launch once every program has begun (it waits
     for this grid's end before its own dependent reads), then wait for the previous grid."""

@@ -50,6 +50,7 @@ from baton_kernels.triton.common import (
     num_sms,
     online_softmax_step,
     pdl_launch,
+    prefetch_rows_l2,
     upcast_in_kernel,
     zeroed_counters,
 )
@@ -126,21 +127,6 @@ def _rotated(
         x = _normed(x, rstd, bias_ptr, rows, offs_d, mask, HEAD_DIM, HAS_BIAS)
         xp = _normed(xp, rstd, bias_ptr, rows, partner, mask, HEAD_DIM, HAS_BIAS)
     return (x.to(tl.float32) * cos[None, :] + xp.to(tl.float32) * sin[None, :]).to(x.dtype)
-
-
-@triton.jit
-def _prefetch_rows(ptrs, ok, ROW_BYTES: tl.constexpr):
-    """Start reading the ``ROW_BYTES`` at each of ``ptrs`` (where ``ok``) into the L2, without
-    waiting (Hopper's bulk L2 prefetch: 16-byte aligned rows, a multiple of 16 bytes)."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred has; setp.gt.s32 has, $2, 0; "
-        "@has cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r",
-        [ptrs, tl.where(ok, ROW_BYTES, 0)],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
-    )
 
 
 @triton.jit(
@@ -239,8 +225,8 @@ def _decode_kernel(
         ahead_ok = ahead < end
         ahead_block = tl.load(table_ptr + ahead // BLOCK_SIZE, mask=ahead_ok, other=0)
         keys = kv_ptr + ahead_block.to(tl.int64) * s_cb + (ahead % BLOCK_SIZE) * s_cs
-        _prefetch_rows(keys + kv_head * s_ch, ahead_ok, ROW_BYTES)
-        _prefetch_rows(keys + kv_head * s_ch + s_ckv, ahead_ok, ROW_BYTES)
+        prefetch_rows_l2(keys + kv_head * s_ch, ahead_ok, ROW_BYTES)
+        prefetch_rows_l2(keys + kv_head * s_ch + s_ckv, ahead_ok, ROW_BYTES)
 
     offs_h = tl.arange(0, BLOCK_H)
     head = kv_head * GROUP + offs_h

@@ -16,6 +16,12 @@ At batch 1 a decode layer is memory-bound weight reads with small kernels betwee
 launches take the norm and SiLU kernels and the residual add out of the graph (a layer runs 6
 kernels instead of 9). Each program computes its columns over the whole of K, so every program
 reads the (small) input rows in full, from L2, and computes a norm's sum of squares itself.
+
+Three kernels do the work: ``_gemv_kernel`` (one program a column block) and
+``_gemv_stream_kernel`` (a fixed grid) on the CUDA cores, each waiting for every slice it
+loads; ``_gemv_dot_kernel`` on the tensor cores, whose weight tiles Triton's software pipeline
+keeps in flight through shared memory, optionally with K split over several programs a column
+block (the long weights of a large model: ``DOT_LAUNCHES``).
 """
 
 from __future__ import annotations
@@ -26,13 +32,40 @@ import torch
 import triton
 import triton.language as tl
 
-from baton_kernels.triton.common import SUPPORTED_DTYPES, cdiv, next_pow2, num_sms, pdl_launch
+from baton_kernels.triton.common import (
+    SUPPORTED_DTYPES,
+    bulk_prefetch_ok,
+    cdiv,
+    dot_precision,
+    next_pow2,
+    num_sms,
+    pdl_launch,
+    prefetch_rows_l2,
+    upcast_in_kernel,
+    zeroed_counters,
+)
 
 MAX_ROWS = 4
 PRO_NONE, PRO_RMS_NORM, PRO_SILU_MUL, PRO_SILU_MUL_NORMED = 0, 1, 2, 3
 DEFAULT_CONFIG = (16, 256, 4, 4)  # (columns per program, K per iteration, warps, stages)
 PREFETCH = True  # the default of gemv's prefetch
 STREAM = int(os.environ.get("BATON_GEMV_STREAM", "0"))  # the default of gemv's stream
+# (N, K) -> the tensor-core kernel's launch (gemv's ``dot``) for the weights of that shape: each
+# the best of a one-row sweep on an H200 where it beat what the engine ran before
+# (``benchmarks/device/ab_gemv_dot.sh``; GB/s of weight read, graph-timed): Llama-3.1-8B's o_proj
+# 2,927 against the fixed grid's 2,657, gate_up 3,888 against cuBLAS's 3,835, down (SiLU and the
+# folded norm inside) 3,135 against 2,936. Its qkv projection stays on the CUDA cores (3,081
+# against 3,026). The 32-layer stack without attention: 3,719 us against 3,835; the engine's
+# batch-1 graph 4.083 ms against 4.234, 4.041 with DOT_PREFETCH 1 (229.6-234.4 tok/s in four
+# processes against 221.2-221.3 on the CUDA cores).
+DOT_LAUNCHES: dict[tuple[int, int], tuple[int, int, int, int, int]] = {
+    (4096, 4096): (64, 256, 4, 4, 2),
+    (28672, 4096): (256, 128, 8, 3, 1),
+    (4096, 14336): (128, 128, 8, 4, 4),
+}
+# K slices the tensor-core kernel starts into the L2 before its PDL wait (stack: 3,702 us
+# against 3,720 without, 3,752 with 2)
+DOT_PREFETCH = 1
 
 
 def choose_config(n: int, k: int) -> tuple[int, int, int, int]:
@@ -149,6 +182,16 @@ def _gemv_epilogue(
     y = tl.sum(acc, axis=2)  # [BLOCK_M, BLOCK_N]
     if PROLOGUE == 1:
         y *= (1.0 / tl.sqrt(tl.sum(ss, axis=1) / K + eps))[:, None]
+    _gemv_store(y, offs_m, offs_n, m_ok, n_ok, bias_ptr, res_ptr, out_ptr, s_rm, s_om, HAS_BIAS,
+                HAS_RES)  # fmt: skip
+
+
+@triton.jit
+def _gemv_store(
+    y, offs_m, offs_n, m_ok, n_ok, bias_ptr, res_ptr, out_ptr, s_rm, s_om,
+    HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
+):  # fmt: skip
+    """Add the bias and the residual to the float32 ``y`` ``[BLOCK_M, BLOCK_N]``, store."""
     if HAS_BIAS:
         y += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     mn = m_ok[:, None] & n_ok[None, :]
@@ -317,6 +360,142 @@ def _gemv_stream_kernel(
         b = c
 
 
+@triton.jit
+def _gemv_dot_kernel(
+    x_ptr,  # [M, K] (or [M, 2K] with SILU_MUL)
+    w_ptr,  # [N, K]
+    bias_ptr,  # [N]
+    norm_ptr,  # [K]
+    res_ptr,  # [M, N]
+    out_ptr,  # [M, N]
+    M,
+    N,
+    K,
+    s_xm,
+    s_wn,
+    s_rm,
+    s_om,
+    eps,
+    nrm_ptr,  # [M, H]: the rows whose 1/rms scales gate and up (PRO_SILU_MUL_NORMED)
+    s_nm,
+    H,
+    part_ptr,  # [SPLIT_K, M, N] float32 partial sums, then [column blocks, SPLIT_K, M] sums
+    # of squares (PRO_RMS_NORM)
+    counter_ptr,  # [cdiv(N, BLOCK_N)] int32, zero between launches (SPLIT_K > 1)
+    PROLOGUE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    RSTD_ROWS: tl.constexpr,
+    RSTD_K: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PREFETCH: tl.constexpr,  # weights (0: none)
+    PREFETCH_BYTES: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """``_gemv_kernel``'s work on the tensor cores: a column block's ``[BLOCK_N, BLOCK_K]``
+    weight tile times the (prologue'd) input rows ``[BLOCK_K, BLOCK_M]`` (the rows padded to 16
+    with zeros: the weight is the MMA's wide operand), so that Triton's software pipeline keeps
+    ``num_stages`` weight tiles in flight through shared memory (it pipelines only the loads
+    that feed a ``tl.dot``; the other kernels wait for each slice). The RMSNorm prologue
+    rounds the normed slice to the weight's dtype (the MMA's operand). ``SPLIT_K`` programs a
+    column block each take a K range; each stores its float32 partials and the last of them
+    (an atomic count) sums them in order and finishes the block. ``PREFETCH``: the first that
+    many weights of each of the program's rows are started into the L2 before the PDL wait
+    (while the kernel before drains)."""
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    k_per = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
+    k_lo = split * k_per
+    k_hi = tl.minimum(K, k_lo + k_per)
+    x_cols = x_ptr + offs_m[None, :] * s_xm  # [1, BLOCK_M]
+    w_rows = w_ptr + offs_n[:, None] * s_wn  # [BLOCK_N, 1]
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    ss = tl.zeros([BLOCK_K, BLOCK_M], tl.float32)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    if PREFETCH > 0:  # the weights are no kernel's output: start the first slices into the L2
+        ahead = k_lo + PREFETCH <= K  # (never past a row's end)
+        prefetch_rows_l2(w_ptr + offs_n * s_wn + k_lo, n_ok & ahead, PREFETCH_BYTES)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    rstd = tl.full([BLOCK_M], 1.0, tl.float32)
+    if PROLOGUE == 3:  # before the pipeline's first loads: one wide slice a row
+        for r in tl.static_range(RSTD_ROWS):
+            sq_r = tl.zeros([RSTD_K], tl.float32)
+            for h0 in range(0, H, RSTD_K):
+                hh = h0 + tl.arange(0, RSTD_K)
+                v = tl.load(nrm_ptr + r * s_nm + hh, mask=(hh < H) & (r < M), other=0.0)
+                sq_r += v.to(tl.float32) * v.to(tl.float32)
+            rstd = tl.where((offs_m == r) & m_ok, tl.rsqrt(tl.sum(sq_r) / H + eps), rstd)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        kk = k0 + offs_k
+        k_ok = kk < k_hi
+        w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        mk = k_ok[:, None] & m_ok[None, :]
+        xa = tl.load(x_cols + kk[:, None], mask=mk, other=0.0)  # [BLOCK_K, BLOCK_M]
+        if PROLOGUE >= 2:  # SiLU(gate) * up, rounded
+            gate = xa
+            up = tl.load(x_cols + K + kk[:, None], mask=mk, other=0.0)
+            if PROLOGUE == 3:
+                gate = (gate.to(tl.float32) * rstd[None, :]).to(xa.dtype)
+                up = (up.to(tl.float32) * rstd[None, :]).to(xa.dtype)
+            gate = gate.to(tl.float32)
+            xb = (gate / (1.0 + tl.exp(-gate)) * up.to(tl.float32)).to(w.dtype)
+        elif PROLOGUE == 1:
+            xf = xa.to(tl.float32)
+            ss += xf * xf
+            nw = tl.load(norm_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
+            xb = (xf * nw[:, None]).to(w.dtype)
+        else:
+            xb = xa.to(w.dtype)
+        if UPCAST:  # the interpreter: no 16-bit float math
+            acc = tl.dot(w.to(tl.float32), xb.to(tl.float32), acc, input_precision=DOT_PREC)
+        else:
+            acc = tl.dot(w, xb, acc, input_precision=DOT_PREC)
+    y = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
+    sq = tl.sum(ss, axis=0)  # [BLOCK_M]
+    if SPLIT_K > 1:
+        mn = m_ok[:, None] & n_ok[None, :]
+        tl.store(part_ptr + (split * M + offs_m[:, None]) * N + offs_n[None, :], y, mask=mn)
+        sq_ptr = part_ptr + SPLIT_K * M * N + pid * SPLIT_K * M  # this block's [SPLIT_K, M]
+        if PROLOGUE == 1:
+            tl.store(sq_ptr + split * M + offs_m, sq, mask=m_ok)
+        # every thread's partials are stored before the release of the count; the last
+        # program's acquire makes all of them visible to it (read past L1: ".cg")
+        tl.debug_barrier()
+        counter = counter_ptr + pid
+        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
+            tl.debug_barrier()
+            tl.store(counter, 0)
+            y = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            sq = tl.zeros([BLOCK_M], tl.float32)
+            for s in range(SPLIT_K):  # in order: the sum does not depend on who came last
+                y += tl.load(part_ptr + (s * M + offs_m[:, None]) * N + offs_n[None, :],
+                             mask=mn, other=0.0, cache_modifier=".cg")  # fmt: skip
+                if PROLOGUE == 1:
+                    sq += tl.load(sq_ptr + s * M + offs_m, mask=m_ok, other=0.0,
+                                  cache_modifier=".cg")  # fmt: skip
+            if PROLOGUE == 1:
+                y *= (1.0 / tl.sqrt(sq / K + eps))[:, None]
+            _gemv_store(y, offs_m, offs_n, m_ok, n_ok, bias_ptr, res_ptr, out_ptr, s_rm, s_om,
+                        HAS_BIAS, HAS_RES)  # fmt: skip
+    else:
+        if PROLOGUE == 1:
+            y *= (1.0 / tl.sqrt(sq / K + eps))[:, None]
+        _gemv_store(y, offs_m, offs_n, m_ok, n_ok, bias_ptr, res_ptr, out_ptr, s_rm, s_om,
+                    HAS_BIAS, HAS_RES)  # fmt: skip
+
+
 def gemv(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -331,6 +510,7 @@ def gemv(
     config: tuple[int, int, int, int] | None = None,
     prefetch: bool | None = None,
     stream: int | None = None,
+    dot: tuple[int, int, int, int, int] | None = None,
 ) -> torch.Tensor:
     """``prologue(x) @ weight.T (+ bias) (+ residual)`` for at most ``MAX_ROWS`` rows of ``x``.
     ``norm_weight``: the prologue is RMSNorm; ``silu_mul``: SiLU-and-multiply of ``x``
@@ -343,7 +523,10 @@ def gemv(
     (default: ``PREFETCH`` where PDL is on) reads the first weight slice before waiting for
     the previous kernel (a peeled first iteration). ``stream``: programs per SM of the
     fixed-grid kernel (``_gemv_stream_kernel``; 0: one program per column block,
-    ``_gemv_kernel``); default ``choose_launch``'s without ``config``, else ``STREAM``."""
+    ``_gemv_kernel``); default ``choose_launch``'s without ``config``, else ``STREAM``.
+    ``dot``: run on the tensor cores (``_gemv_dot_kernel``) with this (columns per program, K
+    per iteration, warps, stages, programs a column block); default ``DOT_LAUNCHES``' entry for
+    the weight's shape when neither ``config`` nor ``stream`` is given."""
     if x.dim() != 2 or weight.dim() != 2:
         raise ValueError(f"gemv: x {tuple(x.shape)} and weight {tuple(weight.shape)} must be 2-D")
     if norm_weight is not None and silu_mul:
@@ -371,6 +554,11 @@ def gemv(
     for t, what in ((out, "out"), (residual, "residual")):
         if t is not None and (tuple(t.shape) != (m, n) or t.stride(1) != 1 or t.dtype != x.dtype):
             raise ValueError(f"gemv: {what} must be a [{m}, {n}] {x.dtype} tensor, rows contiguous")
+    if dot is None and config is None and stream is None:
+        dot = DOT_LAUNCHES.get((n, k))
+    if dot is not None:
+        _gemv_dot(x, weight, bias, norm_weight, eps, silu_mul, norm_of, residual, out, dot)
+        return out
     if config is None:
         config, per_sm = choose_launch(n, k)
     else:
@@ -379,6 +567,32 @@ def gemv(
         per_sm = stream
     block_n, block_k, num_warps, num_stages = config
     block_k = min(block_k, max(16, next_pow2(k)))
+    args, consts = _launch_args(x, weight, bias, norm_weight, eps, silu_mul, norm_of, residual,
+                                out)  # fmt: skip
+    consts.update(BLOCK_M=next_pow2(m), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+                  num_stages=num_stages)  # fmt: skip
+    if per_sm:
+        grid = min(cdiv(n, block_n), per_sm * num_sms(x.device))
+        _gemv_stream_kernel[(grid,)](*args, **consts)
+    else:
+        prefetch = PREFETCH and bool(consts["PDL"]) if prefetch is None else prefetch
+        _gemv_kernel[(cdiv(n, block_n),)](*args, PREFETCH=prefetch, **consts)
+    return out
+
+
+def _launch_args(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    norm_weight: torch.Tensor | None,
+    eps: float,
+    silu_mul: bool,
+    norm_of: torch.Tensor | None,
+    residual: torch.Tensor | None,
+    out: torch.Tensor,
+) -> tuple[tuple[object, ...], dict[str, object]]:
+    """The arguments every GEMV kernel takes first, and its prologue / epilogue constants and
+    PDL launch options."""
     if norm_of is not None:
         prologue = PRO_SILU_MUL_NORMED
         nrm: tuple[torch.Tensor | int, ...] = (norm_of, norm_of.stride(0), norm_of.shape[1])
@@ -387,26 +601,58 @@ def gemv(
             PRO_RMS_NORM if norm_weight is not None else PRO_SILU_MUL if silu_mul else PRO_NONE
         )
         nrm = (x, 0, 1)  # unused
-    pdl = pdl_launch(x.device)
     args = (
         x, weight, bias if bias is not None else x,
         norm_weight if norm_weight is not None else x,
-        residual if residual is not None else out, out, m, n, k,
+        residual if residual is not None else out, out, x.shape[0], *weight.shape,
         x.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0,
         out.stride(0), eps, *nrm,
     )  # fmt: skip
-    consts = dict(
+    consts: dict[str, object] = dict(
         PROLOGUE=prologue, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
-        BLOCK_M=next_pow2(m), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
-        num_stages=num_stages, **pdl,
+        **pdl_launch(x.device),
     )  # fmt: skip
-    if per_sm:
-        grid = min(cdiv(n, block_n), per_sm * num_sms(x.device))
-        _gemv_stream_kernel[(grid,)](*args, **consts)
+    return args, consts
+
+
+def _gemv_dot(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    norm_weight: torch.Tensor | None,
+    eps: float,
+    silu_mul: bool,
+    norm_of: torch.Tensor | None,
+    residual: torch.Tensor | None,
+    out: torch.Tensor,
+    launch: tuple[int, int, int, int, int],
+) -> None:
+    """Launch ``_gemv_dot_kernel`` (``gemv``'s arguments checked)."""
+    block_n, block_k, num_warps, num_stages, split_k = launch
+    m, (n, k) = x.shape[0], weight.shape
+    block_k = min(block_k, max(16, next_pow2(k)))
+    split_k = max(1, min(split_k, cdiv(k, block_k)))
+    blocks = cdiv(n, block_n)
+    if split_k > 1:
+        part = torch.empty(split_k * m * (n + blocks), dtype=torch.float32, device=x.device)
+        counters = zeroed_counters(x.device, blocks, "gemv")
     else:
-        prefetch = PREFETCH and pdl["PDL"] if prefetch is None else prefetch
-        _gemv_kernel[(cdiv(n, block_n),)](*args, PREFETCH=prefetch, **consts)
-    return out
+        part = counters = out  # unused
+    # bulk prefetches need 16-byte aligned rows
+    aligned = weight.data_ptr() % 16 == 0 and weight.stride(0) * weight.element_size() % 16 == 0
+    prefetch = DOT_PREFETCH * block_k if aligned and bulk_prefetch_ok(x.device) else 0
+    # the folded norm's 1/rms before the loop, a row in one slice of up to 4,096
+    rstd_k = min(4096, next_pow2(norm_of.shape[1])) if norm_of is not None else 16
+    args, consts = _launch_args(x, weight, bias, norm_weight, eps, silu_mul, norm_of, residual,
+                                out)  # fmt: skip
+    _gemv_dot_kernel[(blocks, split_k)](
+        *args, part, counters, **consts, BLOCK_M=max(16, next_pow2(m)), BLOCK_N=block_n,
+        BLOCK_K=block_k, SPLIT_K=split_k, RSTD_ROWS=next_pow2(m), RSTD_K=rstd_k,
+        DOT_PREC=dot_precision(x.dtype), UPCAST=upcast_in_kernel(x), PREFETCH=prefetch,
+        PREFETCH_BYTES=prefetch * weight.element_size(),
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )  # fmt: skip
 
 
 def ref_gemv(
