@@ -239,6 +239,7 @@ def test_one_request_decode_runs_the_fused_gemv_layers(
         launches = {(2 * h, h): (16, 32, 4, 2, 2), (h, h): (32, 64, 4, 2, 1),
                     (2 * inter, h): (64, 32, 4, 2, 1), (h, inter): (16, 32, 4, 2, 3)}  # fmt: skip
         monkeypatch.setattr(gemv, "DOT_LAUNCHES", launches)
+        monkeypatch.setattr(gemv, "DOT_DTYPES", (torch.float32,))  # the tiny model's
         monkeypatch.setattr(common, "_COUNTERS", {})
     (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)

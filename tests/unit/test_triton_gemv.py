@@ -199,21 +199,29 @@ def test_tensor_core_gemv_matches_the_reference(
 def test_dot_launches_route_their_shapes_to_the_tensor_core_kernel(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A shape listed in ``DOT_LAUNCHES`` runs the tensor-core kernel when the call names no
-    launch (its split launch leaves a counter of the ``gemv`` owner), others as before; an
-    explicit ``config`` or ``stream`` still picks the CUDA-core kernels."""
+    """A 16-bit weight whose shape is in ``DOT_LAUNCHES`` runs the tensor-core kernel when the
+    call names no launch (its split launch leaves a counter of the ``gemv`` owner, at zero);
+    a float32 weight of that shape, other shapes, and calls with an explicit ``config`` run
+    the CUDA-core kernels."""
     from baton_kernels.triton import common
 
-    x, weight, *_ = make(1, 37, 100, "none", torch.float32)
+    def gemv_counters() -> list[torch.Tensor]:
+        return [c for (_, owner), c in common._COUNTERS.items() if owner == "gemv"]
+
     monkeypatch.setattr(gemv_mod, "DOT_LAUNCHES", {(37, 100): (16, 32, 4, 2, 2)})
     monkeypatch.setattr(common, "_COUNTERS", {})
-    torch.testing.assert_close(gemv(x, weight), ref_gemv(x, weight), atol=2e-5, rtol=1e-5)
-    counters = [c for (_, owner), c in common._COUNTERS.items() if owner == "gemv"]
+    x, weight, *_ = make(1, 37, 100, "none", torch.bfloat16)
+    torch.testing.assert_close(gemv(x, weight), ref_gemv(x, weight), atol=TOL[torch.bfloat16][0],
+                               rtol=TOL[torch.bfloat16][1])  # fmt: skip
+    counters = gemv_counters()
     assert len(counters) == 1 and not counters[0].any()
     monkeypatch.setattr(common, "_COUNTERS", {})
     gemv(x, weight, config=(4, 32, 4, 1))
     gemv(x[:, :64], weight[:, :64])
-    assert not common._COUNTERS
+    x32, w32, *_ = make(1, 37, 100, "none", torch.float32)
+    assert gemv_mod.dot_launch(w32) is None
+    torch.testing.assert_close(gemv(x32, w32), ref_gemv(x32, w32), atol=2e-5, rtol=1e-5)
+    assert not gemv_counters()
 
 
 def test_choose_launch_picks_the_fixed_grid_where_it_was_measured_faster() -> None:

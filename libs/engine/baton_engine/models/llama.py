@@ -173,10 +173,11 @@ class DecoderLayer(nn.Module):
         down_proj adds into ``stream`` in its GEMM (``addmm_``), 7 launches a layer (6 with the
         norms folded, ``fold_norms``: SiLU-and-multiply applies the norm; 5 with ``gemv_down``
         too: the down projection is a GEMV that applies the norm and SiLU-and-multiply, and
-        returns a new stream; gate_up too is a GEMV where ``gemv.DOT_LAUNCHES`` names its shape,
-        on the tensor cores, as Llama-3.1-8B's is). (The attention is one launch: on these
-        decode-only steps the Triton decode kernel rotates q and writes the new K/V itself.)"""
-        from baton_kernels.triton.gemv import DOT_LAUNCHES, gemv
+        returns a new stream; gate_up too is a GEMV where ``gemv.dot_launch`` has a launch for
+        it, on the tensor cores, as for Llama-3.1-8B's bf16 weights). (The attention is one
+        launch: on these decode-only steps the Triton decode kernel rotates q and writes the
+        new K/V itself.)"""
+        from baton_kernels.triton.gemv import dot_launch, gemv
 
         attn, mlp = self.self_attn, self.mlp
         norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
@@ -195,7 +196,7 @@ class DecoderLayer(nn.Module):
                 # which reads the stream while it adds into it: its output is a new tensor
                 w = mlp.gate_up_proj.weight
                 # cuBLAS, unless the tensor-core GEMV has a launch for the shape
-                gate_up = gemv(stream, w) if tuple(w.shape) in DOT_LAUNCHES else F.linear(stream, w)
+                gate_up = gemv(stream, w) if dot_launch(w) else F.linear(stream, w)
                 return gemv(gate_up, mlp.down_proj.weight, silu_mul=True, norm_of=stream,
                             eps=norm2.eps, residual=stream)  # fmt: skip
             if self.folded_norms:

@@ -63,9 +63,19 @@ DOT_LAUNCHES: dict[tuple[int, int], tuple[int, int, int, int, int]] = {
     (28672, 4096): (256, 128, 8, 3, 1),
     (4096, 14336): (128, 128, 8, 4, 4),
 }
+# The weight dtypes DOT_LAUNCHES applies to: float32 would run the MMA's exact (slow) emulation
+DOT_DTYPES = (torch.bfloat16, torch.float16)
 # K slices the tensor-core kernel starts into the L2 before its PDL wait (stack: 3,702 us
 # against 3,720 without, 3,752 with 2)
 DOT_PREFETCH = 1
+
+
+def dot_launch(weight: torch.Tensor) -> tuple[int, int, int, int, int] | None:
+    """The tensor-core kernel's launch ``gemv`` takes for ``weight`` when not told one:
+    ``DOT_LAUNCHES``' entry for its shape, for a weight of one of ``DOT_DTYPES``."""
+    if weight.dtype not in DOT_DTYPES:
+        return None
+    return DOT_LAUNCHES.get((weight.shape[0], weight.shape[1]))
 
 
 def choose_config(n: int, k: int) -> tuple[int, int, int, int]:
@@ -525,8 +535,8 @@ def gemv(
     fixed-grid kernel (``_gemv_stream_kernel``; 0: one program per column block,
     ``_gemv_kernel``); default ``choose_launch``'s without ``config``, else ``STREAM``.
     ``dot``: run on the tensor cores (``_gemv_dot_kernel``) with this (columns per program, K
-    per iteration, warps, stages, programs a column block); default ``DOT_LAUNCHES``' entry for
-    the weight's shape when neither ``config`` nor ``stream`` is given."""
+    per iteration, warps, stages, programs a column block); default ``dot_launch(weight)``
+    when neither ``config`` nor ``stream`` is given."""
     if x.dim() != 2 or weight.dim() != 2:
         raise ValueError(f"gemv: x {tuple(x.shape)} and weight {tuple(weight.shape)} must be 2-D")
     if norm_weight is not None and silu_mul:
@@ -555,7 +565,7 @@ def gemv(
         if t is not None and (tuple(t.shape) != (m, n) or t.stride(1) != 1 or t.dtype != x.dtype):
             raise ValueError(f"gemv: {what} must be a [{m}, {n}] {x.dtype} tensor, rows contiguous")
     if dot is None and config is None and stream is None:
-        dot = DOT_LAUNCHES.get((n, k))
+        dot = dot_launch(weight)
     if dot is not None:
         _gemv_dot(x, weight, bias, norm_weight, eps, silu_mul, norm_of, residual, out, dot)
         return out
