@@ -76,8 +76,6 @@ def graph_us(fn: Callable[[], object], reps: int = 20, outputs: list[Any] | None
 
 
 FOLDED = "--folded" in sys.argv  # the engine's calls once the norms are folded (gemv_down)
-# --dot-json PATH: each shape's best tensor-core launch where it beats what the engine runs
-DOT_JSON = Path(sys.argv[sys.argv.index("--dot-json") + 1]) if "--dot-json" in sys.argv else None
 
 
 def shapes(model: str) -> list[tuple[str, int, int, str]]:
@@ -132,8 +130,15 @@ def dot_launches(n: int, k: int, sms: int, kind: str) -> list[Launch]:
 
 
 def per_shape(
-    model: str, rows: int, sweep: bool, stream_sweep: bool, dot_sweep: bool = False
+    model: str,
+    rows: int,
+    sweep: bool,
+    stream_sweep: bool,
+    dot_sweep: bool = False,
+    dot_json: Path | None = None,
 ) -> dict[str, Launch]:
+    """Each shape's launches timed against cuBLAS; returns each shape's best. ``dot_json``:
+    where the best tensor-core launch beats what the engine runs, it is added there."""
     best: dict[str, Launch] = {}
     for name, n, k, kind in shapes(model):
         copies = max(1, -(-2 * L2_BYTES // (n * k * 2)))
@@ -204,10 +209,10 @@ def per_shape(
             top += f"; best tensor-core {dots[0][1]} {gb / (dots[0][0] * 1e-6):.0f}"
             # what the engine runs now: cuBLAS for a plain projection (gate_up), else the GEMV
             engine_us = t_cublas if kind == "plain" else t_def
-            if dots[0][0] < engine_us and DOT_JSON is not None:
-                picks = json.loads(DOT_JSON.read_text()) if DOT_JSON.exists() else {}
+            if dots[0][0] < engine_us and dot_json is not None:
+                picks = json.loads(dot_json.read_text()) if dot_json.exists() else {}
                 picks[f"{n},{k}"] = list(dots[0][1][1:])
-                DOT_JSON.write_text(json.dumps(picks))
+                dot_json.write_text(json.dumps(picks))
         print(
             f"{name:14} N {n:6} K {k:6} ({kind:8}) x{copies:3}: cuBLAS {t_cublas / copies:7.1f} us "
             f"{gb / (t_cublas * 1e-6):5.0f} GB/s; gemv {chosen} {t_def / copies:7.1f} us "
@@ -378,7 +383,9 @@ def main() -> int:
     print(f"# {device}, torch {torch.__version__}, bf16, {args.rows} row(s)")
     found: dict[str, Launch] = {}
     for model in args.models.split(","):
-        best = per_shape(model, args.rows, args.sweep, args.stream_sweep, args.dot_sweep)
+        best = per_shape(
+            model, args.rows, args.sweep, args.stream_sweep, args.dot_sweep, args.dot_json
+        )
         for name, n, k, _ in shapes(model):
             found[f"{n},{k}"] = best[name]
         if not args.no_stacks:

@@ -119,19 +119,25 @@ def _x_slice(x_rows, norm_ptr, kk, k_ok, m_ok, K, PROLOGUE: tl.constexpr):
 
 
 @triton.jit
+def _silu_mul(gate, up, scale, PROLOGUE: tl.constexpr):
+    """SiLU(gate) * up, rounded to their dtype; with ``PRO_SILU_MUL_NORMED`` gate and up are
+    first scaled by ``scale`` (each row's 1/rms, broadcastable to them) and rounded, as
+    ``fused_ops.silu_and_mul(norm_of=)`` does."""
+    if PROLOGUE == 3:
+        gate = (gate.to(tl.float32) * scale).to(up.dtype)
+        up = (up.to(tl.float32) * scale).to(up.dtype)
+    g = gate.to(tl.float32)
+    return (g / (1.0 + tl.exp(-g)) * up.to(tl.float32)).to(up.dtype)
+
+
+@triton.jit
 def _gemv_compute(acc, ss, w, xa, xb, nw, rstd, PROLOGUE: tl.constexpr):
     """``acc`` += the slice of the (prologue'd) rows times ``w`` lane by lane; ``ss``
     accumulates the RMSNorm prologue's sums of squares. With SiLU, gate and up are first
     scaled by each row's ``rstd`` (``PRO_SILU_MUL_NORMED``) and rounded, as
     ``fused_ops.silu_and_mul(norm_of=)`` does, and the product is rounded as it stores it."""
     if PROLOGUE >= 2:  # SiLU(gate) * up
-        gate = xa
-        up = xb
-        if PROLOGUE == 3:
-            gate = (gate.to(tl.float32) * rstd[:, None]).to(xa.dtype)
-            up = (up.to(tl.float32) * rstd[:, None]).to(xa.dtype)
-        gate = gate.to(tl.float32)
-        xk = (gate / (1.0 + tl.exp(-gate)) * up.to(tl.float32)).to(xa.dtype).to(tl.float32)
+        xk = _silu_mul(xa, xb, rstd[:, None], PROLOGUE).to(tl.float32)
     else:
         xk = xa.to(tl.float32)
         if PROLOGUE == 1:
@@ -180,6 +186,25 @@ def _rows_rstd(ptr, s_m, offs_m, m_ok, H, eps, BLOCK_M: tl.constexpr, BLOCK_K: t
                     mask=m_ok[:, None] & (hh < H)[None, :], other=0.0).to(tl.float32)  # fmt: skip
         sq += v * v
     return tl.where(m_ok, tl.rsqrt(tl.sum(sq, axis=1) / H + eps), 1.0)
+
+
+@triton.jit
+def _rows_rstd_by_row(
+    ptr, s_m, offs_m, M, H, eps, BLOCK_M: tl.constexpr, ROWS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """``_rows_rstd`` one row at a time (``ROWS`` of them, each in slices of ``BLOCK_K``): for
+    the tensor-core kernel, whose ``BLOCK_M`` is 16 for 1-4 rows (a ``[16, 4096]`` tile would
+    hold 128 registers a thread there, one row's slice 32)."""
+    rstd = tl.full([BLOCK_M], 1.0, tl.float32)
+    for r in tl.static_range(ROWS):
+        sq = tl.zeros([BLOCK_K], tl.float32)
+        for h0 in range(0, H, BLOCK_K):
+            hh = h0 + tl.arange(0, BLOCK_K)
+            v = tl.load(ptr + r * s_m + hh, mask=(hh < H) & (r < M), other=0.0).to(tl.float32)
+            sq += v * v
+        rstd = tl.where((offs_m == r) & (r < M), tl.rsqrt(tl.sum(sq) / H + eps), rstd)
+    return rstd
 
 
 @triton.jit
@@ -439,14 +464,8 @@ def _gemv_dot_kernel(
     if PDL:
         tl.extra.cuda.gdc_wait()
     rstd = tl.full([BLOCK_M], 1.0, tl.float32)
-    if PROLOGUE == 3:  # before the pipeline's first loads: one wide slice a row
-        for r in tl.static_range(RSTD_ROWS):
-            sq_r = tl.zeros([RSTD_K], tl.float32)
-            for h0 in range(0, H, RSTD_K):
-                hh = h0 + tl.arange(0, RSTD_K)
-                v = tl.load(nrm_ptr + r * s_nm + hh, mask=(hh < H) & (r < M), other=0.0)
-                sq_r += v.to(tl.float32) * v.to(tl.float32)
-            rstd = tl.where((offs_m == r) & m_ok, tl.rsqrt(tl.sum(sq_r) / H + eps), rstd)
+    if PROLOGUE == 3:  # before the pipeline's first loads
+        rstd = _rows_rstd_by_row(nrm_ptr, s_nm, offs_m, M, H, eps, BLOCK_M, RSTD_ROWS, RSTD_K)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         kk = k0 + offs_k
         k_ok = kk < k_hi
@@ -454,13 +473,8 @@ def _gemv_dot_kernel(
         mk = k_ok[:, None] & m_ok[None, :]
         xa = tl.load(x_cols + kk[:, None], mask=mk, other=0.0)  # [BLOCK_K, BLOCK_M]
         if PROLOGUE >= 2:  # SiLU(gate) * up, rounded
-            gate = xa
             up = tl.load(x_cols + K + kk[:, None], mask=mk, other=0.0)
-            if PROLOGUE == 3:
-                gate = (gate.to(tl.float32) * rstd[None, :]).to(xa.dtype)
-                up = (up.to(tl.float32) * rstd[None, :]).to(xa.dtype)
-            gate = gate.to(tl.float32)
-            xb = (gate / (1.0 + tl.exp(-gate)) * up.to(tl.float32)).to(w.dtype)
+            xb = _silu_mul(xa, up, rstd[None, :], PROLOGUE).to(w.dtype)
         elif PROLOGUE == 1:
             xf = xa.to(tl.float32)
             ss += xf * xf
