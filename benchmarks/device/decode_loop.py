@@ -56,7 +56,19 @@ VARIANTS = {
         "64/4/5": {"tile_n": 64, "num_stages": 5},
         "2 splits": {"splits": 2},
     },
-    "llama": {"default": {}, "64/2/5": {"num_stages": 5}, "32/2/3": {"tile_n": 32}},
+    "llama": {  # (the 32nd session's wider sweep at llama:256 also had 64/4/2-3, 128/4/2-3,
+        # 128/8/2, 32/2/4, 2 splits: 7-31% slower than the default)
+        "default": {},
+        "64/2/5": {"num_stages": 5},
+        "64/2/3": {"num_stages": 3},
+        "32/2/3": {"tile_n": 32},
+        "32/2/2": {"tile_n": 32, "num_stages": 2},
+        "32/1/2": {"tile_n": 32, "num_warps": 1, "num_stages": 2},
+        "32/1/3": {"tile_n": 32, "num_warps": 1, "num_stages": 3},
+        "32/1/4": {"tile_n": 32, "num_warps": 1, "num_stages": 4},
+        "16/1/3": {"tile_n": 16, "num_warps": 1, "num_stages": 3},
+        "16/1/4": {"tile_n": 16, "num_warps": 1, "num_stages": 4},
+    },
     "tiny": {"default": {}, "2 splits": {"splits": 2}},
 }
 

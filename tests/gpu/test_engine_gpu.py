@@ -165,18 +165,28 @@ def test_async_long_chunked_prompt_equals_sync(tmp_path: Path) -> None:
     assert results[1] == results[0] and len(results[0]) == 8
 
 
-@pytest.mark.parametrize("whole_layers", [True, False])
+@pytest.mark.parametrize(("whole_layers", "dot"), [(True, False), (False, False), (False, True)])
 def test_lone_request_decodes_through_fused_gemv_layers(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, whole_layers: bool
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, whole_layers: bool, dot: bool
 ) -> None:
     """A small model on the GPU turns on the fused GEMV layers for one-request decode steps
     (captured in the size-1 graph); a lone request's greedy tokens equal the reference's.
-    Above ``GEMV_MAX_HIDDEN`` (lowered here) only the attention's projections are GEMVs."""
+    Above ``GEMV_MAX_HIDDEN`` (lowered here) only the attention's projections are GEMVs; with
+    ``dot`` every projection (gate_up too) runs compiled on the tensor-core GEMV, as Llama-3.1-8B's
+    long ones do, some split over K."""
     from baton_engine.runner import model_runner
     from baton_engine.sampling_params import SamplingParams
 
     if not whole_layers:
         monkeypatch.setattr(model_runner, "GEMV_MAX_HIDDEN", 0)
+    if dot:
+        from baton_kernels.triton import gemv
+
+        h, inter, kv = 448, 1024, 64  # CONFIG's hidden, intermediate and one KV head's size
+        launches = {(h + 2 * kv, h): (64, 64, 4, 3, 2), (h, h): (64, 128, 4, 3, 1),
+                    (2 * inter, h): (128, 64, 8, 3, 1), (h, inter): (64, 128, 4, 3, 4)}  # fmt: skip
+        monkeypatch.setattr(gemv, "DOT_LAUNCHES", launches)
+        monkeypatch.setattr(gemv, "DOT_DTYPES", (torch.float32,))  # this test's dtype
 
     (tmp_path / "config.json").write_text(json.dumps(CONFIG))
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)

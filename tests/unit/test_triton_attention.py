@@ -31,6 +31,8 @@ from baton_kernels.attention.triton_backend import TritonAttentionBackend
 from baton_kernels.triton.decode_attention import (
     choose_num_splits,
     decode_attention,
+    decode_launch,
+    decode_launches,
     ref_decode_attention,
     split_counts,
 )
@@ -290,6 +292,39 @@ def test_choose_num_splits() -> None:
     assert choose_num_splits(1, 1, 150, cpu) == 2  # no slice under MIN_SPLIT_TOKENS (64)
     assert choose_num_splits(1, 1, 60, cpu) == 1
     assert choose_num_splits(3, 1, 8192, cpu) == 4  # 6, rounded down to a power of two
+
+
+def test_decode_launch_narrows_wide_heads_only_with_many_requests() -> None:
+    """Heads of 128 with one split a request take one warp and 32-key tiles once there are
+    ``WIDE_HEAD_PROGRAMS_PER_SM`` programs an SM (8 x 4 on a CPU); fewer programs, split
+    launches and heads of 64 keep the two-warp (four-warp) launches."""
+    cpu = torch.device("cpu")
+    assert decode_launch(128, 16, 2, 1, cpu) == (32, 1, 3)  # 32 programs
+    assert decode_launch(128, 15, 2, 1, cpu) == (64, 2, 2)
+    assert decode_launch(128, 64, 2, 4, cpu) == (64, 2, 3)
+    assert decode_launch(64, 64, 2, 1, cpu) == (128, 4, 2)
+    assert set(decode_launches(128, 1)) == {(32, 1, 3), (64, 2, 2)}  # both warmed up
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_attention_of_many_requests_with_wide_heads_matches_reference(
+    dtype: torch.dtype,
+) -> None:
+    """The one-warp, 32-key-tile launch (many requests, head 128, one split) against the
+    reference: lengths across tile and block edges."""
+    num_heads, num_kv_heads = GQA[1]
+    seq_lens = [1 + (37 * i) % 150 for i in range(20)]  # 40 programs: the CPU's choice too
+    launch = decode_launches(128, 1)[1]
+    assert launch[1] == 1
+    assert decode_launch(128, len(seq_lens), num_kv_heads, 1, torch.device("cpu")) == launch
+    batch = PagedBatch(seq_lens, 16, num_kv_heads, 128, dtype, seed=3)
+    query = random_heads(len(seq_lens), num_heads, 128, dtype)
+    out = torch.full(query.shape, POISON, dtype=dtype, device=DEVICE)
+    lens = torch.tensor(seq_lens, device=DEVICE)
+    decode_attention(query, batch.cache, out, lens, batch.block_tables, 128**-0.5, 1,
+                     tile_n=launch[0], num_warps=launch[1], num_stages=launch[2])  # fmt: skip
+    want = ref_decode_attention(query, batch.cache, seq_lens, batch.block_tables, 128**-0.5)
+    assert_close(out, want, dtype)
 
 
 def make_step(

@@ -12,6 +12,7 @@ object and reused by every layer of that step.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -22,6 +23,7 @@ from baton_kernels.triton.decode_attention import (
     DecodeRope,
     choose_num_splits,
     decode_attention,
+    decode_launches,
     split_counts,
 )
 from baton_kernels.triton.kv_write import write_kv_cache
@@ -139,10 +141,10 @@ class TritonAttentionBackend:
         return out
 
     def warmup(self, kv_cache: KVCacheView, num_heads: int) -> None:
-        """Compile every kernel variant a step can launch (two per decode split count, with and
-        without the rotation; the prefill kernel, the cache write) now, so that no request
-        waits ~1 s for Triton's JIT the first time a batch shape needs a new one. Writes
-        nothing into the cache."""
+        """Compile every kernel variant a step can launch (two per decode split count and
+        launch, with and without the rotation; the prefill kernel, the cache write) now, so
+        that no request waits ~1 s for Triton's JIT the first time a batch shape needs a new
+        one. Writes nothing into the cache."""
         kv = kv_cache.kv
         dev, head_dim = kv.device, kv.shape[-1]
         query = torch.randn((1, num_heads, head_dim), dtype=kv.dtype, device=dev)
@@ -153,9 +155,13 @@ class TritonAttentionBackend:
         cos_sin = torch.ones((1, 2, head_dim), device=dev)
         skip = torch.full_like(one, -1)  # slot -1: no K/V written
         for splits in split_counts():
-            decode_attention(query, kv_cache, out, one, table, 1.0, splits)
-            rope = DecodeRope(one - 1, cos_sin, key, key, skip, one)
-            decode_attention(query, kv_cache, out, one, table, 1.0, splits, rope=rope)
+            for tile, warps, stages in set(decode_launches(head_dim, splits)):
+                launch = functools.partial(
+                    decode_attention, query, kv_cache, out, one, table, 1.0, splits,
+                    tile_n=tile, num_warps=warps, num_stages=stages,
+                )  # fmt: skip
+                launch()
+                launch(rope=DecodeRope(one - 1, cos_sin, key, key, skip, one))
         write_kv_cache(key, key, kv_cache, skip, one)
         cu = torch.tensor([0, 1], dtype=torch.int32, device=dev)
         paged_attention(query, kv_cache, out, cu, one.to(torch.int32), table, 1.0, 1)

@@ -77,6 +77,16 @@ COMBINE_UNROLL = 8  # partials the reduce reads per loop iteration
 # (decode_loop.py).
 ONE_SPLIT_STAGES = 2
 SPLIT_STAGES = 3
+# Heads of 128 and more, one split a request, at least WIDE_HEAD_PROGRAMS_PER_SM programs
+# (requests x KV heads) an SM: 32 keys a tile, one warp, 3 stages (keys per tile, warps, stages)
+# instead of 64 keys and two warps. Llama-3.1-8B's decode attention on an H200
+# (benchmarks/device/decode_loop.py, 32 layers, contexts 577-640): 256 requests (15.5 programs
+# an SM) 154.6 us a layer against 164.4 (4,128 GB/s against 3,881), 64 requests (3.9 an SM)
+# 49.6 against 44.5: one warp a program needs many programs to hide the loads. The engine's
+# 256-request run: graph 12.42 ms against 12.62, 10,651 tok/s against 10,543
+# (ab_wide_head.sh). None: the defaults everywhere.
+ONE_SPLIT_WIDE_HEAD: tuple[int, int, int] | None = (32, 1, 3)
+WIDE_HEAD_PROGRAMS_PER_SM = 8
 EARLY_INPUTS = os.environ.get("BATON_DECODE_EARLY", "1") != "0"
 PREFETCH_TILES = int(os.environ.get("BATON_DECODE_PREFETCH_TILES", "1"))
 
@@ -463,6 +473,27 @@ def choose_num_splits(
     return 1 << (splits.bit_length() - 1)
 
 
+def decode_launch(
+    head_dim: int, num_decodes: int, num_kv_heads: int, num_splits: int, device: torch.device
+) -> tuple[int, int, int]:
+    """``decode_attention``'s default launch: (keys per tile, warps, software-pipeline stages)."""
+    few, many = decode_launches(head_dim, num_splits)
+    enough = num_decodes * num_kv_heads >= WIDE_HEAD_PROGRAMS_PER_SM * num_sms(device)
+    return many if enough else few
+
+
+def decode_launches(head_dim: int, num_splits: int) -> tuple[tuple[int, int, int], ...]:
+    """``decode_launch``'s choices at this head size and split count: with few programs and
+    with many (the same launch but for ``ONE_SPLIT_WIDE_HEAD``)."""
+    wide = block_d(head_dim) >= 128
+    # best of a sweep on an H200 (bench_attention_gpu.py --sweep configs), bf16
+    stages = ONE_SPLIT_STAGES if num_splits == 1 else SPLIT_STAGES
+    few = (64, 2, stages) if wide else (128, 4, stages)
+    if wide and num_splits == 1 and ONE_SPLIT_WIDE_HEAD is not None:
+        return few, ONE_SPLIT_WIDE_HEAD
+    return few, few
+
+
 def split_counts() -> list[int]:
     """Every ``num_splits`` that ``choose_num_splits`` can return (each is its own compiled
     variant of the kernel)."""
@@ -549,13 +580,10 @@ def decode_attention(
         norm_args = (seq_lens, 0, 1, 0.0, seq_lens, seq_lens, seq_lens)  # unused
     group = num_heads // num_kv_heads
     bd = block_d(head_dim)
-    # best of a sweep on an H200 (bench_attention_gpu.py --sweep configs), bf16
-    if tile_n is None:
-        tile_n = 64 if bd >= 128 else 128
-    if num_warps is None:
-        num_warps = 2 if bd >= 128 else 4
-    if num_stages is None:
-        num_stages = ONE_SPLIT_STAGES if num_splits == 1 else SPLIT_STAGES
+    default = decode_launch(head_dim, num_decodes, num_kv_heads, num_splits, out.device)
+    tile_n = tile_n or default[0]
+    num_warps = num_warps or default[1]
+    num_stages = num_stages or default[2]
     if num_splits > 1:
         part_out = torch.empty(
             (num_decodes, num_heads, num_splits, head_dim), dtype=torch.float32, device=out.device

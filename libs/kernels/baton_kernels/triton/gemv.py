@@ -54,11 +54,15 @@ STREAM = int(os.environ.get("BATON_GEMV_STREAM", "0"))  # the default of gemv's 
 # the best of a one-row sweep on an H200 where it beat what the engine ran before
 # (``benchmarks/device/ab_gemv_dot.sh``; GB/s of weight read, graph-timed): Llama-3.1-8B's o_proj
 # 2,927 against the fixed grid's 2,657, gate_up 3,888 against cuBLAS's 3,835, down (SiLU and the
-# folded norm inside) 3,135 against 2,936. Its qkv projection stays on the CUDA cores (3,081
-# against 3,026). The 32-layer stack without attention: 3,719 us against 3,835; the engine's
-# batch-1 graph 4.083 ms against 4.234, 4.041 with DOT_PREFETCH 1 (229.6-234.4 tok/s in four
-# processes against 221.2-221.3 on the CUDA cores).
+# folded norm inside) 3,135 against 2,936. The 32-layer stack without attention: 3,719 us
+# against 3,835; the engine's batch-1 graph 4.083 ms against 4.234, 4.041 with DOT_PREFETCH 1
+# (229.6-234.4 tok/s in four processes against 221.2-221.3 on the CUDA cores). Its qkv
+# projection (the input norm inside) read slower there alone (3,026 against the CUDA-core
+# kernel's 3,081), but in the engine it gains: graph 3.999-4.007 ms against 4.047-4.059,
+# 233.2-234.3 tok/s against 229.2-230.8 in three pairs of processes (ab_wide_head.sh,
+# ab_qkv_dot.sh; thirty-second session).
 DOT_LAUNCHES: dict[tuple[int, int], tuple[int, int, int, int, int]] = {
+    (6144, 4096): (64, 256, 4, 4, 1),
     (4096, 4096): (64, 256, 4, 4, 2),
     (28672, 4096): (256, 128, 8, 3, 1),
     (4096, 14336): (128, 128, 8, 4, 4),
