@@ -5,8 +5,9 @@ ptxas its package carries, and cuobjdump reads the cubin's resource usage.
     python benchmarks/decode_kernel_resources.py
 
 One line per shape: the launch configurations the engine uses for Qwen2.5-0.5B at 256 requests
-(one split) and Llama-3.1-8B at batch 1 (64 splits), with the rotation inside the kernel, each
-with 0, 1 or 2 tiles prefetched and the inputs read before the PDL wait or after it.
+(one split), Llama-3.1-8B at batch 1 (64 splits) and at 256 requests (one split), with the
+rotation inside the kernel, each with 0, 1 or 2 tiles prefetched and the inputs read before the
+PDL wait or after it.
 Registers per thread set how many programs fit on an SM (65,536 per SM).
 """
 
@@ -34,7 +35,14 @@ POINTERS = {
 UNIT_STRIDES = {"s_qd", "s_od", "s_cd", "s_kd", "s_vd", "s_csd"}  # specialized to 1 at launch
 # shape: (head_dim, group, num_heads, tile_n, num_warps, num_stages, num_splits)
 # (2 stages at one split since the thirtieth session: decode_attention.ONE_SPLIT_STAGES)
-SHAPES = {"qwen 256": (64, 7, 14, 128, 4, 2, 1), "llama b1": (128, 4, 32, 64, 2, 3, 64)}
+# (Llama 256: one warp on 32-key tiles since the thirty-second session, ONE_SPLIT_WIDE_HEAD;
+# "llama 256 old" the launch before)
+SHAPES = {
+    "qwen 256": (64, 7, 14, 128, 4, 2, 1),
+    "llama b1": (128, 4, 32, 64, 2, 3, 64),
+    "llama 256": (128, 4, 32, 32, 1, 3, 1),
+    "llama 256 old": (128, 4, 32, 64, 2, 2, 1),
+}
 
 
 def compile_decode(

@@ -82,9 +82,11 @@ SPLIT_STAGES = 3
 # instead of 64 keys and two warps. Llama-3.1-8B's decode attention on an H200
 # (benchmarks/device/decode_loop.py, 32 layers, contexts 577-640): 256 requests (15.5 programs
 # an SM) 154.6 us a layer against 164.4 (4,128 GB/s against 3,881), 64 requests (3.9 an SM)
-# 49.6 against 44.5: one warp a program needs many programs to hide the loads. The engine's
-# 256-request run: graph 12.42 ms against 12.62, 10,651 tok/s against 10,543
-# (ab_wide_head.sh). None: the defaults everywhere.
+# 49.6 against 44.5: one warp a program needs many programs to hide the loads. Compiled for
+# sm_90 (benchmarks/decode_kernel_resources.py) it takes 252 registers: 8 programs fill an SM's
+# registers, 8 warps as 4 of the two-warp launch (234 registers). The engine's 256-request run:
+# graph 12.42 ms against 12.62, 10,651 tok/s against 10,543 (ab_wide_head.sh). None: the
+# defaults everywhere.
 ONE_SPLIT_WIDE_HEAD: tuple[int, int, int] | None = (32, 1, 3)
 WIDE_HEAD_PROGRAMS_PER_SM = 8
 EARLY_INPUTS = os.environ.get("BATON_DECODE_EARLY", "1") != "0"
