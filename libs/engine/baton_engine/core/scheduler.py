@@ -169,11 +169,13 @@ class Scheduler:
         scheduled: list[Request] = []
 
         # This loop runs for every running request every step: _num_new_tokens is inlined, and
-        # allocate_slots is skipped while the request's blocks have room (kv_limit).
+        # allocate_slots is skipped while the request's blocks have room (kv_limit). Preemption
+        # pops requests off the list's tail, which its iterator then never reaches.
         threshold = self.long_prefill_token_threshold
-        i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
+        running = self.running
+        for request in running:
+            if budget <= 0:
+                break
             num_output = len(request.output_token_ids)
             num_pending = request.num_pending_tokens
             num_known = len(request.prompt_token_ids) + num_output + num_pending
@@ -189,14 +191,13 @@ class Scheduler:
                 num_pending
                 and (request.prefill_only or num_output + num_pending >= request.max_tokens)
             ):
-                i += 1
                 continue
             if computed + num_new <= request.kv_limit:
                 new_block_ids: list[int] = []
             else:
                 allocated = self.kv.allocate_slots(request, num_new)
                 while allocated is None:
-                    victim = self.running.pop()
+                    victim = running.pop()
                     self._preempt(victim)
                     preempted.add(victim.req_id)
                     if victim is request:
@@ -217,7 +218,6 @@ class Scheduler:
             if computed == num_known:
                 request.num_pending_tokens = num_pending + 1  # this step samples its next token
             scheduled.append(request)
-            i += 1
 
         # Admit waiting requests only when nothing had to be preempted this step.
         while (
@@ -336,8 +336,9 @@ class Scheduler:
             if len(out) < request.stop_len and token_id not in request.stop_ids:
                 # the common case (nothing can stop it, nothing more to report), built with the
                 # fewest lookups: Request.check_stop would return None
-                fields = (request.req_id, [token_id], None, None, None, request.num_cached_tokens)
-                outputs.append(_tuple_new(EngineCoreOutput, (*fields, None, None)))
+                fields = (request.req_id, [token_id], None, None, None, request.num_cached_tokens,
+                          None, None)  # fmt: skip
+                outputs.append(_tuple_new(EngineCoreOutput, fields))
                 continue
             status = request.check_stop()
             if (
