@@ -84,6 +84,7 @@ def engine(model: Path, args: argparse.Namespace, **kw: Any) -> EngineCore:
         # alone in its process, the server's default; else room for what an earlier engine in
         # this process may not have freed
         gpu_memory_utilization=0.9 if args.only_config else 0.6,
+        num_scheduler_steps=getattr(args, "num_scheduler_steps", 1),
         seed=0,
     )
     if args.device == "cpu":
@@ -137,7 +138,9 @@ def run_all(core: EngineCore, prompts: list[list[int]], params: SamplingParams) 
     for i, p in enumerate(prompts):
         core.add_request(f"r{i}", p, params)
     tokens: dict[str, list[int]] = {}
-    decode_steps: list[tuple[int, float]] = []  # (batch, seconds) of decode-only steps
+    # (batch, seconds) of decode-only steps; a step of k passes (multi-step scheduling) counts
+    # as k steps of a k-th of its time each
+    decode_steps: list[tuple[int, float]] = []
     other_steps: list[float] = []  # seconds of steps with prompt tokens
     first_token: float | None = None
     start = time.perf_counter()
@@ -149,7 +152,8 @@ def run_all(core: EngineCore, prompts: list[list[int]], params: SamplingParams) 
         if first_token is None and outs:
             first_token = time.perf_counter()
         if outs and len(outs) == so_running and not core.scheduler.num_waiting:
-            decode_steps.append((len(outs), dt))
+            passes = max(len(o.new_token_ids) for o in outs)
+            decode_steps += [(len(outs), dt / passes)] * passes
         else:
             other_steps.append(dt)
         for o in outs:
@@ -284,7 +288,7 @@ class FullStepRecorder:
         run = self.graphs.run
 
         def recording(**kw: Any) -> Any:
-            if len(kw["input_ids"]) == batch:
+            if len(kw["input_ids"]) == batch and kw["block_tables"] is not None:
                 self.last = kw
             return run(**kw)
 
@@ -323,6 +327,7 @@ def run_isolated(name: str, max_seqs: int, async_mode: bool, args: argparse.Name
             "--output-len", str(args.output_len), "--no-hf", "--no-checks",
             "--only-config", f"{max_seqs}:{int(async_mode)}", "--output-json", str(out),
             "--temperature", str(args.temperature), "--top-p", str(args.top_p),
+            "--num-scheduler-steps", str(args.num_scheduler_steps),
         ]  # fmt: skip
         if args.tiny:
             cmd.append("--tiny")
@@ -383,6 +388,7 @@ def bench_baton(name: str, model: Path, args: argparse.Namespace) -> None:
             "engine": "baton",
             "async_scheduling": async_scheduling,
             "batch": max_seqs,
+            "num_scheduler_steps": args.num_scheduler_steps,
             "output_tok_s": tps,
             "roofline_tok_s": roof,
             "share_of_roofline": tps / roof,
@@ -473,6 +479,9 @@ def main() -> int:
     p.add_argument("--block-size", type=int, help="tokens per KV block (default: the engine's, 16)")
     p.add_argument(
         "--compare-sync", default="", help="batches (as --batches) to run without async too"
+    )
+    p.add_argument(
+        "--num-scheduler-steps", type=int, default=1, help="the engine's (multi-step scheduling)"
     )
     p.add_argument("--no-hf", action="store_true", help="skip the transformers comparison")
     p.add_argument("--temperature", type=float, default=0.0, help="Baton's sampling (0: greedy)")

@@ -3,6 +3,7 @@ host-bound on the H200 until the eleventh session; the twenty-second found ~0.24
 step there, benchmarks/device/qwen256_bound.sh).
 
     python benchmarks/bench_host_step.py [--batch 256] [--steps 200] [--profile] [--bytecodes 20]
+                                         [--num-scheduler-steps K]
 
 The engine runs on the CPU with a tiny model; its decode steps go through ``DecodeGraphs`` (the
 GPU path: persistent buffers, pending tokens patched in, argmax over the logits), but the
@@ -12,7 +13,8 @@ launch, reading the sampled ids back and ``Scheduler.update_from_output``. Print
 mean and maximum of each phase over ``--steps`` decode-only steps at full batch (async
 scheduling, as on GPUs). The mean counts the steps in which the requests' blocks fill (every
 16th, all requests at once in this lockstep workload): they allocate blocks and hash the full
-ones for the prefix cache.
+ones for the prefix cache. With ``--num-scheduler-steps K`` a step runs K passes (multi-step
+scheduling); "per pass" divides its time by the passes it ran.
 Absolute figures depend on the CPU; compare variants in the same run or on the same machine.
 """
 
@@ -105,7 +107,7 @@ def count_bytecodes(core: EngineCore, steps: int) -> collections.Counter[str]:
     return counts
 
 
-def build(batch: int, prompt_len: int, output_len: int) -> EngineCore:
+def build(batch: int, prompt_len: int, output_len: int, num_steps: int = 1) -> EngineCore:
     model = Path(tempfile.mkdtemp())
     (model / "config.json").write_text(json.dumps(MODEL))
     core = EngineCore(
@@ -119,6 +121,7 @@ def build(batch: int, prompt_len: int, output_len: int) -> EngineCore:
             max_num_batched_tokens=8192,
             num_gpu_blocks_override=batch * (-(-(prompt_len + output_len + 16) // 16) + 1),
             async_scheduling=True,
+            num_scheduler_steps=num_steps,
             seed=0,
         )
     )
@@ -139,6 +142,7 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--num-scheduler-steps", type=int, default=1, help="passes a decode step")
     p.add_argument("--profile", action="store_true", help="print a cProfile of the steps")
     p.add_argument("--sort", default="tottime", help="the profile's order (pstats keys)")
     p.add_argument(
@@ -149,8 +153,9 @@ def main() -> int:
         help="then count the Python bytecodes of N more steps, by phase (speed-independent)",
     )
     args = p.parse_args()
-    output_len = args.steps + args.bytecodes + 64
-    core = build(args.batch, args.prompt_len, output_len)
+    k = args.num_scheduler_steps
+    output_len = (args.steps + args.bytecodes) * k + 64
+    core = build(args.batch, args.prompt_len, output_len, k)
     rng = random.Random(0)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     vocab = int(MODEL["vocab_size"])
@@ -165,6 +170,7 @@ def main() -> int:
         timed(core.runner, name)
     profiler = cProfile.Profile() if args.profile else None
     steps: list[float] = []
+    per_pass: list[float] = []
     if profiler:
         profiler.enable()
     for _ in range(args.steps):
@@ -172,11 +178,13 @@ def main() -> int:
         outs = core.step()
         steps.append(time.perf_counter() - start)
         assert len(outs) == args.batch, "every step must be a full decode step"
+        per_pass.append(steps[-1] * args.batch / sum(len(o.new_token_ids) for o in outs))
     if profiler:
         profiler.disable()
     print(f"decode steps at batch {args.batch}, over {args.steps} steps (ms):")
     print(f"  {'':21} {'median':>7} {'mean':>7} {'max':>7}")
-    for name, values in {"whole step": steps, **TIMES}.items():
+    rows = {"whole step": steps, **({"whole step per pass": per_pass} if k > 1 else {}), **TIMES}
+    for name, values in rows.items():
         ms = [v * 1e3 for v in values]
         median, mean = statistics.median(ms), statistics.mean(ms)
         print(f"  {name:<21} {median:7.3f} {mean:7.3f} {max(ms):7.3f}")

@@ -43,6 +43,7 @@ def make_core(
     async_scheduling: bool,
     max_num_seqs: int = 8,
     max_num_batched_tokens: int | None = None,
+    num_scheduler_steps: int = 1,
 ) -> EngineCore:
     return EngineCore(
         EngineConfig(
@@ -55,6 +56,7 @@ def make_core(
             num_gpu_blocks_override=64,
             attention_backend=backend,
             async_scheduling=async_scheduling,
+            num_scheduler_steps=num_scheduler_steps,
         )
     )
 
@@ -80,9 +82,14 @@ def run(
     random_norms: bool = False,
     fold: bool = False,
     fold_prompts: bool = False,
+    num_scheduler_steps: int = 1,
 ) -> tuple[dict[str, list[int]], EngineCore]:
     core = make_core(
-        model_dir, backend, async_scheduling, max_num_batched_tokens=max_num_batched_tokens
+        model_dir,
+        backend,
+        async_scheduling,
+        max_num_batched_tokens=max_num_batched_tokens,
+        num_scheduler_steps=num_scheduler_steps,
     )
     if random_norms:
         randomize_norms(core)
@@ -126,6 +133,25 @@ def test_padded_decode_path_with_async_scheduling(tmp_path: Path) -> None:
     assert got == want
     graphs = core.runner.graphs
     assert graphs is not None and graphs.num_steps.get(8, 0) >= 8
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_multi_step_passes_through_the_decode_graphs_match_reference(
+    tmp_path: Path, async_scheduling: bool
+) -> None:
+    """Multi-step scheduling on the GPU's decode path: three passes a step through the padded
+    buffers, the first copying the block tables for all three, each later one taking its input
+    ids from the pass before on the device and reusing its gathering."""
+    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
+    want, _ = run(tmp_path, "torch", graphs=False)
+    got, core = run(
+        tmp_path, "triton", graphs=True, async_scheduling=async_scheduling, num_scheduler_steps=3
+    )
+    assert got == want
+    assert core.scheduler.num_multi_steps == 3  # tokens 2-10 of each (the first: the prompt's)
+    assert core.runner.num_steady_launches >= 6  # the later passes at least
+    graphs = core.runner.graphs
+    assert graphs is not None and graphs.num_steps.get(8, 0) == 9
 
 
 @pytest.mark.parametrize("qkv_bias", [False, True])

@@ -249,3 +249,28 @@ def test_a_prefilled_prompt_waits_for_room_in_the_export_area(
         prefill.check_invariants()
     finally:
         prefill.shutdown()
+
+
+def test_two_ranks_run_multi_steps_as_one_does(default_model_dir: Path, tmp_path: Path) -> None:
+    """Multi-step scheduling on a split engine: every rank runs the passes, each broadcasting
+    rank 0's tokens before the next pass; the tokens are those of one process, one pass a
+    step."""
+    build_model("llama", default_model_dir, tmp_path)
+    want = greedy_tokens(tmp_path, PROMPTS, 12, kv_cache_memory=1 << 24)
+    llm = LLM(
+        str(tmp_path),
+        dtype="float32",
+        max_model_len=512,
+        kv_cache_memory=1 << 24,
+        tensor_parallel_size=2,
+        num_scheduler_steps=4,
+    )
+    try:
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p in PROMPTS],
+            SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+        )
+        assert llm.engine.core.scheduler.num_multi_steps > 0
+    finally:
+        llm.shutdown()
+    assert [list(o.outputs[0].token_ids) for o in outs] == want

@@ -214,3 +214,30 @@ def test_lone_request_decodes_through_fused_gemv_layers(
         del core
         _release_memory()
     assert results[1] == results[0] and all(len(t) == 40 for t in results[0].values())
+
+
+def test_multi_step_equals_single_step(tmp_path: Path) -> None:
+    """Multi-step scheduling on the GPU's defaults (decode graphs, async scheduling): several
+    passes a step, each pass's input the pass before's token on the device, give the tokens of
+    one pass a step, for greedy and seeded random sampling, with requests ending at different
+    steps (the batch shrinks between and inside multi-steps)."""
+    from baton_engine.sampling_params import SamplingParams
+
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    kinds = [
+        SamplingParams(temperature=0.0, max_tokens=37, ignore_eos=True),
+        SamplingParams(temperature=0.9, top_p=0.9, seed=1, max_tokens=29, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=40, min_tokens=6),  # EOS may end it
+    ]
+    results, multi = [], []
+    for steps in (1, 4):
+        core = _core(tmp_path, max_model_len=512, max_num_seqs=16, num_scheduler_steps=steps)
+        for i in range(12):
+            prompt = [(13 * i + j) % 4000 + 1 for j in range(5 + 7 * i)]
+            core.add_request(f"m{i}", prompt, kinds[i % 3])
+        results.append(_drain(core))
+        multi.append(core.scheduler.num_multi_steps)
+        del core
+        _release_memory()
+    assert results[1] == results[0]
+    assert multi[0] == 0 and multi[1] > 0

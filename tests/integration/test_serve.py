@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import psutil
 import pytest
 from tiny_models import build_model
@@ -213,4 +214,32 @@ def test_disaggregated_with_tensor_parallel_workers(
         ), metrics
     finally:
         _, survivors = serve_launcher.stop(server, signal.SIGTERM)
+    assert not survivors, f"left behind: {survivors}"
+
+
+def test_multi_step_serve_streams_the_single_step_text(
+    serve_launcher: Any, default_model_dir: Path, tmp_path: Path
+) -> None:
+    """``baton serve MODEL --num-scheduler-steps 4`` (disaggregated: the decode worker runs the
+    passes): a streamed greedy completion through the OpenAI SDK brings the offline engine's
+    single-step text, several tokens a chunk."""
+    prompt, want = _tiny_model_text("llama", 29, default_model_dir, tmp_path)
+    server = serve_launcher.start(
+        [str(tmp_path), "--dtype", "float32", "--num-scheduler-steps", "4"]
+    )
+    try:
+        client = openai.OpenAI(base_url=server.base_url, api_key="unused")
+        stream = client.completions.create(
+            model=server.model,
+            prompt=prompt,
+            max_tokens=10,
+            temperature=0.0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        texts = [c.choices[0].text for c in stream if c.choices and c.choices[0].text]
+    finally:
+        _, survivors = serve_launcher.stop(server, signal.SIGTERM)
+    assert "".join(texts) == want
+    assert len(texts) <= 5, texts  # the prefill's token, then runs of 4, 4 and 1
     assert not survivors, f"left behind: {survivors}"

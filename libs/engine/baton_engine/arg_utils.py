@@ -27,6 +27,9 @@ _HELP = {
     "enforce_eager": "GPU: run every step eagerly instead of replaying CUDA graphs",
     "async_scheduling": "schedule the next step while the device runs this one (default: on "
     "for GPUs, off for CPUs)",
+    "num_scheduler_steps": "forward passes a step runs when every running request is a plain "
+    "decode (multi-step scheduling: less host work per token, tokens arrive that many at a "
+    "time); 1: off",
     "seed": "seed of the default random generator",
     "device": "cpu | cuda",
     "tensor_parallel_size": "split the model's heads and MLP across this many processes: one "

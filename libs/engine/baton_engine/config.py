@@ -167,6 +167,11 @@ class EngineConfig:
     # the host one step later). None: on for GPUs, where it hides the host's per-step work;
     # off on CPUs, where the forward pass itself runs on the host.
     async_scheduling: bool | None = None
+    # Multi-step scheduling (vLLM V0's flag): a step whose requests are all plain decodes (no
+    # prompt waiting for room, no logprobs, penalties or stop strings) runs up to this many
+    # forward passes, so the host's per-step work (scheduling, inputs, outputs) is paid once
+    # for them; tokens then reach the caller that many at a time.
+    num_scheduler_steps: int = 1
     seed: int = 0
     device: str = "cpu"
     # Split the model's heads and MLP across this many processes (ranks 1..N-1 are helper
@@ -195,6 +200,7 @@ class EngineConfig:
             "max_num_batched_tokens",
             "block_size",
             "tensor_parallel_size",
+            "num_scheduler_steps",
         ):
             value = getattr(self, name)
             if value is not None and value < 1:

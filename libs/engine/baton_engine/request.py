@@ -83,6 +83,11 @@ class Request:
     # logprobs or prompt logprobs asked for).
     stop_len: int = field(init=False, repr=False)
     stop_ids: frozenset[int] = field(init=False, repr=False)
+    # Multi-step scheduling may run its decodes several passes a step: its sampling needs none
+    # of its tokens on the host (no penalties; ``min_tokens`` is checked when scheduling), it
+    # reports no logprobs, and it has no stop strings (matched on text above the engine, after
+    # the step: the tokens past one would have been reported with it).
+    multi_step: bool = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         sp = self.sampling_params
@@ -90,6 +95,13 @@ class Request:
         self.stop_len = self.max_tokens if plain else 0
         eos = () if sp.ignore_eos else self.eos_token_ids
         self.stop_ids = frozenset((*eos, *sp.stop_token_ids))
+        self.multi_step = (
+            plain
+            and not sp.stop
+            and sp.presence_penalty == 0.0
+            and sp.frequency_penalty == 0.0
+            and sp.repetition_penalty == 1.0
+        )
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -121,6 +121,7 @@ def build_runner(config: EngineConfig, tp_rank: int = 0) -> RunnerSetup:
             attention_backend=config.attention_backend,
             tp_rank=tp_rank,
             tp_size=tp_size,
+            num_scheduler_steps=config.num_scheduler_steps,
         )
     except ValueError as e:  # a model that does not split tensor_parallel_size ways
         raise InvalidRequestError(str(e)) from e
@@ -288,6 +289,7 @@ class EngineCore:
             max_num_batched_tokens=config.resolved_max_num_batched_tokens(),
             max_model_len=self.max_model_len,
             long_prefill_token_threshold=config.long_prefill_token_threshold,
+            num_scheduler_steps=config.num_scheduler_steps,
         )
         self.num_prompt_tokens = 0
         self.num_generated_tokens = 0
@@ -575,7 +577,10 @@ class EngineCore:
         so, handle = self._in_flight
         self._in_flight = None
         outputs = self.scheduler.update_from_output(so, handle.result())
-        self.num_generated_tokens += len(outputs)  # one new token each
+        if so.num_steps == 1:
+            self.num_generated_tokens += len(outputs)  # one new token each
+        else:
+            self.num_generated_tokens += sum(len(o.new_token_ids) for o in outputs)
         return outputs
 
     def stats(self) -> EngineStats:

@@ -39,6 +39,10 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     finished_req_ids: frozenset[str]  # finished or aborted since the last step: drop their state
     preempted_req_ids: frozenset[str]  # preempted this step: drop their state
+    # Multi-step scheduling: the step runs this many forward passes of the same decodes (one
+    # token each per pass, ``num_scheduled_tokens`` counts one pass), each pass's input the
+    # token the one before sampled (see ``Scheduler.schedule``).
+    num_steps: int = 1
 
     @property
     def is_empty(self) -> bool:
@@ -60,6 +64,8 @@ class ModelRunnerOutput:
     logprobs: Mapping[str, TokenLogprobs] = field(default_factory=dict)  # req_id -> its logprobs
     # req_id -> (index of the first prompt token covered, logprobs of consecutive prompt tokens)
     prompt_logprobs: Mapping[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
+    # A multi-step's tokens instead of ``sampled_token_ids``: req_id -> one token per pass
+    step_token_ids: Mapping[str, list[int]] = field(default_factory=dict)
 
 
 class EngineCoreOutput(NamedTuple):

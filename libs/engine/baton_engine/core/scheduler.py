@@ -13,6 +13,12 @@ as known (a decode of one token each), except that a request whose pending token
 (its ``max_tokens``, a prefill-only request) is not scheduled again. A request that stops on a
 token found one step late has had one more step computed; that token is dropped.
 
+Multi-step scheduling (``num_scheduler_steps`` > 1): when every running request is a plain
+decode (``Request.multi_step``) and no waiting request could be admitted, a step runs up to that
+many forward passes of the same requests, each pass's input the token the pass before sampled
+(on the device). Blocks for every pass are allocated up front and each request counts one
+pending token a pass; a request that stops on a token of an early pass drops the later ones.
+
 Disaggregation adds one detour. A waiting request whose prompt KV lives on a prefill worker
 (``remote_kv``) is admitted without compute: it matches the local prefix cache, gets blocks for
 the rest of its prompt (left out of the prefix index until filled) and waits in ``loading``
@@ -54,8 +60,10 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         long_prefill_token_threshold: int = 0,
+        num_scheduler_steps: int = 1,
     ) -> None:
         self.kv = kv_cache_manager
+        self.num_scheduler_steps = num_scheduler_steps
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -70,6 +78,7 @@ class Scheduler:
         # step id -> the requests it scheduled, until its output is reported
         self._scheduled: dict[int, list[Request]] = {}
         self.num_preemptions = 0
+        self.num_multi_steps = 0  # steps of more than one pass (multi-step scheduling)
 
     # --- requests in and out -------------------------------------------------------------------
 
@@ -161,6 +170,10 @@ class Scheduler:
         return min(num_new, budget)
 
     def schedule(self) -> SchedulerOutput:
+        if self.num_scheduler_steps > 1:
+            num_steps = self._num_steps()
+            if num_steps > 1:
+                return self._schedule_steps(num_steps)
         budget = self.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
@@ -260,6 +273,21 @@ class Scheduler:
                 request.num_pending_tokens += 1
             scheduled.append(request)
 
+        return self._output(
+            scheduled, new_reqs, cached_reqs, num_scheduled, self.max_num_batched_tokens - budget,
+            preempted,
+        )  # fmt: skip
+
+    def _output(
+        self,
+        scheduled: list[Request],
+        new_reqs: list[NewRequestData],
+        cached_reqs: list[CachedRequestData],
+        num_scheduled: dict[str, int],
+        num_tokens: int,
+        preempted: set[str],
+        num_steps: int = 1,
+    ) -> SchedulerOutput:
         finished, self._finished_req_ids = self._finished_req_ids, set()
         self._step_id += 1
         self._scheduled[self._step_id] = scheduled
@@ -268,9 +296,80 @@ class Scheduler:
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached_reqs,
             num_scheduled_tokens=num_scheduled,
-            total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
+            total_num_scheduled_tokens=num_tokens,
             finished_req_ids=frozenset(finished),
             preempted_req_ids=frozenset(preempted),
+            num_steps=num_steps,
+        )
+
+    # --- multi-step scheduling -----------------------------------------------------------------
+
+    def _num_steps(self) -> int:
+        """How many forward passes this step may run: up to ``num_scheduler_steps`` when every
+        running request is a plain decode that may take them all (``Request.multi_step``, past
+        its ``min_tokens``, that many tokens short of its ``max_tokens``) and the pool has the
+        blocks; 1 while a waiting request could be admitted (it would wait for the whole run)
+        or when every pass would not fit the token budget."""
+        running = self.running
+        if (
+            not running
+            or (self.waiting and len(running) + len(self.loading) < self.max_num_seqs)
+            or len(running) > self.max_num_batched_tokens
+        ):
+            return 1
+        num_steps = self.num_scheduler_steps
+        block_size = self.kv.block_size
+        num_blocks = 0  # at most what the passes need
+        num_scheduled = 0
+        for request in running:
+            num_output = len(request.output_token_ids)
+            num_pending = request.num_pending_tokens
+            computed = request.num_computed_tokens
+            if (
+                not request.multi_step
+                or num_output < request.sampling_params.min_tokens
+                or len(request.prompt_token_ids) + num_output + num_pending - computed != 1
+            ):
+                return 1  # (a prompt chunk; sampling that reads its tokens or suppresses)
+            left = request.max_tokens - num_output - num_pending
+            if left <= 0:
+                continue  # its pending token ends it: not scheduled
+            num_scheduled += 1
+            if left < num_steps:
+                num_steps = left
+                if num_steps == 1:
+                    return 1
+            if computed + num_steps > request.kv_limit:
+                num_blocks += num_steps // block_size + 1
+        return num_steps if num_scheduled and num_blocks <= self.kv.num_free_blocks else 1
+
+    def _schedule_steps(self, num_steps: int) -> SchedulerOutput:
+        """A step of ``num_steps`` passes over the running requests (``_num_steps`` checked
+        that each may take them): blocks for all of them now, one token a pass."""
+        num_scheduled: dict[str, int] = {}
+        cached_reqs: list[CachedRequestData] = []
+        scheduled: list[Request] = []
+        for request in self.running:
+            num_pending = request.num_pending_tokens
+            if len(request.output_token_ids) + num_pending >= request.max_tokens:
+                continue  # its pending token ends it
+            computed = request.num_computed_tokens
+            if computed + num_steps <= request.kv_limit:
+                new_block_ids: list[int] = []
+            else:
+                allocated = self.kv.allocate_slots(request, num_steps)
+                assert allocated is not None, "_num_steps counted the blocks"
+                new_block_ids = allocated
+            cached_reqs.append(
+                _tuple_new(CachedRequestData, (request.req_id, new_block_ids, computed))
+            )
+            num_scheduled[request.req_id] = 1
+            request.num_computed_tokens = computed + num_steps
+            request.num_pending_tokens = num_pending + num_steps  # a token a pass
+            scheduled.append(request)
+        self.num_multi_steps += 1
+        return self._output(
+            scheduled, [], cached_reqs, num_scheduled, len(scheduled), set(), num_steps
         )
 
     def _start_kv_load(self, request: Request) -> bool:
@@ -316,6 +415,8 @@ class Scheduler:
         """Append the tokens a step sampled, finish requests that stop, and report what changed.
         Requests that ended (abort, stop) or were preempted since the step was scheduled are
         still matched by identity: a finished one's token is dropped, a preempted one keeps it."""
+        if scheduler_output.num_steps > 1:
+            return self._update_from_steps(scheduler_output, runner_output)
         outputs: list[EngineCoreOutput] = []
         sampled = runner_output.sampled_token_ids
         prompt_logprobs = runner_output.prompt_logprobs
@@ -377,6 +478,55 @@ class Scheduler:
                         and request.num_output_tokens == 1
                         else None
                     ),
+                )
+            )
+        if any_finished:
+            self.running = [r for r in self.running if not r.is_finished()]
+        return outputs
+
+    def _update_from_steps(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """``update_from_output`` for a multi-step: each request's tokens in order up to the
+        first that stops it (the passes after it computed tokens that are dropped), reported
+        together."""
+        outputs: list[EngineCoreOutput] = []
+        num_steps = scheduler_output.num_steps
+        step_tokens = runner_output.step_token_ids
+        any_finished = False
+        for request in self._scheduled.pop(scheduler_output.step_id, ()):
+            tokens = step_tokens[request.req_id]
+            request.num_pending_tokens -= num_steps
+            if request.status is not _RUNNING and request.status.is_finished:
+                continue
+            out = request.output_token_ids
+            if len(out) + num_steps < request.stop_len and request.stop_ids.isdisjoint(tokens):
+                out += tokens  # the common case: none of them can stop it
+                outputs.append(_tuple_new(EngineCoreOutput, (request.req_id, tokens, None, None,
+                                                             None, request.num_cached_tokens,
+                                                             None, None)))  # fmt: skip
+                continue
+            status = None
+            for i, token_id in enumerate(tokens):
+                out.append(token_id)
+                status = request.check_stop()
+                if status is not None:
+                    tokens = tokens[: i + 1]
+                    break
+            if status is not None:
+                if request.status == RequestStatus.RUNNING:
+                    any_finished = True
+                else:  # preempted after this step was launched
+                    self.waiting.remove(request)
+                self._free(request, status)
+            outputs.append(
+                EngineCoreOutput(
+                    request.req_id,
+                    tokens,
+                    None,
+                    status.finish_reason if status is not None else None,
+                    request.stop_reason,
+                    request.num_cached_tokens,
                 )
             )
         if any_finished:

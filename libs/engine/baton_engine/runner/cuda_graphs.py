@@ -168,21 +168,21 @@ class DecodeGraphs:
         self,
         input_ids: np.ndarray,
         positions: np.ndarray,
-        block_tables: np.ndarray,
+        block_tables: np.ndarray | None,
         slot_block: np.ndarray,
         slot_offset: np.ndarray,
-        patch: Callable[[torch.Tensor], None] | None = None,
+        patch: Callable[[torch.Tensor], object] | None = None,
         host: Callable[[np.ndarray], torch.Tensor] = torch.from_numpy,
     ) -> torch.Tensor:
         """Hidden states ``[n, hidden]`` of a decode step of ``n`` requests (row i: token
-        ``input_ids[i]`` at ``positions[i]``; ``block_tables[i]`` its blocks). ``patch``, if
+        ``input_ids[i]`` at ``positions[i]``; ``block_tables[i]`` its blocks, None: the ones
+        the last run copied, which cover these positions too). ``patch``, if
         given, may then overwrite input ids in the device buffer (``[n]``) before the replay.
         ``host`` makes the CPU tensors copied from (``torch.from_numpy`` or pinned staging)."""
         n = len(input_ids)
         b = self.padded_size(n)
         assert b is not None, f"decode batch {n} exceeds the largest captured size"
         self.num_steps[b] = self.num_steps.get(b, 0) + 1
-        num_blocks = block_tables.shape[1]
         # Two host-to-device copies (from ``host``'s tensors: pinned ones never wait for the
         # stream): the per-row inputs, padding rows reset, and the block tables. Each copy
         # costs the host more than its bytes do (~10-20 us on the H200's host).
@@ -194,7 +194,9 @@ class DecodeGraphs:
         rows[3, :n] = slot_block
         rows[4, :n] = slot_offset
         self.row_inputs.copy_(host(rows), non_blocking=True)
-        self.block_tables[:n, :num_blocks].copy_(host(block_tables), non_blocking=True)
+        if block_tables is not None:
+            num_blocks = block_tables.shape[1]
+            self.block_tables[:n, :num_blocks].copy_(host(block_tables), non_blocking=True)
         if patch is not None:
             patch(self.input_ids[:n])
         graph = self._graphs.get(b)

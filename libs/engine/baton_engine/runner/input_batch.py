@@ -155,32 +155,34 @@ class InputBatch:
     def record_sampled(
         self,
         states: list[CachedRequestState],
-        token_ids: list[int],
+        token_ids: list[int] | np.ndarray,
         num_removed: int,
         rows: np.ndarray | None = None,
     ) -> None:
-        """One launched step's sampled tokens reached the host: one for each of ``states``, no
-        longer pending. Each held request records its token; one finished or preempted since
-        the launch (``num_removed`` was ``self.num_removed`` then) has given its row away.
-        ``rows``: the states' rows, in order, if the caller has them."""
+        """One launched step's sampled tokens reached the host: one for each of ``states`` (or
+        a row of ``k`` each, ``[len(states), k]``: a multi-step's passes), no longer pending.
+        Each held request records its tokens; one finished or preempted since the launch
+        (``num_removed`` was ``self.num_removed`` then) has given its row away. ``rows``: the
+        states' rows, in order, if the caller has them."""
+        ids = np.asarray(token_ids, dtype=np.int64)
+        k = 1 if ids.ndim == 1 else ids.shape[1]
         for state in states:
-            state.num_pending -= 1
+            state.num_pending -= k
         if num_removed != self.num_removed:  # some state may be gone: keep the held ones
             live = self.requests
-            kept = [
-                (s, t) for s, t in zip(states, token_ids, strict=True) if live.get(s.req_id) is s
-            ]
-            states, token_ids = [s for s, _ in kept], [t for _, t in kept]
-            rows = None
+            keep = [i for i, s in enumerate(states) if live.get(s.req_id) is s]
+            states, ids, rows = [states[i] for i in keep], ids[keep], None
         n = len(states)
         if rows is None:
             rows = np.fromiter((s.row for s in states), dtype=np.int64, count=n)
         cols = np.fromiter((s.num_tokens for s in states), dtype=np.int64, count=n)
         for state in states:
-            state.num_tokens += 1
-        ids = np.asarray(token_ids, dtype=np.int64)
+            state.num_tokens += k
+        if k > 1:  # row i's tokens go to columns cols[i], cols[i] + 1, ...
+            cols = (cols[:, None] + np.arange(k)).ravel()
+            rows, ids = np.repeat(rows, k), ids.ravel()
         if n and cols.max() >= self.token_table.shape[1]:
             # the last token of a full-length request needs no slot
-            keep = cols < self.token_table.shape[1]
-            rows, cols, ids = rows[keep], cols[keep], ids[keep]
+            keep_slot = cols < self.token_table.shape[1]
+            rows, cols, ids = rows[keep_slot], cols[keep_slot], ids[keep_slot]
         self.token_table[rows, cols] = ids

@@ -132,6 +132,7 @@ class ModelRunner:
         attention_backend: str = "auto",
         tp_rank: int = 0,
         tp_size: int = 1,
+        num_scheduler_steps: int = 1,
     ) -> None:
         """``model_config`` is the whole model's; with ``tp_size`` > 1 the runner holds rank
         ``tp_rank``'s shard (``model_config`` then becomes the shard's shape: its heads, its
@@ -180,8 +181,12 @@ class ModelRunner:
         self.staging = InputStaging(
             self.device, 8 * (max_num_seqs * max_blocks + 8 * max_num_batched_tokens) + (1 << 16)
         )
-        self._host_ids = [
-            torch.empty(max_num_seqs, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        self._host_ids = [  # a step's sampled ids: one a request, a pass (num_scheduler_steps)
+            torch.empty(
+                max_num_seqs * num_scheduler_steps,
+                dtype=torch.int64,
+                pin_memory=self.device.type == "cuda",
+            )
             for _ in range(2)
         ]
         with torch.device("meta"):
@@ -487,6 +492,8 @@ class ModelRunner:
             gathered = None
         # a steady decode batch, or one that lost requests (_DecodeGather)
         reqs = gathered.reqs if gathered is not None else [states[r] for r in order]
+        if so.num_steps > 1:
+            return self._launch_steps(so.num_steps, reqs, order, gathered)
         graphs = self.graphs
         prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = {}
         wants_prompt_logprobs = self.batch.num_prompt_logprobs > 0 and any(
@@ -505,11 +512,7 @@ class ModelRunner:
         else:
             num_new = [num_sched[r] for r in order]
             input_ids, positions, metadata, sample_rows = self._prepare_inputs(reqs, num_new)
-            pieces = self.pieces
-            if pieces is not None and pieces.padded_size(metadata.num_tokens) is not None:
-                hidden = pieces.run(input_ids, positions, self.kv_caches, metadata, self.backend)
-            else:
-                hidden = self.model(input_ids, positions, self.kv_caches, metadata, self.backend)
+            hidden = self._forward(input_ids, positions, metadata)
             if wants_prompt_logprobs:
                 prompt_logprobs = self._prompt_logprobs(reqs, metadata, hidden)
             last_token = self.staging.to_device(
@@ -555,6 +558,78 @@ class ModelRunner:
             rows=mine.rows if mine is not None else None,
         )
 
+    def _forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        """Hidden states of a step that runs no decode graph: piecewise graphs where a size
+        was captured, else the eager model."""
+        pieces = self.pieces
+        hidden: torch.Tensor
+        if pieces is not None and pieces.padded_size(metadata.num_tokens) is not None:
+            hidden = pieces.run(input_ids, positions, self.kv_caches, metadata, self.backend)
+        else:
+            hidden = self.model(input_ids, positions, self.kv_caches, metadata, self.backend)
+        return hidden
+
+    def _launch_steps(
+        self,
+        num_steps: int,
+        reqs: list[CachedRequestState],
+        order: list[str],
+        gathered: _DecodeGather | None,
+    ) -> StepHandle:
+        """A multi-step (``SchedulerOutput.num_steps``): ``num_steps`` decode passes over
+        ``reqs``, pass ``j`` computing each one's position ``c + j`` from the token pass
+        ``j - 1`` sampled, which stays on the device (``_patch_pending``). The host reads every
+        pass's tokens at the end, in one copy. The scheduler sends only requests whose sampling
+        reads none of their tokens on the host."""
+        graphs = self.graphs
+        n = len(reqs)
+        use_graphs = graphs is not None and n <= graphs.max_batch_size
+        greedy = not self.batch.num_not_plain_greedy or all(_plain_greedy(s) for s in reqs)
+        metadata = None if greedy else self._sampling_metadata(reqs)
+        passes: list[torch.Tensor] = []
+        for j in range(num_steps):
+            if j:
+                for state in reqs:
+                    state.num_computed_tokens += 1
+            if graphs is not None and use_graphs:
+                hidden, sample_rows = self._run_decode_graph(
+                    graphs, reqs, order, gathered, span=num_steps - j, later_pass=j > 0
+                )
+                gathered = self._gathered
+            else:  # (the inputs count this pass's pending tokens: num_pending below)
+                input_ids, positions, md, sample_rows = self._prepare_inputs(reqs, [1] * n)
+                hidden = self._forward(input_ids, positions, md)[:n]
+            assert len(sample_rows) == n, "each pass of a multi-step samples every request"
+            logits = self.model.compute_logits(hidden)
+            if metadata is None:
+                token_ids = fused.argmax(logits)
+            else:
+                token_ids = self.sampler(logits, metadata).sampled_token_ids
+            if self.tp_size > 1:
+                distributed.broadcast(token_ids)
+            if not use_graphs:
+                for state in reqs:
+                    state.num_pending += 1
+            self._last_sampled, self._last_sampled_reqs = token_ids, reqs
+            passes.append(token_ids)
+        if use_graphs:
+            for state in reqs:
+                state.num_pending += num_steps
+        mine = self._gathered if use_graphs else None
+        return StepHandle(
+            self.batch,
+            reqs,
+            self._to_host(torch.stack(passes, dim=1).view(-1)),  # request-major
+            {},
+            {},
+            self.check_ranks,
+            req_ids=order,
+            rows=mine.rows if mine is not None else None,
+            num_steps=num_steps,
+        )
+
     def _to_host(self, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """Start copying the sampled ids to the host (pinned, alternating between two buffers:
         one step's copy may still be unread while the next is launched)."""
@@ -574,13 +649,14 @@ class ModelRunner:
         """Fill the input ids (``ids``, on the device, one per token of the step) of decodes
         whose input token is still pending, from the last launched step's sampled ids. Row
         ``i < len(reqs)`` is request ``i``'s first token, at ``positions[i]``: its input is
-        pending when the host has the request's tokens only up to that position."""
+        pending when the host has the request's tokens only up to that position (then it is
+        the last token that step sampled: one of a multi-step's passes, the one before)."""
         last = self._last_sampled
         if last is None:
             return
         n = len(reqs)
         num_host = np.fromiter((s.num_tokens for s in reqs), dtype=np.int64, count=n)
-        dst = np.flatnonzero(positions[:n] == num_host)
+        dst = np.flatnonzero(positions[:n] >= num_host)
         if not len(dst):
             return
         last_reqs = self._last_sampled_reqs
@@ -626,9 +702,14 @@ class ModelRunner:
         reqs: list[CachedRequestState],
         order: list[str],
         gathered: _DecodeGather | None,
+        span: int = 1,
+        later_pass: bool = False,
     ) -> tuple[torch.Tensor, list[int]]:
         """One token per request through the captured graphs: hidden states, rows to sample.
-        ``gathered``: the previous launch's, of the same requests (a steady decode batch)."""
+        ``gathered``: the previous launch's, of the same requests (a steady decode batch).
+        A multi-step's first pass copies the block tables for all ``span`` passes; a later
+        pass (``later_pass``: ``gathered`` is the pass before) copies none and takes every
+        input token from the pass before."""
         bs = self.block_size
         n = len(reqs)
         if gathered is not None:
@@ -640,15 +721,24 @@ class ModelRunner:
         if gathered is None:
             rows = np.fromiter((s.row for s in reqs), dtype=np.int64, count=n)
             pos = np.fromiter((s.num_computed_tokens for s in reqs), dtype=np.int64, count=n)
-        max_blocks = int(pos.max()) // bs + 1
-        table = self.batch.block_table[rows, :max_blocks]
+        block_table = self.batch.block_table
+        if later_pass:
+            table = None
+            last = self._last_sampled
+            assert last is not None
+            patch: Callable[[torch.Tensor], object] = lambda ids: ids.copy_(last)  # noqa: E731
+            input_ids = pos  # (every row patched)
+        else:
+            table = block_table[rows, : (int(pos.max()) + span - 1) // bs + 1]
+            patch = lambda ids: self._patch_pending(reqs, pos, ids)  # noqa: E731
+            input_ids = self.batch.token_table[rows, pos]
         hidden = graphs.run(
-            input_ids=self.batch.token_table[rows, pos],
+            input_ids=input_ids,
             positions=pos,
             block_tables=table,
-            slot_block=table[np.arange(n), pos // bs],
+            slot_block=block_table[rows, pos // bs],
             slot_offset=pos % bs,
-            patch=lambda ids: self._patch_pending(reqs, pos, ids),
+            patch=patch,
             host=lambda a: self.staging.host(a, torch.int64),
         )
         if gathered is not None and gathered.all_sampled:
@@ -775,10 +865,13 @@ class StepHandle:
         *,
         req_ids: list[str] | None = None,
         rows: np.ndarray | None = None,
+        num_steps: int = 1,
     ) -> None:
         """``req_ids`` / ``rows``: the ids and table rows of ``sampled_reqs`` in order, where
-        the launch had them at hand."""
+        the launch had them at hand. ``num_steps``: a multi-step's passes (the host ids hold
+        each request's tokens in a row)."""
         self._batch = batch
+        self._num_steps = num_steps
         self._req_ids = req_ids
         self._rows = rows
         self._num_removed = batch.num_removed  # (the step's requests are all held now)
@@ -801,9 +894,16 @@ class StepHandle:
         ids, event = self._host
         if event is not None:
             wait_for(event, self._check_ranks)
-        token_ids = ids.tolist()
         reqs = self._reqs
         req_ids = self._req_ids if self._req_ids is not None else [s.req_id for s in reqs]
+        k = self._num_steps
+        if k > 1:
+            passes = ids.view(len(reqs), k).numpy()
+            self._batch.record_sampled(reqs, passes, self._num_removed, self._rows)
+            step_tokens = dict(zip(req_ids, passes.tolist(), strict=True))
+            self._output = ModelRunnerOutput({}, step_token_ids=step_tokens)
+            return self._output
+        token_ids = ids.tolist()
         sampled = dict(zip(req_ids, token_ids, strict=True))
         self._batch.record_sampled(reqs, token_ids, self._num_removed, self._rows)
         self._output = ModelRunnerOutput(sampled, self._logprobs, self._prompt_logprobs)
