@@ -103,6 +103,7 @@ def probe_args(description: str | None) -> argparse.ArgumentParser:
     p.add_argument("--num-prompts", type=int, default=256)
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--num-scheduler-steps", type=int, default=1)
     p.add_argument("--only-config", default="1", help=argparse.SUPPRESS)  # engine(): alone
     return p
 
