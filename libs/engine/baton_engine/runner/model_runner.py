@@ -583,9 +583,10 @@ class ModelRunner:
         ``j - 1`` sampled, which stays on the device (``_patch_pending``). The host reads every
         pass's tokens at the end, in one copy. The scheduler sends only requests whose sampling
         reads none of their tokens on the host."""
-        graphs = self.graphs
         n = len(reqs)
-        use_graphs = graphs is not None and n <= graphs.max_batch_size
+        graphs = self.graphs
+        if graphs is not None and n > graphs.max_batch_size:
+            graphs = None  # (eager passes)
         greedy = not self.batch.num_not_plain_greedy or all(_plain_greedy(s) for s in reqs)
         metadata = None if greedy else self._sampling_metadata(reqs)
         passes: list[torch.Tensor] = []
@@ -593,7 +594,7 @@ class ModelRunner:
             if j:
                 for state in reqs:
                     state.num_computed_tokens += 1
-            if graphs is not None and use_graphs:
+            if graphs is not None:
                 hidden, sample_rows = self._run_decode_graph(
                     graphs, reqs, order, gathered, span=num_steps - j, later_pass=j > 0
                 )
@@ -609,15 +610,15 @@ class ModelRunner:
                 token_ids = self.sampler(logits, metadata).sampled_token_ids
             if self.tp_size > 1:
                 distributed.broadcast(token_ids)
-            if not use_graphs:
+            if graphs is None:
                 for state in reqs:
                     state.num_pending += 1
             self._last_sampled, self._last_sampled_reqs = token_ids, reqs
             passes.append(token_ids)
-        if use_graphs:
+        if graphs is not None:
             for state in reqs:
                 state.num_pending += num_steps
-        mine = self._gathered if use_graphs else None
+        mine = self._gathered if graphs is not None else None
         return StepHandle(
             self.batch,
             reqs,
