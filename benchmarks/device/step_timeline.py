@@ -14,13 +14,18 @@ longer than the step's kernels.
 
 Prints, per run, the phase totals (prompt phase: steps until every request has its first
 token; decode phase: the rest) and the slowest steps with their breakdown. ``--shape tiny
---device cpu`` is a smoke run (host timers only).
+--device cpu`` is a smoke run (host timers only). ``--profile-step N`` runs step N of the first
+run under cProfile and prints its costliest calls (a first-use stall shows as the C call that
+blocked); the "gc" column is the cyclic collector's time in the step.
 """
 
 from __future__ import annotations
 
+import cProfile
 import gc
+import io
 import json
+import pstats
 import sys
 import time
 from dataclasses import dataclass, field
@@ -48,6 +53,7 @@ class Step:
     gap_ms: float = float("nan")
     wall: float = 0.0
     outputs: int = 0
+    gc_s: float = 0.0
 
 
 class Recorder:
@@ -57,6 +63,9 @@ class Recorder:
         self.core, self.cuda = core, cuda
         self.steps: list[Step] = []
         self.current = Step()
+        self.profile_step = -1  # a step of the next run to run under cProfile
+        self._gc_start = 0.0
+        gc.callbacks.append(self._on_gc)
         sched, runner = core.scheduler, core.runner
         self._wrap(sched, "schedule", "schedule", self._on_schedule)
         self._wrap(sched, "update_from_output", "update")
@@ -113,11 +122,28 @@ class Recorder:
             end.record()
             self.current.events = (self.current.events[0], end)
 
+    def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+        else:
+            self.current.gc_s += time.perf_counter() - self._gc_start
+
     def step(self) -> list[Any]:
         self.current = Step()
+        profiler = cProfile.Profile() if len(self.steps) == self.profile_step else None
         start = time.perf_counter()
+        if profiler is not None:
+            profiler.enable()
         outs = self.core.step()
+        if profiler is not None:
+            profiler.disable()
         self.current.wall = time.perf_counter() - start
+        if profiler is not None:
+            text = io.StringIO()
+            pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
+            print(f"-- step {self.profile_step} under cProfile ({self.current.wall * 1e3:.2f} ms)")
+            print("\n".join(line for line in text.getvalue().splitlines()[6:] if line.strip()))
+            self.profile_step = -1
         self.current.outputs = len(outs)
         self.steps.append(self.current)
         return outs
@@ -171,6 +197,7 @@ def run(core: EngineCore, rec: Recorder, prompts: list[list[int]], params: Sampl
                 s.span_ms,
                 s.gap_ms,
                 {k: v * 1e3 for k, v in s.host.items()},
+                s.gc_s * 1e3,
             ]
             for s in steps
         ],
@@ -196,7 +223,7 @@ def run(core: EngineCore, rec: Recorder, prompts: list[list[int]], params: Sampl
               f"{host['forward']:6.3f} {host['result']:6.3f} {host['update']:6.3f}")  # fmt: skip
     print(f"{'#':>4} {'tokens':>6} {'dec':>4} {'pr':>3} {'wall ms':>8} {'span':>7} {'gap':>6} "
           f"{'sched':>6} {'launch':>6} {'inputs':>6} {'fwd':>6} {'result':>6} "
-          f"{'update':>6}")  # fmt: skip
+          f"{'update':>6} {'gc':>5}")  # fmt: skip
 
     def show(i: int, s: Step) -> None:
         h = s.host
@@ -204,7 +231,7 @@ def run(core: EngineCore, rec: Recorder, prompts: list[list[int]], params: Sampl
               f"{s.span_ms:7.2f} {s.gap_ms:6.2f} {h.get('schedule', 0) * 1e3:6.2f} "
               f"{h.get('launch', 0) * 1e3:6.2f} {h.get('inputs', 0) * 1e3:6.2f} "
               f"{h.get('forward', 0) * 1e3:6.2f} {h.get('result', 0) * 1e3:6.2f} "
-              f"{h.get('update', 0) * 1e3:6.2f}")  # fmt: skip
+              f"{h.get('update', 0) * 1e3:6.2f} {s.gc_s * 1e3:5.2f}")  # fmt: skip
 
     print("-- the prompt phase and the step after it")
     for i in range(min(split + 2, len(steps))):
@@ -240,6 +267,7 @@ def main() -> int:
     p = probe_args(__doc__)
     p.add_argument("--runs", type=int, default=2)
     p.add_argument("--output-json", type=Path, default=None)
+    p.add_argument("--profile-step", type=int, default=-1, help="of the first run, under cProfile")
     p.add_argument(
         "--gc",
         choices=("default", "freeze", "off"),
@@ -254,6 +282,7 @@ def main() -> int:
     elif args.gc == "off":
         gc.disable()
     rec = Recorder(core, args.device == "cuda")
+    rec.profile_step = args.profile_step
     out = [
         run(core, rec, random_prompts(args.num_prompts, args.prompt_len, mc.vocab_size, seed=k),
             params, f"run {k + 1}")  # fresh prompts each run: no prefix-cache hits

@@ -328,8 +328,24 @@ class ModelRunner:
                 params, [[]] * rows, [[]] * rows, {}, device=self.device
             )
             self.sampler(self.model.compute_logits(hidden[:rows]), metadata)
+            self._warm_patch_pending()
             torch.cuda.synchronize()
         logger.info("kernels ready in %.1f s", time.perf_counter() - start)
+
+    def _warm_patch_pending(self) -> None:
+        """Launch once each kernel that ``_patch_pending`` uses when a step mixes prompts with
+        decodes whose input ids are pending (``index_select`` of the last sampled ids,
+        ``index_copy_`` into the inputs), at index counts on both sides of torch's small-index
+        cutoff (16): the driver loads a kernel lazily at its first launch, and that load waited
+        for the device. The first such step of a Qwen-256 run on the H200 spent 14-20 ms in
+        ``index_select`` while the previous prompt step ran (cProfile,
+        benchmarks/device/first_mixed.sh); ``CUDA_MODULE_LOADING=EAGER`` removed it."""
+        n = max(self.max_num_seqs, 17)
+        last = torch.zeros(n, dtype=torch.int64, device=self.device)
+        ids = torch.zeros(n, dtype=torch.int64, device=self.device)
+        for count in (1, 17):
+            rows = torch.arange(count, device=self.device)
+            ids.index_copy_(0, rows, last.index_select(0, rows))
 
     def enable_decode_graphs(self, capture: bool) -> bool:
         """Run decode-only steps through persistent buffers, from CUDA graphs when ``capture``
