@@ -4,7 +4,11 @@ kernel time, and the host's ``forward`` call takes nearly all of it).
     python benchmarks/device/launch_cost.py [--shape qwen]
 
 1. Host time per call of each kind of launch in a prompt step, on tiny inputs (the GPU is never
-   the limit): a torch elementwise op, ``F.linear``, and each of the Baton Triton kernels.
+   the limit): a torch elementwise op, ``F.linear``, and each of the Baton Triton kernels; for
+   the Triton ones also the same launches straight through their compiled kernels' launchers
+   (``CompiledKernel.run`` with the arguments bound once), which skips ``JITFunction.run``'s
+   binding, specialisation and cache lookup, and through Baton's launch cache
+   (``baton_kernels.triton.launch``, "cache") against Triton's path ("triton").
 2. The engine on issue 5's workload: two 8,192-token prompt steps under cProfile (Python time by
    function) and the CUDA caching allocator's counters over the prompt phase (a retry frees the
    cache and synchronises).
@@ -18,6 +22,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +52,37 @@ def per_call_us(fn: Callable[[], object], n: int = 2000) -> float:
     host = time.perf_counter() - start
     sync()
     return host / n * 1e6
+
+
+def direct_launches(fn: Callable[[], object]) -> Callable[[], None]:
+    """``fn``'s Triton launches, captured once (kernel, grid, bound arguments), replayed
+    through each compiled kernel's launcher."""
+    from triton.runtime.driver import driver
+    from triton.runtime.jit import JITFunction
+
+    calls = []
+    orig = JITFunction.run
+
+    def run(self: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> Any:
+        kernel = orig(self, *args, grid=grid, warmup=warmup, **kwargs)
+        dev = driver.active.get_current_device()
+        bound = self.device_caches[dev][4](*args, **kwargs)[0]
+        g = tuple(grid(bound) if callable(grid) else grid)
+        calls.append((kernel, g + (1,) * (3 - len(g)), tuple(bound.values())))
+        return kernel
+
+    JITFunction.run = run  # type: ignore[method-assign]
+    try:
+        fn()
+    finally:
+        JITFunction.run = orig  # type: ignore[method-assign]
+    stream = driver.active.get_current_stream(driver.active.get_current_device())
+
+    def replay() -> None:
+        for k, g, a in calls:
+            k.run(g[0], g[1], g[2], stream, k.function, k.packed_metadata, None, None, None, *a)
+
+    return replay
 
 
 def launch_costs(device: str, n: int) -> None:
@@ -88,16 +124,29 @@ def launch_costs(device: str, n: int) -> None:
         ),
     }
     print(f"host time per launch, tiny inputs ({n} calls):")
+    from baton_kernels.triton import launch
+
     for name, fn in cases.items():
-        print(f"  {name:32} {per_call_us(fn, n):7.1f} us", flush=True)
+        line = f"  {name:32} {per_call_us(fn, n):7.1f} us"
+        if "(Triton)" in name:
+            launch.FAST_LAUNCH = False
+            line += f"   triton {per_call_us(fn, n):7.1f} us"
+            launch.FAST_LAUNCH = True
+        if "(Triton)" in name and device == "cuda":
+            try:
+                line += f"   direct {per_call_us(direct_launches(fn), n):7.1f} us"
+            except Exception as e:  # a probe: report and go on
+                line += f"   direct failed: {e!r:.100}"
+        print(line, flush=True)
 
 
 def main() -> int:
     p = probe_args(__doc__)
     p.add_argument("--rows", type=int, default=30)
+    p.add_argument("--launches-only", action="store_true", help="the first part alone")
     args = p.parse_args()
     launch_costs(args.device, 2000 if args.device == "cuda" else 2)
-    if args.device != "cuda":  # a smoke run of the first part (TRITON_INTERPRET=1)
+    if args.device != "cuda" or args.launches_only:  # (a CPU smoke run: TRITON_INTERPRET=1)
         return 0
     core, mc, params = probe_engine(args)
     for rnd in range(2):

@@ -54,6 +54,7 @@ from baton_kernels.triton.common import (
     upcast_in_kernel,
     zeroed_counters,
 )
+from baton_kernels.triton.launch import launcher
 
 # Shorter slices cost more in the reduce than they save. 64 since the reduce is fused: at batch 1
 # (Qwen2.5-0.5B shape, context ~640) the decode graph took 0.834 ms against 0.866 with 128.
@@ -615,7 +616,8 @@ def decode_attention(
         and row_bytes % 16 == 0
         else 0
     )
-    _decode_kernel[(num_decodes, num_kv_heads, num_splits)](
+    launcher(_decode_kernel)(
+        (num_decodes, num_kv_heads, num_splits),
         query,
         kv,
         out,
@@ -656,7 +658,8 @@ def decode_attention(
         **pdl,
     )
     if num_splits > 1 and not fuse_reduce:
-        _decode_reduce_kernel[(num_decodes, num_kv_heads)](
+        launcher(_decode_reduce_kernel)(
+            (num_decodes, num_kv_heads),
             part_out,
             part_lse,
             out,

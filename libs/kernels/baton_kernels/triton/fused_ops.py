@@ -31,6 +31,7 @@ from baton_kernels.triton.common import (
     pdl_launch,
     zeroed_counters,
 )
+from baton_kernels.triton.launch import launcher
 
 POSITION_DTYPES = (torch.int32, torch.int64)
 SILU_BLOCK = 1024  # columns of the output per program in silu_and_mul
@@ -361,7 +362,8 @@ def _launch_rotary(
         v_strides, kv_strides = value.stride(), kv.stride()
     norm_of, eps, bias = norm if norm is not None else (query, 0.0, None)
     hidden = norm_of.shape[1] if norm is not None else 1
-    _rotary_kernel[grid](
+    launcher(_rotary_kernel)(
+        grid,
         query,
         key,
         positions,
@@ -506,7 +508,8 @@ def silu_and_mul(
     # many rows with a norm: one program a row, not one per row and columns block, each of
     # which would read the row of ``norm_of`` again
     row_loop = norm_of is not None and num_tokens >= SILU_ROW_LOOP_MIN_ROWS
-    _silu_and_mul_kernel[(num_tokens, 1 if row_loop else cdiv(inter, block))](
+    launcher(_silu_and_mul_kernel)(
+        (num_tokens, 1 if row_loop else cdiv(inter, block)),
         x,
         out,
         inter,
@@ -603,7 +606,8 @@ def _launch_norm(
     res = x if residual is None else residual
     block = next_pow2(hidden)
     pdl = pdl_launch(x.device)
-    _rms_norm_kernel[(num_tokens,)](
+    launcher(_rms_norm_kernel)(
+        (num_tokens,),
         x,
         res,
         weight,
@@ -739,7 +743,8 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     num_chunks = cdiv(vocab, chunk)
     part_val = torch.empty((rows, num_chunks), dtype=torch.float32, device=logits.device)
     part_idx = torch.empty((rows, num_chunks), dtype=torch.int32, device=logits.device)
-    _argmax_kernel[(rows, num_chunks)](
+    launcher(_argmax_kernel)(
+        (rows, num_chunks),
         logits,
         part_val,
         part_idx,

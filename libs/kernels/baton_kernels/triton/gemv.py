@@ -44,6 +44,7 @@ from baton_kernels.triton.common import (
     upcast_in_kernel,
     zeroed_counters,
 )
+from baton_kernels.triton.launch import launcher
 
 MAX_ROWS = 4
 PRO_NONE, PRO_RMS_NORM, PRO_SILU_MUL, PRO_SILU_MUL_NORMED = 0, 1, 2, 3
@@ -601,10 +602,10 @@ def gemv(
                   num_stages=num_stages)  # fmt: skip
     if per_sm:
         grid = min(cdiv(n, block_n), per_sm * num_sms(x.device))
-        _gemv_stream_kernel[(grid,)](*args, **consts)
+        launcher(_gemv_stream_kernel)((grid,), *args, **consts)
     else:
         prefetch = PREFETCH and bool(consts["PDL"]) if prefetch is None else prefetch
-        _gemv_kernel[(cdiv(n, block_n),)](*args, PREFETCH=prefetch, **consts)
+        launcher(_gemv_kernel)((cdiv(n, block_n),), *args, PREFETCH=prefetch, **consts)
     return out
 
 
@@ -673,7 +674,7 @@ def _gemv_dot(
     rstd_k = min(4096, next_pow2(norm_of.shape[1])) if norm_of is not None else 16
     args, consts = _launch_args(x, weight, bias, norm_weight, eps, silu_mul, norm_of, residual,
                                 out)  # fmt: skip
-    _gemv_dot_kernel[(blocks, split_k)](
+    launcher(_gemv_dot_kernel)((blocks, split_k),
         *args, part, counters, **consts, BLOCK_M=max(16, next_pow2(m)), BLOCK_N=block_n,
         BLOCK_K=block_k, SPLIT_K=split_k, RSTD_ROWS=next_pow2(m), RSTD_K=rstd_k,
         DOT_PREC=dot_precision(x.dtype), UPCAST=upcast_in_kernel(x), PREFETCH=prefetch,

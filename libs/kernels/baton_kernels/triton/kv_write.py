@@ -14,6 +14,7 @@ import triton.language as tl
 
 from baton_kernels.attention.base import KVCacheView
 from baton_kernels.triton.common import block_d, cdiv, next_pow2
+from baton_kernels.triton.launch import launcher
 
 
 @triton.jit
@@ -70,7 +71,8 @@ def write_kv_cache(
     bd = block_d(head_dim)
     block_h = min(next_pow2(num_kv_heads), max(1, 4096 // bd))
     grid = (num_tokens, cdiv(num_kv_heads, block_h))
-    _write_kv_kernel[grid](
+    launcher(_write_kv_kernel)(
+        grid,
         key,
         value,
         kv,

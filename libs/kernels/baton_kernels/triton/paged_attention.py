@@ -43,6 +43,7 @@ from baton_kernels.triton.common import (
     online_softmax_step,
     upcast_in_kernel,
 )
+from baton_kernels.triton.launch import launcher
 
 
 class PrefillConfig(NamedTuple):
@@ -221,7 +222,8 @@ def paged_attention(
     block_m = max(cfg.rows, next_pow2(group))
     block_q = block_m // group
     grid = (num_tokens // block_q + num_reqs, num_kv_heads)
-    _paged_attention_kernel[grid](
+    launcher(_paged_attention_kernel)(
+        grid,
         query,
         kv,
         out,

@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from baton_kernels.triton.common import cdiv
+from baton_kernels.triton.launch import launcher
 
 SPAN = 80.0  # logits below the row's max by more than this are never in a nucleus (p < 1)
 NUM_PIVOTS = 16  # a power of two (tl.arange)
@@ -152,7 +153,8 @@ def top_p_threshold(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
         total = torch.empty(rows * splits, dtype=torch.float32, device=device)
         for pass_idx in range(PASSES + 1):
             final = pass_idx == PASSES
-            _top_p_pass_kernel[(rows, 1 if final else splits)](
+            launcher(_top_p_pass_kernel)(
+                (rows, 1 if final else splits),
                 logits,
                 logits.stride(0),
                 vocab_size,
