@@ -12,8 +12,9 @@ them: on slower hosts a 16,384-token prompt step's launches took as long as its 
 
 ``Launcher`` keeps, for one kernel, the compiled kernel of each specialisation it has met, under
 a key of its own that is at least as fine as Triton's: each tensor's dtype and 16-byte alignment,
-each integer's equality to 1, divisibility by 16 and 32-bit range, every other positional
-argument's type, the keyword arguments (constexprs and launch options) by value, and the current
+each integer's value where it is below 16 or beyond 32 bits and else its divisibility by 16
+(Triton: equality to 1, divisibility by 16, 32 or 64 bits), every other positional argument's
+type, the keyword arguments (constexprs and launch options) by value, and the current
 device. The first call of a key goes through Triton (which compiles when it must) and keeps what
 it returned; later calls go straight to the launcher. Only tensors, integers, floats, bools and
 None may be passed positionally and only constexprs and options by keyword: anything else turns
@@ -106,11 +107,14 @@ class Launcher:
         return (
             device() if device is not None else None,
             tuple(kwargs.items()),
+            # an integer: its value below 16 (1 among them) or beyond 32 bits, else 16 or 17
+            # by its divisibility by 16 (cheaper than a tuple each: 3.9 against 7.6 us for 40
+            # integers and 10 tensors on the dev CPU); a tensor: dtype and alignment
             *[
-                (a.dtype, not a.data_ptr() & 15)
-                if isinstance(a, torch.Tensor)
-                else (a == 1, not a & 15, -0x80000000 <= a <= 0x7FFFFFFF)
+                (a if a < 16 or a > 0x7FFFFFFF else 16 + (not a & 15))
                 if type(a) is int
+                else (a.dtype, not a.data_ptr() & 15)
+                if isinstance(a, torch.Tensor)
                 else type(a)
                 for a in args
             ],
@@ -123,7 +127,6 @@ class Launcher:
         fast path where its key could not be trusted)."""
         compiled = self.kernel[grid](*args, **kwargs)
         from triton import knobs
-        from triton.runtime.driver import driver
 
         if self._runtime.intersection(kwargs):
             self._turn_off(f"runtime arguments by keyword: {self._runtime.intersection(kwargs)}")
@@ -142,8 +145,7 @@ class Launcher:
             return
         if self._device is None:
             # the key so far had no device: start again with it
-            self._device = driver.active.get_current_device
-            self._stream = driver.active.get_current_stream
+            self._device, self._stream = _driver_functions()
             # the hook chains' lists of hooks (a profiler adds to them): Triton's path while
             # either holds one
             self._enter_hooks, self._exit_hooks = hooks[0].calls, hooks[1].calls
@@ -152,6 +154,13 @@ class Launcher:
             self._compiled.clear()
         tail = tuple((name, self._defaults.get(name)) for name in self._names[len(args) :])
         self._compiled[key] = (run, function, metadata, tail)
+
+
+def _driver_functions() -> tuple[Any, Any]:
+    """The active Triton driver's current device and a device's current stream."""
+    from triton.runtime.driver import driver
+
+    return driver.active.get_current_device, driver.active.get_current_stream
 
 
 _LAUNCHERS: dict[int, Launcher] = {}
