@@ -2,7 +2,7 @@
 # this Triton, the GPU tests (the cache's own, the engine's, the attention kernels'), host time
 # per launch through the cache against Triton's path (launch_cost.py --launches-only), then
 # Qwen 256 at K=4 with the cache (BATON_FAST_LAUNCH=1) and without, ROUNDS rounds (default 2),
-# each a fresh process.
+# each a fresh process, and the prompt steps' host time with the cache (step_timeline.py).
 #     bash benchmarks/device/fast_launch.sh        (carry .whl)
 source benchmarks/device/setup.sh || exit 1
 source benchmarks/device/ab_variant.sh
@@ -20,4 +20,8 @@ for round in $(seq "${ROUNDS:-2}"); do
     ab_variant "fast$fast" "" --shapes qwen --batches 0 --num-scheduler-steps 4
   done
 done
+echo "A/B ended $(date +%T)"
+BATON_FAST_LAUNCH=1 timeout 120 python3 benchmarks/device/step_timeline.py --shape qwen \
+    --batch 256 --runs 1 --num-scheduler-steps 4 2>&1 | grep -vE "^\s*$" \
+    | grep -E -A12 "prompt phase and"
 echo "ended $(date +%T)"
