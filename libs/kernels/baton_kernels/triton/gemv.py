@@ -674,7 +674,8 @@ def _gemv_dot(
     rstd_k = min(4096, next_pow2(norm_of.shape[1])) if norm_of is not None else 16
     args, consts = _launch_args(x, weight, bias, norm_weight, eps, silu_mul, norm_of, residual,
                                 out)  # fmt: skip
-    launcher(_gemv_dot_kernel)((blocks, split_k),
+    launcher(_gemv_dot_kernel)(
+        (blocks, split_k),
         *args, part, counters, **consts, BLOCK_M=max(16, next_pow2(m)), BLOCK_N=block_n,
         BLOCK_K=block_k, SPLIT_K=split_k, RSTD_ROWS=next_pow2(m), RSTD_K=rstd_k,
         DOT_PREC=dot_precision(x.dtype), UPCAST=upcast_in_kernel(x), PREFETCH=prefetch,
