@@ -23,7 +23,7 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(autouse=True)
 def _fast_launch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The cache is off by default (``BATON_FAST_LAUNCH``); these tests are about it."""
+    """On whatever ``BATON_FAST_LAUNCH`` says: these tests are about the cache."""
     from baton_kernels.triton import launch
 
     monkeypatch.setattr(launch, "FAST_LAUNCH", True)

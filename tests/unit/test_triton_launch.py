@@ -150,7 +150,7 @@ def test_what_the_key_cannot_cover_turns_the_cache_off(kernel: Kernel) -> None:
     assert paths(kernel) == ["triton"] * 6
 
 
-def test_off_by_default_and_under_the_interpreter(
+def test_off_when_switched_off_and_under_the_interpreter(
     kernel: Kernel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     x = torch.zeros(64)
