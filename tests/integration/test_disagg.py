@@ -18,6 +18,8 @@ remotely. Workers run float32 so greedy tokens do not depend on how requests wer
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -152,6 +154,78 @@ def test_shared_prefix_pulls_fewer_blocks(stack: dict[str, Service], tokenizer: 
     second = pulled_for(" What is a keel for?")
     assert first >= 8
     assert 0 < second <= first - 7, (first, second)
+
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+def test_structured_output_on_every_path(stack: dict[str, Service]) -> None:
+    """OpenAI's response_format and vLLM's structured_outputs / guided_* fields, served
+    aggregated and disaggregated (the prefill worker samples the first token under the
+    grammar, the decode worker goes on from it): valid outputs, the same greedy text on every
+    path, and a schema that does not compile is a 400 that leaves the stack serving."""
+    messages = [{"role": "user", "content": "Describe a person as JSON with a name and an age."}]
+    texts: dict[str, list[str]] = {}
+    for gateway in ("gw_agg", "gw_grpc", "gw_nixl", "gw_tcp"):
+        client = openai.OpenAI(
+            base_url=f"{stack[gateway].address}/v1", api_key="none", max_retries=0
+        )
+        person = client.chat.completions.create(
+            model="SmolLM2-135M-Instruct",
+            messages=messages,  # type: ignore[arg-type]
+            max_tokens=60,
+            temperature=0.0,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "person", "schema": PERSON},
+            },
+        ).choices[0]
+        assert person.finish_reason == "stop", person.message.content
+        parsed = json.loads(person.message.content or "")
+        assert set(parsed) == {"name", "age"} and isinstance(parsed["age"], int)
+        choice = client.completions.create(
+            model="SmolLM2-135M-Instruct",
+            prompt="Is the sea salty? Answer:",
+            max_tokens=10,
+            temperature=1.0,
+            seed=5,
+            extra_body={"guided_choice": ["yes", "no", "it depends"]},
+        ).choices[0]
+        assert choice.text in ("yes", "no", "it depends")
+        code = client.completions.create(
+            model="SmolLM2-135M-Instruct",
+            prompt="A ticket code:",
+            max_tokens=10,
+            temperature=0.0,
+            extra_body={"structured_outputs": {"regex": "[A-Z]{2}-[0-9]{3}"}},
+        ).choices[0]
+        assert re.fullmatch("[A-Z]{2}-[0-9]{3}", code.text), code.text
+        texts[gateway] = [person.message.content or "", choice.text, code.text]
+        with pytest.raises(openai.BadRequestError, match="nope"):
+            client.chat.completions.create(
+                model="SmolLM2-135M-Instruct",
+                messages=messages,  # type: ignore[arg-type]
+                response_format={
+                    "type": "json_schema",
+                    "json_schema": {"name": "bad", "schema": {"type": "nope"}},
+                },
+            )
+        with pytest.raises(openai.BadRequestError, match="at most one"):
+            client.completions.create(
+                model="SmolLM2-135M-Instruct",
+                prompt="Hi",
+                extra_body={"guided_regex": "a+", "guided_choice": ["a"]},
+            )
+        client.close()
+    assert all(t == texts["gw_agg"] for t in texts.values()), texts
 
 
 def test_pools_whole_and_leases_released_after_drain(stack: dict[str, Service]) -> None:

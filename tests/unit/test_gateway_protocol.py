@@ -49,7 +49,13 @@ def chat(**kwargs: Any) -> ChatCompletionRequest:
         {"min_tokens": -1},
         {"stop_token_ids": [-1]},
         {"logit_bias": {"1": 2.0}},
-        {"response_format": {"type": "json_object"}},
+        {"response_format": {"type": "xml"}},
+        {"response_format": {"type": "json_schema"}},
+        {"response_format": {"type": "json_object"}, "guided_regex": "a+"},
+        {"guided_regex": "a+", "guided_choice": ["a"]},
+        {"structured_outputs": {}},
+        {"structured_outputs": {"choice": []}},
+        {"structured_outputs": {"regex": "a+", "grammar": 'root ::= "a"'}},
         {"messages": []},
     ],
 )
@@ -159,6 +165,42 @@ def test_sampling_params_are_all_explicit() -> None:
     assert pb.logprobs == 4
     completion = CompletionRequest(prompt="x", logprobs=0)
     assert codec.sampling_params(completion, 1, None).logprobs == 0
+
+
+def test_structured_output_fields_reach_the_worker() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    cases = [
+        ({"response_format": {"type": "text"}}, None),
+        ({"response_format": {"type": "json_object"}}, ("json_object", True)),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": schema},
+                }
+            },
+            ("json_schema", json.dumps(schema)),
+        ),
+        ({"guided_json": json.dumps(schema)}, ("json_schema", json.dumps(schema))),
+        ({"guided_regex": "[0-9]+"}, ("regex", "[0-9]+")),
+        ({"guided_grammar": 'root ::= "a"'}, ("grammar", 'root ::= "a"')),
+        ({"structured_outputs": {"json": schema}}, ("json_schema", json.dumps(schema))),
+        ({"structured_outputs": {"json_object": True}}, ("json_object", True)),
+    ]
+    for fields, want in cases:
+        pb = codec.sampling_params(chat(**fields), max_tokens=7, seed=None)
+        if want is None:
+            assert not pb.HasField("structured_outputs")
+            continue
+        kind = pb.structured_outputs.WhichOneof("kind")
+        assert (kind, getattr(pb.structured_outputs, kind)) == want, fields
+    pb = codec.sampling_params(
+        CompletionRequest(prompt="x", guided_choice=["yes", "no"]), max_tokens=1, seed=None
+    )
+    assert list(pb.structured_outputs.choice.choices) == ["yes", "no"]
+    spec = {"regex": "a+", "disable_any_whitespace": True}
+    pb = codec.sampling_params(chat(structured_outputs=spec), max_tokens=1, seed=None)
+    assert pb.structured_outputs.disable_any_whitespace
 
 
 def test_generate_chunk_decoding() -> None:

@@ -13,9 +13,9 @@ __version__ = "0.1.0"
 if TYPE_CHECKING:
     from baton_engine.llm import LLM
     from baton_engine.outputs import CompletionOutput, RequestOutput
-    from baton_engine.sampling_params import SamplingParams
+    from baton_engine.sampling_params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "StructuredOutputsParams"]
 
 
 def __getattr__(name: str) -> Any:
@@ -27,8 +27,8 @@ def __getattr__(name: str) -> Any:
         from baton_engine import outputs
 
         return getattr(outputs, name)
-    if name == "SamplingParams":
-        from baton_engine.sampling_params import SamplingParams
+    if name in ("SamplingParams", "StructuredOutputsParams"):
+        from baton_engine import sampling_params
 
-        return SamplingParams
+        return getattr(sampling_params, name)
     raise AttributeError(f"module 'baton' has no attribute {name!r}")

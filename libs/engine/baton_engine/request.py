@@ -5,9 +5,13 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from baton_engine.core.outputs import TokenLogprobs
 from baton_engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from baton_engine.structured_output import Grammar
 
 
 class RequestStatus(enum.Enum):
@@ -71,6 +75,10 @@ class Request:
     # prompt's KV lives) first waits for those blocks to be pulled instead of computing them.
     prefill_only: bool = False
     remote_kv: object | None = None
+    # Structured output: the request's matcher, which accepts each token it samples (the
+    # scheduler's update) and bounds the next (the engine's bitmask); the request ends when
+    # the grammar does.
+    grammar: Grammar | None = None
     # prompt_logprobs[i] is prompt token i + 1's (filled chunk by chunk, sent with token 1)
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     # Set by the KV cache manager: a step whose computed tokens end at or below this needs no
@@ -85,13 +93,18 @@ class Request:
     stop_ids: frozenset[int] = field(init=False, repr=False)
     # Multi-step scheduling may run its decodes several passes a step: its sampling needs none
     # of its tokens on the host (no penalties; ``min_tokens`` is checked when scheduling), it
-    # reports no logprobs, and it has no stop strings (matched on text above the engine, after
-    # the step: the tokens past one would have been reported with it).
+    # reports no logprobs, it has no stop strings (matched on text above the engine, after the
+    # step: the tokens past one would have been reported with it), and no grammar.
     multi_step: bool = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         sp = self.sampling_params
-        plain = not self.prefill_only and sp.logprobs is None and sp.prompt_logprobs is None
+        plain = (
+            not self.prefill_only
+            and sp.logprobs is None
+            and sp.prompt_logprobs is None
+            and self.grammar is None
+        )
         self.stop_len = self.max_tokens if plain else 0
         eos = () if sp.ignore_eos else self.eos_token_ids
         self.stop_ids = frozenset((*eos, *sp.stop_token_ids))
@@ -129,6 +142,9 @@ class Request:
         """The finished status the last sampled token causes, or None to keep going."""
         sp = self.sampling_params
         out = self.output_token_ids
+        if self.grammar is not None and self.grammar.is_ended and out:
+            self.stop_reason = None
+            return RequestStatus.FINISHED_STOPPED
         if (  # the common case, first: nothing can stop it (one test of each cause)
             out
             and len(out) < self.max_tokens

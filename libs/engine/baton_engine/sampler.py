@@ -5,7 +5,8 @@ One call of :class:`Sampler` on ``[B, V]`` logits does, in this order:
 1. upcast to float32, as a copy: the caller's tensor is never modified;
 2. if any row wants logprobs, ``log_softmax`` of these RAW logits (vLLM V1's default
    ``raw_logprobs`` mode): the model's own distribution, before any per-request shaping;
-3. suppressed token ids (EOS/stop ids while below ``min_tokens``) set to ``-inf``;
+3. suppressed token ids (EOS/stop ids while below ``min_tokens``) and the tokens a row's
+   grammar forbids (structured output) set to ``-inf``;
 4. repetition, frequency and presence penalties (:mod:`baton_engine.penalties`);
 5. greedy rows take the argmax; when every row is greedy the step ends here;
 6. random rows: temperature, top-k, top-p, min-p, then one draw from ``softmax``. On CPUs by
@@ -31,6 +32,7 @@ import torch
 
 from baton_engine import penalties
 from baton_engine.sampling_params import SamplingParams
+from baton_engine.structured_output import apply_bitmask
 from baton_kernels import fused
 
 __all__ = [
@@ -76,6 +78,11 @@ class SamplingMetadata:
     prompt_token_ids: list[Sequence[int]]
     output_token_ids: list[Sequence[int]]
     suppressed_token_ids: list[Sequence[int]]
+    # Structured output: ``[B, ceil(V / 32)]`` int32, bit ``t`` of row i set when row i may
+    # sample token ``t``, applied to ``grammar_rows`` (the rows with a grammar) only; None when
+    # no row has one.
+    grammar_bitmask: torch.Tensor | None = None
+    grammar_rows: Sequence[int] = ()
 
     @classmethod
     def from_params(
@@ -86,6 +93,8 @@ class SamplingMetadata:
         generators: Mapping[int, torch.Generator],
         suppressed_token_ids: Sequence[Sequence[int]] | None = None,
         *,
+        grammar_bitmask: torch.Tensor | None = None,
+        grammar_rows: Sequence[int] = (),
         device: torch.device | str = "cpu",
     ) -> SamplingMetadata:
         """Build the metadata of one step from each row's params and token history.
@@ -144,6 +153,8 @@ class SamplingMetadata:
             prompt_token_ids=list(prompt_token_ids),
             output_token_ids=list(output_token_ids),
             suppressed_token_ids=list(suppressed),
+            grammar_bitmask=None if grammar_bitmask is None else to_device(grammar_bitmask, device),
+            grammar_rows=list(grammar_rows),
         )
 
 
@@ -449,6 +460,8 @@ class Sampler:
             # Taken before any in-place processing below: logprobs report the raw distribution.
             raw_logprobs = None if num_logprobs is None else scratch.log_softmax(dim=1)
             suppress_tokens(scratch, metadata.suppressed_token_ids)
+            if metadata.grammar_bitmask is not None:
+                apply_bitmask(scratch, metadata.grammar_bitmask, metadata.grammar_rows)
             if not metadata.no_penalties:
                 scratch = penalties.apply_penalties(
                     scratch,

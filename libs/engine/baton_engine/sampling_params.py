@@ -4,10 +4,60 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from baton_engine.errors import InvalidRequestError
 
 _GREEDY_EPS = 1e-5
+
+
+@dataclass
+class StructuredOutputsParams:
+    """What a request's output must follow (vLLM's ``StructuredOutputsParams``): exactly one of
+    a JSON schema (a dict or its JSON text), a regular expression, a list of choices, an EBNF
+    grammar (XGrammar's, GBNF-like), or ``json_object=True`` for any JSON object.
+    ``disable_any_whitespace`` makes JSON output compact (no free whitespace between tokens).
+    Compiled by the engine (``baton_engine.structured_output``), which reports a schema,
+    pattern or grammar it cannot compile as ``InvalidRequestError``."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        given = [name for name, value in self._kinds() if value is not None and value is not False]
+        if len(given) != 1:
+            raise InvalidRequestError(
+                "structured output takes exactly one of json, regex, choice, grammar and "
+                f"json_object, got {', '.join(given) or 'none'}"
+            )
+        if self.choice is not None and (
+            not self.choice or not all(isinstance(c, str) and c for c in self.choice)
+        ):
+            raise InvalidRequestError("structured output choice must be non-empty strings")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise InvalidRequestError(f"structured output {name} must be a non-empty string")
+        if self.json is not None and not isinstance(self.json, str | dict):
+            raise InvalidRequestError("structured output json must be a schema (dict or text)")
+
+    def _kinds(self) -> list[tuple[str, Any]]:
+        return [
+            ("json", self.json),
+            ("regex", self.regex),
+            ("choice", self.choice),
+            ("grammar", self.grammar),
+            ("json_object", self.json_object),
+        ]
+
+    @property
+    def kind(self) -> tuple[str, Any]:
+        """``(name, value)`` of the one constraint given."""
+        return next((k, v) for k, v in self._kinds() if v is not None and v is not False)
 
 
 @dataclass
@@ -39,6 +89,8 @@ class SamplingParams:
     # Such prompts skip prefix-cache hits (a cached token's logits are never computed).
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # The output must follow this JSON schema, pattern, choice list or grammar.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -86,6 +138,11 @@ class SamplingParams:
             raise bad(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}")
         if any(t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids must be non-negative")
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            raise bad(
+                f"structured_outputs must be StructuredOutputsParams, got {type(so).__name__}"
+            )
 
     @property
     def is_greedy(self) -> bool:

@@ -10,12 +10,13 @@ from __future__ import annotations
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from baton.v1 import common_pb2, engine_pb2
 from baton_engine.core.engine_core import EngineCore, EngineStats
 from baton_engine.core.outputs import EngineCoreOutput, TokenLogprobs
 from baton_engine.errors import InvalidRequestError
-from baton_engine.sampling_params import SamplingParams
+from baton_engine.sampling_params import SamplingParams, StructuredOutputsParams
 from baton_kvtransfer.handle import KVHandle
 
 FINISH_REASONS = {
@@ -61,7 +62,26 @@ def sampling_params_from_proto(pb: common_pb2.SamplingParams) -> SamplingParams:
         ignore_eos=pb.ignore_eos,
         logprobs=pb.logprobs if pb.HasField("logprobs") else None,
         prompt_logprobs=pb.prompt_logprobs if pb.HasField("prompt_logprobs") else None,
+        structured_outputs=(
+            structured_outputs_from_proto(pb.structured_outputs)
+            if pb.HasField("structured_outputs")
+            else None
+        ),
     )
+
+
+def structured_outputs_from_proto(pb: common_pb2.StructuredOutputs) -> StructuredOutputsParams:
+    kind = pb.WhichOneof("kind")
+    if kind is None:
+        raise InvalidRequestError("structured_outputs names no kind")
+    spec: dict[str, Any] = {}
+    if kind == "json_schema":
+        spec["json"] = pb.json_schema
+    elif kind == "choice":
+        spec["choice"] = list(pb.choice.choices)
+    else:
+        spec[kind] = getattr(pb, kind)
+    return StructuredOutputsParams(**spec, disable_any_whitespace=pb.disable_any_whitespace)
 
 
 def generate_input_from_proto(pb: engine_pb2.GenerateRequest) -> GenerateInput:

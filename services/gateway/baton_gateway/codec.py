@@ -7,10 +7,11 @@ field is set explicitly (the decode worker maps proto3's zero defaults of ``top_
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from baton.v1 import common_pb2, engine_pb2
-from baton_gateway.protocol import ChatCompletionRequest, CompletionRequest
+from baton_gateway.protocol import ChatCompletionRequest, CompletionRequest, StructuredOutputsSpec
 
 _FINISH_REASONS = {
     common_pb2.FINISH_REASON_STOP: "stop",
@@ -85,11 +86,30 @@ def sampling_params(
     )
     if seed is not None:
         pb.seed = seed
+    structured = request.structured
+    if structured is not None:
+        pb.structured_outputs.CopyFrom(structured_outputs(structured))
     num_logprobs = request.num_logprobs
     if num_logprobs is not None:
         pb.logprobs = num_logprobs
         if getattr(request, "echo", False):  # echoed prompt tokens get their logprobs too
             pb.prompt_logprobs = num_logprobs
+    return pb
+
+
+def structured_outputs(spec: StructuredOutputsSpec) -> common_pb2.StructuredOutputs:
+    pb = common_pb2.StructuredOutputs(disable_any_whitespace=spec.disable_any_whitespace)
+    if spec.json_schema is not None:
+        schema = spec.json_schema
+        pb.json_schema = schema if isinstance(schema, str) else json.dumps(schema)
+    elif spec.regex is not None:
+        pb.regex = spec.regex
+    elif spec.choice is not None:
+        pb.choice.choices.extend(spec.choice)
+    elif spec.grammar is not None:
+        pb.grammar = spec.grammar
+    else:
+        pb.json_object = True
     return pb
 
 

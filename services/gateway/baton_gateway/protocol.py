@@ -5,7 +5,10 @@ working; the fields Baton knows are range-checked here, and a violation becomes 
 FastAPI's 422). vLLM's extras (``top_k``, ``min_p``, ``ignore_eos``, ``min_tokens``,
 ``repetition_penalty``, ``stop_token_ids``, ``skip_special_tokens``,
 ``include_stop_str_in_output``) are top-level fields; the OpenAI SDK's ``extra_body`` merges into
-the top-level JSON, so both spellings arrive here the same way.
+the top-level JSON, so both spellings arrive here the same way. Structured output: OpenAI's
+``response_format`` (``json_object``, ``json_schema``), vLLM's ``structured_outputs`` (``json``,
+``regex``, ``choice``, ``grammar``, ``json_object``) and its older ``guided_json``,
+``guided_regex``, ``guided_choice`` and ``guided_grammar``; the worker compiles them.
 
 Responses follow the OpenAI shapes, plus vLLM's ``stop_reason`` on each choice and
 ``max_model_len`` on each model card.
@@ -53,6 +56,55 @@ class StreamOptions(OpenAIBaseModel):
     continuous_usage_stats: bool = False  # vLLM: usage on every chunk
 
 
+class StructuredOutputsSpec(OpenAIBaseModel):
+    """vLLM's ``structured_outputs`` field: exactly one of a JSON schema, a regular
+    expression, choices, an EBNF grammar, or any JSON object."""
+
+    json_schema: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    @model_validator(mode="after")
+    def _check_one(self) -> StructuredOutputsSpec:
+        given = [k for k, v in self.kinds().items() if v is not None and v is not False]
+        if len(given) != 1:
+            raise ValueError(
+                "structured_outputs takes exactly one of json, regex, choice, grammar and "
+                f"json_object, got {', '.join(given) or 'none'}"
+            )
+        if self.choice is not None and (not self.choice or not all(self.choice)):
+            raise ValueError("structured_outputs choice must be non-empty strings")
+        return self
+
+    def kinds(self) -> dict[str, Any]:
+        return {
+            "json": self.json_schema,
+            "regex": self.regex,
+            "choice": self.choice,
+            "grammar": self.grammar,
+            "json_object": self.json_object,
+        }
+
+
+class JsonSchemaFormat(OpenAIBaseModel):
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+
+class ResponseFormat(OpenAIBaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _SamplingRequest(OpenAIBaseModel):
     """Fields shared by chat and text completions: sampling, stopping and streaming."""
 
@@ -77,16 +129,54 @@ class _SamplingRequest(OpenAIBaseModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Structured output: OpenAI's response_format, vLLM's structured_outputs, and vLLM's
+    # older guided_* fields (at most one of them).
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsSpec | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @model_validator(mode="after")
     def _check_common(self) -> _SamplingRequest:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options can only be set when stream is true")
+        _ = self.structured  # raises for more than one constraint, or an incomplete one
         if self.logit_bias:
             raise ValueError("logit_bias is not supported")
         if self.stop_token_ids is not None and any(t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative")
         return self
+
+    @property
+    def structured(self) -> StructuredOutputsSpec | None:
+        """The one structured-output constraint the request sets, or None."""
+        given: list[StructuredOutputsSpec] = []
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            given.append(StructuredOutputsSpec(json_object=True))
+        elif fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None or fmt.json_schema.json_schema is None:
+                raise ValueError("response_format json_schema needs json_schema.schema")
+            given.append(StructuredOutputsSpec(json=fmt.json_schema.json_schema))
+        if self.structured_outputs is not None:
+            given.append(self.structured_outputs)
+        guided: dict[str, Any] = {
+            "json": self.guided_json,
+            "regex": self.guided_regex,
+            "choice": self.guided_choice,
+            "grammar": self.guided_grammar,
+        }
+        given += [
+            StructuredOutputsSpec.model_validate({k: v}) for k, v in guided.items() if v is not None
+        ]
+        if len(given) > 1:
+            raise ValueError(
+                "set at most one of response_format (json_object or json_schema), "
+                "structured_outputs and the guided_* fields"
+            )
+        return given[0] if given else None
 
     @property
     def stop_strings(self) -> list[str]:
@@ -117,10 +207,6 @@ class ChatMessage(BaseModel):
     content: str | list[ContentPart] | None = None
 
 
-class ResponseFormat(OpenAIBaseModel):
-    type: str
-
-
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     # Deprecated by OpenAI in favour of max_completion_tokens, which wins when both are set.
@@ -128,7 +214,6 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     # vLLM's chat extras.
     add_generation_prompt: bool = True
@@ -142,8 +227,6 @@ class ChatCompletionRequest(_SamplingRequest):
             raise ValueError("when using top_logprobs, logprobs must be set to true")
         if self.continue_final_message and self.add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise ValueError(f"response_format {self.response_format.type!r} is not supported")
         return self
 
     @property

@@ -16,16 +16,18 @@ import torch
 from baton_engine import distributed
 from baton_engine.config import EngineConfig, ModelConfig, parse_dtype
 from baton_engine.core import gpu_lock
-from baton_engine.core.outputs import EngineCoreOutput, KVLoad, SchedulerOutput
+from baton_engine.core.outputs import EngineCoreOutput, GrammarBitmask, KVLoad, SchedulerOutput
 from baton_engine.core.scheduler import Scheduler
 from baton_engine.errors import InvalidRequestError, ModelLoadError
 from baton_engine.kv_cache import KVCacheManager
 from baton_engine.kv_cache.block_pool import KVCacheEvent
+from baton_engine.model_files import load_tokenizer
 from baton_engine.model_loader import iter_weights, resolve_model
 from baton_engine.models.llama import shard_config
 from baton_engine.request import Request, RequestStatus
 from baton_engine.runner.model_runner import ModelRunner, StepHandle
 from baton_engine.sampling_params import SamplingParams
+from baton_engine.structured_output import Grammar, StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -293,6 +295,10 @@ class EngineCore:
         )
         self.num_prompt_tokens = 0
         self.num_generated_tokens = 0
+        model_dir = self.model_dir
+        self.structured = StructuredOutputManager(
+            lambda: load_tokenizer(model_dir), self.model_config.vocab_size
+        )
         self._export: _KVExport | None = None  # see enable_kv_export
         self.async_scheduling = config.resolved_async_scheduling()
         # async scheduling: the step launched last, reported by the next call to step()
@@ -348,6 +354,13 @@ class EngineCore:
         bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise InvalidRequestError(f"token id {bad} is out of range [0, {vocab})")
+        self._grammar(params)
+
+    def _grammar(self, params: SamplingParams) -> Grammar | None:
+        """A fresh matcher of the request's structured output, or None (raises
+        ``InvalidRequestError`` for one that does not compile)."""
+        so = params.structured_outputs
+        return None if so is None else self.structured.grammar(so)
 
     def add_request(
         self,
@@ -374,10 +387,15 @@ class EngineCore:
             raise InvalidRequestError("remote_kv and first_token_id come together")
         if prefill_only and remote_kv is not None:
             raise InvalidRequestError("a request is either prefill-only or loads remote KV")
+        grammar = self._grammar(params)  # (compiled by validate_request: cached)
         output_token_ids = []
         if first_token_id is not None:
             if not 0 <= first_token_id < self.model_config.vocab_size:
                 raise InvalidRequestError(f"first token id {first_token_id} is out of range")
+            if grammar is not None and not grammar.accept(first_token_id):
+                raise InvalidRequestError(
+                    f"first token id {first_token_id} does not follow the structured output"
+                )
             output_token_ids.append(first_token_id)
         self.num_prompt_tokens += len(prompt_token_ids)
         room = self.max_model_len - len(prompt_token_ids)
@@ -392,6 +410,7 @@ class EngineCore:
                 output_token_ids=output_token_ids,
                 prefill_only=prefill_only,
                 remote_kv=remote_kv,
+                grammar=grammar,
             )
         )
 
@@ -538,15 +557,18 @@ class EngineCore:
         With async scheduling the step is launched and the previous one's outputs are
         returned: the host schedules and prepares step N+1 while the device runs step N, and
         waits only for step N's sampled tokens. A step whose requests need their previous
-        tokens on the host (penalties, logprobs) waits for them before it is launched."""
+        tokens on the host (penalties, logprobs, structured output) waits for them before it
+        is launched."""
         so = self.scheduler.schedule()
         outputs: list[EngineCoreOutput] = []
         with self._ranks_checked():
-            if self._in_flight is not None and not self.runner.can_run_ahead(so):
+            if self._in_flight is not None and (
+                not self.runner.can_run_ahead(so) or self._grammar_waits(so)
+            ):
                 outputs = self._finish_in_flight()
             if self._tp is not None:
                 self._tp.step(so)
-            handle = self.runner.launch(so)
+            handle = self.runner.launch(so, self._grammar_bitmask(so))
             if self._in_flight is not None:
                 outputs = self._finish_in_flight()
             self._in_flight = (so, handle)
@@ -557,6 +579,35 @@ class EngineCore:
         if not self.scheduler.has_unfinished_requests() and not self.scheduler.num_loading:
             self.check_invariants(full=None)  # idle: it catches leaks early
         return outputs
+
+    def _grammar_waits(self, so: SchedulerOutput) -> bool:
+        """Whether a request of ``so`` with structured output has a token still pending (one
+        resumed after a preemption: the runner's check sees only those it kept): its mask
+        needs it accepted first."""
+        if not self.scheduler.num_grammars:
+            return False
+        requests = self.scheduler.requests
+        for req_id in so.num_scheduled_tokens:
+            request = requests.get(req_id)
+            if request is not None and request.grammar is not None and request.num_pending_tokens:
+                return True
+        return False
+
+    def _grammar_bitmask(self, so: SchedulerOutput) -> GrammarBitmask | None:
+        """The next tokens each scheduled request with structured output may sample (its
+        previous tokens are all accepted: such requests never run ahead of them)."""
+        if not self.scheduler.num_grammars or so.is_empty:
+            return None
+        requests = self.scheduler.requests
+        grammars = {}
+        for req_id in so.num_scheduled_tokens:
+            request = requests.get(req_id)
+            if request is not None and request.grammar is not None:
+                grammars[req_id] = request.grammar
+        if not grammars:
+            return None
+        bitmask = self.structured.bitmask(list(grammars.values()))
+        return GrammarBitmask({r: i for i, r in enumerate(grammars)}, bitmask)
 
     @contextlib.contextmanager
     def _ranks_checked(self) -> Iterator[None]:

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from baton_engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,15 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return self.total_num_scheduled_tokens == 0
+
+
+class GrammarBitmask(NamedTuple):
+    """The tokens that requests with structured output may sample next, for one step: row
+    ``rows[req_id]`` of ``bitmask`` (``[N, ceil(vocab / 32)]`` int32 on the host, bit ``t`` of a
+    row set when token ``t`` is allowed)."""
+
+    rows: Mapping[str, int]
+    bitmask: torch.Tensor
 
 
 @dataclass(frozen=True)

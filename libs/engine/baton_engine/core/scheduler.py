@@ -79,12 +79,18 @@ class Scheduler:
         self._scheduled: dict[int, list[Request]] = {}
         self.num_preemptions = 0
         self.num_multi_steps = 0  # steps of more than one pass (multi-step scheduling)
+        self.num_grammars = 0  # requests with structured output among ``requests``
 
     # --- requests in and out -------------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
         self.requests[request.req_id] = request
         self.waiting.append(request)
+        self.num_grammars += request.grammar is not None
+
+    def _forget(self, request: Request) -> None:
+        del self.requests[request.req_id]
+        self.num_grammars -= request.grammar is not None
 
     def finish_requests(self, req_ids: Iterable[str], status: RequestStatus) -> None:
         """End requests from outside (abort, stop string); unknown ids are ignored."""
@@ -95,7 +101,7 @@ class Scheduler:
             if request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
                 # Its blocks may be being written: free them when the load is reported.
                 request.status = status
-                del self.requests[req_id]
+                self._forget(request)
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
@@ -109,7 +115,7 @@ class Scheduler:
             self.kv.hold(request)
         else:
             self.kv.forget(request)
-        del self.requests[request.req_id]
+        self._forget(request)
         self._finished_req_ids.add(request.req_id)
 
     def release_held(self, req_id: str) -> bool:
@@ -441,6 +447,8 @@ class Scheduler:
                           None, None)  # fmt: skip
                 outputs.append(_tuple_new(EngineCoreOutput, fields))
                 continue
+            if request.grammar is not None:
+                request.grammar.accept(token_id)  # check_stop ends it if refused or complete
             status = request.check_stop()
             if (
                 status is None

@@ -33,7 +33,8 @@ class CachedRequestState:
     # input of this request's next decode (see ModelRunner.launch).
     num_pending: int = 0
 
-    # sampling that reads nothing of the request's own tokens but min_tokens (set below)
+    # sampling that reads nothing of the request's own tokens but min_tokens, and no grammar
+    # (set below)
     host_free: bool = False
     # and greedy with nothing reported: the argmax alone
     plain_greedy: bool = False
@@ -47,6 +48,7 @@ class CachedRequestState:
             and sp.presence_penalty == 0.0
             and sp.frequency_penalty == 0.0
             and sp.repetition_penalty == 1.0
+            and sp.structured_outputs is None  # its mask needs its last token accepted
         )
         self.plain_greedy = self.host_free and sp.is_greedy
         self.wants_prompt_logprobs = sp.prompt_logprobs is not None

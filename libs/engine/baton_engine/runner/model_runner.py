@@ -14,7 +14,12 @@ import torch
 
 from baton_engine import distributed
 from baton_engine.config import ModelConfig
-from baton_engine.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from baton_engine.core.outputs import (
+    GrammarBitmask,
+    ModelRunnerOutput,
+    SchedulerOutput,
+    TokenLogprobs,
+)
 from baton_engine.models import LlamaForCausalLM
 from baton_engine.models.llama import shard_config
 from baton_engine.runner.cuda_graphs import DecodeGraphs, PieceGraphs
@@ -466,22 +471,23 @@ class ModelRunner:
         return True
 
     @torch.inference_mode()
-    def launch(self, so: SchedulerOutput) -> StepHandle:
+    def launch(self, so: SchedulerOutput, grammar: GrammarBitmask | None = None) -> StepHandle:
         """Start one step: its inputs, the forward pass and sampling are queued on the device,
         and the handle's ``result()`` waits for the sampled token ids. A decode whose input
         token is still pending (sampled by the step launched before, not yet reported) takes
-        it from that step's device tensor, so the host need not wait between steps."""
+        it from that step's device tensor, so the host need not wait between steps.
+        ``grammar`` bounds the tokens its requests (structured output) may sample."""
         self.batch.update(so)
         self._num_launches += 1
         if so.is_empty:
             return StepHandle.ready(ModelRunnerOutput({}))
         self.staging.next_step()
         try:
-            return self._launch(so)
+            return self._launch(so, grammar)
         finally:
             self.staging.step_launched()
 
-    def _launch(self, so: SchedulerOutput) -> StepHandle:
+    def _launch(self, so: SchedulerOutput, grammar: GrammarBitmask | None) -> StepHandle:
         states = self.batch.requests
         # Decodes first, then fresh prefill chunks by length, then chunks with cached context:
         # the attention backend batches the first two kinds.
@@ -545,7 +551,7 @@ class ModelRunner:
             # Nothing to process or report: the argmax alone (what the sampler would return).
             token_ids = fused.argmax(logits)
         else:
-            out = self.sampler(logits, self._sampling_metadata(sampled_reqs))
+            out = self.sampler(logits, self._sampling_metadata(sampled_reqs, grammar))
             token_ids = out.sampled_token_ids
             if out.logprobs is not None:  # reported per token: read now
                 for j, state in enumerate(sampled_reqs):
@@ -840,19 +846,34 @@ class ModelRunner:
             self._patch_pending(reqs, starts, ids)
         return ids, stage(pos, torch.int64), metadata, sample_rows
 
-    def _sampling_metadata(self, reqs: list[CachedRequestState]) -> SamplingMetadata:
+    def _sampling_metadata(
+        self, reqs: list[CachedRequestState], grammar: GrammarBitmask | None = None
+    ) -> SamplingMetadata:
         eos = self.model_config.eos_token_ids
         suppressed: list[list[int]] = []
         for s in reqs:
             sp = s.sampling_params
-            below_min = s.num_output_tokens < sp.min_tokens
+            # a grammar decides when its output may end (min_tokens below it would leave
+            # nothing to sample once it allows only the end)
+            below_min = s.num_output_tokens < sp.min_tokens and sp.structured_outputs is None
             suppressed.append([*eos, *sp.stop_token_ids] if below_min else [])
+        bitmask = None
+        rows: list[int] = []
+        if grammar is not None:
+            bitmask = torch.full((len(reqs), grammar.bitmask.shape[1]), -1, dtype=torch.int32)
+            for i, s in enumerate(reqs):
+                row = grammar.rows.get(s.req_id)
+                if row is not None:
+                    bitmask[i] = grammar.bitmask[row]
+                    rows.append(i)
         return SamplingMetadata.from_params(
             [s.sampling_params for s in reqs],
             prompt_token_ids=[s.prompt_token_ids for s in reqs],
             output_token_ids=[self.batch.output_token_ids(s) for s in reqs],
             generators={i: s.generator for i, s in enumerate(reqs) if s.generator is not None},
             suppressed_token_ids=suppressed,
+            grammar_bitmask=bitmask if rows else None,
+            grammar_rows=rows,
             device=self.device,
         )
 
