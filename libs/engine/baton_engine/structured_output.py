@@ -28,6 +28,10 @@ from baton_engine.sampling_params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
+# Compiled grammars kept for requests that send the same schema again (vLLM's default size);
+# without a limit a server seeing ever new schemas would grow without bound.
+_CACHE_LIMIT_BYTES = 512 << 20
+
 
 class Grammar:
     """One request's position in its grammar."""
@@ -64,6 +68,9 @@ class StructuredOutputManager:
 
     ``load_tokenizer`` is called at the first request with a grammar (most engines never see
     one); compiled grammars are cached by XGrammar, so a schema sent again is not recompiled.
+    XGrammar's compiler may be called from several threads at once (a worker validates
+    requests on its gRPC threads, then adds them on its engine loop: the loop gets the
+    cached result).
     """
 
     def __init__(self, load_tokenizer: Callable[[], Any], vocab_size: int) -> None:
@@ -84,7 +91,9 @@ class StructuredOutputManager:
                         f"structured output needs the model's tokenizer, which is missing: {e}"
                     ) from e
                 info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size)
-                self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+                self._compiler = xgr.GrammarCompiler(
+                    info, max_threads=1, cache_limit_bytes=_CACHE_LIMIT_BYTES
+                )
             return self._compiler
 
     def grammar(self, params: StructuredOutputsParams) -> Grammar:

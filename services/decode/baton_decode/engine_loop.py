@@ -281,7 +281,9 @@ class EngineLoop:
             raise self._dead
         if req_id in self._streams:
             raise DuplicateRequestError(f"request id {req_id!r} is already in flight")
-        self.core.validate_request(prompt_token_ids, params)  # reads only immutable config
+        # reads only immutable config (and compiles a structured output's grammar, which
+        # XGrammar caches for the loop's add_request)
+        self.core.validate_request(prompt_token_ids, params)
         if len(self._streams) >= self.max_pending:
             raise WorkerFullError(
                 f"the worker is at capacity ({len(self._streams)} requests in flight)"
