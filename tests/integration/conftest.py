@@ -114,7 +114,9 @@ def stop_serve(
 
 @pytest.fixture(scope="session")
 def baton_server() -> Iterator[ServeProcess]:
-    server = start_serve(api_key=API_KEY)
+    server = start_serve(
+        ("--enable-auto-tool-choice", "--tool-call-parser", "hermes"), api_key=API_KEY
+    )
     yield server
     _, survivors = stop_serve(server)
     assert not survivors, f"processes left behind: {survivors}"

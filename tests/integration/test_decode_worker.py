@@ -6,6 +6,7 @@ the capacity and shutdown tests, which ends with SIGTERM.
 
 from __future__ import annotations
 
+import json
 import queue
 import re
 import signal
@@ -208,6 +209,34 @@ def test_invalid_input(worker: Worker, prompt: list[int], sampling: Any, message
         _generate(worker, _request("bad", prompt, **sampling))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert message in info.value.details()
+
+
+def test_calls_are_answered_while_a_grammar_compiles(worker: Worker) -> None:
+    """A structured output's grammar compiles off the worker's event loop: a schema that takes
+    XGrammar about a second to compile (3,000 required properties) does not hold up the load
+    polls the gateway sends (a poll unanswered for 1 s marks the worker down)."""
+    n = 3000
+    schema = {
+        "type": "object",
+        "properties": {f"k{i}": {"type": "string", "enum": [f"v{i}", f"w{i}"]} for i in range(n)},
+        "required": [f"k{i}" for i in range(n)],
+    }
+    request = _request("big-schema", [42, 43, 44], 2)
+    request.sampling.structured_outputs.json_schema = json.dumps(schema)
+    with ThreadPoolExecutor(1) as pool:
+        start = time.monotonic()
+        future = pool.submit(_generate, worker, request)
+        polls = []
+        while not future.done():
+            t = time.monotonic()
+            _load(worker)
+            polls.append(time.monotonic() - t)
+            time.sleep(0.02)
+        took = time.monotonic() - start
+        tokens = [t for m in future.result() for t in m.token_ids]
+    assert len(tokens) == 2
+    assert took > 0.5, f"the compile was too quick ({took:.2f} s) for this test to mean much"
+    assert max(polls) < 0.25, f"a load poll waited {max(polls):.2f} s (request: {took:.2f} s)"
 
 
 def test_logprobs(worker: Worker) -> None:

@@ -208,7 +208,35 @@ def test_structured_output_on_every_path(stack: dict[str, Service]) -> None:
             extra_body={"structured_outputs": {"regex": "[A-Z]{2}-[0-9]{3}"}},
         ).choices[0]
         assert re.fullmatch("[A-Z]{2}-[0-9]{3}", code.text), code.text
-        texts[gateway] = [person.message.content or "", choice.text, code.text]
+        # A named tool choice is a JSON schema too (the function's parameters); "auto" needs
+        # a tool parser, which these gateways were not started with.
+        tool = {"type": "function", "function": {"name": "describe", "parameters": PERSON}}
+        [call] = (
+            client.chat.completions.create(
+                model="SmolLM2-135M-Instruct",
+                messages=messages,  # type: ignore[arg-type]
+                max_tokens=60,
+                temperature=0.0,
+                tools=[tool],  # type: ignore[list-item]
+                tool_choice={"type": "function", "function": {"name": "describe"}},
+            )
+            .choices[0]
+            .message.tool_calls
+            or []
+        )
+        assert set(json.loads(call.function.arguments)) == {"name", "age"}
+        with pytest.raises(openai.BadRequestError, match="--enable-auto-tool-choice"):
+            client.chat.completions.create(
+                model="SmolLM2-135M-Instruct",
+                messages=messages,  # type: ignore[arg-type]
+                tools=[tool],  # type: ignore[list-item]
+            )
+        texts[gateway] = [
+            person.message.content or "",
+            choice.text,
+            code.text,
+            call.function.arguments,
+        ]
         with pytest.raises(openai.BadRequestError, match="nope"):
             client.chat.completions.create(
                 model="SmolLM2-135M-Instruct",

@@ -358,6 +358,163 @@ def test_async_client_and_32_concurrent_streams(baton_server: Any) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# Tool calling (the shared server runs with --enable-auto-tool-choice --tool-call-parser hermes)
+
+WEATHER_TOOL: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string"},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME_TOOL: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "The time in a time zone",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"type": "string"}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
+WEATHER_QUESTION: list[ChatCompletionMessageParam] = [
+    {"role": "user", "content": "What is the weather like in Paris today?"}
+]
+
+
+def _tool_chat(client: OpenAI, **kwargs: Any) -> tuple[Any, Any]:
+    """The same greedy request whole and streamed: each as (content, [(name, arguments)],
+    finish_reason), the stream's pieces merged as a client merges them."""
+    args = dict(model=MODEL, messages=WEATHER_QUESTION, max_tokens=60, temperature=0.0)
+    args.update(kwargs)
+    whole = client.chat.completions.create(**args).choices[0]  # type: ignore[call-overload]
+    calls = [(c.function.name, c.function.arguments) for c in whole.message.tool_calls or []]
+    assert all(c.id.startswith("chatcmpl-tool-") for c in whole.message.tool_calls or [])
+    content, pieces, reason = "", {}, None
+    for chunk in client.chat.completions.create(stream=True, **args):  # type: ignore[call-overload]
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for piece in choice.delta.tool_calls or []:
+                if piece.index not in pieces:  # a call's first piece: its id and name
+                    assert piece.id and piece.type == "function" and piece.function.name
+                    pieces[piece.index] = [piece.function.name, ""]
+                else:
+                    assert piece.id is None and piece.function.name is None
+                pieces[piece.index][1] += piece.function.arguments or ""
+            reason = choice.finish_reason or reason
+    streamed = [tuple(pieces[i]) for i in sorted(pieces)]
+    return (whole.message.content, calls, whole.finish_reason), (content or None, streamed, reason)
+
+
+def _weather_arguments(arguments: str) -> dict[str, Any]:
+    """A get_weather call's arguments, checked against its schema."""
+    parsed = json.loads(arguments)
+    assert set(parsed) == {"city", "unit"} and isinstance(parsed["city"], str), parsed
+    assert parsed["unit"] in ("celsius", "fahrenheit")
+    return dict(parsed)
+
+
+def test_named_tool_choice(client: OpenAI) -> None:
+    """A named tool_choice: one call to that function, arguments valid for its schema (the
+    worker constrains them), finish_reason "stop" (OpenAI's); streamed the same."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    whole, streamed = _tool_chat(client, tools=[TIME_TOOL, WEATHER_TOOL], tool_choice=named)
+    assert whole == streamed
+    content, [(name, arguments)], reason = whole
+    assert content is None and name == "get_weather" and reason == "stop"
+    _weather_arguments(arguments)
+
+
+def test_required_tool_choice(client: OpenAI) -> None:
+    """tool_choice "required": one or more calls, each to one of the tools with valid
+    arguments, finish_reason "tool_calls"; parallel_tool_calls=false: exactly one."""
+    for parallel in (True, False):
+        whole, streamed = _tool_chat(
+            client,
+            tools=[WEATHER_TOOL, TIME_TOOL],
+            tool_choice="required",
+            parallel_tool_calls=parallel,
+        )
+        assert whole == streamed
+        content, calls, reason = whole
+        assert content is None and reason == "tool_calls" and calls
+        assert len(calls) == 1 or parallel
+        for name, arguments in calls:
+            assert name in ("get_weather", "get_time")
+            if name == "get_weather":
+                _weather_arguments(arguments)
+            else:
+                assert set(json.loads(arguments)) == {"zone"}
+
+
+def test_auto_tool_choice_with_the_hermes_parser(client: OpenAI) -> None:
+    """tool_choice "auto" (the default with tools): the hermes parser finds a call in the
+    model's text. SmolLM2 was not trained to call tools, so a regex steers it into Hermes'
+    format here; the city is the model's. Without the regex it answers in prose, which comes
+    back as the content, the same as without tools or with tool_choice "none" (its chat
+    template ignores tools)."""
+    hermes = (
+        r'I will check\.\n<tool_call>\n\{"name": "get_weather", "arguments": '
+        r'\{"city": "[A-Z][a-z]{2,9}", "unit": "celsius"\}\}\n</tool_call>'
+    )
+    whole, streamed = _tool_chat(
+        client,
+        tools=[WEATHER_TOOL],
+        max_tokens=100,
+        extra_body={"structured_outputs": {"regex": hermes}},
+    )
+    assert whole == streamed
+    content, [(name, arguments)], reason = whole
+    assert content == "I will check." and name == "get_weather" and reason == "tool_calls"
+    _weather_arguments(arguments)
+    prose = [_tool_chat(client, tools=[WEATHER_TOOL]), _tool_chat(client)]
+    prose.append(_tool_chat(client, tools=[WEATHER_TOOL], tool_choice="none"))
+    for whole, streamed in prose:
+        assert whole == streamed == prose[0][0]
+    content, calls, reason = prose[0][0]
+    assert content and "<tool_call>" not in content and calls == [] and reason == "length"
+
+
+def test_tool_request_errors(client: OpenAI) -> None:
+    """vLLM's checks: tool_choice without tools, a named tool that is not among them, empty
+    tools, a required choice with another structured output."""
+    cases: list[tuple[dict[str, Any], str]] = [
+        ({"tool_choice": "required"}, "`tools` must be set"),
+        (
+            {
+                "tools": [WEATHER_TOOL],
+                "tool_choice": {"type": "function", "function": {"name": "nope"}},
+            },
+            "Tool 'nope' has not been passed",
+        ),
+        ({"tools": []}, "must not be an empty array"),
+        (
+            {
+                "tools": [WEATHER_TOOL],
+                "tool_choice": "required",
+                "response_format": {"type": "json_object"},
+            },
+            "not both",
+        ),
+    ]
+    for fields, message in cases:
+        with pytest.raises(openai.BadRequestError, match=message):
+            client.chat.completions.create(model=MODEL, messages=WEATHER_QUESTION, **fields)
+
+
+# ---------------------------------------------------------------------------------------------
 # Errors, auth, disconnects, metrics
 
 

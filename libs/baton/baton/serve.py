@@ -46,6 +46,7 @@ _PR_SET_PDEATHSIG = 1
 def add_parser(subparsers: Any) -> None:
     """Register ``serve`` on the ``baton`` command's subparsers."""
     from baton_engine.arg_utils import add_engine_args
+    from baton_gateway.cli import add_chat_arguments
 
     p = subparsers.add_parser(
         "serve",
@@ -135,6 +136,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument(
         "--disable-uvicorn-access-log", action="store_true", help="no access log line per request"
     )
+    add_chat_arguments(p)
     add_engine_args(p)
     p.set_defaults(func=_cmd_serve)
 
@@ -270,11 +272,15 @@ def _signal_group(proc: subprocess.Popen[str], sig: signal.Signals) -> None:
 def _cmd_serve(args: argparse.Namespace) -> int:
     from baton_engine.errors import InvalidRequestError
     from baton_engine.model_files import resolve_model, served_model_name
+    from baton_gateway.cli import load_chat_template, tool_call_parser
 
     if args.num_decode < 1 or args.num_prefill < 0:
         raise InvalidRequestError("--num-decode must be at least 1 and --num-prefill at least 0")
     if _prefill_tp(args) < 1:
         raise InvalidRequestError("--prefill-tensor-parallel-size must be at least 1")
+    # The gateway's chat options, checked before anything starts.
+    tool_call_parser(args)
+    load_chat_template(args.chat_template)
     resolve_model(args.model)  # convert once, before several processes race to
     name = args.served_model_name or served_model_name(args.model)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -456,6 +462,9 @@ def _plan(args: argparse.Namespace, name: str) -> list[tuple[str, str, list[str]
         *("--served-model-name", name, "--connect-timeout", str(args.ready_timeout)),
         *(["--model", args.model] if args.model is not None else []),
         *(["--disable-uvicorn-access-log"] if args.disable_uvicorn_access_log else []),
+        *(["--enable-auto-tool-choice"] if args.enable_auto_tool_choice else []),
+        *(["--tool-call-parser", args.tool_call_parser] if args.tool_call_parser else []),
+        *(["--chat-template", args.chat_template] if args.chat_template is not None else []),
     ]
     plan.append(("gateway", "gateway", gateway_argv))
     return plan

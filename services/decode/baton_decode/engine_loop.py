@@ -261,6 +261,19 @@ class EngineLoop:
     def is_healthy(self) -> bool:
         return self._dead is None
 
+    async def compile_grammar(self, params: SamplingParams) -> None:
+        """Compile a request's structured output (if any) on a worker thread, before
+        :meth:`add_request`, which then finds it in XGrammar's cache.
+
+        A compile can take a while (the first also loads the tokenizer, ~1 s); on the asyncio
+        loop it would hold up every other call meanwhile, the gateway's load polls among them,
+        and the gateway would take the worker for dead. Raises ``InvalidRequestError`` for one
+        that does not compile.
+        """
+        so = params.structured_outputs
+        if so is not None:
+            await asyncio.to_thread(self.core.structured.grammar, so)
+
     def add_request(
         self,
         req_id: str,
@@ -282,7 +295,7 @@ class EngineLoop:
         if req_id in self._streams:
             raise DuplicateRequestError(f"request id {req_id!r} is already in flight")
         # reads only immutable config (and compiles a structured output's grammar, which
-        # XGrammar caches for the loop's add_request)
+        # XGrammar caches for the loop's add_request; servers call compile_grammar first)
         self.core.validate_request(prompt_token_ids, params)
         if len(self._streams) >= self.max_pending:
             raise WorkerFullError(

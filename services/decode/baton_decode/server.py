@@ -198,7 +198,7 @@ class DecodeServicer(WorkerInfoMixin, engine_pb2_grpc.DecodeServiceServicer):
         self.block_size = engine.core.config.block_size
         self.draining = False
 
-    def _admit(
+    async def _admit(
         self, request: engine_pb2.GenerateRequest, metadata: Any
     ) -> tuple[RequestStream, tracing.Span]:
         """Validate and queue one request; ``metadata`` carries its trace context. Raises
@@ -220,6 +220,7 @@ class DecodeServicer(WorkerInfoMixin, engine_pb2_grpc.DecodeServiceServicer):
                 if inp.kv_handle.compat_hash == self.compat_hash:
                     check_block_hashes(inp.prompt_token_ids, inp.kv_handle, self.block_size)
                 remote = RemoteKV(inp.kv_handle, tracing.context_with(span))
+            await self.engine.compile_grammar(inp.params)
             stream = self.engine.add_request(
                 inp.req_id,
                 inp.prompt_token_ids,
@@ -239,7 +240,7 @@ class DecodeServicer(WorkerInfoMixin, engine_pb2_grpc.DecodeServiceServicer):
         previous one. The call ending early for any reason (client cancel, deadline, error)
         aborts the request in the engine, which frees its blocks."""
         try:
-            stream, span = self._admit(request, context.invocation_metadata())
+            stream, span = await self._admit(request, context.invocation_metadata())
         except BatonError as e:
             await context.abort(status_code(e), str(e))
             return
@@ -295,7 +296,9 @@ class DecodeServicer(WorkerInfoMixin, engine_pb2_grpc.DecodeServiceServicer):
                 if kind == "generate":
                     req_id = message.generate.req_id
                     try:
-                        stream, span = self._admit(message.generate, message.trace_context.items())
+                        stream, span = await self._admit(
+                            message.generate, message.trace_context.items()
+                        )
                     except BatonError as e:
                         call.refused(req_id, status_code(e), str(e))
                         continue

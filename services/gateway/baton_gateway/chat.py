@@ -7,6 +7,7 @@ Any failure while rendering is the request's fault (or the template's) and becom
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from baton_gateway.errors import bad_request
@@ -15,14 +16,45 @@ from baton_gateway.protocol import ChatCompletionRequest, ChatMessage
 # apply_chat_template arguments that chat_template_kwargs must not override: they decide what
 # the call returns, and the gateway relies on getting plain text back.
 _RESERVED_KWARGS = frozenset(
-    {"conversation", "messages", "tools", "tokenize", "return_dict", "return_tensors", "padding"}
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "tokenize",
+        "return_dict",
+        "return_tensors",
+        "padding",
+        "chat_template",
+    }
 )
+
+
+def _template_tool_calls(calls: Any) -> Any:
+    """An assistant message's ``tool_calls`` as templates expect them (transformers' and
+    vLLM's convention): each ``function.arguments`` a dict, not the API's JSON text."""
+    if not isinstance(calls, list):
+        return calls
+    out = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        arguments = function.get("arguments") if isinstance(function, dict) else None
+        if isinstance(arguments, str):
+            try:
+                parsed = json.loads(arguments)
+            except ValueError:
+                parsed = arguments  # left as it came; the template decides
+            call = {**call, "function": {**function, "arguments": parsed}}  # type: ignore[dict-item]
+        out.append(call)
+    return out
 
 
 def message_dict(message: ChatMessage) -> dict[str, Any]:
     """The message as the template sees it: text parts joined by newlines (vLLM's "string"
-    content format); other keys (``name``, ``tool_calls``...) passed through."""
+    content format); ``tool_calls`` with their arguments parsed; other keys (``name``,
+    ``tool_call_id``...) passed through."""
     out: dict[str, Any] = dict(message.model_extra or {})
+    if "tool_calls" in out:
+        out["tool_calls"] = _template_tool_calls(out["tool_calls"])
     out["role"] = message.role
     content = message.content
     if isinstance(content, list):
@@ -40,23 +72,28 @@ def message_dict(message: ChatMessage) -> dict[str, Any]:
     return out
 
 
-def render_chat_prompt(tokenizer: Any, request: ChatCompletionRequest) -> str:
-    """Render ``request.messages`` into the prompt text with the tokenizer's chat template.
+def render_chat_prompt(
+    tokenizer: Any, request: ChatCompletionRequest, chat_template: str | None = None
+) -> str:
+    """Render ``request.messages`` into the prompt text with the request's chat template, else
+    ``chat_template`` (the server's), else the tokenizer's.
 
-    Raises a 400 GatewayError when the model has no template or rendering fails.
+    Raises a 400 GatewayError when there is no template or rendering fails.
     """
-    if getattr(tokenizer, "chat_template", None) is None:
+    template = request.chat_template or chat_template
+    if template is None and getattr(tokenizer, "chat_template", None) is None:
         raise bad_request("the model has no chat template; use /v1/completions instead")
     kwargs = {
         k: v for k, v in (request.chat_template_kwargs or {}).items() if k not in _RESERVED_KWARGS
     }
     kwargs["add_generation_prompt"] = request.add_generation_prompt
     kwargs["continue_final_message"] = request.continue_final_message
+    if template is not None:
+        kwargs["chat_template"] = template
     messages = [message_dict(m) for m in request.messages]
+    tools = [t.model_dump(exclude_none=True) for t in request.tools] if request.tools else None
     try:
-        text = tokenizer.apply_chat_template(
-            messages, tools=request.tools, tokenize=False, **kwargs
-        )
+        text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, **kwargs)
     except Exception as e:  # jinja2 TemplateError, ValueError from transformers, ...
         raise bad_request(f"cannot apply the chat template: {e}", param="messages") from e
     if not isinstance(text, str):
@@ -64,10 +101,12 @@ def render_chat_prompt(tokenizer: Any, request: ChatCompletionRequest) -> str:
     return text
 
 
-def tokenize_chat(tokenizer: Any, request: ChatCompletionRequest) -> list[int]:
+def tokenize_chat(
+    tokenizer: Any, request: ChatCompletionRequest, chat_template: str | None = None
+) -> list[int]:
     """The prompt token ids of a chat request (the template already writes special tokens, so
     none are added unless ``add_special_tokens`` asks for it, as in vLLM)."""
-    text = render_chat_prompt(tokenizer, request)
+    text = render_chat_prompt(tokenizer, request, chat_template)
     ids: list[int] = tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
     return ids
 

@@ -96,6 +96,63 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--disable-uvicorn-access-log", action="store_true", help="no access log line per request"
     )
     p.add_argument("--uvicorn-log-level", default="info", help="uvicorn's log level")
+    add_chat_arguments(p)
+
+
+def add_chat_arguments(p: argparse.ArgumentParser) -> None:
+    """The chat options ``baton serve`` passes on to its gateway (vLLM's names)."""
+    from baton_gateway.tools import TOOL_PARSERS
+
+    p.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='let the model call tools on its own (tool_choice "auto"; needs --tool-call-parser)',
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        choices=sorted(TOOL_PARSERS),
+        default=None,
+        help="how tool calls are found in the model's text with --enable-auto-tool-choice",
+    )
+    p.add_argument(
+        "--chat-template",
+        default=None,
+        help="chat template for chat requests, a file or the template itself (default: the "
+        "model's)",
+    )
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """``--chat-template``'s template: the file's text, or ``value`` itself when it looks like
+    a template; checked for Jinja syntax. Raises InvalidRequestError otherwise."""
+    from jinja2 import TemplateSyntaxError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    from baton_engine.errors import InvalidRequestError
+
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            template = f.read()
+    elif any(c in value for c in "{}\n"):
+        template = value
+    else:
+        raise InvalidRequestError(f"--chat-template: no such file: {value}")
+    try:
+        ImmutableSandboxedEnvironment().parse(template)
+    except TemplateSyntaxError as e:
+        raise InvalidRequestError(f"--chat-template is not a valid Jinja template: {e}") from e
+    return template
+
+
+def tool_call_parser(args: argparse.Namespace) -> str | None:
+    """The parser "auto" tool choice uses, or None when it is off."""
+    from baton_engine.errors import InvalidRequestError
+
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise InvalidRequestError("--enable-auto-tool-choice requires --tool-call-parser")
+    return args.tool_call_parser if args.enable_auto_tool_choice else None
 
 
 def run_gateway(args: argparse.Namespace) -> int:
@@ -113,6 +170,8 @@ def run_gateway(args: argparse.Namespace) -> int:
     wait_ms = args.max_remote_prefill_wait_ms
     if wait_ms is not None and not wait_ms >= 0:
         raise InvalidRequestError("--max-remote-prefill-wait-ms must be at least 0")
+    parser = tool_call_parser(args)
+    chat_template = load_chat_template(args.chat_template)
     tokenizer = load_model_tokenizer(args.model)
     config = GatewayConfig(
         decode_addrs=tuple(args.decode_addr or ([] if args.kvstore else [DEFAULT_DECODE_ADDR])),
@@ -125,6 +184,8 @@ def run_gateway(args: argparse.Namespace) -> int:
         api_key=args.api_key or None,
         max_model_len=args.max_model_len,
         connect_timeout_s=args.connect_timeout,
+        tool_call_parser=parser,
+        chat_template=chat_template,
     )
     app = create_app(config, tokenizer)
     uv_config = uvicorn.Config(

@@ -38,6 +38,7 @@ from baton_gateway.streaming import (
     chat_stream,
     completion_stream,
 )
+from baton_gateway.tools import ToolUse, tool_use
 
 
 def check_length(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> int:
@@ -80,13 +81,19 @@ class Pipeline:
         max_model_len: int,
         vocab_size: int,
         metrics: GatewayMetrics,
+        tool_parser: str | None = None,
+        chat_template: str | None = None,
     ) -> None:
+        """``tool_parser``: the parser "auto" tool choice uses (None: "auto" is refused);
+        ``chat_template``: the template chat requests use instead of the model's."""
         self.pool = pool
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.metrics = metrics
+        self.tool_parser = tool_parser
+        self.chat_template = chat_template
         self.texts = TokenTexts(tokenizer)
 
     def check_model(self, model: str | None) -> None:
@@ -136,10 +143,14 @@ class Pipeline:
         self.check_model(request.model)
         record = self.metrics.start("chat")
         try:
-            prompt = tokenize_chat(self.tokenizer, request)
+            try:
+                tools = tool_use(request, self.tool_parser)
+            except ValueError as e:
+                raise bad_request(str(e), param="tool_choice") from e
+            prompt = tokenize_chat(self.tokenizer, request, self.chat_template)
             req_id = random_id("chatcmpl")
             specs = self._specs(request, req_id, [prompt], request.requested_max_tokens)
-            return await self._respond(request, req_id, specs, len(prompt), {}, record)
+            return await self._respond(request, req_id, specs, len(prompt), {}, record, tools)
         except BaseException as e:
             self._fail(record, e)
             raise
@@ -201,6 +212,7 @@ class Pipeline:
         num_prompt_tokens: int,
         echo: dict[int, str],
         record: RequestRecord,
+        tools: ToolUse | None = None,
     ) -> Response:
         generation = self._generation(request, specs, record)
         texts = self.texts if request.num_logprobs is not None else None
@@ -208,7 +220,7 @@ class Pipeline:
         is_chat = isinstance(request, ChatCompletionRequest)
         if request.stream:
             return await self._stream(
-                request, req_id, created, generation, num_prompt_tokens, echo, record, texts
+                request, req_id, created, generation, num_prompt_tokens, echo, record, texts, tools
             )
         choices = {
             s.index: ChoiceBuffer(
@@ -222,8 +234,7 @@ class Pipeline:
             async for delta in deltas:
                 choices[delta.index].add(delta)
         usage = usage_info(generation, num_prompt_tokens)
-        build = chat_response if is_chat else completion_response
-        body = build(
+        common: dict[str, Any] = dict(
             request_id=req_id,
             created=created,
             model=self.model_name,
@@ -231,6 +242,7 @@ class Pipeline:
             usage=usage,
             texts=texts,
         )
+        body = chat_response(**common, tool_use=tools) if is_chat else completion_response(**common)
         self.metrics.finish(
             record,
             "ok",
@@ -250,6 +262,7 @@ class Pipeline:
         echo: dict[int, str],
         record: RequestRecord,
         texts: TokenTexts | None,
+        tools: ToolUse | None,
     ) -> Response:
         deltas = generation.stream()
         # Wait for the first delta before answering, so that a worker refusing the request
@@ -275,7 +288,7 @@ class Pipeline:
         outcome = StreamOutcome()
         events: AsyncGenerator[str, None]
         if isinstance(request, ChatCompletionRequest):
-            events = chat_stream(ctx, generation, first, deltas, outcome)
+            events = chat_stream(ctx, generation, first, deltas, outcome, tools)
         else:
             events = completion_stream(ctx, generation, echo, first, deltas, outcome)
 

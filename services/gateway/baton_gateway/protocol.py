@@ -8,7 +8,9 @@ FastAPI's 422). vLLM's extras (``top_k``, ``min_p``, ``ignore_eos``, ``min_token
 the top-level JSON, so both spellings arrive here the same way. Structured output: OpenAI's
 ``response_format`` (``json_object``, ``json_schema``), vLLM's ``structured_outputs`` (``json``,
 ``regex``, ``choice``, ``grammar``, ``json_object``) and its older ``guided_json``,
-``guided_regex``, ``guided_choice`` and ``guided_grammar``; the worker compiles them.
+``guided_regex``, ``guided_choice`` and ``guided_grammar``; the worker compiles them. Tool
+calling: ``tools``, ``tool_choice`` and ``parallel_tool_calls`` (``tools.py`` says how each
+choice is served).
 
 Responses follow the OpenAI shapes, plus vLLM's ``stop_reason`` on each choice and
 ``max_model_len`` on each model card.
@@ -207,6 +209,30 @@ class ChatMessage(BaseModel):
     content: str | list[ContentPart] | None = None
 
 
+class FunctionDefinition(OpenAIBaseModel):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None: no arguments
+    strict: bool | None = None
+
+
+class ChatCompletionTool(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIBaseModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     # Deprecated by OpenAI in favour of max_completion_tokens, which wins when both are set.
@@ -214,8 +240,12 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    tools: list[dict[str, Any]] | None = None
+    tools: list[ChatCompletionTool] | None = None
+    # None: "auto" when tools are given, else "none" (OpenAI's defaults).
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
     # vLLM's chat extras.
+    chat_template: str | None = None  # overrides the model's (and the server's) template
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False
@@ -227,7 +257,49 @@ class ChatCompletionRequest(_SamplingRequest):
             raise ValueError("when using top_logprobs, logprobs must be set to true")
         if self.continue_final_message and self.add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+        # vLLM's checks, in its words.
+        if self.tools is not None and not self.tools:
+            raise ValueError(
+                "`tools` must not be an empty array. Either provide at least one tool or omit "
+                "the field entirely."
+            )
+        choice = self.tool_choice
+        if choice is not None and choice != "none" and self.tools is None:
+            raise ValueError("When using `tool_choice`, `tools` must be set.")
+        if isinstance(choice, NamedToolChoice):
+            names = [t.function.name for t in self.tools or []]
+            if choice.function.name not in names:
+                raise ValueError(
+                    f"Tool '{choice.function.name}' has not been passed in `tools`; the tools "
+                    f"are: {', '.join(names)}"
+                )
+        if self.effective_tool_choice in ("required", "named") and super().structured:
+            raise ValueError(
+                "You can only either use structured outputs or a required or named "
+                "`tool_choice`, not both."
+            )
         return self
+
+    @property
+    def effective_tool_choice(self) -> Literal["none", "auto", "required", "named"]:
+        """How the request uses its tools ("named": ``tool_choice`` names a function)."""
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice):
+            return "named"
+        if choice is None:
+            return "auto" if self.tools else "none"
+        return choice
+
+    @property
+    def structured(self) -> StructuredOutputsSpec | None:
+        """As for every request; a required or named ``tool_choice`` is served as a JSON
+        schema (see ``tools.py``)."""
+        from baton_gateway.tools import tool_call_schema
+
+        schema = tool_call_schema(self)
+        if schema is not None:
+            return StructuredOutputsSpec(json=schema)
+        return super().structured
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -314,9 +386,21 @@ class ChatCompletionLogProbs(OpenAIBaseModel):
     content: list[ChatCompletionLogProbsContent] | None = None
 
 
+class FunctionCall(OpenAIBaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(OpenAIBaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessageOut(OpenAIBaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionResponseChoice(OpenAIBaseModel):
@@ -336,15 +420,35 @@ class ChatCompletionResponse(OpenAIBaseModel):
     usage: UsageInfo
 
 
-class DeltaMessage(OpenAIBaseModel):
-    """A chunk's delta: only the fields that are set appear (``{}`` on a final chunk)."""
-
-    role: str | None = None
-    content: str | None = None
+class _DropNone(OpenAIBaseModel):
+    """Serialises only the fields that are set."""
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler: Any) -> dict[str, Any]:
         return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaFunctionCall(_DropNone):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_DropNone):
+    """A piece of tool call ``index``: its first piece has ``id``, ``type`` and the
+    function's name; ``function.arguments`` pieces are concatenated by the client."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
+class DeltaMessage(_DropNone):
+    """A chunk's delta: only the fields that are set appear (``{}`` on a final chunk)."""
+
+    role: str | None = None
+    content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatCompletionResponseStreamChoice(OpenAIBaseModel):

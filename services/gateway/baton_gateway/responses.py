@@ -28,6 +28,7 @@ from baton_gateway.protocol import (
     PromptTokenUsageInfo,
     UsageInfo,
 )
+from baton_gateway.tools import ToolCallsSoFar, ToolUse, finish_reason
 
 
 class TokenTexts:
@@ -157,6 +158,28 @@ class ChoiceBuffer:
         return self.prefix + "".join(self.parts)
 
 
+def _chat_choice(
+    c: ChoiceBuffer, texts: TokenTexts | None, tool_use: ToolUse | None
+) -> ChatCompletionResponseChoice:
+    message = ChatMessageOut(role="assistant", content=c.text)
+    reason = c.finish_reason
+    if tool_use is not None:
+        # The streaming path's reader, fed the whole text: the same calls either way.
+        reader = tool_use.new_reader()
+        read = reader.feed(c.text, final=True)
+        calls = ToolCallsSoFar()
+        calls.add(read.tool_calls)
+        message = ChatMessageOut(content=read.content or None, tool_calls=calls.as_list())
+        reason = finish_reason(reason, tool_use, reader.num_calls)
+    return ChatCompletionResponseChoice(
+        index=c.index,
+        message=message,
+        logprobs=chat_logprobs(texts, c.logprobs) if texts is not None else None,
+        finish_reason=reason,
+        stop_reason=c.stop_reason,
+    )
+
+
 def chat_response(
     *,
     request_id: str,
@@ -165,22 +188,15 @@ def chat_response(
     choices: Iterable[ChoiceBuffer],
     usage: UsageInfo,
     texts: TokenTexts | None,
+    tool_use: ToolUse | None = None,
 ) -> ChatCompletionResponse:
-    """A whole chat completion; ``texts`` is None when logprobs were not asked for."""
+    """A whole chat completion; ``texts`` is None when logprobs were not asked for,
+    ``tool_use`` when the text is plain content."""
     return ChatCompletionResponse(
         id=request_id,
         created=created,
         model=model,
-        choices=[
-            ChatCompletionResponseChoice(
-                index=c.index,
-                message=ChatMessageOut(role="assistant", content=c.text),
-                logprobs=chat_logprobs(texts, c.logprobs) if texts is not None else None,
-                finish_reason=c.finish_reason,
-                stop_reason=c.stop_reason,
-            )
-            for c in sorted(choices, key=lambda c: c.index)
-        ],
+        choices=[_chat_choice(c, texts, tool_use) for c in sorted(choices, key=lambda c: c.index)],
         usage=usage,
     )
 

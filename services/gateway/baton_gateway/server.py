@@ -56,6 +56,8 @@ class GatewayConfig:
     api_key: str | None = None
     max_model_len: int | None = None  # None: the decode worker's
     connect_timeout_s: float = 120.0
+    tool_call_parser: str | None = None  # None: "auto" tool choice is refused
+    chat_template: str | None = None  # None: the model's
 
 
 def _json(status: int, body: Any) -> JSONResponse:
@@ -147,7 +149,14 @@ def create_app(config: GatewayConfig, tokenizer: Any) -> FastAPI:
             metrics = GatewayMetrics(name)
             state.http = http
             state.pipeline = Pipeline(
-                pool, tokenizer, name, max_model_len, info.vocab_size, metrics
+                pool,
+                tokenizer,
+                name,
+                max_model_len,
+                info.vocab_size,
+                metrics,
+                tool_parser=config.tool_call_parser,
+                chat_template=config.chat_template,
             )
             logger.info("serving %s (max_model_len %d) via %s", name, max_model_len,
                         ", ".join(f"{w.role} {w.addr}" for w in pool.workers))  # fmt: skip

@@ -40,6 +40,7 @@ from baton_gateway.responses import (
     prompt_completion_logprobs,
     usage_info,
 )
+from baton_gateway.tools import ToolCallReader, ToolUse, finish_reason
 
 SSE_DONE = "data: [DONE]\n\n"
 
@@ -160,10 +161,12 @@ def chat_stream(
     first: SequenceDelta | None,
     rest: AsyncGenerator[SequenceDelta, None],
     outcome: StreamOutcome,
+    tool_use: ToolUse | None = None,
 ) -> AsyncGenerator[str, None]:
     """The SSE events of a streamed chat completion. ``first`` was already taken from ``rest``
     (so that a failure to start is answered with a proper HTTP status); ``outcome`` is set when
-    the stream ends."""
+    the stream ends. With ``tool_use``, each choice's text goes through its own tool-call
+    reader, whose pieces become ``delta.tool_calls``."""
 
     def event(choices: list[Any], usage: UsageInfo | None) -> str:
         chunk = ChatCompletionStreamResponse(
@@ -171,17 +174,29 @@ def chat_stream(
         )
         return sse_event(chunk.model_dump_json())
 
+    readers: dict[int, ToolCallReader] = {}
+
     def to_choice(delta: SequenceDelta) -> ChatCompletionResponseStreamChoice | None:
         logprobs = None
         if ctx.texts is not None and delta.logprobs:
             logprobs = chat_logprobs(ctx.texts, delta.logprobs)
-        if not delta.text and logprobs is None and delta.finish_reason is None:
+        reason = delta.finish_reason
+        message = DeltaMessage(content=delta.text or None)
+        if tool_use is not None:
+            reader = readers.get(delta.index)
+            if reader is None:
+                reader = readers[delta.index] = tool_use.new_reader()
+            read = reader.feed(delta.text, final=reason is not None)
+            message = DeltaMessage(content=read.content or None, tool_calls=read.tool_calls or None)
+            reason = finish_reason(reason, tool_use, reader.num_calls)
+        empty = message.content is None and message.tool_calls is None
+        if empty and logprobs is None and reason is None:
             return None
         return ChatCompletionResponseStreamChoice(
             index=delta.index,
-            delta=DeltaMessage(content=delta.text) if delta.text else DeltaMessage(),
+            delta=message,
             logprobs=logprobs,
-            finish_reason=delta.finish_reason,
+            finish_reason=reason,
             stop_reason=delta.stop_reason,
         )
 

@@ -85,6 +85,7 @@ class PrefillServicer(WorkerInfoMixin, engine_pb2_grpc.PrefillServiceServicer):
             req_id = request.req_id
             if not req_id:
                 raise InvalidRequestError("req_id is required (the gateway aborts by it)")
+            await self.engine.compile_grammar(params)
             stream = self.engine.add_request(req_id, prompt, params, prefill_only=True)
         except BatonError as e:
             await context.abort(status_code(e), str(e))

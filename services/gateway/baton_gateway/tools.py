@@ -1,0 +1,410 @@
+"""Tool calling on chat completions: OpenAI's ``tools`` and ``tool_choice``, served as vLLM does.
+
+- A named ``tool_choice`` (``{"type": "function", "function": {"name": ...}}``): the worker
+  constrains the output to that function's ``parameters`` schema (structured output), and the
+  text is the call's arguments. ``finish_reason`` stays "stop", as with OpenAI.
+- ``"required"``: the output is constrained to a JSON array of one or more
+  ``{"name": ..., "parameters": {...}}`` objects, each naming one of ``tools`` (vLLM's schema;
+  ``parallel_tool_calls: false`` caps it at one call). ``finish_reason`` is "tool_calls".
+- ``"auto"`` (the default when tools are given): the model writes freely and the server's tool
+  parser (``--enable-auto-tool-choice --tool-call-parser NAME``) finds the calls in its text;
+  without them "auto" is a 400, as in vLLM. ``finish_reason`` is "tool_calls" when it found any.
+- ``"none"``: plain text. Tools still reach the chat template in every case.
+
+Parsers: ``hermes`` (``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks, the
+format of Hermes, Qwen2.5 and many others) and ``llama3_json`` (Llama 3.1's JSON calls,
+``{"name": ..., "parameters": {...}}``, several separated by ``;``).
+
+One :class:`ToolCallReader` per choice turns the text into content and tool-call pieces, fed as
+the text streams in; a non-streamed response feeds it the whole text and merges the pieces, so
+both give the same calls. A named call streams its arguments as they come; the other readers
+send each call whole, in one piece, once its text is complete. Text that is not a well-formed
+call stays in the content, so nothing the model wrote is lost.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from baton_gateway.protocol import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall
+
+if TYPE_CHECKING:
+    from baton_gateway.protocol import ChatCompletionRequest
+
+
+def tool_call_id() -> str:
+    return f"chatcmpl-tool-{uuid.uuid4().hex}"
+
+
+def tool_call_schema(request: ChatCompletionRequest) -> dict[str, Any] | None:
+    """The JSON schema a required or named ``tool_choice`` constrains the output to, or None."""
+    choice = request.effective_tool_choice
+    tools = request.tools or []
+    if choice == "named":
+        name = request.tool_choice.function.name  # type: ignore[union-attr]
+        params = next((t.function.parameters for t in tools if t.function.name == name), None)
+        return params if params else {"type": "object", "properties": {}}
+    if choice != "required":
+        return None
+    items = []
+    defs: dict[str, Any] = {}
+    for tool in tools:
+        params = dict(tool.function.parameters or {"type": "object", "properties": {}})
+        # JSON-schema references resolve from the root: hoist each tool's $defs there.
+        defs.update(params.pop("$defs", {}))
+        items.append(
+            {
+                "properties": {
+                    "name": {"type": "string", "enum": [tool.function.name]},
+                    "parameters": params,
+                },
+                "required": ["name", "parameters"],
+            }
+        )
+    schema: dict[str, Any] = {
+        "type": "array",
+        "minItems": 1,
+        "items": {"type": "object", "anyOf": items},
+    }
+    if not request.parallel_tool_calls:
+        schema["maxItems"] = 1
+    if defs:
+        schema["$defs"] = defs
+    return schema
+
+
+@dataclass(slots=True)
+class ReadOut:
+    """What a reader releases for one piece of text: content and tool-call pieces."""
+
+    content: str = ""
+    tool_calls: list[DeltaToolCall] = field(default_factory=list)
+
+
+class ToolCallReader:
+    """Turns one choice's text into content and tool calls, piece by piece.
+
+    :meth:`feed` takes each new piece of text (``final`` on the last) and returns what can be
+    released. Subclasses implement :meth:`_read`; this class numbers the calls.
+    """
+
+    def __init__(self) -> None:
+        self.num_calls = 0
+
+    def feed(self, text: str, final: bool) -> ReadOut:
+        return self._read(text, final)
+
+    def _read(self, text: str, final: bool) -> ReadOut:
+        raise NotImplementedError
+
+    def _call(self, name: str, arguments: Any) -> DeltaToolCall:
+        """A whole call: ``arguments`` as JSON text (a string is taken to be JSON already)."""
+        if not isinstance(arguments, str):
+            arguments = json.dumps(arguments, ensure_ascii=False)
+        call = DeltaToolCall(
+            index=self.num_calls,
+            id=tool_call_id(),
+            type="function",
+            function=DeltaFunctionCall(name=name, arguments=arguments),
+        )
+        self.num_calls += 1
+        return call
+
+
+class NamedCallReader(ToolCallReader):
+    """A named ``tool_choice``: all the text is the arguments of one call to ``name``."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self._name = name
+
+    def _read(self, text: str, final: bool) -> ReadOut:
+        if self.num_calls == 0 and (text or final):
+            return ReadOut(tool_calls=[self._call(self._name, text)])
+        if text:
+            return ReadOut(
+                tool_calls=[DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=text))]
+            )
+        return ReadOut()
+
+
+class _ObjectScanner:
+    """Finds whole top-level JSON objects in text that grows at its end, skipping the
+    characters in ``separators`` between them (and whitespace). ``rest`` is the text after the
+    last whole object; ``broken`` is set at the first character that cannot start one."""
+
+    def __init__(self, separators: str) -> None:
+        self._separators = separators
+        self.text = ""
+        self._start = 0  # where the object being read starts (or where scanning resumes)
+        self._pos = 0
+        self._depth = 0
+        self._in_string = False
+        self._escaped = False
+        self.broken = False
+
+    @property
+    def rest(self) -> str:
+        return self.text[self._start :]
+
+    def add(self, text: str) -> list[tuple[str, int]]:
+        """The objects that ``text`` completes: each one's JSON text and where it ends."""
+        self.text += text
+        done: list[tuple[str, int]] = []
+        t = self.text
+        while not self.broken and self._pos < len(t):
+            c = t[self._pos]
+            self._pos += 1
+            if self._depth == 0:
+                if c == "{":
+                    self._start, self._depth = self._pos - 1, 1
+                elif c.isspace() or c in self._separators:
+                    self._start = self._pos
+                else:
+                    self._start, self.broken = self._pos - 1, True
+            elif self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif c == "\\":
+                    self._escaped = True
+                elif c == '"':
+                    self._in_string = False
+            elif c == '"':
+                self._in_string = True
+            elif c in "{[":
+                self._depth += 1
+            elif c in "}]":
+                self._depth -= 1
+                if self._depth == 0:
+                    done.append((t[self._start : self._pos], self._pos))
+                    self._start = self._pos
+        return done
+
+
+def _parse_call(text: str, arguments_key: tuple[str, ...]) -> tuple[str, Any] | None:
+    """``(name, arguments)`` of a JSON call object, or None when it is not one."""
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    for key in arguments_key:
+        if key in obj:
+            return obj["name"], obj[key]
+    return obj["name"], {}
+
+
+class RequiredCallsReader(ToolCallReader):
+    """``tool_choice="required"``: a JSON array of ``{"name", "parameters"}`` objects; each
+    call goes out once its object is complete."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._scanner = _ObjectScanner("[],")
+
+    def _read(self, text: str, final: bool) -> ReadOut:
+        out = ReadOut()
+        for obj, _ in self._scanner.add(text):
+            parsed = _parse_call(obj, ("parameters", "arguments"))
+            if parsed is None:
+                out.content += obj
+            else:
+                out.tool_calls.append(self._call(*parsed))
+        if final:
+            out.content += self._scanner.rest.strip().rstrip("]").strip()
+        return out
+
+
+class Llama3JsonReader(ToolCallReader):
+    """Llama 3.1's JSON tool calls: text that starts with ``{`` (or Llama's ``<|python_tag|>``)
+    is one or more ``{"name", "parameters"}`` objects separated by ``;``. Any other text is
+    content, and so is the text from the first object that is not a call (all of it, exactly,
+    when no call came before)."""
+
+    _PYTHON_TAG = "<|python_tag|>"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._mode: str | None = None  # None: undecided; "content" or "calls"
+        self._head = ""  # text before the mode is known
+        self._scanner = _ObjectScanner(";")
+        self._done = 0  # where the text after the last call starts, in the scanner's text
+
+    def _read(self, text: str, final: bool) -> ReadOut:
+        if self._mode is None:
+            self._head += text
+            head = self._head.lstrip()
+            if head.startswith(self._PYTHON_TAG):
+                self._mode, text = "calls", head[len(self._PYTHON_TAG) :]
+            elif head.startswith("{"):
+                self._mode, text = "calls", self._head
+            elif (head and not self._PYTHON_TAG.startswith(head)) or final:
+                self._mode, text = "content", self._head
+            else:
+                return ReadOut()
+        if self._mode == "content":
+            return ReadOut(content=text)
+        out = ReadOut()
+        broken = False
+        for obj, end in self._scanner.add(text):
+            parsed = _parse_call(obj, ("parameters", "arguments"))
+            if parsed is None:
+                broken = True
+                break
+            out.tool_calls.append(self._call(*parsed))
+            self._done = end
+        if broken or self._scanner.broken or final:
+            rest = self._scanner.text[self._done :]
+            out.content += rest.lstrip(" \t\r\n;") if self.num_calls else rest
+            self._mode = "content"
+        return out
+
+
+class HermesReader(ToolCallReader):
+    """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks among content.
+
+    Content streams as it comes, except text that may begin a ``<tool_call>`` tag (held until
+    it does or does not) and trailing whitespace (held until more content follows it).
+    Whitespace before, between and after calls is dropped; a reply without calls keeps its
+    text exactly. A block whose JSON is not a call goes out as content, tags and all; so does
+    an unterminated one that does not parse at the end.
+    """
+
+    START, END = "<tool_call>", "</tool_call>"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._buffer = ""
+        self._in_call = False
+        self._after_call = False  # the content being released follows a call: drop its lead
+
+    def _read(self, text: str, final: bool) -> ReadOut:
+        self._buffer += text
+        out = ReadOut()
+        while True:
+            if self._in_call:
+                end = self._buffer.find(self.END)
+                if end < 0:
+                    if final:
+                        self._close_call(self._buffer, out, terminated=False)
+                        self._buffer = ""
+                    return out
+                made = self._close_call(self._buffer[:end], out, terminated=True)
+                self._buffer = self._buffer[end + len(self.END) :]
+                self._in_call, self._after_call = False, made
+                continue
+            start = self._buffer.find(self.START)
+            if start >= 0:
+                self._release(out, self._buffer[:start].rstrip())
+                self._buffer = self._buffer[start + len(self.START) :]
+                self._in_call = True
+                continue
+            if final:
+                self._release(out, self._buffer.rstrip() if self.num_calls else self._buffer)
+                self._buffer = ""
+                return out
+            keep = _held_back(self._buffer, self.START)
+            self._release(out, self._buffer[: len(self._buffer) - keep])
+            self._buffer = self._buffer[len(self._buffer) - keep :]
+            return out
+
+    def _release(self, out: ReadOut, text: str) -> None:
+        if self._after_call:
+            text = text.lstrip()
+            if not text:
+                return
+            self._after_call = False
+        out.content += text
+
+    def _close_call(self, body: str, out: ReadOut, terminated: bool) -> bool:
+        """Release the block ``body`` as a call, or as content if it is not one; True for a
+        call."""
+        parsed = _parse_call(body.strip(), ("arguments", "parameters"))
+        if parsed is None:
+            out.content += self.START + body + (self.END if terminated else "")
+            return False
+        out.tool_calls.append(self._call(*parsed))
+        return True
+
+
+def _held_back(text: str, tag: str) -> int:
+    """How many characters at the end of ``text`` to hold: trailing whitespace and anything
+    after it that could begin ``tag``."""
+    keep = 0
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
+            keep = n
+            break
+    body = text[: len(text) - keep]
+    return keep + (len(body) - len(body.rstrip()))
+
+
+TOOL_PARSERS: dict[str, Callable[[], ToolCallReader]] = {
+    "hermes": HermesReader,
+    "llama3_json": Llama3JsonReader,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ToolUse:
+    """How a request's choices are read: its effective ``tool_choice`` and a reader maker."""
+
+    choice: str  # "required", "named" or "auto"
+    new_reader: Callable[[], ToolCallReader]
+
+
+def tool_use(request: ChatCompletionRequest, tool_parser: str | None) -> ToolUse | None:
+    """How to read ``request``'s choices, or None when their text is plain content.
+
+    ``tool_parser`` is the server's (None: auto tool choice is off). Raises ValueError for
+    "auto" without one, in vLLM's words.
+    """
+    choice = request.effective_tool_choice
+    if choice == "named":
+        name = request.tool_choice.function.name  # type: ignore[union-attr]
+        return ToolUse(choice, lambda: NamedCallReader(name))
+    if choice == "required":
+        return ToolUse(choice, RequiredCallsReader)
+    if choice == "auto":
+        if tool_parser is None:
+            raise ValueError(
+                '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
+                "to be set"
+            )
+        return ToolUse(choice, TOOL_PARSERS[tool_parser])
+    return None
+
+
+@dataclass(slots=True)
+class ToolCallsSoFar:
+    """Tool-call pieces merged into whole calls (as a client does with a stream)."""
+
+    calls: dict[int, ToolCall] = field(default_factory=dict)
+
+    def add(self, pieces: list[DeltaToolCall]) -> None:
+        for piece in pieces:
+            arguments = piece.function.arguments or ""
+            call = self.calls.get(piece.index)
+            if call is None:
+                self.calls[piece.index] = ToolCall(
+                    id=piece.id or tool_call_id(),
+                    function=FunctionCall(name=piece.function.name or "", arguments=arguments),
+                )
+            else:
+                call.function.arguments += arguments
+
+    def as_list(self) -> list[ToolCall]:
+        return [self.calls[i] for i in sorted(self.calls)]
+
+
+def finish_reason(reason: str | None, use: ToolUse, num_calls: int) -> str | None:
+    """A choice's finish reason: "tool_calls" when a required or auto choice made calls and
+    the model stopped by itself."""
+    if reason == "stop" and num_calls and use.choice in ("required", "auto"):
+        return "tool_calls"
+    return reason

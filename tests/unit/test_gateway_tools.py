@@ -1,0 +1,274 @@
+"""Tool calling in the gateway: the readers that find calls in a choice's text, the schemas a
+required or named ``tool_choice`` constrains the output to, vLLM's request checks, and tool
+messages reaching the chat template."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from baton_engine.errors import InvalidRequestError
+from baton_engine.sampling_params import StructuredOutputsParams
+from baton_engine.structured_output import StructuredOutputManager
+from baton_gateway.chat import render_chat_prompt
+from baton_gateway.cli import load_chat_template
+from baton_gateway.protocol import ChatCompletionRequest
+from baton_gateway.tools import (
+    HermesReader,
+    Llama3JsonReader,
+    NamedCallReader,
+    RequiredCallsReader,
+    ToolCallReader,
+    ToolCallsSoFar,
+    tool_call_schema,
+    tool_use,
+)
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string"},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city"],
+        },
+    },
+}
+TIME = {"type": "function", "function": {"name": "get_time"}}  # no parameters
+MESSAGES = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+def read(new_reader: Callable[[], ToolCallReader], text: str, step: int | None = None) -> Any:
+    """``text`` through a fresh reader in pieces of ``step`` characters (None: whole):
+    the content and the calls merged as a client merges a stream."""
+    reader = new_reader()
+    pieces = [text] if step is None else [text[i : i + step] for i in range(0, len(text), step)]
+    content, calls = "", ToolCallsSoFar()
+    for i, piece in enumerate(pieces):
+        out = reader.feed(piece, final=i == len(pieces) - 1)
+        content += out.content
+        calls.add(out.tool_calls)
+    merged = [(c.function.name, json.loads(c.function.arguments)) for c in calls.as_list()]
+    assert len({c.id for c in calls.as_list()}) == len(merged)  # each call its own id
+    assert reader.num_calls == len(merged)
+    return content, merged
+
+
+HERMES_CASES = [
+    # Content, then two calls; whitespace around calls dropped.
+    (
+        'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+        '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>\n',
+        "Let me check.",
+        [("get_weather", {"city": "Paris"}), ("get_time", {})],
+    ),
+    # No calls: the text exactly, trailing whitespace and tag-like text included.
+    ("Hello there!\n", "Hello there!\n", []),
+    ("if a < b: <tool", "if a < b: <tool", []),
+    # A block that is not a call stays content, tags and all.
+    (
+        '<tool_call>{"name": nope}</tool_call> then text',
+        '<tool_call>{"name": nope}</tool_call> then text',
+        [],
+    ),
+    # An unterminated block that parses is a call (the output ran out before the end tag).
+    ('<tool_call>{"name": "f", "arguments": {"s": "</tool"}}', "", [("f", {"s": "</tool"})]),
+    # One that does not parse is content.
+    ('<tool_call>{"name": "f", "argu', '<tool_call>{"name": "f", "argu', []),
+    # Content after a call.
+    ('<tool_call>{"name": "f"}</tool_call>\n\nDone.', "Done.", [("f", {})]),
+]
+
+
+@pytest.mark.parametrize(("text", "content", "calls"), HERMES_CASES)
+def test_hermes_reader(text: str, content: str, calls: list[Any]) -> None:
+    assert read(HermesReader, text) == (content, calls)
+    for step in (1, 2, 3, 5, 11):  # however the text streams in, the same result
+        assert read(HermesReader, text, step) == (content, calls), step
+
+
+LLAMA_CASES = [
+    (
+        '{"name": "get_weather", "parameters": {"city": "Oslo"}}; {"name": "get_time", '
+        '"parameters": {}}',
+        "",
+        [("get_weather", {"city": "Oslo"}), ("get_time", {})],
+    ),
+    ('<|python_tag|>{"name": "f", "parameters": {"x": "};"}}', "", [("f", {"x": "};"})]),
+    ("  The answer is {42}.", "  The answer is {42}.", []),
+    # Starts like a call but is not one: all of it is content, exactly.
+    ('{"a": 1} and more', '{"a": 1} and more', []),
+    ('{"name": "f", "parame', '{"name": "f", "parame', []),
+    ('{"name": "f", "parameters": {}} then prose', "then prose", [("f", {})]),
+]
+
+
+@pytest.mark.parametrize(("text", "content", "calls"), LLAMA_CASES)
+def test_llama3_json_reader(text: str, content: str, calls: list[Any]) -> None:
+    assert read(Llama3JsonReader, text) == (content, calls)
+    for step in (1, 2, 7):
+        assert read(Llama3JsonReader, text, step) == (content, calls), step
+
+
+def test_required_and_named_readers() -> None:
+    text = (
+        '[{"name": "get_weather", "parameters": {"city": "a\\"]}"}}, '
+        '{"name": "get_time", "parameters": {}}]'
+    )
+    calls = [("get_weather", {"city": 'a"]}'}), ("get_time", {})]
+    for step in (None, 1, 4):
+        assert read(RequiredCallsReader, text, step) == ("", calls)
+    # Cut short by max_tokens: the complete calls, and the rest as content.
+    cut = '[{"name": "get_time", "parameters": {}}, {"name": "get_weather", "param'
+    for step in (None, 1):
+        assert read(RequiredCallsReader, cut, step) == (
+            '{"name": "get_weather", "param',
+            [("get_time", {})],
+        )
+    for step in (None, 1, 3):
+        assert read(lambda: NamedCallReader("get_weather"), '{"city": "Rome"}', step) == (
+            "",
+            [("get_weather", {"city": "Rome"})],
+        )
+
+
+def test_named_call_streams_its_arguments() -> None:
+    reader = NamedCallReader("get_weather")
+    first = reader.feed('{"ci', final=False).tool_calls
+    assert len(first) == 1 and first[0].id and first[0].type == "function"
+    assert first[0].function.name == "get_weather" and first[0].function.arguments == '{"ci'
+    later = reader.feed('ty": "Rome"}', final=True).tool_calls
+    assert [(p.index, p.id, p.function.name, p.function.arguments) for p in later] == [
+        (0, None, None, 'ty": "Rome"}')
+    ]
+
+
+def chat(**fields: Any) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"messages": MESSAGES, **fields})
+
+
+def test_tool_choice_defaults_and_checks() -> None:
+    assert chat().effective_tool_choice == "none"
+    assert chat(tools=[WEATHER]).effective_tool_choice == "auto"
+    assert chat(tools=[WEATHER], tool_choice="none").effective_tool_choice == "none"
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    assert chat(tools=[WEATHER], tool_choice=named).effective_tool_choice == "named"
+    bad = [
+        ({"tool_choice": "required"}, "`tools` must be set"),
+        ({"tools": []}, "must not be an empty array"),
+        ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
+        (
+            {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}},
+            "Tool 'x' has not been passed",
+        ),
+        (
+            {"tools": [WEATHER], "tool_choice": "required", "guided_regex": "a+"},
+            "not both",
+        ),
+        ({"tools": [{"type": "function", "function": {"name": ""}}]}, "name"),
+    ]
+    for fields, message in bad:
+        with pytest.raises(ValidationError, match=message):
+            chat(**fields)
+    # "auto" needs the server's parser (vLLM's message); "none" and required do not.
+    with pytest.raises(ValueError, match="--enable-auto-tool-choice"):
+        tool_use(chat(tools=[WEATHER]), None)
+    assert tool_use(chat(tools=[WEATHER]), "hermes") is not None
+    assert tool_use(chat(tools=[WEATHER], tool_choice="none"), None) is None
+    assert tool_use(chat(tools=[WEATHER], tool_choice="required"), None) is not None
+    # A response_format with "none" or "auto" is allowed, as in vLLM.
+    fmt = {"type": "json_object"}
+    assert chat(tools=[WEATHER], tool_choice="none", response_format=fmt).structured is not None
+
+
+def test_tool_call_schemas() -> None:
+    named = chat(tools=[WEATHER, TIME], tool_choice={"function": {"name": "get_weather"}})
+    assert tool_call_schema(named) == WEATHER["function"]["parameters"]  # type: ignore[index]
+    assert named.structured is not None
+    assert tool_call_schema(
+        chat(tools=[WEATHER, TIME], tool_choice={"function": {"name": "get_time"}})
+    ) == {"type": "object", "properties": {}}
+    required = tool_call_schema(chat(tools=[WEATHER, TIME], tool_choice="required"))
+    assert required is not None and required["minItems"] == 1 and "maxItems" not in required
+    names = [i["properties"]["name"]["enum"] for i in required["items"]["anyOf"]]
+    assert names == [["get_weather"], ["get_time"]]
+    single = chat(tools=[WEATHER], tool_choice="required", parallel_tool_calls=False)
+    assert tool_call_schema(single)["maxItems"] == 1  # type: ignore[index]
+    with_defs = {
+        "type": "function",
+        "function": {
+            "name": "book",
+            "parameters": {
+                "type": "object",
+                "properties": {"when": {"$ref": "#/$defs/date"}},
+                "$defs": {"date": {"type": "string", "pattern": "[0-9]{4}-[0-9]{2}-[0-9]{2}"}},
+            },
+        },
+    }
+    hoisted = tool_call_schema(chat(tools=[with_defs, TIME], tool_choice="required"))
+    assert hoisted is not None and "date" in hoisted["$defs"]
+
+
+def test_tool_call_schemas_compile(tokenizer: Any) -> None:
+    """A required choice's schemas compile with XGrammar, as the worker will compile them."""
+    manager = StructuredOutputManager(lambda: tokenizer, len(tokenizer))
+    for fields in (
+        {"tools": [WEATHER, TIME], "tool_choice": "required"},
+        {"tools": [WEATHER], "tool_choice": "required", "parallel_tool_calls": False},
+        {"tools": [WEATHER, TIME], "tool_choice": {"function": {"name": "get_time"}}},
+    ):
+        schema = tool_call_schema(chat(**fields))
+        manager.grammar(StructuredOutputsParams(json=json.dumps(schema)))
+
+
+def test_tool_messages_reach_the_template(tokenizer: Any, tmp_path: Path) -> None:
+    """An assistant message's tool calls reach the template with their arguments parsed, tool
+    results with their ids; a request's template wins over the server's."""
+    template = (
+        "{% for m in messages %}{% if m.tool_calls %}{% for c in m.tool_calls %}"
+        "CALL {{ c.function.name }} {{ c.function.arguments.city }};{% endfor %}"
+        "{% elif m.role == 'tool' %}RESULT {{ m.tool_call_id }} {{ m.content }};"
+        "{% else %}{{ m.role }}: {{ m.content }};{% endif %}{% endfor %}"
+        "{% if tools %}TOOLS {{ tools | map(attribute='function.name') | join(',') }}{% endif %}"
+    )
+    history = [
+        *MESSAGES,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C"},
+    ]
+    request = chat(messages=history, tools=[WEATHER, TIME], chat_template=template)
+    assert render_chat_prompt(tokenizer, request, "server {{ 1 }}") == (
+        "user: Weather in Paris?;CALL get_weather Paris;RESULT call_1 18 C;"
+        "TOOLS get_weather,get_time"
+    )
+    path = tmp_path / "t.jinja"
+    path.write_text(template)
+    assert load_chat_template(str(path)) == template
+    assert load_chat_template(template) == template
+    assert render_chat_prompt(tokenizer, chat(messages=MESSAGES), template) == (
+        "user: Weather in Paris?;"
+    )
+    with pytest.raises(InvalidRequestError, match="no such file"):
+        load_chat_template(str(tmp_path / "missing.jinja"))
+    with pytest.raises(InvalidRequestError, match="not a valid Jinja template"):
+        load_chat_template("{% for x in %}")
