@@ -2,12 +2,18 @@
 XGrammar's own parts (compiling a schema, filling a bitmask row, applying a bitmask).
 
     python benchmarks/bench_structured_output.py [--requests 16] [--max-tokens 64]
+    python benchmarks/bench_structured_output.py --model DIR --device cuda --load-format dummy \
+        --requests 256 --max-tokens 128 --free-ignore-eos   # a GPU, random weights
 
 Runs on the default model (CPU) in one process: a warm-up, then the free batch and the
-constrained batch in turns (``--rounds``). Every request is greedy with ``ignore_eos`` off, so
+constrained batch in turns (``--rounds``). Every request is greedy with ``ignore_eos`` off
+(``--free-ignore-eos``: on for the free batch, whose random-weight model may end early), so
 the free and the constrained batch generate different tokens: compare tokens per second, not
-times. Where the bitmask's work runs: the engine fills each constrained request's row on the
-host before its step (the request's last token accepted first, so those requests wait for
+times. ``--rows`` times XGrammar's host work for that many constrained requests in a step:
+filling their bitmask rows one by one and with its threads, and accepting their tokens.
+
+Where the bitmask's work runs: the engine fills each constrained request's row on the host
+before its step (the request's last token accepted first, so those requests wait for
 their tokens instead of running a step ahead), and the sampler applies it to the logits.
 """
 
@@ -88,13 +94,77 @@ def xgrammar_parts(llm: LLM) -> None:
         )
 
 
+def _matcher(grammar: object) -> object:
+    """The grammar's XGrammar matcher (``_matcher`` before it was public)."""
+    return getattr(grammar, "matcher", None) or grammar._matcher  # type: ignore[attr-defined]
+
+
+def host_rows(llm: LLM, rows: int) -> None:
+    """A step's grammar work on the host for ``rows`` requests, each at a different place of
+    the schema: filling the bitmask one row after another (what the engine does) against
+    XGrammar's BatchGrammarMatcher threads, and accepting one token each."""
+    import os
+
+    import xgrammar as xgr
+
+    manager = llm.engine.core.structured
+    tok = llm.get_tokenizer()
+    texts = ['{"name": "Al', '{"name": "Al", "age": 3', '{"name": "B", "age": 7, "hobbies": ["c']
+    grammars = []
+    for i in range(rows):
+        grammar = manager.grammar(StructuredOutputsParams(json=SCHEMA))
+        assert _matcher(grammar).accept_string(texts[i % len(texts)])
+        grammars.append(grammar)
+    matchers = [_matcher(g) for g in grammars]
+    mask = xgr.allocate_token_bitmask(rows, manager.vocab_size)
+    n = 50
+
+    def timed(fill: object) -> float:
+        begin = time.perf_counter()
+        for _ in range(n):
+            fill()  # type: ignore[operator]
+        return (time.perf_counter() - begin) / n * 1e3
+
+    one_by_one = timed(lambda: [g.fill_bitmask(mask, i) for i, g in enumerate(grammars)])
+    parts = [f"one by one {one_by_one:.3f} ms"]
+    for threads in sorted({2, 4, 8, 16, os.cpu_count() or 1}):
+        batch = xgr.BatchGrammarMatcher(threads)
+        ms = timed(lambda b=batch: b.batch_fill_next_token_bitmask(matchers, mask))
+        parts.append(f"{threads} threads {ms:.3f} ms")
+    print(f"fill {rows} rows ({os.cpu_count()} cores): " + ", ".join(parts))
+    # Accepting a token each (a digit where every request is inside a string or a number),
+    # then rolling back, n times.
+    digit = tok("7", add_special_tokens=False).input_ids[-1]
+    begin = time.perf_counter()
+    for _ in range(n):
+        for m in matchers:
+            m.accept_token(digit)
+        for m in matchers:
+            m.rollback(1)
+    accept = (time.perf_counter() - begin) / n * 1e3
+    print(f"accept a token in {rows} matchers (and roll it back): {accept:.3f} ms")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--requests", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--model", default=None, help="model folder (default: the default model)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--load-format", default="auto", help="auto, or dummy (random weights)")
+    p.add_argument("--free-ignore-eos", action="store_true", help="the free batch ignores EOS")
+    p.add_argument("--rows", type=int, default=256, help="rows of the host-work timing")
     args = p.parse_args()
-    llm = LLM(max_model_len=512)
+    llm = LLM(
+        args.model,
+        max_model_len=512,
+        device=args.device,
+        load_format=args.load_format,
+        max_num_seqs=max(args.requests, 1),
+    )
+    threads = getattr(llm.engine.core.structured, "fill_threads", 1)  # 1 before it existed
+    print(f"bitmask fill threads: {threads}")
     tok = llm.get_tokenizer()
     prompts = [
         tok.apply_chat_template(
@@ -104,7 +174,9 @@ def main() -> None:
         )
         for i in range(args.requests)
     ]
-    free = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    free = SamplingParams(
+        temperature=0.0, max_tokens=args.max_tokens, ignore_eos=args.free_ignore_eos
+    )
     constrained = SamplingParams(
         temperature=0.0,
         max_tokens=args.max_tokens,
@@ -123,6 +195,7 @@ def main() -> None:
     for name, values in rates.items():
         print(f"{name:12} median {statistics.median(values):7.1f} tok/s over {len(values)} rounds")
     xgrammar_parts(llm)
+    host_rows(llm, args.rows)
 
 
 if __name__ == "__main__":
