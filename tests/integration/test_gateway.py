@@ -562,6 +562,51 @@ def test_error_statuses(client: OpenAI, http: httpx.Client) -> None:
     assert ok.choices[0].message.content
 
 
+def test_tokenize_and_detokenize(client: OpenAI, http: httpx.Client) -> None:
+    """vLLM's /tokenize gives the prompt ids the completion routes use; /detokenize inverts it."""
+    chat = http.post("/tokenize", json={"model": MODEL, "messages": QUESTION}).json()
+    assert chat["max_model_len"] == 512 and chat["count"] == len(chat["tokens"])
+    answer = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=1)
+    assert answer.usage is not None and answer.usage.prompt_tokens == chat["count"]
+    prefix = http.post(
+        "/tokenize",
+        json={"messages": QUESTION, "add_generation_prompt": False, "return_token_strs": True},
+    ).json()
+    assert 0 < prefix["count"] < chat["count"]
+    assert chat["tokens"][: prefix["count"]] == prefix["tokens"]
+    assert len(prefix["token_strs"]) == prefix["count"] and chat["token_strs"] is None
+
+    text = "The capital of France is"
+    ids = http.post("/tokenize", json={"prompt": text}).json()["tokens"]
+    by_text = client.completions.create(model=MODEL, prompt=text, max_tokens=8, temperature=0)
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0)
+    assert by_text.usage is not None and by_text.usage.prompt_tokens == len(ids)
+    assert by_ids.choices[0].text == by_text.choices[0].text
+    assert http.post("/detokenize", json={"tokens": ids}).json() == {"prompt": text}
+    chat_text = http.post("/detokenize", json={"tokens": chat["tokens"]}).json()["prompt"]
+    assert QUESTION[0]["content"] in chat_text and "<|im_start|>" in chat_text  # specials kept
+
+    for route, body, param in (
+        ("/detokenize", {"tokens": [1, 10**7]}, "tokens"),
+        ("/detokenize", {"tokens": [-1]}, "tokens"),
+        ("/detokenize", {"tokens": "1 2"}, "tokens"),
+        ("/tokenize", {"model": MODEL}, "prompt"),
+        ("/tokenize", {"messages": []}, "messages"),
+        ("/tokenize", {"messages": QUESTION, "continue_final_message": True}, None),
+    ):
+        resp = http.post(route, json=body)
+        assert resp.status_code == 400, (route, body, resp.text)
+        assert resp.json()["error"]["param"] == param, resp.json()
+    malformed = http.post("/tokenize", content=b'{"prompt": ', headers={"content-type": "x"})
+    assert malformed.status_code == 400 and "invalid JSON" in malformed.json()["error"]["message"]
+    wrong_model = http.post("/tokenize", json={"model": "no-such-model", "prompt": "x"})
+    assert wrong_model.status_code == 404
+
+    version = http.get("/version").json()["version"]
+    assert re.fullmatch(r"\d+\.\d+\.\d+.*", version)
+    assert http.get("/ping").status_code == 200 and http.post("/ping").status_code == 200
+
+
 def test_api_key_required(baton_server: Any) -> None:
     for key in ("wrong-key", None):
         headers = {} if key is None else {"Authorization": f"Bearer {key}"}

@@ -35,9 +35,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from baton import __version__
     from baton_engine.arg_utils import add_engine_args
 
     parser = argparse.ArgumentParser(prog="baton", description=__doc__)
+    parser.add_argument("--version", action="version", version=__version__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate offline from a few prompts")

@@ -11,7 +11,7 @@ import json
 from typing import Any
 
 from baton_gateway.errors import bad_request
-from baton_gateway.protocol import ChatCompletionRequest, ChatMessage
+from baton_gateway.protocol import ChatMessage, ChatPrompt
 
 # apply_chat_template arguments that chat_template_kwargs must not override: they decide what
 # the call returns, and the gateway relies on getting plain text back.
@@ -73,7 +73,7 @@ def message_dict(message: ChatMessage) -> dict[str, Any]:
 
 
 def render_chat_prompt(
-    tokenizer: Any, request: ChatCompletionRequest, chat_template: str | None = None
+    tokenizer: Any, request: ChatPrompt, chat_template: str | None = None
 ) -> str:
     """Render ``request.messages`` into the prompt text with the request's chat template, else
     ``chat_template`` (the server's), else the tokenizer's.
@@ -102,7 +102,7 @@ def render_chat_prompt(
 
 
 def tokenize_chat(
-    tokenizer: Any, request: ChatCompletionRequest, chat_template: str | None = None
+    tokenizer: Any, request: ChatPrompt, chat_template: str | None = None
 ) -> list[int]:
     """The prompt token ids of a chat request (the template already writes special tokens, so
     none are added unless ``add_special_tokens`` asks for it, as in vLLM)."""

@@ -1,4 +1,4 @@
-"""The request pipeline behind the two completion routes.
+"""The request pipeline behind the two completion routes (and vLLM's tokenizer routes).
 
 Model name (404) -> prompt token ids -> length check (400) -> one Generate request per sequence
 -> a whole response, or SSE events. ``n`` runs as ``n`` Generate calls; with a ``seed``, call
@@ -23,7 +23,16 @@ from baton_gateway.client import WorkerPool
 from baton_gateway.errors import GatewayError, bad_request
 from baton_gateway.generation import Generation, SequenceDelta, SequenceSpec, TextOptions
 from baton_gateway.metrics import GatewayMetrics, RequestRecord
-from baton_gateway.protocol import ChatCompletionRequest, CompletionRequest, random_id
+from baton_gateway.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeChatRequest,
+    TokenizeRequest,
+    TokenizeResponse,
+    random_id,
+)
 from baton_gateway.responses import (
     ChoiceBuffer,
     TokenTexts,
@@ -189,12 +198,33 @@ class Pipeline:
         else:
             prompts = [list(p) for p in prompt]
         for ids in prompts:
-            bad = next((t for t in ids if t >= self.vocab_size), None)
-            if bad is not None:
-                raise bad_request(
-                    f"token id {bad} is out of vocabulary (size {self.vocab_size})", "prompt"
-                )
+            self._check_vocabulary(ids, "prompt")
         return prompts
+
+    def _check_vocabulary(self, ids: list[int], param: str) -> None:
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            message = f"token id {bad} is out of vocabulary (size {self.vocab_size})"
+            raise bad_request(message, param)
+
+    def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
+        """``/tokenize``: the token ids a completion or chat request with these fields would
+        get as its prompt (the same template, special tokens and server ``--chat-template``)."""
+        self.check_model(request.model)
+        if isinstance(request, TokenizeChatRequest):
+            ids = tokenize_chat(self.tokenizer, request, self.chat_template)
+        else:
+            ids = tokenize_text(self.tokenizer, request.prompt, request.add_special_tokens)
+        strs = self.tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else None
+        return TokenizeResponse(
+            count=len(ids), max_model_len=self.max_model_len, tokens=ids, token_strs=strs
+        )
+
+    def detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
+        """``/detokenize``: the text of token ids, special tokens included (as in vLLM)."""
+        self.check_model(request.model)
+        self._check_vocabulary(request.tokens, "tokens")
+        return DetokenizeResponse(prompt=self.tokenizer.decode(request.tokens))
 
     def _fail(self, record: RequestRecord, error: BaseException) -> None:
         if isinstance(error, GatewayError):

@@ -13,7 +13,8 @@ calling: ``tools``, ``tool_choice`` and ``parallel_tool_calls`` (``tools.py`` sa
 choice is served).
 
 Responses follow the OpenAI shapes, plus vLLM's ``stop_reason`` on each choice and
-``max_model_len`` on each model card.
+``max_model_len`` on each model card. vLLM's ``/tokenize`` and ``/detokenize`` take and give its
+shapes.
 """
 
 from __future__ import annotations
@@ -233,18 +234,12 @@ class NamedToolChoice(OpenAIBaseModel):
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
-class ChatCompletionRequest(_SamplingRequest):
+class ChatPrompt(OpenAIBaseModel):
+    """The fields that render a conversation into a prompt: chat completions and ``/tokenize``
+    take the same ones (vLLM's chat extras), so both give the same token ids."""
+
     messages: list[ChatMessage] = Field(min_length=1)
-    # Deprecated by OpenAI in favour of max_completion_tokens, which wins when both are set.
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     tools: list[ChatCompletionTool] | None = None
-    # None: "auto" when tools are given, else "none" (OpenAI's defaults).
-    tool_choice: ToolChoice | None = None
-    parallel_tool_calls: bool = True
-    # vLLM's chat extras.
     chat_template: str | None = None  # overrides the model's (and the server's) template
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -252,17 +247,32 @@ class ChatCompletionRequest(_SamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
-    def _check_chat(self) -> ChatCompletionRequest:
-        if self.top_logprobs is not None and self.top_logprobs > 0 and not self.logprobs:
-            raise ValueError("when using top_logprobs, logprobs must be set to true")
+    def _check_chat_prompt(self) -> ChatPrompt:
         if self.continue_final_message and self.add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
-        # vLLM's checks, in its words.
-        if self.tools is not None and not self.tools:
+        if self.tools is not None and not self.tools:  # vLLM's check, in its words
             raise ValueError(
                 "`tools` must not be an empty array. Either provide at least one tool or omit "
                 "the field entirely."
             )
+        return self
+
+
+class ChatCompletionRequest(_SamplingRequest, ChatPrompt):
+    # Deprecated by OpenAI in favour of max_completion_tokens, which wins when both are set.
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    # None: "auto" when tools are given, else "none" (OpenAI's defaults).
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+    @model_validator(mode="after")
+    def _check_chat(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and self.top_logprobs > 0 and not self.logprobs:
+            raise ValueError("when using top_logprobs, logprobs must be set to true")
+        # vLLM's checks, in its words.
         choice = self.tool_choice
         if choice is not None and choice != "none" and self.tools is None:
             raise ValueError("When using `tool_choice`, `tools` must be set.")
@@ -514,3 +524,50 @@ class ModelCard(OpenAIBaseModel):
 class ModelList(OpenAIBaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard] = Field(default_factory=list)
+
+
+# ---------------------------------------------------------------------------------------------
+# vLLM's tokenizer endpoints: /tokenize and /detokenize
+
+
+class TokenizeCompletionRequest(OpenAIBaseModel):
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(ChatPrompt):
+    model: str | None = None
+    return_token_strs: bool = False
+
+
+TokenizeRequest = TokenizeCompletionRequest | TokenizeChatRequest
+
+
+def tokenize_request(body: Any) -> TokenizeRequest:
+    """A ``/tokenize`` body: a conversation when it has ``messages``, else a text (as in vLLM).
+    Raises pydantic's ValidationError."""
+    if isinstance(body, dict) and "messages" in body:
+        return TokenizeChatRequest.model_validate(body)
+    return TokenizeCompletionRequest.model_validate(body)
+
+
+class TokenizeResponse(OpenAIBaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(OpenAIBaseModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(OpenAIBaseModel):
+    prompt: str
+
+
+class VersionResponse(OpenAIBaseModel):
+    version: str

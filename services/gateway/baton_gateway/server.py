@@ -1,8 +1,12 @@
 """The OpenAI-compatible HTTP server: routes, auth, errors, and the request pipeline.
 
-Every request: validate (pydantic; 400) -> check the model name (404) -> render the chat template
-and tokenize -> check prompt + max_tokens against ``max_model_len`` (400) -> one Generate call per
-sequence on the decode workers -> detokenize, stop strings -> a JSON body or SSE events.
+Routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``; vLLM's ``/tokenize``,
+``/detokenize``, ``/version`` and ``/ping``; ``/health`` and ``/metrics``.
+
+Every completion request: validate (pydantic; 400) -> check the model name (404) -> render the
+chat template and tokenize -> check prompt + max_tokens against ``max_model_len`` (400) -> one
+Generate call per sequence on the decode workers -> detokenize, stop strings -> a JSON body or
+SSE events.
 
 A client that disconnects gets its gRPC calls cancelled (the workers abort the requests): while
 a response is being prepared, a watcher on the ASGI ``receive`` channel cancels the handler; once
@@ -23,8 +27,10 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+import baton
 from baton_gateway.auth import ApiKeyMiddleware
 from baton_gateway.client import WorkerPool
 from baton_gateway.errors import GatewayError, error_response
@@ -33,8 +39,11 @@ from baton_gateway.pipeline import Pipeline
 from baton_gateway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     ModelCard,
     ModelList,
+    VersionResponse,
+    tokenize_request,
 )
 
 logger = logging.getLogger(__name__)
@@ -189,6 +198,13 @@ def create_app(config: GatewayConfig, tokenizer: Any) -> FastAPI:
     async def health() -> Response:
         return Response(status_code=200 if state.pipeline.pool.healthy else 503)
 
+    # vLLM's: SageMaker's health check, either method.
+    app.add_api_route("/ping", health, methods=["GET", "POST"])
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return _json(200, VersionResponse(version=baton.__version__))
+
     @app.get("/metrics")
     async def metrics() -> Response:
         pipeline = state.pipeline
@@ -210,6 +226,20 @@ def create_app(config: GatewayConfig, tokenizer: Any) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await _cancel_on_disconnect(request, state.pipeline.completion(body))
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> JSONResponse:
+        try:
+            body = tokenize_request(await request.json())
+        except ValidationError as e:
+            raise RequestValidationError(e.errors()) from e
+        except ValueError as e:  # not JSON
+            raise RequestValidationError([{"loc": ("body",), "msg": f"invalid JSON: {e}"}]) from e
+        return _json(200, state.pipeline.tokenize(body))
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> JSONResponse:
+        return _json(200, state.pipeline.detokenize(body))
 
     if config.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
