@@ -47,6 +47,28 @@ def test_max_tokens_and_length_finish(llm: LLM) -> None:
     assert out.outputs[0].finish_reason == "length"
 
 
+def test_generation_config_gives_the_default_sampling_params(
+    default_model_dir: Path, llm: LLM
+) -> None:
+    """As in vLLM, generate() without sampling params uses the model's generation config
+    (here overridden: greedy, 6 tokens); without one, SamplingParams' defaults."""
+    assert llm.get_default_sampling_params().max_tokens == SamplingParams().max_tokens
+    tuned = LLM(
+        str(default_model_dir),
+        max_model_len=256,
+        kv_cache_memory=64 << 20,
+        override_generation_config={"temperature": 0.0, "max_new_tokens": 6},
+    )
+    prompt = "Once upon a time, in a land far away, there lived a dragon who"
+    (by_default,) = tuned.generate([prompt], use_tqdm=False)
+    greedy = SamplingParams(temperature=0.0, max_tokens=6)
+    (explicit,) = llm.generate([prompt], greedy, use_tqdm=False)
+    assert len(by_default.outputs[0].token_ids) == 6
+    assert by_default.outputs[0].token_ids == explicit.outputs[0].token_ids
+    with pytest.raises(InvalidRequestError, match="temperature"):
+        LLM(str(default_model_dir), override_generation_config={"temperature": -1})
+
+
 def test_stop_string_is_not_emitted(llm: LLM) -> None:
     (free,) = llm.generate(["The capital of France is"], GREEDY, use_tqdm=False)
     text = free.outputs[0].text  # " Paris.\n\nThe answer is:"

@@ -115,7 +115,14 @@ def stop_serve(
 @pytest.fixture(scope="session")
 def baton_server() -> Iterator[ServeProcess]:
     server = start_serve(
-        ("--enable-auto-tool-choice", "--tool-call-parser", "hermes"), api_key=API_KEY
+        (
+            "--enable-auto-tool-choice",
+            "--tool-call-parser",
+            "hermes",
+            "--reasoning-parser",
+            "qwen3",
+        ),
+        api_key=API_KEY,
     )
     yield server
     _, survivors = stop_serve(server)

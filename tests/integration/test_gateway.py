@@ -487,6 +487,49 @@ def test_auto_tool_choice_with_the_hermes_parser(client: OpenAI) -> None:
     assert content and "<tool_call>" not in content and calls == [] and reason == "length"
 
 
+# SmolLM2's template, ending the prompt inside a thinking block as Qwen3's thinking templates do.
+THINKING_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "<|im_start|>assistant\n<think>\n"
+)
+
+
+def _reasoning_chat(http: httpx.Client, **fields: Any) -> tuple[Any, Any]:
+    """The same greedy chat request whole and streamed, each as its raw JSON
+    (reasoning, reasoning_content, content); the stream's deltas concatenated (None if empty)."""
+    body = {"model": MODEL, "messages": QUESTION, "max_tokens": 24, "temperature": 0, **fields}
+    message = http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+    whole = (message["reasoning"], message["reasoning_content"], message["content"])
+    parts = {"reasoning": "", "reasoning_content": "", "content": ""}
+    with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                for choice in json.loads(line[6:])["choices"]:
+                    for key in parts:
+                        parts[key] += choice["delta"].get(key) or ""
+    return whole, tuple(parts[k] or None for k in ("reasoning", "reasoning_content", "content"))
+
+
+def test_reasoning_outputs_with_the_qwen3_parser(http: httpx.Client) -> None:
+    """The shared server runs --reasoning-parser qwen3. A prompt that leaves <think> open makes
+    the output reasoning (SmolLM2 never closes the block), in `reasoning` and its older name
+    `reasoning_content`, streamed the same; include_reasoning=false drops it; a structured
+    output and a prompt with no open block are all content."""
+    whole, streamed = _reasoning_chat(http, chat_template=THINKING_TEMPLATE)
+    assert whole == streamed
+    reasoning, reasoning_content, content = whole
+    assert reasoning and reasoning_content == reasoning and content is None
+    hidden = _reasoning_chat(http, chat_template=THINKING_TEMPLATE, include_reasoning=False)
+    assert hidden[0] == hidden[1] == (None, None, None)
+    plain = _reasoning_chat(http)
+    assert plain[0] == plain[1] and plain[0][:2] == (None, None) and plain[0][2]
+    structured = _reasoning_chat(
+        http, chat_template=THINKING_TEMPLATE, response_format={"type": "json_object"}
+    )
+    assert structured[0] == structured[1] and structured[0][:2] == (None, None)
+    assert structured[0][2].lstrip().startswith("{")
+
+
 def test_tool_request_errors(client: OpenAI) -> None:
     """vLLM's checks: tool_choice without tools, a named tool that is not among them, empty
     tools, a required choice with another structured output."""

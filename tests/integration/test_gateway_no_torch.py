@@ -3,7 +3,8 @@
 A second gateway runs in a Python where torch cannot be found (a meta-path finder hides it, so
 ``import torch`` raises ImportError and transformers believes it is not installed), with an
 empty model cache so the tokenizer must come straight from the GGUF file. It fronts the shared
-``baton serve``'s decode worker and serves a chat request end to end.
+``baton serve``'s decode worker and serves a chat request end to end. It reads its default
+sampling params from a generation config (``--generation-config FOLDER``), as vLLM does.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 
 import pytest
 from openai import OpenAI
+from openai.types.chat import ChatCompletionMessageParam
 from ports import free_port
 
 pytestmark = pytest.mark.integration
@@ -60,6 +62,11 @@ def test_gateway_serves_without_torch(baton_server: Any, tmp_path: Path) -> None
     env.pop("BATON_API_KEY", None)
     cmd = [sys.executable, "-c", NO_TORCH, "gateway", "--port", str(free_port())]
     cmd += ["--decode-addr", baton_server.decode_addr, "--disable-uvicorn-access-log"]
+    (tmp_path / "gen").mkdir()
+    (tmp_path / "gen" / "generation_config.json").write_text(
+        '{"temperature": 0.0, "max_new_tokens": 40, "do_sample": false}'
+    )
+    cmd += ["--generation-config", str(tmp_path / "gen")]
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
     )
@@ -88,7 +95,21 @@ def test_gateway_serves_without_torch(baton_server: Any, tmp_path: Path) -> None
                 temperature=0,
                 max_tokens=12,
             )
+            story: list[ChatCompletionMessageParam] = [
+                {"role": "user", "content": "Write a long story about a dragon."}
+            ]
+            model = "SmolLM2-135M-Instruct"
+            by_default = client.chat.completions.create(model=model, messages=story)
+            capped = client.chat.completions.create(
+                model=model, messages=story, temperature=0, max_tokens=100
+            )
         assert "Paris" in (out.choices[0].message.content or "")
+        # No temperature or max_tokens: the generation config's (greedy, 40 tokens); its
+        # max_new_tokens also caps a larger max_tokens.
+        assert by_default.usage is not None and by_default.usage.completion_tokens == 40
+        assert by_default.choices[0].finish_reason == "length"
+        assert by_default.choices[0].message.content == capped.choices[0].message.content
+        assert "default sampling params from the generation config" in "".join(lines)
         # The tokenizer came from the GGUF itself: nothing was converted into the empty cache.
         assert not (tmp_path / "empty-cache").exists()
     finally:

@@ -167,6 +167,19 @@ def test_sampling_params_are_all_explicit() -> None:
     assert codec.sampling_params(completion, 1, None).logprobs == 0
 
 
+def test_generation_defaults_fill_what_a_request_leaves_unset() -> None:
+    """The model's generation config (vLLM's --generation-config) replaces vLLM's defaults
+    only where the request sets nothing; a value the request sets, even 0, wins."""
+    defaults = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "repetition_penalty": 1.05}
+    pb = codec.sampling_params(chat(), max_tokens=7, seed=None, defaults=defaults)
+    assert (pb.temperature, pb.top_k, pb.min_p) == (pytest.approx(0.6), 20, 0.0)
+    assert (pb.top_p, pb.repetition_penalty) == (pytest.approx(0.95), pytest.approx(1.05))
+    pb = codec.sampling_params(
+        chat(temperature=0, top_k=0, top_p=1, repetition_penalty=1), 7, None, defaults
+    )
+    assert (pb.temperature, pb.top_k, pb.top_p, pb.repetition_penalty) == (0.0, 0, 1.0, 1.0)
+
+
 def test_structured_output_fields_reach_the_worker() -> None:
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     cases = [

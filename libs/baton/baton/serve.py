@@ -25,6 +25,7 @@ import collections
 import contextlib
 import ctypes
 import itertools
+import json
 import os
 import signal
 import socket
@@ -46,7 +47,7 @@ _PR_SET_PDEATHSIG = 1
 def add_parser(subparsers: Any) -> None:
     """Register ``serve`` on the ``baton`` command's subparsers."""
     from baton_engine.arg_utils import add_engine_args
-    from baton_gateway.cli import add_chat_arguments
+    from baton_gateway.cli import add_frontend_arguments
 
     p = subparsers.add_parser(
         "serve",
@@ -136,7 +137,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument(
         "--disable-uvicorn-access-log", action="store_true", help="no access log line per request"
     )
-    add_chat_arguments(p)
+    add_frontend_arguments(p)
     add_engine_args(p)
     p.set_defaults(func=_cmd_serve)
 
@@ -465,6 +466,13 @@ def _plan(args: argparse.Namespace, name: str) -> list[tuple[str, str, list[str]
         *(["--enable-auto-tool-choice"] if args.enable_auto_tool_choice else []),
         *(["--tool-call-parser", args.tool_call_parser] if args.tool_call_parser else []),
         *(["--chat-template", args.chat_template] if args.chat_template is not None else []),
+        *(["--reasoning-parser", args.reasoning_parser] if args.reasoning_parser else []),
+        *("--generation-config", args.generation_config),
+        *(
+            ["--override-generation-config", json.dumps(args.override_generation_config)]
+            if args.override_generation_config is not None
+            else []
+        ),
     ]
     plan.append(("gateway", "gateway", gateway_argv))
     return plan

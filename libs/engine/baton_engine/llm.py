@@ -11,6 +11,7 @@ from tqdm.auto import tqdm
 from baton_engine.config import EngineConfig
 from baton_engine.engine import LLMEngine
 from baton_engine.errors import InvalidRequestError
+from baton_engine.model_files import generation_defaults
 from baton_engine.outputs import RequestOutput
 from baton_engine.sampling_params import SamplingParams
 
@@ -29,15 +30,35 @@ class LLM:
     ``LLM()`` serves the default model (SmolLM2-135M-Instruct); engine arguments keep vLLM's
     names (``max_model_len``, ``max_num_seqs``, ``max_num_batched_tokens``, ``block_size``,
     ``enable_prefix_caching``, ``dtype``, ``kv_cache_memory``, ``load_format``, ...).
+    ``generation_config`` and ``override_generation_config`` set the sampling params used when
+    none are given (:meth:`get_default_sampling_params`), as in vLLM.
     """
 
-    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+    def __init__(
+        self,
+        model: str | None = None,
+        generation_config: str = "auto",
+        override_generation_config: dict[str, Any] | None = None,
+        **engine_args: Any,
+    ) -> None:
+        # Checked first: a value out of range raises before the engine loads. (A GGUF, whose
+        # converted folder may not exist yet, has no generation config to read.)
+        self._default_params = generation_defaults(
+            model, generation_config, override_generation_config
+        )
+        self.get_default_sampling_params()
         try:
             config = EngineConfig(model=model, **engine_args)
         except TypeError as e:
             raise InvalidRequestError(f"unknown engine argument: {e}") from None
         self.engine = LLMEngine(config)
         self._counter = itertools.count()
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The sampling params used when none are given: the model's generation config
+        (``generation_config.json``: temperature, top_p, top_k, min_p, repetition_penalty,
+        max_new_tokens), else SamplingParams' own defaults."""
+        return SamplingParams(**self._default_params)
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
@@ -97,7 +118,7 @@ class LLM:
         use_tqdm: bool,
     ) -> list[RequestOutput]:
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         params = (
             [sampling_params] * len(prompts)
             if isinstance(sampling_params, SamplingParams)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
@@ -171,6 +172,63 @@ def _remove_stale_temps(root: Path) -> None:
                 shutil.rmtree(p, ignore_errors=True)
         except OSError:
             pass
+
+
+# The generation_config.json keys that become default sampling params (vLLM's list).
+GENERATION_CONFIG_KEYS = (
+    "repetition_penalty",
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "max_new_tokens",
+)
+
+
+def generation_defaults(
+    model: str | None,
+    source: str = "auto",
+    overrides: dict[str, Any] | None = None,
+    cache_dir: Path | None = None,
+) -> dict[str, Any]:
+    """The default sampling params of requests that leave them unset, as vLLM's
+    ``--generation-config`` and ``--override-generation-config`` give them.
+
+    ``source``: ``"auto"`` reads the model folder's ``generation_config.json`` (a GGUF has
+    none), ``"vllm"`` reads nothing (vLLM's own defaults), anything else is a folder to read it
+    from. Its ``temperature``, ``top_p``, ``top_k``, ``min_p`` and ``repetition_penalty`` keep
+    their names; ``max_new_tokens`` becomes ``max_tokens``. ``overrides`` (the same keys) win.
+    Raises ModelLoadError for a missing folder or an unreadable file, InvalidRequestError for
+    an override that is not one of these keys.
+    """
+    from baton_engine.errors import InvalidRequestError
+
+    unknown = sorted(set(overrides or {}) - set(GENERATION_CONFIG_KEYS))
+    if unknown:
+        raise InvalidRequestError(
+            f"--override-generation-config: unknown keys {', '.join(unknown)}; the keys are "
+            f"{', '.join(GENERATION_CONFIG_KEYS)}"
+        )
+    folder: Path | None = None
+    if source == "auto":
+        folder = converted_model_dir(model, cache_dir)
+    elif source != "vllm":
+        folder = Path(source).expanduser()
+        if not folder.is_dir():
+            raise ModelLoadError(f"--generation-config: no such folder: {folder}")
+    config: dict[str, Any] = {}
+    path = folder / "generation_config.json" if folder is not None else None
+    if path is not None and path.is_file():
+        try:
+            raw = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            raise ModelLoadError(f"cannot read {path}: {e}") from e
+        if isinstance(raw, dict):
+            config = {k: raw[k] for k in GENERATION_CONFIG_KEYS if raw.get(k) is not None}
+    config.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    if "max_new_tokens" in config:
+        config["max_tokens"] = config.pop("max_new_tokens")
+    return config
 
 
 def load_tokenizer(model_dir: Path) -> Any:

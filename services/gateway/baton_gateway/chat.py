@@ -50,11 +50,16 @@ def _template_tool_calls(calls: Any) -> Any:
 
 def message_dict(message: ChatMessage) -> dict[str, Any]:
     """The message as the template sees it: text parts joined by newlines (vLLM's "string"
-    content format); ``tool_calls`` with their arguments parsed; other keys (``name``,
-    ``tool_call_id``...) passed through."""
+    content format); ``tool_calls`` with their arguments parsed; ``reasoning`` also as
+    ``reasoning_content`` and the other way round; other keys (``name``, ``tool_call_id``...)
+    passed through."""
     out: dict[str, Any] = dict(message.model_extra or {})
     if "tool_calls" in out:
         out["tool_calls"] = _template_tool_calls(out["tool_calls"])
+    # An earlier answer's reasoning, under both its names: templates read one or the other.
+    reasoning = out.get("reasoning", out.get("reasoning_content"))
+    if reasoning is not None:
+        out["reasoning"] = out["reasoning_content"] = reasoning
     out["role"] = message.role
     content = message.content
     if isinstance(content, list):

@@ -8,6 +8,7 @@ without the rest of the ``baton`` command.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import socket
@@ -18,6 +19,8 @@ from typing import Any
 import uvicorn
 
 from baton import tracing
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_PORT = 8000
 DEFAULT_DECODE_ADDR = "127.0.0.1:50052"
@@ -96,11 +99,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--disable-uvicorn-access-log", action="store_true", help="no access log line per request"
     )
     p.add_argument("--uvicorn-log-level", default="info", help="uvicorn's log level")
-    add_chat_arguments(p)
+    add_frontend_arguments(p)
 
 
-def add_chat_arguments(p: argparse.ArgumentParser) -> None:
-    """The chat options ``baton serve`` passes on to its gateway (vLLM's names)."""
+def add_frontend_arguments(p: argparse.ArgumentParser) -> None:
+    """The options ``baton serve`` passes on to its gateway (vLLM's names): tool calling,
+    reasoning, the chat template, and the default sampling params."""
+    from baton_gateway.reasoning import REASONING_PARSERS
     from baton_gateway.tools import TOOL_PARSERS
 
     p.add_argument(
@@ -115,11 +120,60 @@ def add_chat_arguments(p: argparse.ArgumentParser) -> None:
         help="how tool calls are found in the model's text with --enable-auto-tool-choice",
     )
     p.add_argument(
+        "--reasoning-parser",
+        choices=sorted(REASONING_PARSERS),
+        default=None,
+        help="return a thinking model's <think> text as the message's reasoning, apart from "
+        "its content",
+    )
+    p.add_argument(
         "--chat-template",
         default=None,
         help="chat template for chat requests, a file or the template itself (default: the "
         "model's)",
     )
+    p.add_argument(
+        "--generation-config",
+        default="auto",
+        help="where requests' default sampling params come from: 'auto' (the model folder's "
+        "generation_config.json), 'vllm' (none: temperature 1.0 and so on), or a folder",
+    )
+    p.add_argument(
+        "--override-generation-config",
+        type=_json_object,
+        default=None,
+        help="default sampling params that win over the generation config, as JSON: "
+        "'{\"temperature\": 0.5}'",
+    )
+
+
+def _json_object(value: str) -> dict[str, Any]:
+    try:
+        parsed = json.loads(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from e
+    if not isinstance(parsed, dict):
+        raise argparse.ArgumentTypeError("not a JSON object")
+    return parsed
+
+
+def generation_defaults(args: argparse.Namespace) -> dict[str, Any]:
+    """Requests' default sampling params (vLLM's ``--generation-config``), checked; logged
+    when there are any, as vLLM does. Raises ModelLoadError or InvalidRequestError."""
+    from baton_engine import model_files
+    from baton_engine.sampling_params import SamplingParams
+
+    defaults = model_files.generation_defaults(
+        args.model, args.generation_config, args.override_generation_config
+    )
+    SamplingParams(**defaults)  # raises InvalidRequestError for a value out of range
+    if defaults:
+        logger.info(
+            "default sampling params from the generation config: %s (--generation-config vllm "
+            "turns them off)",
+            defaults,
+        )
+    return defaults
 
 
 def load_chat_template(value: str | None) -> str | None:
@@ -186,6 +240,8 @@ def run_gateway(args: argparse.Namespace) -> int:
         connect_timeout_s=args.connect_timeout,
         tool_call_parser=parser,
         chat_template=chat_template,
+        reasoning_parser=args.reasoning_parser,
+        generation_defaults=generation_defaults(args),
     )
     app = create_app(config, tokenizer)
     uv_config = uvicorn.Config(

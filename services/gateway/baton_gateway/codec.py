@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import Any
 
 from baton.v1 import common_pb2, engine_pb2
 from baton_gateway.protocol import ChatCompletionRequest, CompletionRequest, StructuredOutputsSpec
@@ -61,24 +62,42 @@ class WorkerLoad:
     max_num_seqs: int
 
 
+# vLLM's defaults for the sampling params a request may leave unset.
+_UNSET_DEFAULTS = {
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
+}
+
+
 def sampling_params(
-    request: ChatCompletionRequest | CompletionRequest, max_tokens: int, seed: int | None
+    request: ChatCompletionRequest | CompletionRequest,
+    max_tokens: int,
+    seed: int | None,
+    defaults: dict[str, Any] | None = None,
 ) -> common_pb2.SamplingParams:
     """The worker's sampling params for one sequence of ``request``.
 
     ``max_tokens`` is the gateway's final budget (already checked against the context);
-    ``seed`` is the sequence's own seed (``request.seed + index`` for ``n`` > 1).
+    ``seed`` is the sequence's own seed (``request.seed + index`` for ``n`` > 1); ``defaults``
+    fill what the request leaves unset (the model's generation config), else vLLM's defaults.
     """
+    unset = {**_UNSET_DEFAULTS, **(defaults or {})}
+
+    def value(name: str) -> Any:
+        given = getattr(request, name)
+        return unset[name] if given is None else given
+
     pb = common_pb2.SamplingParams(
-        temperature=1.0 if request.temperature is None else request.temperature,
-        top_p=1.0 if request.top_p is None else request.top_p,
-        top_k=max(request.top_k or 0, 0),
-        min_p=request.min_p or 0.0,
+        temperature=value("temperature"),
+        top_p=value("top_p"),
+        top_k=max(value("top_k"), 0),  # -1 or 0: disabled
+        min_p=value("min_p"),
         presence_penalty=request.presence_penalty,
         frequency_penalty=request.frequency_penalty,
-        repetition_penalty=(
-            1.0 if request.repetition_penalty is None else request.repetition_penalty
-        ),
+        repetition_penalty=value("repetition_penalty"),
         max_tokens=max_tokens,
         min_tokens=request.min_tokens,
         stop_token_ids=request.stop_token_ids or [],

@@ -18,7 +18,7 @@ from fastapi.responses import Response
 
 from baton import tracing
 from baton_gateway import codec
-from baton_gateway.chat import tokenize_chat, tokenize_text
+from baton_gateway.chat import render_chat_prompt, tokenize_chat, tokenize_text
 from baton_gateway.client import WorkerPool
 from baton_gateway.errors import GatewayError, bad_request
 from baton_gateway.generation import Generation, SequenceDelta, SequenceSpec, TextOptions
@@ -33,6 +33,8 @@ from baton_gateway.protocol import (
     TokenizeResponse,
     random_id,
 )
+from baton_gateway.reading import ChatReading
+from baton_gateway.reasoning import reasoning_use
 from baton_gateway.responses import (
     ChoiceBuffer,
     TokenTexts,
@@ -47,7 +49,7 @@ from baton_gateway.streaming import (
     chat_stream,
     completion_stream,
 )
-from baton_gateway.tools import ToolUse, tool_use
+from baton_gateway.tools import tool_use
 
 
 def check_length(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> int:
@@ -92,9 +94,14 @@ class Pipeline:
         metrics: GatewayMetrics,
         tool_parser: str | None = None,
         chat_template: str | None = None,
+        reasoning_parser: str | None = None,
+        generation_defaults: dict[str, Any] | None = None,
     ) -> None:
         """``tool_parser``: the parser "auto" tool choice uses (None: "auto" is refused);
-        ``chat_template``: the template chat requests use instead of the model's."""
+        ``chat_template``: the template chat requests use instead of the model's;
+        ``reasoning_parser``: how chat outputs are split into reasoning and content (None:
+        they are not); ``generation_defaults``: the sampling params of requests that leave
+        them unset, and a cap on ``max_tokens`` (the model's generation config, as in vLLM)."""
         self.pool = pool
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -103,6 +110,8 @@ class Pipeline:
         self.metrics = metrics
         self.tool_parser = tool_parser
         self.chat_template = chat_template
+        self.reasoning_parser = reasoning_parser
+        self.defaults = dict(generation_defaults or {})
         self.texts = TokenTexts(tokenizer)
 
     def check_model(self, model: str | None) -> None:
@@ -121,6 +130,7 @@ class Pipeline:
         specs = []
         for p, ids in enumerate(prompts):
             budget = check_length(len(ids), max_tokens, self.max_model_len)
+            budget = min(budget, self.defaults.get("max_tokens", budget))
             if request.min_tokens > budget:
                 raise bad_request(
                     f"min_tokens ({request.min_tokens}) must not exceed max_tokens ({budget})",
@@ -129,7 +139,7 @@ class Pipeline:
             for i in range(request.n):
                 index = p * request.n + i
                 seed = None if request.seed is None else request.seed + i
-                sampling = codec.sampling_params(request, budget, seed)
+                sampling = codec.sampling_params(request, budget, seed, self.defaults)
                 gen_request = codec.generate_request(f"{req_id}-{index}", ids, sampling)
                 specs.append(SequenceSpec(index, ids, gen_request))
         return specs
@@ -156,10 +166,18 @@ class Pipeline:
                 tools = tool_use(request, self.tool_parser)
             except ValueError as e:
                 raise bad_request(str(e), param="tool_choice") from e
-            prompt = tokenize_chat(self.tokenizer, request, self.chat_template)
+            text = render_chat_prompt(self.tokenizer, request, self.chat_template)
+            prompt = tokenize_text(self.tokenizer, text, request.add_special_tokens)
+            reasoning = reasoning_use(
+                self.reasoning_parser,
+                text,
+                include=request.include_reasoning,
+                constrained=request.structured is not None,
+            )
+            reading = ChatReading(tools, reasoning) if tools or reasoning else None
             req_id = random_id("chatcmpl")
             specs = self._specs(request, req_id, [prompt], request.requested_max_tokens)
-            return await self._respond(request, req_id, specs, len(prompt), {}, record, tools)
+            return await self._respond(request, req_id, specs, len(prompt), {}, record, reading)
         except BaseException as e:
             self._fail(record, e)
             raise
@@ -242,7 +260,7 @@ class Pipeline:
         num_prompt_tokens: int,
         echo: dict[int, str],
         record: RequestRecord,
-        tools: ToolUse | None = None,
+        reading: ChatReading | None = None,
     ) -> Response:
         generation = self._generation(request, specs, record)
         texts = self.texts if request.num_logprobs is not None else None
@@ -250,7 +268,15 @@ class Pipeline:
         is_chat = isinstance(request, ChatCompletionRequest)
         if request.stream:
             return await self._stream(
-                request, req_id, created, generation, num_prompt_tokens, echo, record, texts, tools
+                request,
+                req_id,
+                created,
+                generation,
+                num_prompt_tokens,
+                echo,
+                record,
+                texts,
+                reading,
             )
         choices = {
             s.index: ChoiceBuffer(
@@ -272,7 +298,9 @@ class Pipeline:
             usage=usage,
             texts=texts,
         )
-        body = chat_response(**common, tool_use=tools) if is_chat else completion_response(**common)
+        body = (
+            chat_response(**common, reading=reading) if is_chat else completion_response(**common)
+        )
         self.metrics.finish(
             record,
             "ok",
@@ -292,7 +320,7 @@ class Pipeline:
         echo: dict[int, str],
         record: RequestRecord,
         texts: TokenTexts | None,
-        tools: ToolUse | None,
+        reading: ChatReading | None,
     ) -> Response:
         deltas = generation.stream()
         # Wait for the first delta before answering, so that a worker refusing the request
@@ -318,7 +346,7 @@ class Pipeline:
         outcome = StreamOutcome()
         events: AsyncGenerator[str, None]
         if isinstance(request, ChatCompletionRequest):
-            events = chat_stream(ctx, generation, first, deltas, outcome, tools)
+            events = chat_stream(ctx, generation, first, deltas, outcome, reading)
         else:
             events = completion_stream(ctx, generation, echo, first, deltas, outcome)
 

@@ -23,7 +23,14 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    computed_field,
+    model_serializer,
+    model_validator,
+)
 
 # A logprob of -inf cannot be written as JSON; vLLM writes this instead.
 MIN_LOGPROB = -9999.0
@@ -267,6 +274,7 @@ class ChatCompletionRequest(_SamplingRequest, ChatPrompt):
     # None: "auto" when tools are given, else "none" (OpenAI's defaults).
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool = True
+    include_reasoning: bool = True  # vLLM's: false drops the reasoning (--reasoning-parser)
 
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:
@@ -407,7 +415,18 @@ class ToolCall(OpenAIBaseModel):
     function: FunctionCall
 
 
-class ChatMessageOut(OpenAIBaseModel):
+class _WithReasoning(OpenAIBaseModel):
+    reasoning: str | None = None  # vLLM's, with --reasoning-parser (reasoning.py)
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def reasoning_content(self) -> str | None:
+        """``reasoning`` under its older name (DeepSeek's, vLLM's before), which many clients
+        still read."""
+        return self.reasoning
+
+
+class ChatMessageOut(_WithReasoning):
     role: str = "assistant"
     content: str | None = None
     tool_calls: list[ToolCall] = Field(default_factory=list)
@@ -453,7 +472,7 @@ class DeltaToolCall(_DropNone):
     function: DeltaFunctionCall
 
 
-class DeltaMessage(_DropNone):
+class DeltaMessage(_DropNone, _WithReasoning):
     """A chunk's delta: only the fields that are set appear (``{}`` on a final chunk)."""
 
     role: str | None = None

@@ -28,7 +28,8 @@ from baton_gateway.protocol import (
     PromptTokenUsageInfo,
     UsageInfo,
 )
-from baton_gateway.tools import ToolCallsSoFar, ToolUse, finish_reason
+from baton_gateway.reading import ChatReading
+from baton_gateway.tools import ToolCallsSoFar
 
 
 class TokenTexts:
@@ -159,18 +160,22 @@ class ChoiceBuffer:
 
 
 def _chat_choice(
-    c: ChoiceBuffer, texts: TokenTexts | None, tool_use: ToolUse | None
+    c: ChoiceBuffer, texts: TokenTexts | None, reading: ChatReading | None
 ) -> ChatCompletionResponseChoice:
     message = ChatMessageOut(role="assistant", content=c.text)
     reason = c.finish_reason
-    if tool_use is not None:
-        # The streaming path's reader, fed the whole text: the same calls either way.
-        reader = tool_use.new_reader()
+    if reading is not None:
+        # The streaming path's reader, fed the whole text: the same message either way.
+        reader = reading.new_reader()
         read = reader.feed(c.text, final=True)
         calls = ToolCallsSoFar()
         calls.add(read.tool_calls)
-        message = ChatMessageOut(content=read.content or None, tool_calls=calls.as_list())
-        reason = finish_reason(reason, tool_use, reader.num_calls)
+        message = ChatMessageOut(
+            content=read.content or None,
+            tool_calls=calls.as_list(),
+            reasoning=read.reasoning or None,
+        )
+        reason = reader.finish_reason(reason)
     return ChatCompletionResponseChoice(
         index=c.index,
         message=message,
@@ -188,15 +193,15 @@ def chat_response(
     choices: Iterable[ChoiceBuffer],
     usage: UsageInfo,
     texts: TokenTexts | None,
-    tool_use: ToolUse | None = None,
+    reading: ChatReading | None = None,
 ) -> ChatCompletionResponse:
     """A whole chat completion; ``texts`` is None when logprobs were not asked for,
-    ``tool_use`` when the text is plain content."""
+    ``reading`` when the text is plain content."""
     return ChatCompletionResponse(
         id=request_id,
         created=created,
         model=model,
-        choices=[_chat_choice(c, texts, tool_use) for c in sorted(choices, key=lambda c: c.index)],
+        choices=[_chat_choice(c, texts, reading) for c in sorted(choices, key=lambda c: c.index)],
         usage=usage,
     )
 

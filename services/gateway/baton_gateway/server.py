@@ -19,7 +19,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager, suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -67,6 +67,9 @@ class GatewayConfig:
     connect_timeout_s: float = 120.0
     tool_call_parser: str | None = None  # None: "auto" tool choice is refused
     chat_template: str | None = None  # None: the model's
+    reasoning_parser: str | None = None  # None: chat outputs are all content
+    # Sampling params for requests that leave them unset (the model's generation config).
+    generation_defaults: dict[str, Any] = field(default_factory=dict)
 
 
 def _json(status: int, body: Any) -> JSONResponse:
@@ -166,6 +169,8 @@ def create_app(config: GatewayConfig, tokenizer: Any) -> FastAPI:
                 metrics,
                 tool_parser=config.tool_call_parser,
                 chat_template=config.chat_template,
+                reasoning_parser=config.reasoning_parser,
+                generation_defaults=config.generation_defaults,
             )
             logger.info("serving %s (max_model_len %d) via %s", name, max_model_len,
                         ", ".join(f"{w.role} {w.addr}" for w in pool.workers))  # fmt: skip

@@ -32,6 +32,7 @@ from baton_gateway.protocol import (
     DeltaMessage,
     UsageInfo,
 )
+from baton_gateway.reading import ChatReading, ChoiceReader
 from baton_gateway.responses import (
     TokenTexts,
     chat_logprobs,
@@ -40,7 +41,6 @@ from baton_gateway.responses import (
     prompt_completion_logprobs,
     usage_info,
 )
-from baton_gateway.tools import ToolCallReader, ToolUse, finish_reason
 
 SSE_DONE = "data: [DONE]\n\n"
 
@@ -161,12 +161,12 @@ def chat_stream(
     first: SequenceDelta | None,
     rest: AsyncGenerator[SequenceDelta, None],
     outcome: StreamOutcome,
-    tool_use: ToolUse | None = None,
+    reading: ChatReading | None = None,
 ) -> AsyncGenerator[str, None]:
     """The SSE events of a streamed chat completion. ``first`` was already taken from ``rest``
     (so that a failure to start is answered with a proper HTTP status); ``outcome`` is set when
-    the stream ends. With ``tool_use``, each choice's text goes through its own tool-call
-    reader, whose pieces become ``delta.tool_calls``."""
+    the stream ends. With ``reading``, each choice's text goes through its own reader, whose
+    pieces become ``delta.reasoning``, ``delta.content`` and ``delta.tool_calls``."""
 
     def event(choices: list[Any], usage: UsageInfo | None) -> str:
         chunk = ChatCompletionStreamResponse(
@@ -174,7 +174,7 @@ def chat_stream(
         )
         return sse_event(chunk.model_dump_json())
 
-    readers: dict[int, ToolCallReader] = {}
+    readers: dict[int, ChoiceReader] = {}
 
     def to_choice(delta: SequenceDelta) -> ChatCompletionResponseStreamChoice | None:
         logprobs = None
@@ -182,14 +182,18 @@ def chat_stream(
             logprobs = chat_logprobs(ctx.texts, delta.logprobs)
         reason = delta.finish_reason
         message = DeltaMessage(content=delta.text or None)
-        if tool_use is not None:
+        if reading is not None:
             reader = readers.get(delta.index)
             if reader is None:
-                reader = readers[delta.index] = tool_use.new_reader()
+                reader = readers[delta.index] = reading.new_reader()
             read = reader.feed(delta.text, final=reason is not None)
-            message = DeltaMessage(content=read.content or None, tool_calls=read.tool_calls or None)
-            reason = finish_reason(reason, tool_use, reader.num_calls)
-        empty = message.content is None and message.tool_calls is None
+            message = DeltaMessage(
+                content=read.content or None,
+                tool_calls=read.tool_calls or None,
+                reasoning=read.reasoning or None,
+            )
+            reason = reader.finish_reason(reason)
+        empty = message.content is None and message.tool_calls is None and not message.reasoning
         if empty and logprobs is None and reason is None:
             return None
         return ChatCompletionResponseStreamChoice(

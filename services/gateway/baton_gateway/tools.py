@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from baton_gateway.protocol import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall
+from baton_gateway.reasoning import partial_tag_length
 
 if TYPE_CHECKING:
     from baton_gateway.protocol import ChatCompletionRequest
@@ -79,10 +80,12 @@ def tool_call_schema(request: ChatCompletionRequest) -> dict[str, Any] | None:
 
 @dataclass(slots=True)
 class ReadOut:
-    """What a reader releases for one piece of text: content and tool-call pieces."""
+    """What a reader releases for one piece of text: content, tool-call pieces, and (see
+    ``reading.py``) reasoning."""
 
     content: str = ""
     tool_calls: list[DeltaToolCall] = field(default_factory=list)
+    reasoning: str = ""
 
 
 class ToolCallReader:
@@ -335,11 +338,7 @@ class HermesReader(ToolCallReader):
 def _held_back(text: str, tag: str) -> int:
     """How many characters at the end of ``text`` to hold: trailing whitespace and anything
     after it that could begin ``tag``."""
-    keep = 0
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-n:]):
-            keep = n
-            break
+    keep = partial_tag_length(text, tag)
     body = text[: len(text) - keep]
     return keep + (len(body) - len(body.rstrip()))
 

@@ -1,0 +1,103 @@
+"""Reasoning outputs: a thinking model's reasoning split from its answer, as vLLM serves it.
+
+With ``--reasoning-parser NAME``, the text a chat choice writes between ``<think>`` and
+``</think>`` comes back as ``message.reasoning`` (streamed as ``delta.reasoning``), and the rest
+as ``content``; ``reasoning_content``, the field's older name that many clients still read,
+carries the same text. A request's ``include_reasoning: false`` drops it. Parsers:
+
+- ``deepseek_r1``: the output begins inside the reasoning (DeepSeek-R1's template opens
+  ``<think>`` in the prompt; a ``<think>`` the model writes first is dropped), which lasts until
+  ``</think>``, or to the end of the output when there is none.
+- ``qwen3``: the output is reasoning only inside a ``<think>`` block that it opens first, or
+  that the prompt left open (Qwen3's thinking templates end with ``<think>``); otherwise, as
+  with ``enable_thinking: false``, all of it is content.
+
+A request whose whole output is constrained (structured output, or a named or required tool
+choice) is not split: the grammar leaves no room for reasoning. (vLLM instead starts the
+grammar after the reasoning ends.)
+
+One :class:`ReasoningReader` per choice reads the text as it streams in, holding back only what
+could be the start of a tag; a non-streamed response feeds it the whole text, so both give the
+same split.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+THINK_START = "<think>"
+THINK_END = "</think>"
+
+# Parser name -> whether the output begins inside the reasoning whatever the prompt.
+REASONING_PARSERS: dict[str, bool] = {"deepseek_r1": True, "qwen3": False}
+
+
+def partial_tag_length(text: str, tag: str) -> int:
+    """The length of the longest end of ``text`` that could be the beginning of ``tag``."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
+
+
+class ReasoningReader:
+    """Splits one choice's text into reasoning and content, piece by piece."""
+
+    def __init__(self, in_reasoning: bool, by_default: bool) -> None:
+        """``in_reasoning``: the prompt left a ``<think>`` open; ``by_default``: text that does
+        not open with ``<think>`` is reasoning all the same (``deepseek_r1``)."""
+        self._state = "reasoning" if in_reasoning else "opening"
+        self._by_default = by_default
+        self._held = ""
+
+    def feed(self, text: str, final: bool) -> tuple[str, str]:
+        """The reasoning and the content that ``text`` (``final`` on the last piece) releases."""
+        text, self._held = self._held + text, ""
+        reasoning = content = ""
+        while text:
+            if self._state == "opening":
+                stripped = text.lstrip()
+                if stripped.startswith(THINK_START):
+                    text = stripped[len(THINK_START) :]
+                    self._state = "reasoning"
+                elif THINK_START.startswith(stripped) and not final:
+                    self._held, text = text, ""  # whitespace, or the beginning of the tag
+                else:
+                    self._state = "reasoning" if self._by_default else "content"
+            elif self._state == "reasoning":
+                end = text.find(THINK_END)
+                if end >= 0:
+                    reasoning += text[:end]
+                    text = text[end + len(THINK_END) :]
+                    self._state = "content"
+                    continue
+                keep = 0 if final else partial_tag_length(text, THINK_END)
+                reasoning += text[: len(text) - keep]
+                self._held, text = text[len(text) - keep :], ""
+            else:
+                content += text
+                text = ""
+        return reasoning, content
+
+
+@dataclass(frozen=True, slots=True)
+class ReasoningUse:
+    """How a request's choices are split: the parser's rule and what its prompt left open."""
+
+    in_reasoning: bool
+    by_default: bool
+    include: bool  # the request's include_reasoning
+
+    def new_reader(self) -> ReasoningReader:
+        return ReasoningReader(self.in_reasoning, self.by_default)
+
+
+def reasoning_use(
+    parser: str | None, prompt: str, include: bool, constrained: bool
+) -> ReasoningUse | None:
+    """How to split a chat request's choices, or None when they are all content: no
+    ``parser``, or an output ``constrained`` as a whole. ``prompt`` is the rendered prompt."""
+    if parser is None or constrained:
+        return None
+    opened = prompt.rstrip().endswith(THINK_START)
+    return ReasoningUse(opened, REASONING_PARSERS[parser], include)
