@@ -3,6 +3,7 @@ input that leave the engine serving."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -133,6 +134,33 @@ def test_logprobs(llm: LLM) -> None:
     assert completion.cumulative_logprob == pytest.approx(
         sum(e[t].logprob for t, e in zip(completion.token_ids, completion.logprobs, strict=True))
     )
+
+
+def test_logit_bias_and_allowed_token_ids(llm: LLM) -> None:
+    """OpenAI's logit_bias (+100 forces a token, -100 bans one) and vLLM's allowed_token_ids
+    reshape greedy decoding; ids outside the vocabulary are clear errors."""
+    tok = llm.get_tokenizer()
+    prompt = "The capital of France is"
+    base = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    (plain,) = llm.generate([prompt], base, use_tqdm=False)
+    plain_ids = plain.outputs[0].token_ids
+    banana = tok(" banana", add_special_tokens=False).input_ids[0]
+    forced = replace(base, logit_bias={banana: 100.0})
+    banned = replace(base, logit_bias={plain_ids[0]: -100.0})
+    allowed = [plain_ids[1], banana]
+    only = replace(base, allowed_token_ids=allowed)
+    outs = llm.generate([prompt] * 3, [forced, banned, only], use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == [banana] * 6
+    assert outs[1].outputs[0].token_ids[0] != plain_ids[0]
+    assert set(outs[2].outputs[0].token_ids) <= set(allowed)
+    for params, match in (
+        (replace(base, logit_bias={10**7: 1.0}), "logit_bias token id"),
+        (replace(base, allowed_token_ids=[1, 10**7]), "allowed_token_ids token id"),
+    ):
+        with pytest.raises(InvalidRequestError, match=match):
+            llm.generate([prompt], params, use_tqdm=False)
+    with pytest.raises(InvalidRequestError, match="must not be empty"):
+        SamplingParams(allowed_token_ids=[])
 
 
 @pytest.mark.parametrize(

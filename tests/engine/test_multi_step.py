@@ -7,6 +7,7 @@ whole."""
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -35,6 +36,12 @@ def test_every_kind_of_request_gives_the_tokens_of_single_steps(default_model_di
     batch += [
         ([*SYSTEM, 60 + i], SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
         for i, n in enumerate((1, 2, 5, 17, 30))
+    ]
+    # greedy, but through the sampler: its logits reshaped the same in every pass
+    reshaped = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    batch += [
+        ([*SYSTEM, 70], replace(reshaped, logit_bias={probe[2]: 4.0, probe[5]: -3.0})),
+        ([*SYSTEM, 71], replace(reshaped, allowed_token_ids=probe[:6])),
     ]
     add_all(reference, batch, "a")
     want = summary(run(reference))

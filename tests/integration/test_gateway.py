@@ -605,6 +605,54 @@ def test_error_statuses(client: OpenAI, http: httpx.Client) -> None:
     assert ok.choices[0].message.content
 
 
+def test_logit_bias_and_allowed_token_ids(client: OpenAI, http: httpx.Client) -> None:
+    """OpenAI's logit_bias (token ids as strings) and vLLM's allowed_token_ids reach the
+    sampler; bad keys and ids out of the vocabulary are 400s."""
+    banana = http.post("/tokenize", json={"prompt": " banana"}).json()["tokens"][0]
+    args: dict[str, Any] = dict(model=MODEL, messages=QUESTION, max_tokens=5, temperature=0)
+    forced = client.chat.completions.create(
+        logit_bias={str(banana): 100}, extra_body={"ignore_eos": True}, **args
+    )
+    assert forced.choices[0].message.content == " banana" * 5
+    fruit = {
+        " banana": banana,
+        " apple": http.post("/tokenize", json={"prompt": " apple"}).json()["tokens"][0],
+    }
+    only = client.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=1.0,
+        extra_body={"allowed_token_ids": list(fruit.values()), "ignore_eos": True},
+    )  # fmt: skip
+    text = only.choices[0].text
+    assert text.replace(" banana", "").replace(" apple", "") == "" and len(text) >= 8 * 6, text
+    for bad, param in (
+        ({"logit_bias": {"x": 1}}, "logit_bias"),
+        ({"logit_bias": {"99999999": 1}}, "logit_bias"),
+        ({"allowed_token_ids": [99999999]}, "allowed_token_ids"),
+        ({"allowed_token_ids": []}, "allowed_token_ids"),
+    ):
+        resp = http.post("/v1/chat/completions", json={**args, **bad})
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.text
+
+
+def test_cors(baton_server: Any) -> None:
+    """As vLLM by default: any origin may call, and a browser's preflight is answered without
+    the API key."""
+    origin = {"Origin": "https://app.example"}
+    preflight = httpx.options(
+        f"{baton_server.base_url}/chat/completions",
+        headers={**origin, "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization, content-type"},
+    )  # fmt: skip
+    assert preflight.status_code == 200
+    assert preflight.headers["access-control-allow-origin"] == "*"
+    assert "POST" in preflight.headers["access-control-allow-methods"]
+    models = httpx.get(
+        f"{baton_server.base_url}/models",
+        headers={**origin, "Authorization": f"Bearer {baton_server.api_key}"},
+    )
+    assert models.status_code == 200 and models.headers["access-control-allow-origin"] == "*"
+
+
 def test_tokenize_and_detokenize(client: OpenAI, http: httpx.Client) -> None:
     """vLLM's /tokenize gives the prompt ids the completion routes use; /detokenize inverts it."""
     chat = http.post("/tokenize", json={"model": MODEL, "messages": QUESTION}).json()

@@ -48,7 +48,10 @@ def chat(**kwargs: Any) -> ChatCompletionRequest:
         {"repetition_penalty": 0},
         {"min_tokens": -1},
         {"stop_token_ids": [-1]},
-        {"logit_bias": {"1": 2.0}},
+        {"logit_bias": {"a": 2.0}},
+        {"logit_bias": {"-1": 2.0}},
+        {"allowed_token_ids": []},
+        {"allowed_token_ids": [-3]},
         {"response_format": {"type": "xml"}},
         {"response_format": {"type": "json_schema"}},
         {"response_format": {"type": "json_object"}, "guided_regex": "a+"},
@@ -178,6 +181,17 @@ def test_generation_defaults_fill_what_a_request_leaves_unset() -> None:
         chat(temperature=0, top_k=0, top_p=1, repetition_penalty=1), 7, None, defaults
     )
     assert (pb.temperature, pb.top_k, pb.top_p, pb.repetition_penalty) == (0.0, 0, 1.0, 1.0)
+
+
+def test_logit_bias_and_allowed_token_ids_reach_the_engine() -> None:
+    """Biases are clamped to [-100, 100] (OpenAI, vLLM); unset fields stay unset."""
+    from baton_decode.codec import sampling_params_from_proto
+
+    req = chat(logit_bias={"5": 250, "7": -3.5}, allowed_token_ids=[1, 2])
+    engine = sampling_params_from_proto(codec.sampling_params(req, 3, None))
+    assert engine.logit_bias == {5: 100.0, 7: -3.5} and engine.allowed_token_ids == [1, 2]
+    plain = sampling_params_from_proto(codec.sampling_params(chat(), 3, None))
+    assert plain.logit_bias is None and plain.allowed_token_ids is None
 
 
 def test_structured_output_fields_reach_the_worker() -> None:

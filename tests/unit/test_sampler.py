@@ -351,6 +351,38 @@ def test_suppressed_tokens_never_sampled() -> None:
     assert top3[0][0] not in set(out.tolist())
 
 
+def test_allowed_token_ids_and_logit_bias() -> None:
+    """A row with allowed_token_ids samples only those; a row's logit_bias shifts its logits
+    (+100 makes a token the argmax, -100 removes the argmax); other rows are untouched; the
+    reported logprobs stay the raw model's."""
+    logits = _logits(4)
+    raw_top = logits.argmax(dim=1).tolist()
+    low = [int(logits[i].argmin()) for i in range(4)]
+    params = [
+        SamplingParams(temperature=0.0, allowed_token_ids=[low[0], 7]),
+        SamplingParams(temperature=0.0, logit_bias={low[1]: 100.0}),
+        SamplingParams(temperature=0.0, logit_bias={raw_top[2]: -100.0}, logprobs=1),
+        SamplingParams(temperature=0.0),
+    ]
+    out = Sampler()(logits, _meta(params))
+    allowed_best = low[0] if logits[0, low[0]] > logits[0, 7] else 7
+    second = int(logits[2].topk(2).indices[1])
+    assert out.sampled_token_ids.tolist() == [allowed_best, low[1], second, raw_top[3]]
+    assert out.logprobs is not None
+    assert int(out.logprobs.token_ids[2, 1]) == raw_top[2]  # the raw top-1, before the bias
+
+    n = 2000
+    row = logits[0].expand(n, -1).contiguous()
+    allowed = [low[0], low[1], 42]
+    drawn = _sample(row, _meta([SamplingParams(temperature=1.0, allowed_token_ids=allowed)] * n))
+    assert set(drawn.tolist()) <= set(allowed) and len(set(drawn.tolist())) > 1
+    flat = torch.zeros(n, VOCAB)  # uniform; a +6 bias makes token 5 e^6 times as likely
+    biased = _sample(flat, _meta([SamplingParams(temperature=1.0, logit_bias={5: 6.0})] * n))
+    share = (biased == 5).float().mean().item()
+    expected = torch.e**6 / (torch.e**6 + VOCAB - 1)  # 0.29 (std of the share: 0.01)
+    assert abs(share - expected) < 0.04, (share, expected)
+
+
 # 7. temperature --------------------------------------------------------------------------------
 
 

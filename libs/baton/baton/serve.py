@@ -468,6 +468,10 @@ def _plan(args: argparse.Namespace, name: str) -> list[tuple[str, str, list[str]
         *(["--chat-template", args.chat_template] if args.chat_template is not None else []),
         *(["--reasoning-parser", args.reasoning_parser] if args.reasoning_parser else []),
         *("--generation-config", args.generation_config),
+        *("--allowed-origins", json.dumps(args.allowed_origins)),
+        *("--allowed-methods", json.dumps(args.allowed_methods)),
+        *("--allowed-headers", json.dumps(args.allowed_headers)),
+        *(["--allow-credentials"] if args.allow_credentials else []),
         *(
             ["--override-generation-config", json.dumps(args.override_generation_config)]
             if args.override_generation_config is not None

@@ -5,8 +5,9 @@ One call of :class:`Sampler` on ``[B, V]`` logits does, in this order:
 1. upcast to float32, as a copy: the caller's tensor is never modified;
 2. if any row wants logprobs, ``log_softmax`` of these RAW logits (vLLM V1's default
    ``raw_logprobs`` mode): the model's own distribution, before any per-request shaping;
-3. suppressed token ids (EOS/stop ids while below ``min_tokens``) and the tokens a row's
-   grammar forbids (structured output) set to ``-inf``;
+3. suppressed token ids (EOS/stop ids while below ``min_tokens``), the tokens outside a row's
+   ``allowed_token_ids`` and those its grammar forbids (structured output) set to ``-inf``; a
+   row's ``logit_bias`` added;
 4. repetition, frequency and presence penalties (:mod:`baton_engine.penalties`);
 5. greedy rows take the argmax; when every row is greedy the step ends here;
 6. random rows: temperature, top-k, top-p, min-p, then one draw from ``softmax``. On CPUs by
@@ -83,6 +84,9 @@ class SamplingMetadata:
     # no row has one.
     grammar_bitmask: torch.Tensor | None = None
     grammar_rows: Sequence[int] = ()
+    # Per row: its logit_bias and allowed_token_ids (None: unused); empty when no row has any.
+    logit_bias: Sequence[Mapping[int, float] | None] = ()
+    allowed_token_ids: Sequence[Sequence[int] | None] = ()
 
     @classmethod
     def from_params(
@@ -155,6 +159,14 @@ class SamplingMetadata:
             suppressed_token_ids=list(suppressed),
             grammar_bitmask=None if grammar_bitmask is None else to_device(grammar_bitmask, device),
             grammar_rows=list(grammar_rows),
+            logit_bias=(
+                [p.logit_bias for p in params] if any(p.logit_bias for p in params) else []
+            ),
+            allowed_token_ids=(
+                [p.allowed_token_ids for p in params]
+                if any(p.allowed_token_ids is not None for p in params)
+                else []
+            ),
         )
 
 
@@ -196,6 +208,34 @@ def suppress_tokens(logits: torch.Tensor, suppressed_token_ids: Sequence[Sequenc
     if flat:  # the usual case is nothing suppressed: no tensor, no kernel
         index = to_device(torch.tensor(flat, dtype=torch.int64), logits.device)
         logits.view(-1).index_fill_(0, index, _NEG_INF)
+
+
+def allow_only(logits: torch.Tensor, allowed: Sequence[Sequence[int] | None]) -> None:
+    """Set ``logits[i, t] = -inf`` for every ``t`` not in row i's list, in place (rows whose
+    list is None are left alone)."""
+    rows = [i for i, ids in enumerate(allowed) if ids is not None]
+    if not rows:
+        return
+    keep = [(j, t) for j, i in enumerate(rows) for t in allowed[i] or ()]
+    mask = torch.ones(len(rows), logits.size(1), dtype=torch.bool)
+    mask[[j for j, _ in keep], [t for _, t in keep]] = False
+    index = to_device(torch.tensor(rows, dtype=torch.int64), logits.device)
+    mask = to_device(mask, logits.device)
+    logits[index] = logits[index].masked_fill_(mask, _NEG_INF)
+
+
+def add_logit_bias(logits: torch.Tensor, biases: Sequence[Mapping[int, float] | None]) -> None:
+    """Add row i's bias to ``logits[i, t]`` for each of its tokens ``t``, in place."""
+    vocab_size = logits.size(1)
+    flat = [
+        (row * vocab_size + t, b)
+        for row, bias in enumerate(biases)
+        for t, b in (bias or {}).items()
+    ]
+    if flat:
+        index = to_device(torch.tensor([f for f, _ in flat], dtype=torch.int64), logits.device)
+        values = to_device(torch.tensor([b for _, b in flat], dtype=logits.dtype), logits.device)
+        logits.view(-1).index_add_(0, index, values)
 
 
 def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
@@ -460,6 +500,8 @@ class Sampler:
             # Taken before any in-place processing below: logprobs report the raw distribution.
             raw_logprobs = None if num_logprobs is None else scratch.log_softmax(dim=1)
             suppress_tokens(scratch, metadata.suppressed_token_ids)
+            allow_only(scratch, metadata.allowed_token_ids)
+            add_logit_bias(scratch, metadata.logit_bias)
             if metadata.grammar_bitmask is not None:
                 apply_bitmask(scratch, metadata.grammar_bitmask, metadata.grammar_rows)
             if not metadata.no_penalties:

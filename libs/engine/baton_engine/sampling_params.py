@@ -91,6 +91,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # The output must follow this JSON schema, pattern, choice list or grammar.
     structured_outputs: StructuredOutputsParams | None = None
+    # Added to these tokens' logits before sampling (OpenAI's logit_bias, by token id).
+    logit_bias: dict[int, float] | None = None
+    # Only these tokens may be sampled.
+    allowed_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -138,6 +142,17 @@ class SamplingParams:
             raise bad(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}")
         if any(t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids must be non-negative")
+        if self.logit_bias is not None:
+            for token_id, bias in self.logit_bias.items():
+                if not isinstance(token_id, int) or token_id < 0:
+                    raise bad(f"logit_bias keys must be token ids, got {token_id!r}")
+                if not math.isfinite(bias):
+                    raise bad(f"logit_bias of token {token_id} must be a finite number, got {bias}")
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                raise bad("allowed_token_ids must not be empty")
+            if any(t < 0 for t in self.allowed_token_ids):
+                raise bad("allowed_token_ids must be non-negative")
         so = self.structured_outputs
         if so is not None and not isinstance(so, StructuredOutputsParams):
             raise bad(

@@ -43,7 +43,8 @@ def sampling_params_from_proto(pb: common_pb2.SamplingParams) -> SamplingParams:
 
     The gateway sets every field explicitly, so values map one to one, except the three whose
     proto3 default (0) is not a meaningful value: ``max_tokens`` 0 means up to ``max_model_len``
-    (None), ``top_p`` 0 and ``repetition_penalty`` 0 mean disabled (1.0). ``seed`` and
+    (None), ``top_p`` 0 and ``repetition_penalty`` 0 mean disabled (1.0); an empty
+    ``logit_bias`` or ``allowed_token_ids`` means none. ``seed`` and
     ``logprobs`` are ``optional`` fields: unset means None. Raises ``InvalidRequestError`` for
     values the engine rejects.
     """
@@ -67,6 +68,8 @@ def sampling_params_from_proto(pb: common_pb2.SamplingParams) -> SamplingParams:
             if pb.HasField("structured_outputs")
             else None
         ),
+        logit_bias=dict(pb.logit_bias) or None,
+        allowed_token_ids=list(pb.allowed_token_ids) or None,
     )
 
 

@@ -133,6 +133,19 @@ def add_frontend_arguments(p: argparse.ArgumentParser) -> None:
         "model's)",
     )
     p.add_argument(
+        "--allowed-origins",
+        type=_json_list,
+        default=["*"],
+        help="CORS: the origins browsers may call from, as a JSON list",
+    )
+    p.add_argument(
+        "--allowed-methods", type=_json_list, default=["*"], help="CORS: allowed methods"
+    )
+    p.add_argument(
+        "--allowed-headers", type=_json_list, default=["*"], help="CORS: allowed headers"
+    )
+    p.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+    p.add_argument(
         "--generation-config",
         default="auto",
         help="where requests' default sampling params come from: 'auto' (the model folder's "
@@ -145,6 +158,16 @@ def add_frontend_arguments(p: argparse.ArgumentParser) -> None:
         help="default sampling params that win over the generation config, as JSON: "
         "'{\"temperature\": 0.5}'",
     )
+
+
+def _json_list(value: str) -> list[str]:
+    try:
+        parsed = json.loads(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from e
+    if not isinstance(parsed, list) or not all(isinstance(x, str) for x in parsed):
+        raise argparse.ArgumentTypeError("not a JSON list of strings")
+    return parsed
 
 
 def _json_object(value: str) -> dict[str, Any]:
@@ -217,7 +240,7 @@ def run_gateway(args: argparse.Namespace) -> int:
     """
     from baton_engine.errors import InvalidRequestError
     from baton_engine.model_files import load_model_tokenizer
-    from baton_gateway.server import GatewayConfig, create_app
+    from baton_gateway.server import CorsPolicy, GatewayConfig, create_app
 
     if args.max_model_len is not None and args.max_model_len < 1:
         raise InvalidRequestError("--max-model-len must be at least 1")
@@ -242,6 +265,12 @@ def run_gateway(args: argparse.Namespace) -> int:
         chat_template=chat_template,
         reasoning_parser=args.reasoning_parser,
         generation_defaults=generation_defaults(args),
+        cors=CorsPolicy(
+            tuple(args.allowed_origins),
+            tuple(args.allowed_methods),
+            tuple(args.allowed_headers),
+            args.allow_credentials,
+        ),
     )
     app = create_app(config, tokenizer)
     uv_config = uvicorn.Config(

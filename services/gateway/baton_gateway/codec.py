@@ -102,6 +102,8 @@ def sampling_params(
         min_tokens=request.min_tokens,
         stop_token_ids=request.stop_token_ids or [],
         ignore_eos=request.ignore_eos,
+        logit_bias=request.token_biases,
+        allowed_token_ids=request.allowed_token_ids or [],
     )
     if seed is not None:
         pb.seed = seed

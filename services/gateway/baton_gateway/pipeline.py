@@ -127,6 +127,8 @@ class Pipeline:
         prompts: list[list[int]],
         max_tokens: int | None,
     ) -> list[SequenceSpec]:
+        self._check_vocabulary(list(request.token_biases), "logit_bias")
+        self._check_vocabulary(request.allowed_token_ids or [], "allowed_token_ids")
         specs = []
         for p, ids in enumerate(prompts):
             budget = check_length(len(ids), max_tokens, self.max_model_len)

@@ -4,10 +4,11 @@ Requests: unknown fields are ignored (as vLLM does), so clients that send newer 
 working; the fields Baton knows are range-checked here, and a violation becomes a 400 (never
 FastAPI's 422). vLLM's extras (``top_k``, ``min_p``, ``ignore_eos``, ``min_tokens``,
 ``repetition_penalty``, ``stop_token_ids``, ``skip_special_tokens``,
-``include_stop_str_in_output``) are top-level fields; the OpenAI SDK's ``extra_body`` merges into
-the top-level JSON, so both spellings arrive here the same way. Structured output: OpenAI's
-``response_format`` (``json_object``, ``json_schema``), vLLM's ``structured_outputs`` (``json``,
-``regex``, ``choice``, ``grammar``, ``json_object``) and its older ``guided_json``,
+``include_stop_str_in_output``, ``allowed_token_ids``) are top-level fields; the OpenAI SDK's
+``extra_body`` merges into the top-level JSON, so both spellings arrive here the same way.
+``logit_bias`` (token id -> bias) is OpenAI's. Structured output: OpenAI's
+``response_format`` (``json_object``, ``json_schema``), vLLM's ``structured_outputs``
+(``json``, ``regex``, ``choice``, ``grammar``, ``json_object``) and its older ``guided_json``,
 ``guided_regex``, ``guided_choice`` and ``guided_grammar``; the worker compiles them. Tool
 calling: ``tools``, ``tool_choice`` and ``parallel_tool_calls`` (``tools.py`` says how each
 choice is served).
@@ -28,6 +29,7 @@ from pydantic import (
     ConfigDict,
     Field,
     computed_field,
+    field_validator,
     model_serializer,
     model_validator,
 )
@@ -128,7 +130,7 @@ class _SamplingRequest(OpenAIBaseModel):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as text) -> bias, clamped to +-100
     user: str | None = None
     # vLLM's extras.
     top_k: int | None = Field(default=None, ge=-1)  # -1 or 0: disabled
@@ -137,6 +139,7 @@ class _SamplingRequest(OpenAIBaseModel):
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0)
     stop_token_ids: list[int] | None = None
+    allowed_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # Structured output: OpenAI's response_format, vLLM's structured_outputs, and vLLM's
@@ -148,13 +151,28 @@ class _SamplingRequest(OpenAIBaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        for key in bias or {}:
+            if not (key.isascii() and key.isdigit()):
+                raise ValueError(f"keys must be token ids, got {key!r}")
+        return bias
+
+    @field_validator("allowed_token_ids")
+    @classmethod
+    def _check_allowed_token_ids(cls, ids: list[int] | None) -> list[int] | None:
+        if ids is not None and not ids:
+            raise ValueError("must not be empty")
+        if ids is not None and any(t < 0 for t in ids):
+            raise ValueError("token ids must be non-negative")
+        return ids
+
     @model_validator(mode="after")
     def _check_common(self) -> _SamplingRequest:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options can only be set when stream is true")
         _ = self.structured  # raises for more than one constraint, or an incomplete one
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
         if self.stop_token_ids is not None and any(t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative")
         return self
@@ -187,6 +205,11 @@ class _SamplingRequest(OpenAIBaseModel):
                 "structured_outputs and the guided_* fields"
             )
         return given[0] if given else None
+
+    @property
+    def token_biases(self) -> dict[int, float]:
+        """``logit_bias`` by token id, each bias clamped to [-100, 100] (as OpenAI and vLLM)."""
+        return {int(k): min(100.0, max(-100.0, v)) for k, v in (self.logit_bias or {}).items()}
 
     @property
     def stop_strings(self) -> list[str]:

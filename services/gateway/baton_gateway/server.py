@@ -25,6 +25,7 @@ from typing import Any
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
@@ -53,6 +54,17 @@ _CLIENT_CLOSED = 499
 
 
 @dataclass(frozen=True)
+class CorsPolicy:
+    """Which browser pages may call the API (vLLM's defaults: any origin, method and header,
+    without credentials)."""
+
+    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+
+
+@dataclass(frozen=True)
 class GatewayConfig:
     decode_addrs: tuple[str, ...] = ()
     prefill_addrs: tuple[str, ...] = ()
@@ -70,6 +82,7 @@ class GatewayConfig:
     reasoning_parser: str | None = None  # None: chat outputs are all content
     # Sampling params for requests that leave them unset (the model's generation config).
     generation_defaults: dict[str, Any] = field(default_factory=dict)
+    cors: CorsPolicy = CorsPolicy()
 
 
 def _json(status: int, body: Any) -> JSONResponse:
@@ -248,4 +261,13 @@ def create_app(config: GatewayConfig, tokenizer: Any) -> FastAPI:
 
     if config.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+    # Added last, so outermost: a preflight is answered before the API key is checked, and
+    # error responses carry the CORS headers too.
+    app.add_middleware(
+        CORSMiddleware,
+        allow_origins=config.cors.allowed_origins,
+        allow_methods=config.cors.allowed_methods,
+        allow_headers=config.cors.allowed_headers,
+        allow_credentials=config.cors.allow_credentials,
+    )
     return app

@@ -351,9 +351,14 @@ class EngineCore:
                 "(at least one token must be left to generate)"
             )
         vocab = self.model_config.vocab_size
-        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidRequestError(f"token id {bad} is out of range [0, {vocab})")
+        for what, ids in (
+            ("token id", prompt_token_ids),
+            ("logit_bias token id", params.logit_bias or ()),
+            ("allowed_token_ids token id", params.allowed_token_ids or ()),
+        ):
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise InvalidRequestError(f"{what} {bad} is out of range [0, {vocab})")
         self._grammar(params)
 
     def _grammar(self, params: SamplingParams) -> Grammar | None:

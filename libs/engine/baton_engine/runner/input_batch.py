@@ -36,7 +36,8 @@ class CachedRequestState:
     # sampling that reads nothing of the request's own tokens but min_tokens, and no grammar
     # (set below)
     host_free: bool = False
-    # and greedy with nothing reported: the argmax alone
+    # and greedy with nothing reported or reshaped (logit_bias, allowed_token_ids): the argmax
+    # alone
     plain_greedy: bool = False
     wants_prompt_logprobs: bool = False
 
@@ -50,7 +51,12 @@ class CachedRequestState:
             and sp.repetition_penalty == 1.0
             and sp.structured_outputs is None  # its mask needs its last token accepted
         )
-        self.plain_greedy = self.host_free and sp.is_greedy
+        self.plain_greedy = (
+            self.host_free
+            and sp.is_greedy
+            and sp.logit_bias is None
+            and sp.allowed_token_ids is None
+        )
         self.wants_prompt_logprobs = sp.prompt_logprobs is not None
 
     @property
