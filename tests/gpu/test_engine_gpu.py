@@ -228,16 +228,25 @@ def test_multi_step_equals_single_step(tmp_path: Path) -> None:
         SamplingParams(temperature=0.0, max_tokens=37, ignore_eos=True),
         SamplingParams(temperature=0.9, top_p=0.9, seed=1, max_tokens=29, ignore_eos=True),
         SamplingParams(temperature=0.0, max_tokens=40, min_tokens=6),  # EOS may end it
+        # greedy through the sampler: logits reshaped on the device in every pass
+        SamplingParams(
+            temperature=0.0, max_tokens=33, ignore_eos=True, logit_bias={7: 3.0, 11: -2.0}
+        ),
+        SamplingParams(
+            temperature=0.8, seed=4, max_tokens=31, ignore_eos=True, allowed_token_ids=[5, 9, 13]
+        ),
     ]
     results, multi = [], []
     for steps in (1, 4):
         core = _core(tmp_path, max_model_len=512, max_num_seqs=16, num_scheduler_steps=steps)
         for i in range(12):
             prompt = [(13 * i + j) % 4000 + 1 for j in range(5 + 7 * i)]
-            core.add_request(f"m{i}", prompt, kinds[i % 3])
+            core.add_request(f"m{i}", prompt, kinds[i % len(kinds)])
         results.append(_drain(core))
         multi.append(core.scheduler.num_multi_steps)
         del core
         _release_memory()
     assert results[1] == results[0]
     assert multi[0] == 0 and multi[1] > 0
+    allowed = [t for i in range(12) if i % len(kinds) == 4 for t in results[0][f"m{i}"]]
+    assert allowed and set(allowed) <= {5, 9, 13}

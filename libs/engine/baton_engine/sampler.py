@@ -212,15 +212,16 @@ def suppress_tokens(logits: torch.Tensor, suppressed_token_ids: Sequence[Sequenc
 
 def allow_only(logits: torch.Tensor, allowed: Sequence[Sequence[int] | None]) -> None:
     """Set ``logits[i, t] = -inf`` for every ``t`` not in row i's list, in place (rows whose
-    list is None are left alone)."""
+    list is None are left alone). The mask is built on the logits' device: only the ids move."""
     rows = [i for i, ids in enumerate(allowed) if ids is not None]
     if not rows:
         return
-    keep = [(j, t) for j, i in enumerate(rows) for t in allowed[i] or ()]
-    mask = torch.ones(len(rows), logits.size(1), dtype=torch.bool)
-    mask[[j for j, _ in keep], [t for _, t in keep]] = False
+    keep_rows = [j for j, i in enumerate(rows) for _ in allowed[i] or ()]
+    keep_ids = [t for i in rows for t in allowed[i] or ()]
     index = to_device(torch.tensor(rows, dtype=torch.int64), logits.device)
-    mask = to_device(mask, logits.device)
+    keep = to_device(torch.tensor([keep_rows, keep_ids], dtype=torch.int64), logits.device)
+    mask = torch.ones(len(rows), logits.size(1), dtype=torch.bool, device=logits.device)
+    mask[keep[0], keep[1]] = False
     logits[index] = logits[index].masked_fill_(mask, _NEG_INF)
 
 
