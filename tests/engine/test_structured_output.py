@@ -77,6 +77,40 @@ def test_regex_choice_grammar_and_json_object(llm: LLM) -> None:
         assert obj.outputs[0].text.lstrip().startswith("{")
 
 
+def test_constraint_after_the_reasoning(llm: LLM) -> None:
+    """reasoning_end: free text up to its first occurrence, then up to 4 whitespace characters,
+    then the constraint. SmolLM2 was not trained to think, so here the "reasoning" ends at the
+    first ":" it writes ("Here's a JSON with name, age, and city:"); in serving the end is
+    "</think>" (checked token by token below)."""
+    cases = [
+        (StructuredOutputsParams(json=PERSON, reasoning_end=":"), _check_person),
+        (StructuredOutputsParams(choice=["yes", "no"], reasoning_end=":"),
+         lambda answer: answer in ("yes", "no")),
+    ]  # fmt: skip
+    for so, check in cases:
+        (out,) = llm.chat(PROMPT, _params(so, max_tokens=120), use_tqdm=False)
+        completion = out.outputs[0]
+        assert completion.finish_reason == "stop", completion.text
+        reasoning, end, answer = completion.text.partition(":")
+        assert end and reasoning.strip() and len(answer) - len(answer.lstrip()) <= 4
+        assert check(answer.strip()) is not False, completion.text
+
+    tok = llm.get_tokenizer()
+    grammar = llm.engine.core.structured.grammar(
+        StructuredOutputsParams(choice=["yes", "no"], reasoning_end="</think>")
+    )
+    text = 'Is {"a": 1} < 2? </thin is not the end, but this is:</think>\n\nyes'
+    assert all(grammar.accept(t) for t in tok(text, add_special_tokens=False).input_ids)
+    assert grammar.accept(tok.eos_token_id) and grammar.is_ended
+    early = llm.engine.core.structured.grammar(
+        StructuredOutputsParams(choice=["yes", "no"], reasoning_end="</think>")
+    )
+    ids = tok("thought</think>maybe", add_special_tokens=False).input_ids
+    assert [early.accept(t) for t in ids][-1] is False  # after the tag: the choice only
+    with pytest.raises(InvalidRequestError, match="reasoning_end"):
+        StructuredOutputsParams(json=PERSON, reasoning_end="")
+
+
 def test_free_requests_beside_constrained_ones_are_unchanged(default_model_dir: Path) -> None:
     """Async scheduling and multi-step on: the constrained request waits for its tokens and
     runs one pass a step; the free ones in the same batch sample as they do alone."""

@@ -513,8 +513,9 @@ def _reasoning_chat(http: httpx.Client, **fields: Any) -> tuple[Any, Any]:
 def test_reasoning_outputs_with_the_qwen3_parser(http: httpx.Client) -> None:
     """The shared server runs --reasoning-parser qwen3. A prompt that leaves <think> open makes
     the output reasoning (SmolLM2 never closes the block), in `reasoning` and its older name
-    `reasoning_content`, streamed the same; include_reasoning=false drops it; a structured
-    output and a prompt with no open block are all content."""
+    `reasoning_content`, streamed the same; include_reasoning=false drops it; a prompt with no
+    open block is all content, with or without a structured output; with an open block, a
+    structured output waits for the reasoning to end."""
     whole, streamed = _reasoning_chat(http, chat_template=THINKING_TEMPLATE)
     assert whole == streamed
     reasoning, reasoning_content, content = whole
@@ -523,11 +524,18 @@ def test_reasoning_outputs_with_the_qwen3_parser(http: httpx.Client) -> None:
     assert hidden[0] == hidden[1] == (None, None, None)
     plain = _reasoning_chat(http)
     assert plain[0] == plain[1] and plain[0][:2] == (None, None) and plain[0][2]
-    structured = _reasoning_chat(
+    # Structured output after a prompt with no open block: JSON from the first token, content.
+    structured = _reasoning_chat(http, response_format={"type": "json_object"})
+    assert structured[0] == structured[1] and structured[0][:2] == (None, None)
+    json.loads(structured[0][2])
+    # After an open block the model reasons first: the same prose as without the constraint,
+    # not JSON. The grammar waits for </think>, which SmolLM2 never writes, and does not let it
+    # stop before: all of it is reasoning, longer than its free answer.
+    thinking = _reasoning_chat(
         http, chat_template=THINKING_TEMPLATE, response_format={"type": "json_object"}
     )
-    assert structured[0] == structured[1] and structured[0][:2] == (None, None)
-    assert structured[0][2].lstrip().startswith("{")
+    assert thinking[0] == thinking[1] and thinking[0][2] is None
+    assert thinking[0][0].startswith(reasoning) and len(thinking[0][0]) > len(reasoning)
 
 
 def test_tool_request_errors(client: OpenAI) -> None:

@@ -116,9 +116,16 @@ def test_tool_calls_are_read_after_the_reasoning() -> None:
     assert read(ChatReading(tools, hidden), text, None) == ("", *expected[1:])
 
 
-def test_constrained_or_parserless_outputs_are_all_content() -> None:
+def test_constrained_outputs_reason_first_where_the_output_begins_in_the_reasoning() -> None:
+    """A constrained output's grammar starts after </think> where the output begins inside
+    the reasoning (deepseek_r1, or an open block in the prompt); elsewhere it is all content."""
     assert reasoning_use(None, OPEN_PROMPT, include=True, constrained=False) is None
-    assert reasoning_use("deepseek_r1", OPEN_PROMPT, include=True, constrained=True) is None
+    assert reasoning_use("qwen3", PLAIN_PROMPT, include=True, constrained=True) is None
+    for parser, prompt in (("qwen3", OPEN_PROMPT), ("deepseek_r1", PLAIN_PROMPT)):
+        use = reasoning_use(parser, prompt, include=True, constrained=True)
+        assert use is not None and use.grammar_after == "</think>"
+        free = reasoning_use(parser, prompt, include=True, constrained=False)
+        assert free is not None and free.grammar_after is None
 
 
 def test_earlier_reasoning_reaches_the_template(tokenizer: Any) -> None:

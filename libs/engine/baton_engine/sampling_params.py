@@ -17,8 +17,11 @@ class StructuredOutputsParams:
     a JSON schema (a dict or its JSON text), a regular expression, a list of choices, an EBNF
     grammar (XGrammar's, GBNF-like), or ``json_object=True`` for any JSON object.
     ``disable_any_whitespace`` makes JSON output compact (no free whitespace between tokens).
-    Compiled by the engine (``baton_engine.structured_output``), which reports a schema,
-    pattern or grammar it cannot compile as ``InvalidRequestError``."""
+    ``reasoning_end`` (Baton's; vLLM gets it from its reasoning parser): the output first
+    reasons freely, up to and including this text (``"</think>"``), and then follows the
+    constraint, after up to 4 whitespace characters. Compiled by the engine
+    (``baton_engine.structured_output``), which reports a schema, pattern or grammar it cannot
+    compile as ``InvalidRequestError``."""
 
     json: str | dict[str, Any] | None = None
     regex: str | None = None
@@ -26,6 +29,7 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool = False
+    reasoning_end: str | None = None
 
     def __post_init__(self) -> None:
         given = [name for name, value in self._kinds() if value is not None and value is not False]
@@ -44,6 +48,10 @@ class StructuredOutputsParams:
                 raise InvalidRequestError(f"structured output {name} must be a non-empty string")
         if self.json is not None and not isinstance(self.json, str | dict):
             raise InvalidRequestError("structured output json must be a schema (dict or text)")
+        if self.reasoning_end is not None and (
+            not isinstance(self.reasoning_end, str) or not self.reasoning_end
+        ):
+            raise InvalidRequestError("structured output reasoning_end must be non-empty text")
 
     def _kinds(self) -> list[tuple[str, Any]]:
         return [

@@ -104,7 +104,9 @@ class StructuredOutputManager:
         compiler = self._get_compiler()
         kind, spec = params.kind
         try:
-            if kind == "json":
+            if params.reasoning_end is not None:
+                compiled = compiler.compile_grammar(_after_reasoning(params))
+            elif kind == "json":
                 compiled = compiler.compile_json_schema(
                     spec if isinstance(spec, str) else json.dumps(spec),
                     any_whitespace=not params.disable_any_whitespace,
@@ -131,6 +133,39 @@ class StructuredOutputManager:
         for i, g in enumerate(grammars):
             g.fill_bitmask(mask, i)
         return mask
+
+
+def _after_reasoning(params: StructuredOutputsParams) -> Any:
+    """The grammar of free text up to and including the first ``params.reasoning_end``, up to
+    4 whitespace characters, then ``params``' constraint."""
+    import xgrammar as xgr
+
+    kind, spec = params.kind
+    if kind == "json":
+        text = spec if isinstance(spec, str) else json.dumps(spec)
+        then = xgr.Grammar.from_json_schema(text, any_whitespace=not params.disable_any_whitespace)
+    elif kind == "json_object":
+        then = xgr.Grammar.builtin_json_grammar()
+    elif kind == "regex":
+        then = xgr.Grammar.from_regex(spec)
+    elif kind == "choice":
+        then = xgr.Grammar.from_regex("|".join(_escape_regex(c) for c in spec))
+    else:
+        then = xgr.Grammar.from_ebnf(spec)
+    reasoning = {
+        "type": "structural_tag",
+        "format": {
+            "type": "tag",
+            "begin": "",
+            "content": {"type": "any_text"},
+            "end": params.reasoning_end,
+        },
+    }
+    return xgr.Grammar.concat(
+        xgr.Grammar.from_structural_tag(json.dumps(reasoning)),
+        xgr.Grammar.from_regex(r"[ \t\r\n]{0,4}"),
+        then,
+    )
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int]) -> None:

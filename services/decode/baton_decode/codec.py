@@ -84,7 +84,11 @@ def structured_outputs_from_proto(pb: common_pb2.StructuredOutputs) -> Structure
         spec["choice"] = list(pb.choice.choices)
     else:
         spec[kind] = getattr(pb, kind)
-    return StructuredOutputsParams(**spec, disable_any_whitespace=pb.disable_any_whitespace)
+    return StructuredOutputsParams(
+        **spec,
+        disable_any_whitespace=pb.disable_any_whitespace,
+        reasoning_end=pb.reasoning_end or None,
+    )
 
 
 def generate_input_from_proto(pb: engine_pb2.GenerateRequest) -> GenerateInput:

@@ -77,12 +77,14 @@ def sampling_params(
     max_tokens: int,
     seed: int | None,
     defaults: dict[str, Any] | None = None,
+    reasoning_end: str | None = None,
 ) -> common_pb2.SamplingParams:
     """The worker's sampling params for one sequence of ``request``.
 
     ``max_tokens`` is the gateway's final budget (already checked against the context);
     ``seed`` is the sequence's own seed (``request.seed + index`` for ``n`` > 1); ``defaults``
-    fill what the request leaves unset (the model's generation config), else vLLM's defaults.
+    fill what the request leaves unset (the model's generation config), else vLLM's defaults;
+    ``reasoning_end``: a structured output applies after the reasoning that ends with it.
     """
     unset = {**_UNSET_DEFAULTS, **(defaults or {})}
 
@@ -110,6 +112,8 @@ def sampling_params(
     structured = request.structured
     if structured is not None:
         pb.structured_outputs.CopyFrom(structured_outputs(structured))
+        if reasoning_end is not None:
+            pb.structured_outputs.reasoning_end = reasoning_end
     num_logprobs = request.num_logprobs
     if num_logprobs is not None:
         pb.logprobs = num_logprobs

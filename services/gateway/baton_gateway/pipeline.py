@@ -126,6 +126,7 @@ class Pipeline:
         req_id: str,
         prompts: list[list[int]],
         max_tokens: int | None,
+        reasoning_end: str | None = None,
     ) -> list[SequenceSpec]:
         self._check_vocabulary(list(request.token_biases), "logit_bias")
         self._check_vocabulary(request.allowed_token_ids or [], "allowed_token_ids")
@@ -141,7 +142,9 @@ class Pipeline:
             for i in range(request.n):
                 index = p * request.n + i
                 seed = None if request.seed is None else request.seed + i
-                sampling = codec.sampling_params(request, budget, seed, self.defaults)
+                sampling = codec.sampling_params(
+                    request, budget, seed, self.defaults, reasoning_end
+                )
                 gen_request = codec.generate_request(f"{req_id}-{index}", ids, sampling)
                 specs.append(SequenceSpec(index, ids, gen_request))
         return specs
@@ -178,7 +181,13 @@ class Pipeline:
             )
             reading = ChatReading(tools, reasoning) if tools or reasoning else None
             req_id = random_id("chatcmpl")
-            specs = self._specs(request, req_id, [prompt], request.requested_max_tokens)
+            specs = self._specs(
+                request,
+                req_id,
+                [prompt],
+                request.requested_max_tokens,
+                reasoning.grammar_after if reasoning is not None else None,
+            )
             return await self._respond(request, req_id, specs, len(prompt), {}, record, reading)
         except BaseException as e:
             self._fail(record, e)

@@ -12,9 +12,11 @@ carries the same text. A request's ``include_reasoning: false`` drops it. Parser
   that the prompt left open (Qwen3's thinking templates end with ``<think>``); otherwise, as
   with ``enable_thinking: false``, all of it is content.
 
-A request whose whole output is constrained (structured output, or a named or required tool
-choice) is not split: the grammar leaves no room for reasoning. (vLLM instead starts the
-grammar after the reasoning ends.)
+A constrained output (structured output, or a named or required tool choice) reasons first, as
+in vLLM, when the output begins inside the reasoning (``deepseek_r1``, or a prompt that left
+``<think>`` open): the worker's grammar lets it write freely up to ``</think>`` and constrains
+what follows. Otherwise (``qwen3`` and no open block) the grammar applies from the first token
+and all of the output is content.
 
 One :class:`ReasoningReader` per choice reads the text as it streams in, holding back only what
 could be the start of a tag; a non-streamed response feeds it the whole text, so both give the
@@ -87,6 +89,8 @@ class ReasoningUse:
     in_reasoning: bool
     by_default: bool
     include: bool  # the request's include_reasoning
+    # the text after which the request's grammar applies (None: it has none)
+    grammar_after: str | None = None
 
     def new_reader(self) -> ReasoningReader:
         return ReasoningReader(self.in_reasoning, self.by_default)
@@ -96,8 +100,13 @@ def reasoning_use(
     parser: str | None, prompt: str, include: bool, constrained: bool
 ) -> ReasoningUse | None:
     """How to split a chat request's choices, or None when they are all content: no
-    ``parser``, or an output ``constrained`` as a whole. ``prompt`` is the rendered prompt."""
-    if parser is None or constrained:
+    ``parser``, or an output ``constrained`` from its first token. ``prompt`` is the rendered
+    prompt. A constrained output that begins inside the reasoning gets ``grammar_after`` set:
+    its grammar must start after it (:data:`THINK_END`)."""
+    if parser is None:
         return None
     opened = prompt.rstrip().endswith(THINK_START)
-    return ReasoningUse(opened, REASONING_PARSERS[parser], include)
+    by_default = REASONING_PARSERS[parser]
+    if constrained and not (opened or by_default):
+        return None
+    return ReasoningUse(opened, by_default, include, THINK_END if constrained else None)
