@@ -11,6 +11,10 @@ constrained batch in turns (``--rounds``). Every request is greedy with ``ignore
 the free and the constrained batch generate different tokens: compare tokens per second, not
 times. ``--rows`` times XGrammar's host work for that many constrained requests in a step:
 filling their bitmask rows one by one and with its threads, and accepting their tokens.
+``--phases`` then runs one free and one constrained batch with wall-clock timers around the
+engine's step and its parts, and prints each part's milliseconds per step: where a constrained
+step's time goes (on a GPU, ``launch`` is the host's part only; the wait for the device shows
+in ``finish in-flight``, which also accepts the tokens).
 
 Where the bitmask's work runs: the engine fills each constrained request's row on the host
 before its step (the request's last token accepted first, so those requests wait for
@@ -23,6 +27,10 @@ import argparse
 import json
 import statistics
 import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import torch
 
@@ -145,6 +153,60 @@ def host_rows(llm: LLM, rows: int) -> None:
     print(f"accept a token in {rows} matchers (and roll it back): {accept:.3f} ms")
 
 
+@contextmanager
+def phase_timers(llm: LLM) -> Iterator[dict[str, float]]:
+    """Wall-clock seconds spent in the engine's step and its parts while inside, by name (an
+    instance attribute shadows each method; each is put back on exit)."""
+    core = llm.engine.core
+    times: dict[str, float] = defaultdict(float)
+    patched: list[tuple[Any, str, Any]] = []
+
+    def wrap(obj: Any, name: str, label: str) -> None:
+        fn: Callable[..., Any] = getattr(obj, name)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                times[label] += time.perf_counter() - start
+                times[label + " calls"] += 1
+
+        patched.append((obj, name, obj.__dict__.get(name)))
+        setattr(obj, name, timed)
+
+    wrap(core, "step", "step")
+    wrap(core.scheduler, "schedule", "schedule")
+    wrap(core, "_finish_in_flight", "finish in-flight")
+    wrap(core, "_grammar_bitmask", "fill bitmask")
+    wrap(core.runner, "launch", "launch")
+    wrap(core.runner.batch, "update", "batch update")
+    wrap(core.runner, "_run_decode_graph", "decode graph")
+    wrap(core.runner, "_sampling_metadata", "metadata")
+    wrap(core.runner, "sampler", "sampler")
+    try:
+        yield times
+    finally:
+        for obj, name, own in reversed(patched):
+            if own is None:
+                delattr(obj, name)  # the class's method shows again
+            else:
+                setattr(obj, name, own)
+
+
+def phases(llm: LLM, prompts: list[str], runs: dict[str, SamplingParams]) -> None:
+    labels = ["step", "schedule", "finish in-flight", "fill bitmask", "launch"]
+    # the parts of launch
+    labels += ["batch update", "decode graph", "metadata", "sampler"]
+    print(f"{'ms per step':12}" + "".join(f"{name:>17}" for name in labels) + f"{'steps':>6}")
+    for name, params in runs.items():
+        with phase_timers(llm) as times:
+            run_batch(llm, prompts, params)
+        steps = times["step calls"]
+        cells = "".join(f"{times[label] / steps * 1e3:17.3f}" for label in labels)
+        print(f"{name:12}{cells}{int(steps):6}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--requests", type=int, default=16)
@@ -155,6 +217,7 @@ def main() -> None:
     p.add_argument("--load-format", default="auto", help="auto, or dummy (random weights)")
     p.add_argument("--free-ignore-eos", action="store_true", help="the free batch ignores EOS")
     p.add_argument("--rows", type=int, default=256, help="rows of the host-work timing")
+    p.add_argument("--phases", action="store_true", help="time the engine's step by part")
     args = p.parse_args()
     llm = LLM(
         args.model,
@@ -196,6 +259,8 @@ def main() -> None:
         print(f"{name:12} median {statistics.median(values):7.1f} tok/s over {len(values)} rounds")
     xgrammar_parts(llm)
     host_rows(llm, args.rows)
+    if args.phases:
+        phases(llm, prompts, {"free": free, "json schema": constrained})
 
 
 if __name__ == "__main__":

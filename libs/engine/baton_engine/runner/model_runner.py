@@ -860,12 +860,16 @@ class ModelRunner:
         bitmask = None
         rows: list[int] = []
         if grammar is not None:
-            bitmask = torch.full((len(reqs), grammar.bitmask.shape[1]), -1, dtype=torch.int32)
-            for i, s in enumerate(reqs):
-                row = grammar.rows.get(s.req_id)
-                if row is not None:
-                    bitmask[i] = grammar.bitmask[row]
-                    rows.append(i)
+            # one gather of the grammar rows into the batch's order (a copy per row cost ~10 us
+            # on the H200's host: 2.5 ms a step at 256 constrained requests)
+            where = [grammar.rows.get(s.req_id) for s in reqs]
+            rows = [i for i, row in enumerate(where) if row is not None]
+            if len(rows) == len(reqs) and where == list(range(len(reqs))):
+                bitmask = grammar.bitmask  # already in the batch's order
+            elif rows:
+                bitmask = torch.full((len(reqs), grammar.bitmask.shape[1]), -1, dtype=torch.int32)
+                source = torch.tensor([where[i] for i in rows], dtype=torch.int64)
+                bitmask[torch.tensor(rows, dtype=torch.int64)] = grammar.bitmask[source]
         return SamplingMetadata.from_params(
             [s.sampling_params for s in reqs],
             prompt_token_ids=[s.prompt_token_ids for s in reqs],
