@@ -139,6 +139,34 @@ def test_async_equals_sync_under_preemption(default_model_dir: Path) -> None:
     assert results[1] == results[0]
 
 
+def test_async_priority_scheduling_under_preemption(default_model_dir: Path) -> None:
+    """Priority scheduling with the later requests ranked first: the earlier ones are now
+    preempted (some with a token still pending) and wait behind the better-ranked; the tokens
+    still equal a synchronous fcfs engine's."""
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    results = []
+    for async_scheduling, policy in ((False, "fcfs"), (True, "priority")):
+        core = make_core(
+            default_model_dir,
+            async_scheduling,
+            num_gpu_blocks_override=24,
+            scheduling_policy=policy,
+        )
+        requests = []
+        for i in range(6):
+            priority = -i if policy == "priority" else 0
+            core.add_request(f"c{i}", [40 + i, 41, 42] * 12, params, priority=priority)
+            requests.append(core.scheduler.requests[f"c{i}"])
+        results.append(summary(run(core)))
+        assert core.scheduler.num_preemptions > 0
+        first, last = requests[0].num_preemptions, requests[5].num_preemptions
+        if policy == "fcfs":
+            assert last and not first  # the last admitted goes first
+        else:
+            assert first and not last  # the worst-ranked goes first
+    assert results[1] == results[0]
+
+
 def test_async_scheduling_defaults_by_device() -> None:
     assert not EngineConfig(device="cpu").resolved_async_scheduling()
     assert EngineConfig(device="cuda").resolved_async_scheduling()

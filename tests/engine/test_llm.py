@@ -10,6 +10,7 @@ import pytest
 
 from baton import LLM, SamplingParams
 from baton_engine.errors import InvalidRequestError, ModelLoadError
+from baton_engine.sampling_params import tokenize_bad_words
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 
@@ -163,6 +164,90 @@ def test_logit_bias_and_allowed_token_ids(llm: LLM) -> None:
         SamplingParams(allowed_token_ids=[])
 
 
+def test_bad_words_are_tokenized_as_vllm_does(llm: LLM) -> None:
+    """Each word is banned as the tokenizer spells it at the start of a text and also after a
+    space, when that starts with another token and is as long (vLLM's rule: " banana" is one
+    token, "banana" two, so only the latter is banned); leading whitespace is dropped."""
+    tok = llm.get_tokenizer()
+
+    def ids(text: str) -> list[int]:
+        return list(tok.encode(text, add_special_tokens=False))
+
+    assert len(ids("Paris")) == len(ids(" Paris")) == 1 and ids("Paris") != ids(" Paris")
+    assert len(ids("hello world")) == len(ids(" hello world")) == 2
+    assert len(ids("banana")) != len(ids(" banana"))
+    assert tokenize_bad_words(["Paris", "  hello world", "banana"], tok) == [
+        ids("Paris"),
+        ids(" Paris"),
+        ids("hello world"),
+        ids(" hello world"),
+        ids("banana"),
+    ]
+    words = SamplingParams(bad_words=["Paris"])
+    tokenized = llm.engine.tokenize_bad_words(words)
+    assert tokenized.bad_words_token_ids == [ids("Paris"), ids(" Paris")]
+    assert words.bad_words_token_ids is None  # the caller's params are left as they were
+
+
+def test_bad_words_are_never_generated(llm: LLM) -> None:
+    """Greedy decoding with a word of its own output banned: a one-token word never comes, and
+    a two-token word's second token never comes right after its first, so the output leaves
+    the unconstrained one exactly there; a sequence whose first token ends the prompt bans
+    nothing; a request without bad words in the same batch is untouched."""
+    tok = llm.get_tokenizer()
+    prompt = "The capital of France is"
+    base = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    (plain,) = llm.generate([prompt], base, use_tqdm=False)
+    plain_ids = plain.outputs[0].token_ids
+    first = tok.decode(plain_ids[:1]).strip()  # "Paris"
+
+    def words(i: int) -> str:  # output tokens i and i + 1 as text
+        return str(tok.decode(plain_ids[i : i + 2])).strip()
+
+    # the first two tokens of the output that spell words and are how those words tokenize
+    at = next(
+        i
+        for i in range(1, len(plain_ids) - 1)
+        if words(i).replace(" ", "").isalpha()
+        and plain_ids[i : i + 2] in tokenize_bad_words([words(i)], tok)
+    )
+    pair = words(at)  # "answer is"
+    one, two = replace(base, bad_words=[first]), replace(base, bad_words=[pair])
+    # its first token after the prompt's last: the prompt does not count
+    after_prompt = replace(base, bad_words_token_ids=[[plain.prompt_token_ids[-1], plain_ids[0]]])
+    outs = llm.generate([prompt] * 4, [one, two, base, after_prompt], use_tqdm=False)
+    got = [o.outputs[0].token_ids for o in outs]
+    for params, tokens in zip((one, two), got[:2], strict=True):
+        assert len(tokens) == 16
+        for seq in llm.engine.tokenize_bad_words(params).bad_words_token_ids or []:
+            assert all(tokens[i : i + len(seq)] != seq for i in range(len(tokens))), seq
+    assert got[0][0] != plain_ids[0]
+    assert got[1][: at + 1] == plain_ids[: at + 1] and got[1][at + 1] != plain_ids[at + 1]
+    assert got[2] == got[3] == plain_ids
+
+
+def test_bad_words_errors(llm: LLM) -> None:
+    """Words that encode to nothing, empty or negative sequences, ids outside the vocabulary,
+    and words that reach the engine core untokenized are clear errors."""
+    prompt = "The capital of France is"
+    for kwargs, match in (
+        ({"bad_words": "Paris"}, "list of strings"),
+        ({"bad_words_token_ids": [[5], []]}, "empty sequence"),
+        ({"bad_words_token_ids": [[-1]]}, "non-negative"),
+    ):
+        with pytest.raises(InvalidRequestError, match=match):
+            SamplingParams(**kwargs)
+    for params, match in (
+        (SamplingParams(bad_words=["Paris", "  "]), "encodes to no token"),
+        (SamplingParams(bad_words_token_ids=[[1, 10**7]]), "bad_words token id"),
+    ):
+        with pytest.raises(InvalidRequestError, match=match):
+            llm.generate([prompt], params, use_tqdm=False)
+    with pytest.raises(InvalidRequestError, match="must come tokenized"):
+        llm.engine.core.add_request("untokenized", [1, 2, 3], SamplingParams(bad_words=["a"]))
+    assert not llm.engine.has_unfinished_requests()
+
+
 @pytest.mark.parametrize(
     "prompt, params, match",
     [
@@ -211,6 +296,67 @@ def test_corrupt_gguf(tmp_path: Path) -> None:
 def test_unknown_engine_argument() -> None:
     with pytest.raises(InvalidRequestError, match="max_num_sequences"):
         LLM(max_num_sequences=4)
+
+
+PRIORITY_PROMPTS = [
+    "The capital of France is",
+    "List three colours:",
+    "Once upon a time, a dragon",
+    "def fibonacci(n):",
+]
+
+
+def test_priority_scheduling_serves_the_best_ranked_first(default_model_dir: Path) -> None:
+    """vLLM's priority policy, one request at a time: the waiting request with the lowest
+    priority value (then the earliest) runs next. Outputs are each prompt's alone."""
+    llm = LLM(
+        str(default_model_dir), max_model_len=256, kv_cache_memory=32 << 20, dtype="float32",
+        scheduling_policy="priority", max_num_seqs=1,
+    )  # fmt: skip
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    engine = llm.engine  # the order they are served in shows through the engine's own API
+    for req_id, prompt, priority in zip("abc", PRIORITY_PROMPTS[:3], [1, 0, 1], strict=True):
+        engine.add_request(req_id, prompt, params, priority=priority)
+    finished = engine.step()  # b runs
+    engine.add_request("d", PRIORITY_PROMPTS[3], params, priority=0)  # ahead of a and c
+    while engine.has_unfinished_requests():
+        finished += engine.step()
+    assert [out.request_id for out in finished] == ["b", "d", "a", "c"]  # fcfs: a, b, c, d
+    alone = {out.prompt: out.outputs[0].token_ids for out in finished}  # (one at a time)
+    outs = llm.generate(PRIORITY_PROMPTS, params, use_tqdm=False, priority=[3, 0, 2, 1])
+    assert [o.prompt for o in outs] == PRIORITY_PROMPTS  # in the prompts' order, as vLLM's
+    assert [o.outputs[0].token_ids for o in outs] == [alone[p] for p in PRIORITY_PROMPTS]
+
+
+def test_priority_preemption_keeps_the_outputs(default_model_dir: Path) -> None:
+    """A pool of 4 blocks (of 16 tokens) for 4 requests of 2: the lowest-priority ones are
+    preempted and recomputed, and every output is still the prompt's alone."""
+    llm = LLM(
+        str(default_model_dir), max_model_len=64, num_gpu_blocks_override=4, dtype="float32",
+        scheduling_policy="priority",
+    )  # fmt: skip
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    prompts = PRIORITY_PROMPTS
+    alone = [llm.generate(p, params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    assert llm.engine.core.stats().num_preemptions == 0
+    outs = llm.generate(prompts, params, use_tqdm=False, priority=[3, 0, 2, 1])
+    assert llm.engine.core.stats().num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in outs] == alone
+
+
+def test_priority_needs_the_priority_policy(llm: LLM) -> None:
+    """Under fcfs (the default) a priority other than 0 is an error, as in vLLM; so is a
+    priority list whose length is not the prompts'."""
+    with pytest.raises(InvalidRequestError, match="priority scheduling is not enabled"):
+        llm.generate(["Hi", "Hello"], GREEDY, use_tqdm=False, priority=[0, 1])
+    with pytest.raises(InvalidRequestError, match="priority scheduling is not enabled"):
+        llm.engine.add_request("x", "Hi", GREEDY, priority=-1)
+    with pytest.raises(InvalidRequestError, match="2 prompts but 1 priorities"):
+        llm.generate(["Hi", "Hello"], GREEDY, use_tqdm=False, priority=[0])
+    assert not llm.engine.has_unfinished_requests()  # nothing left half-submitted
+    assert llm.generate(["Hi"], GREEDY, use_tqdm=False, priority=[0])[0].outputs[0].token_ids
+    with pytest.raises(InvalidRequestError, match="scheduling_policy"):
+        LLM(scheduling_policy="lifo")
 
 
 def test_prompts_longer_than_the_step_budget(default_model_dir: Path) -> None:

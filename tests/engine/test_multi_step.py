@@ -43,9 +43,17 @@ def test_every_kind_of_request_gives_the_tokens_of_single_steps(default_model_di
         ([*SYSTEM, 70], replace(reshaped, logit_bias={probe[2]: 4.0, probe[5]: -3.0})),
         ([*SYSTEM, 71], replace(reshaped, allowed_token_ids=probe[:6])),
     ]
+    # the probe's prompt with probe[k] banned right after probe[k - 1], late (when the requests
+    # that read their tokens on the host are done): bad words read the output on the host,
+    # which a pass of a run, or a step run ahead, would not have
+    k = next(i for i in range(19, 4, -1) if probe[i - 1 : i + 1] not in _pairs(probe[:i]))
+    banned = replace(reshaped, bad_words_token_ids=[probe[k - 1 : k + 1]])
+    batch.append(([*SYSTEM, 10], banned))
     add_all(reference, batch, "a")
     want = summary(run(reference))
     assert want["a2"] == (probe[: at + 1], "stop")
+    bad = want[f"a{len(batch) - 1}"][0]
+    assert bad[:k] == probe[:k] and bad[k] != probe[k]
     for async_scheduling in (False, True):
         core = make_core(default_model_dir, async_scheduling, num_scheduler_steps=4)
         add_all(core, batch, "a")
@@ -53,6 +61,10 @@ def test_every_kind_of_request_gives_the_tokens_of_single_steps(default_model_di
         assert summary(got) == want
         assert core.scheduler.num_multi_steps > 0
         assert core.num_generated_tokens == sum(len(tokens) for tokens, _ in want.values())
+
+
+def _pairs(tokens: list[int]) -> list[list[int]]:
+    return [tokens[i : i + 2] for i in range(len(tokens) - 1)]
 
 
 def test_tokens_come_k_at_a_time_and_a_stop_drops_the_rest(default_model_dir: Path) -> None:

@@ -121,6 +121,7 @@ def baton_server() -> Iterator[ServeProcess]:
             "hermes",
             "--reasoning-parser",
             "qwen3",
+            "--enable-request-id-headers",
         ),
         api_key=API_KEY,
     )

@@ -1,7 +1,7 @@
 """The decode worker as a real process on loopback, driven by a real gRPC client.
 
-Two workers are started: a shared one for most tests, and a small one (``--max-pending 2``) for
-the capacity and shutdown tests, which ends with SIGTERM.
+Three workers are started: a shared one for most tests, a small one (``--max-pending 2``) for
+the capacity and shutdown tests, which ends with SIGTERM, and one that schedules by priority.
 """
 
 from __future__ import annotations
@@ -105,14 +105,25 @@ def small_worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
     _stop_worker(w)
 
 
+@pytest.fixture(scope="module")
+def priority_worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
+    """vLLM's priority scheduling, one request at a time (and room for more to wait)."""
+    log_path = tmp_path_factory.mktemp("decode-priority") / "worker.log"
+    argv = ("--scheduling-policy", "priority", "--max-num-seqs", "1", "--max-pending", "8")
+    w = _start_worker(log_path, *argv)
+    yield w
+    _stop_worker(w)
+
+
 def _request(
-    req_id: str, prompt: list[int], max_tokens: int = 8, **sampling: Any
+    req_id: str, prompt: list[int], max_tokens: int = 8, priority: int = 0, **sampling: Any
 ) -> engine_pb2.GenerateRequest:
     params = {"temperature": 0.0, "top_p": 1.0, "ignore_eos": True, **sampling}
     return engine_pb2.GenerateRequest(
         req_id=req_id,
         prompt_token_ids=prompt,
         sampling=common_pb2.SamplingParams(max_tokens=max_tokens, **params),
+        priority=priority,
     )
 
 
@@ -209,6 +220,15 @@ def test_invalid_input(worker: Worker, prompt: list[int], sampling: Any, message
         _generate(worker, _request("bad", prompt, **sampling))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert message in info.value.details()
+
+
+def test_priority_needs_the_priority_policy(worker: Worker) -> None:
+    """The default policy is fcfs: a priority other than 0 is refused, as vLLM refuses it."""
+    with pytest.raises(grpc.RpcError) as info:
+        _generate(worker, _request("prio-fcfs", [1, 2, 3], 2, priority=1))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "priority scheduling is not enabled" in info.value.details()
+    assert len(_generate(worker, _request("prio-zero", [1, 2, 3], 2, priority=0))) >= 1
 
 
 def test_calls_are_answered_while_a_grammar_compiles(worker: Worker) -> None:
@@ -374,6 +394,36 @@ def test_generate_stream_multiplexes_requests(worker: Worker) -> None:
 
 def _args(request: engine_pb2.GenerateRequest) -> tuple[list[int], int]:
     return list(request.prompt_token_ids), request.sampling.max_tokens
+
+
+def test_priority_policy_serves_the_best_ranked_first(
+    priority_worker: Worker, worker: Worker
+) -> None:
+    """``--scheduling-policy priority``, one seat: the requests waiting behind a running one
+    are served by priority (lower first), then by arrival; each gets the tokens it gets alone
+    (under fcfs)."""
+    stream = _Stream(priority_worker)
+    stream.generate(_request("prio-running", [1, 2, 3], 96, priority=5))
+    assert any(i.req_id == "prio-running" for i in next(stream.call).items)  # it holds the seat
+    waiting = [
+        _request(f"prio-{name}", [50 + i, 51, 52 + i], 4, priority=priority)
+        for i, (name, priority) in enumerate((("a", 3), ("b", -2), ("c", 3), ("d", 0)))
+    ]
+    for request in waiting:
+        stream.generate(request)
+    stream.close()
+    served: list[str] = []  # in the order their first tokens came
+    tokens: dict[str, list[int]] = {}
+    for message in stream.call:
+        for item in message.items:
+            assert not item.error_code, item.error_message
+            if item.req_id not in served:
+                served.append(item.req_id)
+            tokens.setdefault(item.req_id, []).extend(item.response.token_ids)
+    assert served == ["prio-running", "prio-b", "prio-d", "prio-a", "prio-c"]  # fcfs: a b c d
+    for request in waiting:
+        alone = _generate(worker, _request("alone-" + request.req_id, *_args(request)))
+        assert tokens[request.req_id] == [t for m in alone for t in m.token_ids]
 
 
 def test_generate_stream_cancel_and_call_end_free_requests(small_worker: Worker) -> None:

@@ -24,9 +24,12 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import openai
 import pytest
 from procs import ENGINE_ARGS, Service, launch, stop, wait_all
+
+from baton.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 
 pytestmark = pytest.mark.integration
 
@@ -254,6 +257,24 @@ def test_structured_output_on_every_path(stack: dict[str, Service]) -> None:
             )
         client.close()
     assert all(t == texts["gw_agg"] for t in texts.values()), texts
+
+
+def test_prefill_priority_needs_the_priority_policy(stack: dict[str, Service]) -> None:
+    """The prefill worker runs the default fcfs policy: a priority other than 0 is refused."""
+    with grpc.insecure_channel(stack["prefill"].address) as channel:
+        stub = engine_pb2_grpc.PrefillServiceStub(channel)  # type: ignore[no-untyped-call]
+        sampling = common_pb2.SamplingParams(
+            temperature=0.0, top_p=1.0, max_tokens=1, ignore_eos=True
+        )
+        request = engine_pb2.PrefillRequest(
+            req_id="prio-1", prompt_token_ids=[1, 2, 3], sampling=sampling, priority=1
+        )
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Prefill(request, timeout=60)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "priority scheduling is not enabled" in info.value.details()
+        request.req_id, request.priority = "prio-0", 0  # max_tokens 1: nothing is held after
+        assert stub.Prefill(request, timeout=60).finish_reason == common_pb2.FINISH_REASON_LENGTH
 
 
 def test_pools_whole_and_leases_released_after_drain(stack: dict[str, Service]) -> None:

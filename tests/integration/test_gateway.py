@@ -642,6 +642,36 @@ def test_logit_bias_and_allowed_token_ids(client: OpenAI, http: httpx.Client) ->
         assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.text
 
 
+def test_bad_words(http: httpx.Client) -> None:
+    """vLLM's bad_words: the gateway tokenizes them (alone and after a space) and the worker
+    never samples them; the rest of the request is served as before."""
+    body = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 12}
+    body |= {"temperature": 0, "ignore_eos": True}
+    free = http.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    assert "Paris" in free, free
+    banned = http.post("/v1/completions", json={**body, "bad_words": ["Paris"]}).json()
+    text = banned["choices"][0]["text"]
+    assert "Paris" not in text and banned["usage"]["completion_tokens"] == 12
+    assert text[: free.index("Paris")] == free[: free.index("Paris")]  # the same until there
+    streamed = http.post("/v1/completions", json={**body, "bad_words": ["Paris"], "stream": True})
+    chunks = [
+        json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")
+    ]
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == text
+    for bad in ([""], ["x"] * 129, "Paris"):
+        resp = http.post("/v1/completions", json={**body, "bad_words": bad})
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "bad_words", resp.text
+
+
+def test_priority_needs_the_priority_policy(http: httpx.Client) -> None:
+    """The shared server's workers schedule first come, first served: as vLLM, a request with a
+    priority is refused there (the priority policy itself is tested on the workers)."""
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
+    assert http.post("/v1/completions", json={**body, "priority": 0}).status_code == 200
+    resp = http.post("/v1/completions", json={**body, "priority": -3})
+    assert resp.status_code == 400 and "priority" in resp.json()["error"]["message"], resp.text
+
+
 def test_cors(baton_server: Any) -> None:
     """As vLLM by default: any origin may call, and a browser's preflight is answered without
     the API key."""
@@ -704,6 +734,162 @@ def test_tokenize_and_detokenize(client: OpenAI, http: httpx.Client) -> None:
     version = http.get("/version").json()["version"]
     assert re.fullmatch(r"\d+\.\d+\.\d+.*", version)
     assert http.get("/ping").status_code == 200 and http.post("/ping").status_code == 200
+
+
+def _sse(http: httpx.Client, route: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The JSON chunks of a streamed response."""
+    with http.stream("POST", route, json={**body, "stream": True}) as resp:
+        assert resp.status_code == 200, resp.read()
+        lines = [line for line in resp.iter_lines() if line.startswith("data: {")]
+    return [json.loads(line.removeprefix("data: ")) for line in lines]
+
+
+def test_prompt_logprobs_and_token_ids(http: httpx.Client) -> None:
+    """vLLM's prompt_logprobs and return_token_ids, on both routes; whole and streamed."""
+    prompt = "One, two, three, four,"
+    ids = http.post("/tokenize", json={"prompt": prompt}).json()["tokens"]
+    body = {"model": MODEL, "prompt": prompt, "temperature": 0, "max_tokens": 5}
+    out = http.post(
+        "/v1/completions", json={**body, "prompt_logprobs": 2, "return_token_ids": True}
+    ).json()
+    choice = out["choices"][0]
+    assert choice["prompt_token_ids"] == ids
+    plp = choice["prompt_logprobs"]
+    assert len(plp) == len(ids) and plp[0] is None
+    for token_id, entry in zip(ids[1:], plp[1:], strict=True):
+        own = entry[str(token_id)]
+        assert own["logprob"] <= 0 and own["rank"] >= 1
+        others = sorted(e["rank"] for t, e in entry.items() if t != str(token_id))
+        assert others == [r for r in (1, 2) if r != own["rank"]]  # the top 2 besides its own
+        assert next(iter(entry)) == str(token_id)  # its own first
+    # The same values as an echo's logprobs of the prompt (a different path in the gateway).
+    echo = http.post("/v1/completions", json={**body, "echo": True, "logprobs": 1}).json()
+    echoed = echo["choices"][0]["logprobs"]["token_logprobs"][1 : len(ids)]
+    own_values = [entry[str(t)]["logprob"] for t, entry in zip(ids[1:], plp[1:], strict=True)]
+    assert own_values == pytest.approx(echoed, abs=1e-3)
+    # token_ids: the output's ids, which decode to its text.
+    assert len(choice["token_ids"]) == out["usage"]["completion_tokens"] == 5
+    decoded = http.post("/detokenize", json={"tokens": choice["token_ids"]}).json()["prompt"]
+    assert decoded == choice["text"]
+    plain = http.post("/v1/completions", json=body).json()["choices"][0]
+    assert plain["text"] == choice["text"]
+    assert not {"prompt_logprobs", "prompt_token_ids", "token_ids"} & set(plain)
+
+    # Streamed, with n=2: each choice's prompt_token_ids once, its token_ids chunk by chunk.
+    chunks = _sse(http, "/v1/completions", {**body, "n": 2, "return_token_ids": True})
+    for index in (0, 1):
+        mine = [c for ch in chunks for c in ch["choices"] if c["index"] == index]
+        assert [c["prompt_token_ids"] for c in mine if "prompt_token_ids" in c] == [ids]
+        assert [t for c in mine for t in c.get("token_ids", [])] == choice["token_ids"]
+    streamed = http.post("/v1/completions", json={**body, "prompt_logprobs": 1, "stream": True})
+    assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "prompt_logprobs"
+
+    # Chat: prompt_logprobs and prompt_token_ids on the response, token_ids on the choice.
+    chat_body = {"model": MODEL, "messages": QUESTION, "temperature": 0, "max_tokens": 6}
+    chat_ids = http.post("/tokenize", json={"messages": QUESTION}).json()["tokens"]
+    whole = http.post(
+        "/v1/chat/completions", json={**chat_body, "prompt_logprobs": 0, "return_token_ids": True}
+    ).json()
+    assert whole["prompt_token_ids"] == chat_ids
+    assert len(whole["prompt_logprobs"]) == len(chat_ids) == whole["usage"]["prompt_tokens"]
+    for token_id, entry in zip(chat_ids[1:], whole["prompt_logprobs"][1:], strict=True):
+        assert list(entry) == [str(token_id)]  # prompt_logprobs=0: the token's own alone
+    chunks = _sse(http, "/v1/chat/completions", {**chat_body, "return_token_ids": True})
+    assert [c["prompt_token_ids"] for c in chunks if "prompt_token_ids" in c] == [chat_ids]
+    tokens = [t for ch in chunks for c in ch["choices"] for t in c.get("token_ids", [])]
+    assert tokens == whole["choices"][0]["token_ids"]
+    assert len(tokens) == whole["usage"]["completion_tokens"]
+
+
+def test_tokens_as_token_ids_and_truncation(http: httpx.Client) -> None:
+    """return_tokens_as_token_ids names logprob tokens by id; truncate_prompt_tokens keeps the
+    prompt's last tokens."""
+    body = {"model": MODEL, "prompt": "One, two, three,", "temperature": 0, "max_tokens": 4}
+    out = http.post(
+        "/v1/completions",
+        json={**body, "logprobs": 2, "return_tokens_as_token_ids": True, "return_token_ids": True},
+    ).json()["choices"][0]
+    assert out["logprobs"]["tokens"] == [f"token_id:{t}" for t in out["token_ids"]]
+    for top in out["logprobs"]["top_logprobs"]:
+        assert all(re.fullmatch(r"token_id:\d+", key) for key in top)
+    chat = http.post(
+        "/v1/chat/completions",
+        json={
+            "model": MODEL,
+            "messages": QUESTION,
+            "max_tokens": 3,
+            "logprobs": True,
+            "top_logprobs": 1,
+            "return_tokens_as_token_ids": True,
+        },
+    ).json()["choices"][0]["logprobs"]["content"]
+    assert all(re.fullmatch(r"token_id:\d+", e["token"]) for e in chat) and len(chat) == 3
+
+    long = "The quick brown fox jumps over the lazy dog. " * 3 + "The capital of France is"
+    ids = http.post("/tokenize", json={"prompt": long}).json()["tokens"]
+    tail = {**body, "prompt": ids[-6:]}
+    want = http.post("/v1/completions", json=tail).json()["choices"][0]["text"]
+    cut = http.post(
+        "/v1/completions",
+        json={**body, "prompt": long, "truncate_prompt_tokens": 6, "echo": True},
+    ).json()
+    assert cut["usage"]["prompt_tokens"] == 6
+    echoed = http.post("/detokenize", json={"tokens": ids[-6:]}).json()["prompt"]
+    assert cut["choices"][0]["text"] == echoed + want  # the echo is the prompt the model saw
+    whole = http.post(
+        "/v1/completions", json={**body, "prompt": long, "truncate_prompt_tokens": -1}
+    )
+    assert whole.json()["usage"]["prompt_tokens"] == len(ids)
+    for bad in (513, 0):
+        resp = http.post("/v1/completions", json={**body, "truncate_prompt_tokens": bad})
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "truncate_prompt_tokens"
+
+
+def test_request_ids(http: httpx.Client) -> None:
+    """As vLLM with --enable-request-id-headers: X-Request-Id (else the body's request_id)
+    names the response, and comes back as a header; clients may reuse an id."""
+    body = {"model": MODEL, "prompt": "Hello, my name is", "temperature": 0, "max_tokens": 6}
+
+    def post(headers: dict[str, str], **extra: Any) -> httpx.Response:
+        return http.post("/v1/completions", json={**body, **extra}, headers=headers)
+
+    resp = post({"X-Request-Id": "client-7"})
+    assert resp.headers["x-request-id"] == "client-7" and resp.json()["id"] == "cmpl-client-7"
+    assert post({}, request_id="body-3").json()["id"] == "cmpl-body-3"
+    assert post({"X-Request-Id": "h"}, request_id="b").json()["id"] == "cmpl-h"  # as vLLM
+    resp = post({})
+    new_id = resp.headers["x-request-id"]  # the server's own, which the response id ends with
+    assert re.fullmatch(r"[0-9a-f]{32}", new_id) and resp.json()["id"] == f"cmpl-{new_id}"
+    chat = http.post(
+        "/v1/chat/completions",
+        json={"model": MODEL, "messages": QUESTION, "max_tokens": 2},
+        headers={"X-Request-Id": "chat-1"},
+    )
+    assert chat.json()["id"] == "chatcmpl-chat-1" and chat.headers["x-request-id"] == "chat-1"
+    # Two requests at once under one id: the workers keep them apart.
+    prompts = ["Hello, my name is", "The capital of France is"]
+    want = [post({}, prompt=p).json()["choices"][0]["text"] for p in prompts]
+
+    async def both() -> list[str]:
+        async with httpx.AsyncClient(
+            base_url=http.base_url, headers=http.headers, timeout=60
+        ) as client:
+            resps = await asyncio.gather(
+                *(
+                    client.post(
+                        "/v1/completions",
+                        json={**body, "prompt": p, "max_tokens": 16},
+                        headers={"X-Request-Id": "dup"},
+                    )
+                    for p in prompts
+                )
+            )
+        assert all(r.json()["id"] == "cmpl-dup" for r in resps)
+        return [r.json()["choices"][0]["text"] for r in resps]
+
+    got = asyncio.run(both())
+    assert [g[: len(w)] for g, w in zip(got, want, strict=True)] == want
+    assert http.get("/health").headers["x-request-id"]
 
 
 def test_api_key_required(baton_server: Any) -> None:

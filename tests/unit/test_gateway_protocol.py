@@ -19,6 +19,7 @@ from baton_gateway.protocol import (
     ChatCompletionResponseStreamChoice,
     ChatCompletionStreamResponse,
     CompletionRequest,
+    CompletionResponseChoice,
     DeltaMessage,
 )
 from baton_gateway.streaming import SSE_DONE, sse_event
@@ -60,6 +61,12 @@ def chat(**kwargs: Any) -> ChatCompletionRequest:
         {"structured_outputs": {"choice": []}},
         {"structured_outputs": {"regex": "a+", "grammar": 'root ::= "a"'}},
         {"messages": []},
+        {"prompt_logprobs": 21},
+        {"prompt_logprobs": -1},
+        {"prompt_logprobs": 1, "stream": True},  # as vLLM: not when streaming
+        {"truncate_prompt_tokens": 0},
+        {"truncate_prompt_tokens": -2},
+        {"request_id": ""},
     ],
 )
 def test_chat_rejects_out_of_range(bad: dict[str, Any]) -> None:
@@ -192,6 +199,58 @@ def test_logit_bias_and_allowed_token_ids_reach_the_engine() -> None:
     assert engine.logit_bias == {5: 100.0, 7: -3.5} and engine.allowed_token_ids == [1, 2]
     plain = sampling_params_from_proto(codec.sampling_params(chat(), 3, None))
     assert plain.logit_bias is None and plain.allowed_token_ids is None
+
+
+def test_bad_words_reach_the_worker_as_token_ids() -> None:
+    from baton_decode.codec import sampling_params_from_proto
+
+    pb = codec.sampling_params(chat(bad_words=["a b"]), 3, None, bad_words=[[5, 6], [7]])
+    assert sampling_params_from_proto(pb).bad_words_token_ids == [[5, 6], [7]]
+    assert (
+        sampling_params_from_proto(codec.sampling_params(chat(), 3, None)).bad_words_token_ids
+        is None
+    )
+
+
+def test_prompt_logprobs_reach_the_worker() -> None:
+    """The worker computes the larger of vLLM's prompt_logprobs and an echo's logprobs."""
+
+    def worker_prompt_logprobs(**fields: Any) -> int | None:
+        pb = codec.sampling_params(CompletionRequest(prompt="x", **fields), 3, None)
+        return pb.prompt_logprobs if pb.HasField("prompt_logprobs") else None
+
+    assert worker_prompt_logprobs() is None
+    assert worker_prompt_logprobs(logprobs=2) is None  # no echo: only the output's
+    assert worker_prompt_logprobs(logprobs=2, echo=True) == 2
+    assert worker_prompt_logprobs(prompt_logprobs=0) == 0
+    assert worker_prompt_logprobs(prompt_logprobs=1, logprobs=3, echo=True) == 3
+    assert worker_prompt_logprobs(prompt_logprobs=4, logprobs=3, echo=True) == 4
+    pb = codec.sampling_params(chat(prompt_logprobs=5), 3, None)
+    assert pb.prompt_logprobs == 5 and not pb.HasField("logprobs")
+
+
+def test_prompt_logprobs_shape() -> None:
+    """vLLM's: None for the first prompt token, then the token's own logprob and rank first,
+    then the top N it is not among (ranks 1..N); token ids are JSON keys."""
+    from baton_gateway.codec import TokenLogprob
+    from baton_gateway.responses import prompt_logprobs
+
+    lps = [
+        TokenLogprob(7, -2.5, 3, ((1, -0.5), (2, -1.0), (7, -2.5))),
+        TokenLogprob(1, -0.1, 1, ((1, -0.1), (4, -3.0), (5, -4.0))),
+        TokenLogprob(9, float("-inf"), 50, ((2, -0.2), (3, -0.3), (4, -0.4))),
+    ]
+    out = prompt_logprobs(lambda t: f"<{t}>", lps, 2)
+    assert out[0] is None and len(out) == 4
+    assert [(t, e.rank) for t, e in out[1].items()] == [(7, 3), (1, 1), (2, 2)]
+    assert [(t, e.rank) for t, e in out[2].items()] == [(1, 1), (4, 2)]  # its own is the top
+    assert out[3][9].logprob == -9999.0 and out[3][9].decoded_token == "<9>"
+    body = json.loads(
+        CompletionResponseChoice(index=0, text="", prompt_logprobs=out).model_dump_json()
+    )
+    assert body["prompt_logprobs"][1]["7"] == {"logprob": -2.5, "rank": 3, "decoded_token": "<7>"}
+    assert "token_ids" not in body and "prompt_token_ids" not in body  # only when asked for
+    assert len(prompt_logprobs(str, lps, 0)[1]) == 1  # prompt_logprobs=0: the token alone
 
 
 def test_structured_output_fields_reach_the_worker() -> None:

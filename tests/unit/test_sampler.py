@@ -8,7 +8,13 @@ from dataclasses import replace
 import pytest
 import torch
 
-from baton_engine.sampler import Sampler, SamplingMetadata, apply_penalties, apply_top_k_top_p
+from baton_engine.sampler import (
+    Sampler,
+    SamplingMetadata,
+    apply_penalties,
+    apply_top_k_top_p,
+    ban_bad_words,
+)
 from baton_engine.sampling_params import SamplingParams
 
 VOCAB = 1000
@@ -381,6 +387,43 @@ def test_allowed_token_ids_and_logit_bias() -> None:
     share = (biased == 5).float().mean().item()
     expected = torch.e**6 / (torch.e**6 + VOCAB - 1)  # 0.29 (std of the share: 0.01)
     assert abs(share - expected) < 0.04, (share, expected)
+
+
+def test_bad_words() -> None:
+    """vLLM's bad_words: a one-token sequence bans its token; a longer one bans its last token
+    only when the rest of it ends the row's output (a prompt that ends so does not count);
+    rows without bad words are untouched; the reported logprobs stay the raw model's."""
+    logits = _logits(6)
+    top = [logits[i].topk(2).indices.tolist() for i in range(6)]
+    low = int(logits[4].argmin())
+    sequences = [
+        [[top[0][0]]],
+        [[7, 8, top[1][0]]],
+        [[7, 8, top[2][0]]],  # its output has 7, 8, but not at the end
+        [[8, top[3][0]], [1, 8, 9, top[3][0]]],  # 8 ends its prompt; longer than output + 1
+        [[low], [8, top[4][0]]],
+        None,
+    ]
+    outputs = [[3], [7, 8], [7, 8, 9], [], [9, 8], [7, 8]]
+    prompts = [[1, 2]] * 3 + [[1, 8]] * 3
+
+    masked = logits.clone()
+    ban_bad_words(masked, sequences, outputs)
+    want = [[0, top[0][0]], [1, top[1][0]], [4, low], [4, top[4][0]]]
+    assert sorted(torch.isinf(masked).nonzero().tolist()) == sorted(want)
+
+    params = [SamplingParams(temperature=0.0, bad_words_token_ids=b) for b in sequences]
+    params[0] = replace(params[0], logprobs=1)
+    out = Sampler()(logits, _meta(params, prompts=prompts, outputs=outputs))
+    banned = [True, True, False, False, True, False]
+    assert out.sampled_token_ids.tolist() == [t[b] for t, b in zip(top, banned, strict=True)]
+    assert out.logprobs is not None
+    assert int(out.logprobs.token_ids[0, 1]) == top[0][0]  # the raw top-1, though banned
+
+    n = 2000  # at a temperature too: the banned token (most draws' without the ban) never comes
+    row = (logits[0] * 2).expand(n, -1).contiguous()
+    ban = SamplingParams(temperature=1.0, bad_words_token_ids=[[top[0][0]]])
+    assert top[0][0] not in set(_sample(row, _meta([ban] * n)).tolist())
 
 
 # 7. temperature --------------------------------------------------------------------------------

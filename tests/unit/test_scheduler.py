@@ -12,6 +12,7 @@ import pytest
 
 from baton_engine.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from baton_engine.core.scheduler import Scheduler
+from baton_engine.errors import InvalidRequestError
 from baton_engine.kv_cache import KVCacheManager
 from baton_engine.request import Request, RequestStatus
 from baton_engine.sampling_params import SamplingParams
@@ -33,6 +34,7 @@ def make_scheduler(
     max_model_len: int = 4096,
     long_prefill_token_threshold: int = 0,
     enable_caching: bool = True,
+    scheduling_policy: str = "fcfs",
 ) -> Scheduler:
     return Scheduler(
         KVCacheManager(num_blocks, block_size, enable_caching),
@@ -40,6 +42,7 @@ def make_scheduler(
         max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=max_model_len,
         long_prefill_token_threshold=long_prefill_token_threshold,
+        scheduling_policy=scheduling_policy,
     )
 
 
@@ -50,6 +53,7 @@ def make_request(
     max_tokens: int = 4,
     params: SamplingParams | None = None,
     eos_token_ids: tuple[int, ...] = (),
+    priority: int = 0,
 ) -> Request:
     return Request(
         req_id=req_id,
@@ -57,15 +61,26 @@ def make_request(
         sampling_params=params or SamplingParams(max_tokens=max_tokens),
         eos_token_ids=eos_token_ids,
         max_tokens=max_tokens,
+        priority=priority,
     )
 
 
-def make_requests(n: int, num_tokens: int | Sequence[int], *, max_tokens: int = 4) -> list[Request]:
-    """``n`` requests ``r0, r1, ...`` with unrelated prompts (no accidental prefix hits)."""
+def make_requests(
+    n: int,
+    num_tokens: int | Sequence[int],
+    *,
+    max_tokens: int = 4,
+    priorities: Sequence[int] | None = None,
+) -> list[Request]:
+    """``n`` requests ``r0, r1, ...`` with unrelated prompts (no accidental prefix hits), in
+    arrival order."""
     lengths = [num_tokens] * n if isinstance(num_tokens, int) else list(num_tokens)
     return [
         make_request(
-            f"r{i}", range(10_000 * (i + 1), 10_000 * (i + 1) + lengths[i]), max_tokens=max_tokens
+            f"r{i}",
+            range(10_000 * (i + 1), 10_000 * (i + 1) + lengths[i]),
+            max_tokens=max_tokens,
+            priority=priorities[i] if priorities is not None else 0,
         )
         for i in range(n)
     ]
@@ -286,6 +301,139 @@ def test_a_request_that_cannot_grow_preempts_itself() -> None:
     assert scheduler.waiting[0] is b and b.status == RequestStatus.PREEMPTED
     assert b.num_computed_tokens == 0
     run_until_done(scheduler)
+
+
+# --- priority scheduling ------------------------------------------------------------------------
+
+
+def _admitted(run: Run) -> list[str]:
+    return [new.req_id for so in run.steps for new in so.scheduled_new_reqs]
+
+
+def test_waiting_requests_go_by_priority_then_arrival() -> None:
+    scheduler = make_scheduler(max_num_seqs=1, scheduling_policy="priority")
+    requests = make_requests(6, 8, max_tokens=2, priorities=[1, 0, 1, -3, 0, -1])
+    add_all(scheduler, requests[:5])
+    assert [r.req_id for r in scheduler.waiting] == ["r3", "r1", "r4", "r0", "r2"]
+    run = Run()
+    step(scheduler, run)
+    scheduler.add_request(requests[5])  # arrives last, goes ahead of all that wait
+    run_until_done(scheduler, run=run)
+    assert _admitted(run) == ["r3", "r5", "r1", "r4", "r0", "r2"]
+    assert run.finish_reasons == {r.req_id: "length" for r in requests}
+
+
+def test_fcfs_refuses_a_priority() -> None:
+    scheduler = make_scheduler()
+    with pytest.raises(InvalidRequestError, match="priority scheduling is not enabled"):
+        scheduler.add_request(make_request("a", [1, 2, 3], priority=1))
+    assert not scheduler.requests and not scheduler.waiting
+    scheduler.add_request(make_request("b", [1, 2, 3], priority=0))
+    assert run_until_done(scheduler).finish_reasons == {"b": "length"}
+    with pytest.raises(InvalidRequestError, match="scheduling_policy"):
+        make_scheduler(scheduling_policy="lifo")
+
+
+def test_preemption_takes_the_lowest_priority_running_request() -> None:
+    # 6 blocks of 4 tokens. r0, the lowest priority, runs first; r1 and r2 join it, and their
+    # three 7-token prompts then fill the pool.
+    scheduler = make_scheduler(num_blocks=6, block_size=4, scheduling_policy="priority")
+    requests = make_requests(3, 7, max_tokens=8, priorities=[2, 0, 1])
+    rank = {r.req_id: (r.priority, r.arrival_time) for r in requests}
+    run = Run()
+    scheduler.add_request(requests[0])
+    step(scheduler, run, _token_for)
+    add_all(scheduler, requests[1:])
+    so = step(scheduler, run, _token_for)
+    assert list(so.num_scheduled_tokens.items()) == [("r0", 1), ("r1", 7), ("r2", 7)]
+    so = step(scheduler, run, _token_for)
+    # r0 needs a third block: it is the one preempted, though it came first (fcfs would
+    # preempt r2, the last admitted, for it).
+    assert so.preempted_req_ids == frozenset({"r0"})
+    assert list(so.num_scheduled_tokens.items()) == [("r1", 1), ("r2", 1)]
+    assert requests[0].status == RequestStatus.PREEMPTED
+    assert requests[0].num_computed_tokens == 0
+    run_until_done(scheduler, _token_for, run=run)
+    assert scheduler.num_preemptions > 1
+    for so, running in zip(run.steps, run.running_before, strict=True):
+        num = len(so.preempted_req_ids)
+        if num:  # the victims are the worst-ranked running requests
+            assert so.preempted_req_ids == frozenset(sorted(running, key=lambda r: rank[r])[-num:])
+    for request in requests:
+        expected = [int(request.req_id[1:]) * 100 + i for i in range(8)]
+        assert run.tokens[request.req_id] == expected
+    assert scheduler.kv.num_free_blocks == 6
+
+
+@pytest.mark.parametrize("num_blocks", [4, 5], ids=["no-free-block", "one-free-block"])
+def test_a_lower_priority_request_gives_way_though_it_came_first(num_blocks: int) -> None:
+    """Two 8-token prompts in blocks of 4, both about to need a third block: b (priority 0)
+    preempts a (priority 1), or takes the one free block, and a then preempts itself (the
+    scheduler stops there)."""
+    scheduler = make_scheduler(num_blocks=num_blocks, block_size=4, scheduling_policy="priority")
+    a, b = make_requests(2, 8, max_tokens=4, priorities=[1, 0])
+    add_all(scheduler, [a, b])
+    run = Run()
+    step(scheduler, run)
+    so = step(scheduler, run)
+    assert so.preempted_req_ids == frozenset({"r0"})
+    assert dict(so.num_scheduled_tokens) == {"r1": 1}
+    assert a.status == RequestStatus.PREEMPTED and scheduler.running == [b]
+    run_until_done(scheduler, run=run)
+    assert run.finish_reasons == {"r0": "length", "r1": "length"}
+
+
+def test_a_preempted_request_waits_at_its_priority() -> None:
+    """Under fcfs a preempted request goes back to the front of the queue; under priority it
+    waits behind the better-ranked requests that arrived since."""
+    scheduler = make_scheduler(
+        num_blocks=5, block_size=4, max_num_seqs=2, scheduling_policy="priority"
+    )
+    a, b, c = make_requests(3, 8, max_tokens=4, priorities=[2, 1, 0])
+    add_all(scheduler, [a, b])
+    run = Run()
+    step(scheduler, run)
+    scheduler.add_request(c)  # waits: two requests run already
+    so = step(scheduler, run)  # b takes the free block, a preempts itself
+    assert so.preempted_req_ids == frozenset({"r0"})
+    assert list(scheduler.waiting) == [c, a]
+    so = step(scheduler, run)
+    assert [new.req_id for new in so.scheduled_new_reqs] == ["r2"]  # into a's freed blocks
+    run_until_done(scheduler, run=run)
+    assert run.finish_reasons == {"r0": "length", "r1": "length", "r2": "length"}
+
+
+@pytest.mark.parametrize("ok", [True, False], ids=["pulled", "pull-failed"])
+def test_priority_after_a_remote_kv_load(ok: bool) -> None:
+    """A request whose remote KV landed holds its blocks: it goes to the front, as under fcfs.
+    One whose pull failed must compute its prompt: it waits at its priority."""
+    scheduler = make_scheduler(max_num_seqs=1, scheduling_policy="priority")
+    remote = Request(
+        req_id="remote",
+        prompt_token_ids=list(range(100, 108)),
+        sampling_params=SamplingParams(max_tokens=3),
+        max_tokens=3,
+        output_token_ids=[SAMPLED_TOKEN],  # the prefill worker's first token
+        remote_kv="kv handle",
+        priority=1,
+    )
+    scheduler.add_request(remote)
+    run = Run()
+    step(scheduler, run)
+    (load,) = scheduler.take_kv_loads()
+    assert load.req_id == "remote" and scheduler.num_loading == 1
+    better, worse = make_requests(2, 8, max_tokens=3, priorities=[0, 2])
+    add_all(scheduler, [better, worse])  # wait: the load holds the one seat
+    assert step(scheduler, run).is_empty
+    scheduler.finish_kv_load("remote", ok)
+    first = remote if ok else better
+    assert scheduler.waiting[0] is first
+    so = step(scheduler, run)
+    assert [new.req_id for new in so.scheduled_new_reqs] == [first.req_id]
+    assert so.num_scheduled_tokens[first.req_id] == (1 if ok else 8)
+    run_until_done(scheduler, run=run)
+    assert run.finish_reasons == {"remote": "length", "r0": "length", "r1": "length"}
+    assert scheduler.kv.num_free_blocks == 256
 
 
 # --- prefix caching -----------------------------------------------------------------------------
@@ -510,10 +658,12 @@ def test_check_stop_directly() -> None:
 # --- randomized ---------------------------------------------------------------------------------
 
 
-def test_randomized_traffic_reads_the_right_kv() -> None:
-    """Random arrivals, shared prefixes, chunking, a tight pool and aborts. A fake KV store
-    records which token each block slot holds; every scheduled request must read its own tokens
-    at every computed position, through prefix hits, same-step sharing and preemption."""
+@pytest.mark.parametrize("scheduling_policy", ["fcfs", "priority"])
+def test_randomized_traffic_reads_the_right_kv(scheduling_policy: str) -> None:
+    """Random arrivals, shared prefixes, chunking, a tight pool and aborts (and under the
+    priority policy, random priorities). A fake KV store records which token each block slot
+    holds; every scheduled request must read its own tokens at every computed position, through
+    prefix hits, same-step sharing and preemption."""
     rng = random.Random(0)
     block_size = 4
     scheduler = make_scheduler(
@@ -522,6 +672,7 @@ def test_randomized_traffic_reads_the_right_kv() -> None:
         max_num_seqs=6,
         max_num_batched_tokens=48,
         long_prefill_token_threshold=20,
+        scheduling_policy=scheduling_policy,
     )
     kv = scheduler.kv
     content: dict[int, list[int | None]] = {}  # block_id -> token at each slot
@@ -553,7 +704,11 @@ def test_randomized_traffic_reads_the_right_kv() -> None:
         if i < 300 and rng.random() < 0.3:
             req_id = f"r{i}"
             prompt = rng.choice(prefixes) + [rng.randrange(50) for _ in range(rng.randint(1, 12))]
-            requests[req_id] = make_request(req_id, prompt, max_tokens=rng.randint(1, 30))
+            max_tokens = rng.randint(1, 30)
+            priority = rng.randint(-2, 2) if scheduling_policy == "priority" else 0
+            requests[req_id] = make_request(
+                req_id, prompt, max_tokens=max_tokens, priority=priority
+            )
             scheduler.add_request(requests[req_id])
         if scheduler.requests and rng.random() < 0.03:
             scheduler.finish_requests([rng.choice(list(scheduler.requests))], ABORTED)

@@ -36,6 +36,21 @@ def test_disaggregated_by_default_and_aggregated_on_request() -> None:
     assert shed[shed.index("--max-remote-prefill-wait-ms") + 1] == "300.0"
 
 
+def test_scheduling_policy_reaches_every_worker() -> None:
+    """vLLM's ``--scheduling-policy`` is an engine flag: every worker gets it, the gateway not;
+    fcfs, the default, is left to the workers' own default."""
+    for mode in ("disaggregated", "aggregated"):
+        plan = _plan(parse("--mode", mode, "--scheduling-policy", "priority"), "m")
+        for kind, label, argv in plan:
+            given = "--scheduling-policy" in argv
+            assert given == (kind in ("prefill", "decode")), label
+            if given:
+                assert argv[argv.index("--scheduling-policy") + 1] == "priority"
+    assert all("--scheduling-policy" not in argv for _, _, argv in _plan(parse(), "m"))
+    with pytest.raises(SystemExit):
+        parse("--scheduling-policy", "lifo")
+
+
 def test_workers_get_one_gpu_each_round_robin() -> None:
     args = parse("--device", "cuda", "--gpus", "2,3", "--num-decode", "2")
     gpus = _gpu_ids(args)

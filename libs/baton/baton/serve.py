@@ -472,6 +472,9 @@ def _plan(args: argparse.Namespace, name: str) -> list[tuple[str, str, list[str]
         *("--allowed-methods", json.dumps(args.allowed_methods)),
         *("--allowed-headers", json.dumps(args.allowed_headers)),
         *(["--allow-credentials"] if args.allow_credentials else []),
+        *(["--return-tokens-as-token-ids"] if args.return_tokens_as_token_ids else []),
+        *("--max-stored-responses", str(args.max_stored_responses)),
+        *(["--enable-request-id-headers"] if args.enable_request_id_headers else []),
         *(
             ["--override-generation-config", json.dumps(args.override_generation_config)]
             if args.override_generation_config is not None

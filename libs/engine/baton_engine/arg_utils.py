@@ -6,7 +6,7 @@ import argparse
 from dataclasses import fields
 from typing import Any
 
-from baton_engine.config import EngineConfig
+from baton_engine.config import SCHEDULING_POLICIES, EngineConfig
 
 _HELP = {
     "max_model_len": "context length (prompt + output); default: the model's, at most 8192",
@@ -30,6 +30,9 @@ _HELP = {
     "num_scheduler_steps": "forward passes a step runs when every running request is a plain "
     "decode (multi-step scheduling: less host work per token, tokens arrive that many at a "
     "time); 1: off",
+    "scheduling_policy": "fcfs: requests in order of arrival | priority: by each request's "
+    "priority (lower first), ties in order of arrival; the lowest-priority running request is "
+    "preempted first",
     "seed": "seed of the default random generator",
     "device": "cpu | cuda",
     "tensor_parallel_size": "split the model's heads and MLP across this many processes: one "
@@ -38,6 +41,7 @@ _HELP = {
 
 
 _ALIASES = {"tensor_parallel_size": ("-tp",)}  # vLLM's short forms
+_CHOICES = {"scheduling_policy": SCHEDULING_POLICIES}
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -54,7 +58,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         else:
             kind: Any = type(default) if default is not None else int
             names = (flag, *_ALIASES.get(f.name, ()))
-            parser.add_argument(*names, type=kind, default=default, help=_HELP[f.name])
+            parser.add_argument(
+                *names,
+                type=kind,
+                default=default,
+                choices=_CHOICES.get(f.name),
+                help=_HELP[f.name],
+            )
 
 
 def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:

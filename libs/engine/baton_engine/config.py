@@ -9,6 +9,10 @@ from typing import TYPE_CHECKING, Any
 
 from baton_engine.errors import InvalidRequestError, ModelLoadError
 
+# vLLM's: "fcfs" serves requests in arrival order; "priority" by each request's priority (lower
+# first), ties in arrival order.
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",
@@ -172,6 +176,7 @@ class EngineConfig:
     # forward passes, so the host's per-step work (scheduling, inputs, outputs) is paid once
     # for them; tokens then reach the caller that many at a time.
     num_scheduler_steps: int = 1
+    scheduling_policy: str = "fcfs"  # one of SCHEDULING_POLICIES
     seed: int = 0
     device: str = "cpu"
     # Split the model's heads and MLP across this many processes (ranks 1..N-1 are helper
@@ -207,6 +212,11 @@ class EngineConfig:
                 raise InvalidRequestError(f"{name} must be at least 1")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise InvalidRequestError("max_model_len must be at least 1")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise InvalidRequestError(
+                f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
+                f"got {self.scheduling_policy!r}"
+            )
         if self.load_format not in ("auto", "dummy"):
             raise InvalidRequestError(
                 f"load_format must be 'auto' or 'dummy', got {self.load_format!r}"

@@ -18,7 +18,7 @@ from baton_engine.errors import InvalidRequestError
 from baton_engine.model_loader import load_tokenizer
 from baton_engine.outputs import CompletionOutput, Logprob, RequestOutput, SampleLogprobs
 from baton_engine.request import RequestStatus
-from baton_engine.sampling_params import SamplingParams
+from baton_engine.sampling_params import SamplingParams, tokenize_bad_words
 
 
 @dataclass
@@ -57,8 +57,10 @@ class LLMEngine:
         prompt: str | Sequence[int],
         params: SamplingParams,
         prompt_token_ids: Sequence[int] | None = None,
+        priority: int = 0,
     ) -> None:
-        """Queue a request; ``prompt_token_ids``, when given, is the already-encoded ``prompt``."""
+        """Queue a request; ``prompt_token_ids``, when given, is the already-encoded ``prompt``.
+        ``priority`` (lower first) needs ``scheduling_policy="priority"``; siblings share it."""
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         text = prompt if isinstance(prompt, str) else None
@@ -66,7 +68,8 @@ class LLMEngine:
             token_ids = list(prompt_token_ids)
         else:
             token_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        self.core.validate_request(token_ids, params)
+        params = self.tokenize_bad_words(params)
+        self.core.validate_request(token_ids, params, priority)
         state = _RequestState(RequestOutput(request_id, text, token_ids))
         for i in range(params.n):
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
@@ -75,7 +78,7 @@ class LLMEngine:
                 # Seeded siblings must differ from each other, yet be reproducible.
                 seed = None if params.seed is None else params.seed + i
                 child_params = replace(params, n=1, seed=seed)
-            self.core.add_request(child_id, token_ids, child_params)
+            self.core.add_request(child_id, token_ids, child_params, priority=priority)
             detok = IncrementalDetokenizer(
                 self.tokenizer,
                 token_ids,
@@ -90,6 +93,15 @@ class LLMEngine:
             )
             self._child_to_parent[child_id] = request_id
         self._requests[request_id] = state
+
+    def tokenize_bad_words(self, params: SamplingParams) -> SamplingParams:
+        """``params`` with its ``bad_words`` as token sequences (``bad_words_token_ids``) by
+        this engine's tokenizer; ``params`` itself when it has none or already has them."""
+        if not params.bad_words or params.bad_words_token_ids is not None:
+            return params
+        return replace(
+            params, bad_words_token_ids=tokenize_bad_words(params.bad_words, self.tokenizer)
+        )
 
     def abort_request(self, request_id: str) -> None:
         state = self._requests.pop(request_id, None)

@@ -73,7 +73,11 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come in the prompts' order. ``priority``, one per
+        prompt, ranks them when the engine runs ``scheduling_policy="priority"`` (lower is
+        served first), as in vLLM."""
         if isinstance(prompts, str | dict):
             prompts = [prompts]
         token_prompts: list[str | list[int]] = []
@@ -86,7 +90,7 @@ class LLM:
                 raise InvalidRequestError(
                     "a prompt is a string or {'prompt_token_ids': [...]}, got " + type(p).__name__
                 )
-        return self._run(token_prompts, sampling_params, use_tqdm)
+        return self._run(token_prompts, sampling_params, use_tqdm, priority)
 
     def chat(
         self,
@@ -116,6 +120,7 @@ class LLM:
         prompts: list[str | list[int]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
         use_tqdm: bool,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
@@ -128,14 +133,22 @@ class LLM:
             raise InvalidRequestError(
                 f"got {len(prompts)} prompts but {len(params)} sampling params"
             )
+        priorities = [0] * len(prompts) if priority is None else list(priority)
+        if len(priorities) != len(prompts):
+            raise InvalidRequestError(
+                f"got {len(prompts)} prompts but {len(priorities)} priorities"
+            )
         engine = self.engine
+        params = [engine.tokenize_bad_words(sp) for sp in params]
         # Validate everything first so one bad prompt does not leave others half-submitted.
         encoded = [engine.encode(p) if isinstance(p, str) else p for p in prompts]
-        for token_ids, sp in zip(encoded, params, strict=True):
-            engine.core.validate_request(token_ids, sp)
+        for token_ids, sp, prio in zip(encoded, params, priorities, strict=True):
+            engine.core.validate_request(token_ids, sp, prio)
         ids = [str(next(self._counter)) for _ in prompts]
-        for req_id, prompt, token_ids, sp in zip(ids, prompts, encoded, params, strict=True):
-            engine.add_request(req_id, prompt, sp, prompt_token_ids=token_ids)
+        for req_id, prompt, token_ids, sp, prio in zip(
+            ids, prompts, encoded, params, priorities, strict=True
+        ):
+            engine.add_request(req_id, prompt, sp, prompt_token_ids=token_ids, priority=prio)
         results: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm) as bar:
             try:

@@ -60,6 +60,7 @@ class Request:
     eos_token_ids: tuple[int, ...] = ()
     max_tokens: int = 16  # resolved against max_model_len at admission
     arrival_time: float = field(default_factory=time.monotonic)
+    priority: int = 0  # lower is served first (scheduling_policy "priority"); ties by arrival
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     # Tokens sampled by steps already launched but not yet reported (async scheduling: the next
@@ -92,9 +93,10 @@ class Request:
     stop_len: int = field(init=False, repr=False)
     stop_ids: frozenset[int] = field(init=False, repr=False)
     # Multi-step scheduling may run its decodes several passes a step: its sampling needs none
-    # of its tokens on the host (no penalties; ``min_tokens`` is checked when scheduling), it
-    # reports no logprobs, it has no stop strings (matched on text above the engine, after the
-    # step: the tokens past one would have been reported with it), and no grammar.
+    # of its tokens on the host (no penalties or bad words; ``min_tokens`` is checked when
+    # scheduling), it reports no logprobs, it has no stop strings (matched on text above the
+    # engine, after the step: the tokens past one would have been reported with it), and no
+    # grammar.
     multi_step: bool = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -114,6 +116,7 @@ class Request:
             and sp.presence_penalty == 0.0
             and sp.frequency_penalty == 0.0
             and sp.repetition_penalty == 1.0
+            and not sp.bad_words_token_ids
         )
 
     @property

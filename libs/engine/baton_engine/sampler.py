@@ -6,8 +6,9 @@ One call of :class:`Sampler` on ``[B, V]`` logits does, in this order:
 2. if any row wants logprobs, ``log_softmax`` of these RAW logits (vLLM V1's default
    ``raw_logprobs`` mode): the model's own distribution, before any per-request shaping;
 3. suppressed token ids (EOS/stop ids while below ``min_tokens``), the tokens outside a row's
-   ``allowed_token_ids`` and those its grammar forbids (structured output) set to ``-inf``; a
-   row's ``logit_bias`` added;
+   ``allowed_token_ids``, the last token of each of its bad words whose other tokens end its
+   output, and those its grammar forbids (structured output) set to ``-inf``; a row's
+   ``logit_bias`` added;
 4. repetition, frequency and presence penalties (:mod:`baton_engine.penalties`);
 5. greedy rows take the argmax; when every row is greedy the step ends here;
 6. random rows: temperature, top-k, top-p, min-p, then one draw from ``softmax``. On CPUs by
@@ -84,9 +85,11 @@ class SamplingMetadata:
     # no row has one.
     grammar_bitmask: torch.Tensor | None = None
     grammar_rows: Sequence[int] = ()
-    # Per row: its logit_bias and allowed_token_ids (None: unused); empty when no row has any.
+    # Per row: its logit_bias, allowed_token_ids and bad words' token sequences (None: unused);
+    # empty when no row has any.
     logit_bias: Sequence[Mapping[int, float] | None] = ()
     allowed_token_ids: Sequence[Sequence[int] | None] = ()
+    bad_words_token_ids: Sequence[Sequence[Sequence[int]] | None] = ()
 
     @classmethod
     def from_params(
@@ -167,6 +170,11 @@ class SamplingMetadata:
                 if any(p.allowed_token_ids is not None for p in params)
                 else []
             ),
+            bad_words_token_ids=(
+                [p.bad_words_token_ids for p in params]
+                if any(p.bad_words_token_ids for p in params)
+                else []
+            ),
         )
 
 
@@ -223,6 +231,30 @@ def allow_only(logits: torch.Tensor, allowed: Sequence[Sequence[int] | None]) ->
     mask = torch.ones(len(rows), logits.size(1), dtype=torch.bool, device=logits.device)
     mask[keep[0], keep[1]] = False
     logits[index] = logits[index].masked_fill_(mask, _NEG_INF)
+
+
+def ban_bad_words(
+    logits: torch.Tensor,
+    bad_words_token_ids: Sequence[Sequence[Sequence[int]] | None],
+    output_token_ids: Sequence[Sequence[int]],
+) -> None:
+    """Set ``logits[i, w[-1]] = -inf``, in place, for each of row i's sequences ``w`` that is
+    one token long or whose other tokens ``w[:-1]`` end row i's output (vLLM's
+    ``apply_bad_words``: the prompt does not count)."""
+    vocab_size = logits.size(1)
+    flat = []
+    for row, sequences in enumerate(bad_words_token_ids):
+        output = output_token_ids[row]
+        num_output = len(output)
+        for ids in sequences or ():
+            prefix = len(ids) - 1
+            if prefix == 0 or (
+                prefix <= num_output and list(output[num_output - prefix :]) == list(ids[:-1])
+            ):
+                flat.append(row * vocab_size + ids[-1])
+    if flat:
+        index = to_device(torch.tensor(flat, dtype=torch.int64), logits.device)
+        logits.view(-1).index_fill_(0, index, _NEG_INF)
 
 
 def add_logit_bias(logits: torch.Tensor, biases: Sequence[Mapping[int, float] | None]) -> None:
@@ -502,6 +534,7 @@ class Sampler:
             raw_logprobs = None if num_logprobs is None else scratch.log_softmax(dim=1)
             suppress_tokens(scratch, metadata.suppressed_token_ids)
             allow_only(scratch, metadata.allowed_token_ids)
+            ban_bad_words(scratch, metadata.bad_words_token_ids, metadata.output_token_ids)
             add_logit_bias(scratch, metadata.logit_bias)
             if metadata.grammar_bitmask is not None:
                 apply_bitmask(scratch, metadata.grammar_bitmask, metadata.grammar_rows)

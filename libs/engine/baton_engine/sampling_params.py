@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,6 +104,13 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     # Only these tokens may be sampled.
     allowed_token_ids: list[int] | None = None
+    # Words never to generate (vLLM's bad_words). The sampler bans them as the token sequences
+    # below, which the engine that holds the tokenizer fills from these words
+    # (tokenize_bad_words: LLMEngine offline, the gateway for the workers).
+    bad_words: list[str] | None = None
+    # Per banned sequence, its token ids: the last is never sampled while the output ends with
+    # the others (a sequence of one token: never). When given, bad_words are not tokenized.
+    bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -161,6 +169,17 @@ class SamplingParams:
                 raise bad("allowed_token_ids must not be empty")
             if any(t < 0 for t in self.allowed_token_ids):
                 raise bad("allowed_token_ids must be non-negative")
+        words = self.bad_words
+        if words is not None and (
+            isinstance(words, str) or not all(isinstance(w, str) for w in words)
+        ):
+            raise bad("bad_words must be a list of strings")
+        if self.bad_words_token_ids is not None:
+            for ids in self.bad_words_token_ids:
+                if not ids:
+                    raise bad("bad_words_token_ids must not hold an empty sequence")
+                if any(t < 0 for t in ids):
+                    raise bad("bad_words_token_ids must be non-negative")
         so = self.structured_outputs
         if so is not None and not isinstance(so, StructuredOutputsParams):
             raise bad(
@@ -170,3 +189,24 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS or self.top_k == 1
+
+
+def tokenize_bad_words(bad_words: Sequence[str], tokenizer: Any) -> list[list[int]]:
+    """The token sequences that ban ``bad_words`` (vLLM's ``update_from_tokenizer``).
+
+    A word is banned as it is tokenized at the start of a text and, when that differs, after
+    a space: each word (leading whitespace stripped) is encoded without special tokens, then
+    with a space in front; the second is kept only if it starts with another token and has
+    as many. Raises ``InvalidRequestError`` for a word that encodes to no token.
+    """
+    sequences: list[list[int]] = []
+    for word in bad_words:
+        text = word.lstrip()
+        plain = list(tokenizer.encode(text, add_special_tokens=False))
+        if not plain:
+            raise InvalidRequestError(f"bad_words entry {word!r} encodes to no token")
+        sequences.append(plain)
+        spaced = list(tokenizer.encode(" " + text, add_special_tokens=False))
+        if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+            sequences.append(spaced)
+    return sequences

@@ -36,6 +36,7 @@ class GenerateInput:
     params: SamplingParams
     first_token_id: int | None = None
     kv_handle: KVHandle | None = None
+    priority: int = 0  # lower first under the priority scheduling policy
 
 
 def sampling_params_from_proto(pb: common_pb2.SamplingParams) -> SamplingParams:
@@ -44,9 +45,10 @@ def sampling_params_from_proto(pb: common_pb2.SamplingParams) -> SamplingParams:
     The gateway sets every field explicitly, so values map one to one, except the three whose
     proto3 default (0) is not a meaningful value: ``max_tokens`` 0 means up to ``max_model_len``
     (None), ``top_p`` 0 and ``repetition_penalty`` 0 mean disabled (1.0); an empty
-    ``logit_bias`` or ``allowed_token_ids`` means none. ``seed`` and
-    ``logprobs`` are ``optional`` fields: unset means None. Raises ``InvalidRequestError`` for
-    values the engine rejects.
+    ``logit_bias``, ``allowed_token_ids`` or ``bad_words`` means none (``bad_words`` come as
+    the gateway tokenized them: ``bad_words_token_ids``). ``seed`` and ``logprobs`` are
+    ``optional`` fields: unset means None. Raises ``InvalidRequestError`` for values the
+    engine rejects.
     """
     return SamplingParams(
         temperature=pb.temperature,
@@ -70,6 +72,7 @@ def sampling_params_from_proto(pb: common_pb2.SamplingParams) -> SamplingParams:
         ),
         logit_bias=dict(pb.logit_bias) or None,
         allowed_token_ids=list(pb.allowed_token_ids) or None,
+        bad_words_token_ids=[list(seq.token_ids) for seq in pb.bad_words] or None,
     )
 
 
@@ -113,6 +116,7 @@ def generate_input_from_proto(pb: engine_pb2.GenerateRequest) -> GenerateInput:
         params=sampling_params_from_proto(pb.sampling),
         first_token_id=pb.first_token_id if remote else None,
         kv_handle=handle,
+        priority=pb.priority,
     )
 
 

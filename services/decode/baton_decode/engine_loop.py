@@ -54,6 +54,7 @@ class _Add:
     prefill_only: bool = False
     remote_kv: object | None = None
     first_token_id: int | None = None
+    priority: int = 0
 
 
 @dataclass(frozen=True)
@@ -283,6 +284,7 @@ class EngineLoop:
         prefill_only: bool = False,
         remote_kv: object | None = None,
         first_token_id: int | None = None,
+        priority: int = 0,
     ) -> RequestStream:
         """Validate and queue a request; its outputs arrive on the returned stream.
 
@@ -296,7 +298,7 @@ class EngineLoop:
             raise DuplicateRequestError(f"request id {req_id!r} is already in flight")
         # reads only immutable config (and compiles a structured output's grammar, which
         # XGrammar caches for the loop's add_request; servers call compile_grammar first)
-        self.core.validate_request(prompt_token_ids, params)
+        self.core.validate_request(prompt_token_ids, params, priority)
         if len(self._streams) >= self.max_pending:
             raise WorkerFullError(
                 f"the worker is at capacity ({len(self._streams)} requests in flight)"
@@ -313,6 +315,7 @@ class EngineLoop:
                 prefill_only=prefill_only,
                 remote_kv=remote_kv,
                 first_token_id=first_token_id,
+                priority=priority,
             )
         )
         return stream
@@ -480,6 +483,7 @@ class EngineLoop:
                     prefill_only=command.prefill_only,
                     remote_kv=command.remote_kv,
                     first_token_id=command.first_token_id,
+                    priority=command.priority,
                 )
             except Exception as e:  # validated on the loop already, so this is not bad input
                 logger.exception("adding request %s failed", command.req_id)

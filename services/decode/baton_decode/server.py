@@ -227,6 +227,7 @@ class DecodeServicer(WorkerInfoMixin, engine_pb2_grpc.DecodeServiceServicer):
                 inp.params,
                 remote_kv=remote,
                 first_token_id=inp.first_token_id,
+                priority=inp.priority,
             )
         except BatonError as e:
             tracing.end_span(span, e)

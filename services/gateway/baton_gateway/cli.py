@@ -146,6 +146,26 @@ def add_frontend_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
     p.add_argument(
+        "--max-stored-responses",
+        type=int,
+        default=256,
+        help="Responses API: how many stored responses (store=true) this gateway keeps in "
+        "memory for previous_response_id and GET /v1/responses/{id}, the most recent first "
+        "(0: none)",
+    )
+    p.add_argument(
+        "--return-tokens-as-token-ids",
+        action="store_true",
+        help="logprobs name every token 'token_id:{id}' (for tokens whose text is not valid "
+        "UTF-8 on its own)",
+    )
+    p.add_argument(
+        "--enable-request-id-headers",
+        action="store_true",
+        help="answer with an X-Request-Id header: the request's, else a new id (which the "
+        "response's id then ends with)",
+    )
+    p.add_argument(
         "--generation-config",
         default="auto",
         help="where requests' default sampling params come from: 'auto' (the model folder's "
@@ -265,6 +285,9 @@ def run_gateway(args: argparse.Namespace) -> int:
         chat_template=chat_template,
         reasoning_parser=args.reasoning_parser,
         generation_defaults=generation_defaults(args),
+        tokens_as_ids=args.return_tokens_as_token_ids,
+        max_stored_responses=args.max_stored_responses,
+        request_id_headers=args.enable_request_id_headers,
         cors=CorsPolicy(
             tuple(args.allowed_origins),
             tuple(args.allowed_methods),

@@ -78,13 +78,15 @@ def sampling_params(
     seed: int | None,
     defaults: dict[str, Any] | None = None,
     reasoning_end: str | None = None,
+    bad_words: list[list[int]] | None = None,
 ) -> common_pb2.SamplingParams:
     """The worker's sampling params for one sequence of ``request``.
 
     ``max_tokens`` is the gateway's final budget (already checked against the context);
     ``seed`` is the sequence's own seed (``request.seed + index`` for ``n`` > 1); ``defaults``
     fill what the request leaves unset (the model's generation config), else vLLM's defaults;
-    ``reasoning_end``: a structured output applies after the reasoning that ends with it.
+    ``reasoning_end``: a structured output applies after the reasoning that ends with it;
+    ``bad_words``: the token sequences of ``request.bad_words`` (the worker has no tokenizer).
     """
     unset = {**_UNSET_DEFAULTS, **(defaults or {})}
 
@@ -106,6 +108,7 @@ def sampling_params(
         ignore_eos=request.ignore_eos,
         logit_bias=request.token_biases,
         allowed_token_ids=request.allowed_token_ids or [],
+        bad_words=[common_pb2.TokenIds(token_ids=ids) for ids in bad_words or ()],
     )
     if seed is not None:
         pb.seed = seed
@@ -117,8 +120,13 @@ def sampling_params(
     num_logprobs = request.num_logprobs
     if num_logprobs is not None:
         pb.logprobs = num_logprobs
-        if getattr(request, "echo", False):  # echoed prompt tokens get their logprobs too
-            pb.prompt_logprobs = num_logprobs
+    # vLLM's prompt_logprobs, and an echoed prompt's logprobs: the worker computes the larger.
+    wanted = [request.prompt_logprobs]
+    if getattr(request, "echo", False):
+        wanted.append(num_logprobs)
+    prompt_logprobs = [n for n in wanted if n is not None]
+    if prompt_logprobs:
+        pb.prompt_logprobs = max(prompt_logprobs)
     return pb
 
 
@@ -139,11 +147,15 @@ def structured_outputs(spec: StructuredOutputsSpec) -> common_pb2.StructuredOutp
 
 
 def generate_request(
-    req_id: str, prompt_token_ids: list[int], sampling: common_pb2.SamplingParams
+    req_id: str,
+    prompt_token_ids: list[int],
+    sampling: common_pb2.SamplingParams,
+    priority: int = 0,
 ) -> engine_pb2.GenerateRequest:
-    """A ``GenerateRequest`` for local prefill on the decode worker (aggregated mode)."""
+    """A ``GenerateRequest`` for local prefill on the decode worker (aggregated mode);
+    ``priority``: lower is served first (workers with ``--scheduling-policy priority``)."""
     return engine_pb2.GenerateRequest(
-        req_id=req_id, prompt_token_ids=prompt_token_ids, sampling=sampling
+        req_id=req_id, prompt_token_ids=prompt_token_ids, sampling=sampling, priority=priority
     )
 
 
@@ -153,6 +165,7 @@ def prefill_request(request: engine_pb2.GenerateRequest) -> engine_pb2.PrefillRe
         req_id=request.req_id,
         prompt_token_ids=request.prompt_token_ids,
         sampling=request.sampling,
+        priority=request.priority,
     )
 
 

@@ -1,4 +1,5 @@
-"""The request pipeline behind the two completion routes (and vLLM's tokenizer routes).
+"""The request pipeline behind the completion routes, the Responses API (served as a chat
+request, ``responses_api.py``) and vLLM's tokenizer routes.
 
 Model name (404) -> prompt token ids -> length check (400) -> one Generate request per sequence
 -> a whole response, or SSE events. ``n`` runs as ``n`` Generate calls; with a ``seed``, call
@@ -9,15 +10,20 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
+from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
 
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
+from pydantic import ValidationError
 
 from baton import tracing
-from baton_gateway import codec
+from baton_engine.errors import InvalidRequestError
+from baton_engine.sampling_params import tokenize_bad_words
+from baton_gateway import codec, responses_api
 from baton_gateway.chat import render_chat_prompt, tokenize_chat, tokenize_text
 from baton_gateway.client import WorkerPool
 from baton_gateway.errors import GatewayError, bad_request
@@ -37,11 +43,16 @@ from baton_gateway.reading import ChatReading
 from baton_gateway.reasoning import reasoning_use
 from baton_gateway.responses import (
     ChoiceBuffer,
+    Outputs,
+    TokenText,
     TokenTexts,
+    chat_logprobs,
     chat_response,
     completion_response,
+    token_id_text,
     usage_info,
 )
+from baton_gateway.responses_api import ResponsesRequest
 from baton_gateway.streaming import (
     SSEResponse,
     StreamContext,
@@ -49,7 +60,7 @@ from baton_gateway.streaming import (
     chat_stream,
     completion_stream,
 )
-from baton_gateway.tools import tool_use
+from baton_gateway.tools import ReadOut, ToolCallsSoFar, tool_use
 
 
 def check_length(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> int:
@@ -81,8 +92,16 @@ def check_length(num_prompt_tokens: int, max_tokens: int | None, max_model_len: 
     return max_tokens
 
 
+@dataclass(frozen=True, slots=True)
+class RequestIds:
+    """Where a response's id may come from besides the body's ``request_id``."""
+
+    header: str | None = None  # the request's X-Request-Id
+    server: str | None = None  # the one --enable-request-id-headers made for the response
+
+
 class Pipeline:
-    """Serves chat and text completions for one model on ``pool``."""
+    """Serves chat and text completions and responses for one model on ``pool``."""
 
     def __init__(
         self,
@@ -96,12 +115,17 @@ class Pipeline:
         chat_template: str | None = None,
         reasoning_parser: str | None = None,
         generation_defaults: dict[str, Any] | None = None,
+        tokens_as_ids: bool = False,
+        max_stored_responses: int = 0,
     ) -> None:
         """``tool_parser``: the parser "auto" tool choice uses (None: "auto" is refused);
         ``chat_template``: the template chat requests use instead of the model's;
         ``reasoning_parser``: how chat outputs are split into reasoning and content (None:
         they are not); ``generation_defaults``: the sampling params of requests that leave
-        them unset, and a cap on ``max_tokens`` (the model's generation config, as in vLLM)."""
+        them unset, and a cap on ``max_tokens`` (the model's generation config, as in vLLM);
+        ``tokens_as_ids``: logprobs name every token ``"token_id:{id}"`` (vLLM's
+        ``--return-tokens-as-token-ids``); ``max_stored_responses``: how many Responses API
+        answers are kept for ``previous_response_id`` and ``GET /v1/responses/{id}``."""
         self.pool = pool
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -113,6 +137,8 @@ class Pipeline:
         self.reasoning_parser = reasoning_parser
         self.defaults = dict(generation_defaults or {})
         self.texts = TokenTexts(tokenizer)
+        self.tokens_as_ids = tokens_as_ids
+        self.stored_responses = responses_api.ResponseStore(max_stored_responses)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -130,6 +156,12 @@ class Pipeline:
     ) -> list[SequenceSpec]:
         self._check_vocabulary(list(request.token_biases), "logit_bias")
         self._check_vocabulary(request.allowed_token_ids or [], "allowed_token_ids")
+        bad_words = None
+        if request.bad_words:
+            try:
+                bad_words = tokenize_bad_words(request.bad_words, self.tokenizer)
+            except InvalidRequestError as e:
+                raise bad_request(str(e), param="bad_words") from e
         specs = []
         for p, ids in enumerate(prompts):
             budget = check_length(len(ids), max_tokens, self.max_model_len)
@@ -143,9 +175,11 @@ class Pipeline:
                 index = p * request.n + i
                 seed = None if request.seed is None else request.seed + i
                 sampling = codec.sampling_params(
-                    request, budget, seed, self.defaults, reasoning_end
+                    request, budget, seed, self.defaults, reasoning_end, bad_words
                 )
-                gen_request = codec.generate_request(f"{req_id}-{index}", ids, sampling)
+                gen_request = codec.generate_request(
+                    f"{req_id}-{index}", ids, sampling, request.priority
+                )
                 specs.append(SequenceSpec(index, ids, gen_request))
         return specs
 
@@ -163,37 +197,202 @@ class Pipeline:
         parent = tracing.context_with(record.span) if record.span is not None else None
         return Generation(self.pool, self.tokenizer, specs, options, parent)
 
-    async def chat(self, request: ChatCompletionRequest) -> Response:
+    def _request_ids(
+        self, prefix: str, request: ChatCompletionRequest | CompletionRequest, named: RequestIds
+    ) -> tuple[str, str]:
+        """The response's id and the workers' id base: ``{prefix}-{X-Request-Id}``, else
+        ``{prefix}-{request_id}`` (vLLM's), else the one the server made, else random. A
+        client's id need not be unique, so the workers' ids add a random part to it."""
+        separator = "_" if prefix == "resp" else "-"  # (as OpenAI's ids are)
+        given = named.header or request.request_id or named.server
+        if not given:
+            req_id = random_id(prefix, separator)
+            return req_id, req_id
+        req_id = f"{prefix}{separator}{given}"
+        return req_id, random_id(req_id)
+
+    def _truncated(
+        self, ids: list[int], request: ChatCompletionRequest | CompletionRequest
+    ) -> list[int]:
+        """The prompt's last ``truncate_prompt_tokens`` tokens (-1: the context's worth)."""
+        keep = request.truncate_prompt_tokens
+        if keep is None:
+            return ids
+        if keep == -1:
+            keep = self.max_model_len
+        elif keep > self.max_model_len:
+            raise bad_request(
+                f"truncate_prompt_tokens ({keep}) is greater than max_model_len "
+                f"({self.max_model_len}). Please select a smaller truncation size.",
+                param="truncate_prompt_tokens",
+            )
+        return ids[-keep:]
+
+    def _chat_specs(
+        self, request: ChatCompletionRequest, prefix: str, named: RequestIds
+    ) -> tuple[str, list[SequenceSpec], int, ChatReading | None]:
+        """A chat request's response id, sequences, prompt length, and how its choices are
+        read (None: plain content)."""
+        try:
+            tools = tool_use(request, self.tool_parser)
+        except ValueError as e:
+            raise bad_request(str(e), param="tool_choice") from e
+        text = render_chat_prompt(self.tokenizer, request, self.chat_template)
+        prompt = tokenize_text(self.tokenizer, text, request.add_special_tokens)
+        prompt = self._truncated(prompt, request)
+        reasoning = reasoning_use(
+            self.reasoning_parser,
+            text,
+            include=request.include_reasoning,
+            constrained=request.structured is not None,
+        )
+        reading = ChatReading(tools, reasoning) if tools or reasoning else None
+        req_id, worker_id = self._request_ids(prefix, request, named)
+        specs = self._specs(
+            request,
+            worker_id,
+            [prompt],
+            request.requested_max_tokens,
+            reasoning.grammar_after if reasoning is not None else None,
+        )
+        return req_id, specs, len(prompt), reading
+
+    async def chat(
+        self, request: ChatCompletionRequest, named: RequestIds = RequestIds()
+    ) -> Response:
         self.check_model(request.model)
         record = self.metrics.start("chat")
         try:
-            try:
-                tools = tool_use(request, self.tool_parser)
-            except ValueError as e:
-                raise bad_request(str(e), param="tool_choice") from e
-            text = render_chat_prompt(self.tokenizer, request, self.chat_template)
-            prompt = tokenize_text(self.tokenizer, text, request.add_special_tokens)
-            reasoning = reasoning_use(
-                self.reasoning_parser,
-                text,
-                include=request.include_reasoning,
-                constrained=request.structured is not None,
+            req_id, specs, num_prompt_tokens, reading = self._chat_specs(request, "chatcmpl", named)
+            return await self._respond(
+                request, req_id, specs, num_prompt_tokens, {}, record, reading
             )
-            reading = ChatReading(tools, reasoning) if tools or reasoning else None
-            req_id = random_id("chatcmpl")
-            specs = self._specs(
-                request,
-                req_id,
-                [prompt],
-                request.requested_max_tokens,
-                reasoning.grammar_after if reasoning is not None else None,
-            )
-            return await self._respond(request, req_id, specs, len(prompt), {}, record, reading)
         except BaseException as e:
             self._fail(record, e)
             raise
 
-    async def completion(self, request: CompletionRequest) -> Response:
+    async def responses(
+        self, request: ResponsesRequest, named: RequestIds = RequestIds()
+    ) -> Response:
+        """OpenAI's Responses API, served as a chat request (``responses_api.py``)."""
+        self.check_model(request.model)
+        record = self.metrics.start("responses")
+        try:
+            history: list[dict[str, Any]] = []
+            if request.previous_response_id is not None:
+                previous = self.stored_responses.get(request.previous_response_id)
+                if previous is None:
+                    raise GatewayError(
+                        HTTPStatus.NOT_FOUND,
+                        f"Response with id '{request.previous_response_id}' not found.",
+                        param="previous_response_id",
+                    )
+                history = previous.conversation
+            try:
+                chat = ChatCompletionRequest.model_validate(
+                    responses_api.chat_request(request, history)
+                )
+            except ValidationError as e:
+                raise RequestValidationError(e.errors()) from e
+            resp_id, specs, num_prompt_tokens, reading = self._chat_specs(chat, "resp", named)
+            generation = self._generation(chat, specs, record)
+            texts = self.texts if chat.num_logprobs is not None else None
+            start = responses_api.response_object(request, resp_id, self.model_name)
+
+            def finish(
+                output: list[responses_api.OutputItem], reason: str | None
+            ) -> responses_api.ResponseObject:
+                response = responses_api.finished(
+                    start,
+                    output,
+                    usage_info(generation, num_prompt_tokens),
+                    reason,
+                    lambda text: len(self.tokenizer.encode(text, add_special_tokens=False)),
+                )
+                if request.store:
+                    conversation = responses_api.conversation_after(history, request, output)
+                    self.stored_responses.put(responses_api.StoredResponse(response, conversation))
+                return response
+
+            def record_finish(status: str) -> None:
+                self.metrics.finish(
+                    record,
+                    status,
+                    first_token_time=generation.first_token_time,
+                    num_prompt_tokens=num_prompt_tokens,
+                    num_generation_tokens=sum(generation.num_output_tokens.values()),
+                )
+
+            reader = reading.new_reader() if reading is not None else None
+            if request.stream:
+                events = responses_api.ResponseEvents(start, reader, texts)
+                return await self._stream_response(generation, events, finish, record_finish)
+            choice = ChoiceBuffer(0, specs[0].prompt_token_ids)
+            async with aclosing(generation.stream()) as deltas:
+                async for delta in deltas:
+                    choice.add(delta)
+            read = ReadOut(choice.text)
+            if reader is not None:
+                read = reader.feed(choice.text, final=True)
+            calls = ToolCallsSoFar()
+            calls.add(read.tool_calls)
+            logprobs = []
+            if texts is not None:
+                logprobs = chat_logprobs(texts, choice.logprobs).content or []
+            output = responses_api.output_items(
+                read.reasoning,
+                read.content,
+                calls.as_list(),
+                logprobs,
+                "incomplete" if choice.finish_reason == "length" else "completed",
+            )
+            body = finish(output, choice.finish_reason)
+            record_finish("ok")
+            return Response(body.model_dump_json(), media_type="application/json")
+        except BaseException as e:
+            self._fail(record, e)
+            raise
+
+    async def _stream_response(
+        self,
+        generation: Generation,
+        events: responses_api.ResponseEvents,
+        finish: responses_api.Finish,
+        record_finish: Callable[[str], None],
+    ) -> Response:
+        """A streamed Responses API answer (its first delta awaited first, as for chat, so
+        that a refusal is an HTTP error)."""
+        deltas = generation.stream()
+        try:
+            first = await anext(deltas)
+        except StopAsyncIteration:
+            first = None
+        except BaseException:
+            await deltas.aclose()
+            raise
+        outcome = StreamOutcome()
+
+        async def on_close() -> None:
+            await deltas.aclose()
+            record_finish(outcome.status)
+
+        stream = responses_api.response_stream(events, first, deltas, finish, outcome)
+        return SSEResponse(stream, on_close)
+
+    def stored_response(self, response_id: str) -> responses_api.ResponseObject:
+        stored = self.stored_responses.get(response_id)
+        if stored is None:
+            raise GatewayError(HTTPStatus.NOT_FOUND, f"Response with id '{response_id}' not found.")
+        return stored.response
+
+    def delete_response(self, response_id: str) -> responses_api.DeletedResponse:
+        if not self.stored_responses.delete(response_id):
+            raise GatewayError(HTTPStatus.NOT_FOUND, f"Response with id '{response_id}' not found.")
+        return responses_api.DeletedResponse(id=response_id)
+
+    async def completion(
+        self, request: CompletionRequest, named: RequestIds = RequestIds()
+    ) -> Response:
         self.check_model(request.model)
         record = self.metrics.start("completion")
         try:
@@ -204,10 +403,11 @@ class Pipeline:
                     raw = request.prompt if isinstance(request.prompt, str) else None
                     if isinstance(request.prompt, list) and isinstance(request.prompt[p], str):
                         raw = str(request.prompt[p])
-                    text = raw if raw is not None else self.tokenizer.decode(ids)
-                    echo.update({p * request.n + i: text for i in range(request.n)})
-            req_id = random_id("cmpl")
-            specs = self._specs(request, req_id, prompts, request.max_tokens)
+                    if raw is None or request.truncate_prompt_tokens is not None:
+                        raw = self.tokenizer.decode(ids)  # (the prompt as the model saw it)
+                    echo.update({p * request.n + i: raw for i in range(request.n)})
+            req_id, worker_id = self._request_ids("cmpl", request, named)
+            specs = self._specs(request, worker_id, prompts, request.max_tokens)
             num_prompt_tokens = sum(len(ids) for ids in prompts)
             return await self._respond(request, req_id, specs, num_prompt_tokens, echo, record)
         except BaseException as e:
@@ -228,7 +428,7 @@ class Pipeline:
             prompts = [list(p) for p in prompt]
         for ids in prompts:
             self._check_vocabulary(ids, "prompt")
-        return prompts
+        return [self._truncated(ids, request) for ids in prompts]
 
     def _check_vocabulary(self, ids: list[int], param: str) -> None:
         bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
@@ -274,7 +474,17 @@ class Pipeline:
         reading: ChatReading | None = None,
     ) -> Response:
         generation = self._generation(request, specs, record)
-        texts = self.texts if request.num_logprobs is not None else None
+        num_logprobs = request.num_logprobs
+        texts: TokenText | None = None
+        if num_logprobs is not None:
+            as_ids = request.return_tokens_as_token_ids or self.tokens_as_ids
+            texts = token_id_text if as_ids else self.texts
+        outputs = Outputs(
+            texts=texts,
+            num_logprobs=num_logprobs or 0,
+            prompt_logprobs=request.prompt_logprobs,
+            token_ids=request.return_token_ids,
+        )
         created = int(time.time())
         is_chat = isinstance(request, ChatCompletionRequest)
         if request.stream:
@@ -286,16 +496,11 @@ class Pipeline:
                 num_prompt_tokens,
                 echo,
                 record,
-                texts,
+                outputs,
                 reading,
             )
         choices = {
-            s.index: ChoiceBuffer(
-                s.index,
-                prefix=echo.get(s.index, ""),
-                prompt_token_ids=s.prompt_token_ids if s.index in echo else [],
-            )
-            for s in specs
+            s.index: ChoiceBuffer(s.index, s.prompt_token_ids, echo.get(s.index)) for s in specs
         }
         async with aclosing(generation.stream()) as deltas:
             async for delta in deltas:
@@ -307,7 +512,8 @@ class Pipeline:
             model=self.model_name,
             choices=choices.values(),
             usage=usage,
-            texts=texts,
+            outputs=outputs,
+            names=self.texts,
         )
         body = (
             chat_response(**common, reading=reading) if is_chat else completion_response(**common)
@@ -330,7 +536,7 @@ class Pipeline:
         num_prompt_tokens: int,
         echo: dict[int, str],
         record: RequestRecord,
-        texts: TokenTexts | None,
+        outputs: Outputs,
         reading: ChatReading | None,
     ) -> Response:
         deltas = generation.stream()
@@ -352,7 +558,7 @@ class Pipeline:
             num_prompt_tokens=num_prompt_tokens,
             include_usage=request.include_usage,
             continuous_usage=request.continuous_usage,
-            texts=texts,
+            outputs=outputs,
         )
         outcome = StreamOutcome()
         events: AsyncGenerator[str, None]

@@ -4,18 +4,20 @@ Requests: unknown fields are ignored (as vLLM does), so clients that send newer 
 working; the fields Baton knows are range-checked here, and a violation becomes a 400 (never
 FastAPI's 422). vLLM's extras (``top_k``, ``min_p``, ``ignore_eos``, ``min_tokens``,
 ``repetition_penalty``, ``stop_token_ids``, ``skip_special_tokens``,
-``include_stop_str_in_output``, ``allowed_token_ids``) are top-level fields; the OpenAI SDK's
-``extra_body`` merges into the top-level JSON, so both spellings arrive here the same way.
-``logit_bias`` (token id -> bias) is OpenAI's. Structured output: OpenAI's
-``response_format`` (``json_object``, ``json_schema``), vLLM's ``structured_outputs``
-(``json``, ``regex``, ``choice``, ``grammar``, ``json_object``) and its older ``guided_json``,
-``guided_regex``, ``guided_choice`` and ``guided_grammar``; the worker compiles them. Tool
-calling: ``tools``, ``tool_choice`` and ``parallel_tool_calls`` (``tools.py`` says how each
-choice is served).
+``include_stop_str_in_output``, ``allowed_token_ids``, ``bad_words``, ``prompt_logprobs``,
+``return_token_ids``, ``return_tokens_as_token_ids``, ``truncate_prompt_tokens``,
+``request_id``, ``priority``) are top-level fields; the OpenAI SDK's ``extra_body`` merges into the
+top-level JSON, so both spellings arrive here the same way. ``logit_bias`` (token id -> bias) is
+OpenAI's. Structured output: OpenAI's ``response_format`` (``json_object``, ``json_schema``),
+vLLM's ``structured_outputs`` (``json``, ``regex``, ``choice``, ``grammar``, ``json_object``)
+and its older ``guided_json``, ``guided_regex``, ``guided_choice`` and ``guided_grammar``; the
+worker compiles them. Tool calling: ``tools``, ``tool_choice`` and ``parallel_tool_calls``
+(``tools.py`` says how each choice is served).
 
 Responses follow the OpenAI shapes, plus vLLM's ``stop_reason`` on each choice and
-``max_model_len`` on each model card. vLLM's ``/tokenize`` and ``/detokenize`` take and give its
-shapes.
+``max_model_len`` on each model card; when asked for, vLLM's ``prompt_logprobs``,
+``prompt_token_ids`` and ``token_ids`` (absent when not asked for, where vLLM writes null).
+vLLM's ``/tokenize`` and ``/detokenize`` take and give its shapes.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    ValidationInfo,
     computed_field,
     field_validator,
     model_serializer,
@@ -38,10 +41,11 @@ from pydantic import (
 MIN_LOGPROB = -9999.0
 MAX_LOGPROBS = 20
 MAX_N = 128
+MAX_BAD_WORDS = 128  # vLLM's default cap
 
 
-def random_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+def random_id(prefix: str, separator: str = "-") -> str:
+    return f"{prefix}{separator}{uuid.uuid4().hex}"
 
 
 class OpenAIBaseModel(BaseModel):
@@ -140,8 +144,15 @@ class _SamplingRequest(OpenAIBaseModel):
     min_tokens: int = Field(default=0, ge=0)
     stop_token_ids: list[int] | None = None
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = Field(default=None, max_length=MAX_BAD_WORDS)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    return_token_ids: bool = False  # prompt_token_ids and token_ids in the response
+    return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:{id}"
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)  # keep the last N; -1: all
+    request_id: str | None = Field(default=None, min_length=1)  # the response id's suffix
+    priority: int = Field(default=0, ge=-(2**31), lt=2**31)  # lower first (priority policy)
     # Structured output: OpenAI's response_format, vLLM's structured_outputs, and vLLM's
     # older guided_* fields (at most one of them).
     response_format: ResponseFormat | None = None
@@ -167,6 +178,20 @@ class _SamplingRequest(OpenAIBaseModel):
         if ids is not None and any(t < 0 for t in ids):
             raise ValueError("token ids must be non-negative")
         return ids
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _check_prompt_logprobs(cls, num: int | None, info: ValidationInfo) -> int | None:
+        if num is not None and info.data.get("stream"):  # (stream is checked before)
+            raise ValueError("`prompt_logprobs` are not available when `stream=True`.")
+        return num
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _check_truncate_prompt_tokens(cls, keep: int | None) -> int | None:
+        if keep == 0:
+            raise ValueError("must be >= 1 or -1")
+        return keep
 
     @model_validator(mode="after")
     def _check_common(self) -> _SamplingRequest:
@@ -413,6 +438,28 @@ class UsageInfo(OpenAIBaseModel):
     prompt_tokens_details: PromptTokenUsageInfo | None = None
 
 
+def _is_none(value: Any) -> bool:
+    return value is None
+
+
+def _only_if_set() -> Any:
+    """A field that is left out of the JSON when None (vLLM's optional outputs)."""
+    return Field(default=None, exclude_if=_is_none)
+
+
+class PromptLogprob(OpenAIBaseModel):
+    """vLLM's logprob of one prompt token or of one of its alternatives."""
+
+    logprob: float
+    rank: int | None = None  # 1 = most likely
+    decoded_token: str | None = None
+
+
+# ``prompt_logprobs``: per prompt token, None for the first (nothing precedes it), else token id ->
+# logprob for the prompt's own token and the top N alternatives.
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
 class ChatCompletionLogProb(OpenAIBaseModel):
     token: str
     logprob: float = MIN_LOGPROB
@@ -461,6 +508,7 @@ class ChatCompletionResponseChoice(OpenAIBaseModel):
     logprobs: ChatCompletionLogProbs | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # vLLM: the stop token id or stop string that matched
+    token_ids: list[int] | None = _only_if_set()  # return_token_ids
 
 
 class ChatCompletionResponse(OpenAIBaseModel):
@@ -470,6 +518,8 @@ class ChatCompletionResponse(OpenAIBaseModel):
     model: str
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = _only_if_set()
+    prompt_token_ids: list[int] | None = _only_if_set()  # return_token_ids
 
 
 class _DropNone(OpenAIBaseModel):
@@ -509,6 +559,7 @@ class ChatCompletionResponseStreamChoice(OpenAIBaseModel):
     logprobs: ChatCompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = _only_if_set()  # the chunk's tokens (return_token_ids)
 
 
 class ChatCompletionStreamResponse(OpenAIBaseModel):
@@ -518,6 +569,7 @@ class ChatCompletionStreamResponse(OpenAIBaseModel):
     model: str
     choices: list[ChatCompletionResponseStreamChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = _only_if_set()  # a choice's first chunk
 
 
 class CompletionLogProbs(OpenAIBaseModel):
@@ -528,11 +580,17 @@ class CompletionLogProbs(OpenAIBaseModel):
 
 
 class CompletionResponseChoice(OpenAIBaseModel):
+    """A choice of a whole response, or of one chunk of a stream (whose ``prompt_token_ids``
+    come with the choice's first chunk and ``token_ids`` are the chunk's)."""
+
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = _only_if_set()
+    prompt_token_ids: list[int] | None = _only_if_set()  # return_token_ids
+    token_ids: list[int] | None = _only_if_set()
 
 
 class CompletionResponse(OpenAIBaseModel):

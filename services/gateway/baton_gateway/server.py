@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server: routes, auth, errors, and the request pipeline.
 
-Routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``; vLLM's ``/tokenize``,
-``/detokenize``, ``/version`` and ``/ping``; ``/health`` and ``/metrics``.
+Routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/responses`` (and ``GET``/``DELETE
+/v1/responses/{id}``), ``/v1/models``; vLLM's ``/tokenize``, ``/detokenize``, ``/version`` and
+``/ping``; ``/health`` and ``/metrics``.
 
 Every completion request: validate (pydantic; 400) -> check the model name (404) -> render the
 chat template and tokenize -> check prompt + max_tokens against ``max_model_len`` (400) -> one
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field
@@ -30,13 +32,14 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import baton
 from baton_gateway.auth import ApiKeyMiddleware
 from baton_gateway.client import WorkerPool
 from baton_gateway.errors import GatewayError, error_response
 from baton_gateway.metrics import GatewayMetrics
-from baton_gateway.pipeline import Pipeline
+from baton_gateway.pipeline import Pipeline, RequestIds
 from baton_gateway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -46,6 +49,7 @@ from baton_gateway.protocol import (
     VersionResponse,
     tokenize_request,
 )
+from baton_gateway.responses_api import ResponsesRequest
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +87,9 @@ class GatewayConfig:
     # Sampling params for requests that leave them unset (the model's generation config).
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     cors: CorsPolicy = CorsPolicy()
+    tokens_as_ids: bool = False  # --return-tokens-as-token-ids
+    request_id_headers: bool = False  # --enable-request-id-headers
+    max_stored_responses: int = 256  # Responses API answers kept (store=true)
 
 
 def _json(status: int, body: Any) -> JSONResponse:
@@ -99,6 +106,38 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
         parts.append(f"{'.'.join(loc)}: {msg}" if loc else msg)
     return "; ".join(parts) or "invalid request", param
+
+
+REQUEST_ID_HEADER = "X-Request-Id"
+
+
+class RequestIdMiddleware:
+    """``--enable-request-id-headers``: every response carries ``X-Request-Id``, the request's
+    own or a new one. A new one is left in the request's state (``request_id``), for the
+    response's ``id`` when the body names none. Pure ASGI, so streamed responses pass
+    untouched."""
+
+    _NAME = REQUEST_ID_HEADER.lower().encode()
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        value = next((v for k, v in scope["headers"] if k == self._NAME), None)
+        if value is None:
+            value = uuid.uuid4().hex.encode()
+            scope.setdefault("state", {})["request_id"] = value.decode()
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = [*message.get("headers", ()), (self._NAME, value)]
+                message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
 
 
 async def _cancel_on_disconnect(request: Request, work: Awaitable[Response]) -> Response:
@@ -184,6 +223,8 @@ def create_app(config: GatewayConfig, tokenizer: Any) -> FastAPI:
                 chat_template=config.chat_template,
                 reasoning_parser=config.reasoning_parser,
                 generation_defaults=config.generation_defaults,
+                tokens_as_ids=config.tokens_as_ids,
+                max_stored_responses=config.max_stored_responses,
             )
             logger.info("serving %s (max_model_len %d) via %s", name, max_model_len,
                         ", ".join(f"{w.role} {w.addr}" for w in pool.workers))  # fmt: skip
@@ -237,13 +278,33 @@ def create_app(config: GatewayConfig, tokenizer: Any) -> FastAPI:
         card = ModelCard(id=name, root=name, max_model_len=state.pipeline.max_model_len)
         return _json(200, ModelList(data=[card]))
 
+    def request_ids(request: Request) -> RequestIds:
+        return RequestIds(
+            request.headers.get(REQUEST_ID_HEADER), getattr(request.state, "request_id", None)
+        )
+
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        return await _cancel_on_disconnect(request, state.pipeline.chat(body))
+        work = state.pipeline.chat(body, request_ids(request))
+        return await _cancel_on_disconnect(request, work)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await _cancel_on_disconnect(request, state.pipeline.completion(body))
+        work = state.pipeline.completion(body, request_ids(request))
+        return await _cancel_on_disconnect(request, work)
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request) -> Response:
+        work = state.pipeline.responses(body, request_ids(request))
+        return await _cancel_on_disconnect(request, work)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str) -> JSONResponse:
+        return _json(200, state.pipeline.stored_response(response_id))
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> JSONResponse:
+        return _json(200, state.pipeline.delete_response(response_id))
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> JSONResponse:
@@ -261,6 +322,8 @@ def create_app(config: GatewayConfig, tokenizer: Any) -> FastAPI:
 
     if config.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+    if config.request_id_headers:  # (outside the key check: a 401 has an id too)
+        app.add_middleware(RequestIdMiddleware)
     # Added last, so outermost: a preflight is answered before the API key is checked, and
     # error responses carry the CORS headers too.
     app.add_middleware(

@@ -4,6 +4,8 @@ Chat: a first chunk per choice carries ``{"role": "assistant", "content": ""}``;
 per delta with new text (or logprobs); a choice's last chunk carries its ``finish_reason``; with
 ``stream_options.include_usage`` a final chunk with no choices carries the usage; then
 ``data: [DONE]``. Text completions stream the same way (``echo`` sends the prompt text first).
+With ``return_token_ids``, a choice's first chunk carries ``prompt_token_ids`` and each chunk its
+new ``token_ids`` (a chunk goes out for new tokens even when their text is held back).
 A failure after the response started is sent as an ``{"error": ...}`` event before ``[DONE]``.
 
 :class:`SSEResponse` cancels the stream as soon as the client disconnects (not only at the next
@@ -34,7 +36,7 @@ from baton_gateway.protocol import (
 )
 from baton_gateway.reading import ChatReading, ChoiceReader
 from baton_gateway.responses import (
-    TokenTexts,
+    Outputs,
     chat_logprobs,
     completion_logprobs,
     joined,
@@ -103,7 +105,7 @@ class StreamContext:
     num_prompt_tokens: int
     include_usage: bool
     continuous_usage: bool
-    texts: TokenTexts | None  # None: no logprobs
+    outputs: Outputs
 
 
 async def _chain(
@@ -168,9 +170,18 @@ def chat_stream(
     the stream ends. With ``reading``, each choice's text goes through its own reader, whose
     pieces become ``delta.reasoning``, ``delta.content`` and ``delta.tool_calls``."""
 
-    def event(choices: list[Any], usage: UsageInfo | None) -> str:
+    outputs = ctx.outputs
+
+    def event(
+        choices: list[Any], usage: UsageInfo | None, prompt_token_ids: list[int] | None = None
+    ) -> str:
         chunk = ChatCompletionStreamResponse(
-            id=ctx.request_id, created=ctx.created, model=ctx.model, choices=choices, usage=usage
+            id=ctx.request_id,
+            created=ctx.created,
+            model=ctx.model,
+            choices=choices,
+            usage=usage,
+            prompt_token_ids=prompt_token_ids,
         )
         return sse_event(chunk.model_dump_json())
 
@@ -178,8 +189,8 @@ def chat_stream(
 
     def to_choice(delta: SequenceDelta) -> ChatCompletionResponseStreamChoice | None:
         logprobs = None
-        if ctx.texts is not None and delta.logprobs:
-            logprobs = chat_logprobs(ctx.texts, delta.logprobs)
+        if outputs.texts is not None and delta.logprobs:
+            logprobs = chat_logprobs(outputs.texts, delta.logprobs)
         reason = delta.finish_reason
         message = DeltaMessage(content=delta.text or None)
         if reading is not None:
@@ -193,8 +204,9 @@ def chat_stream(
                 reasoning=read.reasoning or None,
             )
             reason = reader.finish_reason(reason)
+        token_ids = delta.token_ids if outputs.token_ids and delta.token_ids else None
         empty = message.content is None and message.tool_calls is None and not message.reasoning
-        if empty and logprobs is None and reason is None:
+        if empty and logprobs is None and reason is None and token_ids is None:
             return None
         return ChatCompletionResponseStreamChoice(
             index=delta.index,
@@ -202,9 +214,11 @@ def chat_stream(
             logprobs=logprobs,
             finish_reason=reason,
             stop_reason=delta.stop_reason,
+            token_ids=token_ids,
         )
 
     usage = usage_info(generation, ctx.num_prompt_tokens) if ctx.continuous_usage else None
+    prompt = generation.prompt_token_ids(0) if outputs.token_ids else None
     prelude = [
         event(
             [
@@ -213,6 +227,7 @@ def chat_stream(
                 )
             ],
             usage,
+            prompt,
         )
         for i in range(ctx.num_choices)
     ]
@@ -236,27 +251,41 @@ def completion_stream(
         )
         return sse_event(chunk.model_dump_json())
 
+    outputs, texts = ctx.outputs, ctx.outputs.texts
     offsets = {index: len(text) for index, text in echo.items()}
     # With logprobs, an echoed prompt goes out with its first delta, which brings the prompt's
     # logprobs; without, it goes out first.
-    pending_echo = dict(echo) if ctx.texts is not None else {}
+    pending_echo = dict(echo) if texts is not None else {}
+    # return_token_ids: the choices whose prompt_token_ids are still to be sent
+    unsent_prompts = set(range(ctx.num_choices)) if outputs.token_ids else set()
+
+    def prompt_ids(index: int) -> list[int] | None:
+        if index not in unsent_prompts:
+            return None
+        unsent_prompts.discard(index)
+        return generation.prompt_token_ids(index)
 
     def to_choice(delta: SequenceDelta) -> CompletionResponseChoice | None:
         logprobs: CompletionLogProbs | None = None
         text = delta.text
-        if ctx.texts is not None and delta.logprobs:
+        if texts is not None and delta.logprobs:
             logprobs, offsets[delta.index] = completion_logprobs(
-                ctx.texts, delta.logprobs, offsets.get(delta.index, 0)
+                texts, delta.logprobs, offsets.get(delta.index, 0)
             )
         echoed = pending_echo.pop(delta.index, None)
         if echoed is not None:
-            assert ctx.texts is not None
+            assert texts is not None
             text = echoed + text
             if delta.prompt_logprobs is not None:
-                prompt_ids = generation.prompt_token_ids(delta.index)
-                head, _ = prompt_completion_logprobs(ctx.texts, prompt_ids, delta.prompt_logprobs)
+                head, _ = prompt_completion_logprobs(
+                    texts,
+                    generation.prompt_token_ids(delta.index),
+                    delta.prompt_logprobs,
+                    outputs.num_logprobs,
+                )
                 logprobs = joined(head, logprobs)
-        if not text and logprobs is None and delta.finish_reason is None:
+        token_ids = delta.token_ids if outputs.token_ids and delta.token_ids else None
+        if not text and logprobs is None and delta.finish_reason is None and token_ids is None:
             return None
         return CompletionResponseChoice(
             index=delta.index,
@@ -264,10 +293,15 @@ def completion_stream(
             logprobs=logprobs,
             finish_reason=delta.finish_reason,
             stop_reason=delta.stop_reason,
+            prompt_token_ids=prompt_ids(delta.index),
+            token_ids=token_ids,
         )
 
     prelude = [
-        event([CompletionResponseChoice(index=index, text=text)], None)
+        event(
+            [CompletionResponseChoice(index=index, text=text, prompt_token_ids=prompt_ids(index))],
+            None,
+        )
         for index, text in sorted(echo.items())
         if index not in pending_echo
     ]

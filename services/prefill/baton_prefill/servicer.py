@@ -86,7 +86,9 @@ class PrefillServicer(WorkerInfoMixin, engine_pb2_grpc.PrefillServiceServicer):
             if not req_id:
                 raise InvalidRequestError("req_id is required (the gateway aborts by it)")
             await self.engine.compile_grammar(params)
-            stream = self.engine.add_request(req_id, prompt, params, prefill_only=True)
+            stream = self.engine.add_request(
+                req_id, prompt, params, prefill_only=True, priority=request.priority
+            )
         except BatonError as e:
             await context.abort(status_code(e), str(e))
         finished = False

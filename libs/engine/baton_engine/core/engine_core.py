@@ -292,6 +292,7 @@ class EngineCore:
             max_model_len=self.max_model_len,
             long_prefill_token_threshold=config.long_prefill_token_threshold,
             num_scheduler_steps=config.num_scheduler_steps,
+            scheduling_policy=config.scheduling_policy,
         )
         self.num_prompt_tokens = 0
         self.num_generated_tokens = 0
@@ -340,8 +341,11 @@ class EngineCore:
 
     # --- requests ------------------------------------------------------------------------------
 
-    def validate_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+    def validate_request(
+        self, prompt_token_ids: Sequence[int], params: SamplingParams, priority: int = 0
+    ) -> None:
         params.validate()
+        self.scheduler.check_priority(priority)
         n = len(prompt_token_ids)
         if n == 0:
             raise InvalidRequestError("the prompt is empty")
@@ -355,10 +359,16 @@ class EngineCore:
             ("token id", prompt_token_ids),
             ("logit_bias token id", params.logit_bias or ()),
             ("allowed_token_ids token id", params.allowed_token_ids or ()),
+            ("bad_words token id", [t for seq in params.bad_words_token_ids or () for t in seq]),
         ):
             bad = next((t for t in ids if not 0 <= t < vocab), None)
             if bad is not None:
                 raise InvalidRequestError(f"{what} {bad} is out of range [0, {vocab})")
+        if params.bad_words and params.bad_words_token_ids is None:
+            raise InvalidRequestError(
+                "bad_words must come tokenized (bad_words_token_ids): the engine core has no "
+                "tokenizer"
+            )
         self._grammar(params)
 
     def _grammar(self, params: SamplingParams) -> Grammar | None:
@@ -376,8 +386,10 @@ class EngineCore:
         prefill_only: bool = False,
         remote_kv: object | None = None,
         first_token_id: int | None = None,
+        priority: int = 0,
     ) -> None:
-        """Queue a request.
+        """Queue a request. ``priority`` ranks it under ``scheduling_policy="priority"``
+        (lower is served first); any other value than 0 is refused under ``fcfs``.
 
         Disaggregation: ``prefill_only`` ends the request after its first token with the
         prompt's blocks held (output ``finish_reason="prefilled"``, ``kv_block_ids`` set) until
@@ -385,7 +397,7 @@ class EngineCore:
         makes the request wait for its prompt KV to be pulled (``take_kv_loads`` /
         ``finish_kv_load``) and then generate from its second token on.
         """
-        self.validate_request(prompt_token_ids, params)
+        self.validate_request(prompt_token_ids, params, priority)
         if req_id in self.scheduler.requests:
             raise InvalidRequestError(f"request id {req_id!r} is already in use")
         if (remote_kv is None) != (first_token_id is None):
@@ -416,6 +428,7 @@ class EngineCore:
                 prefill_only=prefill_only,
                 remote_kv=remote_kv,
                 grammar=grammar,
+                priority=priority,
             )
         )
 

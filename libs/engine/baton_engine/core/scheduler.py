@@ -6,6 +6,17 @@ budget)`` tokens, so chunked prefill, prefix hits and recompute after preemption
 arithmetic. When the pool runs dry, the most recently admitted running request is preempted:
 its blocks are freed, its progress reset, and it goes back to the front of the queue.
 
+Priority scheduling (``scheduling_policy="priority"``, as vLLM's): each request's ``priority``
+(lower is served first), then its arrival, ranks it, and ``waiting`` and ``running`` are both
+kept in rank order. Admission takes the best-ranked waiting request; preemption still takes the
+tail of ``running``, which is then the worst-ranked (vLLM's ``max(running, key=(priority,
+arrival_time))``); a preempted request goes back to its rank in ``waiting``, not to the front.
+Unlike vLLM, whose ``running`` stays in admission order, the token budget therefore goes to
+the best-ranked running requests first, and a victim is never one this step already scheduled
+(vLLM un-schedules it). A request whose remote KV has landed still goes to the front, as under
+fcfs: it holds its blocks, which must not sit idle behind requests that may need them. Under
+``fcfs`` every request's priority is 0.
+
 Async scheduling: the engine may schedule step N+1 before step N's sampled tokens reach the
 host. A request whose step ends at its last token will sample one, counted in
 ``num_pending_tokens`` until ``update_from_output`` reports it; scheduling treats pending tokens
@@ -30,9 +41,12 @@ writing them.
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from collections.abc import Iterable
+from operator import attrgetter
 
+from baton_engine.config import SCHEDULING_POLICIES
 from baton_engine.core.outputs import (
     CachedRequestData,
     EngineCoreOutput,
@@ -42,6 +56,7 @@ from baton_engine.core.outputs import (
     SchedulerOutput,
     TokenLogprobs,
 )
+from baton_engine.errors import InvalidRequestError
 from baton_engine.kv_cache import KVCacheManager, PrefixMatch
 from baton_engine.request import Request, RequestStatus
 
@@ -49,6 +64,14 @@ from baton_engine.request import Request, RequestStatus
 # the cost; tuple.__new__ fills every field (in declaration order) in one C call.
 _tuple_new = tuple.__new__
 _RUNNING = RequestStatus.RUNNING
+_rank = attrgetter("priority", "arrival_time")  # the priority policy's order: lowest first
+
+
+def _waiting_rank(request: Request) -> tuple[bool, int, float]:
+    """The priority policy's waiting order: requests whose remote KV has landed first (they
+    were admitted when their load began: a seat and their blocks; only their first token is
+    left), then by ``_rank``."""
+    return request.num_computed_tokens == 0, request.priority, request.arrival_time
 
 
 class Scheduler:
@@ -61,16 +84,24 @@ class Scheduler:
         max_model_len: int,
         long_prefill_token_threshold: int = 0,
         num_scheduler_steps: int = 1,
+        scheduling_policy: str = "fcfs",
     ) -> None:
+        if scheduling_policy not in SCHEDULING_POLICIES:
+            raise InvalidRequestError(
+                f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {scheduling_policy!r}"
+            )
         self.kv = kv_cache_manager
+        self.scheduling_policy = scheduling_policy
+        self._by_priority = scheduling_policy == "priority"
         self.num_scheduler_steps = num_scheduler_steps
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.long_prefill_token_threshold = long_prefill_token_threshold
         self.requests: dict[str, Request] = {}  # req_id -> every unfinished request
+        # fcfs: arrival order, preempted requests at the front; priority: _waiting_rank order
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []  # admission order; the tail is preempted first
+        self.running: list[Request] = []  # admission (priority: _rank) order; tail preempted first
         self.loading: dict[str, Request] = {}  # req_id -> request waiting for remote KV
         self._kv_loads: list[KVLoad] = []  # loads to start, for take_kv_loads()
         self._finished_req_ids: set[str] = set()  # since the last schedule()
@@ -84,9 +115,30 @@ class Scheduler:
     # --- requests in and out -------------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
+        self.check_priority(request.priority)
         self.requests[request.req_id] = request
-        self.waiting.append(request)
+        if self._by_priority:
+            bisect.insort(self.waiting, request, key=_waiting_rank)
+        else:
+            self.waiting.append(request)
         self.num_grammars += request.grammar is not None
+
+    def check_priority(self, priority: int) -> None:
+        """Raise ``InvalidRequestError`` for a priority this policy cannot honour: any but 0
+        under ``fcfs`` (as vLLM refuses it)."""
+        if priority != 0 and not self._by_priority:
+            raise InvalidRequestError(
+                f"got priority {priority} but priority scheduling is not enabled "
+                "(scheduling_policy='priority')"
+            )
+
+    def _requeue(self, request: Request) -> None:
+        """Back to ``waiting`` (preempted, or its remote KV pulled): at the front under
+        ``fcfs``, at its place under ``priority`` (``_waiting_rank``)."""
+        if self._by_priority:
+            bisect.insort(self.waiting, request, key=_waiting_rank)
+        else:
+            self.waiting.appendleft(request)
 
     def _forget(self, request: Request) -> None:
         del self.requests[request.req_id]
@@ -146,7 +198,7 @@ class Scheduler:
             self.kv.free(request)
             request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
-        self.waiting.appendleft(request)
+        self._requeue(request)
 
     @property
     def num_running(self) -> int:
@@ -405,7 +457,10 @@ class Scheduler:
             request.num_cached_tokens = num_cached
         request.num_computed_tokens += num_cached
         request.status = RequestStatus.RUNNING
-        self.running.append(request)
+        if self._by_priority:
+            bisect.insort(self.running, request, key=_rank)
+        else:
+            self.running.append(request)
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
@@ -413,7 +468,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self._requeue(request)
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
@@ -549,6 +604,12 @@ class Scheduler:
             assert request.num_computed_tokens <= request.num_tokens + request.num_pending_tokens
         live_loading = sum(1 for r in self.loading.values() if not r.is_finished())
         assert len(self.running) + len(self.waiting) + live_loading == len(self.requests)
+        if self._by_priority:
+            waiting = [_waiting_rank(r) for r in self.waiting]
+            running = [_rank(r) for r in self.running]
+            assert waiting == sorted(waiting) and running == sorted(running), "out of order"
+        else:
+            assert all(r.priority == 0 for r in self.requests.values())
 
 
 def _add_prompt_logprobs(request: Request, chunk: tuple[int, list[TokenLogprobs]] | None) -> None:

@@ -50,6 +50,7 @@ class CachedRequestState:
             and sp.frequency_penalty == 0.0
             and sp.repetition_penalty == 1.0
             and sp.structured_outputs is None  # its mask needs its last token accepted
+            and not sp.bad_words_token_ids  # their mask reads the output's last tokens
         )
         self.plain_greedy = (
             self.host_free
@@ -90,8 +91,8 @@ class InputBatch:
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
         self.requests: dict[str, CachedRequestState] = {}  # req_id -> state
         # Held requests whose sampling may need their tokens on the host (penalties, logprobs,
-        # min_tokens), and those that are not plain greedy: when none, a step skips the
-        # per-request checks.
+        # bad words, min_tokens), and those that are not plain greedy: when none, a step skips
+        # the per-request checks.
         self.num_host_bound = 0
         self.num_not_plain_greedy = 0
         self.num_prompt_logprobs = 0  # held requests that ask for prompt logprobs

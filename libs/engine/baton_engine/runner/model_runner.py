@@ -78,7 +78,7 @@ _POLL_S = 50e-6
 
 def _host_free(state: CachedRequestState) -> bool:
     """Sampling needs none of the request's own tokens on the host: no penalties, no logprobs,
-    past ``min_tokens`` (counting only tokens already reported)."""
+    no bad words, past ``min_tokens`` (counting only tokens already reported)."""
     return state.host_free and state.num_output_tokens >= state.sampling_params.min_tokens
 
 
@@ -460,7 +460,7 @@ class ModelRunner:
     def can_run_ahead(self, so: SchedulerOutput) -> bool:
         """Whether ``so`` may be launched while the previous step's tokens are still on the
         device: none of its requests with a pending token needs its tokens on the host
-        (penalties, logprobs, ``min_tokens``)."""
+        (penalties, logprobs, bad words, ``min_tokens``)."""
         if not self.batch.num_host_bound:
             return True
         states = self.batch.requests
