@@ -17,8 +17,10 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
+import httpx
 import psutil
 import pytest
+from openai import OpenAI
 from ports import free_port
 
 ENGINE_ARGS = ("--max-model-len", "512", "--kv-cache-memory", "268435456")
@@ -128,6 +130,21 @@ def baton_server() -> Iterator[ServeProcess]:
     yield server
     _, survivors = stop_serve(server)
     assert not survivors, f"processes left behind: {survivors}"
+
+
+@pytest.fixture(scope="module")
+def client(baton_server: ServeProcess) -> Iterator[OpenAI]:
+    """The official SDK on the shared server."""
+    with OpenAI(base_url=baton_server.base_url, api_key=baton_server.api_key, max_retries=0) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def http(baton_server: ServeProcess) -> Iterator[httpx.Client]:
+    """Plain HTTP on the shared server (its root, with the API key)."""
+    headers = {"Authorization": f"Bearer {baton_server.api_key}"}
+    with httpx.Client(base_url=baton_server.root_url, headers=headers, timeout=60) as c:
+        yield c
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ import asyncio
 import json
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -28,19 +28,6 @@ QUESTION: list[ChatCompletionMessageParam] = [
 STORY: list[ChatCompletionMessageParam] = [
     {"role": "user", "content": "Write a short story about a dragon who learns to fly."}
 ]
-
-
-@pytest.fixture(scope="module")
-def client(baton_server: Any) -> Iterator[OpenAI]:
-    with OpenAI(base_url=baton_server.base_url, api_key=baton_server.api_key, max_retries=0) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def http(baton_server: Any) -> Iterator[httpx.Client]:
-    headers = {"Authorization": f"Bearer {baton_server.api_key}"}
-    with httpx.Client(base_url=baton_server.root_url, headers=headers, timeout=60) as c:
-        yield c
 
 
 def _wait_for(

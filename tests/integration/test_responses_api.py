@@ -8,7 +8,6 @@ The shared server (conftest.py) runs the hermes tool parser and the qwen3 reason
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -40,19 +39,6 @@ THINKING_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
     "<|im_start|>assistant\n<think>\n"
 )
-
-
-@pytest.fixture(scope="module")
-def client(baton_server: Any) -> Iterator[OpenAI]:
-    with OpenAI(base_url=baton_server.base_url, api_key=baton_server.api_key, max_retries=0) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def http(baton_server: Any) -> Iterator[httpx.Client]:
-    headers = {"Authorization": f"Bearer {baton_server.api_key}"}
-    with httpx.Client(base_url=baton_server.root_url, headers=headers, timeout=60) as c:
-        yield c
 
 
 def _chat(client: OpenAI, messages: list[dict[str, Any]], max_tokens: int) -> Any:

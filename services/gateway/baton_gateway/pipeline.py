@@ -280,13 +280,7 @@ class Pipeline:
         try:
             history: list[dict[str, Any]] = []
             if request.previous_response_id is not None:
-                previous = self.stored_responses.get(request.previous_response_id)
-                if previous is None:
-                    raise GatewayError(
-                        HTTPStatus.NOT_FOUND,
-                        f"Response with id '{request.previous_response_id}' not found.",
-                        param="previous_response_id",
-                    )
+                previous = self._stored(request.previous_response_id, "previous_response_id")
                 history = previous.conversation
             try:
                 chat = ChatCompletionRequest.model_validate(
@@ -379,15 +373,23 @@ class Pipeline:
         stream = responses_api.response_stream(events, first, deltas, finish, outcome)
         return SSEResponse(stream, on_close)
 
-    def stored_response(self, response_id: str) -> responses_api.ResponseObject:
+    def _stored(self, response_id: str, param: str | None = None) -> responses_api.StoredResponse:
+        """The stored response ``response_id``, or a 404 (vLLM's wording)."""
         stored = self.stored_responses.get(response_id)
         if stored is None:
-            raise GatewayError(HTTPStatus.NOT_FOUND, f"Response with id '{response_id}' not found.")
-        return stored.response
+            raise GatewayError(
+                HTTPStatus.NOT_FOUND, f"Response with id '{response_id}' not found.", param
+            )
+        return stored
+
+    def stored_response(self, response_id: str) -> responses_api.ResponseObject:
+        """``GET /v1/responses/{id}``."""
+        return self._stored(response_id).response
 
     def delete_response(self, response_id: str) -> responses_api.DeletedResponse:
-        if not self.stored_responses.delete(response_id):
-            raise GatewayError(HTTPStatus.NOT_FOUND, f"Response with id '{response_id}' not found.")
+        """``DELETE /v1/responses/{id}``."""
+        self._stored(response_id)
+        self.stored_responses.delete(response_id)
         return responses_api.DeletedResponse(id=response_id)
 
     async def completion(

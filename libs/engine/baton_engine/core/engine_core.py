@@ -4,6 +4,7 @@ out; no tokenizer, no text."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import logging
 import time
@@ -586,7 +587,10 @@ class EngineCore:
                 outputs = self._finish_in_flight()
             if self._tp is not None:
                 self._tp.step(so)
-            handle = self.runner.launch(so, self._grammar_bitmask(so))
+            grammar = None
+            if self.scheduler.num_grammars and not so.is_empty:
+                grammar = functools.partial(self._grammar_bitmask, so)  # (filled in launch)
+            handle = self.runner.launch(so, grammar)
             if self._in_flight is not None:
                 outputs = self._finish_in_flight()
             self._in_flight = (so, handle)
@@ -613,9 +617,9 @@ class EngineCore:
 
     def _grammar_bitmask(self, so: SchedulerOutput) -> GrammarBitmask | None:
         """The next tokens each scheduled request with structured output may sample (its
-        previous tokens are all accepted: such requests never run ahead of them)."""
-        if not self.scheduler.num_grammars or so.is_empty:
-            return None
+        previous tokens are all accepted: such requests never run ahead of them). The runner
+        asks for it once the step's forward pass is queued: the fill overlaps the device's
+        work."""
         requests = self.scheduler.requests
         grammars = {}
         for req_id in so.num_scheduled_tokens:

@@ -33,6 +33,8 @@ from baton_kernels.cpu_linear import pack_linears
 from baton_kernels.cpu_ops import load_cpu_ops
 
 logger = logging.getLogger(__name__)
+# A step's grammar bitmask, made when asked for (EngineCore fills it on the host).
+GrammarSource = Callable[[], GrammarBitmask | None]
 
 # One-request decode steps on a GPU run the layers as fused Triton GEMVs (the norms, SiLU and the
 # residual adds inside the projections) for models up to this hidden size. On an H200 the
@@ -471,12 +473,14 @@ class ModelRunner:
         return True
 
     @torch.inference_mode()
-    def launch(self, so: SchedulerOutput, grammar: GrammarBitmask | None = None) -> StepHandle:
+    def launch(self, so: SchedulerOutput, grammar: GrammarSource | None = None) -> StepHandle:
         """Start one step: its inputs, the forward pass and sampling are queued on the device,
         and the handle's ``result()`` waits for the sampled token ids. A decode whose input
         token is still pending (sampled by the step launched before, not yet reported) takes
         it from that step's device tensor, so the host need not wait between steps.
-        ``grammar`` bounds the tokens its requests (structured output) may sample."""
+        ``grammar`` gives what its requests with structured output may sample; it is called
+        once the forward pass is queued (and only if the step samples), so that the host fills
+        the bitmask while the device computes the logits."""
         self.batch.update(so)
         self._num_launches += 1
         if so.is_empty:
@@ -487,7 +491,7 @@ class ModelRunner:
         finally:
             self.staging.step_launched()
 
-    def _launch(self, so: SchedulerOutput, grammar: GrammarBitmask | None) -> StepHandle:
+    def _launch(self, so: SchedulerOutput, grammar: GrammarSource | None) -> StepHandle:
         states = self.batch.requests
         # Decodes first, then fresh prefill chunks by length, then chunks with cached context:
         # the attention backend batches the first two kinds.
@@ -551,7 +555,8 @@ class ModelRunner:
             # Nothing to process or report: the argmax alone (what the sampler would return).
             token_ids = fused.argmax(logits)
         else:
-            out = self.sampler(logits, self._sampling_metadata(sampled_reqs, grammar))
+            bitmask = grammar() if grammar is not None else None  # (the logits are queued)
+            out = self.sampler(logits, self._sampling_metadata(sampled_reqs, bitmask))
             token_ids = out.sampled_token_ids
             if out.logprobs is not None:  # reported per token: read now
                 for j, state in enumerate(sampled_reqs):
