@@ -42,6 +42,37 @@ def test_prompt_forms_and_order(llm: LLM) -> None:
     assert by_text.outputs[0].text == tok.decode(by_text.outputs[0].token_ids)
 
 
+def test_truncate_prompt_tokens(llm: LLM) -> None:
+    """As vLLM: the prompt's last N tokens (-1: max_model_len's worth) are the prompt."""
+    tok = llm.get_tokenizer()
+    text = "The quick brown fox jumps over the lazy dog. " * 3 + "The capital of France is"
+    ids = tok(text).input_ids
+    greedy = SamplingParams(temperature=0, max_tokens=8)
+    cut, tail, whole, plain = llm.generate(
+        [text, {"prompt_token_ids": ids[-6:]}, text, text],
+        [
+            SamplingParams(temperature=0, max_tokens=8, truncate_prompt_tokens=6),
+            greedy,
+            SamplingParams(temperature=0, max_tokens=8, truncate_prompt_tokens=-1),
+            greedy,
+        ],
+        use_tqdm=False,
+    )
+    assert cut.prompt_token_ids == ids[-6:] and len(ids) > 6
+    assert cut.outputs[0].token_ids == tail.outputs[0].token_ids
+    assert whole.prompt_token_ids == ids
+    assert whole.outputs[0].token_ids == plain.outputs[0].token_ids
+    long = "word " * 300  # beyond max_model_len (256): refused unless truncated first
+    kept = llm.generate(
+        [long], SamplingParams(max_tokens=2, truncate_prompt_tokens=200), use_tqdm=False
+    )
+    assert len(kept[0].prompt_token_ids) == 200 and len(kept[0].outputs[0].token_ids) == 2
+    with pytest.raises(InvalidRequestError, match="max_model_len"):
+        llm.generate([text], SamplingParams(truncate_prompt_tokens=10**6), use_tqdm=False)
+    with pytest.raises(InvalidRequestError, match="truncate_prompt_tokens"):
+        SamplingParams(truncate_prompt_tokens=0)
+
+
 def test_max_tokens_and_length_finish(llm: LLM) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
     (out,) = llm.generate(["Count: one, two,"], params, use_tqdm=False)

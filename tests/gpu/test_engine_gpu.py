@@ -109,6 +109,61 @@ def test_graph_decode_matches_reference(tmp_path: Path, caplog: pytest.LogCaptur
     assert 0 < pool_bytes < 0.3 * total
 
 
+def test_embeddings_match_reference(tmp_path: Path) -> None:
+    """Embedding requests among generating ones on the GPU's defaults (Triton attention,
+    graphs, piecewise prompt graphs, async scheduling) pool what the eager torch reference
+    pools, and leave the generated tokens as they were: a long prompt in chunks, a one-token
+    prompt in a step of decodes (no graph may take it), both under async scheduling."""
+    from baton_engine.pooling_params import PoolingParams
+    from baton_engine.sampling_params import SamplingParams
+
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    embed_prompts = {"e-long": [(5 * j) % 4000 + 1 for j in range(700)], "e-one": [42]}
+    embed_prompts |= {
+        f"e{i}": [(11 * i + j) % 4000 + 1 for j in range(3 + 9 * i)] for i in range(6)
+    }
+    results = []
+    for backend, eager, async_scheduling in (("torch", True, False), ("triton", False, None)):
+        core = _core(
+            tmp_path,
+            max_model_len=1024,
+            max_num_seqs=16,
+            max_num_batched_tokens=256,
+            attention_backend=backend,
+            enforce_eager=eager,
+            async_scheduling=async_scheduling,
+        )
+        for i in range(8):
+            core.add_request(f"g{i}", [(13 * i + j) % 4000 + 1 for j in range(5 + 7 * i)], params)
+        tokens: dict[str, list[int]] = {}
+        pooled: dict[str, list[float]] = {}
+        for step in range(10_000):  # bounded: ~30 steps
+            if step == 2:  # the generating requests decode by now: a step of one token each
+                core.add_request("e-one", embed_prompts["e-one"], PoolingParams())
+            elif step == 3:
+                for req_id, prompt in embed_prompts.items():
+                    if req_id != "e-one":
+                        core.add_request(req_id, prompt, PoolingParams())
+            elif step > 3 and not core.has_unfinished_requests():
+                break
+            for out in core.step():
+                tokens.setdefault(out.req_id, []).extend(out.new_token_ids)
+                if out.pooled is not None:
+                    pooled[out.req_id] = out.pooled
+        core.check_invariants()
+        results.append((tokens, pooled))
+        del core
+        _release_memory()
+    (want_tokens, want_pooled), (got_tokens, got_pooled) = results
+    assert got_tokens == want_tokens and sorted(got_pooled) == sorted(embed_prompts)
+    for req_id, want in want_pooled.items():
+        assert got_tokens[req_id] == []  # an embedding's token is no output
+        torch.testing.assert_close(
+            torch.tensor(got_pooled[req_id]), torch.tensor(want), atol=1e-4, rtol=1e-3
+        )
+
+
 def test_async_sampling_equals_sync(tmp_path: Path) -> None:
     """Seeded random sampling, penalties and logprobs on the GPU's defaults (graphs, fused
     kernels) give the same tokens with and without async scheduling."""

@@ -14,6 +14,7 @@ from baton_engine.core.outputs import EngineCoreOutput, ModelRunnerOutput, Sched
 from baton_engine.core.scheduler import Scheduler
 from baton_engine.errors import InvalidRequestError
 from baton_engine.kv_cache import KVCacheManager
+from baton_engine.pooling_params import PoolingParams
 from baton_engine.request import Request, RequestStatus
 from baton_engine.sampling_params import SamplingParams
 
@@ -587,6 +588,34 @@ def test_finished_requests_are_reported_once() -> None:
     assert run.finish_reasons == {"r0": "length", "r1": "length"}
     assert scheduler.kv.num_free_blocks == 256
     assert step(scheduler, run).finished_req_ids == frozenset({"r0", "r1"})
+
+
+def test_an_embedding_request_ends_with_its_prompt() -> None:
+    """Chunked like any prompt; the step that computes its last chunk reports the runner's
+    pooled vector and no token, and a step scheduled before that report (async scheduling)
+    does not run it again."""
+    scheduler = make_scheduler(max_num_batched_tokens=16)
+    embedding = Request("e", list(range(100, 140)), SamplingParams(max_tokens=1), max_tokens=1,
+                        pooling=PoolingParams())  # fmt: skip
+    (other,) = make_requests(1, 4, max_tokens=8)
+    add_all(scheduler, [embedding, other])
+    assert scheduler.num_embeddings == 1
+    for _ in range(2):  # 16 + 16 of its 40 prompt tokens
+        so = scheduler.schedule()
+        assert so.num_scheduled_tokens == {"e": 16}
+        assert scheduler.update_from_output(so, ModelRunnerOutput({})) == []
+    last = scheduler.schedule()
+    assert last.num_scheduled_tokens == {"e": 8, "r0": 4}
+    ahead = scheduler.schedule()  # before `last` is reported: only r0 runs on
+    assert ahead.num_scheduled_tokens == {"r0": 1}
+    outputs = scheduler.update_from_output(
+        last, ModelRunnerOutput({"e": 5, "r0": 6}, pooled={"e": [0.6, 0.8]})
+    )
+    (out,) = [o for o in outputs if o.req_id == "e"]
+    assert out.pooled == [0.6, 0.8] and out.new_token_ids == [] and out.finished
+    assert scheduler.num_embeddings == 0 and "e" not in scheduler.requests
+    scheduler.update_from_output(ahead, ModelRunnerOutput({"r0": 6}))
+    scheduler.check_invariants()
 
 
 # --- stop conditions ----------------------------------------------------------------------------

@@ -12,10 +12,25 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from baton_engine.llm import LLM
-    from baton_engine.outputs import CompletionOutput, RequestOutput
+    from baton_engine.outputs import (
+        CompletionOutput,
+        EmbeddingOutput,
+        EmbeddingRequestOutput,
+        RequestOutput,
+    )
+    from baton_engine.pooling_params import PoolingParams
     from baton_engine.sampling_params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "StructuredOutputsParams"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "EmbeddingOutput",
+    "EmbeddingRequestOutput",
+    "PoolingParams",
+    "RequestOutput",
+    "SamplingParams",
+    "StructuredOutputsParams",
+]
 
 
 def __getattr__(name: str) -> Any:
@@ -23,7 +38,7 @@ def __getattr__(name: str) -> Any:
         from baton_engine.llm import LLM
 
         return LLM
-    if name in ("CompletionOutput", "RequestOutput"):
+    if name in ("CompletionOutput", "EmbeddingOutput", "EmbeddingRequestOutput", "RequestOutput"):
         from baton_engine import outputs
 
         return getattr(outputs, name)
@@ -31,4 +46,8 @@ def __getattr__(name: str) -> Any:
         from baton_engine import sampling_params
 
         return getattr(sampling_params, name)
+    if name == "PoolingParams":
+        from baton_engine.pooling_params import PoolingParams
+
+        return PoolingParams
     raise AttributeError(f"module 'baton' has no attribute {name!r}")

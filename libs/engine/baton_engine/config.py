@@ -72,6 +72,9 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str = "float32"
+    # Embeddings may be cut to these sizes (Matryoshka training); None: not a Matryoshka
+    # model, () any size (``is_matryoshka`` without a list), as vLLM reads them.
+    matryoshka_dimensions: tuple[int, ...] | None = None
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
@@ -112,6 +115,13 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+            matryoshka_dimensions=(
+                tuple(int(d) for d in cfg["matryoshka_dimensions"])
+                if cfg.get("matryoshka_dimensions")
+                else ()
+                if cfg.get("is_matryoshka")
+                else None
+            ),
         )
 
     @classmethod

@@ -16,9 +16,17 @@ from baton_engine.core.outputs import EngineCoreOutput, TokenLogprobs
 from baton_engine.detokenizer import IncrementalDetokenizer
 from baton_engine.errors import InvalidRequestError
 from baton_engine.model_loader import load_tokenizer
-from baton_engine.outputs import CompletionOutput, Logprob, RequestOutput, SampleLogprobs
+from baton_engine.outputs import (
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    Logprob,
+    RequestOutput,
+    SampleLogprobs,
+)
+from baton_engine.pooling_params import PoolingParams
 from baton_engine.request import RequestStatus
-from baton_engine.sampling_params import SamplingParams, tokenize_bad_words
+from baton_engine.sampling_params import SamplingParams, tokenize_bad_words, truncate_prompt
 
 
 @dataclass
@@ -43,6 +51,7 @@ class LLMEngine:
         self.tokenizer: Any = load_tokenizer(self.core.model_dir)
         self._requests: dict[str, _RequestState] = {}  # request_id -> state
         self._child_to_parent: dict[str, str] = {}  # child req_id -> request_id
+        self._embeddings: dict[str, list[int]] = {}  # embedding request_id -> its prompt
 
     @property
     def max_model_len(self) -> int:
@@ -55,19 +64,27 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: str | Sequence[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         prompt_token_ids: Sequence[int] | None = None,
         priority: int = 0,
     ) -> None:
-        """Queue a request; ``prompt_token_ids``, when given, is the already-encoded ``prompt``.
-        ``priority`` (lower first) needs ``scheduling_policy="priority"``; siblings share it."""
-        if request_id in self._requests:
+        """Queue a request; ``prompt_token_ids``, when given, is the already-encoded ``prompt``
+        (``params.truncate_prompt_tokens`` keeps its last tokens).
+        ``priority`` (lower first) needs ``scheduling_policy="priority"``; siblings share it.
+        With ``PoolingParams`` it is an embedding request: ``step`` returns its
+        ``EmbeddingRequestOutput`` once its prompt is computed."""
+        if request_id in self._requests or request_id in self._embeddings:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         text = prompt if isinstance(prompt, str) else None
         if prompt_token_ids is not None:
             token_ids = list(prompt_token_ids)
         else:
             token_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        token_ids = truncate_prompt(token_ids, params.truncate_prompt_tokens, self.max_model_len)
+        if isinstance(params, PoolingParams):
+            self.core.add_request(request_id, token_ids, params, priority=priority)
+            self._embeddings[request_id] = token_ids
+            return
         params = self.tokenize_bad_words(params)
         self.core.validate_request(token_ids, params, priority)
         state = _RequestState(RequestOutput(request_id, text, token_ids))
@@ -104,6 +121,9 @@ class LLMEngine:
         )
 
     def abort_request(self, request_id: str) -> None:
+        if self._embeddings.pop(request_id, None) is not None:
+            self.core.abort_requests([request_id])
+            return
         state = self._requests.pop(request_id, None)
         if state is None:
             return
@@ -112,12 +132,23 @@ class LLMEngine:
             self._child_to_parent.pop(child_id, None)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._requests)
+        return bool(self._requests or self._embeddings)
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput | EmbeddingRequestOutput]:
         """Run one engine step; return the requests that finished in it."""
-        finished: list[RequestOutput] = []
+        finished: list[RequestOutput | EmbeddingRequestOutput] = []
         for out in self.core.step():
+            if out.req_id in self._embeddings:
+                if out.finished:
+                    prompt = self._embeddings.pop(out.req_id)
+                    assert out.pooled is not None, f"embedding {out.req_id} ended unpooled"
+                    embedding = EmbeddingOutput(out.pooled)
+                    finished.append(
+                        EmbeddingRequestOutput(
+                            out.req_id, embedding, prompt, num_cached_tokens=out.num_cached_tokens
+                        )
+                    )
+                continue
             parent_id = self._child_to_parent[out.req_id]
             state = self._requests[parent_id]
             if out.prompt_logprobs is not None and state.output.prompt_logprobs is None:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import Any, TypedDict
+from dataclasses import replace
+from typing import Any, TypedDict, TypeVar
 
 from tqdm.auto import tqdm
 
@@ -12,8 +13,9 @@ from baton_engine.config import EngineConfig
 from baton_engine.engine import LLMEngine
 from baton_engine.errors import InvalidRequestError
 from baton_engine.model_files import generation_defaults
-from baton_engine.outputs import RequestOutput
-from baton_engine.sampling_params import SamplingParams
+from baton_engine.outputs import EmbeddingRequestOutput, RequestOutput
+from baton_engine.pooling_params import PoolingParams
+from baton_engine.sampling_params import SamplingParams, truncate_prompt
 
 
 class TokensPrompt(TypedDict):
@@ -21,6 +23,7 @@ class TokensPrompt(TypedDict):
 
 
 PromptType = str | TokensPrompt
+_P = TypeVar("_P", SamplingParams, PoolingParams)
 ChatMessages = list[dict[str, Any]]
 
 
@@ -78,19 +81,31 @@ class LLM:
         """Generate for every prompt; outputs come in the prompts' order. ``priority``, one per
         prompt, ranks them when the engine runs ``scheduling_policy="priority"`` (lower is
         served first), as in vLLM."""
-        if isinstance(prompts, str | dict):
-            prompts = [prompts]
-        token_prompts: list[str | list[int]] = []
-        for p in prompts:
-            if isinstance(p, str):
-                token_prompts.append(p)
-            elif isinstance(p, dict) and "prompt_token_ids" in p:
-                token_prompts.append(list(p["prompt_token_ids"]))
-            else:
-                raise InvalidRequestError(
-                    "a prompt is a string or {'prompt_token_ids': [...]}, got " + type(p).__name__
-                )
-        return self._run(token_prompts, sampling_params, use_tqdm, priority)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        prompt_list = _prompt_list(prompts)
+        params = _params_list(sampling_params, SamplingParams, len(prompt_list))
+        outputs = self._run(prompt_list, params, use_tqdm, priority)
+        return outputs  # type: ignore[return-value]  # (sampling params: RequestOutputs)
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        *,
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt, in order (``outputs.embedding``): the final hidden state
+        at the prompt's last token, L2-normalized (``PoolingParams``), as vLLM's ``embed``
+        with last-token pooling. Any model of the engine embeds; no pooling runner is needed."""
+        prompt_list = _prompt_list(prompts)
+        params = _params_list(pooling_params or PoolingParams(), PoolingParams, len(prompt_list))
+        if truncate_prompt_tokens is not None:
+            params = [replace(p, truncate_prompt_tokens=truncate_prompt_tokens) for p in params]
+        outputs = self._run(prompt_list, params, use_tqdm, priority)
+        return outputs  # type: ignore[return-value]  # (pooling params: embeddings)
 
     def chat(
         self,
@@ -113,35 +128,37 @@ class LLM:
                 chat_template=chat_template,
             )
             prompts.append(list(tok(text, add_special_tokens=False).input_ids))
-        return self._run(prompts, sampling_params, use_tqdm)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        params = _params_list(sampling_params, SamplingParams, len(prompts))
+        return self._run(prompts, params, use_tqdm)  # type: ignore[return-value]
 
     def _run(
         self,
         prompts: list[str | list[int]],
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        given: Sequence[SamplingParams | PoolingParams],
         use_tqdm: bool,
         priority: Sequence[int] | None = None,
-    ) -> list[RequestOutput]:
-        if sampling_params is None:
-            sampling_params = self.get_default_sampling_params()
-        params = (
-            [sampling_params] * len(prompts)
-            if isinstance(sampling_params, SamplingParams)
-            else list(sampling_params)
-        )
-        if len(params) != len(prompts):
-            raise InvalidRequestError(
-                f"got {len(prompts)} prompts but {len(params)} sampling params"
-            )
+    ) -> list[RequestOutput | EmbeddingRequestOutput]:
+        """Run every prompt with its params to the end; outputs in the prompts' order."""
         priorities = [0] * len(prompts) if priority is None else list(priority)
         if len(priorities) != len(prompts):
             raise InvalidRequestError(
                 f"got {len(prompts)} prompts but {len(priorities)} priorities"
             )
         engine = self.engine
-        params = [engine.tokenize_bad_words(sp) for sp in params]
+        params = [
+            engine.tokenize_bad_words(p) if isinstance(p, SamplingParams) else p for p in given
+        ]
         # Validate everything first so one bad prompt does not leave others half-submitted.
-        encoded = [engine.encode(p) if isinstance(p, str) else p for p in prompts]
+        encoded = [
+            truncate_prompt(
+                engine.encode(p) if isinstance(p, str) else p,
+                sp.truncate_prompt_tokens,
+                engine.max_model_len,
+            )
+            for p, sp in zip(prompts, params, strict=True)
+        ]
         for token_ids, sp, prio in zip(encoded, params, priorities, strict=True):
             engine.core.validate_request(token_ids, sp, prio)
         ids = [str(next(self._counter)) for _ in prompts]
@@ -149,7 +166,7 @@ class LLM:
             ids, prompts, encoded, params, priorities, strict=True
         ):
             engine.add_request(req_id, prompt, sp, prompt_token_ids=token_ids, priority=prio)
-        results: dict[str, RequestOutput] = {}
+        results: dict[str, RequestOutput | EmbeddingRequestOutput] = {}
         with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm) as bar:
             try:
                 while engine.has_unfinished_requests():
@@ -161,3 +178,31 @@ class LLM:
                     engine.abort_request(req_id)
                 raise
         return [results[i] for i in ids]
+
+
+def _prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[str | list[int]]:
+    """Prompts as text or token ids, however given (one or many; strings or TokensPrompt)."""
+    if isinstance(prompts, str | dict):
+        prompts = [prompts]
+    out: list[str | list[int]] = []
+    for p in prompts:
+        if isinstance(p, str):
+            out.append(p)
+        elif isinstance(p, dict) and "prompt_token_ids" in p:
+            out.append(list(p["prompt_token_ids"]))
+        else:
+            raise InvalidRequestError(
+                "a prompt is a string or {'prompt_token_ids': [...]}, got " + type(p).__name__
+            )
+    return out
+
+
+def _params_list(given: Any, kind: type[_P], num_prompts: int) -> list[_P]:
+    """One params object (for every prompt), or one per prompt, as a list of ``kind``."""
+    params = list(given) if isinstance(given, Sequence) else [given] * num_prompts
+    for p in params:
+        if not isinstance(p, kind):
+            raise InvalidRequestError(f"expected {kind.__name__}, got {type(p).__name__}")
+    if len(params) != num_prompts:
+        raise InvalidRequestError(f"got {num_prompts} prompts but {len(params)} {kind.__name__}")
+    return params

@@ -40,3 +40,23 @@ class RequestOutput:
     num_cached_tokens: int = 0
     # With SamplingParams(prompt_logprobs=N): per prompt token, None for the first.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """What ``LLM.embed`` returns per prompt, as vLLM's."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from baton_engine.core.outputs import TokenLogprobs
+from baton_engine.pooling_params import PoolingParams
 from baton_engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -76,6 +77,9 @@ class Request:
     # prompt's KV lives) first waits for those blocks to be pulled instead of computing them.
     prefill_only: bool = False
     remote_kv: object | None = None
+    # An embedding request: it ends when its prompt is computed (max_tokens 1; the token the
+    # step samples is dropped above the core), reporting the pooled hidden state.
+    pooling: PoolingParams | None = None
     # Structured output: the request's matcher, which accepts each token it samples (the
     # scheduler's update) and bounds the next (the engine's bitmask); the request ends when
     # the grammar does.
@@ -89,7 +93,7 @@ class Request:
     # For the scheduler's common case, set once: while fewer than ``stop_len`` tokens are out
     # and the last is not in ``stop_ids``, ``check_stop`` returns None and the step's output is
     # the token alone (``stop_len`` is 0 when a request must take the full path: prefill-only,
-    # logprobs or prompt logprobs asked for).
+    # embedding, logprobs or prompt logprobs asked for).
     stop_len: int = field(init=False, repr=False)
     stop_ids: frozenset[int] = field(init=False, repr=False)
     # Multi-step scheduling may run its decodes several passes a step: its sampling needs none
@@ -103,6 +107,7 @@ class Request:
         sp = self.sampling_params
         plain = (
             not self.prefill_only
+            and self.pooling is None
             and sp.logprobs is None
             and sp.prompt_logprobs is None
             and self.grammar is None

@@ -111,6 +111,8 @@ class SamplingParams:
     # Per banned sequence, its token ids: the last is never sampled while the output ends with
     # the others (a sequence of one token: never). When given, bad_words are not tokenized.
     bad_words_token_ids: list[list[int]] | None = None
+    # Keep only the prompt's last N tokens (-1: as many as max_model_len), as vLLM's.
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -154,6 +156,7 @@ class SamplingParams:
             )
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise bad(f"logprobs must be in [0, 20], got {self.logprobs}")
+        check_truncate_prompt_tokens(self.truncate_prompt_tokens)
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
             raise bad(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}")
         if any(t < 0 for t in self.stop_token_ids):
@@ -210,3 +213,22 @@ def tokenize_bad_words(bad_words: Sequence[str], tokenizer: Any) -> list[list[in
         if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
             sequences.append(spaced)
     return sequences
+
+
+def check_truncate_prompt_tokens(keep: int | None) -> None:
+    if keep is not None and keep != -1 and keep < 1:
+        raise InvalidRequestError(f"truncate_prompt_tokens must be at least 1, or -1, got {keep}")
+
+
+def truncate_prompt(token_ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """vLLM's ``truncate_prompt_tokens``: the prompt's last ``keep`` tokens (-1: max_model_len's
+    worth; None: all of it). Raises ``InvalidRequestError`` when ``keep`` exceeds
+    ``max_model_len``."""
+    if keep is None:
+        return token_ids
+    if keep > max_model_len:
+        raise InvalidRequestError(
+            f"truncate_prompt_tokens ({keep}) is greater than max_model_len ({max_model_len}); "
+            "select a smaller truncation size"
+        )
+    return token_ids[-(max_model_len if keep == -1 else keep) :]

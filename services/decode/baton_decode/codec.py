@@ -16,6 +16,7 @@ from baton.v1 import common_pb2, engine_pb2
 from baton_engine.core.engine_core import EngineCore, EngineStats
 from baton_engine.core.outputs import EngineCoreOutput, TokenLogprobs
 from baton_engine.errors import InvalidRequestError
+from baton_engine.pooling_params import PoolingParams
 from baton_engine.sampling_params import SamplingParams, StructuredOutputsParams
 from baton_kvtransfer.handle import KVHandle
 
@@ -117,6 +118,27 @@ def generate_input_from_proto(pb: engine_pb2.GenerateRequest) -> GenerateInput:
         first_token_id=pb.first_token_id if remote else None,
         kv_handle=handle,
         priority=pb.priority,
+    )
+
+
+def embed_input_from_proto(
+    pb: engine_pb2.EmbedRequest,
+) -> tuple[list[list[int]], PoolingParams]:
+    """An ``EmbedRequest``'s inputs and their pooling params (unset ``normalize``: true)."""
+    if not pb.inputs:
+        raise InvalidRequestError("an embed request needs at least one input")
+    params = PoolingParams(
+        dimensions=pb.dimensions if pb.HasField("dimensions") else None,
+        normalize=pb.normalize if pb.HasField("normalize") else None,
+    )
+    return [list(i.token_ids) for i in pb.inputs], params
+
+
+def embedding_to_proto(out: EngineCoreOutput, num_prompt_tokens: int) -> engine_pb2.Embedding:
+    return engine_pb2.Embedding(
+        values=out.pooled or [],
+        num_prompt_tokens=num_prompt_tokens,
+        num_cached_tokens=out.num_cached_tokens,
     )
 
 

@@ -37,6 +37,7 @@ from baton_decode.metrics import StatsLogger, WorkerMetrics
 from baton_engine.core.engine_core import EngineCore, EngineStats
 from baton_engine.core.outputs import EngineCoreOutput, KVLoad
 from baton_engine.errors import BatonError, InvalidRequestError
+from baton_engine.pooling_params import PoolingParams
 from baton_engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -50,7 +51,7 @@ _MAX_CONSECUTIVE_STEP_FAILURES = 3
 class _Add:
     req_id: str
     prompt_token_ids: list[int]
-    params: SamplingParams
+    params: SamplingParams | PoolingParams
     prefill_only: bool = False
     remote_kv: object | None = None
     first_token_id: int | None = None
@@ -279,14 +280,15 @@ class EngineLoop:
         self,
         req_id: str,
         prompt_token_ids: Sequence[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         *,
         prefill_only: bool = False,
         remote_kv: object | None = None,
         first_token_id: int | None = None,
         priority: int = 0,
     ) -> RequestStream:
-        """Validate and queue a request; its outputs arrive on the returned stream.
+        """Validate and queue a request; its outputs arrive on the returned stream (an
+        embedding request's, ``PoolingParams``: one output, with ``pooled``).
 
         Raises, before anything is queued: ``InvalidRequestError`` (``DuplicateRequestError``
         for an id in flight), then ``WorkerFullError``, or ``EngineDeadError``. Bad input is

@@ -47,7 +47,7 @@ from baton_decode.kv_puller import KVPuller, RemoteKV, StagingArea, check_block_
 from baton_decode.metrics import WorkerMetrics
 from baton_engine.config import EngineConfig
 from baton_engine.core.engine_core import EngineCore
-from baton_engine.core.outputs import KVLoad
+from baton_engine.core.outputs import EngineCoreOutput, KVLoad
 from baton_engine.errors import BatonError, InvalidRequestError
 from baton_engine.model_files import served_model_name
 from baton_kvstore.client import KVStoreClient, WorkerRegistration
@@ -308,6 +308,71 @@ class DecodeServicer(WorkerInfoMixin, engine_pb2_grpc.DecodeServiceServicer):
                     self.engine.abort([message.cancel_req_id])
         finally:
             call.news.set()  # the writer decides whether the call is over
+
+    async def Embed(
+        self, request: engine_pb2.EmbedRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> engine_pb2.EmbedResponse:
+        """Every input as an embedding request ("<req_id>-<i>"), answered once all are pooled
+        (``_embed``); a refusal or failure ends the call with its status."""
+        span = tracing.start_span(
+            "decode worker embed",
+            tracing.extract(context.invocation_metadata()),
+            tracing.SpanKind.SERVER,
+            {"baton.req_id": request.req_id, "baton.num_inputs": len(request.inputs)},
+        )
+        error: BaseException | str | None = "cancelled"
+        try:
+            response = await self._embed(request)
+            error = None
+            return response
+        except BatonError as e:
+            error = e
+            await context.abort(status_code(e), str(e))
+            raise  # (abort raised already)
+        finally:
+            tracing.end_span(span, error)
+
+    async def _embed(self, request: engine_pb2.EmbedRequest) -> engine_pb2.EmbedResponse:
+        """All inputs are validated before any runs. They are admitted as the worker has room:
+        one that finds it full waits for an earlier input of the call to end, so a call of
+        more inputs than ``max_pending`` still runs (``WorkerFullError`` only when none of its
+        inputs fits). Leaving early (an error, the call cancelled) aborts the inputs still
+        running."""
+        if self.draining:
+            raise EngineDeadError("the worker is shutting down")
+        inputs, params = codec.embed_input_from_proto(request)
+        for ids in inputs:
+            self.engine.core.validate_request(ids, params, request.priority)
+        embeddings: dict[int, engine_pb2.Embedding] = {}
+        running: dict[asyncio.Task[list[EngineCoreOutput]], tuple[int, str]] = {}
+        admitted = 0
+        try:
+            while admitted < len(inputs) or running:
+                while admitted < len(inputs):
+                    req_id = f"{request.req_id}-{admitted}"
+                    try:
+                        stream = self.engine.add_request(
+                            req_id, inputs[admitted], params, priority=request.priority
+                        )
+                    except WorkerFullError:
+                        if not running:
+                            raise
+                        break  # wait for one of ours to end
+                    running[asyncio.ensure_future(stream.next_batch())] = (admitted, req_id)
+                    admitted += 1
+                done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    i, _ = running.pop(task)
+                    out = task.result()[-1]  # (raises the request's error)
+                    if out.pooled is None:  # aborted: the worker is stopping
+                        raise EngineDeadError("the worker is shutting down")
+                    embeddings[i] = codec.embedding_to_proto(out, len(inputs[i]))
+        finally:
+            for task in running:
+                task.cancel()
+            if running:
+                self.engine.abort([req_id for _, req_id in running.values()])
+        return engine_pb2.EmbedResponse(embeddings=[embeddings[i] for i in range(len(inputs))])
 
     async def Abort(
         self, request: engine_pb2.AbortRequest, context: grpc.aio.ServicerContext[Any, Any]

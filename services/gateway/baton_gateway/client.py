@@ -679,6 +679,52 @@ class WorkerPool:
                 call.cancel()  # a no-op when the call has already ended
                 tracing.end_span(span, error)
 
+    # --- embeddings ------------------------------------------------------------------------------
+
+    async def embed(
+        self, request: engine_pb2.EmbedRequest, trace_parent: tracing.Context | None = None
+    ) -> list[codec.Embedded]:
+        """Run ``request`` on one decode worker: the cheapest for its first input (prefix
+        cache and load, as ``route`` weighs them), or, if that one is full or gone before it
+        answers, the next. Raises GatewayError for a failed call."""
+        first = request.inputs[0].token_ids
+        cached = await self._cached_blocks(first) if self._worth_lookup(first) else {}
+        tried: list[Worker] = []
+        picked = self._pick(DECODE, len(first), cached)
+        if picked is None:
+            raise GatewayError(HTTPStatus.SERVICE_UNAVAILABLE, "no decode worker is available")
+        while True:
+            worker = picked[0]
+            tried.append(worker)
+            worker.num_inflight += 1
+            span = tracing.start_span(
+                "embed", trace_parent, tracing.SpanKind.CLIENT, {"baton.worker": worker.addr}
+            )
+            error: str | None = "cancelled"
+            try:
+                metadata = tracing.inject(tracing.context_with(span))
+                response = await worker.stub.Embed(request, metadata=metadata)
+                error = None
+                return codec.embedded(response)
+            except grpc.aio.AioRpcError as e:
+                error = e.code().name
+                if e.code() not in _RETRYABLE:
+                    raise rpc_error(e, worker.addr) from e
+                if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    self._mark_down(worker, e.code().name)
+                picked = self._pick(DECODE, len(first), {}, tried)
+                if picked is None:
+                    raise rpc_error(e, worker.addr) from e
+                logger.warning(
+                    "embed on %s failed (%s); retrying on %s",
+                    worker.addr,
+                    e.code().name,
+                    picked[0].addr,
+                )
+            finally:
+                worker.num_inflight -= 1
+                tracing.end_span(span, error)
+
     async def _abort(self, worker: Worker, req_id: str) -> None:
         try:
             await worker.stub.Abort(codec.abort_request([req_id]), timeout=2.0)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from baton.v1 import common_pb2, engine_pb2
+from baton_gateway.embeddings import EmbeddingRequest
 from baton_gateway.protocol import ChatCompletionRequest, CompletionRequest, StructuredOutputsSpec
 
 _FINISH_REASONS = {
@@ -198,6 +199,36 @@ def remote_generate_request(
         out.first_token_logprobs.CopyFrom(prefill.first_token_logprobs)
     out.kv_handle.CopyFrom(prefill.kv_handle)
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class Embedded:
+    """One input's embedding, as a worker computed it."""
+
+    values: list[float]
+    num_prompt_tokens: int
+    num_cached_tokens: int
+
+
+def embed_request(
+    req_id: str, prompts: list[list[int]], request: EmbeddingRequest
+) -> engine_pb2.EmbedRequest:
+    pb = engine_pb2.EmbedRequest(
+        req_id=req_id,
+        inputs=[common_pb2.TokenIds(token_ids=ids) for ids in prompts],
+        priority=request.priority,
+    )
+    if request.dimensions is not None:
+        pb.dimensions = request.dimensions
+    if request.normalize is not None:
+        pb.normalize = request.normalize
+    return pb
+
+
+def embedded(pb: engine_pb2.EmbedResponse) -> list[Embedded]:
+    return [
+        Embedded(list(e.values), e.num_prompt_tokens, e.num_cached_tokens) for e in pb.embeddings
+    ]
 
 
 def abort_request(req_ids: list[str]) -> engine_pb2.AbortRequest:

@@ -22,10 +22,15 @@ from pydantic import ValidationError
 
 from baton import tracing
 from baton_engine.errors import InvalidRequestError
-from baton_engine.sampling_params import tokenize_bad_words
-from baton_gateway import codec, responses_api
+from baton_engine.sampling_params import tokenize_bad_words, truncate_prompt
+from baton_gateway import codec, embeddings, responses_api
 from baton_gateway.chat import render_chat_prompt, tokenize_chat, tokenize_text
 from baton_gateway.client import WorkerPool
+from baton_gateway.embeddings import (
+    EmbeddingChatRequest,
+    EmbeddingCompletionRequest,
+    EmbeddingRequest,
+)
 from baton_gateway.errors import GatewayError, bad_request
 from baton_gateway.generation import Generation, SequenceDelta, SequenceSpec, TextOptions
 from baton_gateway.metrics import GatewayMetrics, RequestRecord
@@ -61,6 +66,9 @@ from baton_gateway.streaming import (
     completion_stream,
 )
 from baton_gateway.tools import ReadOut, ToolCallsSoFar, tool_use
+
+# What the id and truncation helpers read: ``request_id``, ``truncate_prompt_tokens``.
+_WithPrompt = ChatCompletionRequest | CompletionRequest | EmbeddingRequest
 
 
 def check_length(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> int:
@@ -197,9 +205,7 @@ class Pipeline:
         parent = tracing.context_with(record.span) if record.span is not None else None
         return Generation(self.pool, self.tokenizer, specs, options, parent)
 
-    def _request_ids(
-        self, prefix: str, request: ChatCompletionRequest | CompletionRequest, named: RequestIds
-    ) -> tuple[str, str]:
+    def _request_ids(self, prefix: str, request: _WithPrompt, named: RequestIds) -> tuple[str, str]:
         """The response's id and the workers' id base: ``{prefix}-{X-Request-Id}``, else
         ``{prefix}-{request_id}`` (vLLM's), else the one the server made, else random. A
         client's id need not be unique, so the workers' ids add a random part to it."""
@@ -211,22 +217,12 @@ class Pipeline:
         req_id = f"{prefix}{separator}{given}"
         return req_id, random_id(req_id)
 
-    def _truncated(
-        self, ids: list[int], request: ChatCompletionRequest | CompletionRequest
-    ) -> list[int]:
+    def _truncated(self, ids: list[int], request: _WithPrompt) -> list[int]:
         """The prompt's last ``truncate_prompt_tokens`` tokens (-1: the context's worth)."""
-        keep = request.truncate_prompt_tokens
-        if keep is None:
-            return ids
-        if keep == -1:
-            keep = self.max_model_len
-        elif keep > self.max_model_len:
-            raise bad_request(
-                f"truncate_prompt_tokens ({keep}) is greater than max_model_len "
-                f"({self.max_model_len}). Please select a smaller truncation size.",
-                param="truncate_prompt_tokens",
-            )
-        return ids[-keep:]
+        try:
+            return truncate_prompt(ids, request.truncate_prompt_tokens, self.max_model_len)
+        except InvalidRequestError as e:
+            raise bad_request(str(e), param="truncate_prompt_tokens") from e
 
     def _chat_specs(
         self, request: ChatCompletionRequest, prefix: str, named: RequestIds
@@ -416,8 +412,11 @@ class Pipeline:
             self._fail(record, e)
             raise
 
-    def _completion_prompts(self, request: CompletionRequest) -> list[list[int]]:
-        prompt = request.prompt
+    def _completion_prompts(
+        self, request: CompletionRequest | EmbeddingCompletionRequest
+    ) -> list[list[int]]:
+        """The token ids of each prompt (``input``, for embeddings), truncated as asked."""
+        prompt = request.prompt if isinstance(request, CompletionRequest) else request.input
         if isinstance(prompt, str):
             prompts = [tokenize_text(self.tokenizer, prompt, request.add_special_tokens)]
         elif isinstance(prompt[0], str):
@@ -431,6 +430,40 @@ class Pipeline:
         for ids in prompts:
             self._check_vocabulary(ids, "prompt")
         return [self._truncated(ids, request) for ids in prompts]
+
+    async def embeddings(
+        self, request: EmbeddingRequest, named: RequestIds = RequestIds()
+    ) -> Response:
+        """``/v1/embeddings``: every input's ids to one decode worker's ``Embed``."""
+        self.check_model(request.model)
+        record = self.metrics.start("embeddings")
+        try:
+            if isinstance(request, EmbeddingChatRequest):
+                ids = tokenize_chat(self.tokenizer, request, self.chat_template)
+                prompts = [self._truncated(ids, request)]
+            else:
+                prompts = self._completion_prompts(request)
+            for ids in prompts:
+                if not ids:
+                    raise bad_request("the prompt is empty", param="input")
+                if len(ids) > self.max_model_len:
+                    raise bad_request(
+                        f"This model's maximum context length is {self.max_model_len} tokens. "
+                        f"However, you requested {len(ids)} tokens in the input for embedding "
+                        "generation. Please reduce the length of the input.",
+                        param="input",
+                    )
+            req_id, worker_id = self._request_ids("embd", request, named)
+            parent = tracing.context_with(record.span) if record.span is not None else None
+            embedded = await self.pool.embed(
+                codec.embed_request(worker_id, prompts, request), parent
+            )
+            body = embeddings.response(req_id, self.model_name, embedded, request.encoding_format)
+            self.metrics.finish(record, "ok", num_prompt_tokens=body.usage.prompt_tokens)
+            return Response(body.model_dump_json(), media_type="application/json")
+        except BaseException as e:
+            self._fail(record, e)
+            raise
 
     def _check_vocabulary(self, ids: list[int], param: str) -> None:
         bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)

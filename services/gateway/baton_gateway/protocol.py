@@ -381,7 +381,7 @@ class ChatCompletionRequest(_SamplingRequest, ChatPrompt):
 PromptInput = str | list[str] | list[int] | list[list[int]]
 
 
-def _check_prompt(prompt: PromptInput) -> None:
+def check_prompt(prompt: PromptInput) -> None:
     """Reject empty prompt lists and negative token ids (an empty string is checked once it is
     tokenized: with a BOS token it is a valid prompt)."""
     if isinstance(prompt, str):
@@ -415,7 +415,7 @@ class CompletionRequest(_SamplingRequest):
             raise ValueError("suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of is not supported (it must be unset or equal n)")
-        _check_prompt(self.prompt)
+        check_prompt(self.prompt)
         return self
 
     @property

@@ -1,8 +1,8 @@
 """The OpenAI-compatible HTTP server: routes, auth, errors, and the request pipeline.
 
 Routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/responses`` (and ``GET``/``DELETE
-/v1/responses/{id}``), ``/v1/models``; vLLM's ``/tokenize``, ``/detokenize``, ``/version`` and
-``/ping``; ``/health`` and ``/metrics``.
+/v1/responses/{id}``), ``/v1/embeddings``, ``/v1/models``; vLLM's ``/tokenize``,
+``/detokenize``, ``/version`` and ``/ping``; ``/health`` and ``/metrics``.
 
 Every completion request: validate (pydantic; 400) -> check the model name (404) -> render the
 chat template and tokenize -> check prompt + max_tokens against ``max_model_len`` (400) -> one
@@ -19,10 +19,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 from fastapi import FastAPI, Request
@@ -37,6 +37,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 import baton
 from baton_gateway.auth import ApiKeyMiddleware
 from baton_gateway.client import WorkerPool
+from baton_gateway.embeddings import embedding_request
 from baton_gateway.errors import GatewayError, error_response
 from baton_gateway.metrics import GatewayMetrics
 from baton_gateway.pipeline import Pipeline, RequestIds
@@ -55,6 +56,7 @@ logger = logging.getLogger(__name__)
 
 # Not an HTTP status a client will see (it has gone): nginx's "client closed request".
 _CLIENT_CLOSED = 499
+_Body = TypeVar("_Body")
 
 
 @dataclass(frozen=True)
@@ -138,6 +140,17 @@ class RequestIdMiddleware:
             await send(message)
 
         await self.app(scope, receive, send_with_id)
+
+
+async def _parse(request: Request, parse: Callable[[Any], _Body]) -> _Body:
+    """A body whose model depends on its fields (``messages`` or not), as FastAPI would
+    have validated it: pydantic's errors, or a bad JSON body, become a 400."""
+    try:
+        return parse(await request.json())
+    except ValidationError as e:
+        raise RequestValidationError(e.errors()) from e
+    except ValueError as e:  # not JSON
+        raise RequestValidationError([{"loc": ("body",), "msg": f"invalid JSON: {e}"}]) from e
 
 
 async def _cancel_on_disconnect(request: Request, work: Awaitable[Response]) -> Response:
@@ -306,15 +319,15 @@ def create_app(config: GatewayConfig, tokenizer: Any) -> FastAPI:
     async def delete_response(response_id: str) -> JSONResponse:
         return _json(200, state.pipeline.delete_response(response_id))
 
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Response:
+        body = await _parse(request, embedding_request)
+        work = state.pipeline.embeddings(body, request_ids(request))
+        return await _cancel_on_disconnect(request, work)
+
     @app.post("/tokenize")
     async def tokenize(request: Request) -> JSONResponse:
-        try:
-            body = tokenize_request(await request.json())
-        except ValidationError as e:
-            raise RequestValidationError(e.errors()) from e
-        except ValueError as e:  # not JSON
-            raise RequestValidationError([{"loc": ("body",), "msg": f"invalid JSON: {e}"}]) from e
-        return _json(200, state.pipeline.tokenize(body))
+        return _json(200, state.pipeline.tokenize(await _parse(request, tokenize_request)))
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> JSONResponse:

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from baton.v1 import common_pb2 as baton_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x62\x61ton/v1/engine.proto\x12\x08\x62\x61ton.v1\x1a\x15\x62\x61ton/v1/common.proto\"\x87\x02\n\x0fGenerateRequest\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12*\n\x08sampling\x18\x03 \x01(\x0b\x32\x18.baton.v1.SamplingParams\x12\x1b\n\x0e\x66irst_token_id\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\x35\n\x14\x66irst_token_logprobs\x18\x05 \x01(\x0b\x32\x17.baton.v1.TokenLogprobs\x12%\n\tkv_handle\x18\x06 \x01(\x0b\x32\x12.baton.v1.KVHandle\x12\x10\n\x08priority\x18\x07 \x01(\x05\x42\x11\n\x0f_first_token_id\"\x95\x02\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12)\n\x08logprobs\x18\x02 \x03(\x0b\x32\x17.baton.v1.TokenLogprobs\x12-\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x16.baton.v1.FinishReason\x12\x1a\n\rstop_token_id\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\x05\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\x05\x12\x30\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x17.baton.v1.TokenLogprobsB\x10\n\x0e_stop_token_id\"\xe6\x01\n\x15GenerateStreamRequest\x12-\n\x08generate\x18\x01 \x01(\x0b\x32\x19.baton.v1.GenerateRequestH\x00\x12\x17\n\rcancel_req_id\x18\x02 \x01(\tH\x00\x12H\n\rtrace_context\x18\x03 \x03(\x0b\x32\x31.baton.v1.GenerateStreamRequest.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x06\n\x04kind\"E\n\x16GenerateStreamResponse\x12+\n\x05items\x18\x01 \x03(\x0b\x32\x1c.baton.v1.GenerateStreamItem\"}\n\x12GenerateStreamItem\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12,\n\x08response\x18\x02 \x01(\x0b\x32\x1a.baton.v1.GenerateResponse\x12\x12\n\nerror_code\x18\x03 \x01(\x05\x12\x15\n\rerror_message\x18\x04 \x01(\t\"\x1f\n\x0c\x41\x62ortRequest\x12\x0f\n\x07req_ids\x18\x01 \x03(\t\"$\n\rAbortResponse\x12\x13\n\x0bnum_aborted\x18\x01 \x01(\x05\"\x10\n\x0eGetLoadRequest\"5\n\x0fGetLoadResponse\x12\"\n\x04load\x18\x01 \x01(\x0b\x32\x14.baton.v1.WorkerLoad\"\x15\n\x13GetModelInfoRequest\"\x9f\x01\n\x14GetModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x12\n\nblock_size\x18\x04 \x01(\x05\x12\x15\n\reos_token_ids\x18\x05 \x03(\x05\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x13\n\x0bmetrics_url\x18\x07 \x01(\t\"x\n\x0ePrefillRequest\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12*\n\x08sampling\x18\x03 \x01(\x0b\x32\x18.baton.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\"\xd1\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12\x35\n\x14\x66irst_token_logprobs\x18\x02 \x01(\x0b\x32\x17.baton.v1.TokenLogprobs\x12-\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x16.baton.v1.FinishReason\x12%\n\tkv_handle\x18\x04 \x01(\x0b\x32\x12.baton.v1.KVHandle\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\x05\x32\xf6\x02\n\rDecodeService\x12\x43\n\x08Generate\x12\x19.baton.v1.GenerateRequest\x1a\x1a.baton.v1.GenerateResponse0\x01\x12W\n\x0eGenerateStream\x12\x1f.baton.v1.GenerateStreamRequest\x1a .baton.v1.GenerateStreamResponse(\x01\x30\x01\x12\x38\n\x05\x41\x62ort\x12\x16.baton.v1.AbortRequest\x1a\x17.baton.v1.AbortResponse\x12>\n\x07GetLoad\x12\x18.baton.v1.GetLoadRequest\x1a\x19.baton.v1.GetLoadResponse\x12M\n\x0cGetModelInfo\x12\x1d.baton.v1.GetModelInfoRequest\x1a\x1e.baton.v1.GetModelInfoResponse2\x99\x02\n\x0ePrefillService\x12>\n\x07Prefill\x12\x18.baton.v1.PrefillRequest\x1a\x19.baton.v1.PrefillResponse\x12\x38\n\x05\x41\x62ort\x12\x16.baton.v1.AbortRequest\x1a\x17.baton.v1.AbortResponse\x12>\n\x07GetLoad\x12\x18.baton.v1.GetLoadRequest\x1a\x19.baton.v1.GetLoadResponse\x12M\n\x0cGetModelInfo\x12\x1d.baton.v1.GetModelInfoRequest\x1a\x1e.baton.v1.GetModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x62\x61ton/v1/engine.proto\x12\x08\x62\x61ton.v1\x1a\x15\x62\x61ton/v1/common.proto\"\x87\x02\n\x0fGenerateRequest\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12*\n\x08sampling\x18\x03 \x01(\x0b\x32\x18.baton.v1.SamplingParams\x12\x1b\n\x0e\x66irst_token_id\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\x35\n\x14\x66irst_token_logprobs\x18\x05 \x01(\x0b\x32\x17.baton.v1.TokenLogprobs\x12%\n\tkv_handle\x18\x06 \x01(\x0b\x32\x12.baton.v1.KVHandle\x12\x10\n\x08priority\x18\x07 \x01(\x05\x42\x11\n\x0f_first_token_id\"\x95\x02\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12)\n\x08logprobs\x18\x02 \x03(\x0b\x32\x17.baton.v1.TokenLogprobs\x12-\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x16.baton.v1.FinishReason\x12\x1a\n\rstop_token_id\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\x05\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\x05\x12\x30\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x17.baton.v1.TokenLogprobsB\x10\n\x0e_stop_token_id\"\xa2\x01\n\x0c\x45mbedRequest\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\"\n\x06inputs\x18\x02 \x03(\x0b\x32\x12.baton.v1.TokenIds\x12\x17\n\ndimensions\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12\x16\n\tnormalize\x18\x04 \x01(\x08H\x01\x88\x01\x01\x12\x10\n\x08priority\x18\x05 \x01(\x05\x42\r\n\x0b_dimensionsB\x0c\n\n_normalize\"Q\n\tEmbedding\x12\x0e\n\x06values\x18\x01 \x03(\x02\x12\x19\n\x11num_prompt_tokens\x18\x02 \x01(\x05\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\x05\"8\n\rEmbedResponse\x12\'\n\nembeddings\x18\x01 \x03(\x0b\x32\x13.baton.v1.Embedding\"\xe6\x01\n\x15GenerateStreamRequest\x12-\n\x08generate\x18\x01 \x01(\x0b\x32\x19.baton.v1.GenerateRequestH\x00\x12\x17\n\rcancel_req_id\x18\x02 \x01(\tH\x00\x12H\n\rtrace_context\x18\x03 \x03(\x0b\x32\x31.baton.v1.GenerateStreamRequest.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x06\n\x04kind\"E\n\x16GenerateStreamResponse\x12+\n\x05items\x18\x01 \x03(\x0b\x32\x1c.baton.v1.GenerateStreamItem\"}\n\x12GenerateStreamItem\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12,\n\x08response\x18\x02 \x01(\x0b\x32\x1a.baton.v1.GenerateResponse\x12\x12\n\nerror_code\x18\x03 \x01(\x05\x12\x15\n\rerror_message\x18\x04 \x01(\t\"\x1f\n\x0c\x41\x62ortRequest\x12\x0f\n\x07req_ids\x18\x01 \x03(\t\"$\n\rAbortResponse\x12\x13\n\x0bnum_aborted\x18\x01 \x01(\x05\"\x10\n\x0eGetLoadRequest\"5\n\x0fGetLoadResponse\x12\"\n\x04load\x18\x01 \x01(\x0b\x32\x14.baton.v1.WorkerLoad\"\x15\n\x13GetModelInfoRequest\"\x9f\x01\n\x14GetModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x12\n\nblock_size\x18\x04 \x01(\x05\x12\x15\n\reos_token_ids\x18\x05 \x03(\x05\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x13\n\x0bmetrics_url\x18\x07 \x01(\t\"x\n\x0ePrefillRequest\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12*\n\x08sampling\x18\x03 \x01(\x0b\x32\x18.baton.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\"\xd1\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12\x35\n\x14\x66irst_token_logprobs\x18\x02 \x01(\x0b\x32\x17.baton.v1.TokenLogprobs\x12-\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x16.baton.v1.FinishReason\x12%\n\tkv_handle\x18\x04 \x01(\x0b\x32\x12.baton.v1.KVHandle\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\x05\x32\xb0\x03\n\rDecodeService\x12\x43\n\x08Generate\x12\x19.baton.v1.GenerateRequest\x1a\x1a.baton.v1.GenerateResponse0\x01\x12W\n\x0eGenerateStream\x12\x1f.baton.v1.GenerateStreamRequest\x1a .baton.v1.GenerateStreamResponse(\x01\x30\x01\x12\x38\n\x05\x45mbed\x12\x16.baton.v1.EmbedRequest\x1a\x17.baton.v1.EmbedResponse\x12\x38\n\x05\x41\x62ort\x12\x16.baton.v1.AbortRequest\x1a\x17.baton.v1.AbortResponse\x12>\n\x07GetLoad\x12\x18.baton.v1.GetLoadRequest\x1a\x19.baton.v1.GetLoadResponse\x12M\n\x0cGetModelInfo\x12\x1d.baton.v1.GetModelInfoRequest\x1a\x1e.baton.v1.GetModelInfoResponse2\x99\x02\n\x0ePrefillService\x12>\n\x07Prefill\x12\x18.baton.v1.PrefillRequest\x1a\x19.baton.v1.PrefillResponse\x12\x38\n\x05\x41\x62ort\x12\x16.baton.v1.AbortRequest\x1a\x17.baton.v1.AbortResponse\x12>\n\x07GetLoad\x12\x18.baton.v1.GetLoadRequest\x1a\x19.baton.v1.GetLoadResponse\x12M\n\x0cGetModelInfo\x12\x1d.baton.v1.GetModelInfoRequest\x1a\x1e.baton.v1.GetModelInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,32 +38,38 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREQUEST']._serialized_end=322
   _globals['_GENERATERESPONSE']._serialized_start=325
   _globals['_GENERATERESPONSE']._serialized_end=602
-  _globals['_GENERATESTREAMREQUEST']._serialized_start=605
-  _globals['_GENERATESTREAMREQUEST']._serialized_end=835
-  _globals['_GENERATESTREAMREQUEST_TRACECONTEXTENTRY']._serialized_start=776
-  _globals['_GENERATESTREAMREQUEST_TRACECONTEXTENTRY']._serialized_end=827
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=837
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=906
-  _globals['_GENERATESTREAMITEM']._serialized_start=908
-  _globals['_GENERATESTREAMITEM']._serialized_end=1033
-  _globals['_ABORTREQUEST']._serialized_start=1035
-  _globals['_ABORTREQUEST']._serialized_end=1066
-  _globals['_ABORTRESPONSE']._serialized_start=1068
-  _globals['_ABORTRESPONSE']._serialized_end=1104
-  _globals['_GETLOADREQUEST']._serialized_start=1106
-  _globals['_GETLOADREQUEST']._serialized_end=1122
-  _globals['_GETLOADRESPONSE']._serialized_start=1124
-  _globals['_GETLOADRESPONSE']._serialized_end=1177
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1179
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1200
-  _globals['_GETMODELINFORESPONSE']._serialized_start=1203
-  _globals['_GETMODELINFORESPONSE']._serialized_end=1362
-  _globals['_PREFILLREQUEST']._serialized_start=1364
-  _globals['_PREFILLREQUEST']._serialized_end=1484
-  _globals['_PREFILLRESPONSE']._serialized_start=1487
-  _globals['_PREFILLRESPONSE']._serialized_end=1696
-  _globals['_DECODESERVICE']._serialized_start=1699
-  _globals['_DECODESERVICE']._serialized_end=2073
-  _globals['_PREFILLSERVICE']._serialized_start=2076
-  _globals['_PREFILLSERVICE']._serialized_end=2357
+  _globals['_EMBEDREQUEST']._serialized_start=605
+  _globals['_EMBEDREQUEST']._serialized_end=767
+  _globals['_EMBEDDING']._serialized_start=769
+  _globals['_EMBEDDING']._serialized_end=850
+  _globals['_EMBEDRESPONSE']._serialized_start=852
+  _globals['_EMBEDRESPONSE']._serialized_end=908
+  _globals['_GENERATESTREAMREQUEST']._serialized_start=911
+  _globals['_GENERATESTREAMREQUEST']._serialized_end=1141
+  _globals['_GENERATESTREAMREQUEST_TRACECONTEXTENTRY']._serialized_start=1082
+  _globals['_GENERATESTREAMREQUEST_TRACECONTEXTENTRY']._serialized_end=1133
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1143
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1212
+  _globals['_GENERATESTREAMITEM']._serialized_start=1214
+  _globals['_GENERATESTREAMITEM']._serialized_end=1339
+  _globals['_ABORTREQUEST']._serialized_start=1341
+  _globals['_ABORTREQUEST']._serialized_end=1372
+  _globals['_ABORTRESPONSE']._serialized_start=1374
+  _globals['_ABORTRESPONSE']._serialized_end=1410
+  _globals['_GETLOADREQUEST']._serialized_start=1412
+  _globals['_GETLOADREQUEST']._serialized_end=1428
+  _globals['_GETLOADRESPONSE']._serialized_start=1430
+  _globals['_GETLOADRESPONSE']._serialized_end=1483
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1485
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1506
+  _globals['_GETMODELINFORESPONSE']._serialized_start=1509
+  _globals['_GETMODELINFORESPONSE']._serialized_end=1668
+  _globals['_PREFILLREQUEST']._serialized_start=1670
+  _globals['_PREFILLREQUEST']._serialized_end=1790
+  _globals['_PREFILLRESPONSE']._serialized_start=1793
+  _globals['_PREFILLRESPONSE']._serialized_end=2002
+  _globals['_DECODESERVICE']._serialized_start=2005
+  _globals['_DECODESERVICE']._serialized_end=2437
+  _globals['_PREFILLSERVICE']._serialized_start=2440
+  _globals['_PREFILLSERVICE']._serialized_end=2721
 # @@protoc_insertion_point(module_scope)

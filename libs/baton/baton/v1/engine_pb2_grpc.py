@@ -44,6 +44,11 @@ class DecodeServiceStub(object):
                 request_serializer=baton_dot_v1_dot_engine__pb2.GenerateStreamRequest.SerializeToString,
                 response_deserializer=baton_dot_v1_dot_engine__pb2.GenerateStreamResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/baton.v1.DecodeService/Embed',
+                request_serializer=baton_dot_v1_dot_engine__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_engine__pb2.EmbedResponse.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/baton.v1.DecodeService/Abort',
                 request_serializer=baton_dot_v1_dot_engine__pb2.AbortRequest.SerializeToString,
@@ -82,6 +87,15 @@ class DecodeServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """One embedding per input, in order: the pooled hidden state at its last token (each input
+        runs as an embedding request: its prompt is computed, nothing is generated). Any input's
+        error fails the call; cancelling the call aborts what is left.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Abort(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -112,6 +126,11 @@ def add_DecodeServiceServicer_to_server(servicer, server):
                     servicer.GenerateStream,
                     request_deserializer=baton_dot_v1_dot_engine__pb2.GenerateStreamRequest.FromString,
                     response_serializer=baton_dot_v1_dot_engine__pb2.GenerateStreamResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=baton_dot_v1_dot_engine__pb2.EmbedRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_engine__pb2.EmbedResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -183,6 +202,33 @@ class DecodeService(object):
             '/baton.v1.DecodeService/GenerateStream',
             baton_dot_v1_dot_engine__pb2.GenerateStreamRequest.SerializeToString,
             baton_dot_v1_dot_engine__pb2.GenerateStreamResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.DecodeService/Embed',
+            baton_dot_v1_dot_engine__pb2.EmbedRequest.SerializeToString,
+            baton_dot_v1_dot_engine__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -25,12 +25,16 @@ from baton_engine.kv_cache.block_pool import KVCacheEvent
 from baton_engine.model_files import load_tokenizer
 from baton_engine.model_loader import iter_weights, resolve_model
 from baton_engine.models.llama import shard_config
+from baton_engine.pooling_params import PoolingParams
 from baton_engine.request import Request, RequestStatus
 from baton_engine.runner.model_runner import ModelRunner, StepHandle
 from baton_engine.sampling_params import SamplingParams
 from baton_engine.structured_output import Grammar, StructuredOutputManager
 
 logger = logging.getLogger(__name__)
+# What an embedding request samples after its prompt (the argmax, dropped): a plain greedy
+# token keeps the step's fast paths.
+_EMBEDDING_SAMPLING = SamplingParams(temperature=0.0, max_tokens=1)
 
 _DEFAULT_CPU_KV_BYTES = 2 << 30
 _DEFAULT_MAX_MODEL_LEN = 8192
@@ -343,34 +347,64 @@ class EngineCore:
     # --- requests ------------------------------------------------------------------------------
 
     def validate_request(
-        self, prompt_token_ids: Sequence[int], params: SamplingParams, priority: int = 0
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams | PoolingParams,
+        priority: int = 0,
     ) -> None:
-        params.validate()
+        """Raise ``InvalidRequestError`` for a request ``add_request`` would refuse."""
         self.scheduler.check_priority(priority)
         n = len(prompt_token_ids)
         if n == 0:
             raise InvalidRequestError("the prompt is empty")
+        if isinstance(params, PoolingParams):
+            self._validate_embedding(prompt_token_ids, params)
+            return
+        params.validate()
         if n >= self.max_model_len:
             raise InvalidRequestError(
                 f"the prompt has {n} tokens, but max_model_len is {self.max_model_len} "
                 "(at least one token must be left to generate)"
             )
-        vocab = self.model_config.vocab_size
         for what, ids in (
             ("token id", prompt_token_ids),
             ("logit_bias token id", params.logit_bias or ()),
             ("allowed_token_ids token id", params.allowed_token_ids or ()),
             ("bad_words token id", [t for seq in params.bad_words_token_ids or () for t in seq]),
         ):
-            bad = next((t for t in ids if not 0 <= t < vocab), None)
-            if bad is not None:
-                raise InvalidRequestError(f"{what} {bad} is out of range [0, {vocab})")
+            self._check_token_ids(what, ids)
         if params.bad_words and params.bad_words_token_ids is None:
             raise InvalidRequestError(
                 "bad_words must come tokenized (bad_words_token_ids): the engine core has no "
                 "tokenizer"
             )
         self._grammar(params)
+
+    def _check_token_ids(self, what: str, ids: Iterable[int]) -> None:
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(f"{what} {bad} is out of range [0, {vocab})")
+
+    def _validate_embedding(self, prompt_token_ids: Sequence[int], params: PoolingParams) -> None:
+        n = len(prompt_token_ids)
+        if n > self.max_model_len:  # (nothing is generated: the whole context is the prompt's)
+            raise InvalidRequestError(
+                f"the prompt has {n} tokens, but max_model_len is {self.max_model_len}"
+            )
+        self._check_token_ids("token id", prompt_token_ids)
+        dims = params.dimensions
+        allowed = self.model_config.matryoshka_dimensions
+        if dims is None:
+            return
+        if allowed is None:
+            raise InvalidRequestError(
+                "this model does not support Matryoshka representation: its embeddings cannot "
+                "be cut to fewer dimensions"
+            )
+        if dims > self.model_config.hidden_size or (allowed and dims not in allowed):
+            sizes = list(allowed) if allowed else f"1..{self.model_config.hidden_size}"
+            raise InvalidRequestError(f"dimensions must be one of {sizes}, got {dims}")
 
     def _grammar(self, params: SamplingParams) -> Grammar | None:
         """A fresh matcher of the request's structured output, or None (raises
@@ -382,7 +416,7 @@ class EngineCore:
         self,
         req_id: str,
         prompt_token_ids: Sequence[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         *,
         prefill_only: bool = False,
         remote_kv: object | None = None,
@@ -391,6 +425,9 @@ class EngineCore:
     ) -> None:
         """Queue a request. ``priority`` ranks it under ``scheduling_policy="priority"``
         (lower is served first); any other value than 0 is refused under ``fcfs``.
+
+        An embedding request (``PoolingParams``) ends once its prompt is computed: its one
+        output has ``pooled`` set (and a token, sampled greedily, that is no output).
 
         Disaggregation: ``prefill_only`` ends the request after its first token with the
         prompt's blocks held (output ``finish_reason="prefilled"``, ``kv_block_ids`` set) until
@@ -405,6 +442,11 @@ class EngineCore:
             raise InvalidRequestError("remote_kv and first_token_id come together")
         if prefill_only and remote_kv is not None:
             raise InvalidRequestError("a request is either prefill-only or loads remote KV")
+        pooling = None
+        if isinstance(params, PoolingParams):
+            if prefill_only or remote_kv is not None:
+                raise InvalidRequestError("an embedding request computes its prompt itself")
+            pooling, params = params, _EMBEDDING_SAMPLING
         grammar = self._grammar(params)  # (compiled by validate_request: cached)
         output_token_ids = []
         if first_token_id is not None:
@@ -418,6 +460,8 @@ class EngineCore:
         self.num_prompt_tokens += len(prompt_token_ids)
         room = self.max_model_len - len(prompt_token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        if pooling is not None:
+            max_tokens = 1  # (its token is never computed: room may be 0)
         self.scheduler.add_request(
             Request(
                 req_id=req_id,
@@ -430,6 +474,7 @@ class EngineCore:
                 remote_kv=remote_kv,
                 grammar=grammar,
                 priority=priority,
+                pooling=pooling,
             )
         )
 
@@ -649,8 +694,9 @@ class EngineCore:
         assert self._in_flight is not None
         so, handle = self._in_flight
         self._in_flight = None
+        embeddings = self.scheduler.num_embeddings  # (their outputs carry no token)
         outputs = self.scheduler.update_from_output(so, handle.result())
-        if so.num_steps == 1:
+        if so.num_steps == 1 and not embeddings:
             self.num_generated_tokens += len(outputs)  # one new token each
         else:
             self.num_generated_tokens += sum(len(o.new_token_ids) for o in outputs)

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
+from baton_engine.pooling_params import PoolingParams
 from baton_engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -22,6 +23,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int  # before this step (prefix-cache hits included)
+    pooling: PoolingParams | None = None  # an embedding request (its token is not kept)
 
 
 class CachedRequestData(NamedTuple):
@@ -78,6 +80,8 @@ class ModelRunnerOutput:
     prompt_logprobs: Mapping[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
     # A multi-step's tokens instead of ``sampled_token_ids``: req_id -> one token per pass
     step_token_ids: Mapping[str, list[int]] = field(default_factory=dict)
+    # Embedding requests whose prompt ended this step: req_id -> the pooled hidden state
+    pooled: Mapping[str, list[float]] = field(default_factory=dict)
 
 
 class EngineCoreOutput(NamedTuple):
@@ -93,6 +97,9 @@ class EngineCoreOutput(NamedTuple):
     kv_block_ids: list[int] | None = None
     # With the first sampled token: prompt tokens 1.. (token 0 has none), when asked for.
     prompt_logprobs: list[TokenLogprobs] | None = None
+    # An embedding request's (PoolingParams) one output: the pooled hidden state (and no
+    # token).
+    pooled: list[float] | None = None
 
     @property
     def finished(self) -> bool:

@@ -111,6 +111,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_multi_steps = 0  # steps of more than one pass (multi-step scheduling)
         self.num_grammars = 0  # requests with structured output among ``requests``
+        self.num_embeddings = 0  # embedding requests (PoolingParams) among ``requests``
 
     # --- requests in and out -------------------------------------------------------------------
 
@@ -122,6 +123,7 @@ class Scheduler:
         else:
             self.waiting.append(request)
         self.num_grammars += request.grammar is not None
+        self.num_embeddings += request.pooling is not None
 
     def check_priority(self, priority: int) -> None:
         """Raise ``InvalidRequestError`` for a priority this policy cannot honour: any but 0
@@ -143,6 +145,7 @@ class Scheduler:
     def _forget(self, request: Request) -> None:
         del self.requests[request.req_id]
         self.num_grammars -= request.grammar is not None
+        self.num_embeddings -= request.pooling is not None
 
     def finish_requests(self, req_ids: Iterable[str], status: RequestStatus) -> None:
         """End requests from outside (abort, stop string); unknown ids are ignored."""
@@ -322,6 +325,7 @@ class Scheduler:
                     sampling_params=request.sampling_params,
                     block_ids=self.kv.get_block_ids(request.req_id),
                     num_computed_tokens=request.num_computed_tokens,
+                    pooling=request.pooling,
                 )
             )
             num_scheduled[request.req_id] = num_new
@@ -499,7 +503,7 @@ class Scheduler:
                 # the common case (nothing can stop it, nothing more to report), built with the
                 # fewest lookups: Request.check_stop would return None
                 fields = (request.req_id, [token_id], None, None, None, request.num_cached_tokens,
-                          None, None)  # fmt: skip
+                          None, None, None)  # fmt: skip
                 outputs.append(_tuple_new(EngineCoreOutput, fields))
                 continue
             if request.grammar is not None:
@@ -529,7 +533,8 @@ class Scheduler:
             outputs.append(
                 EngineCoreOutput(
                     req_id=request.req_id,
-                    new_token_ids=[token_id],
+                    # an embedding's token is no output
+                    new_token_ids=[token_id] if request.pooling is None else [],
                     new_logprobs=[logprobs] if logprobs is not None else None,
                     finish_reason=status.finish_reason if status is not None else None,
                     stop_reason=request.stop_reason,
@@ -541,6 +546,7 @@ class Scheduler:
                         and request.num_output_tokens == 1
                         else None
                     ),
+                    pooled=runner_output.pooled.get(request.req_id),
                 )
             )
         if any_finished:
@@ -567,7 +573,7 @@ class Scheduler:
                 out += tokens  # the common case: none of them can stop it
                 outputs.append(_tuple_new(EngineCoreOutput, (request.req_id, tokens, None, None,
                                                              None, request.num_cached_tokens,
-                                                             None, None)))  # fmt: skip
+                                                             None, None, None)))  # fmt: skip
                 continue
             status = None
             for i, token_id in enumerate(tokens):

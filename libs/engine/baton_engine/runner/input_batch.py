@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from baton_engine.core.outputs import SchedulerOutput
+from baton_engine.pooling_params import PoolingParams
 from baton_engine.sampler import skip_draws
 from baton_engine.sampling_params import SamplingParams
 
@@ -40,6 +41,7 @@ class CachedRequestState:
     # alone
     plain_greedy: bool = False
     wants_prompt_logprobs: bool = False
+    pooling: PoolingParams | None = None  # an embedding request: its last prompt row is pooled
 
     def __post_init__(self) -> None:
         sp = self.sampling_params
@@ -96,6 +98,7 @@ class InputBatch:
         self.num_host_bound = 0
         self.num_not_plain_greedy = 0
         self.num_prompt_logprobs = 0  # held requests that ask for prompt logprobs
+        self.num_pooling = 0  # held embedding requests
         self.num_removed = 0  # requests dropped so far (see record_sampled)
 
     def update(self, so: SchedulerOutput) -> None:
@@ -121,6 +124,7 @@ class InputBatch:
                 num_computed_tokens=new.num_computed_tokens,
                 generator=generator,
                 num_tokens=num_prompt + len(new.output_token_ids),
+                pooling=new.pooling,
             )
             self.requests[new.req_id] = state
             self._count(state, 1)
@@ -145,6 +149,7 @@ class InputBatch:
         self.num_host_bound += sign * (not state.always_host_free)
         self.num_not_plain_greedy += sign * (not state.always_plain_greedy)
         self.num_prompt_logprobs += sign * state.wants_prompt_logprobs
+        self.num_pooling += sign * (state.pooling is not None)
 
     def _remove(self, req_id: str) -> None:
         state = self.requests.pop(req_id, None)

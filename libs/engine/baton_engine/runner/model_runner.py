@@ -525,11 +525,14 @@ class ModelRunner:
         wants_prompt_logprobs = self.batch.num_prompt_logprobs > 0 and any(
             s.wants_prompt_logprobs for s in reqs
         )
+        pooled: dict[str, list[float]] = {}
+        pools = self.batch.num_pooling > 0 and any(s.pooling is not None for s in reqs)
         if (
             graphs is not None
             and one_token_each
             and len(reqs) <= graphs.max_batch_size
             and not wants_prompt_logprobs
+            and not pools
         ):
             hidden, sample_rows = self._run_decode_graph(graphs, reqs, order, gathered)
             if len(sample_rows) < len(reqs):
@@ -544,7 +547,10 @@ class ModelRunner:
             last_token = self.staging.to_device(
                 [metadata.query_start_loc[i + 1] - 1 for i in sample_rows], torch.long
             )
-            logits = self.model.compute_logits(hidden[last_token])
+            last_hidden = hidden[last_token]
+            if pools:
+                pooled = _pool([reqs[i] for i in sample_rows], last_hidden)
+            logits = self.model.compute_logits(last_hidden)
         if not sample_rows:
             return StepHandle.ready(ModelRunnerOutput({}, prompt_logprobs=prompt_logprobs))
         sampled_reqs = reqs if len(sample_rows) == len(reqs) else [reqs[i] for i in sample_rows]
@@ -583,6 +589,7 @@ class ModelRunner:
             self.check_ranks,
             req_ids=order if sampled_reqs is reqs else None,
             rows=mine.rows if mine is not None else None,
+            pooled=pooled,
         )
 
     def _forward(
@@ -897,6 +904,25 @@ def wait_for(event: torch.cuda.Event, check: Callable[[], None] | None) -> None:
         time.sleep(_POLL_S)
 
 
+def _pool(states: list[CachedRequestState], last_hidden: torch.Tensor) -> dict[str, list[float]]:
+    """The embeddings of the requests among ``states`` that pool: each one's row of
+    ``last_hidden`` (the hidden state at its prompt's last token, after the final norm), in
+    float32, cut to its ``dimensions`` and L2-normalized unless it asks not to be. Read to the
+    host now (a sync: embedding steps are prefill steps, which wait for little else)."""
+    rows = [i for i, s in enumerate(states) if s.pooling is not None]
+    vectors = last_hidden[rows].float().cpu()
+    out: dict[str, list[float]] = {}
+    for vector, i in zip(vectors, rows, strict=True):
+        params = states[i].pooling
+        assert params is not None
+        if params.dimensions is not None:
+            vector = vector[: params.dimensions]
+        if params.normalized:
+            vector = torch.nn.functional.normalize(vector, dim=0)
+        out[states[i].req_id] = vector.tolist()
+    return out
+
+
 class StepHandle:
     """A launched step. ``result()`` waits for its sampled token ids, records them in the
     runner's request state (unless the request was dropped meanwhile) and returns the output."""
@@ -913,10 +939,11 @@ class StepHandle:
         req_ids: list[str] | None = None,
         rows: np.ndarray | None = None,
         num_steps: int = 1,
+        pooled: dict[str, list[float]] | None = None,
     ) -> None:
         """``req_ids`` / ``rows``: the ids and table rows of ``sampled_reqs`` in order, where
         the launch had them at hand. ``num_steps``: a multi-step's passes (the host ids hold
-        each request's tokens in a row)."""
+        each request's tokens in a row). ``pooled``: embeddings finished this step."""
         self._batch = batch
         self._num_steps = num_steps
         self._req_ids = req_ids
@@ -927,6 +954,7 @@ class StepHandle:
         self._host = host
         self._logprobs = logprobs
         self._prompt_logprobs = prompt_logprobs
+        self._pooled = pooled or {}
         self._output: ModelRunnerOutput | None = None
 
     @classmethod
@@ -953,5 +981,7 @@ class StepHandle:
         token_ids = ids.tolist()
         sampled = dict(zip(req_ids, token_ids, strict=True))
         self._batch.record_sampled(reqs, token_ids, self._num_removed, self._rows)
-        self._output = ModelRunnerOutput(sampled, self._logprobs, self._prompt_logprobs)
+        self._output = ModelRunnerOutput(
+            sampled, self._logprobs, self._prompt_logprobs, pooled=self._pooled
+        )
         return self._output
