@@ -151,3 +151,22 @@ def test_matryoshka_dimensions(default_model_dir: Path, tmp_path: Path) -> None:
     )
     with pytest.raises(InvalidRequestError, match=r"one of \[64\]"):
         llm.embed("hi", pooling_params=PoolingParams(dimensions=32), use_tqdm=False)
+
+
+def test_runner_restricts_what_an_engine_serves(default_model_dir: Path) -> None:
+    """vLLM's ``runner``: "pooling" embeds only, "generate" generates only; Baton's default,
+    "auto", does both (the other tests)."""
+    small = dict(max_model_len=64, kv_cache_memory=8 << 20)
+    pooling = LLM(str(default_model_dir), runner="pooling", **small)
+    assert pooling.embed("hi", use_tqdm=False)[0].outputs.hidden_size == 576
+    with pytest.raises(InvalidRequestError, match="runner='pooling'"):
+        pooling.generate("hi", SamplingParams(max_tokens=2), use_tqdm=False)
+    del pooling
+    generate = LLM(str(default_model_dir), runner="generate", **small)
+    (out,) = generate.generate("hi", SamplingParams(max_tokens=2), use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 2
+    with pytest.raises(InvalidRequestError, match="runner='generate'"):
+        generate.embed("hi", use_tqdm=False)
+    with pytest.raises(InvalidRequestError, match="runner must be one of"):
+        LLM(str(default_model_dir), runner="embed", **small)
+

@@ -612,7 +612,7 @@ def test_an_embedding_request_ends_with_its_prompt() -> None:
         last, ModelRunnerOutput({"e": 5, "r0": 6}, pooled={"e": [0.6, 0.8]})
     )
     (out,) = [o for o in outputs if o.req_id == "e"]
-    assert out.pooled == [0.6, 0.8] and out.new_token_ids == [] and out.finished
+    assert out.pooled == [0.6, 0.8] and out.new_token_ids == [] and out.finish_reason == "stop"
     assert scheduler.num_embeddings == 0 and "e" not in scheduler.requests
     scheduler.update_from_output(ahead, ModelRunnerOutput({"r0": 6}))
     scheduler.check_invariants()

@@ -36,19 +36,23 @@ def test_disaggregated_by_default_and_aggregated_on_request() -> None:
     assert shed[shed.index("--max-remote-prefill-wait-ms") + 1] == "300.0"
 
 
-def test_scheduling_policy_reaches_every_worker() -> None:
-    """vLLM's ``--scheduling-policy`` is an engine flag: every worker gets it, the gateway not;
-    fcfs, the default, is left to the workers' own default."""
+@pytest.mark.parametrize(
+    ("flag", "value", "bad"),
+    [("--scheduling-policy", "priority", "lifo"), ("--runner", "pooling", "embed")],
+)
+def test_engine_flags_reach_every_worker(flag: str, value: str, bad: str) -> None:
+    """vLLM's ``--scheduling-policy`` and ``--runner`` are engine flags: every worker gets
+    them, the gateway not; the defaults are left to the workers' own."""
     for mode in ("disaggregated", "aggregated"):
-        plan = _plan(parse("--mode", mode, "--scheduling-policy", "priority"), "m")
+        plan = _plan(parse("--mode", mode, flag, value), "m")
         for kind, label, argv in plan:
-            given = "--scheduling-policy" in argv
+            given = flag in argv
             assert given == (kind in ("prefill", "decode")), label
             if given:
-                assert argv[argv.index("--scheduling-policy") + 1] == "priority"
-    assert all("--scheduling-policy" not in argv for _, _, argv in _plan(parse(), "m"))
+                assert argv[argv.index(flag) + 1] == value
+    assert all(flag not in argv for _, _, argv in _plan(parse(), "m"))
     with pytest.raises(SystemExit):
-        parse("--scheduling-policy", "lifo")
+        parse(flag, bad)
 
 
 def test_workers_get_one_gpu_each_round_robin() -> None:

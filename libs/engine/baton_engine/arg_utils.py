@@ -6,7 +6,7 @@ import argparse
 from dataclasses import fields
 from typing import Any
 
-from baton_engine.config import SCHEDULING_POLICIES, EngineConfig
+from baton_engine.config import RUNNERS, SCHEDULING_POLICIES, EngineConfig
 
 _HELP = {
     "max_model_len": "context length (prompt + output); default: the model's, at most 8192",
@@ -33,6 +33,8 @@ _HELP = {
     "scheduling_policy": "fcfs: requests in order of arrival | priority: by each request's "
     "priority (lower first), ties in order of arrival; the lowest-priority running request is "
     "preempted first",
+    "runner": "auto: generation and embeddings | generate: generation only | pooling: "
+    "embeddings only (vLLM's --runner)",
     "seed": "seed of the default random generator",
     "device": "cpu | cuda",
     "tensor_parallel_size": "split the model's heads and MLP across this many processes: one "
@@ -41,7 +43,7 @@ _HELP = {
 
 
 _ALIASES = {"tensor_parallel_size": ("-tp",)}  # vLLM's short forms
-_CHOICES = {"scheduling_policy": SCHEDULING_POLICIES}
+_CHOICES = {"scheduling_policy": SCHEDULING_POLICIES, "runner": RUNNERS}
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

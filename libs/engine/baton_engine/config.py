@@ -12,6 +12,9 @@ from baton_engine.errors import InvalidRequestError, ModelLoadError
 # vLLM's: "fcfs" serves requests in arrival order; "priority" by each request's priority (lower
 # first), ties in arrival order.
 SCHEDULING_POLICIES = ("fcfs", "priority")
+# vLLM's --runner: "generate" serves only generation, "pooling" only embeddings; "auto" (Baton's
+# default) both, from any model.
+RUNNERS = ("auto", "generate", "pooling")
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -187,6 +190,7 @@ class EngineConfig:
     # for them; tokens then reach the caller that many at a time.
     num_scheduler_steps: int = 1
     scheduling_policy: str = "fcfs"  # one of SCHEDULING_POLICIES
+    runner: str = "auto"  # one of RUNNERS
     seed: int = 0
     device: str = "cpu"
     # Split the model's heads and MLP across this many processes (ranks 1..N-1 are helper
@@ -227,6 +231,8 @@ class EngineConfig:
                 f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
                 f"got {self.scheduling_policy!r}"
             )
+        if self.runner not in RUNNERS:
+            raise InvalidRequestError(f"runner must be one of {RUNNERS}, got {self.runner!r}")
         if self.load_format not in ("auto", "dummy"):
             raise InvalidRequestError(
                 f"load_format must be 'auto' or 'dummy', got {self.load_format!r}"

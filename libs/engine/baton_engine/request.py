@@ -170,6 +170,8 @@ class Request:
                 if last in sp.stop_token_ids:
                     self.stop_reason = last
                     return RequestStatus.FINISHED_STOPPED
+        if self.pooling is not None:  # its prompt is computed: done (as vLLM's, "stop")
+            return RequestStatus.FINISHED_STOPPED
         if self.num_output_tokens >= self.max_tokens:
             return RequestStatus.FINISHED_LENGTH
         if self.prefill_only and self.output_token_ids:

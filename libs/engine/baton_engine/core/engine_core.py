@@ -357,9 +357,20 @@ class EngineCore:
         n = len(prompt_token_ids)
         if n == 0:
             raise InvalidRequestError("the prompt is empty")
+        runner = self.config.runner
         if isinstance(params, PoolingParams):
+            if runner == "generate":
+                raise InvalidRequestError(
+                    "this engine runs with runner='generate': it does not embed (use "
+                    "--runner pooling or auto)"
+                )
             self._validate_embedding(prompt_token_ids, params)
             return
+        if runner == "pooling":
+            raise InvalidRequestError(
+                "this engine runs with runner='pooling': it embeds, it does not generate (use "
+                "--runner generate or auto)"
+            )
         params.validate()
         if n >= self.max_model_len:
             raise InvalidRequestError(
