@@ -169,4 +169,3 @@ def test_runner_restricts_what_an_engine_serves(default_model_dir: Path) -> None
         generate.embed("hi", use_tqdm=False)
     with pytest.raises(InvalidRequestError, match="runner must be one of"):
         LLM(str(default_model_dir), runner="embed", **small)
-

@@ -114,4 +114,3 @@ def test_sdk_raises_for_a_refusal(client: OpenAI) -> None:
         client.embeddings.create(model=MODEL, input="hi", dimensions=16)
     # and the server serves on
     assert len(client.embeddings.create(model=MODEL, input="hi").data[0].embedding) == 576
-
