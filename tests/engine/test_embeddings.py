@@ -169,3 +169,27 @@ def test_runner_restricts_what_an_engine_serves(default_model_dir: Path) -> None
         generate.embed("hi", use_tqdm=False)
     with pytest.raises(InvalidRequestError, match="runner must be one of"):
         LLM(str(default_model_dir), runner="embed", **small)
+
+
+def test_score(llm: LLM) -> None:
+    """vLLM's ``LLM.score`` as embedding models answer it: cosine similarities of the texts'
+    embeddings, one text against many or lists paired by position."""
+    embedded = [o.outputs.embedding for o in llm.embed(TEXTS, use_tqdm=False)]
+
+    def cos(i: int, j: int) -> float:
+        return float(torch.nn.functional.cosine_similarity(
+            torch.tensor(embedded[i]), torch.tensor(embedded[j]), dim=0
+        ))  # fmt: skip
+
+    one_to_many = llm.score(TEXTS[0], TEXTS, use_tqdm=False)
+    assert [round(o.outputs.score, 4) for o in one_to_many] == [
+        round(cos(0, j), 4) for j in range(3)
+    ]
+    assert abs(one_to_many[0].outputs.score - 1.0) < 1e-5
+    by_position = llm.score(TEXTS[:2], TEXTS[1:], use_tqdm=False)
+    assert [round(o.outputs.score, 4) for o in by_position] == [
+        round(cos(0, 1), 4),
+        round(cos(1, 2), 4),
+    ]
+    with pytest.raises(InvalidRequestError, match="pair by position"):
+        llm.score(TEXTS[:2], TEXTS, use_tqdm=False)

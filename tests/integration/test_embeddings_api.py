@@ -114,3 +114,50 @@ def test_sdk_raises_for_a_refusal(client: OpenAI) -> None:
         client.embeddings.create(model=MODEL, input="hi", dimensions=16)
     # and the server serves on
     assert len(client.embeddings.create(model=MODEL, input="hi").data[0].embedding) == 576
+
+
+def _cos(a: list[float], b: list[float]) -> float:
+    return float(np.dot(a, b) / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+
+def test_score_and_rerank(http: httpx.Client, offline: list[list[float]]) -> None:
+    """vLLM's score and rerank APIs, as embedding models answer them: each pair's cosine
+    similarity of the offline engine's embeddings; rerank best first."""
+    one_to_many = http.post("/score", json={"text_1": TEXTS[0], "text_2": TEXTS[1:]})
+    assert one_to_many.status_code == 200, one_to_many.text
+    body = one_to_many.json()
+    assert body["id"].startswith("score-") and body["object"] == "list"
+    assert [d["index"] for d in body["data"]] == [0, 1]
+    for d, other in zip(body["data"], offline[1:], strict=True):
+        assert abs(d["score"] - _cos(offline[0], other)) < 1e-3
+    counts = [http.post("/tokenize", json={"prompt": t}).json()["count"] for t in TEXTS]
+    assert body["usage"]["prompt_tokens"] == 2 * counts[0] + counts[1] + counts[2]
+    by_position = http.post(
+        "/v1/score", json={"text_1": [TEXTS[0], TEXTS[1]], "text_2": [TEXTS[2], TEXTS[0]]}
+    ).json()
+    want = [_cos(offline[0], offline[2]), _cos(offline[1], offline[0])]
+    assert [round(d["score"], 3) for d in by_position["data"]] == [round(w, 3) for w in want]
+
+    documents = [TEXTS[2], TEXTS[0], TEXTS[1]]
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        reply = http.post(path, json={"query": TEXTS[0], "documents": documents, "top_n": 2})
+        assert reply.status_code == 200, reply.text
+        results = reply.json()["results"]
+        assert len(results) == 2 and results[0]["index"] == 1  # the query itself, first
+        assert results[0]["document"]["text"] == TEXTS[0]
+        assert abs(results[0]["relevance_score"] - 1.0) < 1e-3
+        scores = [_cos(offline[0], offline[i]) for i in (2, 0, 1)]
+        assert results[1]["index"] == max((2, 0), key=lambda i: scores[i])
+    everything = http.post("/rerank", json={"query": "hi", "documents": documents}).json()
+    relevance = [r["relevance_score"] for r in everything["results"]]
+    assert len(relevance) == 3 and relevance == sorted(relevance, reverse=True)
+
+    for path, body_, message in [
+        ("/score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "pair by position"),
+        ("/score", {"text_1": [], "text_2": "c"}, "at least one text"),
+        ("/rerank", {"query": "q", "documents": []}, "documents"),
+        ("/score", {"text_1": "a", "text_2": "b", "model": "nope"}, "does not exist"),
+    ]:
+        reply = http.post(path, json=body_)
+        assert reply.status_code in (400, 404), reply.text
+        assert message in reply.json()["error"]["message"]

@@ -17,6 +17,8 @@ if TYPE_CHECKING:
         EmbeddingOutput,
         EmbeddingRequestOutput,
         RequestOutput,
+        ScoringOutput,
+        ScoringRequestOutput,
     )
     from baton_engine.pooling_params import PoolingParams
     from baton_engine.sampling_params import SamplingParams, StructuredOutputsParams
@@ -29,8 +31,20 @@ __all__ = [
     "PoolingParams",
     "RequestOutput",
     "SamplingParams",
+    "ScoringOutput",
+    "ScoringRequestOutput",
     "StructuredOutputsParams",
 ]
+
+
+_OUTPUTS = (
+    "CompletionOutput",
+    "EmbeddingOutput",
+    "EmbeddingRequestOutput",
+    "RequestOutput",
+    "ScoringOutput",
+    "ScoringRequestOutput",
+)
 
 
 def __getattr__(name: str) -> Any:
@@ -38,7 +52,7 @@ def __getattr__(name: str) -> Any:
         from baton_engine.llm import LLM
 
         return LLM
-    if name in ("CompletionOutput", "EmbeddingOutput", "EmbeddingRequestOutput", "RequestOutput"):
+    if name in _OUTPUTS:
         from baton_engine import outputs
 
         return getattr(outputs, name)

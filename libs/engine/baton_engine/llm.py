@@ -13,8 +13,13 @@ from baton_engine.config import EngineConfig
 from baton_engine.engine import LLMEngine
 from baton_engine.errors import InvalidRequestError
 from baton_engine.model_files import generation_defaults
-from baton_engine.outputs import EmbeddingRequestOutput, RequestOutput
-from baton_engine.pooling_params import PoolingParams
+from baton_engine.outputs import (
+    EmbeddingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
+from baton_engine.pooling_params import PoolingParams, cosine_similarity, score_pairs
 from baton_engine.sampling_params import SamplingParams, truncate_prompt
 
 
@@ -132,6 +137,44 @@ class LLM:
             sampling_params = self.get_default_sampling_params()
         params = _params_list(sampling_params, SamplingParams, len(prompts))
         return self._run(prompts, params, use_tqdm)  # type: ignore[return-value]
+
+    def score(
+        self,
+        data_1: str | Sequence[str],
+        data_2: str | Sequence[str],
+        /,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+        pooling_params: PoolingParams | None = None,
+    ) -> list[ScoringRequestOutput]:
+        """vLLM's ``score`` as embedding models answer it: per pair (one text against each of
+        the other side's, or lists paired by position), the cosine similarity of the two
+        texts' embeddings. Each distinct text is embedded once."""
+        pairs = score_pairs(data_1, data_2)
+        texts = list(dict.fromkeys(t for pair in pairs for t in pair))
+        embedded = dict(
+            zip(
+                texts,
+                self.embed(
+                    texts,
+                    pooling_params=pooling_params,
+                    truncate_prompt_tokens=truncate_prompt_tokens,
+                    use_tqdm=use_tqdm,
+                ),
+                strict=True,
+            )
+        )
+        return [
+            ScoringRequestOutput(
+                str(next(self._counter)),
+                ScoringOutput(
+                    cosine_similarity(embedded[a].outputs.embedding, embedded[b].outputs.embedding)
+                ),
+                embedded[a].prompt_token_ids + embedded[b].prompt_token_ids,
+            )
+            for a, b in pairs
+        ]
 
     def _run(
         self,

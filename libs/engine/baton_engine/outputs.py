@@ -60,3 +60,18 @@ class EmbeddingRequestOutput:
     prompt_token_ids: list[int]
     finished: bool = True
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """What ``LLM.score`` returns per pair, as vLLM's."""
+
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]  # both texts', one after the other
+    finished: bool = True

@@ -9,7 +9,10 @@ preemption) and ends there.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from baton_engine.errors import InvalidRequestError
 from baton_engine.sampling_params import check_truncate_prompt_tokens
@@ -32,3 +35,29 @@ class PoolingParams:
     @property
     def normalized(self) -> bool:
         return self.normalize is not False
+
+
+def score_pairs(first: str | Sequence[str], second: str | Sequence[str]) -> list[tuple[str, str]]:
+    """The pairs vLLM's score API scores, in order: one text against each of the other side's,
+    or lists of one length pair by position. Raises ``InvalidRequestError`` otherwise."""
+    a = [first] if isinstance(first, str) else list(first)
+    b = [second] if isinstance(second, str) else list(second)
+    if not a or not b:
+        raise InvalidRequestError("both sides of a score need at least one text")
+    if len(a) == 1:
+        return [(a[0], t) for t in b]
+    if len(b) == 1:
+        return [(t, b[0]) for t in a]
+    if len(a) != len(b):
+        raise InvalidRequestError(
+            f"texts to score pair by position: got {len(a)} and {len(b)} (one side may also be "
+            "a single text)"
+        )
+    return list(zip(a, b, strict=True))
+
+
+def cosine_similarity(a: Sequence[float], b: Sequence[float]) -> float:
+    """What an embedding model's score is (vLLM's rule): the embeddings' cosine similarity."""
+    x, y = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    norms = float(np.linalg.norm(x) * np.linalg.norm(y))
+    return float(x @ y / norms) if norms > 0 else 0.0

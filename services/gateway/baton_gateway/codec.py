@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from baton.v1 import common_pb2, engine_pb2
-from baton_gateway.embeddings import EmbeddingRequest
 from baton_gateway.protocol import ChatCompletionRequest, CompletionRequest, StructuredOutputsSpec
 
 _FINISH_REASONS = {
@@ -211,17 +210,21 @@ class Embedded:
 
 
 def embed_request(
-    req_id: str, prompts: list[list[int]], request: EmbeddingRequest
+    req_id: str,
+    prompts: list[list[int]],
+    priority: int = 0,
+    dimensions: int | None = None,
+    normalize: bool | None = None,
 ) -> engine_pb2.EmbedRequest:
     pb = engine_pb2.EmbedRequest(
         req_id=req_id,
         inputs=[common_pb2.TokenIds(token_ids=ids) for ids in prompts],
-        priority=request.priority,
+        priority=priority,
     )
-    if request.dimensions is not None:
-        pb.dimensions = request.dimensions
-    if request.normalize is not None:
-        pb.normalize = request.normalize
+    if dimensions is not None:
+        pb.dimensions = dimensions
+    if normalize is not None:
+        pb.normalize = normalize
     return pb
 
 

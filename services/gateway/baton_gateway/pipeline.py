@@ -21,9 +21,11 @@ from fastapi.responses import Response
 from pydantic import ValidationError
 
 from baton import tracing
+from baton.v1 import engine_pb2
 from baton_engine.errors import InvalidRequestError
+from baton_engine.pooling_params import cosine_similarity, score_pairs
 from baton_engine.sampling_params import tokenize_bad_words, truncate_prompt
-from baton_gateway import codec, embeddings, responses_api
+from baton_gateway import codec, embeddings, responses_api, scoring
 from baton_gateway.chat import render_chat_prompt, tokenize_chat, tokenize_text
 from baton_gateway.client import WorkerPool
 from baton_gateway.embeddings import (
@@ -58,6 +60,7 @@ from baton_gateway.responses import (
     usage_info,
 )
 from baton_gateway.responses_api import ResponsesRequest
+from baton_gateway.scoring import RerankRequest, ScoreRequest
 from baton_gateway.streaming import (
     SSEResponse,
     StreamContext,
@@ -68,7 +71,9 @@ from baton_gateway.streaming import (
 from baton_gateway.tools import ReadOut, ToolCallsSoFar, tool_use
 
 # What the id and truncation helpers read: ``request_id``, ``truncate_prompt_tokens``.
-_WithPrompt = ChatCompletionRequest | CompletionRequest | EmbeddingRequest
+_WithPrompt = (
+    ChatCompletionRequest | CompletionRequest | EmbeddingRequest | ScoreRequest | RerankRequest
+)
 
 
 def check_length(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> int:
@@ -443,27 +448,75 @@ class Pipeline:
                 prompts = [self._truncated(ids, request)]
             else:
                 prompts = self._completion_prompts(request)
-            for ids in prompts:
-                if not ids:
-                    raise bad_request("the prompt is empty", param="input")
-                if len(ids) > self.max_model_len:
-                    raise bad_request(
-                        f"This model's maximum context length is {self.max_model_len} tokens. "
-                        f"However, you requested {len(ids)} tokens in the input for embedding "
-                        "generation. Please reduce the length of the input.",
-                        param="input",
-                    )
             req_id, worker_id = self._request_ids("embd", request, named)
-            parent = tracing.context_with(record.span) if record.span is not None else None
-            embedded = await self.pool.embed(
-                codec.embed_request(worker_id, prompts, request), parent
+            pb = codec.embed_request(
+                worker_id, prompts, request.priority, request.dimensions, request.normalize
             )
+            embedded = await self._embed(pb, record)
             body = embeddings.response(req_id, self.model_name, embedded, request.encoding_format)
             self.metrics.finish(record, "ok", num_prompt_tokens=body.usage.prompt_tokens)
             return Response(body.model_dump_json(), media_type="application/json")
         except BaseException as e:
             self._fail(record, e)
             raise
+
+    async def score(
+        self, request: ScoreRequest | RerankRequest, named: RequestIds = RequestIds()
+    ) -> Response:
+        """vLLM's ``/score`` and ``/rerank`` as embedding models answer them (``scoring.py``):
+        each pair's cosine similarity, every distinct text embedded once, in one call."""
+        self.check_model(request.model)
+        rerank = isinstance(request, RerankRequest)
+        kind = "rerank" if rerank else "score"
+        record = self.metrics.start(kind)
+        try:
+            try:
+                if isinstance(request, RerankRequest):
+                    pairs = score_pairs(request.query, request.documents)
+                else:
+                    pairs = score_pairs(request.text_1, request.text_2)
+            except InvalidRequestError as e:
+                raise bad_request(str(e), param="documents" if rerank else "text_2") from e
+            texts = list(dict.fromkeys(t for pair in pairs for t in pair))
+            prompts = [
+                self._truncated(tokenize_text(self.tokenizer, t, True), request) for t in texts
+            ]
+            req_id, worker_id = self._request_ids(kind, request, named)
+            pb = codec.embed_request(worker_id, prompts, request.priority)
+            embedded = dict(zip(texts, await self._embed(pb, record), strict=True))
+            scores = [cosine_similarity(embedded[a].values, embedded[b].values) for a, b in pairs]
+            num_tokens = sum(
+                embedded[a].num_prompt_tokens + embedded[b].num_prompt_tokens for a, b in pairs
+            )
+            body: scoring.ScoreResponse | scoring.RerankResponse
+            if isinstance(request, RerankRequest):
+                body = scoring.rerank_response(req_id, self.model_name, request, scores, num_tokens)
+            else:
+                body = scoring.score_response(req_id, self.model_name, scores, num_tokens)
+            self.metrics.finish(record, "ok", num_prompt_tokens=num_tokens)
+            return Response(body.model_dump_json(), media_type="application/json")
+        except BaseException as e:
+            self._fail(record, e)
+            raise
+
+    async def _embed(
+        self, request: engine_pb2.EmbedRequest, record: RequestRecord
+    ) -> list[codec.Embedded]:
+        """Each input's embedding, once every input is checked: none empty, none longer than
+        the context (vLLM's 400)."""
+        for prompt in request.inputs:
+            n = len(prompt.token_ids)
+            if n == 0:
+                raise bad_request("the prompt is empty", param="input")
+            if n > self.max_model_len:
+                raise bad_request(
+                    f"This model's maximum context length is {self.max_model_len} tokens. "
+                    f"However, you requested {n} tokens in the input for embedding "
+                    "generation. Please reduce the length of the input.",
+                    param="input",
+                )
+        parent = tracing.context_with(record.span) if record.span is not None else None
+        return await self.pool.embed(request, parent)
 
     def _check_vocabulary(self, ids: list[int], param: str) -> None:
         bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)

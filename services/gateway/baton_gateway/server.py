@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP server: routes, auth, errors, and the request pipeline.
 
 Routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/responses`` (and ``GET``/``DELETE
-/v1/responses/{id}``), ``/v1/embeddings``, ``/v1/models``; vLLM's ``/tokenize``,
-``/detokenize``, ``/version`` and ``/ping``; ``/health`` and ``/metrics``.
+/v1/responses/{id}``), ``/v1/embeddings``, ``/v1/models``; vLLM's ``/score`` and ``/rerank``
+(also under ``/v1``; ``/v2/rerank``), ``/tokenize``, ``/detokenize``, ``/version`` and
+``/ping``; ``/health`` and ``/metrics``.
 
 Every completion request: validate (pydantic; 400) -> check the model name (404) -> render the
 chat template and tokenize -> check prompt + max_tokens against ``max_model_len`` (400) -> one
@@ -51,6 +52,7 @@ from baton_gateway.protocol import (
     tokenize_request,
 )
 from baton_gateway.responses_api import ResponsesRequest
+from baton_gateway.scoring import RerankRequest, ScoreRequest
 
 logger = logging.getLogger(__name__)
 
@@ -323,6 +325,19 @@ def create_app(config: GatewayConfig, tokenizer: Any) -> FastAPI:
     async def embeddings(request: Request) -> Response:
         body = await _parse(request, embedding_request)
         work = state.pipeline.embeddings(body, request_ids(request))
+        return await _cancel_on_disconnect(request, work)
+
+    @app.post("/score")
+    @app.post("/v1/score")
+    async def score(body: ScoreRequest, request: Request) -> Response:
+        work = state.pipeline.score(body, request_ids(request))
+        return await _cancel_on_disconnect(request, work)
+
+    @app.post("/rerank")
+    @app.post("/v1/rerank")
+    @app.post("/v2/rerank")
+    async def rerank(body: RerankRequest, request: Request) -> Response:
+        work = state.pipeline.score(body, request_ids(request))
         return await _cancel_on_disconnect(request, work)
 
     @app.post("/tokenize")
