@@ -618,6 +618,45 @@ def test_an_embedding_request_ends_with_its_prompt() -> None:
     scheduler.check_invariants()
 
 
+def test_max_loras_holds_back_other_adapters() -> None:
+    """At most ``max_loras`` adapters among the running requests: a waiting request with
+    another adapter is passed over (base-model and same-adapter requests behind it go ahead)
+    and admitted, first, once an adapter's requests are done; equal prompts under different
+    adapters share no cached block."""
+    scheduler = Scheduler(
+        KVCacheManager(256, 16, True),
+        max_num_seqs=16,
+        max_num_batched_tokens=512,
+        max_model_len=4096,
+        max_loras=1,
+    )
+    prompt = list(range(100, 148))
+    adapters = {"a0": "x", "b0": "y", "a1": "x", "base": None, "b1": "y"}
+    requests = [
+        Request(rid, prompt, SamplingParams(max_tokens=3), max_tokens=3 if rid != "a0" else 5,
+                lora_name=lora)
+        for rid, lora in adapters.items()
+    ]  # fmt: skip
+    add_all(scheduler, requests)
+    assert scheduler.lora_refs == {"x": 2, "y": 2}
+    run = run_until_done(scheduler)
+    assert run.finish_reasons == {rid: "length" for rid in adapters}
+    first = set(run.steps[0].num_scheduled_tokens)
+    assert first == {"a0", "a1", "base"}  # b0 and b1 wait for "x" to be done
+    for so in run.steps:
+        names = {adapters[r] for r in so.num_scheduled_tokens} - {None}
+        assert len(names) <= 1
+    admitted = [[n.req_id for n in so.scheduled_new_reqs] for so in run.steps]
+    assert ["b0", "b1"] in admitted  # in their order, once a0 (the longest) is done
+    assert admitted.index(["b0", "b1"]) == 1 + max(
+        i for i, so in enumerate(run.steps) if "a0" in so.num_scheduled_tokens
+    )
+    # the same prompt hits the cache under the same adapter only (a1: a0's blocks; b1: b0's)
+    cached = {r.req_id: r.num_cached_tokens for r in requests}
+    assert cached == {"a0": 0, "b0": 0, "a1": 32, "base": 0, "b1": 32}
+    assert scheduler.lora_refs == {}
+
+
 # --- stop conditions ----------------------------------------------------------------------------
 
 

@@ -55,6 +55,20 @@ def test_engine_flags_reach_every_worker(flag: str, value: str, bad: str) -> Non
         parse(flag, bad)
 
 
+def test_lora_flags_reach_every_worker() -> None:
+    """``--enable-lora --lora-modules a=x b=y`` (and the JSON form) reach each worker as given:
+    the gateway learns the adapters from the workers."""
+    spec = '{"name": "b", "path": "/y"}'
+    args = parse("--enable-lora", "--max-loras", "2", "--lora-modules", "a=/x", spec)
+    for kind, label, argv in _plan(args, "m"):
+        if kind not in ("prefill", "decode"):
+            assert "--enable-lora" not in argv and "--lora-modules" not in argv, label
+            continue
+        assert "--enable-lora" in argv and argv[argv.index("--max-loras") + 1] == "2", label
+        i = argv.index("--lora-modules")
+        assert argv[i + 1 : i + 3] == ["a=/x", spec], label
+
+
 def test_workers_get_one_gpu_each_round_robin() -> None:
     args = parse("--device", "cuda", "--gpus", "2,3", "--num-decode", "2")
     gpus = _gpu_ids(args)

@@ -12,6 +12,7 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from baton_engine.llm import LLM
+    from baton_engine.lora import LoRARequest
     from baton_engine.outputs import (
         CompletionOutput,
         EmbeddingOutput,
@@ -28,6 +29,7 @@ __all__ = [
     "CompletionOutput",
     "EmbeddingOutput",
     "EmbeddingRequestOutput",
+    "LoRARequest",
     "PoolingParams",
     "RequestOutput",
     "SamplingParams",
@@ -64,4 +66,8 @@ def __getattr__(name: str) -> Any:
         from baton_engine.pooling_params import PoolingParams
 
         return PoolingParams
+    if name == "LoRARequest":
+        from baton_engine.lora import LoRARequest
+
+        return LoRARequest
     raise AttributeError(f"module 'baton' has no attribute {name!r}")

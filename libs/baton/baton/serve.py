@@ -158,6 +158,8 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
         flag = "--" + name.replace("_", "-")
         if isinstance(value, bool):
             argv.append(flag if value else "--no-" + name.replace("_", "-"))
+        elif isinstance(value, tuple):
+            argv += [flag, *map(str, value)]
         else:
             argv += [flag, str(value)]
     return argv

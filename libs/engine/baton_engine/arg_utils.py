@@ -39,6 +39,12 @@ _HELP = {
     "device": "cpu | cuda",
     "tensor_parallel_size": "split the model's heads and MLP across this many processes: one "
     "GPU each (NCCL), or CPU processes (gloo)",
+    "enable_lora": "serve LoRA adapters (requests name one; steps then run without CUDA graphs)",
+    "max_loras": "most LoRA adapters one step may use (others wait)",
+    "max_lora_rank": "largest LoRA rank accepted",
+    "max_cpu_loras": "LoRA adapters kept read in host memory (default: max_loras)",
+    "lora_modules": "LoRA adapters served by name: name=path or vLLM's JSON "
+    '\'{"name": ..., "path": ..., "base_model_name": ...}\' (needs --enable-lora)',
 }
 
 
@@ -57,6 +63,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(
                 flag, action=argparse.BooleanOptionalAction, default=default, help=_HELP[f.name]
             )
+        elif isinstance(default, tuple):  # a list of values (--lora-modules a=x b=y)
+            parser.add_argument(flag, nargs="+", default=list(default), help=_HELP[f.name])
         else:
             kind: Any = type(default) if default is not None else int
             names = (flag, *_ALIASES.get(f.name, ()))
@@ -71,4 +79,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """The engine flags of parsed ``args`` as ``EngineConfig`` keyword arguments (no model)."""
-    return {name: getattr(args, name) for name in _HELP if hasattr(args, name)}
+    kwargs = {name: getattr(args, name) for name in _HELP if hasattr(args, name)}
+    if "lora_modules" in kwargs:
+        kwargs["lora_modules"] = tuple(kwargs["lora_modules"])
+    return kwargs

@@ -196,6 +196,16 @@ class EngineConfig:
     # Split the model's heads and MLP across this many processes (ranks 1..N-1 are helper
     # processes of the engine): NCCL on GPUs, one GPU each; gloo on CPUs.
     tensor_parallel_size: int = 1
+    # LoRA adapters (vLLM's flags): requests may name an adapter (``LoRARequest``); a step runs
+    # at most ``max_loras`` of them, each of rank <= ``max_lora_rank``; ``max_cpu_loras``
+    # adapters stay read on the host (None: ``max_loras``). ``lora_modules``: adapters known by
+    # name from the start, each ``name=path`` or vLLM's JSON form (``{"name": ..., "path":
+    # ...}``): what a worker serves under those names.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    lora_modules: tuple[str, ...] = ()
     usage_context: str = "offline"  # "offline" | "serving": picks defaults, as in vLLM
 
     def resolved_async_scheduling(self) -> bool:
@@ -220,6 +230,9 @@ class EngineConfig:
             "block_size",
             "tensor_parallel_size",
             "num_scheduler_steps",
+            "max_loras",
+            "max_lora_rank",
+            "max_cpu_loras",
         ):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -231,6 +244,10 @@ class EngineConfig:
                 f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
                 f"got {self.scheduling_policy!r}"
             )
+        if self.lora_modules and not self.enable_lora:
+            raise InvalidRequestError("lora_modules (--lora-modules) needs enable_lora")
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise InvalidRequestError("LoRA adapters do not run with tensor parallelism yet")
         if self.runner not in RUNNERS:
             raise InvalidRequestError(f"runner must be one of {RUNNERS}, got {self.runner!r}")
         if self.load_format not in ("auto", "dummy"):

@@ -15,6 +15,7 @@ from baton_engine.core.engine_core import EngineCore
 from baton_engine.core.outputs import EngineCoreOutput, TokenLogprobs
 from baton_engine.detokenizer import IncrementalDetokenizer
 from baton_engine.errors import InvalidRequestError
+from baton_engine.lora import LoRARequest
 from baton_engine.model_loader import load_tokenizer
 from baton_engine.outputs import (
     CompletionOutput,
@@ -67,10 +68,12 @@ class LLMEngine:
         params: SamplingParams | PoolingParams,
         prompt_token_ids: Sequence[int] | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Queue a request; ``prompt_token_ids``, when given, is the already-encoded ``prompt``
         (``params.truncate_prompt_tokens`` keeps its last tokens).
-        ``priority`` (lower first) needs ``scheduling_policy="priority"``; siblings share it.
+        ``priority`` (lower first) needs ``scheduling_policy="priority"``; siblings share it, and
+        ``lora_request`` (a LoRA adapter; the engine needs ``enable_lora``).
         With ``PoolingParams`` it is an embedding request: ``step`` returns its
         ``EmbeddingRequestOutput`` once its prompt is computed."""
         if request_id in self._requests or request_id in self._embeddings:
@@ -82,11 +85,13 @@ class LLMEngine:
             token_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         token_ids = truncate_prompt(token_ids, params.truncate_prompt_tokens, self.max_model_len)
         if isinstance(params, PoolingParams):
-            self.core.add_request(request_id, token_ids, params, priority=priority)
+            self.core.add_request(
+                request_id, token_ids, params, priority=priority, lora_request=lora_request
+            )
             self._embeddings[request_id] = token_ids
             return
         params = self.tokenize_bad_words(params)
-        self.core.validate_request(token_ids, params, priority)
+        self.core.validate_request(token_ids, params, priority, lora_request)
         state = _RequestState(RequestOutput(request_id, text, token_ids))
         for i in range(params.n):
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
@@ -95,7 +100,9 @@ class LLMEngine:
                 # Seeded siblings must differ from each other, yet be reproducible.
                 seed = None if params.seed is None else params.seed + i
                 child_params = replace(params, n=1, seed=seed)
-            self.core.add_request(child_id, token_ids, child_params, priority=priority)
+            self.core.add_request(
+                child_id, token_ids, child_params, priority=priority, lora_request=lora_request
+            )
             detok = IncrementalDetokenizer(
                 self.tokenizer,
                 token_ids,

@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 from baton_engine.config import EngineConfig
 from baton_engine.engine import LLMEngine
 from baton_engine.errors import InvalidRequestError
+from baton_engine.lora import LoRARequest
 from baton_engine.model_files import generation_defaults
 from baton_engine.outputs import (
     EmbeddingRequestOutput,
@@ -29,6 +30,7 @@ class TokensPrompt(TypedDict):
 
 PromptType = str | TokensPrompt
 _P = TypeVar("_P", SamplingParams, PoolingParams)
+LoRAArg = LoRARequest | Sequence[LoRARequest | None] | None
 ChatMessages = list[dict[str, Any]]
 
 
@@ -81,16 +83,18 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRAArg = None,
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come in the prompts' order. ``priority``, one per
-        prompt, ranks them when the engine runs ``scheduling_policy="priority"`` (lower is
-        served first), as in vLLM."""
+        """Generate for every prompt; outputs come in the prompts' order. ``lora_request``: a
+        LoRA adapter for every prompt, or one (or None) per prompt (the engine needs
+        ``enable_lora``). ``priority``, one per prompt, ranks them when the engine runs
+        ``scheduling_policy="priority"`` (lower is served first), as in vLLM."""
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         prompt_list = _prompt_list(prompts)
         params = _params_list(sampling_params, SamplingParams, len(prompt_list))
-        outputs = self._run(prompt_list, params, use_tqdm, priority)
+        outputs = self._run(prompt_list, params, use_tqdm, priority, lora_request)
         return outputs  # type: ignore[return-value]  # (sampling params: RequestOutputs)
 
     def embed(
@@ -100,6 +104,7 @@ class LLM:
         pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
         truncate_prompt_tokens: int | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRAArg = None,
         priority: Sequence[int] | None = None,
     ) -> list[EmbeddingRequestOutput]:
         """One embedding per prompt, in order (``outputs.embedding``): the final hidden state
@@ -109,7 +114,7 @@ class LLM:
         params = _params_list(pooling_params or PoolingParams(), PoolingParams, len(prompt_list))
         if truncate_prompt_tokens is not None:
             params = [replace(p, truncate_prompt_tokens=truncate_prompt_tokens) for p in params]
-        outputs = self._run(prompt_list, params, use_tqdm, priority)
+        outputs = self._run(prompt_list, params, use_tqdm, priority, lora_request)
         return outputs  # type: ignore[return-value]  # (pooling params: embeddings)
 
     def chat(
@@ -117,6 +122,7 @@ class LLM:
         messages: ChatMessages | Sequence[ChatMessages],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRAArg = None,
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
     ) -> list[RequestOutput]:
@@ -136,7 +142,9 @@ class LLM:
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params = _params_list(sampling_params, SamplingParams, len(prompts))
-        return self._run(prompts, params, use_tqdm)  # type: ignore[return-value]
+        return self._run(  # type: ignore[return-value]
+            prompts, params, use_tqdm, lora_request=lora_request
+        )
 
     def score(
         self,
@@ -182,6 +190,7 @@ class LLM:
         given: Sequence[SamplingParams | PoolingParams],
         use_tqdm: bool,
         priority: Sequence[int] | None = None,
+        lora_request: LoRAArg = None,
     ) -> list[RequestOutput | EmbeddingRequestOutput]:
         """Run every prompt with its params to the end; outputs in the prompts' order."""
         priorities = [0] * len(prompts) if priority is None else list(priority)
@@ -189,6 +198,13 @@ class LLM:
             raise InvalidRequestError(
                 f"got {len(prompts)} prompts but {len(priorities)} priorities"
             )
+        loras = (
+            list(lora_request)
+            if isinstance(lora_request, Sequence)
+            else [lora_request] * len(prompts)
+        )
+        if len(loras) != len(prompts):
+            raise InvalidRequestError(f"got {len(prompts)} prompts but {len(loras)} LoRA requests")
         engine = self.engine
         params = [
             engine.tokenize_bad_words(p) if isinstance(p, SamplingParams) else p for p in given
@@ -202,13 +218,15 @@ class LLM:
             )
             for p, sp in zip(prompts, params, strict=True)
         ]
-        for token_ids, sp, prio in zip(encoded, params, priorities, strict=True):
-            engine.core.validate_request(token_ids, sp, prio)
+        for token_ids, sp, prio, lora in zip(encoded, params, priorities, loras, strict=True):
+            engine.core.validate_request(token_ids, sp, prio, lora)
         ids = [str(next(self._counter)) for _ in prompts]
-        for req_id, prompt, token_ids, sp, prio in zip(
-            ids, prompts, encoded, params, priorities, strict=True
+        for req_id, prompt, token_ids, sp, prio, lora in zip(
+            ids, prompts, encoded, params, priorities, loras, strict=True
         ):
-            engine.add_request(req_id, prompt, sp, prompt_token_ids=token_ids, priority=prio)
+            engine.add_request(
+                req_id, prompt, sp, prompt_token_ids=token_ids, priority=prio, lora_request=lora
+            )
         results: dict[str, RequestOutput | EmbeddingRequestOutput] = {}
         with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm) as bar:
             try:

@@ -80,6 +80,9 @@ class Request:
     # An embedding request: it ends when its prompt is computed (max_tokens 1; the token the
     # step samples is dropped above the core), reporting the pooled hidden state.
     pooling: PoolingParams | None = None
+    # The LoRA adapter it runs with (None: the base model), by name: its KV is hashed from the
+    # adapter's root (``hashing.adapter_root``) and a step runs at most ``max_loras`` adapters.
+    lora_name: str | None = None
     # Structured output: the request's matcher, which accepts each token it samples (the
     # scheduler's update) and bounds the next (the engine's bitmask); the request ends when
     # the grammar does.

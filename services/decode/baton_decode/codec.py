@@ -38,6 +38,7 @@ class GenerateInput:
     first_token_id: int | None = None
     kv_handle: KVHandle | None = None
     priority: int = 0  # lower first under the priority scheduling policy
+    lora_name: str | None = None  # the LoRA adapter, by the name the worker serves it under
 
 
 def sampling_params_from_proto(pb: common_pb2.SamplingParams) -> SamplingParams:
@@ -118,6 +119,7 @@ def generate_input_from_proto(pb: engine_pb2.GenerateRequest) -> GenerateInput:
         first_token_id=pb.first_token_id if remote else None,
         kv_handle=handle,
         priority=pb.priority,
+        lora_name=pb.lora_name or None,
     )
 
 
@@ -232,4 +234,10 @@ def model_info_to_proto(
         eos_token_ids=list(mc.eos_token_ids),
         dtype=str(core.dtype).removeprefix("torch."),
         metrics_url=metrics_url,
+        lora_modules=[
+            engine_pb2.LoRAModule(
+                name=lora.lora_name, path=lora.lora_path, base_model_name=lora.base_model_name
+            )
+            for lora in core.lora_modules.values()
+        ],
     )

@@ -37,6 +37,7 @@ from baton_decode.metrics import StatsLogger, WorkerMetrics
 from baton_engine.core.engine_core import EngineCore, EngineStats
 from baton_engine.core.outputs import EngineCoreOutput, KVLoad
 from baton_engine.errors import BatonError, InvalidRequestError
+from baton_engine.lora import LoRARequest
 from baton_engine.pooling_params import PoolingParams
 from baton_engine.sampling_params import SamplingParams
 
@@ -56,6 +57,7 @@ class _Add:
     remote_kv: object | None = None
     first_token_id: int | None = None
     priority: int = 0
+    lora_request: LoRARequest | None = None
 
 
 @dataclass(frozen=True)
@@ -286,9 +288,12 @@ class EngineLoop:
         remote_kv: object | None = None,
         first_token_id: int | None = None,
         priority: int = 0,
+        lora_name: str | None = None,
     ) -> RequestStream:
         """Validate and queue a request; its outputs arrive on the returned stream (an
         embedding request's, ``PoolingParams``: one output, with ``pooled``).
+
+        ``lora_name``: one of the engine's ``lora_modules`` (None or "": the base model).
 
         Raises, before anything is queued: ``InvalidRequestError`` (``DuplicateRequestError``
         for an id in flight), then ``WorkerFullError``, or ``EngineDeadError``. Bad input is
@@ -300,7 +305,9 @@ class EngineLoop:
             raise DuplicateRequestError(f"request id {req_id!r} is already in flight")
         # reads only immutable config (and compiles a structured output's grammar, which
         # XGrammar caches for the loop's add_request; servers call compile_grammar first)
-        self.core.validate_request(prompt_token_ids, params, priority)
+        # (an adapter served by name is read at start-up: validating one reads no file)
+        lora_request = self.core.lora_request(lora_name)
+        self.core.validate_request(prompt_token_ids, params, priority, lora_request)
         if len(self._streams) >= self.max_pending:
             raise WorkerFullError(
                 f"the worker is at capacity ({len(self._streams)} requests in flight)"
@@ -318,6 +325,7 @@ class EngineLoop:
                 remote_kv=remote_kv,
                 first_token_id=first_token_id,
                 priority=priority,
+                lora_request=lora_request,
             )
         )
         return stream
@@ -486,6 +494,7 @@ class EngineLoop:
                     remote_kv=command.remote_kv,
                     first_token_id=command.first_token_id,
                     priority=command.priority,
+                    lora_request=command.lora_request,
                 )
             except Exception as e:  # validated on the loop already, so this is not bad input
                 logger.exception("adding request %s failed", command.req_id)

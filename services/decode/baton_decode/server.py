@@ -218,7 +218,9 @@ class DecodeServicer(WorkerInfoMixin, engine_pb2_grpc.DecodeServiceServicer):
                 # An incompatible engine's handle (other block size, dtype, model) is not
                 # checked here: the pull refuses it and the prompt is recomputed.
                 if inp.kv_handle.compat_hash == self.compat_hash:
-                    check_block_hashes(inp.prompt_token_ids, inp.kv_handle, self.block_size)
+                    check_block_hashes(
+                        inp.prompt_token_ids, inp.kv_handle, self.block_size, inp.lora_name
+                    )
                 remote = RemoteKV(inp.kv_handle, tracing.context_with(span))
             await self.engine.compile_grammar(inp.params)
             stream = self.engine.add_request(
@@ -228,6 +230,7 @@ class DecodeServicer(WorkerInfoMixin, engine_pb2_grpc.DecodeServiceServicer):
                 remote_kv=remote,
                 first_token_id=inp.first_token_id,
                 priority=inp.priority,
+                lora_name=inp.lora_name,
             )
         except BatonError as e:
             tracing.end_span(span, e)
@@ -341,8 +344,9 @@ class DecodeServicer(WorkerInfoMixin, engine_pb2_grpc.DecodeServiceServicer):
         if self.draining:
             raise EngineDeadError("the worker is shutting down")
         inputs, params = codec.embed_input_from_proto(request)
+        lora = self.engine.core.lora_request(request.lora_name)
         for ids in inputs:
-            self.engine.core.validate_request(ids, params, request.priority)
+            self.engine.core.validate_request(ids, params, request.priority, lora)
         embeddings: dict[int, engine_pb2.Embedding] = {}
         running: dict[asyncio.Task[list[EngineCoreOutput]], tuple[int, str]] = {}
         admitted = 0
@@ -352,7 +356,11 @@ class DecodeServicer(WorkerInfoMixin, engine_pb2_grpc.DecodeServiceServicer):
                     req_id = f"{request.req_id}-{admitted}"
                     try:
                         stream = self.engine.add_request(
-                            req_id, inputs[admitted], params, priority=request.priority
+                            req_id,
+                            inputs[admitted],
+                            params,
+                            priority=request.priority,
+                            lora_name=request.lora_name,
                         )
                     except WorkerFullError:
                         if not running:

@@ -51,7 +51,7 @@ import grpc
 
 from baton import tracing
 from baton.v1 import common_pb2, engine_pb2, engine_pb2_grpc
-from baton_engine.kv_cache.hashing import hash_request_tokens
+from baton_engine.kv_cache.hashing import adapter_root, hash_request_tokens
 from baton_gateway import codec
 from baton_gateway.codec import GenerateChunk, ModelInfo, WorkerLoad
 from baton_gateway.errors import GatewayError
@@ -455,11 +455,15 @@ class WorkerPool:
 
     # --- routing -------------------------------------------------------------------------------
 
-    async def _cached_blocks(self, prompt: Sequence[int]) -> dict[str, int]:
-        """Leading prompt blocks each worker caches (by address), from the prefix index."""
+    async def _cached_blocks(
+        self, prompt: Sequence[int], lora_name: str | None = None
+    ) -> dict[str, int]:
+        """Leading prompt blocks each worker caches (by address), from the prefix index (under
+        the LoRA adapter ``lora_name``: its blocks are hashed from the adapter's root)."""
         if self.kvstore is None or len(prompt) < self.block_size:
             return {}
-        hashes = [h.hash_value for h in hash_request_tokens(prompt, self.block_size)]
+        root = adapter_root(lora_name)
+        hashes = [h.hash_value for h in hash_request_tokens(prompt, self.block_size, root=root)]
         try:
             matches = await self.kvstore.lookup_prefix(hashes, None)
         except Exception as e:
@@ -490,9 +494,14 @@ class WorkerPool:
         return best, uncached(best)
 
     async def route(
-        self, prompt: Sequence[int], exclude: Iterable[Worker] = (), local_only: bool = False
+        self,
+        prompt: Sequence[int],
+        exclude: Iterable[Worker] = (),
+        local_only: bool = False,
+        lora_name: str | None = None,
     ) -> RouteDecision:
-        cached = await self._cached_blocks(prompt) if self._worth_lookup(prompt) else {}
+        worth = self._worth_lookup(prompt)
+        cached = await self._cached_blocks(prompt, lora_name) if worth else {}
         picked = self._pick(DECODE, len(prompt), cached, exclude)
         if picked is None:
             raise GatewayError(HTTPStatus.SERVICE_UNAVAILABLE, "no decode worker is available")
@@ -540,7 +549,9 @@ class WorkerPool:
         span = tracing.start_span("route", trace_parent)
         try:
             route = await self.route(
-                request.prompt_token_ids, local_only=request.sampling.HasField("prompt_logprobs")
+                request.prompt_token_ids,
+                local_only=request.sampling.HasField("prompt_logprobs"),
+                lora_name=request.lora_name or None,
             )
         except GatewayError as e:
             tracing.end_span(span, e)
@@ -688,7 +699,8 @@ class WorkerPool:
         cache and load, as ``route`` weighs them), or, if that one is full or gone before it
         answers, the next. Raises GatewayError for a failed call."""
         first = request.inputs[0].token_ids
-        cached = await self._cached_blocks(first) if self._worth_lookup(first) else {}
+        worth = self._worth_lookup(first)
+        cached = await self._cached_blocks(first, request.lora_name or None) if worth else {}
         tried: list[Worker] = []
         picked = self._pick(DECODE, len(first), cached)
         if picked is None:

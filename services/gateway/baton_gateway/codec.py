@@ -52,6 +52,7 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...]
     metrics_url: str  # "" when the worker serves no metrics
     block_size: int = 16
+    lora_modules: tuple[tuple[str, str], ...] = ()  # the LoRA adapters it serves: (name, path)
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,11 +152,17 @@ def generate_request(
     prompt_token_ids: list[int],
     sampling: common_pb2.SamplingParams,
     priority: int = 0,
+    lora_name: str | None = None,
 ) -> engine_pb2.GenerateRequest:
     """A ``GenerateRequest`` for local prefill on the decode worker (aggregated mode);
-    ``priority``: lower is served first (workers with ``--scheduling-policy priority``)."""
+    ``priority``: lower is served first (workers with ``--scheduling-policy priority``);
+    ``lora_name``: the LoRA adapter (None: the base model)."""
     return engine_pb2.GenerateRequest(
-        req_id=req_id, prompt_token_ids=prompt_token_ids, sampling=sampling, priority=priority
+        req_id=req_id,
+        prompt_token_ids=prompt_token_ids,
+        sampling=sampling,
+        priority=priority,
+        lora_name=lora_name or "",
     )
 
 
@@ -166,6 +173,7 @@ def prefill_request(request: engine_pb2.GenerateRequest) -> engine_pb2.PrefillRe
         prompt_token_ids=request.prompt_token_ids,
         sampling=request.sampling,
         priority=request.priority,
+        lora_name=request.lora_name,
     )
 
 
@@ -215,11 +223,13 @@ def embed_request(
     priority: int = 0,
     dimensions: int | None = None,
     normalize: bool | None = None,
+    lora_name: str | None = None,
 ) -> engine_pb2.EmbedRequest:
     pb = engine_pb2.EmbedRequest(
         req_id=req_id,
         inputs=[common_pb2.TokenIds(token_ids=ids) for ids in prompts],
         priority=priority,
+        lora_name=lora_name or "",
     )
     if dimensions is not None:
         pb.dimensions = dimensions
@@ -271,6 +281,7 @@ def model_info(pb: engine_pb2.GetModelInfoResponse) -> ModelInfo:
         eos_token_ids=tuple(pb.eos_token_ids),
         metrics_url=pb.metrics_url,
         block_size=pb.block_size or 16,
+        lora_modules=tuple((m.name, m.path) for m in pb.lora_modules),
     )
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Mapping
 from contextlib import aclosing
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -130,6 +130,7 @@ class Pipeline:
         generation_defaults: dict[str, Any] | None = None,
         tokens_as_ids: bool = False,
         max_stored_responses: int = 0,
+        lora_modules: Mapping[str, str] | None = None,
     ) -> None:
         """``tool_parser``: the parser "auto" tool choice uses (None: "auto" is refused);
         ``chat_template``: the template chat requests use instead of the model's;
@@ -137,11 +138,14 @@ class Pipeline:
         they are not); ``generation_defaults``: the sampling params of requests that leave
         them unset, and a cap on ``max_tokens`` (the model's generation config, as in vLLM);
         ``tokens_as_ids``: logprobs name every token ``"token_id:{id}"`` (vLLM's
-        ``--return-tokens-as-token-ids``); ``max_stored_responses``: how many Responses API
-        answers are kept for ``previous_response_id`` and ``GET /v1/responses/{id}``."""
+        ``--return-tokens-as-token-ids``); ``lora_modules``: the LoRA adapters the workers
+        serve (name: path), which requests name as their ``model``; ``max_stored_responses``:
+        how many Responses API answers are kept for ``previous_response_id`` and ``GET
+        /v1/responses/{id}``."""
         self.pool = pool
         self.tokenizer = tokenizer
         self.model_name = model_name
+        self.lora_modules = dict(lora_modules or {})
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.metrics = metrics
@@ -154,10 +158,19 @@ class Pipeline:
         self.stored_responses = responses_api.ResponseStore(max_stored_responses)
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+        if model is not None and model != self.model_name and model not in self.lora_modules:
             raise GatewayError(
                 HTTPStatus.NOT_FOUND, f"The model `{model}` does not exist.", param="model"
             )
+
+    def lora_of(self, model: str | None) -> str | None:
+        """The LoRA adapter a request's ``model`` names (None: the base model)."""
+        return model if model is not None and model in self.lora_modules else None
+
+    def served_name(self, model: str | None) -> str:
+        """The ``model`` a response names: the adapter's when the request named one, as
+        vLLM answers."""
+        return self.lora_of(model) or self.model_name
 
     def _specs(
         self,
@@ -191,7 +204,11 @@ class Pipeline:
                     request, budget, seed, self.defaults, reasoning_end, bad_words
                 )
                 gen_request = codec.generate_request(
-                    f"{req_id}-{index}", ids, sampling, request.priority
+                    f"{req_id}-{index}",
+                    ids,
+                    sampling,
+                    request.priority,
+                    self.lora_of(request.model),
                 )
                 specs.append(SequenceSpec(index, ids, gen_request))
         return specs
@@ -292,7 +309,7 @@ class Pipeline:
             resp_id, specs, num_prompt_tokens, reading = self._chat_specs(chat, "resp", named)
             generation = self._generation(chat, specs, record)
             texts = self.texts if chat.num_logprobs is not None else None
-            start = responses_api.response_object(request, resp_id, self.model_name)
+            start = responses_api.response_object(request, resp_id, self.served_name(request.model))
 
             def finish(
                 output: list[responses_api.OutputItem], reason: str | None
@@ -450,10 +467,16 @@ class Pipeline:
                 prompts = self._completion_prompts(request)
             req_id, worker_id = self._request_ids("embd", request, named)
             pb = codec.embed_request(
-                worker_id, prompts, request.priority, request.dimensions, request.normalize
+                worker_id,
+                prompts,
+                request.priority,
+                request.dimensions,
+                request.normalize,
+                self.lora_of(request.model),
             )
             embedded = await self._embed(pb, record)
-            body = embeddings.response(req_id, self.model_name, embedded, request.encoding_format)
+            name = self.served_name(request.model)
+            body = embeddings.response(req_id, name, embedded, request.encoding_format)
             self.metrics.finish(record, "ok", num_prompt_tokens=body.usage.prompt_tokens)
             return Response(body.model_dump_json(), media_type="application/json")
         except BaseException as e:
@@ -482,7 +505,10 @@ class Pipeline:
                 self._truncated(tokenize_text(self.tokenizer, t, True), request) for t in texts
             ]
             req_id, worker_id = self._request_ids(kind, request, named)
-            pb = codec.embed_request(worker_id, prompts, request.priority)
+            pb = codec.embed_request(
+                worker_id, prompts, request.priority, lora_name=self.lora_of(request.model)
+            )
+            name = self.served_name(request.model)
             embedded = dict(zip(texts, await self._embed(pb, record), strict=True))
             scores = [cosine_similarity(embedded[a].values, embedded[b].values) for a, b in pairs]
             num_tokens = sum(
@@ -490,9 +516,9 @@ class Pipeline:
             )
             body: scoring.ScoreResponse | scoring.RerankResponse
             if isinstance(request, RerankRequest):
-                body = scoring.rerank_response(req_id, self.model_name, request, scores, num_tokens)
+                body = scoring.rerank_response(req_id, name, request, scores, num_tokens)
             else:
-                body = scoring.score_response(req_id, self.model_name, scores, num_tokens)
+                body = scoring.score_response(req_id, name, scores, num_tokens)
             self.metrics.finish(record, "ok", num_prompt_tokens=num_tokens)
             return Response(body.model_dump_json(), media_type="application/json")
         except BaseException as e:
@@ -597,7 +623,7 @@ class Pipeline:
         common: dict[str, Any] = dict(
             request_id=req_id,
             created=created,
-            model=self.model_name,
+            model=self.served_name(request.model),
             choices=choices.values(),
             usage=usage,
             outputs=outputs,
@@ -641,7 +667,7 @@ class Pipeline:
         ctx = StreamContext(
             request_id=req_id,
             created=created,
-            model=self.model_name,
+            model=self.served_name(request.model),
             num_choices=len(generation.num_output_tokens),
             num_prompt_tokens=num_prompt_tokens,
             include_usage=request.include_usage,

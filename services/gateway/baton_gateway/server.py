@@ -240,6 +240,7 @@ def create_app(config: GatewayConfig, tokenizer: Any) -> FastAPI:
                 generation_defaults=config.generation_defaults,
                 tokens_as_ids=config.tokens_as_ids,
                 max_stored_responses=config.max_stored_responses,
+                lora_modules=dict(info.lora_modules),
             )
             logger.info("serving %s (max_model_len %d) via %s", name, max_model_len,
                         ", ".join(f"{w.role} {w.addr}" for w in pool.workers))  # fmt: skip
@@ -289,9 +290,14 @@ def create_app(config: GatewayConfig, tokenizer: Any) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        name = state.pipeline.model_name
-        card = ModelCard(id=name, root=name, max_model_len=state.pipeline.max_model_len)
-        return _json(200, ModelList(data=[card]))
+        pipeline = state.pipeline
+        name, max_len = pipeline.model_name, pipeline.max_model_len
+        cards = [ModelCard(id=name, root=name, max_model_len=max_len)]
+        cards += [  # the LoRA adapters, as vLLM lists them
+            ModelCard(id=lora, root=path, parent=name, max_model_len=max_len)
+            for lora, path in pipeline.lora_modules.items()
+        ]
+        return _json(200, ModelList(data=cards))
 
     def request_ids(request: Request) -> RequestIds:
         return RequestIds(

@@ -22,7 +22,7 @@ from baton_decode import codec
 from baton_decode.engine_loop import EngineLoop
 from baton_decode.server import WorkerInfoMixin, status_code
 from baton_engine.errors import BatonError, InvalidRequestError
-from baton_engine.kv_cache.hashing import hash_request_tokens
+from baton_engine.kv_cache.hashing import adapter_root, hash_request_tokens
 from baton_kvtransfer.handle import KVHandle
 from baton_kvtransfer.leases import LeaseTable
 
@@ -87,7 +87,12 @@ class PrefillServicer(WorkerInfoMixin, engine_pb2_grpc.PrefillServiceServicer):
                 raise InvalidRequestError("req_id is required (the gateway aborts by it)")
             await self.engine.compile_grammar(params)
             stream = self.engine.add_request(
-                req_id, prompt, params, prefill_only=True, priority=request.priority
+                req_id,
+                prompt,
+                params,
+                prefill_only=True,
+                priority=request.priority,
+                lora_name=request.lora_name,
             )
         except BatonError as e:
             await context.abort(status_code(e), str(e))
@@ -127,7 +132,12 @@ class PrefillServicer(WorkerInfoMixin, engine_pb2_grpc.PrefillServiceServicer):
             epoch=self.epoch,
             transfer_endpoint=self.transfer_endpoint,
             block_ids=tuple(out.kv_block_ids),
-            block_hashes=tuple(h.hash_value for h in hash_request_tokens(prompt, self.block_size)),
+            block_hashes=tuple(
+                h.hash_value
+                for h in hash_request_tokens(
+                    prompt, self.block_size, root=adapter_root(request.lora_name or None)
+                )
+            ),
             num_tokens=len(prompt),
             lease_id=lease.lease_id,
             lease_expiry_unix_ms=lease.expiry_unix_ms,

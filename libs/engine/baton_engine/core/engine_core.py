@@ -22,6 +22,7 @@ from baton_engine.core.scheduler import Scheduler
 from baton_engine.errors import InvalidRequestError, ModelLoadError
 from baton_engine.kv_cache import KVCacheManager
 from baton_engine.kv_cache.block_pool import KVCacheEvent
+from baton_engine.lora import LoRALimits, LoRARequest, lora_requests
 from baton_engine.model_files import load_tokenizer
 from baton_engine.model_loader import iter_weights, resolve_model
 from baton_engine.models.llama import shard_config
@@ -129,6 +130,7 @@ def build_runner(config: EngineConfig, tp_rank: int = 0) -> RunnerSetup:
             tp_rank=tp_rank,
             tp_size=tp_size,
             num_scheduler_steps=config.num_scheduler_steps,
+            lora=lora_limits(config),
         )
     except ValueError as e:  # a model that does not split tensor_parallel_size ways
         raise InvalidRequestError(str(e)) from e
@@ -140,14 +142,16 @@ def build_runner(config: EngineConfig, tp_rank: int = 0) -> RunnerSetup:
         except ValueError as e:
             raise ModelLoadError(f"cannot load weights from {model_dir}: {e}") from e
     runner.finalize_weights()
-    if runner.device.type == "cuda" and not config.enforce_eager:
+    # (steps with LoRA adapters run eagerly: their deltas are not in the captured graphs)
+    eager = config.enforce_eager or config.enable_lora
+    if runner.device.type == "cuda" and not eager:
         runner.enable_piece_graphs(capture=True)
     num_blocks = _num_kv_blocks(config, runner, max_model_len, free_at_start)
     runner.initialize_kv_cache(num_blocks)
     if runner.device.type == "cuda":
         runner.warmup_kernels()
-        graphs = runner.enable_decode_graphs(capture=not config.enforce_eager)
-        if not graphs and not config.enforce_eager:
+        graphs = not config.enable_lora and runner.enable_decode_graphs(capture=not eager)
+        if not graphs and not eager:
             logger.info("no CUDA graphs: the %s backend cannot be captured", runner.backend.name)
     logger.info(
         "KV cache: %d blocks, %d tokens (%s, %.1f s to load%s)",
@@ -158,6 +162,21 @@ def build_runner(config: EngineConfig, tp_rank: int = 0) -> RunnerSetup:
         f"; each of {tp_size} ranks holds 1/{tp_size} of the heads" if tp_size > 1 else "",
     )
     return RunnerSetup(runner, num_blocks, model_dir, mc, max_model_len, dtype)
+
+
+def lora_limits(config: EngineConfig) -> LoRALimits | None:
+    """The runner's LoRA limits (None: LoRA is off)."""
+    if not config.enable_lora:
+        return None
+    max_cpu = config.max_cpu_loras if config.max_cpu_loras is not None else config.max_loras
+    if max_cpu < config.max_loras:
+        raise InvalidRequestError(
+            f"max_cpu_loras ({max_cpu}) must be at least max_loras ({config.max_loras})"
+        )
+    # the adapters served by name stay read (workers check them on their gRPC threads)
+    return LoRALimits(
+        config.max_loras, config.max_lora_rank, max(max_cpu, len(config.lora_modules))
+    )
 
 
 def _gpu_lock_keys(config: EngineConfig) -> list[str]:
@@ -298,7 +317,12 @@ class EngineCore:
             long_prefill_token_threshold=config.long_prefill_token_threshold,
             num_scheduler_steps=config.num_scheduler_steps,
             scheduling_policy=config.scheduling_policy,
+            max_loras=config.max_loras if config.enable_lora else None,
         )
+        # Adapters served by name (--lora-modules), read now: a bad one fails the start.
+        self.lora_modules = lora_requests(config.lora_modules)
+        for lora_request in self.lora_modules.values():
+            self._adapter(lora_request)
         self.num_prompt_tokens = 0
         self.num_generated_tokens = 0
         model_dir = self.model_dir
@@ -351,9 +375,13 @@ class EngineCore:
         prompt_token_ids: Sequence[int],
         params: SamplingParams | PoolingParams,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> None:
-        """Raise ``InvalidRequestError`` for a request ``add_request`` would refuse."""
+        """Raise ``InvalidRequestError`` for a request ``add_request`` would refuse (reading its
+        LoRA adapter, if it names one not read yet)."""
         self.scheduler.check_priority(priority)
+        if lora_request is not None:
+            self._adapter(lora_request)
         n = len(prompt_token_ids)
         if n == 0:
             raise InvalidRequestError("the prompt is empty")
@@ -390,6 +418,29 @@ class EngineCore:
                 "tokenizer"
             )
         self._grammar(params)
+
+    def lora_request(self, lora_name: str | None) -> LoRARequest | None:
+        """The adapter served under ``lora_name`` (``lora_modules``); None for None or ""."""
+        if not lora_name:
+            return None
+        known = self.lora_modules.get(lora_name)
+        if known is None:
+            served = ", ".join(self.lora_modules) or "none"
+            raise InvalidRequestError(
+                f"unknown LoRA adapter {lora_name!r} (this engine serves: {served})"
+            )
+        return known
+
+    def _adapter(self, lora_request: LoRARequest) -> None:
+        """Have the runner hold ``lora_request``'s adapter (``InvalidRequestError`` if it
+        cannot)."""
+        lora = self.runner.lora
+        if lora is None:
+            raise InvalidRequestError(
+                f"LoRA adapter {lora_request.lora_name!r} asked for, but LoRA is not enabled "
+                "(start the engine with enable_lora, --enable-lora)"
+            )
+        lora.add(lora_request, self.scheduler.lora_refs)
 
     def _check_token_ids(self, what: str, ids: Iterable[int]) -> None:
         vocab = self.model_config.vocab_size
@@ -433,9 +484,11 @@ class EngineCore:
         remote_kv: object | None = None,
         first_token_id: int | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> None:
-        """Queue a request. ``priority`` ranks it under ``scheduling_policy="priority"``
-        (lower is served first); any other value than 0 is refused under ``fcfs``.
+        """Queue a request, with the LoRA adapter ``lora_request`` if given. ``priority`` ranks
+        it under ``scheduling_policy="priority"`` (lower is served first); any other value than
+        0 is refused under ``fcfs``.
 
         An embedding request (``PoolingParams``) ends once its prompt is computed: its one
         output has ``pooled`` set (and a token, sampled greedily, that is no output).
@@ -446,7 +499,7 @@ class EngineCore:
         makes the request wait for its prompt KV to be pulled (``take_kv_loads`` /
         ``finish_kv_load``) and then generate from its second token on.
         """
-        self.validate_request(prompt_token_ids, params, priority)
+        self.validate_request(prompt_token_ids, params, priority, lora_request)
         if req_id in self.scheduler.requests:
             raise InvalidRequestError(f"request id {req_id!r} is already in use")
         if (remote_kv is None) != (first_token_id is None):
@@ -486,6 +539,7 @@ class EngineCore:
                 grammar=grammar,
                 priority=priority,
                 pooling=pooling,
+                lora_name=None if lora_request is None else lora_request.lora_name,
             )
         )
 

@@ -24,6 +24,7 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int  # before this step (prefix-cache hits included)
     pooling: PoolingParams | None = None  # an embedding request (its token is not kept)
+    lora_name: str | None = None  # its LoRA adapter (None: the base model)
 
 
 class CachedRequestData(NamedTuple):

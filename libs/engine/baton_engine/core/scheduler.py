@@ -85,7 +85,10 @@ class Scheduler:
         long_prefill_token_threshold: int = 0,
         num_scheduler_steps: int = 1,
         scheduling_policy: str = "fcfs",
+        max_loras: int | None = None,
     ) -> None:
+        """``max_loras``: the most LoRA adapters the running requests may use at once (a
+        waiting request with another adapter is passed over until one is free), None: any."""
         if scheduling_policy not in SCHEDULING_POLICIES:
             raise InvalidRequestError(
                 f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {scheduling_policy!r}"
@@ -98,6 +101,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.long_prefill_token_threshold = long_prefill_token_threshold
+        self.max_loras = max_loras
         self.requests: dict[str, Request] = {}  # req_id -> every unfinished request
         # fcfs: arrival order, preempted requests at the front; priority: _waiting_rank order
         self.waiting: deque[Request] = deque()
@@ -112,6 +116,7 @@ class Scheduler:
         self.num_multi_steps = 0  # steps of more than one pass (multi-step scheduling)
         self.num_grammars = 0  # requests with structured output among ``requests``
         self.num_embeddings = 0  # embedding requests (PoolingParams) among ``requests``
+        self.lora_refs: dict[str, int] = {}  # adapter name -> its requests among ``requests``
 
     # --- requests in and out -------------------------------------------------------------------
 
@@ -124,6 +129,8 @@ class Scheduler:
             self.waiting.append(request)
         self.num_grammars += request.grammar is not None
         self.num_embeddings += request.pooling is not None
+        if request.lora_name is not None:
+            self.lora_refs[request.lora_name] = self.lora_refs.get(request.lora_name, 0) + 1
 
     def check_priority(self, priority: int) -> None:
         """Raise ``InvalidRequestError`` for a priority this policy cannot honour: any but 0
@@ -146,6 +153,11 @@ class Scheduler:
         del self.requests[request.req_id]
         self.num_grammars -= request.grammar is not None
         self.num_embeddings -= request.pooling is not None
+        name = request.lora_name
+        if name is not None:
+            self.lora_refs[name] -= 1
+            if not self.lora_refs[name]:
+                del self.lora_refs[name]
 
     def finish_requests(self, req_ids: Iterable[str], status: RequestStatus) -> None:
         """End requests from outside (abort, stop string); unknown ids are ignored."""
@@ -294,6 +306,8 @@ class Scheduler:
             scheduled.append(request)
 
         # Admit waiting requests only when nothing had to be preempted this step.
+        loras: set[str] | None = None  # adapters of the running requests (max_loras)
+        passed_over: list[Request] = []  # waiting for an adapter slot
         while (
             not preempted
             and self.waiting
@@ -301,6 +315,14 @@ class Scheduler:
             and len(self.running) + len(self.loading) < self.max_num_seqs
         ):
             request = self.waiting[0]
+            if request.lora_name is not None and self.max_loras is not None:
+                if loras is None:
+                    loras = self._running_loras()
+                if request.lora_name not in loras:
+                    if len(loras) >= self.max_loras:
+                        passed_over.append(self.waiting.popleft())
+                        continue
+                    loras.add(request.lora_name)  # (if it is not admitted, the loop ends)
             if request.remote_kv is not None:
                 if not self._start_kv_load(request):
                     break
@@ -326,6 +348,7 @@ class Scheduler:
                     block_ids=self.kv.get_block_ids(request.req_id),
                     num_computed_tokens=request.num_computed_tokens,
                     pooling=request.pooling,
+                    lora_name=request.lora_name,
                 )
             )
             num_scheduled[request.req_id] = num_new
@@ -334,11 +357,18 @@ class Scheduler:
             if request.num_computed_tokens == request.num_tokens + request.num_pending_tokens:
                 request.num_pending_tokens += 1
             scheduled.append(request)
+        self.waiting.extendleft(reversed(passed_over))  # (their order, at the front)
 
         return self._output(
             scheduled, new_reqs, cached_reqs, num_scheduled, self.max_num_batched_tokens - budget,
             preempted,
         )  # fmt: skip
+
+    def _running_loras(self) -> set[str]:
+        """The adapters of the running requests and of those loading remote KV."""
+        names = {r.lora_name for r in self.running if r.lora_name is not None}
+        names.update(r.lora_name for r in self.loading.values() if r.lora_name is not None)
+        return names
 
     def _output(
         self,

@@ -1,7 +1,9 @@
 """Chained block hashes for prefix caching.
 
 A block's hash covers its parent's hash and its own token ids, so equal hashes mean equal
-prefixes. Only full blocks are hashed. The token ids are kept with the hash so a hash collision
+prefixes. Only full blocks are hashed. A request with a LoRA adapter chains from its adapter's
+root (``adapter_root``) instead of the empty one: the same tokens under another adapter (or none)
+have other KV, so other hashes. The token ids are kept with the hash so a hash collision
 can never hand one request another's KV. The kvstore's prefix index uses the same hash.
 """
 
@@ -34,12 +36,25 @@ def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int]) -> Blo
     return _tuple_new(BlockHash, (hashlib.blake2b(data, digest_size=16).digest(), tokens))
 
 
+def adapter_root(lora_name: str | None) -> BlockHash | None:
+    """The parent of a request's first block: None (the empty root) for the base model, else a
+    root of the LoRA adapter's name."""
+    if lora_name is None:
+        return None
+    digest = hashlib.blake2b(b"lora\x00" + lora_name.encode(), digest_size=16).digest()
+    return _tuple_new(BlockHash, (digest, ()))
+
+
 def hash_request_tokens(
-    token_ids: Sequence[int], block_size: int, known: Sequence[BlockHash] = ()
+    token_ids: Sequence[int],
+    block_size: int,
+    known: Sequence[BlockHash] = (),
+    root: BlockHash | None = None,
 ) -> list[BlockHash]:
-    """Hashes of every full block of ``token_ids``, extending the already ``known`` prefix."""
+    """Hashes of every full block of ``token_ids``, extending the already ``known`` prefix;
+    ``root``: the first block's parent (``adapter_root``)."""
     hashes = list(known)
-    parent = hashes[-1] if hashes else None
+    parent = hashes[-1] if hashes else root
     for start in range(len(hashes) * block_size, len(token_ids) - block_size + 1, block_size):
         parent = hash_block_tokens(parent, token_ids[start : start + block_size])
         hashes.append(parent)

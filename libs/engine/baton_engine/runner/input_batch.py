@@ -42,6 +42,7 @@ class CachedRequestState:
     plain_greedy: bool = False
     wants_prompt_logprobs: bool = False
     pooling: PoolingParams | None = None  # an embedding request: its last prompt row is pooled
+    lora_name: str | None = None  # its LoRA adapter (None: the base model)
 
     def __post_init__(self) -> None:
         sp = self.sampling_params
@@ -99,6 +100,7 @@ class InputBatch:
         self.num_not_plain_greedy = 0
         self.num_prompt_logprobs = 0  # held requests that ask for prompt logprobs
         self.num_pooling = 0  # held embedding requests
+        self.num_lora = 0  # held requests with a LoRA adapter
         self.num_removed = 0  # requests dropped so far (see record_sampled)
 
     def update(self, so: SchedulerOutput) -> None:
@@ -125,6 +127,7 @@ class InputBatch:
                 generator=generator,
                 num_tokens=num_prompt + len(new.output_token_ids),
                 pooling=new.pooling,
+                lora_name=new.lora_name,
             )
             self.requests[new.req_id] = state
             self._count(state, 1)
@@ -150,6 +153,7 @@ class InputBatch:
         self.num_not_plain_greedy += sign * (not state.always_plain_greedy)
         self.num_prompt_logprobs += sign * state.wants_prompt_logprobs
         self.num_pooling += sign * (state.pooling is not None)
+        self.num_lora += sign * (state.lora_name is not None)
 
     def _remove(self, req_id: str) -> None:
         state = self.requests.pop(req_id, None)

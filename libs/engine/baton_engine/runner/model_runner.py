@@ -20,6 +20,7 @@ from baton_engine.core.outputs import (
     SchedulerOutput,
     TokenLogprobs,
 )
+from baton_engine.lora import LoRALimits, LoRAManager
 from baton_engine.models import LlamaForCausalLM
 from baton_engine.models.llama import shard_config
 from baton_engine.runner.cuda_graphs import DecodeGraphs, PieceGraphs
@@ -140,11 +141,15 @@ class ModelRunner:
         tp_rank: int = 0,
         tp_size: int = 1,
         num_scheduler_steps: int = 1,
+        lora: LoRALimits | None = None,
     ) -> None:
         """``model_config`` is the whole model's; with ``tp_size`` > 1 the runner holds rank
         ``tp_rank``'s shard (``model_config`` then becomes the shard's shape: its heads, its
         share of the MLP) and must run in that rank's process of the group
-        (``baton_engine.distributed``)."""
+        (``baton_engine.distributed``). ``lora``: serve LoRA adapters within those limits
+        (``self.lora``, once the weights are final); the fused decode paths are then off."""
+        self.lora_limits = lora
+        self.lora: LoRAManager | None = None
         whole_config = model_config
         model_config = shard_config(model_config, tp_size)
         self.model_config = model_config
@@ -210,7 +215,8 @@ class ModelRunner:
             self.model.use_fused_kernels()  # (the torch backend is the reference: torch ops)
             hidden = model_config.hidden_size
             if (
-                self.device.type == "cuda"
+                lora is None
+                and self.device.type == "cuda"
                 and hidden <= max(GEMV_MAX_HIDDEN, GEMV_ATTN_MAX_HIDDEN)
                 and self.model.use_gemv_decode(
                     rows=GEMV_ROWS, mlp=hidden <= GEMV_MAX_HIDDEN, down=GEMV_DOWN
@@ -252,6 +258,22 @@ class ModelRunner:
         projections for decode steps (GPU, ``FOLD_NORMS``)."""
         for kernel, num in pack_linears(self.model, float32_outputs=("lm_head",)).items():
             logger.info("packed %d linear layers for the %s kernel", num, kernel)
+        if self.lora_limits is not None:
+            # The adapters' deltas read each projection's own input (the normed hidden state):
+            # no folded norms, no one-call CPU decode.
+            self.lora = LoRAManager(
+                self.model,
+                self.model_config,
+                **self.lora_limits._asdict(),
+                dtype=self.dtype,
+                device=self.device,
+            )
+            logger.info(
+                "LoRA: up to %d adapters a step, rank <= %d; steps run eagerly",
+                self.lora.max_loras,
+                self.lora.max_lora_rank,
+            )
+            return
         prompts = FOLD_PROMPTS and getattr(self.backend, "fuses_prompt_norm", False)
         if (
             FOLD_NORMS
@@ -851,6 +873,9 @@ class ModelRunner:
             query_start_loc_tensor=stage(cu, torch.int32) if triton else None,
             seq_lens_tensor=stage(ends, torch.int32) if triton else None,
         )
+        if self.lora is not None:
+            names = [s.lora_name for s in reqs] if self.batch.num_lora else []
+            self.lora.set_batch(names, counts, self.staging)
         ids = stage(input_ids, torch.int64)
         if any(s.num_pending for s in reqs):
             # a pending request runs a one-token decode: its token index is its row (decodes

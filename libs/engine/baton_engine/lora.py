@@ -1,0 +1,408 @@
+"""LoRA adapters, served as vLLM serves them: many adapters over one base model, any mix of them
+(and of the base model) in one batch.
+
+An adapter is a PEFT folder: ``adapter_config.json`` (``r``, ``lora_alpha``, ``target_modules``,
+``use_rslora``) and ``adapter_model.safetensors`` (or ``.bin``), with ``lora_A`` ``[r, in]`` and
+``lora_B`` ``[out, r]`` for any of the decoder layers' seven projections. A request names its
+adapter with a ``LoRARequest``; the engine keeps up to ``max_loras`` adapters on the device at
+once (a step's requests use at most that many: the scheduler holds back the others) and loads
+more from their folders as needed.
+
+On the device each projection of the model is wrapped (``LoRALinear``): its output gains
+``scale * B @ A @ x`` for every token whose request has an adapter, computed per adapter over
+that adapter's rows. The fused projections (qkv, gate/up) stack their parts' ``A`` and place
+each part's ``B`` in its rows of the output. Steps with adapters run eagerly: the engine's fused
+decode paths (CUDA graphs, GEMV layers, folded norms, the CPU's one-call decode) are off while
+LoRA is enabled.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, NamedTuple
+
+import numpy as np
+import torch
+from torch import nn
+
+from baton_engine.config import ModelConfig
+from baton_engine.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from baton_engine.runner.staging import InputStaging
+
+
+@dataclass(frozen=True)
+class LoRARequest:
+    """An adapter for a request, as vLLM's: its name (what prefix caching and the API's
+    ``model`` field know it by), a positive id, and its folder."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str = ""
+    base_model_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.lora_name:
+            raise InvalidRequestError("a LoRA adapter needs a name")
+        if self.lora_int_id < 1:
+            raise InvalidRequestError(f"lora_int_id must be at least 1, got {self.lora_int_id}")
+        if not self.lora_path:
+            raise InvalidRequestError(f"LoRA adapter {self.lora_name!r} needs a path")
+
+
+class LoRALimits(NamedTuple):
+    """What an engine with LoRA enabled holds: ``max_loras`` adapters on the device (those a
+    step may use), of rank at most ``max_lora_rank``, and ``max_cpu_loras`` read on the host."""
+
+    max_loras: int
+    max_lora_rank: int
+    max_cpu_loras: int
+
+
+def parse_lora_module(spec: str) -> tuple[str, str, str | None]:
+    """One ``--lora-modules`` entry, as vLLM takes it: ``name=path`` or a JSON object with
+    ``name``, ``path`` and optionally ``base_model_name``. Returns ``(name, path, base)``."""
+    if spec.lstrip().startswith("{"):
+        try:
+            obj = json.loads(spec)
+        except ValueError as e:
+            raise InvalidRequestError(f"--lora-modules {spec!r} is not valid JSON: {e}") from None
+        name, path = obj.get("name") if isinstance(obj, dict) else None, None
+        if isinstance(obj, dict):
+            path = obj.get("path")
+        if not isinstance(name, str) or not isinstance(path, str) or not name or not path:
+            raise InvalidRequestError(
+                f"--lora-modules {spec!r} needs a JSON object with a name and a path"
+            )
+        base = obj.get("base_model_name")
+        return name, path, base if isinstance(base, str) else None
+    name, sep, path = spec.partition("=")
+    if not sep or not name or not path:
+        raise InvalidRequestError(f"--lora-modules takes name=path (or JSON), got {spec!r}")
+    return name, path, None
+
+
+def lora_requests(specs: Sequence[str]) -> dict[str, LoRARequest]:
+    """``--lora-modules`` entries as ``LoRARequest``s by name (ids 1, 2, ... in order)."""
+    out: dict[str, LoRARequest] = {}
+    for i, spec in enumerate(specs, 1):
+        name, path, base = parse_lora_module(spec)
+        if name in out:
+            raise InvalidRequestError(f"--lora-modules names {name!r} twice")
+        out[name] = LoRARequest(name, i, path, base)
+    return out
+
+
+# fused projection -> its parts, as the adapter names them, in the order of its output rows
+FUSED_PARTS: dict[str, tuple[str, ...]] = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "o_proj": ("o_proj",),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+    "down_proj": ("down_proj",),
+}
+TARGETS = tuple(part for parts in FUSED_PARTS.values() for part in parts)
+_WEIGHT = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+
+
+def part_shape(cfg: ModelConfig, part: str) -> tuple[int, int]:
+    """``(in, out)`` features of one projection of the model (an adapter's target)."""
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    hidden, inter = cfg.hidden_size, cfg.intermediate_size
+    return {
+        "q_proj": (hidden, q),
+        "k_proj": (hidden, kv),
+        "v_proj": (hidden, kv),
+        "o_proj": (q, hidden),
+        "gate_proj": (hidden, inter),
+        "up_proj": (hidden, inter),
+        "down_proj": (inter, hidden),
+    }[part]
+
+
+@dataclass
+class LoRAAdapter:
+    """An adapter's weights on the host: ``(layer, part) -> (A [r, in], B [out, r])`` with
+    ``B`` already multiplied by the adapter's scale."""
+
+    name: str
+    path: str
+    rank: int
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+
+
+def load_adapter(request: LoRARequest, cfg: ModelConfig, max_rank: int) -> LoRAAdapter:
+    """Read and check a PEFT adapter folder; ``InvalidRequestError`` says what is wrong."""
+    name, folder = request.lora_name, Path(request.lora_path)
+
+    def refuse(why: str) -> InvalidRequestError:
+        return InvalidRequestError(f"LoRA adapter {name!r} ({folder}): {why}")
+
+    try:
+        config = json.loads((folder / "adapter_config.json").read_text())
+    except FileNotFoundError:
+        raise refuse("no adapter_config.json") from None
+    except (OSError, ValueError) as e:
+        raise refuse(f"cannot read adapter_config.json: {e}") from None
+    if not isinstance(config, dict):
+        raise refuse("adapter_config.json is not an object")
+    rank, alpha = config.get("r"), config.get("lora_alpha", config.get("r"))
+    if not isinstance(rank, int) or rank < 1 or not isinstance(alpha, int | float):
+        raise refuse("adapter_config.json needs a positive integer r and a number lora_alpha")
+    if rank > max_rank:
+        raise refuse(f"its rank {rank} is above max_lora_rank {max_rank} (raise --max-lora-rank)")
+    for key, what in (
+        ("use_dora", "DoRA adapters are not supported"),
+        ("fan_in_fan_out", "fan_in_fan_out weights are not supported"),
+        ("modules_to_save", "modules_to_save (whole trained modules) are not supported"),
+        ("rank_pattern", "per-module ranks (rank_pattern) are not supported"),
+        ("alpha_pattern", "per-module alphas (alpha_pattern) are not supported"),
+    ):
+        if config.get(key):
+            raise refuse(what)
+    if config.get("bias", "none") != "none":
+        raise refuse(f"bias {config['bias']!r} is not supported (only 'none')")
+    scale = alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
+    tensors = _read_tensors(folder, refuse)
+    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        match = _WEIGHT.search(key)
+        if match is None:
+            raise refuse(f"weight {key!r} is not a LoRA weight of a supported projection")
+        layer, part, which = int(match[1]), match[2], match[3]
+        if part not in TARGETS:
+            raise refuse(f"target {part!r} is not supported (targets: {', '.join(TARGETS)})")
+        if not 0 <= layer < cfg.num_layers:
+            raise refuse(f"weight {key!r} names layer {layer}; the model has {cfg.num_layers}")
+        pairs.setdefault((layer, part), {})[which] = tensor
+    if not pairs:
+        raise refuse("it holds no LoRA weights")
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+    for (layer, part), ab in sorted(pairs.items()):
+        if set(ab) != {"A", "B"}:
+            raise refuse(f"layer {layer} {part} has lora_{next(iter(ab))} only")
+        a, b = ab["A"], ab["B"]
+        in_f, out_f = part_shape(cfg, part)
+        if tuple(a.shape) != (rank, in_f) or tuple(b.shape) != (out_f, rank):
+            raise refuse(
+                f"layer {layer} {part}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} "
+                f"do not fit the model (expected {(rank, in_f)} and {(out_f, rank)})"
+            )
+        weights[layer, part] = (a.float(), b.float() * scale)
+    return LoRAAdapter(name, str(folder), rank, weights)
+
+
+def _read_tensors(
+    folder: Path, refuse: Callable[[str], InvalidRequestError]
+) -> dict[str, torch.Tensor]:
+    for file in ("adapter_model.safetensors", "adapter_model.bin"):
+        path = folder / file
+        if not path.exists():
+            continue
+        try:
+            if file.endswith(".safetensors"):
+                from safetensors.torch import load_file
+
+                return load_file(str(path))
+            loaded = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:  # a corrupt file: any of safetensors' or torch's errors
+            raise refuse(f"cannot read {file}: {e}") from None
+        if isinstance(loaded, dict) and all(isinstance(t, torch.Tensor) for t in loaded.values()):
+            return loaded
+        raise refuse(f"{file} is not a dict of tensors")
+    raise refuse("no adapter_model.safetensors or adapter_model.bin")
+
+
+class LoRABatch:
+    """Which tokens of the current step use which device slot: ``groups`` holds
+    ``(slot, rows)`` per adapter in the step, ``rows`` None when every token uses it."""
+
+    def __init__(self) -> None:
+        self.groups: list[tuple[int, torch.Tensor | None]] = []
+
+
+class LoRALinear(nn.Module):
+    """A projection of the model with ``max_loras`` adapter slots: ``base(x)`` plus, for the
+    rows of each slot in the step, ``x @ A[slot].T @ B[slot].T`` (``B`` scaled). ``parts``
+    names the adapter targets fused into ``base``, in the order of its output rows."""
+
+    def __init__(
+        self,
+        base: nn.Module,
+        parts: Sequence[str],
+        cfg: ModelConfig,
+        max_loras: int,
+        max_rank: int,
+        batch: LoRABatch,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        self.base = base
+        self.parts = tuple(parts)
+        self.batch = batch
+        self.max_rank = max_rank
+        in_f = part_shape(cfg, parts[0])[0]
+        self.out_offsets = [0]
+        for part in parts:
+            self.out_offsets.append(self.out_offsets[-1] + part_shape(cfg, part)[1])
+        width = len(parts) * max_rank
+        self.lora_a = torch.zeros(max_loras, width, in_f, dtype=dtype, device=device)
+        self.lora_b = torch.zeros(
+            max_loras, self.out_offsets[-1], width, dtype=dtype, device=device
+        )
+
+    def set_slot(self, slot: int, layer: int, adapter: LoRAAdapter) -> None:
+        """Put ``adapter``'s weights of this projection (layer ``layer``) in ``slot``; parts
+        the adapter does not target stay zero."""
+        a, b = self.lora_a[slot], self.lora_b[slot]
+        a.zero_()
+        b.zero_()
+        for j, part in enumerate(self.parts):
+            pair = adapter.weights.get((layer, part))
+            if pair is None:
+                continue
+            lora_a, lora_b = pair
+            r, col = lora_a.shape[0], j * self.max_rank
+            a[col : col + r].copy_(lora_a)
+            b[self.out_offsets[j] : self.out_offsets[j + 1], col : col + r].copy_(lora_b)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y: torch.Tensor = self.base(x)
+        for slot, rows in self.batch.groups:
+            a, b = self.lora_a[slot], self.lora_b[slot]
+            if rows is None:
+                y += (x @ a.t()) @ b.t()
+            else:
+                y.index_add_(0, rows, (x.index_select(0, rows) @ a.t()) @ b.t())
+        return y
+
+
+class LoRAManager:
+    """The runner's adapters: each projection wrapped in a ``LoRALinear``, ``max_loras`` device
+    slots filled on demand (the least recently used slot outside the step is overwritten), and
+    the adapters read so far on the host (``max_cpu_loras`` of them, but never one a live
+    request names: ``in_use``)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        cfg: ModelConfig,
+        *,
+        max_loras: int,
+        max_lora_rank: int,
+        max_cpu_loras: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.cfg = cfg
+        self.max_loras = max_loras
+        self.max_lora_rank = max_lora_rank
+        self.max_cpu_loras = max(max_cpu_loras, max_loras)
+        self.batch = LoRABatch()
+        self.layers: list[tuple[int, LoRALinear]] = []
+        for i, layer in enumerate(model.layers):  # type: ignore[arg-type]
+            for owner in (layer.self_attn, layer.mlp):
+                for fused, parts in FUSED_PARTS.items():
+                    base = getattr(owner, fused, None)
+                    if base is None:
+                        continue
+                    wrapped = LoRALinear(
+                        base, parts, cfg, max_loras, max_lora_rank, self.batch, dtype, device
+                    )
+                    setattr(owner, fused, wrapped)
+                    self.layers.append((i, wrapped))
+        self.adapters: OrderedDict[str, LoRAAdapter] = OrderedDict()  # least recent first
+        self.slots: list[str | None] = [None] * max_loras
+        self._slot_use = [0] * max_loras  # the step that last used each slot
+        self._steps = 0
+
+    def add(self, request: LoRARequest, in_use: Mapping[str, int] | None = None) -> LoRAAdapter:
+        """Read ``request``'s adapter unless already held (``InvalidRequestError`` if it cannot
+        be used); adapters beyond ``max_cpu_loras`` that no live request names are dropped."""
+        known = self.adapters.get(request.lora_name)
+        if known is not None:
+            if Path(known.path) != Path(request.lora_path):
+                raise InvalidRequestError(
+                    f"LoRA adapter {request.lora_name!r} is loaded from {known.path}, not "
+                    f"{request.lora_path}"
+                )
+            self.adapters.move_to_end(request.lora_name)
+            return known
+        adapter = load_adapter(request, self.cfg, self.max_lora_rank)
+        self.adapters[request.lora_name] = adapter
+        for name in list(self.adapters):
+            if len(self.adapters) <= self.max_cpu_loras:
+                break
+            if name != request.lora_name and not (in_use or {}).get(name):
+                del self.adapters[name]
+                self._drop_slot(name)
+        return adapter
+
+    def remove(self, name: str) -> bool:
+        """Forget an adapter (vLLM's unload); False if it was not held."""
+        if self.adapters.pop(name, None) is None:
+            return False
+        self._drop_slot(name)
+        return True
+
+    def _drop_slot(self, name: str) -> None:
+        if name in self.slots:
+            self.slots[self.slots.index(name)] = None
+
+    def set_batch(
+        self, names: Sequence[str | None], counts: np.ndarray, staging: InputStaging
+    ) -> None:
+        """Set the step's tokens' adapters: request ``i`` (adapter ``names[i]``, None for the
+        base model) has ``counts[i]`` tokens, in order."""
+        self._steps += 1
+        needed = list(dict.fromkeys(n for n in names if n is not None))
+        if not needed:
+            self.batch.groups = []
+            return
+        if len(needed) > self.max_loras:
+            raise RuntimeError(
+                f"a step uses {len(needed)} LoRA adapters; max_loras is {self.max_loras}"
+            )
+        slot_of = {name: self._slot(name, needed) for name in needed}
+        if len(needed) == 1 and None not in names:
+            self.batch.groups = [(slot_of[needed[0]], None)]
+            return
+        per_req = np.fromiter(
+            (-1 if n is None else slot_of[n] for n in names), dtype=np.int64, count=len(names)
+        )
+        per_token = np.repeat(per_req, counts)
+        self.batch.groups = [
+            (slot, staging.to_device(np.flatnonzero(per_token == slot), torch.long))
+            for slot in slot_of.values()
+        ]
+
+    def _slot(self, name: str, needed: list[str]) -> int:
+        """The slot holding adapter ``name``, filled now if none does: a free one, else the
+        least recently used one whose adapter this step does not need."""
+        if name in self.slots:
+            slot = self.slots.index(name)
+        else:
+            free = [i for i, held in enumerate(self.slots) if held is None]
+            if free:
+                slot = free[0]
+            else:
+                slot = min(
+                    (i for i, held in enumerate(self.slots) if held not in needed),
+                    key=lambda i: self._slot_use[i],
+                )
+            adapter = self.adapters[name]
+            for layer, wrapped in self.layers:
+                wrapped.set_slot(slot, layer, adapter)
+            self.slots[slot] = name
+        self._slot_use[slot] = self._steps
+        return slot
+
+    def clear_batch(self) -> None:
+        self.batch.groups = []

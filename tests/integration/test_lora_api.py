@@ -1,0 +1,149 @@
+"""LoRA adapters on ``baton serve --enable-lora --lora-modules ...``, driven by the official
+``openai`` SDK: a request names an adapter as its ``model`` (as with vLLM), the answer is the
+offline engine's with that adapter (``LLM(enable_lora=True)`` + ``LoRARequest``), also when the
+prompt is prefilled on the prefill worker and its KV pulled by the decode worker."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import openai
+import pytest
+from lora_adapters import SHAPES, write_adapter
+
+pytestmark = pytest.mark.integration
+
+PROMPT = "Once upon a time, in a land far away, there lived a"
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("served-adapters")
+    return {
+        "every": write_adapter(root / "every", rank=8, alpha=16, targets=tuple(SHAPES), seed=1),
+        "mlp": write_adapter(root / "mlp", rank=8, alpha=8, targets=("down_proj",), seed=3),
+    }
+
+
+@pytest.fixture(scope="module")
+def server(
+    serve_launcher: Any, default_model_dir: Path, adapters: dict[str, Path]
+) -> Iterator[Any]:
+    # Disaggregated, every prompt prefilled on the prefill worker: the adapter's name travels
+    # to both workers. One adapter as name=path, the other in vLLM's JSON form.
+    mlp = json.dumps({"name": "mlp", "path": str(adapters["mlp"])})
+    server = serve_launcher.start(
+        [
+            str(default_model_dir),
+            "--dtype", "float32",
+            "--enable-lora",
+            "--max-loras", "2",
+            "--max-lora-rank", "8",
+            "--lora-modules", f"every={adapters['every']}", mlp,
+            "--remote-prefill-threshold", "0",
+        ]
+    )  # fmt: skip
+    yield server
+    _, survivors = serve_launcher.stop(server)
+    assert not survivors, f"left behind: {survivors}"
+
+
+@pytest.fixture(scope="module")
+def client(server: Any) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def offline(default_model_dir: Path, adapters: dict[str, Path]) -> dict[str, Any]:
+    """The offline engine's greedy texts and embeddings, per adapter ("" for none)."""
+    from baton import LLM, LoRARequest, SamplingParams
+
+    llm = LLM(
+        str(default_model_dir),
+        dtype="float32",
+        enable_lora=True,
+        max_loras=2,
+        max_lora_rank=8,
+        max_model_len=512,
+        kv_cache_memory=32 << 20,
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    out: dict[str, Any] = {}
+    for i, name in enumerate(["", *adapters]):
+        lora = LoRARequest(name, i, str(adapters[name])) if name else None
+        (gen,) = llm.generate(PROMPT, params, lora_request=lora, use_tqdm=False)
+        (emb,) = llm.embed(PROMPT, lora_request=lora, use_tqdm=False)
+        out[name] = (gen.outputs[0].text, emb.outputs.embedding)
+    return out
+
+
+def test_models_lists_the_adapters(
+    client: openai.OpenAI, server: Any, adapters: dict[str, Path]
+) -> None:
+    cards = {m.id: m for m in client.models.list().data}
+    assert set(cards) == {server.model, "every", "mlp"}
+    for name, path in adapters.items():
+        card = cards[name].model_dump()
+        assert card["parent"] == server.model and card["root"] == str(path)
+
+
+def test_requests_run_with_their_adapter(
+    client: openai.OpenAI, server: Any, offline: dict[str, Any]
+) -> None:
+    texts = {}
+    for name in ("", "every", "mlp"):
+        model = name or server.model
+        response = client.completions.create(
+            model=model,
+            prompt=PROMPT,
+            max_tokens=MAX_TOKENS,
+            temperature=0.0,
+            extra_body={"ignore_eos": True},
+        )
+        assert response.model == model
+        texts[name] = response.choices[0].text
+        assert texts[name] == offline[name][0], name
+    assert texts["every"] != texts[""] and texts["mlp"] != texts[""]
+    # streamed: the same text, in chunks
+    stream = client.completions.create(
+        model="every",
+        prompt=PROMPT,
+        max_tokens=MAX_TOKENS,
+        temperature=0.0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    chunks = [c for c in stream if c.choices]
+    assert all(c.model == "every" for c in chunks)
+    assert "".join(c.choices[0].text for c in chunks) == offline["every"][0]
+    # every prompt went through the prefill worker
+    metrics = httpx.get(f"{server.root_url}/metrics", timeout=30).text
+    remote = re.search(r'baton:disagg_decisions_total\{.*decision="remote".*\} (\S+)', metrics)
+    assert remote is not None and float(remote.group(1)) >= 4, metrics[-2000:]
+
+
+def test_chat_and_embeddings_with_an_adapter(
+    client: openai.OpenAI, offline: dict[str, Any]
+) -> None:
+    chat = client.chat.completions.create(
+        model="mlp", messages=[{"role": "user", "content": "Hi!"}], max_tokens=4
+    )
+    assert chat.model == "mlp" and chat.usage is not None and chat.usage.completion_tokens > 0
+    embedded = client.embeddings.create(model="every", input=PROMPT)
+    assert embedded.model == "every"
+    np.testing.assert_allclose(
+        np.asarray(embedded.data[0].embedding), np.asarray(offline["every"][1]), atol=2e-4
+    )
+
+
+def test_unknown_model_is_not_found(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError, match="The model `nope` does not exist"):
+        client.completions.create(model="nope", prompt=PROMPT, max_tokens=2)
