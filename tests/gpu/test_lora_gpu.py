@@ -1,8 +1,8 @@
-"""LoRA adapters on a GPU: steps with adapters on the Triton backend (eager, fused kernels, async
-scheduling) give the torch reference backend's greedy tokens (float32, dummy weights), with
-two adapters and the base model in every step; the base model's requests also give what an
-engine without LoRA gives (CUDA graphs, folded norms, GEMV layers). Run with ``pytest -m
-gpu``."""
+"""LoRA adapters on a GPU: steps with adapters on the Triton backend (CUDA graphs for decode
+steps and prompt-step pieces, fused kernels, async scheduling) give the torch reference
+backend's greedy tokens (eager; float32, dummy weights), with two adapters and the base model
+in every step; the base model's requests also give what an engine without LoRA gives (folded
+norms, GEMV layers). Run with ``pytest -m gpu``."""
 
 from __future__ import annotations
 
@@ -44,6 +44,8 @@ def test_lora_steps_match_reference(tmp_path: Path) -> None:
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(1, 4000, (20 + 61 * i,), generator=g).tolist() for i in range(6)]
 
+    graph_steps: list[int] = []
+
     def run(lora: bool, **overrides: Any) -> dict[str, list[int]]:
         extra = dict(enable_lora=True, max_loras=2, max_lora_rank=8) if lora else {}
         core = _core(model, max_model_len=1024, max_num_seqs=24, **extra, **overrides)
@@ -51,12 +53,15 @@ def test_lora_steps_match_reference(tmp_path: Path) -> None:
             for j, adapter in enumerate(loras if lora else [None]):
                 core.add_request(f"p{i}-{j}", prompt, params, lora_request=adapter)
         tokens = _drain(core)
+        graphs = core.runner.graphs
+        graph_steps.append(0 if graphs is None else sum(graphs.num_steps.values()))
         del core
         return tokens
 
     reference = run(True, attention_backend="torch", enforce_eager=True)
     triton = run(True, attention_backend="triton")
     plain = run(False, attention_backend="triton")
+    assert graph_steps[1] > 0  # the adapters' decode steps replayed CUDA graphs
     assert triton == reference
     for i in range(len(prompts)):
         assert triton[f"p{i}-0"] == plain[f"p{i}-0"]  # the base model, as without LoRA

@@ -9,11 +9,12 @@ once (a step's requests use at most that many: the scheduler holds back the othe
 more from their folders as needed.
 
 On the device each projection of the model is wrapped (``LoRALinear``): its output gains
-``scale * B @ A @ x`` for every token whose request has an adapter, computed per adapter over
-that adapter's rows. The fused projections (qkv, gate/up) stack their parts' ``A`` and place
-each part's ``B`` in its rows of the output. Steps with adapters run eagerly: the engine's fused
-decode paths (CUDA graphs, GEMV layers, folded norms, the CPU's one-call decode) are off while
-LoRA is enabled.
+``scale * B @ A @ x`` for every token whose request has an adapter, as two GEMMs over all slots'
+stacked columns, masked per token (``LoRABatch``): the same launches whatever the mix, so CUDA
+graphs (decode steps, prompt-step pieces) hold them. The fused projections (qkv, gate/up) stack
+their parts' ``A`` and place each part's ``B`` in its rows of the output. The engine's fused
+paths that skip the projections' own modules (folded norms, GEMV layers, the CPU's one-call
+decode) are off while LoRA is enabled.
 """
 
 from __future__ import annotations
@@ -220,17 +221,49 @@ def _read_tensors(
 
 
 class LoRABatch:
-    """Which tokens of the current step use which device slot: ``groups`` holds
-    ``(slot, rows)`` per adapter in the step, ``rows`` None when every token uses it."""
+    """Which tokens of the current step use which device slot, as one mask per width of the
+    projections' adapter columns (``masks[width][t, c]`` is 1 where column ``c`` of a
+    ``max_loras * width``-wide stack belongs to token ``t``'s slot), in buffers of
+    ``max_num_tokens`` rows whose addresses never change: CUDA graphs read them as captured.
+    ``active``: some token of the step has an adapter (eager steps skip the adapters
+    otherwise; a graph runs them always, on masks of zeros for the base model)."""
 
-    def __init__(self) -> None:
-        self.groups: list[tuple[int, torch.Tensor | None]] = []
+    def __init__(
+        self,
+        widths: set[int],
+        max_loras: int,
+        max_num_tokens: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.active = False
+        self.slots = torch.full((max_num_tokens,), -1, dtype=torch.long, device=device)
+        self.masks: dict[int, torch.Tensor] = {}
+        self._hits: dict[int, torch.Tensor] = {}  # the masks as booleans, before the cast
+        self._columns: dict[int, torch.Tensor] = {}  # width -> each stacked column's slot
+        for width in sorted(widths):
+            self._columns[width] = torch.arange(max_loras * width, device=device) // width
+            shape = (max_num_tokens, max_loras * width)
+            self.masks[width] = torch.zeros(shape, dtype=dtype, device=device)
+            self._hits[width] = torch.zeros(shape, dtype=torch.bool, device=device)
+
+    def set(self, slots: torch.Tensor) -> None:
+        """The step's tokens' slots (-1: none), in order, on the device."""
+        n = slots.shape[0]
+        self.slots[:n].copy_(slots)
+        for width, cols in self._columns.items():
+            hits = self._hits[width][:n]
+            torch.eq(self.slots[:n, None], cols[None, :], out=hits)
+            self.masks[width][:n].copy_(hits)
 
 
 class LoRALinear(nn.Module):
-    """A projection of the model with ``max_loras`` adapter slots: ``base(x)`` plus, for the
-    rows of each slot in the step, ``x @ A[slot].T @ B[slot].T`` (``B`` scaled). ``parts``
-    names the adapter targets fused into ``base``, in the order of its output rows."""
+    """A projection of the model with ``max_loras`` adapter slots: ``base(x)`` plus, for each
+    token, ``x @ A[slot].T @ B[slot].T`` of its slot (``B`` scaled), as two GEMMs over every
+    slot's stacked columns with the other slots' masked out (``LoRABatch``): the same launches
+    whatever the mix of adapters, so that CUDA graphs can hold them. ``parts`` names the
+    adapter targets fused into ``base``, in the order of its output rows; each part has
+    ``max_rank`` columns a slot."""
 
     def __init__(
         self,
@@ -248,20 +281,22 @@ class LoRALinear(nn.Module):
         self.parts = tuple(parts)
         self.batch = batch
         self.max_rank = max_rank
+        self.width = len(parts) * max_rank
         in_f = part_shape(cfg, parts[0])[0]
         self.out_offsets = [0]
         for part in parts:
             self.out_offsets.append(self.out_offsets[-1] + part_shape(cfg, part)[1])
-        width = len(parts) * max_rank
-        self.lora_a = torch.zeros(max_loras, width, in_f, dtype=dtype, device=device)
-        self.lora_b = torch.zeros(
-            max_loras, self.out_offsets[-1], width, dtype=dtype, device=device
-        )
+        out_f = self.out_offsets[-1]
+        # A of every slot stacked: [max_loras * width, in]; B: [out, max_loras * width]
+        self.lora_a = torch.zeros(max_loras, self.width, in_f, dtype=dtype, device=device)
+        self.lora_b = torch.zeros(out_f, max_loras, self.width, dtype=dtype, device=device)
+        self.a_all = self.lora_a.view(max_loras * self.width, in_f)
+        self.b_all = self.lora_b.view(out_f, max_loras * self.width)
 
     def set_slot(self, slot: int, layer: int, adapter: LoRAAdapter) -> None:
         """Put ``adapter``'s weights of this projection (layer ``layer``) in ``slot``; parts
         the adapter does not target stay zero."""
-        a, b = self.lora_a[slot], self.lora_b[slot]
+        a, b = self.lora_a[slot], self.lora_b[:, slot]
         a.zero_()
         b.zero_()
         for j, part in enumerate(self.parts):
@@ -275,12 +310,10 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y: torch.Tensor = self.base(x)
-        for slot, rows in self.batch.groups:
-            a, b = self.lora_a[slot], self.lora_b[slot]
-            if rows is None:
-                y += (x @ a.t()) @ b.t()
-            else:
-                y.index_add_(0, rows, (x.index_select(0, rows) @ a.t()) @ b.t())
+        if self.batch.active or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+            h = x @ self.a_all.t()
+            h *= self.batch.masks[self.width][: x.shape[0]]
+            y.addmm_(h, self.b_all.t())
         return y
 
 
@@ -298,6 +331,7 @@ class LoRAManager:
         max_loras: int,
         max_lora_rank: int,
         max_cpu_loras: int,
+        max_num_tokens: int,
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
@@ -305,7 +339,8 @@ class LoRAManager:
         self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank
         self.max_cpu_loras = max(max_cpu_loras, max_loras)
-        self.batch = LoRABatch()
+        widths = {len(parts) * max_lora_rank for parts in FUSED_PARTS.values()}
+        self.batch = LoRABatch(widths, max_loras, max_num_tokens, dtype, device)
         self.layers: list[tuple[int, LoRALinear]] = []
         for i, layer in enumerate(model.layers):  # type: ignore[arg-type]
             for owner in (layer.self_attn, layer.mlp):
@@ -360,28 +395,20 @@ class LoRAManager:
         self, names: Sequence[str | None], counts: np.ndarray, staging: InputStaging
     ) -> None:
         """Set the step's tokens' adapters: request ``i`` (adapter ``names[i]``, None for the
-        base model) has ``counts[i]`` tokens, in order."""
+        base model; no names: none has one) has ``counts[i]`` tokens, in order."""
         self._steps += 1
         needed = list(dict.fromkeys(n for n in names if n is not None))
-        if not needed:
-            self.batch.groups = []
-            return
         if len(needed) > self.max_loras:
             raise RuntimeError(
                 f"a step uses {len(needed)} LoRA adapters; max_loras is {self.max_loras}"
             )
         slot_of = {name: self._slot(name, needed) for name in needed}
-        if len(needed) == 1 and None not in names:
-            self.batch.groups = [(slot_of[needed[0]], None)]
-            return
         per_req = np.fromiter(
             (-1 if n is None else slot_of[n] for n in names), dtype=np.int64, count=len(names)
         )
-        per_token = np.repeat(per_req, counts)
-        self.batch.groups = [
-            (slot, staging.to_device(np.flatnonzero(per_token == slot), torch.long))
-            for slot in slot_of.values()
-        ]
+        per_token = np.repeat(per_req, counts) if len(names) else np.full(int(counts.sum()), -1)
+        self.batch.set(staging.to_device(per_token, torch.long))
+        self.batch.active = bool(needed)
 
     def _slot(self, name: str, needed: list[str]) -> int:
         """The slot holding adapter ``name``, filled now if none does: a free one, else the
@@ -403,6 +430,3 @@ class LoRAManager:
             self.slots[slot] = name
         self._slot_use[slot] = self._steps
         return slot
-
-    def clear_batch(self) -> None:
-        self.batch.groups = []

@@ -142,15 +142,14 @@ def build_runner(config: EngineConfig, tp_rank: int = 0) -> RunnerSetup:
         except ValueError as e:
             raise ModelLoadError(f"cannot load weights from {model_dir}: {e}") from e
     runner.finalize_weights()
-    # (steps with LoRA adapters run eagerly: their deltas are not in the captured graphs)
-    eager = config.enforce_eager or config.enable_lora
+    eager = config.enforce_eager
     if runner.device.type == "cuda" and not eager:
         runner.enable_piece_graphs(capture=True)
     num_blocks = _num_kv_blocks(config, runner, max_model_len, free_at_start)
     runner.initialize_kv_cache(num_blocks)
     if runner.device.type == "cuda":
         runner.warmup_kernels()
-        graphs = not config.enable_lora and runner.enable_decode_graphs(capture=not eager)
+        graphs = runner.enable_decode_graphs(capture=not eager)
         if not graphs and not eager:
             logger.info("no CUDA graphs: the %s backend cannot be captured", runner.backend.name)
     logger.info(

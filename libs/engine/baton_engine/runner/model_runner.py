@@ -265,11 +265,13 @@ class ModelRunner:
                 self.model,
                 self.model_config,
                 **self.lora_limits._asdict(),
+                max_num_tokens=max(self.max_num_batched_tokens, self.max_num_seqs),
                 dtype=self.dtype,
                 device=self.device,
             )
             logger.info(
-                "LoRA: up to %d adapters a step, rank <= %d; steps run eagerly",
+                "LoRA: up to %d adapters a step, rank <= %d (no folded norms, GEMV layers or "
+                "one-call CPU decode)",
                 self.lora.max_loras,
                 self.lora.max_lora_rank,
             )
@@ -789,6 +791,9 @@ class ModelRunner:
             table = block_table[rows, : (int(pos.max()) + span - 1) // bs + 1]
             patch = lambda ids: self._patch_pending(reqs, pos, ids)  # noqa: E731
             input_ids = self.batch.token_table[rows, pos]
+        if self.lora is not None:
+            names = [s.lora_name for s in reqs] if self.batch.num_lora else []
+            self.lora.set_batch(names, np.ones(n, dtype=np.int64), self.staging)
         hidden = graphs.run(
             input_ids=input_ids,
             positions=pos,
