@@ -21,7 +21,7 @@ from lora_adapters import SHAPES, write_adapter
 from safetensors.torch import save_file
 
 from baton import LLM, LoRARequest, SamplingParams
-from baton_engine.errors import InvalidRequestError
+from baton_engine.errors import InvalidRequestError, NotFoundError
 from baton_engine.model_loader import default_model_path
 
 NUM_NEW_TOKENS = 12
@@ -215,6 +215,33 @@ def test_lora_errors(
     # a bad request leaves the others' answers intact
     (ok,) = llm.generate(PROMPTS[0], GREEDY, lora_request=adapters["every"], use_tqdm=False)
     assert ok.finished
+
+
+def test_adapters_load_and_unload_at_run_time(
+    llm: LLM, adapters: dict[str, LoRARequest], reference: dict[str | None, list[list[int]]]
+) -> None:
+    """What a worker does for ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``: an
+    adapter served by name from then on, then no more."""
+    core = llm.engine.core
+    path = adapters["mlp"].lora_path
+    loaded = core.load_lora_adapter("late", path)
+    assert core.lora_request("late") == loaded
+    (out,) = llm.generate(PROMPTS[0], GREEDY, lora_request=loaded, use_tqdm=False)
+    assert list(out.outputs[0].token_ids) == reference["mlp"][0]
+    with pytest.raises(InvalidRequestError, match="has already been loaded"):
+        core.load_lora_adapter("late", path)
+    with pytest.raises(InvalidRequestError, match=r"no adapter_config\.json"):
+        core.load_lora_adapter("broken", path + "-missing")
+    core.unload_lora_adapter("late")
+    with pytest.raises(InvalidRequestError, match="unknown LoRA adapter 'late'"):
+        core.lora_request("late")
+    with pytest.raises(NotFoundError, match="cannot be found"):
+        core.unload_lora_adapter("late")
+    # the name may serve another adapter now
+    other = core.load_lora_adapter("late", adapters["every"].lora_path)
+    (out,) = llm.generate(PROMPTS[0], GREEDY, lora_request=other, use_tqdm=False)
+    assert list(out.outputs[0].token_ids) == reference["every"][0]
+    core.unload_lora_adapter("late")
 
 
 def test_lora_needs_enable_lora(default_model_dir: Path, adapters: dict[str, LoRARequest]) -> None:

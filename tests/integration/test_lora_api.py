@@ -1,7 +1,8 @@
 """LoRA adapters on ``baton serve --enable-lora --lora-modules ...``, driven by the official
 ``openai`` SDK: a request names an adapter as its ``model`` (as with vLLM), the answer is the
 offline engine's with that adapter (``LLM(enable_lora=True)`` + ``LoRARequest``), also when the
-prompt is prefilled on the prefill worker and its KV pulled by the decode worker."""
+prompt is prefilled on the prefill worker and its KV pulled by the decode worker. Adapters load
+and unload at run time (``VLLM_ALLOW_RUNTIME_LORA_UPDATING``) on every worker."""
 
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ def adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {
         "every": write_adapter(root / "every", rank=8, alpha=16, targets=tuple(SHAPES), seed=1),
         "mlp": write_adapter(root / "mlp", rank=8, alpha=8, targets=("down_proj",), seed=3),
+        # loaded at run time
+        "qv": write_adapter(root / "qv", rank=4, alpha=8, targets=("q_proj", "v_proj"), seed=2),
     }
 
 
@@ -39,17 +42,19 @@ def server(
     # Disaggregated, every prompt prefilled on the prefill worker: the adapter's name travels
     # to both workers. One adapter as name=path, the other in vLLM's JSON form.
     mlp = json.dumps({"name": "mlp", "path": str(adapters["mlp"])})
-    server = serve_launcher.start(
-        [
-            str(default_model_dir),
-            "--dtype", "float32",
-            "--enable-lora",
-            "--max-loras", "2",
-            "--max-lora-rank", "8",
-            "--lora-modules", f"every={adapters['every']}", mlp,
-            "--remote-prefill-threshold", "0",
-        ]
-    )  # fmt: skip
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
+        server = serve_launcher.start(
+            [
+                str(default_model_dir),
+                "--dtype", "float32",
+                "--enable-lora",
+                "--max-loras", "2",
+                "--max-lora-rank", "8",
+                "--lora-modules", f"every={adapters['every']}", mlp,
+                "--remote-prefill-threshold", "0",
+            ]
+        )  # fmt: skip
     yield server
     _, survivors = serve_launcher.stop(server)
     assert not survivors, f"left behind: {survivors}"
@@ -90,7 +95,8 @@ def test_models_lists_the_adapters(
 ) -> None:
     cards = {m.id: m for m in client.models.list().data}
     assert set(cards) == {server.model, "every", "mlp"}
-    for name, path in adapters.items():
+    for name in ("every", "mlp"):
+        path = adapters[name]
         card = cards[name].model_dump()
         assert card["parent"] == server.model and card["root"] == str(path)
 
@@ -147,3 +153,38 @@ def test_chat_and_embeddings_with_an_adapter(
 def test_unknown_model_is_not_found(client: openai.OpenAI) -> None:
     with pytest.raises(openai.NotFoundError, match="The model `nope` does not exist"):
         client.completions.create(model="nope", prompt=PROMPT, max_tokens=2)
+
+
+def test_adapters_load_and_unload_at_run_time(
+    client: openai.OpenAI, server: Any, adapters: dict[str, Path], offline: dict[str, Any]
+) -> None:
+    http = httpx.Client(base_url=server.root_url, timeout=60)
+    body = {"lora_name": "qv", "lora_path": str(adapters["qv"])}
+    loaded = http.post("/v1/load_lora_adapter", json=body)
+    assert loaded.status_code == 200, loaded.text
+    assert loaded.text == "Success: LoRA adapter 'qv' added successfully."
+    assert "qv" in {m.id for m in client.models.list().data}
+    response = client.completions.create(
+        model="qv", prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0.0,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert response.choices[0].text == offline["qv"][0]  # on the prefill and decode workers
+
+    again = http.post("/v1/load_lora_adapter", json=body)
+    assert (
+        again.status_code == 400 and "has already been loaded" in again.json()["error"]["message"]
+    )
+    missing = {"lora_name": "gone", "lora_path": str(adapters["qv"]) + "-missing"}
+    refused = http.post("/v1/load_lora_adapter", json=missing)
+    assert refused.status_code == 400 and "no adapter_config.json" in refused.text
+    assert "gone" not in {m.id for m in client.models.list().data}
+
+    unloaded = http.post("/v1/unload_lora_adapter", json={"lora_name": "qv"})
+    assert unloaded.status_code == 200, unloaded.text
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="qv", prompt=PROMPT, max_tokens=2)
+    unknown = http.post("/v1/unload_lora_adapter", json={"lora_name": "qv"})
+    assert unknown.status_code == 404 and "cannot be found" in unknown.text
+    # loaded again under the same name: served again
+    assert http.post("/v1/load_lora_adapter", json=body).status_code == 200
+    assert "qv" in {m.id for m in client.models.list().data}

@@ -11,5 +11,9 @@ class InvalidRequestError(BatonError, ValueError):
     """A request the engine cannot serve as given (empty prompt, too long, bad parameters)."""
 
 
+class NotFoundError(InvalidRequestError):
+    """A request names something the engine does not have (a LoRA adapter to unload)."""
+
+
 class ModelLoadError(BatonError, ValueError):
     """The model could not be found or read (missing path, corrupt or unsupported file)."""

@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from baton_decode.errors import (
     DuplicateRequestError,
@@ -42,6 +42,7 @@ from baton_engine.pooling_params import PoolingParams
 from baton_engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # A step that fails this many times in a row (each time with every request failed and freed)
 # points at the engine, not at a request: stop serving rather than fail every request forever.
@@ -91,6 +92,14 @@ class StagedKV:
 
 
 @dataclass(frozen=True)
+class _Call:
+    """Run ``fn`` on the engine thread between steps; ``done`` gets its result or error."""
+
+    fn: Callable[[EngineCore], object]
+    done: Callable[[object, BaseException | None], None]
+
+
+@dataclass(frozen=True)
 class _Stop:
     pass
 
@@ -100,7 +109,7 @@ class _Wake:
     """Nothing to do: the loop only checks that its engine is alive."""
 
 
-_Command = _Add | _Abort | _ReleaseHeld | _LoadDone | _Stop | _Wake
+_Command = _Add | _Abort | _ReleaseHeld | _LoadDone | _Call | _Stop | _Wake
 
 
 class EngineThread:
@@ -340,6 +349,24 @@ class EngineLoop:
         """Every hash the engine's prefix cache holds now."""
         return self.core.cached_block_hashes()
 
+    async def call(self, fn: Callable[[EngineCore], T]) -> T:
+        """``fn(core)`` run on the engine thread between steps (what changes the engine's
+        state outside requests): its result, or the exception it raised."""
+        if self._dead is not None:
+            raise self._dead
+        future: asyncio.Future[T] = self._loop.create_future()
+
+        def settle(result: object, error: BaseException | None) -> None:
+            if future.done():
+                return
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(result)  # type: ignore[arg-type]
+
+        self._commands.put(_Call(fn, lambda r, e: self._post(settle, r, e)))
+        return await future
+
     def release_held(self, req_ids: Sequence[str]) -> None:
         """Free the prompt blocks prefill-only requests left held (unknown ids are ignored)."""
         self._commands.put(_ReleaseHeld(list(req_ids)))
@@ -512,6 +539,13 @@ class EngineLoop:
         elif isinstance(command, _ReleaseHeld):
             for req_id in command.req_ids:
                 self.core.release_held(req_id)
+        elif isinstance(command, _Call):
+            try:
+                result = command.fn(self.core)
+            except Exception as e:  # the caller's to report
+                command.done(None, e)
+            else:
+                command.done(result, None)
         elif isinstance(command, _LoadDone):
             ok, staged = command.ok, command.staged
             if staged is not None:

@@ -48,7 +48,7 @@ from baton_decode.metrics import WorkerMetrics
 from baton_engine.config import EngineConfig
 from baton_engine.core.engine_core import EngineCore
 from baton_engine.core.outputs import EngineCoreOutput, KVLoad
-from baton_engine.errors import BatonError, InvalidRequestError
+from baton_engine.errors import BatonError, InvalidRequestError, NotFoundError
 from baton_engine.model_files import served_model_name
 from baton_kvstore.client import KVStoreClient, WorkerRegistration
 from baton_kvstore.codec import WorkerInfo, WorkerLoad
@@ -91,6 +91,8 @@ class WorkerConfig:
 def status_code(error: BatonError) -> grpc.StatusCode:
     if isinstance(error, DuplicateRequestError):
         return grpc.StatusCode.ALREADY_EXISTS
+    if isinstance(error, NotFoundError):
+        return grpc.StatusCode.NOT_FOUND
     if isinstance(error, InvalidRequestError):
         return grpc.StatusCode.INVALID_ARGUMENT
     if isinstance(error, WorkerFullError):
@@ -119,6 +121,34 @@ class WorkerInfoMixin:
         self, request: engine_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> engine_pb2.GetModelInfoResponse:
         return codec.model_info_to_proto(self.engine.core, self.served_model_name, self.metrics_url)
+
+    async def LoadLoRAAdapter(
+        self,
+        request: engine_pb2.LoadLoRAAdapterRequest,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> engine_pb2.LoadLoRAAdapterResponse:
+        name, path = request.lora_name, request.lora_path
+        try:
+            if not name or not path:
+                raise InvalidRequestError("both lora_name and lora_path are required")
+            await self.engine.call(lambda core: core.load_lora_adapter(name, path))
+        except BatonError as e:
+            await context.abort(status_code(e), str(e))
+        logger.info("serving LoRA adapter %s from %s", name, path)
+        return engine_pb2.LoadLoRAAdapterResponse()
+
+    async def UnloadLoRAAdapter(
+        self,
+        request: engine_pb2.UnloadLoRAAdapterRequest,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> engine_pb2.UnloadLoRAAdapterResponse:
+        name = request.lora_name
+        try:
+            await self.engine.call(lambda core: core.unload_lora_adapter(name))
+        except BatonError as e:
+            await context.abort(status_code(e), str(e))
+        logger.info("no longer serving LoRA adapter %s", name)
+        return engine_pb2.UnloadLoRAAdapterResponse()
 
 
 class _CallRequests:

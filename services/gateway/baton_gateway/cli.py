@@ -288,6 +288,10 @@ def run_gateway(args: argparse.Namespace) -> int:
         tokens_as_ids=args.return_tokens_as_token_ids,
         max_stored_responses=args.max_stored_responses,
         request_id_headers=args.enable_request_id_headers,
+        runtime_lora_updating=any(
+            os.environ.get(f"{who}_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true")
+            for who in ("BATON", "VLLM")
+        ),
         cors=CorsPolicy(
             tuple(args.allowed_origins),
             tuple(args.allowed_methods),

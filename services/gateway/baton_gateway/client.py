@@ -60,6 +60,7 @@ logger = logging.getLogger(__name__)
 
 _HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: HTTPStatus.BAD_REQUEST,
+    grpc.StatusCode.NOT_FOUND: HTTPStatus.NOT_FOUND,
     grpc.StatusCode.OUT_OF_RANGE: HTTPStatus.BAD_REQUEST,
     grpc.StatusCode.RESOURCE_EXHAUSTED: HTTPStatus.SERVICE_UNAVAILABLE,
     grpc.StatusCode.UNAVAILABLE: HTTPStatus.SERVICE_UNAVAILABLE,
@@ -86,7 +87,7 @@ def rpc_error(error: grpc.aio.AioRpcError, addr: str) -> GatewayError:
     details = error.details() or code.name
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         message = f"the server is at capacity, retry later ({details})"
-    elif status == HTTPStatus.BAD_REQUEST:
+    elif status in (HTTPStatus.BAD_REQUEST, HTTPStatus.NOT_FOUND):
         message = details  # the engine's own message, meant for the client
     else:
         message = f"worker {addr}: {code.name}: {details}"
@@ -342,6 +343,41 @@ class WorkerPool:
 
     def of_role(self, role: str) -> list[Worker]:
         return [w for w in self.workers if w.role == role]
+
+    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> None:
+        """Have every worker serve the LoRA adapter (runtime LoRA updating); if one refuses,
+        those that took it unload it again, and its error is raised (GatewayError)."""
+        request = engine_pb2.LoadLoRAAdapterRequest(lora_name=lora_name, lora_path=lora_path)
+        workers = list(self.workers)
+        results = await asyncio.gather(
+            *(w.stub.LoadLoRAAdapter(request) for w in workers), return_exceptions=True
+        )
+        failed = [(w, r) for w, r in zip(workers, results, strict=True) if isinstance(r, Exception)]
+        if not failed:
+            return
+        took = [w for w, r in zip(workers, results, strict=True) if not isinstance(r, Exception)]
+        undo = engine_pb2.UnloadLoRAAdapterRequest(lora_name=lora_name)
+        await asyncio.gather(
+            *(w.stub.UnloadLoRAAdapter(undo) for w in took), return_exceptions=True
+        )
+        worker, error = failed[0]
+        if isinstance(error, grpc.aio.AioRpcError):
+            raise rpc_error(error, worker.addr) from error
+        raise error
+
+    async def unload_lora_adapter(self, lora_name: str) -> None:
+        """Have every worker stop serving the LoRA adapter; raises the first refusal
+        (GatewayError: NOT_FOUND where a worker does not serve it)."""
+        request = engine_pb2.UnloadLoRAAdapterRequest(lora_name=lora_name)
+        workers = list(self.workers)
+        results = await asyncio.gather(
+            *(w.stub.UnloadLoRAAdapter(request) for w in workers), return_exceptions=True
+        )
+        for worker, result in zip(workers, results, strict=True):
+            if isinstance(result, grpc.aio.AioRpcError):
+                raise rpc_error(result, worker.addr) from result
+            if isinstance(result, Exception):
+                raise result
 
     @property
     def healthy(self) -> bool:

@@ -163,6 +163,26 @@ class Pipeline:
                 HTTPStatus.NOT_FOUND, f"The model `{model}` does not exist.", param="model"
             )
 
+    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> None:
+        """Serve a LoRA adapter under ``lora_name`` on every worker from now on."""
+        if lora_name in self.lora_modules or lora_name == self.model_name:
+            raise bad_request(
+                f"The lora adapter '{lora_name}' has already been loaded.", param="lora_name"
+            )
+        await self.pool.load_lora_adapter(lora_name, lora_path)
+        self.lora_modules[lora_name] = lora_path
+
+    async def unload_lora_adapter(self, lora_name: str) -> None:
+        """Stop serving a LoRA adapter (requests running with it finish)."""
+        if lora_name not in self.lora_modules:
+            raise GatewayError(
+                HTTPStatus.NOT_FOUND,
+                f"The lora adapter '{lora_name}' cannot be found.",
+                param="lora_name",
+            )
+        del self.lora_modules[lora_name]  # (no new request may name it)
+        await self.pool.unload_lora_adapter(lora_name)
+
     def lora_of(self, model: str | None) -> str | None:
         """The LoRA adapter a request's ``model`` names (None: the base model)."""
         return model if model is not None and model in self.lora_modules else None

@@ -669,5 +669,15 @@ class DetokenizeResponse(OpenAIBaseModel):
     prompt: str
 
 
+class LoadLoRAAdapterRequest(OpenAIBaseModel):
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoRAAdapterRequest(OpenAIBaseModel):
+    lora_name: str = Field(min_length=1)
+    lora_int_id: int | None = None  # (vLLM's; the name decides)
+
+
 class VersionResponse(OpenAIBaseModel):
     version: str

@@ -46,8 +46,10 @@ from baton_gateway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
+    UnloadLoRAAdapterRequest,
     VersionResponse,
     tokenize_request,
 )
@@ -94,6 +96,9 @@ class GatewayConfig:
     tokens_as_ids: bool = False  # --return-tokens-as-token-ids
     request_id_headers: bool = False  # --enable-request-id-headers
     max_stored_responses: int = 256  # Responses API answers kept (store=true)
+    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's, behind its
+    # VLLM_ALLOW_RUNTIME_LORA_UPDATING; here also BATON_ALLOW_RUNTIME_LORA_UPDATING)
+    runtime_lora_updating: bool = False
 
 
 def _json(status: int, body: Any) -> JSONResponse:
@@ -353,6 +358,20 @@ def create_app(config: GatewayConfig, tokenizer: Any) -> FastAPI:
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> JSONResponse:
         return _json(200, state.pipeline.detokenize(body))
+
+    if config.runtime_lora_updating:
+
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> Response:
+            await state.pipeline.load_lora_adapter(body.lora_name, body.lora_path)
+            text = f"Success: LoRA adapter '{body.lora_name}' added successfully."
+            return Response(text, media_type="text/plain")
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> Response:
+            await state.pipeline.unload_lora_adapter(body.lora_name)
+            text = f"Success: LoRA adapter '{body.lora_name}' removed successfully."
+            return Response(text, media_type="text/plain")
 
     if config.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)

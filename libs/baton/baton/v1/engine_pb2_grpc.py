@@ -64,6 +64,16 @@ class DecodeServiceStub(object):
                 request_serializer=baton_dot_v1_dot_engine__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=baton_dot_v1_dot_engine__pb2.GetModelInfoResponse.FromString,
                 _registered_method=True)
+        self.LoadLoRAAdapter = channel.unary_unary(
+                '/baton.v1.DecodeService/LoadLoRAAdapter',
+                request_serializer=baton_dot_v1_dot_engine__pb2.LoadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_engine__pb2.LoadLoRAAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoRAAdapter = channel.unary_unary(
+                '/baton.v1.DecodeService/UnloadLoRAAdapter',
+                request_serializer=baton_dot_v1_dot_engine__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_engine__pb2.UnloadLoRAAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class DecodeServiceServicer(object):
@@ -114,6 +124,21 @@ class DecodeServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoRAAdapter(self, request, context):
+        """Serve a LoRA adapter under a name from now on (vLLM's runtime LoRA updating); a name
+        already served is INVALID_ARGUMENT, an adapter that cannot be used too.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoRAAdapter(self, request, context):
+        """Stop serving it (requests still running with it finish); an unknown name is NOT_FOUND.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -146,6 +171,16 @@ def add_DecodeServiceServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=baton_dot_v1_dot_engine__pb2.GetModelInfoRequest.FromString,
                     response_serializer=baton_dot_v1_dot_engine__pb2.GetModelInfoResponse.SerializeToString,
+            ),
+            'LoadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoRAAdapter,
+                    request_deserializer=baton_dot_v1_dot_engine__pb2.LoadLoRAAdapterRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_engine__pb2.LoadLoRAAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoRAAdapter,
+                    request_deserializer=baton_dot_v1_dot_engine__pb2.UnloadLoRAAdapterRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_engine__pb2.UnloadLoRAAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -320,6 +355,60 @@ class DecodeService(object):
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def LoadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.DecodeService/LoadLoRAAdapter',
+            baton_dot_v1_dot_engine__pb2.LoadLoRAAdapterRequest.SerializeToString,
+            baton_dot_v1_dot_engine__pb2.LoadLoRAAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.DecodeService/UnloadLoRAAdapter',
+            baton_dot_v1_dot_engine__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+            baton_dot_v1_dot_engine__pb2.UnloadLoRAAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class PrefillServiceStub(object):
     """Missing associated documentation comment in .proto file."""
@@ -349,6 +438,16 @@ class PrefillServiceStub(object):
                 '/baton.v1.PrefillService/GetModelInfo',
                 request_serializer=baton_dot_v1_dot_engine__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=baton_dot_v1_dot_engine__pb2.GetModelInfoResponse.FromString,
+                _registered_method=True)
+        self.LoadLoRAAdapter = channel.unary_unary(
+                '/baton.v1.PrefillService/LoadLoRAAdapter',
+                request_serializer=baton_dot_v1_dot_engine__pb2.LoadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_engine__pb2.LoadLoRAAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoRAAdapter = channel.unary_unary(
+                '/baton.v1.PrefillService/UnloadLoRAAdapter',
+                request_serializer=baton_dot_v1_dot_engine__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_engine__pb2.UnloadLoRAAdapterResponse.FromString,
                 _registered_method=True)
 
 
@@ -380,6 +479,18 @@ class PrefillServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoRAAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoRAAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -402,6 +513,16 @@ def add_PrefillServiceServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=baton_dot_v1_dot_engine__pb2.GetModelInfoRequest.FromString,
                     response_serializer=baton_dot_v1_dot_engine__pb2.GetModelInfoResponse.SerializeToString,
+            ),
+            'LoadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoRAAdapter,
+                    request_deserializer=baton_dot_v1_dot_engine__pb2.LoadLoRAAdapterRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_engine__pb2.LoadLoRAAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoRAAdapter,
+                    request_deserializer=baton_dot_v1_dot_engine__pb2.UnloadLoRAAdapterRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_engine__pb2.UnloadLoRAAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -512,6 +633,60 @@ class PrefillService(object):
             '/baton.v1.PrefillService/GetModelInfo',
             baton_dot_v1_dot_engine__pb2.GetModelInfoRequest.SerializeToString,
             baton_dot_v1_dot_engine__pb2.GetModelInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.PrefillService/LoadLoRAAdapter',
+            baton_dot_v1_dot_engine__pb2.LoadLoRAAdapterRequest.SerializeToString,
+            baton_dot_v1_dot_engine__pb2.LoadLoRAAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.PrefillService/UnloadLoRAAdapter',
+            baton_dot_v1_dot_engine__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+            baton_dot_v1_dot_engine__pb2.UnloadLoRAAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

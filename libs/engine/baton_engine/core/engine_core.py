@@ -19,7 +19,7 @@ from baton_engine.config import EngineConfig, ModelConfig, parse_dtype
 from baton_engine.core import gpu_lock
 from baton_engine.core.outputs import EngineCoreOutput, GrammarBitmask, KVLoad, SchedulerOutput
 from baton_engine.core.scheduler import Scheduler
-from baton_engine.errors import InvalidRequestError, ModelLoadError
+from baton_engine.errors import InvalidRequestError, ModelLoadError, NotFoundError
 from baton_engine.kv_cache import KVCacheManager
 from baton_engine.kv_cache.block_pool import KVCacheEvent
 from baton_engine.lora import LoRALimits, LoRARequest, lora_requests
@@ -417,6 +417,41 @@ class EngineCore:
                 "tokenizer"
             )
         self._grammar(params)
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str) -> LoRARequest:
+        """Serve the adapter at ``lora_path`` under ``lora_name`` from now on (vLLM's
+        ``/v1/load_lora_adapter``); ``InvalidRequestError`` if the name is taken or the adapter
+        cannot be used. On the thread that steps."""
+        lora = self.runner.lora
+        if lora_name in self.lora_modules:
+            raise InvalidRequestError(f"The lora adapter '{lora_name}' has already been loaded.")
+        if lora is not None:
+            held = lora.adapters.get(lora_name)  # unloaded, but still read: its requests run
+            if held is not None and Path(held.path) != Path(lora_path):
+                if self.scheduler.lora_refs.get(lora_name):
+                    raise InvalidRequestError(
+                        f"The lora adapter '{lora_name}' was unloaded but requests still run "
+                        "with it: wait for them before loading another under its name"
+                    )
+                lora.remove(lora_name)
+        next_id = max((r.lora_int_id for r in self.lora_modules.values()), default=0) + 1
+        request = LoRARequest(lora_name, next_id, lora_path)
+        if lora is not None:  # the adapters served by name all stay read
+            lora.max_cpu_loras = max(lora.max_cpu_loras, len(self.lora_modules) + 1)
+        self._adapter(request)
+        self.lora_modules[lora_name] = request
+        return request
+
+    def unload_lora_adapter(self, lora_name: str) -> None:
+        """Stop serving ``lora_name`` (vLLM's ``/v1/unload_lora_adapter``): new requests cannot
+        name it; those running with it finish (its weights are dropped now if none runs, else
+        when the host's adapter cache next needs room).
+        ``NotFoundError`` if it is not served. On the thread that steps."""
+        if self.lora_modules.pop(lora_name, None) is None:
+            raise NotFoundError(f"The lora adapter '{lora_name}' cannot be found.")
+        lora = self.runner.lora
+        if lora is not None and not self.scheduler.lora_refs.get(lora_name):
+            lora.remove(lora_name)
 
     def lora_request(self, lora_name: str | None) -> LoRARequest | None:
         """The adapter served under ``lora_name`` (``lora_modules``); None for None or ""."""
