@@ -30,22 +30,27 @@ if TYPE_CHECKING:
     from baton_gateway.codec import Embedded
 
 
-class _EmbeddingOptions(OpenAIBaseModel):
+class PoolingOptions(OpenAIBaseModel):
+    """What every request served by embeddings takes besides its inputs (``/v1/embeddings``,
+    and the score and rerank APIs of ``scoring.py``): vLLM's fields."""
+
     model: str | None = None
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = Field(default=None, ge=1)
-    user: str | None = None
-    # vLLM's extras
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
-    normalize: bool | None = None  # L2-normalize (None: yes)
     request_id: str | None = Field(default=None, min_length=1)
     priority: int = Field(default=0, ge=-(2**31), lt=2**31)
 
     @model_validator(mode="after")
-    def _check_truncation(self) -> _EmbeddingOptions:
+    def _check_truncation(self) -> PoolingOptions:
         if self.truncate_prompt_tokens == 0:
             raise ValueError("truncate_prompt_tokens must be at least 1, or -1")
         return self
+
+
+class _EmbeddingOptions(PoolingOptions):
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(default=None, ge=1)
+    user: str | None = None
+    normalize: bool | None = None  # L2-normalize (None: yes; vLLM's)
 
 
 class EmbeddingCompletionRequest(_EmbeddingOptions):

@@ -13,32 +13,20 @@ import time
 from collections.abc import Sequence
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field
 
+from baton_gateway.embeddings import PoolingOptions
 from baton_gateway.protocol import OpenAIBaseModel, UsageInfo
 
 TextOrTexts = str | list[str]
 
 
-class _ScoringOptions(OpenAIBaseModel):
-    model: str | None = None
-    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
-    request_id: str | None = Field(default=None, min_length=1)
-    priority: int = Field(default=0, ge=-(2**31), lt=2**31)
-
-    @model_validator(mode="after")
-    def _check_truncation(self) -> _ScoringOptions:
-        if self.truncate_prompt_tokens == 0:
-            raise ValueError("truncate_prompt_tokens must be at least 1, or -1")
-        return self
-
-
-class ScoreRequest(_ScoringOptions):
+class ScoreRequest(PoolingOptions):
     text_1: TextOrTexts
     text_2: TextOrTexts
 
 
-class RerankRequest(_ScoringOptions):
+class RerankRequest(PoolingOptions):
     query: str
     documents: list[str] = Field(min_length=1)
     top_n: int = Field(default=0, ge=0)  # 0: every document
