@@ -11,7 +11,9 @@ each (``ignore_eos``, greedy), all submitted at once. The adapters are random, o
 directory). "mixed" spreads the requests round robin over ``--num-adapters`` adapters with
 ``max_loras`` that many, so every step runs them all. Reported: output tokens/s and the ratio to
 the engine without LoRA (which runs its fused decode paths: folded norms, GEMV layers, off with
-LoRA enabled; CUDA graphs run either way).
+LoRA enabled; CUDA graphs run either way). ``--compare-gemms`` (GPU) adds the adapters' runs
+with the shrink / mask / expand GEMMs instead of the Triton expand kernel
+(``BATON_LORA_EXPAND_KERNEL=0``), in the same run.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from baton_engine.config import EngineConfig, ModelConfig
 from baton_engine.core.engine_core import EngineCore
 from baton_engine.lora import TARGETS, LoRARequest, part_shape
 from baton_engine.model_loader import resolve_model
+from baton_engine.runner import model_runner
 from baton_engine.sampling_params import SamplingParams
 
 CONFIGS = Path(__file__).parent / "configs"
@@ -62,8 +65,10 @@ def run(
     prompts: list[list[int]],
     loras: list[LoRARequest | None],
     enable_lora: bool,
+    expand_kernel: bool = True,
 ) -> float:
     """Seconds to generate every prompt (after a warm-up batch) on a fresh engine."""
+    model_runner.LORA_EXPAND_KERNEL = expand_kernel
     kwargs: dict[str, Any] = dict(
         model=model,
         dtype=args.dtype,
@@ -122,6 +127,7 @@ def main() -> int:
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--num-adapters", type=int, default=4)
     p.add_argument("--output-json", type=Path, default=None)
+    p.add_argument("--compare-gemms", action="store_true", help="also without the kernel")
     args = p.parse_args()
 
     model = str(SHAPES[args.shape]) if args.shape else str(resolve_model(args.model))
@@ -134,24 +140,33 @@ def main() -> int:
             LoRARequest(f"a{i}", i + 1, str(random_adapter(Path(tmp) / f"a{i}", cfg, args.rank, i)))
             for i in range(args.num_adapters)
         ]
-        variants: list[tuple[str, list[LoRARequest | None], bool]] = [
-            ("no LoRA", [None], False),
-            ("LoRA on, base model", [None], True),
-            ("1 adapter", adapters[:1], True),
-            (f"{args.num_adapters} adapters mixed", list(adapters), True),
+        mixed = f"{args.num_adapters} adapters mixed"
+        variants: list[tuple[str, list[LoRARequest | None], bool, bool]] = [
+            ("no LoRA", [None], False, True),
+            ("LoRA on, base model", [None], True, True),
+            ("1 adapter", adapters[:1], True, True),
+            (mixed, list(adapters), True, True),
         ]
-        rows = [(name, run(args, model, prompt_list, loras, on)) for name, loras, on in variants]
+        if args.compare_gemms:
+            variants += [
+                ("1 adapter, GEMMs", adapters[:1], True, False),
+                (f"{mixed}, GEMMs", list(adapters), True, False),
+            ]
+        rows = [
+            (name, run(args, model, prompt_list, loras, on, kernel))
+            for name, loras, on, kernel in variants
+        ]
     num_out = args.num_prompts * args.output_len
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     print(
         f"\n{args.num_prompts} prompts x {args.input_len} in / {args.output_len} out, rank "
         f"{args.rank}, {model}, {device}"
     )
-    print(f"{'configuration':<24} {'output tok/s':>12} {'vs no LoRA':>10}")
+    print(f"{'configuration':<30} {'output tok/s':>12} {'vs no LoRA':>10}")
     report: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "device": device}
     for name, seconds in rows:
         ratio = rows[0][1] / seconds
-        print(f"{name:<24} {num_out / seconds:>12.0f} {ratio:>9.2f}x")
+        print(f"{name:<30} {num_out / seconds:>12.0f} {ratio:>9.2f}x")
         report[name] = {"output_tok_s": num_out / seconds, "vs_no_lora": ratio}
     if args.output_json:
         args.output_json.parent.mkdir(parents=True, exist_ok=True)

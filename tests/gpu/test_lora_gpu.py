@@ -2,7 +2,8 @@
 steps and prompt-step pieces, fused kernels, async scheduling) give the torch reference
 backend's greedy tokens (eager; float32, dummy weights), with two adapters and the base model
 in every step; the base model's requests also give what an engine without LoRA gives (folded
-norms, GEMV layers). Run with ``pytest -m gpu``."""
+norms, GEMV layers), whether they share steps with adapters or run alone (the graphs captured
+without the adapters' deltas). Run with ``pytest -m gpu``."""
 
 from __future__ import annotations
 
@@ -45,25 +46,36 @@ def test_lora_steps_match_reference(tmp_path: Path) -> None:
     prompts = [torch.randint(1, 4000, (20 + 61 * i,), generator=g).tolist() for i in range(6)]
 
     graph_steps: list[int] = []
+    alone: dict[str, list[int]] = {}  # the LoRA engine's base-model requests, before any other
+    replays: list[dict[bool, int]] = []  # the LoRA engine's graph replays: decode, pieces
 
     def run(lora: bool, **overrides: Any) -> dict[str, list[int]]:
         extra = dict(enable_lora=True, max_loras=2, max_lora_rank=8) if lora else {}
         core = _core(model, max_model_len=1024, max_num_seqs=24, **extra, **overrides)
+        if lora and overrides["attention_backend"] == "triton":
+            for i, prompt in enumerate(prompts):
+                core.add_request(f"alone{i}", prompt, params)
+            alone.update(_drain(core))
+            assert core.scheduler.kv.reset_prefix_cache()  # the next steps compute every prompt
+            replays.extend(dict(g.replays) for g in (core.runner.graphs, core.runner.pieces))
         for i, prompt in enumerate(prompts):
             for j, adapter in enumerate(loras if lora else [None]):
                 core.add_request(f"p{i}-{j}", prompt, params, lora_request=adapter)
         tokens = _drain(core)
         graphs = core.runner.graphs
-        graph_steps.append(0 if graphs is None else sum(graphs.num_steps.values()))
+        graph_steps.append(0 if graphs is None else graphs.replays[True])
         del core
         return tokens
 
     reference = run(True, attention_backend="torch", enforce_eager=True)
     triton = run(True, attention_backend="triton")
     plain = run(False, attention_backend="triton")
-    assert graph_steps[1] > 0  # the adapters' decode steps replayed CUDA graphs
+    assert graph_steps[1] > 0  # the adapters' decode steps replayed their CUDA graphs
+    # the base-model steps replayed the graphs without adapters, decode and prompt pieces
+    assert all(r[False] > 0 and r[True] == 0 for r in replays), replays
     assert triton == reference
     for i in range(len(prompts)):
         assert triton[f"p{i}-0"] == plain[f"p{i}-0"]  # the base model, as without LoRA
+        assert alone[f"alone{i}"] == plain[f"p{i}-0"]
         # each adapter changes the answer
         assert len({tuple(triton[f"p{i}-{j}"]) for j in range(3)}) == 3, i

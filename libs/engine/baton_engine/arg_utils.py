@@ -39,7 +39,7 @@ _HELP = {
     "device": "cpu | cuda",
     "tensor_parallel_size": "split the model's heads and MLP across this many processes: one "
     "GPU each (NCCL), or CPU processes (gloo)",
-    "enable_lora": "serve LoRA adapters (requests name one; steps then run without CUDA graphs)",
+    "enable_lora": "serve LoRA adapters (requests name one by their model)",
     "max_loras": "most LoRA adapters one step may use (others wait)",
     "max_lora_rank": "largest LoRA rank accepted",
     "max_cpu_loras": "LoRA adapters kept read in host memory (default: max_loras)",

@@ -9,12 +9,15 @@ once (a step's requests use at most that many: the scheduler holds back the othe
 more from their folders as needed.
 
 On the device each projection of the model is wrapped (``LoRALinear``): its output gains
-``scale * B @ A @ x`` for every token whose request has an adapter, as two GEMMs over all slots'
-stacked columns, masked per token (``LoRABatch``): the same launches whatever the mix, so CUDA
-graphs (decode steps, prompt-step pieces) hold them. The fused projections (qkv, gate/up) stack
-their parts' ``A`` and place each part's ``B`` in its rows of the output. The engine's fused
-paths that skip the projections' own modules (folded norms, GEMV layers, the CPU's one-call
-decode) are off while LoRA is enabled.
+``scale * B @ A @ x`` for every token whose request has an adapter, computed over all slots'
+stacked columns with the other slots' masked out per token (``LoRABatch``): the same launches
+whatever the mix, so CUDA graphs (decode steps, prompt-step pieces) hold them. On a GPU the
+slots' ``A`` sit below the base weight (one GEMM gives the output and every slot's shrunk input)
+and a Triton kernel adds each token's own slot's ``B`` product (``baton_kernels.triton.lora``);
+elsewhere it is a shrink GEMM, a mask multiply and an expand GEMM. Steps without adapters skip
+all of it. The fused projections (qkv, gate/up) stack their parts' ``A`` and place each part's
+``B`` in its columns of the output. The engine's fused paths that skip the projections' own
+modules (folded norms, GEMV layers, the CPU's one-call decode) are off while LoRA is enabled.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from baton_engine.config import ModelConfig
 from baton_engine.errors import InvalidRequestError
@@ -221,31 +225,34 @@ def _read_tensors(
 
 
 class LoRABatch:
-    """Which tokens of the current step use which device slot, as one mask per width of the
-    projections' adapter columns (``masks[width][t, c]`` is 1 where column ``c`` of a
-    ``max_loras * width``-wide stack belongs to token ``t``'s slot), in buffers of
-    ``max_num_tokens`` rows whose addresses never change: CUDA graphs read them as captured.
-    ``active``: some token of the step has an adapter (eager steps skip the adapters
-    otherwise; a graph runs them always, on masks of zeros for the base model)."""
+    """Which device slot each token of the current step uses (``slots``, -1: none) and, for
+    the projections without the expand kernel, the same as one mask per width of their
+    adapter columns (``masks[width][t, c]`` is 1 where column ``c`` of a ``max_loras *
+    width``-wide stack belongs to token ``t``'s slot), in buffers of ``max_num_tokens`` rows
+    whose addresses never change: CUDA graphs read them as captured. ``active``: some token of
+    the step has an adapter; steps without skip the adapters (CUDA graphs are captured both
+    ways, the runner's graph switch) and leave the buffers as they were."""
 
     def __init__(
-        self,
-        widths: set[int],
-        max_loras: int,
-        max_num_tokens: int,
-        dtype: torch.dtype,
-        device: torch.device,
+        self, max_loras: int, max_num_tokens: int, dtype: torch.dtype, device: torch.device
     ) -> None:
         self.active = False
+        self.max_loras = max_loras
+        self.dtype = dtype
         self.slots = torch.full((max_num_tokens,), -1, dtype=torch.long, device=device)
         self.masks: dict[int, torch.Tensor] = {}
         self._hits: dict[int, torch.Tensor] = {}  # the masks as booleans, before the cast
         self._columns: dict[int, torch.Tensor] = {}  # width -> each stacked column's slot
-        for width in sorted(widths):
-            self._columns[width] = torch.arange(max_loras * width, device=device) // width
-            shape = (max_num_tokens, max_loras * width)
-            self.masks[width] = torch.zeros(shape, dtype=dtype, device=device)
-            self._hits[width] = torch.zeros(shape, dtype=torch.bool, device=device)
+
+    def need_masks(self, width: int) -> None:
+        """Keep the masks of ``width`` columns a slot from now on."""
+        if width in self.masks:
+            return
+        slots = self.slots
+        self._columns[width] = torch.arange(self.max_loras * width, device=slots.device) // width
+        shape = (slots.shape[0], self.max_loras * width)
+        self.masks[width] = torch.zeros(shape, dtype=self.dtype, device=slots.device)
+        self._hits[width] = torch.zeros(shape, dtype=torch.bool, device=slots.device)
 
     def set(self, slots: torch.Tensor) -> None:
         """The step's tokens' slots (-1: none), in order, on the device."""
@@ -259,11 +266,16 @@ class LoRABatch:
 
 class LoRALinear(nn.Module):
     """A projection of the model with ``max_loras`` adapter slots: ``base(x)`` plus, for each
-    token, ``x @ A[slot].T @ B[slot].T`` of its slot (``B`` scaled), as two GEMMs over every
-    slot's stacked columns with the other slots' masked out (``LoRABatch``): the same launches
-    whatever the mix of adapters, so that CUDA graphs can hold them. ``parts`` names the
-    adapter targets fused into ``base``, in the order of its output rows; each part has
-    ``max_rank`` columns a slot."""
+    token, ``x @ A[slot].T @ B[slot].T`` of its slot (``B`` scaled), over every slot's stacked
+    columns with the other slots' masked out (``LoRABatch``): the same launches whatever the
+    mix of adapters, so that CUDA graphs can hold them. ``parts`` names the adapter targets
+    fused into ``base``, in the order of its output rows; each part has ``max_rank`` columns a
+    slot.
+
+    With ``expand_kernel`` (``base`` an ``nn.Linear`` on a GPU) the slots' ``A`` are rows of
+    one matrix below ``base``'s weight (which becomes a view of it): a step with adapters runs
+    one GEMM for the output and every slot's shrunk input, then ``lora_expand``. Otherwise a
+    shrink GEMM, the mask multiply and an expand GEMM follow ``base``."""
 
     def __init__(
         self,
@@ -275,6 +287,7 @@ class LoRALinear(nn.Module):
         batch: LoRABatch,
         dtype: torch.dtype,
         device: torch.device,
+        expand_kernel: bool = False,
     ) -> None:
         super().__init__()
         self.base = base
@@ -287,16 +300,32 @@ class LoRALinear(nn.Module):
         for part in parts:
             self.out_offsets.append(self.out_offsets[-1] + part_shape(cfg, part)[1])
         out_f = self.out_offsets[-1]
-        # A of every slot stacked: [max_loras * width, in]; B: [out, max_loras * width]
-        self.lora_a = torch.zeros(max_loras, self.width, in_f, dtype=dtype, device=device)
-        self.lora_b = torch.zeros(out_f, max_loras, self.width, dtype=dtype, device=device)
-        self.a_all = self.lora_a.view(max_loras * self.width, in_f)
-        self.b_all = self.lora_b.view(out_f, max_loras * self.width)
+        stacked = max_loras * self.width
+        # A of every slot stacked: [max_loras * width, in], below the base weight with the
+        # kernel; B of every slot stacked, transposed: [max_loras * width, out]
+        self.w_ext: torch.Tensor | None = None
+        self.bias_ext: torch.Tensor | None = None
+        if expand_kernel:
+            assert isinstance(base, nn.Linear)
+            self.w_ext = torch.zeros(out_f + stacked, in_f, dtype=dtype, device=device)
+            self.w_ext[:out_f].copy_(base.weight.detach())
+            base.weight = nn.Parameter(self.w_ext[:out_f], requires_grad=False)
+            if base.bias is not None:
+                self.bias_ext = torch.zeros(out_f + stacked, dtype=dtype, device=device)
+                self.bias_ext[:out_f].copy_(base.bias.detach())
+                base.bias = nn.Parameter(self.bias_ext[:out_f], requires_grad=False)
+            self.a_all = self.w_ext[out_f:]
+        else:
+            self.a_all = torch.zeros(stacked, in_f, dtype=dtype, device=device)
+            batch.need_masks(self.width)
+        self.lora_a = self.a_all.view(max_loras, self.width, in_f)
+        self.lora_b = torch.zeros(max_loras, self.width, out_f, dtype=dtype, device=device)
+        self.b_t = self.lora_b.view(stacked, out_f)
 
     def set_slot(self, slot: int, layer: int, adapter: LoRAAdapter) -> None:
         """Put ``adapter``'s weights of this projection (layer ``layer``) in ``slot``; parts
         the adapter does not target stay zero."""
-        a, b = self.lora_a[slot], self.lora_b[:, slot]
+        a, b = self.lora_a[slot], self.lora_b[slot]
         a.zero_()
         b.zero_()
         for j, part in enumerate(self.parts):
@@ -306,15 +335,20 @@ class LoRALinear(nn.Module):
             lora_a, lora_b = pair
             r, col = lora_a.shape[0], j * self.max_rank
             a[col : col + r].copy_(lora_a)
-            b[self.out_offsets[j] : self.out_offsets[j + 1], col : col + r].copy_(lora_b)
+            b[col : col + r, self.out_offsets[j] : self.out_offsets[j + 1]].copy_(lora_b.t())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.batch.active:
+            return self.base(x)  # type: ignore[no-any-return]
+        slots = self.batch.slots[: x.shape[0]]
+        if self.w_ext is not None:
+            from baton_kernels.triton.lora import lora_expand
+
+            return lora_expand(F.linear(x, self.w_ext, self.bias_ext), slots, self.b_t, self.width)
         y: torch.Tensor = self.base(x)
-        if self.batch.active or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
-            h = x @ self.a_all.t()
-            h *= self.batch.masks[self.width][: x.shape[0]]
-            y.addmm_(h, self.b_all.t())
-        return y
+        h = x @ self.a_all.t()
+        h *= self.batch.masks[self.width][: x.shape[0]]
+        return y.addmm_(h, self.b_t)
 
 
 class LoRAManager:
@@ -334,13 +368,15 @@ class LoRAManager:
         max_num_tokens: int,
         dtype: torch.dtype,
         device: torch.device,
+        expand_kernel: bool = False,
     ) -> None:
+        """``expand_kernel``: the projections that are ``nn.Linear`` compute the adapters'
+        deltas with ``lora_expand`` (a GPU's Triton kernel; the others mask)."""
         self.cfg = cfg
         self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank
         self.max_cpu_loras = max(max_cpu_loras, max_loras)
-        widths = {len(parts) * max_lora_rank for parts in FUSED_PARTS.values()}
-        self.batch = LoRABatch(widths, max_loras, max_num_tokens, dtype, device)
+        self.batch = LoRABatch(max_loras, max_num_tokens, dtype, device)
         self.layers: list[tuple[int, LoRALinear]] = []
         for i, layer in enumerate(model.layers):  # type: ignore[arg-type]
             for owner in (layer.self_attn, layer.mlp):
@@ -349,8 +385,9 @@ class LoRAManager:
                     if base is None:
                         continue
                     wrapped = LoRALinear(
-                        base, parts, cfg, max_loras, max_lora_rank, self.batch, dtype, device
-                    )
+                        base, parts, cfg, max_loras, max_lora_rank, self.batch, dtype, device,
+                        expand_kernel=expand_kernel and type(base) is nn.Linear,
+                    )  # fmt: skip
                     setattr(owner, fused, wrapped)
                     self.layers.append((i, wrapped))
         self.adapters: OrderedDict[str, LoRAAdapter] = OrderedDict()  # least recent first
@@ -406,9 +443,9 @@ class LoRAManager:
         per_req = np.fromiter(
             (-1 if n is None else slot_of[n] for n in names), dtype=np.int64, count=len(names)
         )
-        per_token = np.repeat(per_req, counts) if len(names) else np.full(int(counts.sum()), -1)
-        self.batch.set(staging.to_device(per_token, torch.long))
         self.batch.active = bool(needed)
+        if needed:
+            self.batch.set(staging.to_device(np.repeat(per_req, counts), torch.long))
 
     def _slot(self, name: str, needed: list[str]) -> int:
         """The slot holding adapter ``name``, filled now if none does: a free one, else the

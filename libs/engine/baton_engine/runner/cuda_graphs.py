@@ -14,6 +14,11 @@ The attention backend must support capture (``TritonAttentionBackend``: with
 only device tensors). With ``capture=False`` the same padded path runs eagerly, which is how it is
 tested on CPU.
 
+A ``switch`` (optional, both classes) doubles the graphs: each is captured once with
+``switch(False)`` and once with ``switch(True)``, and a step replays the set its ``switch_on``
+names. The runner's LoRA adapters use it: steps with an adapter replay graphs that compute the
+adapters' deltas, base-model steps graphs that skip them.
+
 ``PieceGraphs``: every other step (prompt chunks, mixed batches), replayed piecewise. The
 attention of a prompt step depends on how its tokens split into requests, so it runs eagerly;
 everything between two attentions (o_proj, the MLP, the norms, the next qkv projection) is one
@@ -40,6 +45,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_CAPTURE_SIZES = (1, 2, 4, *range(8, 257, 8), *range(272, 513, 16))
 
 ForwardFn = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
+Switch = Callable[[bool], object]
 
 
 # Steps of more tokens run eagerly: their kernels outlast the host's launches (an 8,192-token
@@ -57,14 +63,23 @@ def piece_capture_sizes(max_tokens: int) -> list[int]:
     return sorted(s for s in sizes if s <= top)
 
 
-def _on_side_stream(capture: Callable[[Any, torch.cuda.Stream], None]) -> None:
-    """Run ``capture(pool, stream)``, which captures graphs on ``stream`` into the one memory
-    pool ``pool``, on a side stream (capture cannot run on the default stream); then wait."""
+def _on_side_stream(
+    capture: Callable[[Any, torch.cuda.Stream, bool], None], switch: Switch | None
+) -> None:
+    """Run ``capture(pool, stream, on)``, which captures graphs on ``stream`` into the one
+    memory pool ``pool``, on a side stream (capture cannot run on the default stream); then
+    wait. With a ``switch``, twice: after ``switch(False)`` and after ``switch(True)``; the
+    switch is left off."""
     pool = torch.cuda.graph_pool_handle()
     stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        capture(pool, stream)
+        for on in (False, True) if switch is not None else (False,):
+            if switch is not None:
+                switch(on)
+            capture(pool, stream, on)
+        if switch is not None:
+            switch(False)
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
 
@@ -79,10 +94,12 @@ class DecodeGraphs:
         device: torch.device,
         capture: bool,
         capture_sizes: Sequence[int] = DEFAULT_CAPTURE_SIZES,
+        switch: Switch | None = None,
     ) -> None:
         self.forward = forward
         self.device = device
         self.capture = capture
+        self.switch = switch
         self.max_blocks_per_req = max_blocks_per_req
         self.sizes = sorted({s for s in capture_sizes if s <= max_batch_size} | {max_batch_size})
         self.max_batch_size = self.sizes[-1]
@@ -96,9 +113,11 @@ class DecodeGraphs:
         self.input_ids, self.positions, self.seq_lens, self.slot_block, self.slot_offset = rows
         self.block_tables = torch.zeros((n, max_blocks_per_req), dtype=torch.int64, device=dev)
         self._metadata = {b: self._metadata_for(b) for b in self.sizes}
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._outputs: dict[int, torch.Tensor] = {}
+        # (switch on, padded size) -> graph, its output
+        self._graphs: dict[tuple[bool, int], torch.cuda.CUDAGraph] = {}
+        self._outputs: dict[tuple[bool, int], torch.Tensor] = {}
         self.num_steps: dict[int, int] = {}  # padded size -> decode steps run at it
+        self.replays = {False: 0, True: 0}  # switch position -> steps replayed from graphs
 
     def _metadata_for(self, b: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -124,12 +143,13 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture_all(self) -> None:
-        """Capture one graph per size, largest first (later ones reuse its memory pool)."""
+        """Capture one graph per size (and switch position), largest first (later ones reuse
+        its memory pool)."""
         if not self.capture:
             return
         start = time.perf_counter()
 
-        def capture(pool: Any, stream: torch.cuda.Stream) -> None:
+        def capture(pool: Any, stream: torch.cuda.Stream, on: bool) -> None:
             for b in reversed(self.sizes):
                 md = self._metadata[b]
                 for _ in range(2):  # warm up: autotuning, lazy init, allocator
@@ -137,9 +157,9 @@ class DecodeGraphs:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
                     out = self.forward(self.input_ids[:b], self.positions[:b], md)
-                self._graphs[b], self._outputs[b] = graph, out
+                self._graphs[on, b], self._outputs[on, b] = graph, out
 
-        _on_side_stream(capture)
+        _on_side_stream(capture, self.switch)
         # A graph's first replay also uploads it to the device, which cost the host ~0.4 ms
         # more in the first step of each batch size on the H200 (the first full-batch step of
         # a run and each of its last steps, where finished requests shrink the batch: Qwen
@@ -173,12 +193,15 @@ class DecodeGraphs:
         slot_offset: np.ndarray,
         patch: Callable[[torch.Tensor], object] | None = None,
         host: Callable[[np.ndarray], torch.Tensor] = torch.from_numpy,
+        switch_on: bool = False,
     ) -> torch.Tensor:
         """Hidden states ``[n, hidden]`` of a decode step of ``n`` requests (row i: token
         ``input_ids[i]`` at ``positions[i]``; ``block_tables[i]`` its blocks, None: the ones
         the last run copied, which cover these positions too). ``patch``, if
         given, may then overwrite input ids in the device buffer (``[n]``) before the replay.
-        ``host`` makes the CPU tensors copied from (``torch.from_numpy`` or pinned staging)."""
+        ``host`` makes the CPU tensors copied from (``torch.from_numpy`` or pinned staging).
+        ``switch_on``: replay the graphs captured with the switch on (the caller has set it
+        so for an eager step)."""
         n = len(input_ids)
         b = self.padded_size(n)
         assert b is not None, f"decode batch {n} exceeds the largest captured size"
@@ -199,11 +222,13 @@ class DecodeGraphs:
             self.block_tables[:n, :num_blocks].copy_(host(block_tables), non_blocking=True)
         if patch is not None:
             patch(self.input_ids[:n])
-        graph = self._graphs.get(b)
+        key = (switch_on and self.switch is not None, b)
+        graph = self._graphs.get(key)
         if graph is None:  # not captured (eager mode, CPU tests)
             return self.forward(self.input_ids[:b], self.positions[:b], self._metadata[b])[:n]
         graph.replay()
-        return self._outputs[b][:n]
+        self.replays[key[0]] += 1
+        return self._outputs[key][:n]
 
 
 class PieceModel(Protocol):
@@ -256,9 +281,11 @@ class PieceGraphs:
         device: torch.device,
         capture: bool,
         sizes: Sequence[int] | None = None,
+        switch: Switch | None = None,
     ) -> None:
         self.model = model
         self.capture = capture
+        self.switch = switch
         self.sizes = sorted(sizes) if sizes is not None else piece_capture_sizes(max_num_tokens)
         n, dev = self.sizes[-1], device
         self.max_num_tokens = n
@@ -267,8 +294,10 @@ class PieceGraphs:
         self.attn_out = torch.zeros((n, q_size), dtype=dtype, device=dev)
         self.residual = torch.zeros((n, hidden_size), dtype=dtype, device=dev)
         self.hidden = torch.zeros((n, hidden_size), dtype=dtype, device=dev)
-        self._graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
+        # (switch on, padded size) -> the graph of each piece
+        self._graphs: dict[tuple[bool, int], list[torch.cuda.CUDAGraph]] = {}
         self.num_steps: dict[int, int] = {}  # padded size -> steps run at it
+        self.replays = {False: 0, True: 0}  # switch position -> steps replayed from graphs
 
     def padded_size(self, num_tokens: int) -> int | None:
         for size in self.sizes:
@@ -289,13 +318,14 @@ class PieceGraphs:
 
     @torch.inference_mode()
     def capture_all(self) -> None:
-        """Capture every piece at every size, largest first, into one pool."""
+        """Capture every piece at every size (and switch position), largest first, into one
+        pool."""
         if not self.capture:
             return
         start = time.perf_counter()
         num_pieces = self.model.num_pieces
 
-        def capture(pool: Any, stream: torch.cuda.Stream) -> None:
+        def capture(pool: Any, stream: torch.cuda.Stream, on: bool) -> None:
             for t in reversed(self.sizes):
                 for i in range(num_pieces):  # warm up: cuBLAS, Triton, the allocator
                     self._piece(i, t)
@@ -305,13 +335,13 @@ class PieceGraphs:
                     with torch.cuda.graph(graph, pool=pool, stream=stream):
                         self._piece(i, t)
                     graphs.append(graph)
-                self._graphs[t] = graphs
+                self._graphs[on, t] = graphs
 
-        _on_side_stream(capture)
+        _on_side_stream(capture, self.switch)
         logger.info(
             "captured %d CUDA graphs for prompt steps (%d pieces x %d token counts, %d..%d) "
             "in %.1f s",
-            num_pieces * len(self.sizes),
+            len(self._graphs) * num_pieces,
             num_pieces,
             len(self.sizes),
             self.sizes[0],
@@ -334,16 +364,20 @@ class PieceGraphs:
         kv_caches: list[KVCacheView],
         metadata: AttentionMetadata,
         backend: AttentionBackend,
+        switch_on: bool = False,
     ) -> torch.Tensor:
         """The final hidden states ``[n, hidden]`` of a step of ``n`` tokens (valid until the
-        next step runs here)."""
+        next step runs here), from the graphs captured with the switch at ``switch_on``."""
         n = input_ids.shape[0]
         t = self.padded_size(n)
         assert t is not None, f"a step of {n} tokens exceeds the largest captured size"
         self.num_steps[t] = self.num_steps.get(t, 0) + 1
         self.input_ids[:n].copy_(input_ids, non_blocking=True)
         rope = self.model.rope_for(positions)
-        graphs = self._graphs.get(t)
+        on = switch_on and self.switch is not None
+        graphs = self._graphs.get((on, t))
+        if graphs is not None:
+            self.replays[on] += 1
         for i, kv_cache in enumerate(kv_caches):
             if graphs is None:
                 self._piece(i, t)
