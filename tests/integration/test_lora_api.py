@@ -2,12 +2,14 @@
 ``openai`` SDK: a request names an adapter as its ``model`` (as with vLLM), the answer is the
 offline engine's with that adapter (``LLM(enable_lora=True)`` + ``LoRARequest``), also when the
 prompt is prefilled on the prefill worker and its KV pulled by the decode worker. Adapters load
-and unload at run time (``VLLM_ALLOW_RUNTIME_LORA_UPDATING``) on every worker."""
+and unload at run time (``VLLM_ALLOW_RUNTIME_LORA_UPDATING``) on every worker, a restarted one
+too."""
 
 from __future__ import annotations
 
 import json
 import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -188,3 +190,37 @@ def test_adapters_load_and_unload_at_run_time(
     # loaded again under the same name: served again
     assert http.post("/v1/load_lora_adapter", json=body).status_code == 200
     assert "qv" in {m.id for m in client.models.list().data}
+
+
+def test_a_restarted_worker_gets_the_adapters_changed_at_run_time(
+    client: openai.OpenAI, server: Any, offline: dict[str, Any]
+) -> None:
+    """``baton serve`` restarts a dead worker with its command line's ``--lora-modules``; the
+    gateway loads the adapters loaded since ("qv", the test above) and unloads those unloaded
+    ("mlp", here) on it before routing to it again, so requests naming "qv" keep their answer."""
+    http = httpx.Client(base_url=server.root_url, timeout=60)
+    assert http.post("/v1/unload_lora_adapter", json={"lora_name": "mlp"}).status_code == 200
+    (decode,) = (
+        p for p in server.descendants() if "baton.cli" in p.cmdline() and "decode" in p.cmdline()
+    )
+    decode.kill()
+    deadline = time.monotonic() + 180
+    while "decode exited with status" not in server.output(400):
+        assert time.monotonic() < deadline, server.output()
+        time.sleep(0.1)
+    while True:  # the restarted decode worker serves again, "qv" too
+        try:
+            response = client.completions.create(
+                model="qv", prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0.0,
+                extra_body={"ignore_eos": True},
+            )  # fmt: skip
+            break
+        except openai.APIError as e:
+            assert time.monotonic() < deadline, f"{e}\n{server.output(400)}"
+            time.sleep(0.5)
+    assert response.choices[0].text == offline["qv"][0]
+    log = server.output(400)
+    assert re.search(r"decode worker \S+: loaded LoRA adapter 'qv'", log), log
+    assert re.search(r"decode worker \S+: unloaded LoRA adapter 'mlp'", log), log
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="mlp", prompt=PROMPT, max_tokens=2)

@@ -75,6 +75,12 @@ _RETRYABLE = {
     grpc.StatusCode.INTERNAL,
     grpc.StatusCode.UNKNOWN,
 }
+# A call that failed so is taken as the worker being down (not as its answer).
+_DOWN_CODES = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.CANCELLED,
+}
 # A GetLoad answer older than this no longer counts (the worker may be gone).
 _LOAD_TTL_S = 5.0
 DECODE, PREFILL = "decode", "prefill"
@@ -338,6 +344,10 @@ class WorkerPool:
         self._round_robin = itertools.count()
         self._background: set[asyncio.Task[Any]] = set()
         self.block_size = 16
+        # LoRA adapters loaded (name -> folder) and unloaded at run time: a worker that comes
+        # (back) up gets the same, before it is routed to (``_restore_adapters``)
+        self._loaded_adapters: dict[str, str] = {}
+        self._unloaded_adapters: set[str] = set()
 
     # --- membership ----------------------------------------------------------------------------
 
@@ -345,16 +355,29 @@ class WorkerPool:
         return [w for w in self.workers if w.role == role]
 
     async def load_lora_adapter(self, lora_name: str, lora_path: str) -> None:
-        """Have every worker serve the LoRA adapter (runtime LoRA updating); if one refuses,
-        those that took it unload it again, and its error is raised (GatewayError)."""
+        """Have every worker serve the LoRA adapter (runtime LoRA updating): those up now, and
+        each one that comes (back) up later (a restarted worker, one found in the kvstore).
+        If one refuses, those that took it unload it again, and its error is raised
+        (GatewayError); one that does not answer is marked down (it gets the adapter when it
+        is up again)."""
+        self._loaded_adapters[lora_name] = lora_path  # (first: a worker coming up meanwhile)
+        was_unloaded = lora_name in self._unloaded_adapters
+        self._unloaded_adapters.discard(lora_name)
         request = engine_pb2.LoadLoRAAdapterRequest(lora_name=lora_name, lora_path=lora_path)
-        workers = list(self.workers)
+        workers = [w for w in self.workers if w.healthy]
         results = await asyncio.gather(
             *(w.stub.LoadLoRAAdapter(request) for w in workers), return_exceptions=True
         )
-        failed = [(w, r) for w, r in zip(workers, results, strict=True) if isinstance(r, Exception)]
+        failed = [
+            (w, r)
+            for w, r in zip(workers, results, strict=True)
+            if isinstance(r, Exception) and not self._went_down(w, r)
+        ]
         if not failed:
             return
+        del self._loaded_adapters[lora_name]
+        if was_unloaded:
+            self._unloaded_adapters.add(lora_name)
         took = [w for w, r in zip(workers, results, strict=True) if not isinstance(r, Exception)]
         undo = engine_pb2.UnloadLoRAAdapterRequest(lora_name=lora_name)
         await asyncio.gather(
@@ -366,18 +389,73 @@ class WorkerPool:
         raise error
 
     async def unload_lora_adapter(self, lora_name: str) -> None:
-        """Have every worker stop serving the LoRA adapter; raises the first refusal
-        (GatewayError: NOT_FOUND where a worker does not serve it)."""
+        """Have every worker stop serving the LoRA adapter (one down now: when it is up
+        again); raises the first refusal (GatewayError: NOT_FOUND where a worker does not
+        serve it)."""
+        self._loaded_adapters.pop(lora_name, None)
+        self._unloaded_adapters.add(lora_name)
         request = engine_pb2.UnloadLoRAAdapterRequest(lora_name=lora_name)
-        workers = list(self.workers)
+        workers = [w for w in self.workers if w.healthy]
         results = await asyncio.gather(
             *(w.stub.UnloadLoRAAdapter(request) for w in workers), return_exceptions=True
         )
         for worker, result in zip(workers, results, strict=True):
-            if isinstance(result, grpc.aio.AioRpcError):
+            if isinstance(result, grpc.aio.AioRpcError) and not self._went_down(worker, result):
                 raise rpc_error(result, worker.addr) from result
-            if isinstance(result, Exception):
+            if isinstance(result, Exception) and not isinstance(result, grpc.aio.AioRpcError):
                 raise result
+
+    def _went_down(self, worker: Worker, error: BaseException) -> bool:
+        """Whether ``error`` says that ``worker`` stopped answering (it is marked down)."""
+        if isinstance(error, grpc.aio.AioRpcError) and error.code() in _DOWN_CODES:
+            self._mark_down(worker, error.code().name)
+            return True
+        return False
+
+    async def _restore_adapters(self, worker: Worker) -> bool:
+        """Before ``worker`` is routed to again (restarted, or new): have it serve the LoRA
+        adapters loaded at run time and not those unloaded. False if it stopped answering
+        (it stays down; the next poll tries again). An adapter it refuses is logged and left
+        out: the worker serves the rest."""
+        if not self._loaded_adapters and not self._unloaded_adapters:
+            return True
+        try:
+            pb = await worker.stub.GetModelInfo(codec.get_model_info_request(), timeout=5.0)
+            worker.info = codec.model_info(pb)
+            served = dict(worker.info.lora_modules)
+            calls: list[tuple[str, Any]] = [
+                ("unload", engine_pb2.UnloadLoRAAdapterRequest(lora_name=name))
+                for name, path in served.items()
+                if name in self._unloaded_adapters
+                or self._loaded_adapters.get(name, path) != path  # (loaded again elsewhere)
+            ]
+            calls += [
+                ("load", engine_pb2.LoadLoRAAdapterRequest(lora_name=name, lora_path=path))
+                for name, path in self._loaded_adapters.items()
+                if served.get(name) != path
+            ]
+            for verb, request in calls:
+                try:
+                    if verb == "load":
+                        await worker.stub.LoadLoRAAdapter(request, timeout=120.0)
+                    else:
+                        await worker.stub.UnloadLoRAAdapter(request, timeout=30.0)
+                except grpc.aio.AioRpcError as e:
+                    if e.code() in _DOWN_CODES:
+                        raise
+                    logger.error(
+                        "%s worker %s: cannot %s LoRA adapter %r: %s",
+                        worker.role, worker.addr, verb, request.lora_name, e.details(),
+                    )  # fmt: skip
+                else:
+                    logger.info(
+                        "%s worker %s: %sed LoRA adapter %r (runtime LoRA updating)",
+                        worker.role, worker.addr, verb, request.lora_name,
+                    )  # fmt: skip
+        except grpc.aio.AioRpcError as e:
+            self._mark_down(worker, e.code().name)
+            return False
+        return True
 
     @property
     def healthy(self) -> bool:
@@ -463,6 +541,8 @@ class WorkerPool:
                 await self._discover()
                 for worker in [w for w in self.workers if w.info is None]:
                     await self._fetch_info(worker, 1.0, {})
+                    if worker.healthy and not await self._restore_adapters(worker):
+                        worker.healthy = False
             workers = list(self.workers)
             results = await asyncio.gather(
                 *(w.stub.GetLoad(codec.get_load_request(), timeout=1.0) for w in workers),
@@ -472,6 +552,8 @@ class WorkerPool:
             for worker, result in zip(workers, results, strict=True):
                 if isinstance(result, engine_pb2.GetLoadResponse):
                     if not worker.healthy:
+                        if worker.info is not None and not await self._restore_adapters(worker):
+                            continue
                         logger.info("%s worker %s is serving", worker.role, worker.addr)
                     worker.load, worker.load_time = codec.worker_load(result), now
                     worker.healthy = worker.info is not None
