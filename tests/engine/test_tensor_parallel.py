@@ -274,3 +274,51 @@ def test_two_ranks_run_multi_steps_as_one_does(default_model_dir: Path, tmp_path
     finally:
         llm.shutdown()
     assert [list(o.outputs[0].token_ids) for o in outs] == want
+
+
+def test_two_ranks_serve_lora_adapters_as_one_does(default_model_dir: Path, tmp_path: Path):
+    """LoRA adapters on a split engine: each rank takes its share of every adapter (rows of B
+    for q/k/v/gate/up, columns of A for o/down), and the helper ranks read and drop adapters
+    as rank 0 does (one slot and one adapter kept on the host: every switch between adapters
+    drops one and reads the other; a third adapter loaded at run time). The tokens are those
+    of one process, and each adapter changes them."""
+    from lora_adapters import write_adapter
+
+    from baton_engine.config import ModelConfig
+    from baton_engine.lora import TARGETS, LoRARequest, part_shape
+
+    model = tmp_path / "model"
+    build_model("qwen2", default_model_dir, model)  # (biases on the split q/k/v)
+    cfg = ModelConfig.from_path(model)
+    shapes = {part: part_shape(cfg, part) for part in TARGETS}
+    folders = [
+        write_adapter(tmp_path / name, rank=rank, alpha=2 * rank, targets=targets, seed=seed,
+                      shapes=shapes, num_layers=cfg.num_layers, scale=0.3)
+        for name, rank, targets, seed in (
+            ("every", 8, TARGETS, 1),
+            ("attn", 4, ("q_proj", "k_proj", "v_proj", "o_proj"), 2),
+            ("mlp", 8, ("gate_proj", "up_proj", "down_proj"), 3),
+        )
+    ]  # fmt: skip
+    every, attn = (LoRARequest(f.name, i + 1, str(f)) for i, f in enumerate(folders[:2]))
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+
+    def run(tp: int) -> list[list[int]]:
+        llm = LLM(str(model), dtype="float32", max_model_len=256, kv_cache_memory=1 << 24,
+                  tensor_parallel_size=tp, max_num_batched_tokens=32, enable_lora=True,
+                  max_loras=1, max_cpu_loras=1, max_lora_rank=8)  # fmt: skip
+        try:
+            outs = llm.generate(prompts, params, lora_request=[None, every, attn, every])
+            late = llm.engine.core.load_lora_adapter("mlp", str(folders[2]))
+            outs += llm.generate(prompts[:2], params, lora_request=[late, None])
+        finally:
+            llm.shutdown()
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    want = run(1)
+    assert run(2) == want
+    base = greedy_tokens(model, PROMPTS[:2], 10, kv_cache_memory=1 << 24)
+    assert [want[0], want[5]] == base  # the base model's requests
+    assert want[1] != base[1] and want[4] != base[0]  # adapters change the answers
+    assert want[2] != greedy_tokens(model, PROMPTS[2:3], 10, kv_cache_memory=1 << 24)[0]

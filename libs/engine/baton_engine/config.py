@@ -246,8 +246,6 @@ class EngineConfig:
             )
         if self.lora_modules and not self.enable_lora:
             raise InvalidRequestError("lora_modules (--lora-modules) needs enable_lora")
-        if self.enable_lora and self.tensor_parallel_size > 1:
-            raise InvalidRequestError("LoRA adapters do not run with tensor parallelism yet")
         if self.runner not in RUNNERS:
             raise InvalidRequestError(f"runner must be one of {RUNNERS}, got {self.runner!r}")
         if self.load_format not in ("auto", "dummy"):

@@ -106,6 +106,14 @@ class KVBlocks:
 
 
 @dataclass(frozen=True)
+class LoRAAdapters:
+    """Hold these adapters, ``(name, folder)``, and no others (rank 0's, before a step that
+    may use them)."""
+
+    held: tuple[tuple[str, str], ...]
+
+
+@dataclass(frozen=True)
 class GatherKV:
     """Sent to the helpers before rank 0 gathers each rank's heads of the pool's blocks
     ``block_ids`` (``EngineCore`` exporting a prefilled prompt's KV as whole blocks)."""
@@ -166,6 +174,10 @@ def _helper_main(config: Any, rank: int, port: int, conn: Connection) -> None:
             continue
         if isinstance(so, GatherKV):  # this rank's heads of the blocks go to rank 0
             gather(runner.read_kv_blocks(so.block_ids))
+            continue
+        if isinstance(so, LoRAAdapters):  # its share of each, read from the same folders
+            assert runner.lora is not None
+            runner.lora.mirror(so.held)
             continue
         runner.launch(so).result()
     runner.release_graphs()
@@ -249,6 +261,11 @@ class TensorParallelHelpers:
         """Have every helper send rank 0 its heads of the pool's ``block_ids`` (before rank 0
         gathers them)."""
         self._send(GatherKV(block_ids))
+
+    def hold_adapters(self, held: list[tuple[str, str]]) -> None:
+        """Have every helper hold exactly the LoRA adapters ``held`` (``(name, folder)``,
+        rank 0's ``LoRAManager.held``) before the steps sent after."""
+        self._send(LoRAAdapters(tuple(held)))
 
     def _send(self, message: Any) -> None:
         self.check()

@@ -18,6 +18,13 @@ elsewhere it is a shrink GEMM, a mask multiply and an expand GEMM. Steps without
 all of it. The fused projections (qkv, gate/up) stack their parts' ``A`` and place each part's
 ``B`` in its columns of the output. The engine's fused paths that skip the projections' own
 modules (folded norms, GEMV layers, the CPU's one-call decode) are off while LoRA is enabled.
+
+With tensor parallelism each rank holds its share of every adapter, split as the base weights
+are: a column-parallel projection (q, k, v, gate, up) keeps all of ``A`` and its rows of ``B``; a
+row-parallel one (o, down) its columns of ``A`` and all of ``B``, so that its partial delta
+``B @ (A_rank @ x_rank)`` is summed across the ranks with the base output's partial products
+(the same all-reduce; no collective of its own). The helper ranks hold the adapters rank 0 holds
+(``held`` / ``mirror``), read from the same folders.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ from torch.nn import functional as F
 
 from baton_engine.config import ModelConfig
 from baton_engine.errors import InvalidRequestError
+from baton_engine.models.llama import ROW_PARALLEL, shard_config
 
 if TYPE_CHECKING:
     from baton_engine.runner.staging import InputStaging
@@ -288,14 +296,18 @@ class LoRALinear(nn.Module):
         dtype: torch.dtype,
         device: torch.device,
         expand_kernel: bool = False,
+        tp_rank: int = 0,
     ) -> None:
+        """``cfg``: the shape of this rank's shard (the whole model's on one rank);
+        ``tp_rank``: which share of an adapter's weights this rank takes."""
         super().__init__()
         self.base = base
+        self.tp_rank = tp_rank
         self.parts = tuple(parts)
         self.batch = batch
         self.max_rank = max_rank
         self.width = len(parts) * max_rank
-        in_f = part_shape(cfg, parts[0])[0]
+        in_f = self.in_features = part_shape(cfg, parts[0])[0]
         self.out_offsets = [0]
         for part in parts:
             self.out_offsets.append(self.out_offsets[-1] + part_shape(cfg, part)[1])
@@ -333,6 +345,11 @@ class LoRALinear(nn.Module):
             if pair is None:
                 continue
             lora_a, lora_b = pair
+            rows = self.out_offsets[j + 1] - self.out_offsets[j]
+            if part in ROW_PARALLEL:  # this rank's input columns (all of them on one rank)
+                lora_a = lora_a.narrow(1, self.tp_rank * self.in_features, self.in_features)
+            else:  # this rank's output rows
+                lora_b = lora_b.narrow(0, self.tp_rank * rows, rows)
             r, col = lora_a.shape[0], j * self.max_rank
             a[col : col + r].copy_(lora_a)
             b[col : col + r, self.out_offsets[j] : self.out_offsets[j + 1]].copy_(lora_b.t())
@@ -369,10 +386,15 @@ class LoRAManager:
         dtype: torch.dtype,
         device: torch.device,
         expand_kernel: bool = False,
+        tp_rank: int = 0,
+        tp_size: int = 1,
     ) -> None:
-        """``expand_kernel``: the projections that are ``nn.Linear`` compute the adapters'
-        deltas with ``lora_expand`` (a GPU's Triton kernel; the others mask)."""
+        """``cfg``: the whole model's shape (adapters are checked against it); ``model``:
+        rank ``tp_rank``'s shard of ``tp_size``. ``expand_kernel``: the projections that are
+        ``nn.Linear`` compute the adapters' deltas with ``lora_expand`` (a GPU's Triton
+        kernel; the others mask)."""
         self.cfg = cfg
+        shard = shard_config(cfg, tp_size)
         self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank
         self.max_cpu_loras = max(max_cpu_loras, max_loras)
@@ -385,8 +407,8 @@ class LoRAManager:
                     if base is None:
                         continue
                     wrapped = LoRALinear(
-                        base, parts, cfg, max_loras, max_lora_rank, self.batch, dtype, device,
-                        expand_kernel=expand_kernel and type(base) is nn.Linear,
+                        base, parts, shard, max_loras, max_lora_rank, self.batch, dtype, device,
+                        expand_kernel=expand_kernel and type(base) is nn.Linear, tp_rank=tp_rank,
                     )  # fmt: skip
                     setattr(owner, fused, wrapped)
                     self.layers.append((i, wrapped))
@@ -394,6 +416,7 @@ class LoRAManager:
         self.slots: list[str | None] = [None] * max_loras
         self._slot_use = [0] * max_loras  # the step that last used each slot
         self._steps = 0
+        self.version = 0  # changes whenever the adapters held do (helper ranks follow them)
 
     def add(self, request: LoRARequest, in_use: Mapping[str, int] | None = None) -> LoRAAdapter:
         """Read ``request``'s adapter unless already held (``InvalidRequestError`` if it cannot
@@ -409,20 +432,35 @@ class LoRAManager:
             return known
         adapter = load_adapter(request, self.cfg, self.max_lora_rank)
         self.adapters[request.lora_name] = adapter
+        self.version += 1
         for name in list(self.adapters):
             if len(self.adapters) <= self.max_cpu_loras:
                 break
             if name != request.lora_name and not (in_use or {}).get(name):
-                del self.adapters[name]
-                self._drop_slot(name)
+                self.remove(name)
         return adapter
 
     def remove(self, name: str) -> bool:
         """Forget an adapter (vLLM's unload); False if it was not held."""
         if self.adapters.pop(name, None) is None:
             return False
+        self.version += 1
         self._drop_slot(name)
         return True
+
+    def held(self) -> list[tuple[str, str]]:
+        """``(name, folder)`` of each adapter held, least recently used first."""
+        return [(adapter.name, adapter.path) for adapter in list(self.adapters.values())]
+
+    def mirror(self, held: Sequence[tuple[str, str]]) -> None:
+        """Hold exactly the adapters of ``held`` (rank 0's ``held()``, on a helper rank):
+        drop the others, read the missing ones."""
+        want = dict(held)
+        for name, adapter in list(self.adapters.items()):
+            if want.get(name) != adapter.path:
+                self.remove(name)
+        for name, path in held:  # (as rank 0 does, it may hold more than max_cpu_loras)
+            self.add(LoRARequest(name, 1, path), in_use=dict.fromkeys(want, 1))
 
     def _drop_slot(self, name: str) -> None:
         if name in self.slots:

@@ -268,6 +268,7 @@ class EngineCore:
         self.config = config
         # Tensor parallelism: ranks 1..N-1 start here and build their shards alongside ours.
         self._tp: distributed.TensorParallelHelpers | None = None
+        self._tp_lora_version = 0  # the LoRA adapters the helper ranks hold (LoRAManager.version)
         if config.tensor_parallel_size > 1:
             tp = config.tensor_parallel_size
             if config.device.startswith("cuda") and torch.cuda.device_count() < tp:
@@ -730,6 +731,10 @@ class EngineCore:
             ):
                 outputs = self._finish_in_flight()
             if self._tp is not None:
+                lora = self.runner.lora
+                if lora is not None and lora.version != self._tp_lora_version:
+                    self._tp.hold_adapters(lora.held())
+                    self._tp_lora_version = lora.version
                 self._tp.step(so)
             grammar = None
             if self.scheduler.num_grammars and not so.is_empty:

@@ -330,8 +330,8 @@ _STACKED = {
 # parallel: each rank computes its heads / its share of the MLP), those by input columns (row
 # parallel: each rank's partial product, summed by ``DecoderLayer.reduce``). The rest (the
 # embedding, the norms, the LM head) is replicated.
-_COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
-_ROW_PARALLEL = ("o_proj", "down_proj")
+COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+ROW_PARALLEL = ("o_proj", "down_proj")
 
 
 def shard_config(cfg: ModelConfig, tp_size: int) -> ModelConfig:
@@ -599,9 +599,9 @@ class LlamaForCausalLM(nn.Module):
         if self.tp_size == 1:
             return tensor
         parts = name.split(".")
-        if any(p in parts for p in _COLUMN_PARALLEL):
+        if any(p in parts for p in COLUMN_PARALLEL):
             dim = 0  # weight rows and bias
-        elif any(p in parts for p in _ROW_PARALLEL) and parts[-1] == "weight":
+        elif any(p in parts for p in ROW_PARALLEL) and parts[-1] == "weight":
             dim = 1
         else:
             return tensor

@@ -156,7 +156,7 @@ class ModelRunner:
         (``self.lora``, once the weights are final); the fused decode paths are then off."""
         self.lora_limits = lora
         self.lora: LoRAManager | None = None
-        whole_config = model_config
+        self.whole_config = whole_config = model_config
         model_config = shard_config(model_config, tp_size)
         self.model_config = model_config
         self.tp_rank, self.tp_size = tp_rank, tp_size
@@ -269,7 +269,7 @@ class ModelRunner:
             # no folded norms, no one-call CPU decode.
             self.lora = LoRAManager(
                 self.model,
-                self.model_config,
+                self.whole_config,
                 **self.lora_limits._asdict(),
                 max_num_tokens=max(self.max_num_batched_tokens, self.max_num_seqs),
                 dtype=self.dtype,
@@ -278,6 +278,8 @@ class ModelRunner:
                 expand_kernel=LORA_EXPAND_KERNEL
                 and self.device.type == "cuda"
                 and self.model.fused_rope,
+                tp_rank=self.tp_rank,
+                tp_size=self.tp_size,
             )
             logger.info(
                 "LoRA: up to %d adapters a step, rank <= %d (no folded norms, GEMV layers or "
