@@ -264,3 +264,37 @@ def test_kvstore_survives_redis_restart(stack: Stack, tokenizer: Any, redis_serv
     wait_for_index()
     assert kvstore.alive
     assert_whole(prefill, decode)
+
+
+def test_a_dead_decode_workers_stream_call_ends_whole(stack: Stack) -> None:
+    """The gateway's one GenerateStream call to a decode worker (``GenerateStreams``): when the
+    worker dies mid-generation the request on it fails with a gRPC error, and the call's
+    request stream ends too, so that no task of the gateway is left waiting to send on it."""
+    import grpc
+
+    from baton.v1 import common_pb2, engine_pb2_grpc
+    from baton_gateway import codec
+    from baton_gateway.client import GenerateStreams
+
+    victim = stack.worker("decode", "d0", None)
+    wait_all(stack.services)
+
+    async def run() -> None:
+        async with grpc.aio.insecure_channel(victim.address) as channel:
+            streams = GenerateStreams(engine_pb2_grpc.DecodeServiceStub(channel))
+            params = common_pb2.SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+            call = streams.generate(codec.generate_request("r", [1, 2, 3], params), {})
+            current = streams._current
+            assert current is not None
+            with pytest.raises(grpc.aio.AioRpcError):
+                async for _ in call:
+                    if victim.alive:
+                        kill(victim)
+            for _ in range(50):  # bounded: 5 s
+                if current.messages.ag_frame is None:  # the request stream has ended
+                    break
+                await asyncio.sleep(0.1)
+            assert current.messages.ag_frame is None
+            assert not current.open
+
+    asyncio.run(run())

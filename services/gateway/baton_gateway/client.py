@@ -238,13 +238,16 @@ class _StreamCall:
 
     def __init__(self, stub: Any) -> None:
         self.requests: dict[str, StreamedCall] = {}
-        self._outbox: asyncio.Queue[engine_pb2.GenerateStreamRequest] = asyncio.Queue()
-        self.call = stub.GenerateStream(self._messages())
+        # None: the call is over and the request stream ends (else gRPC's task that reads it
+        # would wait on the outbox for good, and be destroyed pending when this is dropped)
+        self._outbox: asyncio.Queue[engine_pb2.GenerateStreamRequest | None] = asyncio.Queue()
+        self.messages = self._messages()
+        self.call = stub.GenerateStream(self.messages)
         self.reader = asyncio.ensure_future(self._read())
 
     async def _messages(self) -> AsyncGenerator[engine_pb2.GenerateStreamRequest, None]:
-        while True:
-            yield await self._outbox.get()
+        while (message := await self._outbox.get()) is not None:
+            yield message
 
     def send(self, message: engine_pb2.GenerateStreamRequest) -> None:
         self._outbox.put_nowait(message)
@@ -263,6 +266,7 @@ class _StreamCall:
             error = _call_error(grpc.StatusCode.CANCELLED, "the gateway closed the stream")
             raise
         finally:
+            self._outbox.put_nowait(None)
             for request in list(self.requests.values()):
                 request.queue.put_nowait(error)
             self.requests.clear()
