@@ -39,9 +39,9 @@ def llm(default_model_dir: Path) -> LLM:
 
 
 @pytest.fixture(scope="module")
-def hf_last_hidden(tokenizer: Any) -> list[torch.Tensor]:
-    """transformers' final hidden state (after the last norm) at each text's last token,
-    from its own GGUF loading."""
+def hf_hidden(tokenizer: Any) -> list[torch.Tensor]:
+    """transformers' final hidden states (after the last norm) of each text's tokens
+    (``[tokens, hidden]``), from its own GGUF loading."""
     from transformers import AutoModelForCausalLM
 
     gguf = default_model_path()
@@ -50,9 +50,14 @@ def hf_last_hidden(tokenizer: Any) -> list[torch.Tensor]:
     ).eval()
     with torch.inference_mode():
         return [
-            model.model(torch.tensor([tokenizer(t).input_ids])).last_hidden_state[0, -1]
-            for t in TEXTS
+            model.model(torch.tensor([tokenizer(t).input_ids])).last_hidden_state[0] for t in TEXTS
         ]
+
+
+@pytest.fixture(scope="module")
+def hf_last_hidden(hf_hidden: list[torch.Tensor]) -> list[torch.Tensor]:
+    """... at each text's last token."""
+    return [h[-1] for h in hf_hidden]
 
 
 def close(a: list[float], b: list[float] | torch.Tensor) -> None:
@@ -151,6 +156,55 @@ def test_matryoshka_dimensions(default_model_dir: Path, tmp_path: Path) -> None:
     )
     with pytest.raises(InvalidRequestError, match=r"one of \[64\]"):
         llm.embed("hi", pooling_params=PoolingParams(dimensions=32), use_tqdm=False)
+
+
+def test_mean_and_cls_pooling(
+    default_model_dir: Path, tmp_path: Path, hf_hidden: list[torch.Tensor]
+) -> None:
+    """``pooler_config`` (vLLM's ``--pooler-config``) picks MEAN pooling, a model folder's
+    sentence-transformers ``Pooling`` module CLS; each embedding equals transformers' hidden
+    states pooled the same way, computed in chunks, and again when the prompt's blocks are
+    cached (these poolings read every prompt token: no prefix-cache hits)."""
+    small = dict(dtype="float32", max_model_len=256, max_num_batched_tokens=48,
+                 kv_cache_memory=64 << 20)  # fmt: skip
+    mean = LLM(str(default_model_dir), pooler_config='{"pooling_type": "MEAN"}', **small)
+    for _ in range(2):
+        outs = mean.embed(TEXTS, use_tqdm=False)
+        for out, hidden in zip(outs, hf_hidden, strict=True):
+            assert out.num_cached_tokens == 0
+            close(out.outputs.embedding, torch.nn.functional.normalize(hidden.mean(0), dim=0))
+    del mean
+
+    for f in default_model_dir.iterdir():
+        (tmp_path / f.name).symlink_to(f)
+    st = "sentence_transformers.models."
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": st + "Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": st + "Pooling"},
+    ]
+    (tmp_path / "modules.json").write_text(json.dumps(modules))
+    (tmp_path / "1_Pooling").mkdir()
+    st_pooling = {"word_embedding_dimension": 576, "pooling_mode_cls_token": True,
+                  "pooling_mode_mean_tokens": False, "pooling_mode_lasttoken": False}  # fmt: skip
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps(st_pooling))
+    cls = LLM(str(tmp_path), pooler_config='{"normalize": false}', **small)
+    for out, hidden in zip(cls.embed(TEXTS, use_tqdm=False), hf_hidden, strict=True):
+        close(out.outputs.embedding, hidden[0])  # the first token's, not normalized
+    (normed,) = cls.embed(TEXTS[:1], pooling_params=PoolingParams(normalize=True), use_tqdm=False)
+    close(normed.outputs.embedding, torch.nn.functional.normalize(hf_hidden[0][0], dim=0))
+    del cls
+
+    st_pooling["pooling_mode_max_tokens"] = True
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps(st_pooling))
+    with pytest.raises(InvalidRequestError, match="pooling_mode_cls_token, pooling_mode_max"):
+        LLM(str(tmp_path), **small)
+    for bad, message in (
+        ('{"pooling_type": "MAX"}', "pooling_type 'MAX' is not supported"),
+        ('{"softmax": true}', "softmax not supported"),
+        ("MEAN", "not JSON"),
+    ):
+        with pytest.raises(InvalidRequestError, match=message):
+            LLM(str(default_model_dir), pooler_config=bad, **small)
 
 
 def test_runner_restricts_what_an_engine_serves(default_model_dir: Path) -> None:

@@ -35,6 +35,9 @@ _HELP = {
     "preempted first",
     "runner": "auto: generation and embeddings | generate: generation only | pooling: "
     "embeddings only (vLLM's --runner)",
+    "pooler_config": 'how embeddings pool, as JSON: {"pooling_type": "LAST" | "MEAN" | '
+    '"CLS", "normalize": true | false} (default: the model\'s sentence-transformers config, '
+    "else LAST, normalized)",
     "seed": "seed of the default random generator",
     "device": "cpu | cuda",
     "tensor_parallel_size": "split the model's heads and MLP across this many processes: one "
@@ -48,7 +51,9 @@ _HELP = {
 }
 
 
-_ALIASES = {"tensor_parallel_size": ("-tp",)}  # vLLM's short forms
+# vLLM's short forms and older names
+_ALIASES = {"tensor_parallel_size": ("-tp",), "pooler_config": ("--override-pooler-config",)}
+_TYPES: dict[str, Any] = {"pooler_config": str}  # (None defaults are ints otherwise)
 _CHOICES = {"scheduling_policy": SCHEDULING_POLICIES, "runner": RUNNERS}
 
 
@@ -66,7 +71,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         elif isinstance(default, tuple):  # a list of values (--lora-modules a=x b=y)
             parser.add_argument(flag, nargs="+", default=list(default), help=_HELP[f.name])
         else:
-            kind: Any = type(default) if default is not None else int
+            kind: Any = _TYPES.get(f.name, type(default) if default is not None else int)
             names = (flag, *_ALIASES.get(f.name, ()))
             parser.add_argument(
                 *names,

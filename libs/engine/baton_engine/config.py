@@ -191,6 +191,9 @@ class EngineConfig:
     num_scheduler_steps: int = 1
     scheduling_policy: str = "fcfs"  # one of SCHEDULING_POLICIES
     runner: str = "auto"  # one of RUNNERS
+    # How embeddings pool (vLLM's --pooler-config JSON: {"pooling_type": "LAST" | "MEAN" |
+    # "CLS", "normalize": bool}); None: the model folder's sentence-transformers config, LAST
+    pooler_config: str | None = None
     seed: int = 0
     device: str = "cpu"
     # Split the model's heads and MLP across this many processes (ranks 1..N-1 are helper
@@ -248,6 +251,10 @@ class EngineConfig:
             raise InvalidRequestError("lora_modules (--lora-modules) needs enable_lora")
         if self.runner not in RUNNERS:
             raise InvalidRequestError(f"runner must be one of {RUNNERS}, got {self.runner!r}")
+        if self.pooler_config is not None:
+            from baton_engine.pooling_params import PoolerConfig
+
+            PoolerConfig.resolve(self.pooler_config, None)  # (its errors, before the model)
         if self.load_format not in ("auto", "dummy"):
             raise InvalidRequestError(
                 f"load_format must be 'auto' or 'dummy', got {self.load_format!r}"

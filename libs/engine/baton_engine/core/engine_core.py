@@ -26,7 +26,7 @@ from baton_engine.lora import LoRALimits, LoRARequest, lora_requests
 from baton_engine.model_files import load_tokenizer
 from baton_engine.model_loader import iter_weights, resolve_model
 from baton_engine.models.llama import shard_config
-from baton_engine.pooling_params import PoolingParams
+from baton_engine.pooling_params import PoolerConfig, PoolingParams
 from baton_engine.request import Request, RequestStatus
 from baton_engine.runner.model_runner import ModelRunner, StepHandle
 from baton_engine.sampling_params import SamplingParams
@@ -142,6 +142,8 @@ def build_runner(config: EngineConfig, tp_rank: int = 0) -> RunnerSetup:
         except ValueError as e:
             raise ModelLoadError(f"cannot load weights from {model_dir}: {e}") from e
     runner.finalize_weights()
+    if config.runner != "generate":
+        runner.pooler = PoolerConfig.resolve(config.pooler_config, model_dir)
     eager = config.enforce_eager
     if runner.device.type == "cuda" and not eager:
         runner.enable_piece_graphs(capture=True)
@@ -318,6 +320,7 @@ class EngineCore:
             num_scheduler_steps=config.num_scheduler_steps,
             scheduling_policy=config.scheduling_policy,
             max_loras=config.max_loras if config.enable_lora else None,
+            pool_every_token=self.runner.pooler.every_token,
         )
         # Adapters served by name (--lora-modules), read now: a bad one fails the start.
         self.lora_modules = lora_requests(config.lora_modules)

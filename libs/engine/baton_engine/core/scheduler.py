@@ -86,9 +86,13 @@ class Scheduler:
         num_scheduler_steps: int = 1,
         scheduling_policy: str = "fcfs",
         max_loras: int | None = None,
+        pool_every_token: bool = False,
     ) -> None:
         """``max_loras``: the most LoRA adapters the running requests may use at once (a
-        waiting request with another adapter is passed over until one is free), None: any."""
+        waiting request with another adapter is passed over until one is free), None: any.
+        ``pool_every_token``: embeddings read every prompt token's hidden state (MEAN or CLS
+        pooling), so embedding requests take no prefix-cache hits."""
+        self.pool_every_token = pool_every_token
         if scheduling_policy not in SCHEDULING_POLICIES:
             raise InvalidRequestError(
                 f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {scheduling_policy!r}"
@@ -327,9 +331,12 @@ class Scheduler:
                 if not self._start_kv_load(request):
                     break
                 continue
-            # Prompt logprobs need every prompt token's logits: no prefix-cache hits then.
+            # Prompt logprobs need every prompt token's logits, and MEAN / CLS pooling every
+            # prompt token's hidden state: no prefix-cache hits then.
             fresh = (
-                request.num_computed_tokens == 0 and request.sampling_params.prompt_logprobs is None
+                request.num_computed_tokens == 0
+                and request.sampling_params.prompt_logprobs is None
+                and not (self.pool_every_token and request.pooling is not None)
             )
             prefix = self.kv.match_prefix(request) if fresh else None
             num_computed = request.num_computed_tokens + (prefix.num_cached_tokens if prefix else 0)

@@ -41,7 +41,9 @@ class CachedRequestState:
     # alone
     plain_greedy: bool = False
     wants_prompt_logprobs: bool = False
-    pooling: PoolingParams | None = None  # an embedding request: its last prompt row is pooled
+    pooling: PoolingParams | None = None  # an embedding request: its prompt's rows are pooled
+    # MEAN / CLS pooling: the float32 sum of its prompt rows so far, or its first row
+    pooled_rows: torch.Tensor | None = None
     lora_name: str | None = None  # its LoRA adapter (None: the base model)
 
     def __post_init__(self) -> None:

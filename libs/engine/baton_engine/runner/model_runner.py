@@ -23,6 +23,7 @@ from baton_engine.core.outputs import (
 from baton_engine.lora import LoRALimits, LoRAManager
 from baton_engine.models import LlamaForCausalLM
 from baton_engine.models.llama import shard_config
+from baton_engine.pooling_params import PoolerConfig
 from baton_engine.runner.cuda_graphs import DecodeGraphs, PieceGraphs
 from baton_engine.runner.input_batch import CachedRequestState, InputBatch
 from baton_engine.runner.staging import InputStaging
@@ -156,6 +157,7 @@ class ModelRunner:
         (``self.lora``, once the weights are final); the fused decode paths are then off."""
         self.lora_limits = lora
         self.lora: LoRAManager | None = None
+        self.pooler = PoolerConfig()  # how embeddings pool (EngineCore sets it)
         self.whole_config = whole_config = model_config
         model_config = shard_config(model_config, tp_size)
         self.model_config = model_config
@@ -598,7 +600,10 @@ class ModelRunner:
             )
             last_hidden = hidden[last_token]
             if pools:
-                pooled = _pool([reqs[i] for i in sample_rows], last_hidden)
+                pooled_rows = last_hidden
+                if self.pooler.every_token:
+                    pooled_rows = self._pool_rows(reqs, metadata, hidden, sample_rows)
+                pooled = _pool([reqs[i] for i in sample_rows], pooled_rows, self.pooler)
             logits = self.model.compute_logits(last_hidden)
         if not sample_rows:
             return StepHandle.ready(ModelRunnerOutput({}, prompt_logprobs=prompt_logprobs))
@@ -759,6 +764,36 @@ class ModelRunner:
         where = self.staging.to_device(dst, torch.long)
         which = self.staging.to_device(src, torch.long)
         ids.index_copy_(0, where, last.index_select(0, which))
+
+    def _pool_rows(
+        self,
+        reqs: list[CachedRequestState],
+        metadata: AttentionMetadata,
+        hidden: torch.Tensor,
+        sample_rows: list[int],
+    ) -> torch.Tensor:
+        """MEAN / CLS pooling: fold this step's prompt rows of every embedding request into its
+        ``pooled_rows`` (a chunk from position 0 starts over: a first chunk, or a recompute
+        after preemption); the pooled rows ``[len(sample_rows), hidden]`` of the requests whose
+        prompt ends in this step (zeros for others among ``sample_rows``)."""
+        qsl = metadata.query_start_loc
+        mean = self.pooler.pooling_type == "MEAN"
+        for i, state in enumerate(reqs):
+            if state.pooling is None:
+                continue
+            rows = hidden[qsl[i] : qsl[i + 1]]
+            if state.num_computed_tokens == 0:
+                state.pooled_rows = rows.float().sum(0) if mean else rows[0].float()
+            elif mean:
+                assert state.pooled_rows is not None
+                state.pooled_rows += rows.float().sum(0)
+        out = torch.zeros(len(sample_rows), hidden.shape[1], device=hidden.device)
+        for j, i in enumerate(sample_rows):
+            state = reqs[i]
+            if state.pooling is not None and state.pooled_rows is not None:
+                n = len(state.prompt_token_ids) if mean else 1
+                out[j] = state.pooled_rows / n
+        return out
 
     def _prompt_logprobs(
         self, reqs: list[CachedRequestState], md: AttentionMetadata, hidden: torch.Tensor
@@ -967,20 +1002,23 @@ def wait_for(event: torch.cuda.Event, check: Callable[[], None] | None) -> None:
         time.sleep(_POLL_S)
 
 
-def _pool(states: list[CachedRequestState], last_hidden: torch.Tensor) -> dict[str, list[float]]:
+def _pool(
+    states: list[CachedRequestState], pooled_rows: torch.Tensor, pooler: PoolerConfig
+) -> dict[str, list[float]]:
     """The embeddings of the requests among ``states`` that pool: each one's row of
-    ``last_hidden`` (the hidden state at its prompt's last token, after the final norm), in
-    float32, cut to its ``dimensions`` and L2-normalized unless it asks not to be. Read to the
-    host now (a sync: embedding steps are prefill steps, which wait for little else)."""
+    ``pooled_rows`` (its prompt's final hidden states, after the last norm, pooled by
+    ``pooler``), in float32, cut to its ``dimensions`` and L2-normalized unless it or the
+    pooler asks not to be. Read to the host now (a sync: embedding steps are prefill steps,
+    which wait for little else)."""
     rows = [i for i, s in enumerate(states) if s.pooling is not None]
-    vectors = last_hidden[rows].float().cpu()
+    vectors = pooled_rows[rows].float().cpu()
     out: dict[str, list[float]] = {}
     for vector, i in zip(vectors, rows, strict=True):
         params = states[i].pooling
         assert params is not None
         if params.dimensions is not None:
             vector = vector[: params.dimensions]
-        if params.normalized:
+        if params.normalize if params.normalize is not None else pooler.normalize:
             vector = torch.nn.functional.normalize(vector, dim=0)
         out[states[i].req_id] = vector.tolist()
     return out
