@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import logging
 import tempfile
 import time
 from pathlib import Path
@@ -128,7 +129,10 @@ def main() -> int:
     p.add_argument("--num-adapters", type=int, default=4)
     p.add_argument("--output-json", type=Path, default=None)
     p.add_argument("--compare-gemms", action="store_true", help="also without the kernel")
+    p.add_argument("--log", action="store_true", help="the engines' logs (graphs, KV cache)")
     args = p.parse_args()
+    if args.log:
+        logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
     model = str(SHAPES[args.shape]) if args.shape else str(resolve_model(args.model))
     cfg = ModelConfig.from_path(Path(model))
