@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from baton import LLM, PoolingParams, SamplingParams
+from baton_engine.config import EngineConfig
 from baton_engine.engine import LLMEngine
 from baton_engine.errors import InvalidRequestError
 from baton_engine.model_loader import default_model_path
@@ -223,6 +224,27 @@ def test_runner_restricts_what_an_engine_serves(default_model_dir: Path) -> None
         generate.embed("hi", use_tqdm=False)
     with pytest.raises(InvalidRequestError, match="runner must be one of"):
         LLM(str(default_model_dir), runner="embed", **small)
+    # vLLM's older --task and its --convert name the runner too
+    embedder = LLM(str(default_model_dir), task="embed", **small)
+    assert embedder.engine.core.config.runner == "pooling"
+    assert embedder.embed("hi", use_tqdm=False)[0].outputs.hidden_size == 576
+    del embedder
+    for kwargs, runner in (
+        ({"convert": "embed"}, "pooling"),
+        ({"task": "embedding", "runner": "pooling"}, "pooling"),
+        ({"task": "generate"}, "generate"),
+        ({"convert": "none"}, "auto"),
+    ):
+        config = EngineConfig(model=str(default_model_dir), **kwargs)
+        config.validate()
+        assert config.runner == runner, kwargs
+    for kwargs, message in (
+        ({"task": "classify"}, "task 'classify' is not supported"),
+        ({"convert": "reward"}, "convert 'reward' is not supported"),
+        ({"runner": "generate", "convert": "embed"}, "needs runner 'pooling'"),
+    ):
+        with pytest.raises(InvalidRequestError, match=message):
+            EngineConfig(model=str(default_model_dir), **kwargs).validate()
 
 
 def test_score(llm: LLM) -> None:

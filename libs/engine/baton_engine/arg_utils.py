@@ -35,6 +35,10 @@ _HELP = {
     "preempted first",
     "runner": "auto: generation and embeddings | generate: generation only | pooling: "
     "embeddings only (vLLM's --runner)",
+    "task": "vLLM's older --task: generate (as --runner generate) | embed, embedding (as "
+    "--runner pooling) | auto",
+    "convert": "vLLM's --convert: embed (serve the model as an embedding model: --runner "
+    "pooling) | none | auto",
     "pooler_config": 'how embeddings pool, as JSON: {"pooling_type": "LAST" | "MEAN" | '
     '"CLS", "normalize": true | false} (default: the model\'s sentence-transformers config, '
     "else LAST, normalized)",

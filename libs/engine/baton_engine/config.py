@@ -15,6 +15,10 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 # vLLM's --runner: "generate" serves only generation, "pooling" only embeddings; "auto" (Baton's
 # default) both, from any model.
 RUNNERS = ("auto", "generate", "pooling")
+# vLLM's older --task and its --convert, as runners: a task "embed" (or "embedding") or a
+# conversion "embed" makes a pooling engine, a task "generate" a generating one.
+TASKS = {"auto": None, "generate": "generate", "embed": "pooling", "embedding": "pooling"}
+CONVERTS = {"auto": None, "none": None, "embed": "pooling"}
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -191,6 +195,8 @@ class EngineConfig:
     num_scheduler_steps: int = 1
     scheduling_policy: str = "fcfs"  # one of SCHEDULING_POLICIES
     runner: str = "auto"  # one of RUNNERS
+    task: str = "auto"  # vLLM's older --task, one of TASKS (sets the runner)
+    convert: str = "auto"  # vLLM's --convert, one of CONVERTS (sets the runner)
     # How embeddings pool (vLLM's --pooler-config JSON: {"pooling_type": "LAST" | "MEAN" |
     # "CLS", "normalize": bool}); None: the model folder's sentence-transformers config, LAST
     pooler_config: str | None = None
@@ -226,6 +232,25 @@ class EngineConfig:
         # benchmarks/device/ab_budget.sh), else 8,192.
         return 16384 if _large_gpu(self.device) else 8192
 
+    def _runner_from_task(self) -> None:
+        """Set ``runner`` from vLLM's ``task`` / ``convert`` (``InvalidRequestError`` for a
+        value Baton does not serve, or one that contradicts ``runner``)."""
+        for name, table in (("task", TASKS), ("convert", CONVERTS)):
+            value = getattr(self, name)
+            if value not in table:
+                raise InvalidRequestError(
+                    f"{name} {value!r} is not supported (supported: {', '.join(table)}; "
+                    "Baton serves generation and embeddings)"
+                )
+            wanted = table[value]
+            if wanted is None:
+                continue
+            if self.runner not in ("auto", wanted):
+                raise InvalidRequestError(
+                    f"{name} {value!r} needs runner {wanted!r}, but runner is {self.runner!r}"
+                )
+            self.runner = wanted
+
     def validate(self) -> None:
         for name in (
             "max_num_seqs",
@@ -251,6 +276,7 @@ class EngineConfig:
             raise InvalidRequestError("lora_modules (--lora-modules) needs enable_lora")
         if self.runner not in RUNNERS:
             raise InvalidRequestError(f"runner must be one of {RUNNERS}, got {self.runner!r}")
+        self._runner_from_task()
         if self.pooler_config is not None:
             from baton_engine.pooling_params import PoolerConfig
 
