@@ -112,6 +112,61 @@ def test_chat_streaming_equals_non_streaming(client: OpenAI) -> None:
     )
 
 
+def test_chat_echo_continues_the_final_message(client: OpenAI) -> None:
+    """vLLM's chat ``echo``: an answer continuing a partial assistant message
+    (``continue_final_message``) starts with that message's text, streamed or not, for every
+    choice; without a generation prompt the answer takes the last message's role; echo is
+    ignored when the last message has another role."""
+    start = "The capital of France is"
+    partial: list[ChatCompletionMessageParam] = [
+        *QUESTION,
+        {"role": "assistant", "content": start},
+    ]
+    kwargs: dict[str, Any] = {
+        "model": MODEL,
+        "messages": partial,
+        "temperature": 0,
+        "max_tokens": 12,
+        "extra_body": {"add_generation_prompt": False, "continue_final_message": True},
+    }
+    plain_response = client.chat.completions.create(**kwargs)
+    plain = plain_response.choices[0].message
+    assert plain.role == "assistant" and plain.content and not plain.content.startswith(start)
+    kwargs["extra_body"] = {**kwargs["extra_body"], "echo": True}
+    echoed = client.chat.completions.create(n=2, **kwargs)
+    for choice in echoed.choices:
+        assert choice.message.content == start + plain.content
+    rest = {k: v for k, v in kwargs.items() if k != "model"}
+    texts, reasons, _ = _chat_stream(client, n=2, **rest)
+    assert texts == {0: start + plain.content, 1: start + plain.content}
+    assert set(reasons) == {0, 1}
+    # The usage counts generated tokens only, as without echo.
+    assert echoed.usage is not None and plain_response.usage is not None
+    assert echoed.usage.completion_tokens == 2 * plain_response.usage.completion_tokens
+    # A user's message is not echoed into the assistant's answer.
+    asked = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, temperature=0, max_tokens=12, extra_body={"echo": True}
+    )
+    plain_asked = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, temperature=0, max_tokens=12
+    )
+    assert asked.choices[0].message.content == plain_asked.choices[0].message.content
+    # No generation prompt: the answer goes on in the last message's role (and echoes it).
+    as_user = (
+        client.chat.completions.create(
+            model=MODEL,
+            messages=QUESTION,
+            temperature=0,
+            max_tokens=4,
+            extra_body={"add_generation_prompt": False, "echo": True},
+        )
+        .choices[0]
+        .message
+    )
+    assert as_user.role == "user"
+    assert (as_user.content or "").startswith(str(QUESTION[0]["content"]))
+
+
 def test_completion_streaming_equals_non_streaming(client: OpenAI) -> None:
     kwargs: dict[str, Any] = {"model": MODEL, "prompt": "The sky is", "temperature": 0}
     full = client.completions.create(max_tokens=24, **kwargs)

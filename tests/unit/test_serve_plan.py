@@ -69,6 +69,23 @@ def test_lora_flags_reach_every_worker() -> None:
         assert argv[i + 1 : i + 3] == ["a=/x", spec], label
 
 
+def test_frontend_flags_reach_the_gateway_only() -> None:
+    """vLLM's ``--response-role`` (and the other chat options) are the gateway's: its own
+    parser reads them from the argv ``baton serve`` builds; the workers never get them."""
+    from baton_gateway.cli import add_arguments
+
+    gateway_parser = argparse.ArgumentParser()
+    add_arguments(gateway_parser)
+    for role, argv_extra in (("assistant", ()), ("narrator", ("--response-role", "narrator"))):
+        plan = _plan(parse("--reasoning-parser", "qwen3", *argv_extra), "m")
+        for kind, label, argv in plan:
+            if kind != "gateway":
+                assert "--response-role" not in argv and "--reasoning-parser" not in argv, label
+                continue
+            args = gateway_parser.parse_args(argv)
+            assert (args.response_role, args.reasoning_parser) == (role, "qwen3")
+
+
 def test_workers_get_one_gpu_each_round_robin() -> None:
     args = parse("--device", "cuda", "--gpus", "2,3", "--num-decode", "2")
     gpus = _gpu_ids(args)

@@ -469,6 +469,7 @@ def _plan(args: argparse.Namespace, name: str) -> list[tuple[str, str, list[str]
         *(["--tool-call-parser", args.tool_call_parser] if args.tool_call_parser else []),
         *(["--chat-template", args.chat_template] if args.chat_template is not None else []),
         *(["--reasoning-parser", args.reasoning_parser] if args.reasoning_parser else []),
+        *("--response-role", args.response_role),
         *("--generation-config", args.generation_config),
         *("--allowed-origins", json.dumps(args.allowed_origins)),
         *("--allowed-methods", json.dumps(args.allowed_methods)),

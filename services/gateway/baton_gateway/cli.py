@@ -133,6 +133,12 @@ def add_frontend_arguments(p: argparse.ArgumentParser) -> None:
         "model's)",
     )
     p.add_argument(
+        "--response-role",
+        default="assistant",
+        help="the role of chat completions' messages when the request adds a generation prompt "
+        "(otherwise the role of the request's last message)",
+    )
+    p.add_argument(
         "--allowed-origins",
         type=_json_list,
         default=["*"],
@@ -283,6 +289,7 @@ def run_gateway(args: argparse.Namespace) -> int:
         connect_timeout_s=args.connect_timeout,
         tool_call_parser=parser,
         chat_template=chat_template,
+        response_role=args.response_role,
         reasoning_parser=args.reasoning_parser,
         generation_defaults=generation_defaults(args),
         tokens_as_ids=args.return_tokens_as_token_ids,

@@ -26,7 +26,7 @@ from baton_engine.errors import InvalidRequestError
 from baton_engine.pooling_params import cosine_similarity, score_pairs
 from baton_engine.sampling_params import tokenize_bad_words, truncate_prompt
 from baton_gateway import codec, embeddings, responses_api, scoring
-from baton_gateway.chat import render_chat_prompt, tokenize_chat, tokenize_text
+from baton_gateway.chat import message_dict, render_chat_prompt, tokenize_chat, tokenize_text
 from baton_gateway.client import WorkerPool
 from baton_gateway.embeddings import (
     EmbeddingChatRequest,
@@ -126,6 +126,7 @@ class Pipeline:
         metrics: GatewayMetrics,
         tool_parser: str | None = None,
         chat_template: str | None = None,
+        response_role: str = "assistant",
         reasoning_parser: str | None = None,
         generation_defaults: dict[str, Any] | None = None,
         tokens_as_ids: bool = False,
@@ -134,6 +135,8 @@ class Pipeline:
     ) -> None:
         """``tool_parser``: the parser "auto" tool choice uses (None: "auto" is refused);
         ``chat_template``: the template chat requests use instead of the model's;
+        ``response_role``: chat answers' role after a generation prompt (vLLM's
+        ``--response-role``);
         ``reasoning_parser``: how chat outputs are split into reasoning and content (None:
         they are not); ``generation_defaults``: the sampling params of requests that leave
         them unset, and a cap on ``max_tokens`` (the model's generation config, as in vLLM);
@@ -151,6 +154,7 @@ class Pipeline:
         self.metrics = metrics
         self.tool_parser = tool_parser
         self.chat_template = chat_template
+        self.response_role = response_role
         self.reasoning_parser = reasoning_parser
         self.defaults = dict(generation_defaults or {})
         self.texts = TokenTexts(tokenizer)
@@ -302,8 +306,14 @@ class Pipeline:
         record = self.metrics.start("chat")
         try:
             req_id, specs, num_prompt_tokens, reading = self._chat_specs(request, "chatcmpl", named)
+            role = request.response_role(self.response_role)
+            echo: dict[int, str] = {}
+            last = request.messages[-1]
+            if request.echo and last.role == role:
+                text = message_dict(last)["content"] or ""
+                echo = {s.index: text for s in specs} if text else {}
             return await self._respond(
-                request, req_id, specs, num_prompt_tokens, {}, record, reading
+                request, req_id, specs, num_prompt_tokens, echo, record, reading, role
             )
         except BaseException as e:
             self._fail(record, e)
@@ -606,7 +616,11 @@ class Pipeline:
         echo: dict[int, str],
         record: RequestRecord,
         reading: ChatReading | None = None,
+        role: str = "assistant",
     ) -> Response:
+        """A whole response or its stream; ``echo`` maps a choice to the text it starts with
+        (a completion's prompt, a chat answer's continued message), ``role`` is a chat
+        answer's."""
         generation = self._generation(request, specs, record)
         num_logprobs = request.num_logprobs
         texts: TokenText | None = None
@@ -632,6 +646,7 @@ class Pipeline:
                 record,
                 outputs,
                 reading,
+                role,
             )
         choices = {
             s.index: ChoiceBuffer(s.index, s.prompt_token_ids, echo.get(s.index)) for s in specs
@@ -650,7 +665,9 @@ class Pipeline:
             names=self.texts,
         )
         body = (
-            chat_response(**common, reading=reading) if is_chat else completion_response(**common)
+            chat_response(**common, reading=reading, role=role)
+            if is_chat
+            else completion_response(**common)
         )
         self.metrics.finish(
             record,
@@ -672,6 +689,7 @@ class Pipeline:
         record: RequestRecord,
         outputs: Outputs,
         reading: ChatReading | None,
+        role: str,
     ) -> Response:
         deltas = generation.stream()
         # Wait for the first delta before answering, so that a worker refusing the request
@@ -697,7 +715,7 @@ class Pipeline:
         outcome = StreamOutcome()
         events: AsyncGenerator[str, None]
         if isinstance(request, ChatCompletionRequest):
-            events = chat_stream(ctx, generation, first, deltas, outcome, reading)
+            events = chat_stream(ctx, generation, first, deltas, outcome, reading, role, echo)
         else:
             events = completion_stream(ctx, generation, echo, first, deltas, outcome)
 

@@ -323,6 +323,9 @@ class ChatCompletionRequest(_SamplingRequest, ChatPrompt):
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool = True
     include_reasoning: bool = True  # vLLM's: false drops the reasoning (--reasoning-parser)
+    # vLLM's: the answer starts with the last message's content when it has the answer's role
+    # (continuing a partial assistant message with add_generation_prompt false).
+    echo: bool = False
 
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:
@@ -366,6 +369,11 @@ class ChatCompletionRequest(_SamplingRequest, ChatPrompt):
         if schema is not None:
             return StructuredOutputsSpec(json=schema)
         return super().structured
+
+    def response_role(self, server_role: str) -> str:
+        """The answer's role (vLLM's rule): the server's after a generation prompt, else the
+        last message's (the answer continues it)."""
+        return server_role if self.add_generation_prompt else self.messages[-1].role
 
     @property
     def requested_max_tokens(self) -> int | None:

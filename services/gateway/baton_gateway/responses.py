@@ -178,7 +178,9 @@ class ChoiceBuffer:
 
     index: int
     prompt_token_ids: list[int]
-    echo: str | None = None  # the prompt text to echo before the output (completions)
+    # The text the answer starts with: a completion's prompt (echo), or a chat answer's
+    # continued last message (echo); not the model's output, so chat never parses it.
+    echo: str | None = None
     parts: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
@@ -197,8 +199,12 @@ class ChoiceBuffer:
             self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
 
     @property
+    def generated(self) -> str:
+        return "".join(self.parts)
+
+    @property
     def text(self) -> str:
-        return (self.echo or "") + "".join(self.parts)
+        return (self.echo or "") + self.generated
 
     def prompt_logprobs_out(self, texts: TokenText, outputs: Outputs) -> PromptLogprobs | None:
         if outputs.prompt_logprobs is None or self.prompt_logprobs is None:
@@ -207,22 +213,25 @@ class ChoiceBuffer:
 
 
 def _chat_choice(
-    c: ChoiceBuffer, outputs: Outputs, reading: ChatReading | None
+    c: ChoiceBuffer, outputs: Outputs, reading: ChatReading | None, role: str
 ) -> ChatCompletionResponseChoice:
-    message = ChatMessageOut(role="assistant", content=c.text)
+    message = ChatMessageOut(role=role, content=c.generated)
     reason = c.finish_reason
     if reading is not None:
         # The streaming path's reader, fed the whole text: the same message either way.
         reader = reading.new_reader()
-        read = reader.feed(c.text, final=True)
+        read = reader.feed(c.generated, final=True)
         calls = ToolCallsSoFar()
         calls.add(read.tool_calls)
         message = ChatMessageOut(
+            role=role,
             content=read.content or None,
             tool_calls=calls.as_list(),
             reasoning=read.reasoning or None,
         )
         reason = reader.finish_reason(reason)
+    if c.echo:
+        message.content = c.echo + (message.content or "")
     texts = outputs.texts
     return ChatCompletionResponseChoice(
         index=c.index,
@@ -244,16 +253,17 @@ def chat_response(
     outputs: Outputs,
     names: TokenText,
     reading: ChatReading | None = None,
+    role: str = "assistant",
 ) -> ChatCompletionResponse:
     """A whole chat completion; ``names`` gives prompt logprobs' ``decoded_token``,
-    ``reading`` is None when the text is plain content."""
+    ``reading`` is None when the text is plain content, ``role`` is the messages' role."""
     ordered = sorted(choices, key=lambda c: c.index)
     first = ordered[0]  # a chat completion has one prompt
     return ChatCompletionResponse(
         id=request_id,
         created=created,
         model=model,
-        choices=[_chat_choice(c, outputs, reading) for c in ordered],
+        choices=[_chat_choice(c, outputs, reading, role) for c in ordered],
         usage=usage,
         prompt_logprobs=first.prompt_logprobs_out(names, outputs),
         prompt_token_ids=first.prompt_token_ids if outputs.token_ids else None,

@@ -89,6 +89,7 @@ class GatewayConfig:
     connect_timeout_s: float = 120.0
     tool_call_parser: str | None = None  # None: "auto" tool choice is refused
     chat_template: str | None = None  # None: the model's
+    response_role: str = "assistant"  # chat messages' role after a generation prompt
     reasoning_parser: str | None = None  # None: chat outputs are all content
     # Sampling params for requests that leave them unset (the model's generation config).
     generation_defaults: dict[str, Any] = field(default_factory=dict)
@@ -241,6 +242,7 @@ def create_app(config: GatewayConfig, tokenizer: Any) -> FastAPI:
                 metrics,
                 tool_parser=config.tool_call_parser,
                 chat_template=config.chat_template,
+                response_role=config.response_role,
                 reasoning_parser=config.reasoning_parser,
                 generation_defaults=config.generation_defaults,
                 tokens_as_ids=config.tokens_as_ids,

@@ -1,6 +1,7 @@
 """Server-sent events for streamed completions.
 
-Chat: a first chunk per choice carries ``{"role": "assistant", "content": ""}``; then one chunk
+Chat: a first chunk per choice carries ``{"role": "assistant", "content": ""}`` (the answer's
+role), then any echoed text (``echo``: the continued last message); then one chunk
 per delta with new text (or logprobs); a choice's last chunk carries its ``finish_reason``; with
 ``stream_options.include_usage`` a final chunk with no choices carries the usage; then
 ``data: [DONE]``. Text completions stream the same way (``echo`` sends the prompt text first).
@@ -164,11 +165,15 @@ def chat_stream(
     rest: AsyncGenerator[SequenceDelta, None],
     outcome: StreamOutcome,
     reading: ChatReading | None = None,
+    role: str = "assistant",
+    echo: dict[int, str] | None = None,
 ) -> AsyncGenerator[str, None]:
     """The SSE events of a streamed chat completion. ``first`` was already taken from ``rest``
     (so that a failure to start is answered with a proper HTTP status); ``outcome`` is set when
     the stream ends. With ``reading``, each choice's text goes through its own reader, whose
-    pieces become ``delta.reasoning``, ``delta.content`` and ``delta.tool_calls``."""
+    pieces become ``delta.reasoning``, ``delta.content`` and ``delta.tool_calls``. Each
+    choice's first chunk carries ``role``; ``echo`` (choice index -> text) is sent as content
+    right after those, before the generated text (and never read as model output)."""
 
     outputs = ctx.outputs
 
@@ -219,17 +224,17 @@ def chat_stream(
 
     usage = usage_info(generation, ctx.num_prompt_tokens) if ctx.continuous_usage else None
     prompt = generation.prompt_token_ids(0) if outputs.token_ids else None
+
+    def opening(index: int, delta: DeltaMessage) -> ChatCompletionResponseStreamChoice:
+        return ChatCompletionResponseStreamChoice(index=index, delta=delta)
+
     prelude = [
-        event(
-            [
-                ChatCompletionResponseStreamChoice(
-                    index=i, delta=DeltaMessage(role="assistant", content="")
-                )
-            ],
-            usage,
-            prompt,
-        )
+        event([opening(i, DeltaMessage(role=role, content=""))], usage, prompt)
         for i in range(ctx.num_choices)
+    ]
+    prelude += [
+        event([opening(i, DeltaMessage(content=text))], usage)
+        for i, text in sorted((echo or {}).items())
     ]
     return _stream(ctx, generation, first, rest, outcome, event, prelude, to_choice)
 
