@@ -49,8 +49,13 @@ def build_model(name: str, tokenizer_dir: Path, out: Path) -> Any:
     }[family]
     torch.manual_seed(0)
     config = config_cls(vocab_size=49152, **TINY, **ARCHITECTURES[name])
-    model = model_cls(config).eval()
-    with torch.no_grad():  # larger weights than the default init, so the argmax is not flat
+    return _saved(model_cls(config).eval(), tokenizer_dir, out)
+
+
+def _saved(model: Any, tokenizer_dir: Path, out: Path) -> Any:
+    """``model`` with larger weights than the default init (so the argmax is not flat),
+    saved to ``out`` with the tokenizer of ``tokenizer_dir``."""
+    with torch.no_grad():
         for param_name, p in model.named_parameters():
             if "norm" not in param_name:  # weights and biases (Qwen2's qkv bias) alike
                 p.normal_(0, 0.2)
@@ -59,6 +64,30 @@ def build_model(name: str, tokenizer_dir: Path, out: Path) -> Any:
         if f.name.startswith("tokenizer") or f.name.endswith(".jinja"):
             shutil.copy(f, out / f.name)
     return model
+
+
+def build_classifier(
+    family: str, labels: list[str], tokenizer_dir: Path, out: Path, pad_token_id: int = 0
+) -> Any:
+    """A tiny ``<family>ForSequenceClassification`` ("qwen2" or "llama") with these labels,
+    saved as a model folder (transformers scores a batch's last non-pad token: its pad id is
+    one the tests' prompts never use)."""
+    import transformers
+
+    config_cls, model_cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForSequenceClassification),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForSequenceClassification),
+    }[family]
+    torch.manual_seed(1)
+    config = config_cls(
+        vocab_size=49152,
+        num_labels=len(labels),
+        id2label=dict(enumerate(labels)),
+        label2id={label: i for i, label in enumerate(labels)},
+        pad_token_id=pad_token_id,
+        **TINY,
+    )
+    return _saved(model_cls(config).eval(), tokenizer_dir, out)
 
 
 def greedy_tokens(

@@ -239,7 +239,7 @@ def test_runner_restricts_what_an_engine_serves(default_model_dir: Path) -> None
         config.validate()
         assert config.runner == runner, kwargs
     for kwargs, message in (
-        ({"task": "classify"}, "task 'classify' is not supported"),
+        ({"task": "reward"}, "task 'reward' is not supported"),
         ({"convert": "reward"}, "convert 'reward' is not supported"),
         ({"runner": "generate", "convert": "embed"}, "needs runner 'pooling'"),
     ):

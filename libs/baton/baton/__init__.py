@@ -14,6 +14,8 @@ if TYPE_CHECKING:
     from baton_engine.llm import LLM
     from baton_engine.lora import LoRARequest
     from baton_engine.outputs import (
+        ClassificationOutput,
+        ClassificationRequestOutput,
         CompletionOutput,
         EmbeddingOutput,
         EmbeddingRequestOutput,
@@ -26,6 +28,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "LLM",
+    "ClassificationOutput",
+    "ClassificationRequestOutput",
     "CompletionOutput",
     "EmbeddingOutput",
     "EmbeddingRequestOutput",
@@ -40,6 +44,8 @@ __all__ = [
 
 
 _OUTPUTS = (
+    "ClassificationOutput",
+    "ClassificationRequestOutput",
     "CompletionOutput",
     "EmbeddingOutput",
     "EmbeddingRequestOutput",

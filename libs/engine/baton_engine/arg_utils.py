@@ -34,11 +34,11 @@ _HELP = {
     "priority (lower first), ties in order of arrival; the lowest-priority running request is "
     "preempted first",
     "runner": "auto: generation and embeddings | generate: generation only | pooling: "
-    "embeddings only (vLLM's --runner)",
+    "embeddings only (vLLM's --runner; a sequence-classification model always pools)",
     "task": "vLLM's older --task: generate (as --runner generate) | embed, embedding (as "
-    "--runner pooling) | auto",
+    "--runner pooling) | classify, score (a sequence-classification model) | auto",
     "convert": "vLLM's --convert: embed (serve the model as an embedding model: --runner "
-    "pooling) | none | auto",
+    "pooling) | classify (a sequence-classification model) | none | auto",
     "pooler_config": 'how embeddings pool, as JSON: {"pooling_type": "LAST" | "MEAN" | '
     '"CLS", "normalize": true | false} (default: the model\'s sentence-transformers config, '
     "else LAST, normalized)",

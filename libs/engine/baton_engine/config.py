@@ -16,15 +16,30 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 # default) both, from any model.
 RUNNERS = ("auto", "generate", "pooling")
 # vLLM's older --task and its --convert, as runners: a task "embed" (or "embedding") or a
-# conversion "embed" makes a pooling engine, a task "generate" a generating one.
-TASKS = {"auto": None, "generate": "generate", "embed": "pooling", "embedding": "pooling"}
-CONVERTS = {"auto": None, "none": None, "embed": "pooling"}
+# conversion "embed" makes a pooling engine, a task "generate" a generating one. A task
+# "classify" or "score" (a conversion "classify") also pools, and needs a sequence-
+# classification model (checked once the model's config is read: ``check_model_task``).
+TASKS = {
+    "auto": None,
+    "generate": "generate",
+    "embed": "pooling",
+    "embedding": "pooling",
+    "classify": "pooling",
+    "score": "pooling",
+}
+CONVERTS = {"auto": None, "none": None, "embed": "pooling", "classify": "pooling"}
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    # The same decoders with a classification head (``score``) on the last token's hidden
+    # state instead of the LM head: classifiers, reward models and cross-encoders (rerankers).
+    "LlamaForSequenceClassification": "llama",
+    "MistralForSequenceClassification": "llama",
+    "Qwen2ForSequenceClassification": "qwen2",
+    "Qwen3ForSequenceClassification": "qwen3",
 }
 
 if TYPE_CHECKING:
@@ -82,6 +97,19 @@ class ModelConfig:
     # Embeddings may be cut to these sizes (Matryoshka training); None: not a Matryoshka
     # model, () any size (``is_matryoshka`` without a list), as vLLM reads them.
     matryoshka_dimensions: tuple[int, ...] | None = None
+    # A sequence-classification model's labels, by class index (``id2label``): its head
+    # (``lm_head``, read from the checkpoint's ``score``) has one output per label. Empty: a
+    # causal LM.
+    labels: tuple[str, ...] = ()
+
+    @property
+    def is_classifier(self) -> bool:
+        return bool(self.labels)
+
+    @property
+    def num_outputs(self) -> int:
+        """The width of the head's output: the vocabulary, or a classifier's labels."""
+        return len(self.labels) or self.vocab_size
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
@@ -103,6 +131,9 @@ class ModelConfig:
         eos_ids: tuple[int, ...] = (
             () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
         )
+        labels: tuple[str, ...] = ()
+        if archs[0].endswith("ForSequenceClassification"):
+            labels = _labels(cfg)
         return cls(
             architecture=arch,
             vocab_size=int(cfg["vocab_size"]),
@@ -116,7 +147,8 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=rope if rope_type != "default" else None,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            # (a classifier has no LM head to tie, whatever its config says)
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)) and not labels,
             attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
             qk_norm=arch == "qwen3",
             bos_token_id=cfg.get("bos_token_id"),
@@ -129,6 +161,7 @@ class ModelConfig:
                 if cfg.get("is_matryoshka")
                 else None
             ),
+            labels=labels,
         )
 
     @classmethod
@@ -142,6 +175,14 @@ class ModelConfig:
             if isinstance(e, ModelLoadError):
                 raise
             raise ModelLoadError(f"{path} is not a valid model config: {e}") from None
+
+
+def _labels(cfg: dict[str, Any]) -> tuple[str, ...]:
+    """A sequence-classification config's labels in class order: ``id2label``, sized by
+    ``num_labels`` (transformers' default: 2), named ``LABEL_i`` where it has no name."""
+    id2label = {int(k): str(v) for k, v in (cfg.get("id2label") or {}).items()}
+    num_labels = int(cfg.get("num_labels") or len(id2label) or 2)
+    return tuple(id2label.get(i, f"LABEL_{i}") for i in range(num_labels))
 
 
 def large_gpu(total_memory: int, name: str) -> bool:
@@ -240,7 +281,7 @@ class EngineConfig:
             if value not in table:
                 raise InvalidRequestError(
                     f"{name} {value!r} is not supported (supported: {', '.join(table)}; "
-                    "Baton serves generation and embeddings)"
+                    "Baton serves generation, embeddings and sequence classification)"
                 )
             wanted = table[value]
             if wanted is None:
@@ -250,6 +291,26 @@ class EngineConfig:
                     f"{name} {value!r} needs runner {wanted!r}, but runner is {self.runner!r}"
                 )
             self.runner = wanted
+
+    def check_model_task(self, model: ModelConfig) -> None:
+        """Once the model's config is read: a sequence-classification model only classifies
+        (``runner`` becomes "pooling"; "generate", or a task or conversion "embed", is an
+        error), and a task "classify" / "score" or a conversion "classify" needs one."""
+        embed = self.task in ("embed", "embedding") or self.convert == "embed"
+        classify = self.task in ("classify", "score") or self.convert == "classify"
+        if model.is_classifier:
+            if self.runner == "generate" or embed:
+                raise InvalidRequestError(
+                    "this is a sequence-classification model: it classifies (and scores "
+                    "pairs), it does not generate or embed (leave --runner, --task and "
+                    "--convert unset, or use --task classify)"
+                )
+            self.runner = "pooling"
+        elif classify:
+            raise InvalidRequestError(
+                "--task classify / score and --convert classify need a sequence-classification "
+                "model (an architecture *ForSequenceClassification); this one is a causal LM"
+            )
 
     def validate(self) -> None:
         for name in (

@@ -15,12 +15,19 @@ from baton_engine.errors import InvalidRequestError
 from baton_engine.lora import LoRARequest
 from baton_engine.model_files import generation_defaults
 from baton_engine.outputs import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
     EmbeddingRequestOutput,
     RequestOutput,
     ScoringOutput,
     ScoringRequestOutput,
 )
-from baton_engine.pooling_params import PoolingParams, cosine_similarity, score_pairs
+from baton_engine.pooling_params import (
+    PoolingParams,
+    cosine_similarity,
+    pair_token_ids,
+    score_pairs,
+)
 from baton_engine.sampling_params import SamplingParams, truncate_prompt
 
 
@@ -109,7 +116,60 @@ class LLM:
     ) -> list[EmbeddingRequestOutput]:
         """One embedding per prompt, in order (``outputs.embedding``): the final hidden state
         at the prompt's last token, L2-normalized (``PoolingParams``), as vLLM's ``embed``
-        with last-token pooling. Any model of the engine embeds; no pooling runner is needed."""
+        with last-token pooling. Any model of the engine embeds but a sequence-classification
+        model (:meth:`classify`); no pooling runner is needed."""
+        if self._classifies:
+            raise InvalidRequestError(
+                "this is a sequence-classification model: use classify (or score), not embed"
+            )
+        return self._pool(
+            prompts, pooling_params, truncate_prompt_tokens, use_tqdm, lora_request, priority
+        )
+
+    def classify(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        *,
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+        lora_request: LoRAArg = None,
+        priority: Sequence[int] | None = None,
+    ) -> list[ClassificationRequestOutput]:
+        """A sequence-classification model's class probabilities per prompt, in order
+        (``outputs.probs``, one per label of the model's ``id2label``): its head on the final
+        hidden state at the prompt's last token, then softmax (sigmoid with one label);
+        ``PoolingParams(activation=False)`` gives the head's logits. As vLLM's ``classify``."""
+        if not self._classifies:
+            raise InvalidRequestError(
+                "this model is not a sequence-classification model (an architecture "
+                "*ForSequenceClassification): it cannot classify"
+            )
+        return [
+            ClassificationRequestOutput(
+                o.request_id,
+                ClassificationOutput(o.outputs.embedding),
+                o.prompt_token_ids,
+                num_cached_tokens=o.num_cached_tokens,
+            )
+            for o in self._pool(
+                prompts, pooling_params, truncate_prompt_tokens, use_tqdm, lora_request, priority
+            )
+        ]
+
+    @property
+    def _classifies(self) -> bool:
+        return self.engine.core.model_config.is_classifier
+
+    def _pool(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None,
+        truncate_prompt_tokens: int | None,
+        use_tqdm: bool,
+        lora_request: LoRAArg,
+        priority: Sequence[int] | None,
+    ) -> list[EmbeddingRequestOutput]:
         prompt_list = _prompt_list(prompts)
         params = _params_list(pooling_params or PoolingParams(), PoolingParams, len(prompt_list))
         if truncate_prompt_tokens is not None:
@@ -156,10 +216,14 @@ class LLM:
         use_tqdm: bool = True,
         pooling_params: PoolingParams | None = None,
     ) -> list[ScoringRequestOutput]:
-        """vLLM's ``score`` as embedding models answer it: per pair (one text against each of
-        the other side's, or lists paired by position), the cosine similarity of the two
-        texts' embeddings. Each distinct text is embedded once."""
+        """vLLM's ``score``: per pair (one text against each of the other side's, or lists
+        paired by position), the cosine similarity of the two texts' embeddings (each
+        distinct text embedded once); a sequence-classification model with one label (a
+        cross-encoder, a reranker) reads each pair as one input (``pair_token_ids``) and
+        scores it with its head's sigmoid."""
         pairs = score_pairs(data_1, data_2)
+        if self._classifies:
+            return self._cross_encode(pairs, truncate_prompt_tokens, use_tqdm, pooling_params)
         texts = list(dict.fromkeys(t for pair in pairs for t in pair))
         embedded = dict(
             zip(
@@ -182,6 +246,35 @@ class LLM:
                 embedded[a].prompt_token_ids + embedded[b].prompt_token_ids,
             )
             for a, b in pairs
+        ]
+
+    def _cross_encode(
+        self,
+        pairs: list[tuple[str, str]],
+        truncate_prompt_tokens: int | None,
+        use_tqdm: bool,
+        pooling_params: PoolingParams | None,
+    ) -> list[ScoringRequestOutput]:
+        labels = self.engine.core.model_config.labels
+        if len(labels) != 1:
+            raise InvalidRequestError(
+                f"score needs a cross-encoder (a classifier with one label); this model has "
+                f"{len(labels)} labels: use classify"
+            )
+        tokenizer = self.engine.tokenizer
+        inputs: list[PromptType] = [
+            {"prompt_token_ids": pair_token_ids(tokenizer, a, b)} for a, b in pairs
+        ]
+        return [
+            ScoringRequestOutput(
+                o.request_id, ScoringOutput(o.outputs.probs[0]), o.prompt_token_ids
+            )
+            for o in self.classify(
+                inputs,
+                pooling_params=pooling_params,
+                truncate_prompt_tokens=truncate_prompt_tokens,
+                use_tqdm=use_tqdm,
+            )
         ]
 
     def _run(

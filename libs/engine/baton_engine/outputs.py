@@ -75,3 +75,23 @@ class ScoringRequestOutput:
     outputs: ScoringOutput
     prompt_token_ids: list[int]  # both texts', one after the other
     finished: bool = True
+
+
+@dataclass
+class ClassificationOutput:
+    probs: list[float]  # one per label (its logits with ``PoolingParams(activation=False)``)
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ClassificationRequestOutput:
+    """What ``LLM.classify`` returns per prompt, as vLLM's."""
+
+    request_id: str
+    outputs: ClassificationOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache

@@ -31,6 +31,9 @@ class PoolingParams:
     dimensions: int | None = None
     # L2-normalize the embedding (None: as the pooler says; yes by default, as vLLM).
     normalize: bool | None = None
+    # A classifier's outputs as probabilities (softmax over its labels; sigmoid with one
+    # label), else its raw logits; None: yes (vLLM's). Classifiers only.
+    activation: bool | None = None
     # Keep only the prompt's last N tokens (-1: as many as max_model_len), as vLLM's.
     truncate_prompt_tokens: int | None = None
 
@@ -59,6 +62,13 @@ def score_pairs(first: str | Sequence[str], second: str | Sequence[str]) -> list
     return list(zip(a, b, strict=True))
 
 
+def pair_token_ids(tokenizer: Any, first: str, second: str) -> list[int]:
+    """A cross-encoder's input for a pair, as vLLM builds it: the tokenizer's encoding of the
+    two texts as a pair (with the special tokens its template puts around and between them;
+    a decoder's tokenizer usually just joins them)."""
+    return list(tokenizer(first, second, add_special_tokens=True)["input_ids"])
+
+
 def cosine_similarity(a: Sequence[float], b: Sequence[float]) -> float:
     """What an embedding model's score is (vLLM's rule): the embeddings' cosine similarity."""
     x, y = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
@@ -78,10 +88,18 @@ _ST_MODES = {
 @dataclass(frozen=True)
 class PoolerConfig:
     """How the engine pools an embedding (vLLM's ``PoolerConfig``): ``pooling_type`` (one of
-    ``POOLING_TYPES``) and whether requests that do not say are L2-normalized."""
+    ``POOLING_TYPES``) and whether requests that do not say are L2-normalized. A classifier's
+    pooled hidden state goes through its head instead: ``activation`` is what turns the
+    head's logits into probabilities ("softmax", or "sigmoid" for one label), None for an
+    embedding model."""
 
     pooling_type: str = "LAST"
     normalize: bool = True
+    activation: str | None = None
+
+    @property
+    def classifies(self) -> bool:
+        return self.activation is not None
 
     @property
     def every_token(self) -> bool:
@@ -89,10 +107,13 @@ class PoolerConfig:
         return self.pooling_type != "LAST"
 
     @classmethod
-    def resolve(cls, pooler_config: str | None, model_dir: Path | None) -> PoolerConfig:
+    def resolve(
+        cls, pooler_config: str | None, model_dir: Path | None, num_labels: int = 0
+    ) -> PoolerConfig:
         """``pooler_config`` (vLLM's ``--pooler-config`` JSON, e.g. ``{"pooling_type":
         "MEAN"}``) over the model folder's sentence-transformers ``Pooling`` module over
-        ``LAST``. ``InvalidRequestError`` says what is wrong with either."""
+        ``LAST``; ``num_labels``: a classifier's (0: an embedding model).
+        ``InvalidRequestError`` says what is wrong with either."""
         found = _sentence_transformers_pooling(model_dir) if model_dir is not None else {}
         given: Any = {}
         if pooler_config:
@@ -118,7 +139,8 @@ class PoolerConfig:
         normalize = merged.get("normalize", True)
         if not isinstance(normalize, bool):
             raise InvalidRequestError(f"normalize must be true or false, got {normalize!r}")
-        return cls(pooling_type, normalize)
+        activation = None if not num_labels else "sigmoid" if num_labels == 1 else "softmax"
+        return cls(pooling_type, normalize, activation)
 
 
 def _sentence_transformers_pooling(model_dir: Path) -> dict[str, Any]:

@@ -132,6 +132,7 @@ def embed_input_from_proto(
     params = PoolingParams(
         dimensions=pb.dimensions if pb.HasField("dimensions") else None,
         normalize=pb.normalize if pb.HasField("normalize") else None,
+        activation=pb.activation if pb.HasField("activation") else None,
     )
     return [list(i.token_ids) for i in pb.inputs], params
 
@@ -240,4 +241,5 @@ def model_info_to_proto(
             )
             for lora in core.lora_modules.values()
         ],
+        labels=list(mc.labels),
     )

@@ -53,6 +53,7 @@ class ModelInfo:
     metrics_url: str  # "" when the worker serves no metrics
     block_size: int = 16
     lora_modules: tuple[tuple[str, str], ...] = ()  # the LoRA adapters it serves: (name, path)
+    labels: tuple[str, ...] = ()  # a sequence-classification model's; () for a causal LM
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,6 +225,7 @@ def embed_request(
     dimensions: int | None = None,
     normalize: bool | None = None,
     lora_name: str | None = None,
+    activation: bool | None = None,
 ) -> engine_pb2.EmbedRequest:
     pb = engine_pb2.EmbedRequest(
         req_id=req_id,
@@ -235,6 +237,8 @@ def embed_request(
         pb.dimensions = dimensions
     if normalize is not None:
         pb.normalize = normalize
+    if activation is not None:
+        pb.activation = activation
     return pb
 
 
@@ -282,6 +286,7 @@ def model_info(pb: engine_pb2.GetModelInfoResponse) -> ModelInfo:
         metrics_url=pb.metrics_url,
         block_size=pb.block_size or 16,
         lora_modules=tuple((m.name, m.path) for m in pb.lora_modules),
+        labels=tuple(pb.labels),
     )
 
 

@@ -23,10 +23,11 @@ from pydantic import ValidationError
 from baton import tracing
 from baton.v1 import engine_pb2
 from baton_engine.errors import InvalidRequestError
-from baton_engine.pooling_params import cosine_similarity, score_pairs
+from baton_engine.pooling_params import cosine_similarity, pair_token_ids, score_pairs
 from baton_engine.sampling_params import tokenize_bad_words, truncate_prompt
-from baton_gateway import codec, embeddings, responses_api, scoring
+from baton_gateway import classification, codec, embeddings, responses_api, scoring
 from baton_gateway.chat import message_dict, render_chat_prompt, tokenize_chat, tokenize_text
+from baton_gateway.classification import ClassificationRequest
 from baton_gateway.client import WorkerPool
 from baton_gateway.embeddings import (
     EmbeddingChatRequest,
@@ -72,7 +73,12 @@ from baton_gateway.tools import ReadOut, ToolCallsSoFar, tool_use
 
 # What the id and truncation helpers read: ``request_id``, ``truncate_prompt_tokens``.
 _WithPrompt = (
-    ChatCompletionRequest | CompletionRequest | EmbeddingRequest | ScoreRequest | RerankRequest
+    ChatCompletionRequest
+    | CompletionRequest
+    | EmbeddingRequest
+    | ClassificationRequest
+    | ScoreRequest
+    | RerankRequest
 )
 
 
@@ -132,6 +138,7 @@ class Pipeline:
         tokens_as_ids: bool = False,
         max_stored_responses: int = 0,
         lora_modules: Mapping[str, str] | None = None,
+        labels: tuple[str, ...] = (),
     ) -> None:
         """``tool_parser``: the parser "auto" tool choice uses (None: "auto" is refused);
         ``chat_template``: the template chat requests use instead of the model's;
@@ -144,11 +151,13 @@ class Pipeline:
         ``--return-tokens-as-token-ids``); ``lora_modules``: the LoRA adapters the workers
         serve (name: path), which requests name as their ``model``; ``max_stored_responses``:
         how many Responses API answers are kept for ``previous_response_id`` and ``GET
-        /v1/responses/{id}``."""
+        /v1/responses/{id}``; ``labels``: a sequence-classification model's (it serves
+        ``/classify``, and ``/score`` and ``/rerank`` as a cross-encoder, not embeddings)."""
         self.pool = pool
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.lora_modules = dict(lora_modules or {})
+        self.labels = labels
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.metrics = metrics
@@ -465,9 +474,10 @@ class Pipeline:
             raise
 
     def _completion_prompts(
-        self, request: CompletionRequest | EmbeddingCompletionRequest
+        self, request: CompletionRequest | EmbeddingCompletionRequest | ClassificationRequest
     ) -> list[list[int]]:
-        """The token ids of each prompt (``input``, for embeddings), truncated as asked."""
+        """The token ids of each prompt (``input``, for embeddings and classification),
+        truncated as asked."""
         prompt = request.prompt if isinstance(request, CompletionRequest) else request.input
         if isinstance(prompt, str):
             prompts = [tokenize_text(self.tokenizer, prompt, request.add_special_tokens)]
@@ -488,6 +498,11 @@ class Pipeline:
     ) -> Response:
         """``/v1/embeddings``: every input's ids to one decode worker's ``Embed``."""
         self.check_model(request.model)
+        if self.labels:
+            raise bad_request(
+                "this is a sequence-classification model: it does not embed (use /classify, "
+                "/score or /rerank)"
+            )
         record = self.metrics.start("embeddings")
         try:
             if isinstance(request, EmbeddingChatRequest):
@@ -513,14 +528,52 @@ class Pipeline:
             self._fail(record, e)
             raise
 
+    async def classify(
+        self, request: ClassificationRequest, named: RequestIds = RequestIds()
+    ) -> Response:
+        """vLLM's ``/classify`` (``classification.py``): every input's ids to one decode
+        worker's ``Embed``, which a classifier answers with its labels' probabilities."""
+        self.check_model(request.model)
+        if not self.labels:
+            raise bad_request(
+                "this model does not classify: /classify needs a sequence-classification model "
+                "(an architecture *ForSequenceClassification)"
+            )
+        record = self.metrics.start("classify")
+        try:
+            prompts = self._completion_prompts(request)
+            req_id, worker_id = self._request_ids("classify", request, named)
+            pb = codec.embed_request(
+                worker_id,
+                prompts,
+                request.priority,
+                lora_name=self.lora_of(request.model),
+                activation=request.activation,
+            )
+            classified = await self._embed(pb, record)
+            name = self.served_name(request.model)
+            body = classification.response(req_id, name, self.labels, classified)
+            self.metrics.finish(record, "ok", num_prompt_tokens=body.usage.prompt_tokens)
+            return Response(body.model_dump_json(), media_type="application/json")
+        except BaseException as e:
+            self._fail(record, e)
+            raise
+
     async def score(
         self, request: ScoreRequest | RerankRequest, named: RequestIds = RequestIds()
     ) -> Response:
-        """vLLM's ``/score`` and ``/rerank`` as embedding models answer them (``scoring.py``):
-        each pair's cosine similarity, every distinct text embedded once, in one call."""
+        """vLLM's ``/score`` and ``/rerank`` (``scoring.py``): as embedding models answer them,
+        each pair's cosine similarity, every distinct text embedded once, in one call; a
+        cross-encoder (a classifier with one label) reads each pair as one input instead and
+        scores it with its head's sigmoid."""
         self.check_model(request.model)
         rerank = isinstance(request, RerankRequest)
         kind = "rerank" if rerank else "score"
+        if self.labels and len(self.labels) != 1:
+            raise bad_request(
+                f"/{kind} needs an embedding model or a cross-encoder (a classifier with one "
+                f"label); this model has {len(self.labels)} labels: use /classify"
+            )
         record = self.metrics.start(kind)
         try:
             try:
@@ -530,20 +583,30 @@ class Pipeline:
                     pairs = score_pairs(request.text_1, request.text_2)
             except InvalidRequestError as e:
                 raise bad_request(str(e), param="documents" if rerank else "text_2") from e
-            texts = list(dict.fromkeys(t for pair in pairs for t in pair))
-            prompts = [
-                self._truncated(tokenize_text(self.tokenizer, t, True), request) for t in texts
-            ]
             req_id, worker_id = self._request_ids(kind, request, named)
-            pb = codec.embed_request(
-                worker_id, prompts, request.priority, lora_name=self.lora_of(request.model)
-            )
+            lora_name = self.lora_of(request.model)
             name = self.served_name(request.model)
-            embedded = dict(zip(texts, await self._embed(pb, record), strict=True))
-            scores = [cosine_similarity(embedded[a].values, embedded[b].values) for a, b in pairs]
-            num_tokens = sum(
-                embedded[a].num_prompt_tokens + embedded[b].num_prompt_tokens for a, b in pairs
-            )
+            if self.labels:  # a cross-encoder
+                prompts = [
+                    self._truncated(pair_token_ids(self.tokenizer, a, b), request) for a, b in pairs
+                ]
+                pb = codec.embed_request(worker_id, prompts, request.priority, lora_name=lora_name)
+                scored = await self._embed(pb, record)
+                scores = [s.values[0] for s in scored]
+                num_tokens = sum(s.num_prompt_tokens for s in scored)
+            else:
+                texts = list(dict.fromkeys(t for pair in pairs for t in pair))
+                prompts = [
+                    self._truncated(tokenize_text(self.tokenizer, t, True), request) for t in texts
+                ]
+                pb = codec.embed_request(worker_id, prompts, request.priority, lora_name=lora_name)
+                embedded = dict(zip(texts, await self._embed(pb, record), strict=True))
+                scores = [
+                    cosine_similarity(embedded[a].values, embedded[b].values) for a, b in pairs
+                ]
+                num_tokens = sum(
+                    embedded[a].num_prompt_tokens + embedded[b].num_prompt_tokens for a, b in pairs
+                )
             body: scoring.ScoreResponse | scoring.RerankResponse
             if isinstance(request, RerankRequest):
                 body = scoring.rerank_response(req_id, name, request, scores, num_tokens)

@@ -1,8 +1,8 @@
 """The OpenAI-compatible HTTP server: routes, auth, errors, and the request pipeline.
 
 Routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/responses`` (and ``GET``/``DELETE
-/v1/responses/{id}``), ``/v1/embeddings``, ``/v1/models``; vLLM's ``/score`` and ``/rerank``
-(also under ``/v1``; ``/v2/rerank``), ``/tokenize``, ``/detokenize``, ``/version`` and
+/v1/responses/{id}``), ``/v1/embeddings``, ``/v1/models``; vLLM's ``/classify``, ``/score`` and
+``/rerank`` (also under ``/v1``; ``/v2/rerank``), ``/tokenize``, ``/detokenize``, ``/version`` and
 ``/ping``; ``/health`` and ``/metrics``.
 
 Every completion request: validate (pydantic; 400) -> check the model name (404) -> render the
@@ -37,6 +37,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import baton
 from baton_gateway.auth import ApiKeyMiddleware
+from baton_gateway.classification import ClassificationRequest
 from baton_gateway.client import WorkerPool
 from baton_gateway.embeddings import embedding_request
 from baton_gateway.errors import GatewayError, error_response
@@ -248,6 +249,7 @@ def create_app(config: GatewayConfig, tokenizer: Any) -> FastAPI:
                 tokens_as_ids=config.tokens_as_ids,
                 max_stored_responses=config.max_stored_responses,
                 lora_modules=dict(info.lora_modules),
+                labels=info.labels,
             )
             logger.info("serving %s (max_model_len %d) via %s", name, max_model_len,
                         ", ".join(f"{w.role} {w.addr}" for w in pool.workers))  # fmt: skip
@@ -338,6 +340,12 @@ def create_app(config: GatewayConfig, tokenizer: Any) -> FastAPI:
     async def embeddings(request: Request) -> Response:
         body = await _parse(request, embedding_request)
         work = state.pipeline.embeddings(body, request_ids(request))
+        return await _cancel_on_disconnect(request, work)
+
+    @app.post("/classify")
+    @app.post("/v1/classify")
+    async def classify(body: ClassificationRequest, request: Request) -> Response:
+        work = state.pipeline.classify(body, request_ids(request))
         return await _cancel_on_disconnect(request, work)
 
     @app.post("/score")

@@ -46,20 +46,22 @@ class GenerateResponse(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class EmbedRequest(_message.Message):
-    __slots__ = ("req_id", "inputs", "dimensions", "normalize", "priority", "lora_name")
+    __slots__ = ("req_id", "inputs", "dimensions", "normalize", "priority", "lora_name", "activation")
     REQ_ID_FIELD_NUMBER: _ClassVar[int]
     INPUTS_FIELD_NUMBER: _ClassVar[int]
     DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
     NORMALIZE_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    ACTIVATION_FIELD_NUMBER: _ClassVar[int]
     req_id: str
     inputs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenIds]
     dimensions: int
     normalize: bool
     priority: int
     lora_name: str
-    def __init__(self, req_id: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[_common_pb2.TokenIds, _Mapping]]] = ..., dimensions: _Optional[int] = ..., normalize: bool = ..., priority: _Optional[int] = ..., lora_name: _Optional[str] = ...) -> None: ...
+    activation: bool
+    def __init__(self, req_id: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[_common_pb2.TokenIds, _Mapping]]] = ..., dimensions: _Optional[int] = ..., normalize: bool = ..., priority: _Optional[int] = ..., lora_name: _Optional[str] = ..., activation: bool = ...) -> None: ...
 
 class Embedding(_message.Message):
     __slots__ = ("values", "num_prompt_tokens", "num_cached_tokens")
@@ -139,7 +141,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("model", "max_model_len", "vocab_size", "block_size", "eos_token_ids", "dtype", "metrics_url", "lora_modules")
+    __slots__ = ("model", "max_model_len", "vocab_size", "block_size", "eos_token_ids", "dtype", "metrics_url", "lora_modules", "labels")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -148,6 +150,7 @@ class GetModelInfoResponse(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     METRICS_URL_FIELD_NUMBER: _ClassVar[int]
     LORA_MODULES_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
     model: str
     max_model_len: int
     vocab_size: int
@@ -156,7 +159,8 @@ class GetModelInfoResponse(_message.Message):
     dtype: str
     metrics_url: str
     lora_modules: _containers.RepeatedCompositeFieldContainer[LoRAModule]
-    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., metrics_url: _Optional[str] = ..., lora_modules: _Optional[_Iterable[_Union[LoRAModule, _Mapping]]] = ...) -> None: ...
+    labels: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., metrics_url: _Optional[str] = ..., lora_modules: _Optional[_Iterable[_Union[LoRAModule, _Mapping]]] = ..., labels: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class LoadLoRAAdapterRequest(_message.Message):
     __slots__ = ("lora_name", "lora_path")

@@ -99,8 +99,9 @@ class DecodeServiceServicer(object):
 
     def Embed(self, request, context):
         """One embedding per input, in order: the pooled hidden state at its last token (each input
-        runs as an embedding request: its prompt is computed, nothing is generated). Any input's
-        error fails the call; cancelling the call aborts what is left.
+        runs as an embedding request: its prompt is computed, nothing is generated); from a
+        sequence-classification model, its labels' probabilities instead. Any input's error fails
+        the call; cancelling the call aborts what is left.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -104,6 +104,7 @@ def build_runner(config: EngineConfig, tp_rank: int = 0) -> RunnerSetup:
     start = time.perf_counter()
     model_dir = resolve_model(config.model)
     mc = ModelConfig.from_path(model_dir)
+    config.check_model_task(mc)
     max_model_len = config.max_model_len or min(mc.max_position_embeddings, _DEFAULT_MAX_MODEL_LEN)
     if max_model_len > mc.max_position_embeddings:
         raise InvalidRequestError(
@@ -143,7 +144,7 @@ def build_runner(config: EngineConfig, tp_rank: int = 0) -> RunnerSetup:
             raise ModelLoadError(f"cannot load weights from {model_dir}: {e}") from e
     runner.finalize_weights()
     if config.runner != "generate":
-        runner.pooler = PoolerConfig.resolve(config.pooler_config, model_dir)
+        runner.pooler = PoolerConfig.resolve(config.pooler_config, model_dir, len(mc.labels))
     eager = config.enforce_eager
     if runner.device.type == "cuda" and not eager:
         runner.enable_piece_graphs(capture=True)
@@ -395,8 +396,14 @@ class EngineCore:
                     "this engine runs with runner='generate': it does not embed (use "
                     "--runner pooling or auto)"
                 )
+            self._validate_pooling(params)
             self._validate_embedding(prompt_token_ids, params)
             return
+        if self.model_config.is_classifier:
+            raise InvalidRequestError(
+                "this is a sequence-classification model: it classifies (and scores pairs), it "
+                "does not generate"
+            )
         if runner == "pooling":
             raise InvalidRequestError(
                 "this engine runs with runner='pooling': it embeds, it does not generate (use "
@@ -485,6 +492,20 @@ class EngineCore:
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise InvalidRequestError(f"{what} {bad} is out of range [0, {vocab})")
+
+    def _validate_pooling(self, params: PoolingParams) -> None:
+        """A classifier's requests set no embedding options, an embedder's no activation."""
+        if self.model_config.is_classifier:
+            given = [k for k in ("dimensions", "normalize") if getattr(params, k) is not None]
+            if given:
+                raise InvalidRequestError(
+                    f"{' and '.join(given)} do not apply to a sequence-classification model "
+                    "(its outputs are its labels' probabilities)"
+                )
+        elif params.activation is not None:
+            raise InvalidRequestError(
+                "activation applies to sequence-classification models only (this model embeds)"
+            )
 
     def _validate_embedding(self, prompt_token_ids: Sequence[int], params: PoolingParams) -> None:
         n = len(prompt_token_ids)

@@ -370,7 +370,9 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList([DecoderLayer(cfg) for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # The LM head, or a classifier's head (one output per label: ``compute_logits`` then
+        # gives the labels' logits).
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.num_outputs, bias=False)
         self.fused_rope = False
         self.cpu_decode_layers: CpuDecodeLayers | None = None
         self.gemv_rows = 0  # decode steps of at most this many rows run forward_gemv
@@ -573,6 +575,8 @@ class LlamaForCausalLM(nn.Module):
         loaded: set[str] = set()
         for hf_name, tensor in weights:
             name = hf_name.removeprefix("model.")
+            if name == "score.weight" and self.config.is_classifier:
+                name = "lm_head.weight"  # (transformers' name for a classifier's head)
             if "rotary_emb" in name or (
                 name == "lm_head.weight" and self.config.tie_word_embeddings
             ):

@@ -182,7 +182,7 @@ class ModelRunner:
         logger.info("attention backend: %s", self.backend.name)
         self.sampler = Sampler()
         self.batch = InputBatch(
-            max_num_seqs, max_model_len, block_size, self.device, model_config.vocab_size
+            max_num_seqs, max_model_len, block_size, self.device, model_config.num_outputs
         )
         # Step inputs, reused every step (CPU; copied to the device when there is one).
         self._input_ids = np.zeros(max_num_batched_tokens, dtype=np.int64)
@@ -603,6 +603,8 @@ class ModelRunner:
                 pooled_rows = last_hidden
                 if self.pooler.every_token:
                     pooled_rows = self._pool_rows(reqs, metadata, hidden, sample_rows)
+                if self.pooler.classifies:  # the head's logits, one per label
+                    pooled_rows = self.model.compute_logits(pooled_rows.to(hidden.dtype))
                 pooled = _pool([reqs[i] for i in sample_rows], pooled_rows, self.pooler)
             logits = self.model.compute_logits(last_hidden)
         if not sample_rows:
@@ -1008,18 +1010,24 @@ def _pool(
     """The embeddings of the requests among ``states`` that pool: each one's row of
     ``pooled_rows`` (its prompt's final hidden states, after the last norm, pooled by
     ``pooler``), in float32, cut to its ``dimensions`` and L2-normalized unless it or the
-    pooler asks not to be. Read to the host now (a sync: embedding steps are prefill steps,
-    which wait for little else)."""
+    pooler asks not to be; a classifier's rows (its head's logits) become probabilities
+    unless the request asks for the logits. Read to the host now (a sync: embedding steps are
+    prefill steps, which wait for little else)."""
     rows = [i for i, s in enumerate(states) if s.pooling is not None]
     vectors = pooled_rows[rows].float().cpu()
     out: dict[str, list[float]] = {}
     for vector, i in zip(vectors, rows, strict=True):
         params = states[i].pooling
         assert params is not None
-        if params.dimensions is not None:
-            vector = vector[: params.dimensions]
-        if params.normalize if params.normalize is not None else pooler.normalize:
-            vector = torch.nn.functional.normalize(vector, dim=0)
+        if pooler.classifies:
+            if params.activation is not False:
+                sigmoid = pooler.activation == "sigmoid"
+                vector = vector.sigmoid() if sigmoid else vector.softmax(dim=0)
+        else:
+            if params.dimensions is not None:
+                vector = vector[: params.dimensions]
+            if params.normalize if params.normalize is not None else pooler.normalize:
+                vector = torch.nn.functional.normalize(vector, dim=0)
         out[states[i].req_id] = vector.tolist()
     return out
 
