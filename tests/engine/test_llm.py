@@ -329,6 +329,38 @@ def test_unknown_engine_argument() -> None:
         LLM(max_num_sequences=4)
 
 
+def test_vllms_arguments_and_a_separate_tokenizer(default_model_dir: Path, tmp_path: Path) -> None:
+    """``LLM(model, tokenizer=..., trust_remote_code=True, swap_space=4, quantization=None)``
+    as vLLM scripts write it: the tokenizer comes from its own folder (no config.json needed),
+    the other arguments change nothing; a missing tokenizer fails the start."""
+    import shutil
+
+    tok_dir = tmp_path / "tokenizer"
+    tok_dir.mkdir()
+    for f in default_model_dir.iterdir():
+        if f.name.startswith("tokenizer") or f.name.endswith(".jinja"):
+            shutil.copy(f, tok_dir / f.name)
+    small = dict(max_model_len=128, kv_cache_memory=16 << 20)
+    llm = LLM(
+        str(default_model_dir),
+        tokenizer=str(tok_dir),
+        trust_remote_code=True,
+        swap_space=4,
+        quantization=None,
+        **small,
+    )
+    assert llm.get_tokenizer().name_or_path == str(tok_dir)
+    (out,) = llm.generate("The capital of France is", GREEDY, use_tqdm=False)
+    reference = LLM(str(default_model_dir), **small)
+    (want,) = reference.generate("The capital of France is", GREEDY, use_tqdm=False)
+    assert out.prompt_token_ids == want.prompt_token_ids
+    assert out.outputs[0].text == want.outputs[0].text
+    with pytest.raises(ModelLoadError, match="tokenizer path"):
+        LLM(str(default_model_dir), tokenizer=str(tmp_path / "missing"), **small)
+    with pytest.raises(InvalidRequestError, match="quantization 'gptq'"):
+        LLM(str(default_model_dir), quantization="gptq", **small)
+
+
 PRIORITY_PROMPTS = [
     "The capital of France is",
     "List three colours:",

@@ -56,6 +56,12 @@ def add_parser(subparsers: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("model", nargs="?", default=None, help="model path (default: SmolLM2)")
+    p.add_argument(
+        "--model",
+        dest="model_option",
+        default=None,
+        help="the model path, as vLLM's older spelling (instead of the positional argument)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address the HTTP server listens on")
     p.add_argument("--port", type=int, default=8000, help="HTTP port")
     p.add_argument(
@@ -137,6 +143,9 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument(
         "--disable-uvicorn-access-log", action="store_true", help="no access log line per request"
     )
+    p.add_argument(
+        "--disable-log-stats", action="store_true", help="no periodic stats log line per worker"
+    )
     add_frontend_arguments(p)
     add_engine_args(p)
     p.set_defaults(func=_cmd_serve)
@@ -152,7 +161,7 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
 
     defaults = {f.name: getattr(EngineConfig(), f.name) for f in fields(EngineConfig)}
     argv: list[str] = []
-    for name, value in engine_kwargs_from_args(args).items():
+    for name, value in engine_kwargs_from_args(args, check=False).items():
         if value is None or value == defaults.get(name):
             continue
         flag = "--" + name.replace("_", "-")
@@ -275,15 +284,24 @@ def _signal_group(proc: subprocess.Popen[str], sig: signal.Signals) -> None:
 def _cmd_serve(args: argparse.Namespace) -> int:
     from baton_engine.errors import InvalidRequestError
     from baton_engine.model_files import resolve_model, served_model_name
-    from baton_gateway.cli import load_chat_template, tool_call_parser
+    from baton_engine.vllm_flags import ENGINE_FLAGS, FRONTEND_FLAGS, check_flags
+    from baton_gateway.cli import check_tls, load_chat_template, tool_call_parser
 
+    if args.model_option is not None:
+        if args.model is not None and args.model != args.model_option:
+            raise InvalidRequestError(
+                f"two models: {args.model} and --model {args.model_option} (give one)"
+            )
+        args.model = args.model_option
     if args.num_decode < 1 or args.num_prefill < 0:
         raise InvalidRequestError("--num-decode must be at least 1 and --num-prefill at least 0")
     if _prefill_tp(args) < 1:
         raise InvalidRequestError("--prefill-tensor-parallel-size must be at least 1")
-    # The gateway's chat options, checked before anything starts.
+    # The gateway's options, checked before anything starts.
     tool_call_parser(args)
     load_chat_template(args.chat_template)
+    check_tls(args)
+    check_flags(vars(args), FRONTEND_FLAGS + ENGINE_FLAGS)
     resolve_model(args.model)  # convert once, before several processes race to
     name = args.served_model_name or served_model_name(args.model)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -442,6 +460,7 @@ def _plan(args: argparse.Namespace, name: str) -> list[tuple[str, str, list[str]
                 *kvstore_argv,
                 *otlp_argv,
                 *("--kv-transfer", args.kv_transfer),
+                *(["--disable-log-stats"] if args.disable_log_stats else []),
                 *engine_argv(args),
             ]
             if role == "decode":
@@ -470,6 +489,22 @@ def _plan(args: argparse.Namespace, name: str) -> list[tuple[str, str, list[str]
         *(["--chat-template", args.chat_template] if args.chat_template is not None else []),
         *(["--reasoning-parser", args.reasoning_parser] if args.reasoning_parser else []),
         *("--response-role", args.response_role),
+        *("--uvicorn-log-level", args.uvicorn_log_level),
+        *_given_argv(
+            args,
+            "tokenizer",
+            "root_path",
+            "ssl_keyfile",
+            "ssl_certfile",
+            "ssl_ca_certs",
+        ),
+        *(["--ssl-cert-reqs", str(args.ssl_cert_reqs)] if args.ssl_cert_reqs else []),
+        *(["--enable-force-include-usage"] if args.enable_force_include_usage else []),
+        *(
+            ["--default-chat-template-kwargs", json.dumps(args.default_chat_template_kwargs)]
+            if args.default_chat_template_kwargs is not None
+            else []
+        ),
         *("--generation-config", args.generation_config),
         *("--allowed-origins", json.dumps(args.allowed_origins)),
         *("--allowed-methods", json.dumps(args.allowed_methods)),
@@ -486,6 +521,16 @@ def _plan(args: argparse.Namespace, name: str) -> list[tuple[str, str, list[str]
     ]
     plan.append(("gateway", "gateway", gateway_argv))
     return plan
+
+
+def _given_argv(args: argparse.Namespace, *names: str) -> list[str]:
+    """``--name value`` for each of ``names`` that ``args`` sets (not None)."""
+    argv: list[str] = []
+    for name in names:
+        value = getattr(args, name)
+        if value is not None:
+            argv += ["--" + name.replace("_", "-"), str(value)]
+    return argv
 
 
 _MAX_RESTARTS = 3  # per worker, over the stack's life
@@ -538,7 +583,8 @@ def _supervise(
             children[i] = start_child(child.kind, child.label, child.argv, child.env, preexec=False)
             children[i].start_forwarding(sys.stdout)
         if not announced and all(c.ready.is_set() for c in children):
-            url = f"http://{args.host}:{args.port}/v1"
+            scheme = "https" if args.ssl_certfile else "http"
+            url = f"{scheme}://{args.host}:{args.port}/v1"
             shape = ", ".join(c.label for c in children)
             print(f"Baton is serving {name} at {url} ({args.mode}: {shape})", flush=True)
             announced = True

@@ -42,6 +42,8 @@ def add_otlp_argument(parser: argparse.ArgumentParser) -> None:
     """``--otlp-endpoint``, the same on every service's command line."""
     parser.add_argument(
         "--otlp-endpoint",
+        "--otlp-traces-endpoint",  # (vLLM's name)
+        dest="otlp_endpoint",
         default=None,
         help="send OpenTelemetry spans there over OTLP/gRPC "
         f"(default: ${_ENDPOINT_ENV}; unset: no tracing)",

@@ -7,8 +7,10 @@ from dataclasses import fields
 from typing import Any
 
 from baton_engine.config import RUNNERS, SCHEDULING_POLICIES, EngineConfig
+from baton_engine.vllm_flags import ENGINE_FLAGS, add_flags, check_flags
 
 _HELP = {
+    "tokenizer": "a local folder (or .gguf file) whose tokenizer to use instead of the model's",
     "max_model_len": "context length (prompt + output); default: the model's, at most 8192",
     "max_num_seqs": "most requests running at once",
     "max_num_batched_tokens": "token budget of one engine step (default: 8192 offline, 16384 "
@@ -57,11 +59,12 @@ _HELP = {
 
 # vLLM's short forms and older names
 _ALIASES = {"tensor_parallel_size": ("-tp",), "pooler_config": ("--override-pooler-config",)}
-_TYPES: dict[str, Any] = {"pooler_config": str}  # (None defaults are ints otherwise)
+_TYPES: dict[str, Any] = {"pooler_config": str, "tokenizer": str}  # (None defaults: ints)
 _CHOICES = {"scheduling_policy": SCHEDULING_POLICIES, "runner": RUNNERS}
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Baton's engine flags, and vLLM's others (``vllm_flags.ENGINE_FLAGS``)."""
     defaults = EngineConfig()
     for f in fields(EngineConfig):
         if f.name not in _HELP:
@@ -85,9 +88,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                 help=_HELP[f.name],
             )
 
+    add_flags(parser, ENGINE_FLAGS)
 
-def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    """The engine flags of parsed ``args`` as ``EngineConfig`` keyword arguments (no model)."""
+
+def engine_kwargs_from_args(args: argparse.Namespace, check: bool = True) -> dict[str, Any]:
+    """The engine flags of parsed ``args`` as ``EngineConfig`` keyword arguments (no model);
+    vLLM's other flags are left out, once checked (``InvalidRequestError`` for a value Baton
+    cannot serve; ``check=False``: they were already)."""
+    if check:
+        check_flags(vars(args), ENGINE_FLAGS)
     kwargs = {name: getattr(args, name) for name in _HELP if hasattr(args, name)}
     if "lora_modules" in kwargs:
         kwargs["lora_modules"] = tuple(kwargs["lora_modules"])

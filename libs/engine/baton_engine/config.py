@@ -207,6 +207,8 @@ class EngineConfig:
     """Engine knobs, named as vLLM names them."""
 
     model: str | None = None  # None: the default model (SmolLM2-135M-Instruct GGUF)
+    # vLLM's --tokenizer: a folder (or GGUF) whose tokenizer to use instead of the model's
+    tokenizer: str | None = None
     max_model_len: int | None = None  # None: min(model's max positions, 8192)
     max_num_seqs: int = 256
     # None: by usage. Offline, a large budget gives the fewest, fullest steps; serving on CPU, a

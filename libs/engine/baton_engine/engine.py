@@ -16,7 +16,6 @@ from baton_engine.core.outputs import EngineCoreOutput, TokenLogprobs
 from baton_engine.detokenizer import IncrementalDetokenizer
 from baton_engine.errors import InvalidRequestError
 from baton_engine.lora import LoRARequest
-from baton_engine.model_loader import load_tokenizer
 from baton_engine.outputs import (
     CompletionOutput,
     EmbeddingOutput,
@@ -49,7 +48,7 @@ class _RequestState:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.core = EngineCore(config)
-        self.tokenizer: Any = load_tokenizer(self.core.model_dir)
+        self.tokenizer: Any = self.core.load_tokenizer()
         self._requests: dict[str, _RequestState] = {}  # request_id -> state
         self._child_to_parent: dict[str, str] = {}  # child req_id -> request_id
         self._embeddings: dict[str, list[int]] = {}  # embedding request_id -> its prompt

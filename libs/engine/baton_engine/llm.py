@@ -29,6 +29,7 @@ from baton_engine.pooling_params import (
     score_pairs,
 )
 from baton_engine.sampling_params import SamplingParams, truncate_prompt
+from baton_engine.vllm_flags import take_engine_args
 
 
 class TokensPrompt(TypedDict):
@@ -64,6 +65,7 @@ class LLM:
             model, generation_config, override_generation_config
         )
         self.get_default_sampling_params()
+        engine_args = take_engine_args(dict(engine_args))
         try:
             config = EngineConfig(model=model, **engine_args)
         except TypeError as e:

@@ -256,6 +256,20 @@ def load_model_tokenizer(model: str | None, cache_dir: Path | None = None) -> An
     return load_gguf_tokenizer(model_source(model))
 
 
+def load_named_tokenizer(tokenizer: str) -> Any:
+    """vLLM's ``--tokenizer``: the tokenizer of a local folder (it needs no ``config.json``)
+    or of a GGUF file. Raises ModelLoadError, naming the path."""
+    path = Path(tokenizer).expanduser()
+    if path.is_dir():
+        return load_tokenizer(path)
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return load_model_tokenizer(str(path))
+    raise ModelLoadError(
+        f"tokenizer path {path} does not exist or is not a .gguf file (tokenizers are never "
+        "downloaded; pass a local folder or a .gguf file)"
+    )
+
+
 def load_gguf_tokenizer(gguf_path: Path) -> Any:
     """Build the tokenizer described by a GGUF file's metadata, with its chat template.
 

@@ -78,19 +78,23 @@ def message_dict(message: ChatMessage) -> dict[str, Any]:
 
 
 def render_chat_prompt(
-    tokenizer: Any, request: ChatPrompt, chat_template: str | None = None
+    tokenizer: Any,
+    request: ChatPrompt,
+    chat_template: str | None = None,
+    default_kwargs: dict[str, Any] | None = None,
 ) -> str:
     """Render ``request.messages`` into the prompt text with the request's chat template, else
-    ``chat_template`` (the server's), else the tokenizer's.
+    ``chat_template`` (the server's), else the tokenizer's; the request's
+    ``chat_template_kwargs`` over ``default_kwargs`` (the server's,
+    ``--default-chat-template-kwargs``).
 
     Raises a 400 GatewayError when there is no template or rendering fails.
     """
     template = request.chat_template or chat_template
     if template is None and getattr(tokenizer, "chat_template", None) is None:
         raise bad_request("the model has no chat template; use /v1/completions instead")
-    kwargs = {
-        k: v for k, v in (request.chat_template_kwargs or {}).items() if k not in _RESERVED_KWARGS
-    }
+    given = {**(default_kwargs or {}), **(request.chat_template_kwargs or {})}
+    kwargs = {k: v for k, v in given.items() if k not in _RESERVED_KWARGS}
     kwargs["add_generation_prompt"] = request.add_generation_prompt
     kwargs["continue_final_message"] = request.continue_final_message
     if template is not None:
@@ -107,11 +111,14 @@ def render_chat_prompt(
 
 
 def tokenize_chat(
-    tokenizer: Any, request: ChatPrompt, chat_template: str | None = None
+    tokenizer: Any,
+    request: ChatPrompt,
+    chat_template: str | None = None,
+    default_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
     """The prompt token ids of a chat request (the template already writes special tokens, so
     none are added unless ``add_special_tokens`` asks for it, as in vLLM)."""
-    text = render_chat_prompt(tokenizer, request, chat_template)
+    text = render_chat_prompt(tokenizer, request, chat_template, default_kwargs)
     ids: list[int] = tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
     return ids
 

@@ -98,15 +98,53 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--disable-uvicorn-access-log", action="store_true", help="no access log line per request"
     )
-    p.add_argument("--uvicorn-log-level", default="info", help="uvicorn's log level")
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="a local folder (or .gguf file) whose tokenizer to use instead of the model's",
+    )
     add_frontend_arguments(p)
 
 
 def add_frontend_arguments(p: argparse.ArgumentParser) -> None:
     """The options ``baton serve`` passes on to its gateway (vLLM's names): tool calling,
-    reasoning, the chat template, and the default sampling params."""
+    reasoning, the chat template, the default sampling params, HTTP (CORS, TLS, root path),
+    and vLLM's other frontend flags (``vllm_flags.FRONTEND_FLAGS``)."""
+    from baton_engine.vllm_flags import FRONTEND_FLAGS, add_flags
     from baton_gateway.reasoning import REASONING_PARSERS
     from baton_gateway.tools import TOOL_PARSERS
+
+    p.add_argument("--uvicorn-log-level", default="info", help="uvicorn's log level")
+    p.add_argument(
+        "--root-path",
+        default=None,
+        help="the path prefix under which a proxy that strips it serves the gateway (ASGI "
+        "root_path: requests still come to /v1/...)",
+    )
+    p.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this private key")
+    p.add_argument("--ssl-certfile", default=None, help="... and this certificate (chain)")
+    p.add_argument(
+        "--ssl-ca-certs", default=None, help="CA certificates to verify clients' certificates"
+    )
+    p.add_argument(
+        "--ssl-cert-reqs",
+        type=int,
+        default=0,
+        help="whether clients need a certificate (Python's ssl.CERT_*: 0 none, 2 required)",
+    )
+    p.add_argument(
+        "--enable-force-include-usage",
+        action="store_true",
+        help="streamed completions end with a usage chunk even when the request does not ask "
+        "for one (stream_options.include_usage)",
+    )
+    p.add_argument(
+        "--default-chat-template-kwargs",
+        type=_json_object,
+        default=None,
+        help="the chat template's arguments for requests that do not set them, as JSON: "
+        "'{\"enable_thinking\": false}' (a request's chat_template_kwargs win)",
+    )
 
     p.add_argument(
         "--enable-auto-tool-choice",
@@ -184,6 +222,7 @@ def add_frontend_arguments(p: argparse.ArgumentParser) -> None:
         help="default sampling params that win over the generation config, as JSON: "
         "'{\"temperature\": 0.5}'",
     )
+    add_flags(p, FRONTEND_FLAGS)
 
 
 def _json_list(value: str) -> list[str]:
@@ -223,6 +262,21 @@ def generation_defaults(args: argparse.Namespace) -> dict[str, Any]:
             defaults,
         )
     return defaults
+
+
+def check_tls(args: argparse.Namespace) -> None:
+    """HTTPS needs both ``--ssl-keyfile`` and ``--ssl-certfile``, readable (checked before
+    anything starts). Raises InvalidRequestError."""
+    from baton_engine.errors import InvalidRequestError
+
+    given = [f for f in ("ssl_keyfile", "ssl_certfile") if getattr(args, f)]
+    if len(given) == 1:
+        raise InvalidRequestError("HTTPS needs both --ssl-keyfile and --ssl-certfile")
+    for name in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs"):
+        path = getattr(args, name)
+        if path and not os.path.isfile(path):
+            flag = "--" + name.replace("_", "-")
+            raise InvalidRequestError(f"{flag}: no such file: {path}")
 
 
 def load_chat_template(value: str | None) -> str | None:
@@ -265,8 +319,12 @@ def run_gateway(args: argparse.Namespace) -> int:
     for that line). Raises ModelLoadError if the tokenizer cannot be loaded.
     """
     from baton_engine.errors import InvalidRequestError
-    from baton_engine.model_files import load_model_tokenizer
+    from baton_engine.model_files import load_model_tokenizer, load_named_tokenizer
+    from baton_engine.vllm_flags import FRONTEND_FLAGS, check_flags
     from baton_gateway.server import CorsPolicy, GatewayConfig, create_app
+
+    check_flags(vars(args), FRONTEND_FLAGS)
+    check_tls(args)
 
     if args.max_model_len is not None and args.max_model_len < 1:
         raise InvalidRequestError("--max-model-len must be at least 1")
@@ -275,7 +333,10 @@ def run_gateway(args: argparse.Namespace) -> int:
         raise InvalidRequestError("--max-remote-prefill-wait-ms must be at least 0")
     parser = tool_call_parser(args)
     chat_template = load_chat_template(args.chat_template)
-    tokenizer = load_model_tokenizer(args.model)
+    if args.tokenizer is not None:
+        tokenizer = load_named_tokenizer(args.tokenizer)
+    else:
+        tokenizer = load_model_tokenizer(args.model)
     config = GatewayConfig(
         decode_addrs=tuple(args.decode_addr or ([] if args.kvstore else [DEFAULT_DECODE_ADDR])),
         prefill_addrs=tuple(args.prefill_addr or []),
@@ -289,6 +350,8 @@ def run_gateway(args: argparse.Namespace) -> int:
         connect_timeout_s=args.connect_timeout,
         tool_call_parser=parser,
         chat_template=chat_template,
+        chat_template_kwargs=args.default_chat_template_kwargs,
+        force_include_usage=args.enable_force_include_usage,
         response_role=args.response_role,
         reasoning_parser=args.reasoning_parser,
         generation_defaults=generation_defaults(args),
@@ -313,12 +376,18 @@ def run_gateway(args: argparse.Namespace) -> int:
         port=args.port,
         log_level=args.uvicorn_log_level,
         access_log=not args.disable_uvicorn_access_log,
+        root_path=args.root_path or "",
+        ssl_keyfile=args.ssl_keyfile,
+        ssl_certfile=args.ssl_certfile,
+        ssl_ca_certs=args.ssl_ca_certs,
+        ssl_cert_reqs=args.ssl_cert_reqs,
         # Open streams get this long to finish at shutdown; then they are cut (and their gRPC
         # calls cancelled), so SIGTERM never hangs on a long generation.
         timeout_graceful_shutdown=5,
     )
     tracing.setup("baton-gateway", args.otlp_endpoint)
     server = _Server(uv_config)
+    server.scheme = "https" if args.ssl_certfile else "http"
     try:
         server.run()
     finally:
@@ -329,6 +398,8 @@ def run_gateway(args: argparse.Namespace) -> int:
 class _Server(uvicorn.Server):
     """uvicorn's server, printing the ready line once it listens (port 0 resolved)."""
 
+    scheme = "http"
+
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets=sockets)
         if not self.started or self.should_exit:
@@ -337,7 +408,7 @@ class _Server(uvicorn.Server):
             for sock in server.sockets or []:
                 host, port = sock.getsockname()[:2]
                 host = f"[{host}]" if ":" in host else host
-                print(f"baton gateway ready on http://{host}:{port}", flush=True)
+                print(f"baton gateway ready on {self.scheme}://{host}:{port}", flush=True)
                 return
 
 

@@ -132,6 +132,7 @@ class Pipeline:
         metrics: GatewayMetrics,
         tool_parser: str | None = None,
         chat_template: str | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
         response_role: str = "assistant",
         reasoning_parser: str | None = None,
         generation_defaults: dict[str, Any] | None = None,
@@ -139,9 +140,12 @@ class Pipeline:
         max_stored_responses: int = 0,
         lora_modules: Mapping[str, str] | None = None,
         labels: tuple[str, ...] = (),
+        force_include_usage: bool = False,
     ) -> None:
         """``tool_parser``: the parser "auto" tool choice uses (None: "auto" is refused);
         ``chat_template``: the template chat requests use instead of the model's;
+        ``chat_template_kwargs``: the template's arguments for requests that do not set them
+        (vLLM's ``--default-chat-template-kwargs``);
         ``response_role``: chat answers' role after a generation prompt (vLLM's
         ``--response-role``);
         ``reasoning_parser``: how chat outputs are split into reasoning and content (None:
@@ -152,7 +156,9 @@ class Pipeline:
         serve (name: path), which requests name as their ``model``; ``max_stored_responses``:
         how many Responses API answers are kept for ``previous_response_id`` and ``GET
         /v1/responses/{id}``; ``labels``: a sequence-classification model's (it serves
-        ``/classify``, and ``/score`` and ``/rerank`` as a cross-encoder, not embeddings)."""
+        ``/classify``, and ``/score`` and ``/rerank`` as a cross-encoder, not embeddings);
+        ``force_include_usage``: streamed completions end with a usage chunk even when the
+        request does not ask for one (vLLM's ``--enable-force-include-usage``)."""
         self.pool = pool
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -162,7 +168,8 @@ class Pipeline:
         self.vocab_size = vocab_size
         self.metrics = metrics
         self.tool_parser = tool_parser
-        self.chat_template = chat_template
+        self.chat_defaults = (chat_template, dict(chat_template_kwargs or {}))
+        self.force_include_usage = force_include_usage
         self.response_role = response_role
         self.reasoning_parser = reasoning_parser
         self.defaults = dict(generation_defaults or {})
@@ -288,7 +295,7 @@ class Pipeline:
             tools = tool_use(request, self.tool_parser)
         except ValueError as e:
             raise bad_request(str(e), param="tool_choice") from e
-        text = render_chat_prompt(self.tokenizer, request, self.chat_template)
+        text = render_chat_prompt(self.tokenizer, request, *self.chat_defaults)
         prompt = tokenize_text(self.tokenizer, text, request.add_special_tokens)
         prompt = self._truncated(prompt, request)
         reasoning = reasoning_use(
@@ -506,7 +513,7 @@ class Pipeline:
         record = self.metrics.start("embeddings")
         try:
             if isinstance(request, EmbeddingChatRequest):
-                ids = tokenize_chat(self.tokenizer, request, self.chat_template)
+                ids = tokenize_chat(self.tokenizer, request, *self.chat_defaults)
                 prompts = [self._truncated(ids, request)]
             else:
                 prompts = self._completion_prompts(request)
@@ -648,7 +655,7 @@ class Pipeline:
         get as its prompt (the same template, special tokens and server ``--chat-template``)."""
         self.check_model(request.model)
         if isinstance(request, TokenizeChatRequest):
-            ids = tokenize_chat(self.tokenizer, request, self.chat_template)
+            ids = tokenize_chat(self.tokenizer, request, *self.chat_defaults)
         else:
             ids = tokenize_text(self.tokenizer, request.prompt, request.add_special_tokens)
         strs = self.tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else None
@@ -771,7 +778,7 @@ class Pipeline:
             model=self.served_name(request.model),
             num_choices=len(generation.num_output_tokens),
             num_prompt_tokens=num_prompt_tokens,
-            include_usage=request.include_usage,
+            include_usage=request.include_usage or self.force_include_usage,
             continuous_usage=request.continuous_usage,
             outputs=outputs,
         )

@@ -90,6 +90,8 @@ class GatewayConfig:
     connect_timeout_s: float = 120.0
     tool_call_parser: str | None = None  # None: "auto" tool choice is refused
     chat_template: str | None = None  # None: the model's
+    chat_template_kwargs: dict[str, Any] | None = None  # --default-chat-template-kwargs
+    force_include_usage: bool = False  # --enable-force-include-usage
     response_role: str = "assistant"  # chat messages' role after a generation prompt
     reasoning_parser: str | None = None  # None: chat outputs are all content
     # Sampling params for requests that leave them unset (the model's generation config).
@@ -243,6 +245,8 @@ def create_app(config: GatewayConfig, tokenizer: Any) -> FastAPI:
                 metrics,
                 tool_parser=config.tool_call_parser,
                 chat_template=config.chat_template,
+                chat_template_kwargs=config.chat_template_kwargs,
+                force_include_usage=config.force_include_usage,
                 response_role=config.response_role,
                 reasoning_parser=config.reasoning_parser,
                 generation_defaults=config.generation_defaults,

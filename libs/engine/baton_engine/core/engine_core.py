@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -23,7 +24,7 @@ from baton_engine.errors import InvalidRequestError, ModelLoadError, NotFoundErr
 from baton_engine.kv_cache import KVCacheManager
 from baton_engine.kv_cache.block_pool import KVCacheEvent
 from baton_engine.lora import LoRALimits, LoRARequest, lora_requests
-from baton_engine.model_files import load_tokenizer
+from baton_engine.model_files import load_named_tokenizer, load_tokenizer
 from baton_engine.model_loader import iter_weights, resolve_model
 from baton_engine.models.llama import shard_config
 from baton_engine.pooling_params import PoolerConfig, PoolingParams
@@ -329,10 +330,9 @@ class EngineCore:
             self._adapter(lora_request)
         self.num_prompt_tokens = 0
         self.num_generated_tokens = 0
-        model_dir = self.model_dir
-        self.structured = StructuredOutputManager(
-            lambda: load_tokenizer(model_dir), self.model_config.vocab_size
-        )
+        if config.tokenizer is not None:
+            self.load_tokenizer()  # (a bad --tokenizer fails the start, not a later request)
+        self.structured = StructuredOutputManager(self.load_tokenizer, self.model_config.vocab_size)
         self._export: _KVExport | None = None  # see enable_kv_export
         self.async_scheduling = config.resolved_async_scheduling()
         # async scheduling: the step launched last, reported by the next call to step()
@@ -371,6 +371,12 @@ class EngineCore:
         (never with one rank)."""
         if self._tp is not None:
             self._tp.on_gone = callback
+
+    def load_tokenizer(self) -> Any:
+        """The model's tokenizer, or the one ``--tokenizer`` names."""
+        if self.config.tokenizer is not None:
+            return load_named_tokenizer(self.config.tokenizer)
+        return load_tokenizer(self.model_dir)
 
     # --- requests ------------------------------------------------------------------------------
 

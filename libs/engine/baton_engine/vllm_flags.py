@@ -1,0 +1,283 @@
+"""vLLM flags that Baton accepts so that a vLLM command line (or ``LLM(...)`` call) runs
+unchanged, though here they change nothing, or nothing as long as they keep a value Baton
+serves.
+
+Each :class:`VllmFlag` says what Baton does instead. A flag given a value Baton cannot honour
+(``--quantization fp8``, ``--pipeline-parallel-size 2``, ``--kv-cache-dtype fp8``...) is a clear
+error at start-up, never silently dropped; one given a value that changes nothing here
+(``--trust-remote-code``, ``--swap-space 16``...) is logged once with the reason. The flags
+Baton implements keep their own definitions (``arg_utils``, the gateway's command line);
+these are the rest of what vLLM's ``serve`` and ``LLM`` commonly take.
+
+Imports no torch: the gateway's command line reads :data:`FRONTEND_FLAGS`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from baton_engine.errors import InvalidRequestError
+
+logger = logging.getLogger(__name__)
+
+MAX_LOGPROBS = 20  # top logprobs per token Baton returns at most (vLLM's default cap)
+
+
+@dataclass(frozen=True)
+class VllmFlag:
+    name: str  # vLLM's name (``LLM`` keyword; ``--name-with-dashes`` on a command line)
+    note: str  # what Baton does instead (why the value changes nothing, or cannot be served)
+    default: Any = None  # vLLM's default
+    kind: Any = str  # how a command line reads the value; bool: --flag / --no-flag
+    # The values Baton serves; None: any (the flag changes nothing here).
+    accepts: Callable[[Any], bool] | None = None
+    aliases: tuple[str, ...] = ()  # vLLM's other spellings on a command line
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+
+def _one_of(*values: Any) -> Callable[[Any], bool]:
+    return lambda v: v in values
+
+
+def _at_most(limit: int) -> Callable[[Any], bool]:
+    return lambda v: v is None or int(v) <= limit
+
+
+_NO_DOWNLOAD = "Baton reads local model folders and GGUF files only; nothing is downloaded"
+_NO_REMOTE_CODE = (
+    "Baton runs its own implementation of each architecture it serves; no model code is loaded"
+)
+_REQUEST_LOGS = "Baton logs no request contents (trace requests with --otlp-endpoint)"
+
+ENGINE_FLAGS: tuple[VllmFlag, ...] = (
+    VllmFlag("trust_remote_code", _NO_REMOTE_CODE, False, bool),
+    VllmFlag("download_dir", _NO_DOWNLOAD),
+    VllmFlag("revision", _NO_DOWNLOAD),
+    VllmFlag("code_revision", _NO_DOWNLOAD),
+    VllmFlag("tokenizer_revision", _NO_DOWNLOAD),
+    VllmFlag(
+        "tokenizer_mode",
+        "Baton uses the model's Hugging Face fast tokenizer ('auto'); 'mistral' and "
+        "'custom' are not supported",
+        "auto",
+        accepts=_one_of("auto", "hf", "slow"),
+    ),
+    VllmFlag(
+        "swap_space",
+        "preempted requests are recomputed; nothing is swapped to host memory",
+        4.0,
+        float,
+    ),
+    VllmFlag(
+        "enable_chunked_prefill",
+        "Baton always fits long prompts into each step's token budget in chunks",
+        None,
+        bool,
+    ),
+    VllmFlag(
+        "max_num_partial_prefills",
+        "the scheduler fills each step's token budget with the waiting prompts, in order",
+        1,
+        int,
+    ),
+    VllmFlag(
+        "distributed_executor_backend",
+        "tensor-parallel ranks are always local processes of the engine ('mp'); Ray is not "
+        "supported",
+        accepts=_one_of(None, "mp", "uni"),
+    ),
+    VllmFlag("disable_custom_all_reduce", "ranks all-reduce with NCCL (gloo on CPUs)", False, bool),
+    VllmFlag("max_parallel_loading_workers", "weights load in one pass", None, int),
+    VllmFlag(
+        "max_seq_len_to_capture",
+        "CUDA graphs serve decode steps of any context length",
+        None,
+        int,
+    ),
+    VllmFlag(
+        "cuda_graph_sizes",
+        "Baton captures CUDA graphs at batch sizes it picks from --max-num-seqs "
+        "(--enforce-eager turns them off)",
+    ),
+    VllmFlag(
+        "compilation_config",
+        "Baton does not use torch.compile; it captures CUDA graphs itself (--enforce-eager "
+        "turns them off)",
+        aliases=("-O",),
+    ),
+    VllmFlag("disable_cascade_attn", "Baton has no cascade attention", False, bool),
+    VllmFlag("prefix_caching_hash_algo", "Baton hashes prefix blocks its own way", "builtin"),
+    VllmFlag("safetensors_load_strategy", "weights are read with safetensors' own loader"),
+    VllmFlag(
+        "model_impl",
+        "Baton runs its own implementation of each architecture; 'transformers' is not supported",
+        "auto",
+        accepts=_one_of("auto", "vllm"),
+    ),
+    VllmFlag(
+        "limit_mm_per_prompt", "Baton serves text-only models: prompts carry no images or audio"
+    ),
+    VllmFlag(
+        "max_logprobs",
+        f"Baton's cap on logprobs per token is its own, {MAX_LOGPROBS}",
+        MAX_LOGPROBS,
+        int,
+        accepts=_at_most(MAX_LOGPROBS),
+    ),
+    VllmFlag(
+        "quantization",
+        "Baton serves unquantized weights (bfloat16, float16 or float32; a GGUF's weights are "
+        "dequantized on load)",
+        accepts=_one_of(None, "None", "none"),
+    ),
+    VllmFlag(
+        "kv_cache_dtype",
+        "the KV cache holds the model's dtype ('auto'); FP8 KV is not supported",
+        "auto",
+        accepts=_one_of("auto"),
+    ),
+    VllmFlag("calculate_kv_scales", "the KV cache is not quantized", False, bool, _one_of(False)),
+    VllmFlag(
+        "pipeline_parallel_size",
+        "Baton splits a model across GPUs with --tensor-parallel-size only",
+        1,
+        int,
+        _one_of(1),
+    ),
+    VllmFlag(
+        "data_parallel_size",
+        "one Baton stack runs several engines as --num-decode (and --num-prefill) workers",
+        1,
+        int,
+        _one_of(1),
+    ),
+    VllmFlag("enable_expert_parallel", "Baton serves no MoE models", False, bool, _one_of(False)),
+    VllmFlag(
+        "cpu_offload_gb",
+        "weights stay on the device; none are offloaded",
+        0.0,
+        float,
+        _one_of(0, 0.0),
+    ),
+    VllmFlag("speculative_config", "speculative decoding is not supported", accepts=_one_of(None)),
+    VllmFlag(
+        "hf_overrides",
+        "the model's config.json is read as it is",
+        accepts=lambda v: not v or v == "{}",
+    ),
+    VllmFlag("enable_sleep_mode", "sleep mode is not supported", False, bool, _one_of(False)),
+    VllmFlag(
+        "kv_transfer_config",
+        "Baton disaggregates prefill and decode by itself (baton serve: --mode, "
+        "--kv-transfer); vLLM's KV connectors are not used",
+        accepts=_one_of(None),
+    ),
+    VllmFlag(
+        "kv_events_config",
+        "KV events go to Baton's kvstore by themselves in disaggregated mode",
+        accepts=_one_of(None),
+    ),
+)
+
+FRONTEND_FLAGS: tuple[VllmFlag, ...] = (
+    VllmFlag("disable_log_requests", _REQUEST_LOGS, False, bool),
+    VllmFlag("enable_log_requests", _REQUEST_LOGS, False, bool),
+    VllmFlag("enable_log_outputs", _REQUEST_LOGS, False, bool),
+    VllmFlag("max_log_len", _REQUEST_LOGS, None, int),
+    VllmFlag("log_error_stack", "errors are logged with their stack", False, bool),
+    VllmFlag("disable_fastapi_docs", "the gateway serves no /docs or /redoc", False, bool),
+    VllmFlag(
+        "enable_prompt_tokens_details",
+        "usage carries prompt_tokens_details.cached_tokens whenever prompt tokens were cached",
+        False,
+        bool,
+    ),
+    VllmFlag("enable_server_load_tracking", "the workers' load is on /metrics", False, bool),
+    VllmFlag(
+        "chat_template_content_format",
+        "message content parts are joined into one string for the template ('string'); "
+        "'openai' is not supported",
+        "auto",
+        accepts=_one_of("auto", "string"),
+    ),
+    VllmFlag("allowed_local_media_path", "Baton serves text-only models: no media is read"),
+    VllmFlag("middleware", "custom ASGI middleware is not supported", accepts=_one_of(None)),
+    VllmFlag(
+        "tool_parser_plugin",
+        "tool parsers are Baton's own (--tool-call-parser)",
+        accepts=_one_of(None, ""),
+    ),
+    VllmFlag(
+        "api_server_count",
+        "one gateway serves HTTP (it is asynchronous; tokenization is cheap beside the workers)",
+        1,
+        int,
+        _one_of(1),
+    ),
+    VllmFlag(
+        "headless",
+        "a Baton stack always has its gateway (run the workers alone with baton decode / "
+        "baton prefill)",
+        False,
+        bool,
+        _one_of(False),
+    ),
+)
+
+
+# vLLM's LLM(...) arguments that are flags of Baton's services (baton serve passes them on)
+LLM_ONLY_FLAGS: tuple[VllmFlag, ...] = (
+    VllmFlag("disable_log_stats", "the offline engine logs no periodic statistics", True, bool),
+)
+
+
+def add_flags(parser: argparse.ArgumentParser, flags: Iterable[VllmFlag]) -> None:
+    """The flags on ``parser``, in a group of their own."""
+    group = parser.add_argument_group(
+        "vLLM flags",
+        "accepted so that vLLM command lines run unchanged; each says what Baton does instead",
+    )
+    for f in flags:
+        if f.kind is bool:
+            group.add_argument(
+                f.flag, action=argparse.BooleanOptionalAction, default=f.default, help=f.note
+            )
+        else:
+            group.add_argument(f.flag, *f.aliases, type=f.kind, default=f.default, help=f.note)
+
+
+def check_flags(
+    values: Mapping[str, Any], flags: Iterable[VllmFlag], spelling: str = "flag"
+) -> list[str]:
+    """Raise ``InvalidRequestError`` for a flag in ``values`` whose value Baton cannot serve;
+    log (and return) a note for each other one given a value other than vLLM's default.
+    ``spelling``: "flag" (``--swap-space``) or "arg" (``swap_space``) in the messages."""
+    notes = []
+    for f in flags:
+        if f.name not in values:
+            continue
+        value = values[f.name]
+        shown = f.flag if spelling == "flag" else f.name
+        if f.accepts is not None and not f.accepts(value):
+            raise InvalidRequestError(f"{shown} {value!r} is not supported: {f.note}")
+        if value != f.default:
+            notes.append(f"{shown} has no effect in Baton: {f.note}")
+    for note in notes:
+        logger.info("%s", note)
+    return notes
+
+
+def take_engine_args(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``LLM(...)``'s keyword arguments without vLLM's engine flags of :data:`ENGINE_FLAGS`
+    (checked as :func:`check_flags` does)."""
+    flags = ENGINE_FLAGS + LLM_ONLY_FLAGS
+    given = {f.name: kwargs.pop(f.name) for f in flags if f.name in kwargs}
+    check_flags(given, flags, spelling="arg")
+    return kwargs

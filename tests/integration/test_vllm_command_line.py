@@ -1,0 +1,155 @@
+"""``baton serve`` run with a vLLM command line: vLLM's flags that change nothing here are
+accepted, and the ones Baton implements work as in vLLM: HTTPS (``--ssl-keyfile`` /
+``--ssl-certfile``), ``--tokenizer``, ``--default-chat-template-kwargs``,
+``--enable-force-include-usage``, ``--model``, ``--served-model-name``."""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import shutil
+import ssl
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from openai import OpenAI
+
+pytestmark = pytest.mark.integration
+
+TEMPLATE = "{{ greeting }}{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+
+
+def self_signed_certificate(folder: Path) -> tuple[Path, Path]:
+    """A key and a certificate for 127.0.0.1, valid for a day."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            critical=False,
+        )
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    key_path, cert_path = folder / "key.pem", folder / "cert.pem"
+    key_path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    return key_path, cert_path
+
+
+@pytest.fixture(scope="module")
+def served(
+    serve_launcher: Any, default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Any, Path]]:
+    folder = tmp_path_factory.mktemp("vllm-command-line")
+    key, cert = self_signed_certificate(folder)
+    # The tokenizer from its own folder, with a chat template that shows it is the one used.
+    tokenizer = folder / "tokenizer"
+    tokenizer.mkdir()
+    for f in default_model_dir.iterdir():
+        if f.name.startswith("tokenizer"):
+            shutil.copy(f, tokenizer / f.name)
+    (tokenizer / "chat_template.jinja").write_text(TEMPLATE)
+    server = serve_launcher.start(
+        [
+            "--model", str(default_model_dir),
+            "--served-model-name", "smol",
+            "--mode", "aggregated",
+            "--trust-remote-code",
+            "--tensor-parallel-size", "1",
+            "--enable-chunked-prefill",
+            "--swap-space", "4",
+            "--disable-log-requests",
+            "--disable-log-stats",
+            "--kv-cache-dtype", "auto",
+            "--tokenizer", str(tokenizer),
+            "--ssl-keyfile", str(key),
+            "--ssl-certfile", str(cert),
+            "--root-path", "/proxy",  # (a proxy strips it: requests come to /v1/...)
+            "--enable-force-include-usage",
+            "--default-chat-template-kwargs", '{"greeting": "Ahoy! "}',
+        ]
+    )  # fmt: skip
+    try:
+        yield server, cert
+    finally:
+        _, survivors = serve_launcher.stop(server)
+        assert not survivors, f"left behind: {survivors}"
+
+
+def trusting(cert: Path) -> ssl.SSLContext:
+    return ssl.create_default_context(cafile=str(cert))
+
+
+def test_served_over_https(served: tuple[Any, Path]) -> None:
+    server, cert = served
+    assert server.base_url == f"https://127.0.0.1:{server.port}/v1"
+    with httpx.Client(verify=trusting(cert), timeout=60) as http:
+        reply = http.get(f"{server.base_url}/models")
+        assert reply.status_code == 200, reply.text
+        assert [m["id"] for m in reply.json()["data"]] == ["smol"]
+    with pytest.raises(httpx.TransportError):  # plain HTTP is not served
+        httpx.get(f"http://127.0.0.1:{server.port}/v1/models", timeout=10)
+    with pytest.raises(httpx.ConnectError):  # nor HTTPS a client cannot verify
+        httpx.get(f"https://127.0.0.1:{server.port}/v1/models", timeout=10)
+
+
+def test_tokenizer_and_default_chat_template_kwargs(served: tuple[Any, Path]) -> None:
+    """The prompt is rendered with --tokenizer's template and --default-chat-template-kwargs,
+    which a request's own chat_template_kwargs override."""
+    server, cert = served
+    messages = [{"role": "user", "content": "Name a colour."}]
+    root = f"https://127.0.0.1:{server.port}"
+    with httpx.Client(base_url=root, verify=trusting(cert), timeout=60) as http:
+
+        def rendered(**extra: Any) -> str:
+            ids = http.post("/tokenize", json={"messages": messages, **extra}).json()["tokens"]
+            text: str = http.post("/detokenize", json={"tokens": ids}).json()["prompt"]
+            return text
+
+        assert rendered() == "Ahoy! Name a colour.\n"
+        assert rendered(chat_template_kwargs={"greeting": "Hi. "}) == "Hi. Name a colour.\n"
+
+
+def test_streams_end_with_usage_unasked(served: tuple[Any, Path]) -> None:
+    server, cert = served
+    with (
+        httpx.Client(verify=trusting(cert)) as http_client,
+        OpenAI(base_url=server.base_url, api_key="x", http_client=http_client) as client,
+    ):
+        chunks = list(
+            client.chat.completions.create(
+                model="smol",
+                messages=[{"role": "user", "content": "Say hi."}],
+                max_tokens=5,
+                temperature=0,
+                stream=True,
+            )
+        )
+    usage = chunks[-1].usage
+    assert usage is not None and chunks[-1].choices == []
+    assert usage.completion_tokens == 5 or chunks[-2].choices[0].finish_reason == "stop"
+    assert usage.prompt_tokens > 0
+    assert all(c.usage is None for c in chunks[:-1])  # (only the last: not continuous usage)

@@ -1,0 +1,128 @@
+"""vLLM's flags on Baton's command lines and in ``LLM(...)``: a vLLM command line parses
+unchanged; a value Baton cannot honour is a clear error before anything starts; one that
+changes nothing here is logged with what Baton does instead."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import Any
+
+import pytest
+
+from baton.cli import build_parser
+from baton.cli import main as baton_main
+from baton_engine.arg_utils import engine_kwargs_from_args
+from baton_engine.errors import InvalidRequestError
+from baton_engine.vllm_flags import (
+    ENGINE_FLAGS,
+    FRONTEND_FLAGS,
+    check_flags,
+    take_engine_args,
+)
+
+# A command line as vLLM's docs and deployment guides write them.
+VLLM_COMMAND_LINE = [
+    "--model", "/models/m",
+    "--trust-remote-code",
+    "--tensor-parallel-size", "1",
+    "--gpu-memory-utilization", "0.9",
+    "--max-model-len", "4096",
+    "--enable-chunked-prefill",
+    "--swap-space", "16",
+    "--disable-log-requests",
+    "--disable-log-stats",
+    "--download-dir", "/cache",
+    "--revision", "main",
+    "--tokenizer-mode", "auto",
+    "--kv-cache-dtype", "auto",
+    "--max-logprobs", "5",
+    "--otlp-traces-endpoint", "localhost:4317",
+    "--enable-prompt-tokens-details",
+    "--disable-fastapi-docs",
+    "-O", "3",
+    "--uvicorn-log-level", "warning",
+    "--distributed-executor-backend", "mp",
+]  # fmt: skip
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    return build_parser().parse_args(list(argv))
+
+
+def test_a_vllm_command_line_parses_and_maps_onto_batons_flags() -> None:
+    args = parse("serve", *VLLM_COMMAND_LINE)
+    assert args.model_option == "/models/m" and args.otlp_endpoint == "localhost:4317"
+    assert args.uvicorn_log_level == "warning" and args.disable_log_stats
+    notes = check_flags(vars(args), ENGINE_FLAGS + FRONTEND_FLAGS)
+    said = "\n".join(notes)
+    for flag in ("--trust-remote-code", "--swap-space", "--download-dir", "--max-logprobs"):
+        assert flag in said
+    assert "--kv-cache-dtype" not in said  # (vLLM's default value: nothing to say)
+    kwargs = engine_kwargs_from_args(args)  # only Baton's engine arguments
+    assert kwargs["max_model_len"] == 4096 and kwargs["gpu_memory_utilization"] == 0.9
+    assert not {f.name for f in ENGINE_FLAGS} & set(kwargs)
+    # Each service's own command line takes vLLM's flags that concern it.
+    for service in ("decode", "prefill"):
+        worker = parse(service, "--trust-remote-code", "--swap-space", "4", "--seed", "1")
+        assert worker.trust_remote_code and worker.swap_space == 4.0
+    gateway = parse("gateway", "--disable-log-requests", "--max-log-len", "100")
+    assert gateway.disable_log_requests and gateway.max_log_len == 100
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--quantization", "fp8"], "--quantization 'fp8' is not supported: Baton serves "),
+        (["--kv-cache-dtype", "fp8"], "FP8 KV is not supported"),
+        (["--pipeline-parallel-size", "2"], "--tensor-parallel-size only"),
+        (["--data-parallel-size", "2"], "--num-decode"),
+        (["--distributed-executor-backend", "ray"], "Ray is not supported"),
+        (["--tokenizer-mode", "mistral"], "'mistral' and 'custom' are not supported"),
+        (["--max-logprobs", "50"], "its own, 20"),
+        (["--speculative-config", '{"method": "ngram"}'], "speculative decoding"),
+        (["--cpu-offload-gb", "8"], "none are offloaded"),
+        (["--enable-sleep-mode"], "sleep mode"),
+        (["--kv-transfer-config", '{"kv_connector": "NixlConnector"}'], "disaggregates"),
+        (["--chat-template-content-format", "openai"], "'openai' is not supported"),
+        (["--api-server-count", "4"], "one gateway"),
+        (["--headless"], "always has its gateway"),
+        (["--hf-overrides", '{"num_hidden_layers": 2}'], "read as it is"),
+    ],
+)
+def test_a_value_baton_cannot_serve_stops_serve_before_it_starts(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert baton_main(["serve", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_serve_takes_one_model() -> None:
+    args = parse("serve", "a", "--model", "b")
+    with pytest.raises(InvalidRequestError, match="two models"):
+        args.func(args)
+
+
+def test_llm_takes_vllms_arguments(caplog: pytest.LogCaptureFixture) -> None:
+    """``LLM(model, trust_remote_code=True, swap_space=4, ...)``: vLLM's engine arguments leave
+    Baton's alone, with a note each; a value Baton cannot serve raises, naming it."""
+    given: dict[str, Any] = dict(
+        trust_remote_code=True,
+        swap_space=4,
+        disable_log_stats=True,
+        enforce_eager=True,
+        quantization=None,
+        max_model_len=64,
+    )
+    with caplog.at_level(logging.INFO, logger="baton_engine.vllm_flags"):
+        left = take_engine_args(given)
+    assert left == {"enforce_eager": True, "max_model_len": 64}
+    assert "trust_remote_code has no effect in Baton" in caplog.text
+    assert "disable_log_stats" not in caplog.text  # (LLM's default in vLLM too)
+    for bad, message in (
+        ({"quantization": "awq"}, "quantization 'awq' is not supported"),
+        ({"pipeline_parallel_size": 2}, "pipeline_parallel_size 2"),
+        ({"hf_overrides": {"rope_theta": 1.0}}, "hf_overrides"),
+    ):
+        with pytest.raises(InvalidRequestError, match=message):
+            take_engine_args(bad)
