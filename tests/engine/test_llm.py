@@ -40,6 +40,24 @@ def test_prompt_forms_and_order(llm: LLM) -> None:
     assert by_text.prompt == text and by_ids.prompt is None
     assert by_text.outputs[0].token_ids == by_ids.outputs[0].token_ids
     assert by_text.outputs[0].text == tok.decode(by_text.outputs[0].token_ids)
+    # vLLM's TextPrompt dict; text-only: other inputs (images...) are refused
+    (by_dict,) = llm.generate({"prompt": text}, GREEDY, use_tqdm=False)
+    assert by_dict.prompt == text and by_dict.outputs[0].text == by_text.outputs[0].text
+    with pytest.raises(InvalidRequestError, match="multi_modal_data are not supported"):
+        llm.generate({"prompt": text, "multi_modal_data": {}}, GREEDY, use_tqdm=False)
+
+
+def test_detokenize_false_gives_token_ids_only(llm: LLM) -> None:
+    """vLLM's ``detokenize=False``: the same tokens, no text; stop strings need the text."""
+    prompt = "The capital of France is"
+    (plain,) = llm.generate(prompt, GREEDY, use_tqdm=False)
+    raw_params = replace(GREEDY, detokenize=False, spaces_between_special_tokens=False)
+    (raw,) = llm.generate(prompt, raw_params, use_tqdm=False)
+    assert raw.outputs[0].token_ids == plain.outputs[0].token_ids
+    assert raw.outputs[0].text == "" and plain.outputs[0].text
+    assert raw.outputs[0].finish_reason == plain.outputs[0].finish_reason
+    with pytest.raises(InvalidRequestError, match="detokenize"):
+        SamplingParams(stop=["."], detokenize=False)
 
 
 def test_truncate_prompt_tokens(llm: LLM) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 from baton_engine.config import EngineConfig
 from baton_engine.core.engine_core import EngineCore
 from baton_engine.core.outputs import EngineCoreOutput, TokenLogprobs
-from baton_engine.detokenizer import IncrementalDetokenizer
+from baton_engine.detokenizer import DetokenizerDelta, IncrementalDetokenizer
 from baton_engine.errors import InvalidRequestError
 from baton_engine.lora import LoRARequest
 from baton_engine.outputs import (
@@ -32,7 +32,7 @@ from baton_engine.sampling_params import SamplingParams, tokenize_bad_words, tru
 @dataclass
 class _Sequence:
     output: CompletionOutput
-    detokenizer: IncrementalDetokenizer
+    detokenizer: IncrementalDetokenizer | None  # None: detokenize=False
 
 
 @dataclass
@@ -102,13 +102,15 @@ class LLMEngine:
             self.core.add_request(
                 child_id, token_ids, child_params, priority=priority, lora_request=lora_request
             )
-            detok = IncrementalDetokenizer(
-                self.tokenizer,
-                token_ids,
-                skip_special_tokens=params.skip_special_tokens,
-                stop=params.stop,
-                include_stop_str_in_output=params.include_stop_str_in_output,
-            )
+            detok = None
+            if params.detokenize:
+                detok = IncrementalDetokenizer(
+                    self.tokenizer,
+                    token_ids,
+                    skip_special_tokens=params.skip_special_tokens,
+                    stop=params.stop,
+                    include_stop_str_in_output=params.include_stop_str_in_output,
+                )
             logprobs: SampleLogprobs | None = [] if params.logprobs is not None else None
             cumulative = 0.0 if params.logprobs is not None else None
             state.sequences[child_id] = _Sequence(
@@ -182,7 +184,9 @@ class LLMEngine:
                 completion.cumulative_logprob = (
                     completion.cumulative_logprob or 0.0
                 ) + lp.logprobs[0]
-        delta = seq.detokenizer.update(out.new_token_ids, final=out.finished)
+        delta = DetokenizerDelta("")
+        if seq.detokenizer is not None:  # (None: detokenize=False)
+            delta = seq.detokenizer.update(out.new_token_ids, final=out.finished)
         completion.text += delta.text
         if delta.stop_str is not None and not out.finished:
             self.core.abort_requests([out.req_id], RequestStatus.FINISHED_STOPPED)

@@ -36,7 +36,11 @@ class TokensPrompt(TypedDict):
     prompt_token_ids: list[int]
 
 
-PromptType = str | TokensPrompt
+class TextPrompt(TypedDict):
+    prompt: str
+
+
+PromptType = str | TextPrompt | TokensPrompt
 _P = TypeVar("_P", SamplingParams, PoolingParams)
 LoRAArg = LoRARequest | Sequence[LoRARequest | None] | None
 ChatMessages = list[dict[str, Any]]
@@ -337,18 +341,28 @@ class LLM:
 
 
 def _prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[str | list[int]]:
-    """Prompts as text or token ids, however given (one or many; strings or TokensPrompt)."""
+    """Prompts as text or token ids, however given (one or many; strings, TextPrompt or
+    TokensPrompt dicts, as vLLM takes them)."""
     if isinstance(prompts, str | dict):
         prompts = [prompts]
     out: list[str | list[int]] = []
-    for p in prompts:
+    for given in prompts:
+        p: Any = given  # (a TypedDict: its keys are checked here)
+        if isinstance(p, dict) and p.keys() - {"prompt", "prompt_token_ids"}:
+            extra = ", ".join(sorted(p.keys() - {"prompt", "prompt_token_ids"}))
+            raise InvalidRequestError(
+                f"prompts with {extra} are not supported (Baton serves text-only models)"
+            )
         if isinstance(p, str):
             out.append(p)
         elif isinstance(p, dict) and "prompt_token_ids" in p:
             out.append(list(p["prompt_token_ids"]))
+        elif isinstance(p, dict) and isinstance(p.get("prompt"), str):
+            out.append(p["prompt"])
         else:
             raise InvalidRequestError(
-                "a prompt is a string or {'prompt_token_ids': [...]}, got " + type(p).__name__
+                "a prompt is a string, {'prompt': '...'} or {'prompt_token_ids': [...]}, got "
+                + type(p).__name__
             )
     return out
 

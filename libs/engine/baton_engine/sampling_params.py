@@ -98,6 +98,13 @@ class SamplingParams:
     # Such prompts skip prefix-cache hits (a cached token's logits are never computed).
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # vLLM's: accepted for its scripts. The tokenizer's own decoder decides the text between
+    # special tokens (byte-level BPE models' decoders put no spaces there either way).
+    spaces_between_special_tokens: bool = True
+    # False: the output's text stays empty (token ids only; no stop strings), as in vLLM.
+    detokenize: bool = True
+    # Arguments for extensions (vLLM's ``extra_args``); Baton's own sampling reads none.
+    extra_args: dict[str, Any] | None = None
     # The output must follow this JSON schema, pattern, choice list or grammar.
     structured_outputs: StructuredOutputsParams | None = None
     # Added to these tokens' logits before sampling (OpenAI's logit_bias, by token id).
@@ -161,6 +168,8 @@ class SamplingParams:
             raise bad(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}")
         if any(t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids must be non-negative")
+        if self.stop and not self.detokenize:
+            raise bad("stop strings are only supported when detokenize is True")
         if self.logit_bias is not None:
             for token_id, bias in self.logit_bias.items():
                 if not isinstance(token_id, int) or token_id < 0:
