@@ -1,7 +1,8 @@
 """``baton serve`` run with a vLLM command line: vLLM's flags that change nothing here are
 accepted, and the ones Baton implements work as in vLLM: HTTPS (``--ssl-keyfile`` /
 ``--ssl-certfile``), ``--tokenizer``, ``--default-chat-template-kwargs``,
-``--enable-force-include-usage``, ``--model``, ``--served-model-name``."""
+``--enable-force-include-usage``, ``--model``, ``--served-model-name``; and the workers' metrics
+under vLLM's names (``--metric-names vllm``)."""
 
 from __future__ import annotations
 
@@ -90,6 +91,7 @@ def served(
             "--root-path", "/proxy",  # (a proxy strips it: requests come to /v1/...)
             "--enable-force-include-usage",
             "--default-chat-template-kwargs", '{"greeting": "Ahoy! "}',
+            "--metric-names", "vllm",
         ]
     )  # fmt: skip
     try:
@@ -153,3 +155,24 @@ def test_streams_end_with_usage_unasked(served: tuple[Any, Path]) -> None:
     assert usage.completion_tokens == 5 or chunks[-2].choices[0].finish_reason == "stop"
     assert usage.prompt_tokens > 0
     assert all(c.usage is None for c in chunks[:-1])  # (only the last: not continuous usage)
+
+
+def test_metrics_under_vllms_names(served: tuple[Any, Path]) -> None:
+    """Dashboards and autoscalers built for vLLM find the engine's metrics under their names
+    (the gateway's /metrics includes the workers'), with vLLM's model_name label."""
+    server, cert = served
+    with httpx.Client(verify=trusting(cert), timeout=60) as http:
+        text = http.get(f"https://127.0.0.1:{server.port}/metrics").text
+    # (the gateway adds each worker's role and address to its series)
+    for name in (
+        'vllm:num_requests_running{model_name="smol",role="decode"',
+        'vllm:num_requests_waiting{model_name="smol",role="decode"',
+        'vllm:kv_cache_usage_perc{model_name="smol",role="decode"',
+        'vllm:generation_tokens_total{model_name="smol",role="decode"',
+        "vllm:time_to_first_token_seconds_bucket{",
+        "vllm:e2e_request_latency_seconds_count{",
+        "vllm:request_success_total{",
+    ):
+        assert name in text, name
+    assert "baton:num_requests_running" not in text
+    assert "baton:kv_transfer_bytes_total" in text  # (Baton's own: no vLLM counterpart)

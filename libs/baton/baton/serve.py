@@ -46,6 +46,7 @@ _PR_SET_PDEATHSIG = 1
 
 def add_parser(subparsers: Any) -> None:
     """Register ``serve`` on the ``baton`` command's subparsers."""
+    from baton_decode.cli import add_metric_names_argument
     from baton_engine.arg_utils import add_engine_args
     from baton_gateway.cli import add_frontend_arguments
 
@@ -146,6 +147,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument(
         "--disable-log-stats", action="store_true", help="no periodic stats log line per worker"
     )
+    add_metric_names_argument(p)
     add_frontend_arguments(p)
     add_engine_args(p)
     p.set_defaults(func=_cmd_serve)
@@ -461,6 +463,7 @@ def _plan(args: argparse.Namespace, name: str) -> list[tuple[str, str, list[str]
                 *otlp_argv,
                 *("--kv-transfer", args.kv_transfer),
                 *(["--disable-log-stats"] if args.disable_log_stats else []),
+                *("--metric-names", args.metric_names),
                 *engine_argv(args),
             ]
             if role == "decode":

@@ -25,6 +25,9 @@ from baton_engine.errors import InvalidRequestError
 logger = logging.getLogger(__name__)
 
 MAX_LOGPROBS = 20  # top logprobs per token Baton returns at most (vLLM's default cap)
+# The workers' engine metrics are named baton:* or, with --metric-names vllm, vllm:* as vLLM
+# names them (so that dashboards and autoscalers built for vLLM read them unchanged).
+METRIC_PREFIXES = ("baton", "vllm")
 
 
 @dataclass(frozen=True)

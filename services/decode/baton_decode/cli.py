@@ -14,6 +14,7 @@ from baton import tracing
 from baton_engine.arg_utils import add_engine_args, engine_kwargs_from_args
 from baton_engine.config import EngineConfig
 from baton_engine.errors import InvalidRequestError
+from baton_engine.vllm_flags import METRIC_PREFIXES
 
 DEFAULT_PORTS = {"decode": 50052, "prefill": 50053}
 
@@ -60,6 +61,7 @@ def add_worker_parser(subparsers: Any, role: str) -> None:
     p.add_argument(
         "--disable-log-stats", action="store_true", help="no periodic engine stats log line"
     )
+    add_metric_names_argument(p)
     p.add_argument("--worker-id", default=None, help="id in the kvstore (None: role-address)")
     tracing.add_otlp_argument(p)
     p.add_argument(
@@ -89,6 +91,17 @@ def add_worker_parser(subparsers: Any, role: str) -> None:
     p.set_defaults(func=_cmd_worker, role=role)
 
 
+def add_metric_names_argument(p: argparse.ArgumentParser) -> None:
+    """``--metric-names``, the same on ``baton serve`` and the workers."""
+    p.add_argument(
+        "--metric-names",
+        choices=METRIC_PREFIXES,
+        default="baton",
+        help="the engine metrics' prefix: baton:* or, as vLLM names them, vllm:* (so that "
+        "dashboards and autoscalers built for vLLM read them unchanged)",
+    )
+
+
 def _cmd_worker(args: argparse.Namespace) -> int:
     from baton_decode.server import WorkerConfig, serve
 
@@ -111,6 +124,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
         max_pending=args.max_pending,
         shutdown_grace_s=args.shutdown_grace,
         log_stats_interval_s=math.inf if args.disable_log_stats else 5.0,
+        metric_names=args.metric_names,
         worker_id=args.worker_id,
         kvstore_address=args.kvstore,
         kv_transfer=args.kv_transfer,

@@ -1,4 +1,7 @@
-"""Prometheus metrics (vLLM's names, ``baton:`` prefix) and the periodic stats log line.
+"""Prometheus metrics (vLLM's names and buckets, ``baton:`` prefix, or ``vllm:`` with
+``--metric-names vllm`` so that dashboards and autoscalers built for vLLM read them
+unchanged) and the periodic stats log line. Disaggregation's own metrics (KV transfer, leases)
+have no vLLM counterpart and keep ``baton:``.
 
 Engine-wide counters are fed from ``EngineCore.stats()`` deltas by the engine thread; per-request
 latencies are observed on the asyncio loop when outputs are delivered, so they are what the worker
@@ -33,19 +36,29 @@ class WorkerMetrics:
     adds the difference to the previous snapshot and ignores decreases.
     """
 
-    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        registry: CollectorRegistry | None = None,
+        metric_names: str = "baton",
+    ) -> None:
+        """``metric_names``: the engine metrics' prefix, one of
+        ``vllm_flags.METRIC_PREFIXES``."""
         self.registry = registry if registry is not None else CollectorRegistry()
         self.model_name = model_name
         labels = ["model_name"]
+        prefix = metric_names
 
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(f"baton:{name}", doc, labels, registry=self.registry)
+            return Gauge(f"{prefix}:{name}", doc, labels, registry=self.registry)
 
         def counter(name: str, doc: str) -> Counter:
-            return Counter(f"baton:{name}", doc, labels, registry=self.registry)
+            return Counter(f"{prefix}:{name}", doc, labels, registry=self.registry)
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(f"baton:{name}", doc, labels, buckets=buckets, registry=self.registry)
+            return Histogram(
+                f"{prefix}:{name}", doc, labels, buckets=buckets, registry=self.registry
+            )
 
         m = model_name
         self.num_requests_running = gauge("num_requests_running", "Requests in the batch").labels(m)
@@ -61,7 +74,7 @@ class WorkerMetrics:
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens received").labels(m)
         self.generation_tokens = counter("generation_tokens", "Tokens generated").labels(m)
         self.request_success = Counter(
-            "baton:request_success",
+            f"{prefix}:request_success",
             "Finished requests by finish reason",
             ["model_name", "finished_reason"],
             registry=self.registry,
@@ -75,7 +88,8 @@ class WorkerMetrics:
         self.e2e_request_latency = histogram(
             "e2e_request_latency_seconds", "Arrival to last token", _E2E_BUCKETS
         ).labels(m)
-        # Disaggregation: KV pulled (decode side) and leases held (prefill side).
+        # Disaggregation: KV pulled (decode side) and leases held (prefill side); Baton's own.
+        prefix = "baton"
         self.kv_transfer_seconds = histogram(
             "kv_transfer_seconds", "Time to pull one request's missing KV blocks", _ITL_BUCKETS
         ).labels(m)

@@ -80,6 +80,7 @@ class WorkerConfig:
     max_pending: int | None = None  # None: 4 * max_num_seqs
     shutdown_grace_s: float = 5.0
     log_stats_interval_s: float = 5.0
+    metric_names: str = "baton"  # the engine metrics' prefix: "baton" or "vllm"
     worker_id: str | None = None  # None: role-host-port
     kvstore_address: str | None = None  # register and publish KV events there
     kv_transfer: str = "auto"  # "nixl" | "grpc" | "auto"
@@ -610,7 +611,7 @@ async def _serve(
     max_pending: int,
 ) -> int:
     loop = asyncio.get_running_loop()
-    metrics = WorkerMetrics(name)
+    metrics = WorkerMetrics(name, metric_names=config.metric_names)
     try:
         httpd, _ = start_http_server(
             config.metrics_port, addr=config.host, registry=metrics.registry
