@@ -268,7 +268,8 @@ def test_one_request_decode_runs_the_fused_gemv_layers(
         monkeypatch.setattr(gemv, "DOT_DTYPES", (torch.float32,))  # the tiny model's
         monkeypatch.setattr(common, "_COUNTERS", {})
     (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    # (8 tokens: 14 decode steps through the interpreted kernels, the slowest tests of the suite)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     prompts = {"a": [5, 17, 33, 2, 91, 40, 7], "b": [200, 3, 3, 150]}
     tokens: dict[str, dict[str, list[int]]] = {}
     for backend in ("torch", "triton"):
@@ -288,7 +289,7 @@ def test_one_request_decode_runs_the_fused_gemv_layers(
                     got.setdefault(out.req_id, []).extend(out.new_token_ids)
         if backend == "triton":
             graphs = core.runner.graphs
-            assert graphs is not None and graphs.num_steps.get(1, 0) >= 20
+            assert graphs is not None and graphs.num_steps.get(1, 0) >= 14
             if dot:  # the split launches ran (their counters exist, back at zero)
                 from baton_kernels.triton import common
 
@@ -296,7 +297,7 @@ def test_one_request_decode_runs_the_fused_gemv_layers(
                 assert counters and not counters[0].any()
         core.check_invariants()
     assert tokens["triton"] == tokens["torch"]
-    assert all(len(t) == 12 for t in tokens["torch"].values())
+    assert all(len(t) == 8 for t in tokens["torch"].values())
 
 
 def _staggered_run(

@@ -40,7 +40,7 @@ SYSTEM = (
 ) * 3
 QUESTIONS = [
     f"Question {i}: what is {i} plus {i * 3}, and name a city starting with {chr(65 + i % 26)}?"
-    for i in range(32)
+    for i in range(16)  # two waves of 8 concurrent requests per path
 ]
 MAX_TOKENS = 8
 

@@ -157,7 +157,7 @@ def test_expired_leases_make_decode_recompute(stack: Stack, tokenizer: Any) -> N
     decode = stack.worker("decode", "d", None)
     gw = stack.gateway([decode], [prefill], "--remote-prefill-threshold", "0")
     wait_all(stack.services)
-    batch = prompts(tokenizer, 12)
+    batch = prompts(tokenizer, 6)
     want = reference(stack, decode, batch)
     got = run_requests(gw.address, batch)
     assert got == want
