@@ -1,8 +1,8 @@
 """``baton serve`` run with a vLLM command line: vLLM's flags that change nothing here are
 accepted, and the ones Baton implements work as in vLLM: HTTPS (``--ssl-keyfile`` /
 ``--ssl-certfile``), ``--tokenizer``, ``--default-chat-template-kwargs``,
-``--enable-force-include-usage``, ``--model``, ``--served-model-name``; and the workers' metrics
-under vLLM's names (``--metric-names vllm``)."""
+``--enable-force-include-usage``, ``--model``, ``--served-model-name`` (two names); and the
+workers' metrics under vLLM's names (``--metric-names vllm``)."""
 
 from __future__ import annotations
 
@@ -76,7 +76,7 @@ def served(
     server = serve_launcher.start(
         [
             "--model", str(default_model_dir),
-            "--served-model-name", "smol",
+            "--served-model-name", "smol", "smollm",
             "--mode", "aggregated",
             "--trust-remote-code",
             "--tensor-parallel-size", "1",
@@ -111,7 +111,14 @@ def test_served_over_https(served: tuple[Any, Path]) -> None:
     with httpx.Client(verify=trusting(cert), timeout=60) as http:
         reply = http.get(f"{server.base_url}/models")
         assert reply.status_code == 200, reply.text
-        assert [m["id"] for m in reply.json()["data"]] == ["smol"]
+        assert [m["id"] for m in reply.json()["data"]] == ["smol", "smollm"]
+        # Requests may name the model by either name; the answer names the one asked for.
+        for name, status in (("smol", 200), ("smollm", 200), ("nope", 404)):
+            body = {"model": name, "prompt": "Hi", "max_tokens": 2}
+            reply = http.post(f"{server.base_url}/completions", json=body)
+            assert reply.status_code == status, reply.text
+            if status == 200:
+                assert reply.json()["model"] == name
     with pytest.raises(httpx.TransportError):  # plain HTTP is not served
         httpx.get(f"http://127.0.0.1:{server.port}/v1/models", timeout=10)
     with pytest.raises(httpx.ConnectError):  # nor HTTPS a client cannot verify

@@ -67,8 +67,10 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--port", type=int, default=8000, help="HTTP port")
     p.add_argument(
         "--served-model-name",
+        nargs="+",
         default=None,
-        help="model id for clients (default: the default model's name, or the folder/file stem)",
+        help="model id for clients (default: the default model's name, or the folder/file "
+        "stem); with several, requests may name any, responses and metrics use the first",
     )
     p.add_argument(
         "--api-key",
@@ -305,7 +307,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     check_tls(args)
     check_flags(vars(args), FRONTEND_FLAGS + ENGINE_FLAGS)
     resolve_model(args.model)  # convert once, before several processes race to
-    name = args.served_model_name or served_model_name(args.model)
+    name = args.served_model_name[0] if args.served_model_name else served_model_name(args.model)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     # NIXL/UCX between processes of this machine: the loopback device only.
     env.setdefault("UCX_NET_DEVICES", "lo")
@@ -484,7 +486,8 @@ def _plan(args: argparse.Namespace, name: str) -> list[tuple[str, str, list[str]
             if args.max_remote_prefill_wait_ms is not None
             else []
         ),
-        *("--served-model-name", name, "--connect-timeout", str(args.ready_timeout)),
+        *("--served-model-name", name, *(args.served_model_name or [])[1:]),
+        *("--connect-timeout", str(args.ready_timeout)),
         *(["--model", args.model] if args.model is not None else []),
         *(["--disable-uvicorn-access-log"] if args.disable_uvicorn_access_log else []),
         *(["--enable-auto-tool-choice"] if args.enable_auto_tool_choice else []),

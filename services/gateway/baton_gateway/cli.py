@@ -79,7 +79,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     tracing.add_otlp_argument(p)
     p.add_argument(
-        "--served-model-name", default=None, help="model id clients use (default: the worker's)"
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="model id clients use (default: the worker's); with several, requests may name "
+        "any, responses use the first unless the request named another",
     )
     p.add_argument(
         "--api-key",
@@ -344,7 +348,8 @@ def run_gateway(args: argparse.Namespace) -> int:
         remote_prefill_threshold=args.remote_prefill_threshold,
         max_remote_prefill_wait_ms=args.max_remote_prefill_wait_ms,
         model=args.model,
-        served_model_name=args.served_model_name,
+        served_model_name=args.served_model_name[0] if args.served_model_name else None,
+        served_model_aliases=tuple(args.served_model_name or ())[1:],
         api_key=args.api_key or None,
         max_model_len=args.max_model_len,
         connect_timeout_s=args.connect_timeout,

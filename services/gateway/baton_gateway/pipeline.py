@@ -141,6 +141,7 @@ class Pipeline:
         lora_modules: Mapping[str, str] | None = None,
         labels: tuple[str, ...] = (),
         force_include_usage: bool = False,
+        model_aliases: tuple[str, ...] = (),
     ) -> None:
         """``tool_parser``: the parser "auto" tool choice uses (None: "auto" is refused);
         ``chat_template``: the template chat requests use instead of the model's;
@@ -158,10 +159,13 @@ class Pipeline:
         /v1/responses/{id}``; ``labels``: a sequence-classification model's (it serves
         ``/classify``, and ``/score`` and ``/rerank`` as a cross-encoder, not embeddings);
         ``force_include_usage``: streamed completions end with a usage chunk even when the
-        request does not ask for one (vLLM's ``--enable-force-include-usage``)."""
+        request does not ask for one (vLLM's ``--enable-force-include-usage``);
+        ``model_aliases``: other names requests may give the model (vLLM's further
+        ``--served-model-name`` values)."""
         self.pool = pool
         self.tokenizer = tokenizer
         self.model_name = model_name
+        self.model_aliases = model_aliases
         self.lora_modules = dict(lora_modules or {})
         self.labels = labels
         self.max_model_len = max_model_len
@@ -178,14 +182,14 @@ class Pipeline:
         self.stored_responses = responses_api.ResponseStore(max_stored_responses)
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name and model not in self.lora_modules:
+        if model is not None and not self._is_base(model) and model not in self.lora_modules:
             raise GatewayError(
                 HTTPStatus.NOT_FOUND, f"The model `{model}` does not exist.", param="model"
             )
 
     async def load_lora_adapter(self, lora_name: str, lora_path: str) -> None:
         """Serve a LoRA adapter under ``lora_name`` on every worker from now on."""
-        if lora_name in self.lora_modules or lora_name == self.model_name:
+        if lora_name in self.lora_modules or self._is_base(lora_name):
             raise bad_request(
                 f"The lora adapter '{lora_name}' has already been loaded.", param="lora_name"
             )
@@ -207,9 +211,14 @@ class Pipeline:
         """The LoRA adapter a request's ``model`` names (None: the base model)."""
         return model if model is not None and model in self.lora_modules else None
 
+    def _is_base(self, model: str) -> bool:
+        return model == self.model_name or model in self.model_aliases
+
     def served_name(self, model: str | None) -> str:
-        """The ``model`` a response names: the adapter's when the request named one, as
-        vLLM answers."""
+        """The ``model`` a response names, as vLLM answers: the adapter's, or the base model's
+        name the request gave, else the first."""
+        if model is not None and self._is_base(model):
+            return model
         return self.lora_of(model) or self.model_name
 
     def _specs(

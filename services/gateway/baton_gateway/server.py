@@ -85,6 +85,7 @@ class GatewayConfig:
     max_remote_prefill_wait_ms: float | None = None
     model: str | None = None  # the model the tokenizer comes from; None: the default model
     served_model_name: str | None = None  # None: the decode worker's model name
+    served_model_aliases: tuple[str, ...] = ()  # other names requests may give the model
     api_key: str | None = None
     max_model_len: int | None = None  # None: the decode worker's
     connect_timeout_s: float = 120.0
@@ -254,6 +255,7 @@ def create_app(config: GatewayConfig, tokenizer: Any) -> FastAPI:
                 max_stored_responses=config.max_stored_responses,
                 lora_modules=dict(info.lora_modules),
                 labels=info.labels,
+                model_aliases=config.served_model_aliases,
             )
             logger.info("serving %s (max_model_len %d) via %s", name, max_model_len,
                         ", ".join(f"{w.role} {w.addr}" for w in pool.workers))  # fmt: skip
@@ -305,7 +307,10 @@ def create_app(config: GatewayConfig, tokenizer: Any) -> FastAPI:
     async def models() -> JSONResponse:
         pipeline = state.pipeline
         name, max_len = pipeline.model_name, pipeline.max_model_len
-        cards = [ModelCard(id=name, root=name, max_model_len=max_len)]
+        cards = [  # every name the model is served under, as vLLM lists them
+            ModelCard(id=alias, root=name, max_model_len=max_len)
+            for alias in (name, *pipeline.model_aliases)
+        ]
         cards += [  # the LoRA adapters, as vLLM lists them
             ModelCard(id=lora, root=path, parent=name, max_model_len=max_len)
             for lora, path in pipeline.lora_modules.items()
