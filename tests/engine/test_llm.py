@@ -141,6 +141,11 @@ def test_stop_token_ids_and_min_tokens(llm: LLM) -> None:
     (out,) = llm.generate(["The capital of France is"], params, use_tqdm=False)
     assert out.outputs[0].token_ids == [first]
     assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == first
+    # as vLLM: the stop token's text shows only with include_stop_str_in_output
+    assert out.outputs[0].text == "" and free.outputs[0].text
+    shown = replace(params, include_stop_str_in_output=True)
+    (out,) = llm.generate(["The capital of France is"], shown, use_tqdm=False)
+    assert out.outputs[0].text == llm.get_tokenizer().decode([first])
     # min_tokens suppresses the stop token until it is reached
     params = SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[first], min_tokens=3)
     (out,) = llm.generate(["The capital of France is"], params, use_tqdm=False)

@@ -234,6 +234,27 @@ def test_stop_strings_never_leak(client: OpenAI) -> None:
     assert kept.choices[0].message.content == expected + stop
 
 
+def test_stop_tokens_text_shows_only_when_asked(http: httpx.Client) -> None:
+    """As vLLM: a completion stopped at one of its stop_token_ids (or EOS) does not show that
+    token's text, streamed or not, unless include_stop_str_in_output; token_ids keep it."""
+    body: dict[str, Any] = {"prompt": "The sky is", "max_tokens": 12, "temperature": 0}
+    free = http.post("/v1/completions", json={**body, "return_token_ids": True}).json()
+    ids = free["choices"][0]["token_ids"]
+    k = next(i for i in range(1, len(ids)) if ids[i] not in ids[:i])  # a word seen first there
+    stop_at = ids[k]
+    before = http.post("/detokenize", json={"tokens": ids[:k]}).json()["prompt"]
+    upto = http.post("/detokenize", json={"tokens": ids[: k + 1]}).json()["prompt"]
+    body |= {"stop_token_ids": [stop_at], "return_token_ids": True}
+    stopped = http.post("/v1/completions", json=body).json()["choices"][0]
+    assert stopped["finish_reason"] == "stop" and stopped["stop_reason"] == stop_at
+    assert stopped["token_ids"] == ids[: k + 1] and stopped["text"] == before
+    streamed = http.post("/v1/completions", json={**body, "stream": True}).text
+    texts = [json.loads(line[6:]) for line in streamed.splitlines() if line[6:].startswith("{")]
+    assert "".join(c["text"] for t in texts for c in t["choices"]) == before
+    shown = {**body, "include_stop_str_in_output": True}
+    assert http.post("/v1/completions", json=shown).json()["choices"][0]["text"] == upto
+
+
 def test_seed_is_reproducible(client: OpenAI) -> None:
     def run() -> str:
         out = client.chat.completions.create(

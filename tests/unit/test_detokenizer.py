@@ -133,6 +133,27 @@ def test_skip_special_tokens(tok: Any, chat_prompt: list[int], skip: bool):
     assert joined(deltas) == expected == tok.decode(ids, skip_special_tokens=skip)
 
 
+@pytest.mark.parametrize("include", [False, True])
+def test_the_token_the_engine_stopped_at_shows_only_when_asked(
+    tok: Any, chat_prompt: list[int], include: bool
+):
+    """vLLM V1: a request stopped at EOS or at one of its stop_token_ids does not show that
+    token's text (special or not), unless include_stop_str_in_output."""
+    im_end = token_id(tok, "<|im_end|>")
+    words = enc(tok, "Paris is the capital.")
+    for stop_at, shown in ((im_end, "<|im_end|>"), (words[-1], ".")):
+        ids = [*words[:-1], stop_at] if stop_at == words[-1] else [*words, stop_at]
+        det = IncrementalDetokenizer(
+            tok, chat_prompt, skip_special_tokens=False, include_stop_str_in_output=include
+        )
+        deltas = [det.update(ids[:3]), det.update(ids[3:], final=True, stop_terminated=True)]
+        body = tok.decode(ids[:-1], skip_special_tokens=False)
+        assert joined(deltas) == (body + shown if include else body)
+        # Not stopped at it (max_tokens, say): every token shows.
+        det = IncrementalDetokenizer(tok, chat_prompt, skip_special_tokens=False)
+        assert det.update(ids, final=True).text == body + shown
+
+
 def test_prompt_text_is_not_emitted_and_first_token_leading_space(tok: Any, chat_prompt: list[int]):
     ids = enc(tok, " Hello world")
     assert tok.convert_ids_to_tokens(ids[0]) == "ĠHello"

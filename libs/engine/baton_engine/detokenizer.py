@@ -48,6 +48,9 @@ class IncrementalDetokenizer:
       unreleased text that is a prefix of some stop string is held back until it is known not to
       match; ``final=True`` (the request ended for another reason) releases it.
     * After a stop match or a ``final=True`` update, further updates release nothing.
+    * A request the engine stopped at a token (EOS, or one of ``stop_token_ids``:
+      ``stop_terminated``) does not show that token's text, unless
+      ``include_stop_str_in_output`` (vLLM V1's rule).
 
     ``tokenizer`` is a Hugging Face fast tokenizer; its ``backend_tokenizer`` is used directly when
     present, otherwise its ``decode`` method. Empty stop strings are ignored.
@@ -98,15 +101,21 @@ class IncrementalDetokenizer:
         """Whether a stop string matched or a ``final=True`` update was made."""
         return self._done
 
-    def update(self, new_token_ids: Sequence[int], final: bool = False) -> DetokenizerDelta:
+    def update(
+        self, new_token_ids: Sequence[int], final: bool = False, stop_terminated: bool = False
+    ) -> DetokenizerDelta:
         """Add newly generated token ids and return the text that can now be released.
 
         ``final=True`` means no more tokens will come: everything decoded is released (held-back
         stop-string prefixes and any trailing incomplete UTF-8, shown as U+FFFD as in a full
-        decode), unless a stop string matches first.
+        decode), unless a stop string matches first. ``stop_terminated``: the last of
+        ``new_token_ids`` is the EOS or stop token the engine stopped at (its text is left
+        out unless ``include_stop_str_in_output``).
         """
         if self._done:
             return DetokenizerDelta("")
+        if stop_terminated and new_token_ids and not self._include_stop:
+            new_token_ids = new_token_ids[:-1]
         for token_id in new_token_ids:
             self._ids.append(int(token_id))
             self._decode_step(force=False)

@@ -186,7 +186,11 @@ class LLMEngine:
                 ) + lp.logprobs[0]
         delta = DetokenizerDelta("")
         if seq.detokenizer is not None:  # (None: detokenize=False)
-            delta = seq.detokenizer.update(out.new_token_ids, final=out.finished)
+            delta = seq.detokenizer.update(
+                out.new_token_ids,
+                final=out.finished,
+                stop_terminated=out.finished and out.finish_reason == "stop",
+            )
         completion.text += delta.text
         if delta.stop_str is not None and not out.finished:
             self.core.abort_requests([out.req_id], RequestStatus.FINISHED_STOPPED)

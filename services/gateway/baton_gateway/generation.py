@@ -152,12 +152,18 @@ class Generation:
                     self.first_token_time = time.monotonic()
                 ids = chunk.token_ids
                 final = chunk.finish_reason is not None
+                # The worker stopped at its last token (EOS or a stop token id; stop strings
+                # are found here): the detokenizer leaves its text out, as vLLM.
+                at_stop_token = chunk.finish_reason == "stop"
                 stop_str: str | None = None
                 if opts.stop:
                     # Token by token, to find the one that completes a stop string.
                     parts = []
                     for i, token_id in enumerate(ids):
-                        released = detok.update((token_id,), final=final and i == len(ids) - 1)
+                        last = final and i == len(ids) - 1
+                        released = detok.update(
+                            (token_id,), final=last, stop_terminated=last and at_stop_token
+                        )
                         parts.append(released.text)
                         if released.stop_str is not None:
                             stop_str, ids = released.stop_str, ids[: i + 1]
@@ -168,7 +174,7 @@ class Generation:
                         stop_str = released.stop_str
                     text = "".join(parts)
                 else:
-                    text = detok.update(ids, final=final).text
+                    text = detok.update(ids, final=final, stop_terminated=at_stop_token).text
                 logprobs = chunk.logprobs[: len(ids)] if chunk.logprobs is not None else None
                 self.num_output_tokens[spec.index] += len(ids)
                 if stop_str is not None:
