@@ -21,7 +21,9 @@ from baton_gateway.protocol import ChatCompletionRequest
 from baton_gateway.tools import (
     HermesReader,
     Llama3JsonReader,
+    MistralReader,
     NamedCallReader,
+    PythonicReader,
     RequiredCallsReader,
     ToolCallReader,
     ToolCallsSoFar,
@@ -118,6 +120,74 @@ def test_llama3_json_reader(text: str, content: str, calls: list[Any]) -> None:
     assert read(Llama3JsonReader, text) == (content, calls)
     for step in (1, 2, 7):
         assert read(Llama3JsonReader, text, step) == (content, calls), step
+
+
+MISTRAL_CASES = [
+    # Mistral 7B v0.3 / Nemo: a JSON list after the token, content before it.
+    (
+        'Checking. [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Rome"}}, '
+        '{"name": "get_time", "arguments": {}}]',
+        "Checking. ",
+        [("get_weather", {"city": "Rome"}), ("get_time", {})],
+    ),
+    # Tokenizers v11+: name[ARGS]{...} after each token.
+    (
+        '[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}[TOOL_CALLS]get_time[ARGS]{}',
+        "",
+        [("get_weather", {"city": "Oslo"}), ("get_time", {})],
+    ),
+    # No calls: the text exactly, bracket-like text included.
+    ("Use [TOOL] wisely [TOOL_CALL", "Use [TOOL] wisely [TOOL_CALL", []),
+    # Calls that do not parse stay content, the token included.
+    ('Hm [TOOL_CALLS] [{"name": "f", "argu', 'Hm [TOOL_CALLS] [{"name": "f", "argu', []),
+    ("[TOOL_CALLS]just words", "[TOOL_CALLS]just words", []),
+]
+
+
+@pytest.mark.parametrize(("text", "content", "calls"), MISTRAL_CASES)
+def test_mistral_reader(text: str, content: str, calls: list[Any]) -> None:
+    assert read(MistralReader, text) == (content, calls)
+    for step in (1, 2, 5):
+        assert read(MistralReader, text, step) == (content, calls), step
+
+
+def test_mistral_call_ids_are_what_its_templates_accept() -> None:
+    """Mistral's chat templates refuse a tool call id that is not 9 letters and digits."""
+    reader = MistralReader()
+    out = reader.feed('[TOOL_CALLS][{"name": "f", "arguments": {}}]', final=True)
+    (call,) = out.tool_calls
+    assert call.id is not None and len(call.id) == 9 and call.id.isalnum()
+    assert tool_use(
+        chat(messages=MESSAGES, tools=[WEATHER], tool_choice="auto"), "mistral"
+    ).keeps_special_tokens
+
+
+PYTHONIC_CASES = [
+    (
+        '[get_weather(city="San Francisco", unit="celsius"), get_time()]',
+        "",
+        [("get_weather", {"city": "San Francisco", "unit": "celsius"}), ("get_time", {})],
+    ),
+    # Llama 4's wrapper; literal values of every kind.
+    (
+        "<|python_start|>[f(a=1, b=[2.5, None], c={'k': True})]<|python_end|>",
+        "",
+        [("f", {"a": 1, "b": [2.5, None], "c": {"k": True}})],
+    ),
+    ("The answer is [1, 2].", "The answer is [1, 2].", []),
+    # Starts like calls but is not: all of it is content, exactly.
+    ("[1, 2, 3]", "[1, 2, 3]", []),
+    ("[f(x)]", "[f(x)]", []),  # (positional arguments: not a call Baton can name)
+    ("[f(a=open('x'))]", "[f(a=open('x'))]", []),  # (not a literal)
+    ("[f(a=1", "[f(a=1", []),
+]
+
+
+@pytest.mark.parametrize(("text", "content", "calls"), PYTHONIC_CASES)
+def test_pythonic_reader(text: str, content: str, calls: list[Any]) -> None:
+    assert read(PythonicReader, text) == (content, calls)
+    for step in (1, 3, 8):
+        assert read(PythonicReader, text, step) == (content, calls), step
 
 
 def test_required_and_named_readers() -> None:

@@ -304,6 +304,8 @@ class Pipeline:
             tools = tool_use(request, self.tool_parser)
         except ValueError as e:
             raise bad_request(str(e), param="tool_choice") from e
+        if tools is not None and tools.keeps_special_tokens:
+            request.skip_special_tokens = False  # (as vLLM: the calls' token must show)
         text = render_chat_prompt(self.tokenizer, request, *self.chat_defaults)
         prompt = tokenize_text(self.tokenizer, text, request.add_special_tokens)
         prompt = self._truncated(prompt, request)

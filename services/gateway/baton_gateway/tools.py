@@ -12,8 +12,12 @@
 - ``"none"``: plain text. Tools still reach the chat template in every case.
 
 Parsers: ``hermes`` (``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks, the
-format of Hermes, Qwen2.5 and many others) and ``llama3_json`` (Llama 3.1's JSON calls,
-``{"name": ..., "parameters": {...}}``, several separated by ``;``).
+format of Hermes, Qwen2.5 and many others), ``llama3_json`` (Llama 3.1's JSON calls,
+``{"name": ..., "parameters": {...}}``, several separated by ``;``), ``mistral`` (Mistral's
+``[TOOL_CALLS]`` token and a JSON list of calls, or its newer ``[TOOL_CALLS]name[ARGS]{...}``;
+the text keeps special tokens so that the token shows, and call ids are the 9 letters and digits
+Mistral's chat templates require) and ``pythonic`` (Llama 3.2/4's Python-style list of calls,
+``[get_weather(city="Paris"), get_time()]``).
 
 One :class:`ToolCallReader` per choice turns the text into content and tool-call pieces, fed as
 the text streams in; a non-streamed response feeds it the whole text and merges the pieces, so
@@ -24,7 +28,10 @@ call stays in the content, so nothing the model wrote is lost.
 
 from __future__ import annotations
 
+import ast
 import json
+import random
+import string
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -93,7 +100,10 @@ class ToolCallReader:
 
     :meth:`feed` takes each new piece of text (``final`` on the last) and returns what can be
     released. Subclasses implement :meth:`_read`; this class numbers the calls.
+    ``keeps_special_tokens``: the format uses special tokens, so the text must keep them.
     """
+
+    keeps_special_tokens = False
 
     def __init__(self) -> None:
         self.num_calls = 0
@@ -335,6 +345,135 @@ class HermesReader(ToolCallReader):
         return True
 
 
+class MistralReader(ToolCallReader):
+    """Mistral's tool calls: content, then ``[TOOL_CALLS]`` and the calls to the end: a JSON list
+    of ``{"name", "arguments"}`` objects (Mistral 7B v0.3, Nemo), or ``name[ARGS]{...}`` after
+    each ``[TOOL_CALLS]`` (tokenizers v11 and later). Content streams (text that may begin the
+    token is held); the calls go out at the end, each whole. Calls that do not parse stay
+    content, the token included, so nothing the model wrote is lost."""
+
+    BOT, ARGS = "[TOOL_CALLS]", "[ARGS]"
+    keeps_special_tokens = True  # (the token is a special token)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._buffer = ""
+        self._calls: str | None = None  # the text after the first [TOOL_CALLS]
+
+    def _read(self, text: str, final: bool) -> ReadOut:
+        out = ReadOut()
+        if self._calls is None:
+            self._buffer += text
+            at = self._buffer.find(self.BOT)
+            if at < 0:
+                keep = 0 if final else partial_tag_length(self._buffer, self.BOT)
+                out.content = self._buffer[: len(self._buffer) - keep]
+                self._buffer = self._buffer[len(self._buffer) - keep :]
+                return out
+            out.content = self._buffer[:at]
+            self._calls, self._buffer = self._buffer[at + len(self.BOT) :], ""
+        else:
+            self._calls += text
+        if final:
+            calls = self._parse(self._calls)
+            if calls is None:
+                out.content += self.BOT + self._calls
+            else:
+                out.tool_calls = [self._call(name, arguments) for name, arguments in calls]
+        return out
+
+    def _parse(self, text: str) -> list[tuple[str, Any]] | None:
+        calls: list[tuple[str, Any]] = []
+        for part in text.split(self.BOT):
+            part = part.strip()
+            if not part:
+                continue
+            if part[0] in "[{":  # a JSON list of calls, or one
+                try:
+                    parsed = json.loads(part)
+                except ValueError:
+                    return None
+                for obj in parsed if isinstance(parsed, list) else [parsed]:
+                    call = _parse_call(json.dumps(obj), ("arguments", "parameters"))
+                    if call is None:
+                        return None
+                    calls.append(call)
+            elif self.ARGS in part:  # name[ARGS]{...}
+                name, _, arguments = part.partition(self.ARGS)
+                try:
+                    calls.append((name.strip(), json.loads(arguments)))
+                except ValueError:
+                    return None
+            else:
+                return None
+        return calls or None
+
+    def _call(self, name: str, arguments: Any) -> DeltaToolCall:
+        call = super()._call(name, arguments)
+        call.id = "".join(random.choices(string.ascii_letters + string.digits, k=9))
+        return call
+
+
+class PythonicReader(ToolCallReader):
+    """Llama 3.2/4's Python-style calls: an output that is a list of calls with keyword
+    arguments of literal values, ``[f(a=1, b="x"), g()]`` (Llama 4 may wrap it in
+    ``<|python_start|>`` / ``<|python_end|>``). An output that starts otherwise streams as
+    content; one that starts like a list goes out at the end, as calls when it parses, else as
+    content exactly."""
+
+    START, END = "<|python_start|>", "<|python_end|>"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._mode: str | None = None  # None: undecided; "content" or "calls"
+        self._text = ""
+
+    def _read(self, text: str, final: bool) -> ReadOut:
+        if self._mode == "content":
+            return ReadOut(content=text)
+        self._text += text
+        head = self._text.lstrip()
+        if self._mode is None:
+            if head.startswith(("[", self.START)):
+                self._mode = "calls"
+            elif (head and not self.START.startswith(head)) or final:
+                self._mode = "content"
+                return ReadOut(content=self._text)
+            else:
+                return ReadOut()
+        if not final:
+            return ReadOut()
+        body = head.removeprefix(self.START).strip().removesuffix(self.END).strip()
+        calls = _python_calls(body)
+        if calls is None:
+            return ReadOut(content=self._text)
+        return ReadOut(tool_calls=[self._call(name, arguments) for name, arguments in calls])
+
+
+def _python_calls(text: str) -> list[tuple[str, dict[str, Any]]] | None:
+    """The calls of a Python list of calls with literal keyword arguments, or None."""
+    try:
+        tree = ast.parse(text, mode="eval")
+    except SyntaxError:
+        return None
+    if not isinstance(tree.body, ast.List) or not tree.body.elts:
+        return None
+    calls = []
+    for node in tree.body.elts:
+        if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
+            return None
+        arguments: dict[str, Any] = {}
+        for keyword in node.keywords:
+            if keyword.arg is None:  # **kwargs
+                return None
+            try:
+                arguments[keyword.arg] = ast.literal_eval(keyword.value)
+            except ValueError:
+                return None
+        calls.append((node.func.id, arguments))
+    return calls
+
+
 def _held_back(text: str, tag: str) -> int:
     """How many characters at the end of ``text`` to hold: trailing whitespace and anything
     after it that could begin ``tag``."""
@@ -346,6 +485,8 @@ def _held_back(text: str, tag: str) -> int:
 TOOL_PARSERS: dict[str, Callable[[], ToolCallReader]] = {
     "hermes": HermesReader,
     "llama3_json": Llama3JsonReader,
+    "mistral": MistralReader,
+    "pythonic": PythonicReader,
 }
 
 
@@ -355,6 +496,11 @@ class ToolUse:
 
     choice: str  # "required", "named" or "auto"
     new_reader: Callable[[], ToolCallReader]
+
+    @property
+    def keeps_special_tokens(self) -> bool:
+        """The reader's format uses special tokens: the text must keep them."""
+        return bool(getattr(self.new_reader, "keeps_special_tokens", False))
 
 
 def tool_use(request: ChatCompletionRequest, tool_parser: str | None) -> ToolUse | None:
