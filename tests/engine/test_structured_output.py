@@ -138,6 +138,56 @@ def test_free_requests_beside_constrained_ones_are_unchanged(default_model_dir: 
     assert mixed[5].outputs[0].text == mixed[2].outputs[0].text
 
 
+ANSWER_TAG = {
+    "type": "structural_tag",
+    "format": {
+        "type": "tag",
+        "begin": "<answer>",
+        "content": {"type": "json_schema", "json_schema": PERSON},
+        "end": "</answer>",
+    },
+}
+WEATHER_CALLS = {  # vLLM's older form: free text, each trigger starting a tagged call
+    "type": "structural_tag",
+    "structures": [
+        {
+            "begin": "<function=get_weather>",
+            "schema": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+            "end": "</function>",
+        }
+    ],
+    "triggers": ["<function="],
+}
+
+
+def test_structural_tags(llm: LLM) -> None:
+    """vLLM's structural_tag (XGrammar's): the output follows the tag's format (here one
+    tagged JSON value), given as a dict or JSON text; the older structures-and-triggers form
+    lets free text through and constrains what follows a trigger."""
+    for tag in (ANSWER_TAG, json.dumps(ANSWER_TAG)):
+        so = StructuredOutputsParams(structural_tag=tag)
+        (out,) = llm.chat(PROMPT, _params(so, max_tokens=100), use_tqdm=False)
+        text = out.outputs[0].text
+        assert out.outputs[0].finish_reason == "stop", text
+        assert text.startswith("<answer>") and text.endswith("</answer>"), text
+        _check_person(text.removeprefix("<answer>").removesuffix("</answer>"))
+    grammar = llm.engine.core.structured.grammar(
+        StructuredOutputsParams(structural_tag=WEATHER_CALLS)
+    )
+    tok = llm.get_tokenizer()
+    free = 'Let me look. <function=get_weather>{"city": "Oslo"}</function> Done.'
+    assert all(grammar.accept(t) for t in tok(free, add_special_tokens=False).input_ids)
+    grammar = llm.engine.core.structured.grammar(
+        StructuredOutputsParams(structural_tag=WEATHER_CALLS)
+    )
+    broken = tok('Sure <function=get_weather>{"town"', add_special_tokens=False).input_ids
+    assert not all(grammar.accept(t) for t in broken)
+
+
 def test_bad_specifications_are_clear_errors(llm: LLM) -> None:
     with pytest.raises(InvalidRequestError, match="exactly one"):
         StructuredOutputsParams(json=PERSON, regex="a+")
@@ -150,6 +200,9 @@ def test_bad_specifications_are_clear_errors(llm: LLM) -> None:
         (StructuredOutputsParams(json="{not json"), "json"),
         (StructuredOutputsParams(regex="(ab"), "regex.*parenthesis"),
         (StructuredOutputsParams(grammar="root ::= "), "grammar"),
+        (StructuredOutputsParams(structural_tag="{not json"), "structural_tag"),
+        (StructuredOutputsParams(structural_tag={"type": "structural_tag"}), "structural_tag"),
+        (StructuredOutputsParams(structural_tag={"structures": [{"begin": "<a>"}]}), "structural"),
     ]
     for so, match in bad:
         with pytest.raises(InvalidRequestError, match=match):

@@ -211,6 +211,26 @@ def test_structured_output_on_every_path(stack: dict[str, Service]) -> None:
             extra_body={"structured_outputs": {"regex": "[A-Z]{2}-[0-9]{3}"}},
         ).choices[0]
         assert re.fullmatch("[A-Z]{2}-[0-9]{3}", code.text), code.text
+        # vLLM's structural_tag response format (XGrammar's): one tagged JSON value here
+        tag = {
+            "type": "structural_tag",
+            "format": {
+                "type": "tag",
+                "begin": "<person>",
+                "content": {"type": "json_schema", "json_schema": PERSON},
+                "end": "</person>",
+            },
+        }
+        tagged = client.chat.completions.create(
+            model="SmolLM2-135M-Instruct",
+            messages=messages,  # type: ignore[arg-type]
+            max_tokens=60,
+            temperature=0.0,
+            extra_body={"response_format": tag},
+        ).choices[0]
+        body = tagged.message.content or ""
+        assert body.startswith("<person>") and body.endswith("</person>"), body
+        assert set(json.loads(body[len("<person>") : -len("</person>")])) == {"name", "age"}
         # A named tool choice is a JSON schema too (the function's parameters); "auto" needs
         # a tool parser, which these gateways were not started with.
         tool = {"type": "function", "function": {"name": "describe", "parameters": PERSON}}
@@ -239,6 +259,7 @@ def test_structured_output_on_every_path(stack: dict[str, Service]) -> None:
             choice.text,
             code.text,
             call.function.arguments,
+            body,
         ]
         with pytest.raises(openai.BadRequestError, match="nope"):
             client.chat.completions.create(

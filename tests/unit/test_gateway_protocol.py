@@ -56,6 +56,7 @@ def chat(**kwargs: Any) -> ChatCompletionRequest:
         {"response_format": {"type": "xml"}},
         {"response_format": {"type": "json_schema"}},
         {"response_format": {"type": "json_object"}, "guided_regex": "a+"},
+        {"response_format": {"type": "structural_tag"}},  # (neither format nor structures)
         {"guided_regex": "a+", "guided_choice": ["a"]},
         {"structured_outputs": {}},
         {"structured_outputs": {"choice": []}},
@@ -272,6 +273,17 @@ def test_structured_output_fields_reach_the_worker() -> None:
         ({"guided_grammar": 'root ::= "a"'}, ("grammar", 'root ::= "a"')),
         ({"structured_outputs": {"json": schema}}, ("json_schema", json.dumps(schema))),
         ({"structured_outputs": {"json_object": True}}, ("json_object", True)),
+        (
+            {"response_format": {"type": "structural_tag", "structures": [], "triggers": ["<"]}},
+            (
+                "structural_tag",
+                json.dumps({"type": "structural_tag", "structures": [], "triggers": ["<"]}),
+            ),
+        ),
+        (
+            {"structured_outputs": {"structural_tag": '{"format": {}}'}},
+            ("structural_tag", '{"format": {}}'),
+        ),
     ]
     for fields, want in cases:
         pb = codec.sampling_params(chat(**fields), max_tokens=7, seed=None)

@@ -29,6 +29,10 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    # vLLM's: XGrammar's structural tag, as JSON text or a dict: its ``{"type":
+    # "structural_tag", "format": {...}}``, or the older ``{"structures": [{"begin", "schema",
+    # "end"}], "triggers": [...]}`` (free text, where each trigger starts a tagged JSON value).
+    structural_tag: str | dict[str, Any] | None = None
     disable_any_whitespace: bool = False
     reasoning_end: str | None = None
 
@@ -36,8 +40,8 @@ class StructuredOutputsParams:
         given = [name for name, value in self._kinds() if value is not None and value is not False]
         if len(given) != 1:
             raise InvalidRequestError(
-                "structured output takes exactly one of json, regex, choice, grammar and "
-                f"json_object, got {', '.join(given) or 'none'}"
+                "structured output takes exactly one of json, regex, choice, grammar, "
+                f"json_object and structural_tag, got {', '.join(given) or 'none'}"
             )
         if self.choice is not None and (
             not self.choice or not all(isinstance(c, str) and c for c in self.choice)
@@ -49,6 +53,11 @@ class StructuredOutputsParams:
                 raise InvalidRequestError(f"structured output {name} must be a non-empty string")
         if self.json is not None and not isinstance(self.json, str | dict):
             raise InvalidRequestError("structured output json must be a schema (dict or text)")
+        tag = self.structural_tag
+        if tag is not None and not isinstance(tag, str | dict):
+            raise InvalidRequestError(
+                "structured output structural_tag must be JSON text or a dict"
+            )
         if self.reasoning_end is not None and (
             not isinstance(self.reasoning_end, str) or not self.reasoning_end
         ):
@@ -61,6 +70,7 @@ class StructuredOutputsParams:
             ("choice", self.choice),
             ("grammar", self.grammar),
             ("json_object", self.json_object),
+            ("structural_tag", self.structural_tag),
         ]
 
     @property

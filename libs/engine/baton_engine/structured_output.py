@@ -118,9 +118,11 @@ class StructuredOutputManager:
             elif kind == "choice":
                 # a regular expression of the escaped alternatives (as vLLM does)
                 compiled = compiler.compile_regex("|".join(_escape_regex(c) for c in spec))
+            elif kind == "structural_tag":
+                compiled = compiler.compile_grammar(_structural_tag(spec))
             else:
                 compiled = compiler.compile_grammar(spec)
-        except (RuntimeError, ValueError, TypeError) as e:
+        except (RuntimeError, ValueError, TypeError, KeyError) as e:
             raise InvalidRequestError(f"invalid structured output {kind}: {_first_line(e)}") from e
         return Grammar(xgr.GrammarMatcher(compiled))
 
@@ -150,6 +152,8 @@ def _after_reasoning(params: StructuredOutputsParams) -> Any:
         then = xgr.Grammar.from_regex(spec)
     elif kind == "choice":
         then = xgr.Grammar.from_regex("|".join(_escape_regex(c) for c in spec))
+    elif kind == "structural_tag":
+        then = _structural_tag(spec)
     else:
         then = xgr.Grammar.from_ebnf(spec)
     reasoning = {
@@ -166,6 +170,24 @@ def _after_reasoning(params: StructuredOutputsParams) -> Any:
         xgr.Grammar.from_regex(r"[ \t\r\n]{0,4}"),
         then,
     )
+
+
+def _structural_tag(spec: str | dict[str, Any]) -> Any:
+    """XGrammar's grammar of a structural tag (vLLM's rule): the older ``{"structures": [...],
+    "triggers": [...]}`` through XGrammar's tags-and-triggers form, anything else as its
+    current ``{"type": "structural_tag", "format": ...}``."""
+    import xgrammar as xgr
+
+    tag = json.loads(spec) if isinstance(spec, str) else spec
+    if not isinstance(tag, dict):
+        raise ValueError("a structural tag is a JSON object")
+    if "structures" not in tag:
+        return xgr.Grammar.from_structural_tag(json.dumps(tag))
+    items = [
+        xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"])
+        for s in tag["structures"]
+    ]
+    return xgr.Grammar.from_structural_tag(items, tag.get("triggers", []))
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int]) -> None:

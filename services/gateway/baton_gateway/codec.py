@@ -143,6 +143,9 @@ def structured_outputs(spec: StructuredOutputsSpec) -> common_pb2.StructuredOutp
         pb.choice.choices.extend(spec.choice)
     elif spec.grammar is not None:
         pb.grammar = spec.grammar
+    elif spec.structural_tag is not None:
+        tag = spec.structural_tag
+        pb.structural_tag = tag if isinstance(tag, str) else json.dumps(tag)
     else:
         pb.json_object = True
     return pb

@@ -81,6 +81,7 @@ class StructuredOutputsSpec(OpenAIBaseModel):
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    structural_tag: str | dict[str, Any] | None = None  # XGrammar's, as vLLM takes it
     disable_any_whitespace: bool = False
 
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
@@ -90,8 +91,8 @@ class StructuredOutputsSpec(OpenAIBaseModel):
         given = [k for k, v in self.kinds().items() if v is not None and v is not False]
         if len(given) != 1:
             raise ValueError(
-                "structured_outputs takes exactly one of json, regex, choice, grammar and "
-                f"json_object, got {', '.join(given) or 'none'}"
+                "structured_outputs takes exactly one of json, regex, choice, grammar, "
+                f"json_object and structural_tag, got {', '.join(given) or 'none'}"
             )
         if self.choice is not None and (not self.choice or not all(self.choice)):
             raise ValueError("structured_outputs choice must be non-empty strings")
@@ -104,6 +105,7 @@ class StructuredOutputsSpec(OpenAIBaseModel):
             "choice": self.choice,
             "grammar": self.grammar,
             "json_object": self.json_object,
+            "structural_tag": self.structural_tag,
         }
 
 
@@ -117,8 +119,13 @@ class JsonSchemaFormat(OpenAIBaseModel):
 
 
 class ResponseFormat(OpenAIBaseModel):
-    type: Literal["text", "json_object", "json_schema"]
+    """OpenAI's ``response_format``, and vLLM's ``structural_tag`` type (XGrammar's structural
+    tag: its ``format``, or the older ``structures`` and ``triggers``, kept as given)."""
+
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
+
+    model_config = ConfigDict(extra="allow")
 
 
 class _SamplingRequest(OpenAIBaseModel):
@@ -213,6 +220,11 @@ class _SamplingRequest(OpenAIBaseModel):
             if fmt.json_schema is None or fmt.json_schema.json_schema is None:
                 raise ValueError("response_format json_schema needs json_schema.schema")
             given.append(StructuredOutputsSpec(json=fmt.json_schema.json_schema))
+        elif fmt is not None and fmt.type == "structural_tag":
+            tag = {"type": "structural_tag", **(fmt.model_extra or {})}
+            if "format" not in tag and "structures" not in tag:
+                raise ValueError("response_format structural_tag needs format (or structures)")
+            given.append(StructuredOutputsSpec(structural_tag=tag))
         if self.structured_outputs is not None:
             given.append(self.structured_outputs)
         guided: dict[str, Any] = {
