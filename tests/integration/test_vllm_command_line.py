@@ -179,6 +179,8 @@ def test_metrics_under_vllms_names(served: tuple[Any, Path]) -> None:
         "vllm:time_to_first_token_seconds_bucket{",
         "vllm:e2e_request_latency_seconds_count{",
         "vllm:request_success_total{",
+        "vllm:request_prompt_tokens_bucket{",
+        "vllm:request_generation_tokens_count{",
     ):
         assert name in text, name
     assert "baton:num_requests_running" not in text

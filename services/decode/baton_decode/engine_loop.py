@@ -171,6 +171,7 @@ class RequestStream:
     arrival_time: float  # time.monotonic() when accepted
     queue: asyncio.Queue[EngineCoreOutput | BatonError] = field(default_factory=asyncio.Queue)
     last_token_time: float | None = None  # None until the first token
+    num_generated: int = 0  # tokens delivered so far
     # Called (on the loop) after each item is queued: a GenerateStream call drains the streams
     # that have news once per step instead of awaiting each.
     on_put: Callable[[RequestStream], None] | None = None
@@ -423,6 +424,7 @@ class EngineLoop:
             stream = self._streams.get(out.req_id)
             if stream is None:  # aborted while the step ran
                 continue
+            stream.num_generated += len(out.new_token_ids)
             if metrics is not None and out.new_token_ids:
                 if stream.last_token_time is None:
                     metrics.time_to_first_token.observe(now - stream.arrival_time)
@@ -434,7 +436,9 @@ class EngineLoop:
                 del self._streams[out.req_id]
                 if metrics is not None:
                     metrics.e2e_request_latency.observe(now - stream.arrival_time)
-                    metrics.record_finished(out.finish_reason)
+                    metrics.record_finished(
+                        out.finish_reason, stream.num_prompt_tokens, stream.num_generated
+                    )
         for req_id, error in errors:
             stream = self._streams.pop(req_id, None)
             if stream is not None:

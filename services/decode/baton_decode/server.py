@@ -611,7 +611,9 @@ async def _serve(
     max_pending: int,
 ) -> int:
     loop = asyncio.get_running_loop()
-    metrics = WorkerMetrics(name, metric_names=config.metric_names)
+    metrics = WorkerMetrics(
+        name, metric_names=config.metric_names, max_model_len=core.max_model_len
+    )
     try:
         httpd, _ = start_http_server(
             config.metrics_port, addr=config.host, registry=metrics.registry
