@@ -44,7 +44,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from baton_engine.config import ModelConfig
-from baton_engine.errors import InvalidRequestError
+from baton_engine.errors import InvalidRequestError, ModelLoadError
+from baton_engine.model_files import cached_snapshot, is_repo_id
 from baton_engine.models.llama import ROW_PARALLEL, shard_config
 
 if TYPE_CHECKING:
@@ -151,11 +152,18 @@ class LoRAAdapter:
 
 
 def load_adapter(request: LoRARequest, cfg: ModelConfig, max_rank: int) -> LoRAAdapter:
-    """Read and check a PEFT adapter folder; ``InvalidRequestError`` says what is wrong."""
+    """Read and check a PEFT adapter folder (or, as vLLM, a Hugging Face repository id in the
+    local cache); ``InvalidRequestError`` says what is wrong."""
     name, folder = request.lora_name, Path(request.lora_path)
 
     def refuse(why: str) -> InvalidRequestError:
         return InvalidRequestError(f"LoRA adapter {name!r} ({folder}): {why}")
+
+    if is_repo_id(request.lora_path):
+        try:
+            folder = cached_snapshot(request.lora_path)
+        except ModelLoadError as e:
+            raise InvalidRequestError(f"LoRA adapter {name!r}: {e}") from None
 
     try:
         config = json.loads((folder / "adapter_config.json").read_text())
@@ -208,7 +216,7 @@ def load_adapter(request: LoRARequest, cfg: ModelConfig, max_rank: int) -> LoRAA
                 f"do not fit the model (expected {(rank, in_f)} and {(out_f, rank)})"
             )
         weights[layer, part] = (a.float(), b.float() * scale)
-    return LoRAAdapter(name, str(folder), rank, weights)
+    return LoRAAdapter(name, request.lora_path, rank, weights)  # (the path as named)
 
 
 def _read_tensors(

