@@ -1,8 +1,9 @@
 """``baton serve`` run with a vLLM command line: vLLM's flags that change nothing here are
 accepted, and the ones Baton implements work as in vLLM: HTTPS (``--ssl-keyfile`` /
 ``--ssl-certfile``), ``--tokenizer``, ``--default-chat-template-kwargs``,
-``--enable-force-include-usage``, ``--model``, ``--served-model-name`` (two names); and the
-workers' metrics under vLLM's names (``--metric-names vllm``)."""
+``--enable-force-include-usage``, ``--model`` (a repository id, from a Hugging Face cache),
+``--served-model-name`` (two names); and the workers' metrics under vLLM's names
+(``--metric-names vllm``)."""
 
 from __future__ import annotations
 
@@ -73,9 +74,29 @@ def served(
         if f.name.startswith("tokenizer"):
             shutil.copy(f, tokenizer / f.name)
     (tokenizer / "chat_template.jinja").write_text(TEMPLATE)
-    server = serve_launcher.start(
+    # The model by repository id, from a Hugging Face cache (its files linked, as the hub
+    # client links snapshots to blobs).
+    repo = folder / "hub" / "models--test-org--smol"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("c0ffee")
+    snapshot = repo / "snapshots" / "c0ffee"
+    snapshot.mkdir(parents=True)
+    for f in default_model_dir.iterdir():
+        (snapshot / f.name).symlink_to(f)
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("HF_HUB_CACHE", str(folder / "hub"))
+        server = _start(serve_launcher, tokenizer, key, cert)
+    try:
+        yield server, cert
+    finally:
+        _, survivors = serve_launcher.stop(server)
+        assert not survivors, f"left behind: {survivors}"
+
+
+def _start(serve_launcher: Any, tokenizer: Path, key: Path, cert: Path) -> Any:
+    return serve_launcher.start(
         [
-            "--model", str(default_model_dir),
+            "--model", "test-org/smol",
             "--served-model-name", "smol", "smollm",
             "--mode", "aggregated",
             "--trust-remote-code",
@@ -94,11 +115,6 @@ def served(
             "--metric-names", "vllm",
         ]
     )  # fmt: skip
-    try:
-        yield server, cert
-    finally:
-        _, survivors = serve_launcher.stop(server)
-        assert not survivors, f"left behind: {survivors}"
 
 
 def trusting(cert: Path) -> ssl.SSLContext:
