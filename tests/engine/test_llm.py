@@ -31,6 +31,40 @@ def test_default_model_answers(llm: LLM) -> None:
     assert completion.token_ids
 
 
+def test_chat_takes_vllms_template_arguments(llm: LLM) -> None:
+    """``LLM.chat(..., tools=, chat_template_kwargs=, continue_final_message=)`` as vLLM's:
+    they reach the template; continuing a partial answer generates what the same prompt's
+    token ids do."""
+    tok = llm.get_tokenizer()
+    template = (
+        "{{ greeting }}{% for t in tools or [] %}[{{ t['function']['name'] }}]{% endfor %}"
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    )
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {}}}
+    messages = [{"role": "user", "content": "Hi"}]
+    (out,) = llm.chat(
+        messages,
+        GREEDY,
+        use_tqdm=False,
+        chat_template=template,
+        tools=[tool],
+        chat_template_kwargs={"greeting": "Ahoy "},
+        add_generation_prompt=False,
+    )
+    assert tok.decode(out.prompt_token_ids) == "Ahoy [get_weather]<user>Hi"
+    partial = [*messages, {"role": "assistant", "content": "The capital of France is"}]
+    (cont,) = llm.chat(
+        partial, GREEDY, use_tqdm=False, add_generation_prompt=False, continue_final_message=True
+    )
+    assert tok.decode(cont.prompt_token_ids).endswith("The capital of France is")
+    (same,) = llm.generate({"prompt_token_ids": cont.prompt_token_ids}, GREEDY, use_tqdm=False)
+    assert cont.outputs[0].token_ids == same.outputs[0].token_ids
+    with pytest.raises(InvalidRequestError, match="cannot both be true"):
+        llm.chat(partial, GREEDY, continue_final_message=True)
+    with pytest.raises(InvalidRequestError, match="chat template"):
+        llm.chat(messages, GREEDY, chat_template="{% if %}")
+
+
 def test_prompt_forms_and_order(llm: LLM) -> None:
     tok = llm.get_tokenizer()
     text = "The capital of France is"

@@ -191,19 +191,35 @@ class LLM:
         lora_request: LoRAArg = None,
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Render each conversation with the model's chat template, then generate."""
+        """Render each conversation with the model's chat template (or ``chat_template``),
+        then generate. As vLLM's: ``continue_final_message`` continues the last message
+        (without a generation prompt), ``tools`` reach the template, and
+        ``chat_template_kwargs`` are the template's other arguments (``enable_thinking``...)."""
+        if continue_final_message and add_generation_prompt:
+            raise InvalidRequestError(
+                "continue_final_message and add_generation_prompt cannot both be true"
+            )
         single = bool(messages) and isinstance(messages[0], dict)
         conversations = [messages] if single else messages
         tok = self.engine.tokenizer
         prompts: list[str | list[int]] = []
         for conv in conversations:
-            text = tok.apply_chat_template(
-                conv,
-                tokenize=False,
-                add_generation_prompt=add_generation_prompt,
-                chat_template=chat_template,
-            )
+            try:
+                text = tok.apply_chat_template(
+                    conv,
+                    tools=tools,
+                    tokenize=False,
+                    add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final_message,
+                    chat_template=chat_template,
+                    **(chat_template_kwargs or {}),
+                )
+            except Exception as e:  # jinja2's errors, transformers' ValueError, ...
+                raise InvalidRequestError(f"cannot apply the chat template: {e}") from e
             prompts.append(list(tok(text, add_special_tokens=False).input_ids))
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
