@@ -65,6 +65,7 @@ def start_serve(extra: Sequence[str] = (), api_key: str | None = None) -> ServeP
     cmd += ["--disable-uvicorn-access-log", *extra]
     env = dict(os.environ)
     env.pop("BATON_API_KEY", None)
+    env.pop("VLLM_API_KEY", None)
     if api_key is not None:
         cmd += ["--api-key", api_key]
     proc = subprocess.Popen(

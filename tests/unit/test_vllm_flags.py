@@ -97,6 +97,16 @@ def test_a_value_baton_cannot_serve_stops_serve_before_it_starts(
     assert message in capsys.readouterr().err
 
 
+def test_vllms_api_key_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``VLLM_API_KEY`` sets the key as in vLLM, when ``BATON_API_KEY`` does not."""
+    monkeypatch.delenv("BATON_API_KEY", raising=False)
+    monkeypatch.setenv("VLLM_API_KEY", "from-vllm")
+    assert parse("serve").api_key == parse("gateway").api_key == "from-vllm"
+    monkeypatch.setenv("BATON_API_KEY", "from-baton")
+    assert parse("serve").api_key == "from-baton"
+    assert parse("serve", "--api-key", "given").api_key == "given"
+
+
 def test_serve_takes_one_model() -> None:
     args = parse("serve", "a", "--model", "b")
     with pytest.raises(InvalidRequestError, match="two models"):

@@ -74,8 +74,9 @@ def add_parser(subparsers: Any) -> None:
     )
     p.add_argument(
         "--api-key",
-        default=os.environ.get("BATON_API_KEY"),
-        help="require 'Authorization: Bearer KEY' (default: $BATON_API_KEY)",
+        default=os.environ.get("BATON_API_KEY") or os.environ.get("VLLM_API_KEY"),
+        help="require 'Authorization: Bearer KEY' (default: $BATON_API_KEY, else vLLM's "
+        "$VLLM_API_KEY)",
     )
     p.add_argument(
         "--mode",
@@ -315,6 +316,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         env["BATON_API_KEY"] = args.api_key  # not on the command line, where ps shows it
     else:
         env.pop("BATON_API_KEY", None)
+        env.pop("VLLM_API_KEY", None)
     plan = _plan(args, name)
 
     stop, force = threading.Event(), threading.Event()

@@ -87,8 +87,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--api-key",
-        default=os.environ.get("BATON_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on /v1 routes (default: $BATON_API_KEY)",
+        default=os.environ.get("BATON_API_KEY") or os.environ.get("VLLM_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1 routes (default: $BATON_API_KEY, else "
+        "vLLM's $VLLM_API_KEY)",
     )
     p.add_argument(
         "--max-model-len", type=int, default=None, help="context length (default: the worker's)"
