@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
+    from baton_engine.beam_search import BeamSearchParams
     from baton_engine.llm import LLM
     from baton_engine.lora import LoRARequest
     from baton_engine.outputs import (
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "LLM",
+    "BeamSearchParams",
     "ClassificationOutput",
     "ClassificationRequestOutput",
     "CompletionOutput",
@@ -68,6 +70,10 @@ def __getattr__(name: str) -> Any:
         from baton_engine import sampling_params
 
         return getattr(sampling_params, name)
+    if name == "BeamSearchParams":
+        from baton_engine.beam_search import BeamSearchParams
+
+        return BeamSearchParams
     if name == "PoolingParams":
         from baton_engine.pooling_params import PoolingParams
 

@@ -9,6 +9,8 @@ from typing import Any, TypedDict, TypeVar
 
 from tqdm.auto import tqdm
 
+from baton_engine import beam_search
+from baton_engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from baton_engine.config import EngineConfig
 from baton_engine.engine import LLMEngine
 from baton_engine.errors import InvalidRequestError
@@ -29,7 +31,7 @@ from baton_engine.pooling_params import (
     score_pairs,
 )
 from baton_engine.sampling_params import SamplingParams, truncate_prompt
-from baton_engine.vllm_flags import take_engine_args
+from baton_engine.vllm_flags import MAX_LOGPROBS, take_engine_args
 
 
 class TokensPrompt(TypedDict):
@@ -109,6 +111,71 @@ class LLM:
         params = _params_list(sampling_params, SamplingParams, len(prompt_list))
         outputs = self._run(prompt_list, params, use_tqdm, priority, lora_request)
         return outputs  # type: ignore[return-value]  # (sampling params: RequestOutputs)
+
+    def beam_search(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        params: BeamSearchParams,
+        lora_request: LoRAArg = None,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's ``LLM.beam_search`` (``beam_search.py``): per prompt, its ``beam_width`` best
+        beams, best first. A sequence's ``tokens`` are the prompt's and the generated ones; its
+        ``text`` is the generated tokens' (a final EOS's only with
+        ``include_stop_str_in_output``). A beam that reaches ``max_model_len`` stops there
+        ("length")."""
+        width = params.beam_width
+        if 2 * width > MAX_LOGPROBS:
+            raise InvalidRequestError(
+                f"beam_width must be at most {MAX_LOGPROBS // 2} (each step reads the top "
+                f"2 * beam_width logprobs, at most {MAX_LOGPROBS}), got {width}"
+            )
+        prompt_list = _prompt_list(prompts)
+        engine = self.engine
+        encoded = [engine.encode(p) if isinstance(p, str) else p for p in prompt_list]
+        loras = _lora_list(lora_request, len(encoded))
+        step = SamplingParams(
+            max_tokens=1, temperature=params.temperature, logprobs=2 * width, ignore_eos=True
+        )
+        for ids in encoded:
+            engine.core.validate_request(ids, step)
+        eos = frozenset(engine.core.model_config.eos_token_ids)
+        live = [[BeamSearchSequence(tokens=list(ids))] for ids in encoded]
+        completed: list[list[BeamSearchSequence]] = [[] for _ in encoded]
+        for _ in tqdm(range(params.max_tokens), desc="Beam search", disable=not use_tqdm):
+            for i, beams in enumerate(live):  # (a beam at the context's end cannot grow)
+                full = [b for b in beams if len(b.tokens) >= engine.max_model_len]
+                for beam in full:
+                    beam.finish_reason = "length"
+                completed[i] += full
+                live[i] = [b for b in beams if len(b.tokens) < engine.max_model_len]
+            batch = [(i, beam) for i, beams in enumerate(live) for beam in beams]
+            if not batch:
+                break
+            outs = self._run(
+                [list(beam.tokens) for _, beam in batch],
+                [step] * len(batch),
+                use_tqdm=False,
+                lora_request=[loras[i] for i, _ in batch],
+            )
+            tops: list[list[Any]] = [[] for _ in encoded]
+            for (i, _), out in zip(batch, outs, strict=True):
+                assert isinstance(out, RequestOutput)
+                logprobs = out.outputs[0].logprobs
+                tops[i].append(logprobs[0] if logprobs else None)
+            for i in range(len(encoded)):
+                live[i] = beam_search.expand(live[i], tops[i], params, eos, completed[i])
+        tok = engine.tokenizer
+        results = []
+        for ids, beams, done in zip(encoded, live, completed, strict=True):
+            ranked = beam_search.best(beams, done, params, eos)
+            for beam in ranked:
+                generated = beam.tokens[len(ids) :]
+                if beam.finish_reason == "stop" and not params.include_stop_str_in_output:
+                    generated = generated[:-1]
+                beam.text = tok.decode(generated, skip_special_tokens=True)
+            results.append(BeamSearchOutput(ranked))
+        return results
 
     def embed(
         self,
@@ -313,13 +380,7 @@ class LLM:
             raise InvalidRequestError(
                 f"got {len(prompts)} prompts but {len(priorities)} priorities"
             )
-        loras = (
-            list(lora_request)
-            if isinstance(lora_request, Sequence)
-            else [lora_request] * len(prompts)
-        )
-        if len(loras) != len(prompts):
-            raise InvalidRequestError(f"got {len(prompts)} prompts but {len(loras)} LoRA requests")
+        loras = _lora_list(lora_request, len(prompts))
         engine = self.engine
         params = [
             engine.tokenize_bad_words(p) if isinstance(p, SamplingParams) else p for p in given
@@ -381,6 +442,16 @@ def _prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[str | list[
                 + type(p).__name__
             )
     return out
+
+
+def _lora_list(lora_request: LoRAArg, num_prompts: int) -> list[LoRARequest | None]:
+    """One LoRA adapter (or None) per prompt, however given."""
+    loras = (
+        list(lora_request) if isinstance(lora_request, Sequence) else [lora_request] * num_prompts
+    )
+    if len(loras) != num_prompts:
+        raise InvalidRequestError(f"got {num_prompts} prompts but {len(loras)} LoRA requests")
+    return loras
 
 
 def _params_list(given: Any, kind: type[_P], num_prompts: int) -> list[_P]:
