@@ -255,6 +255,37 @@ def test_stop_tokens_text_shows_only_when_asked(http: httpx.Client) -> None:
     assert http.post("/v1/completions", json=shown).json()["choices"][0]["text"] == upto
 
 
+def test_beam_search(http: httpx.Client) -> None:
+    """vLLM's ``use_beam_search``: ``n`` beams per prompt, the ``n`` best as the choices;
+    one beam is greedy decoding; what beam search cannot do here is a clear 400."""
+    body: dict[str, Any] = {"prompt": "The capital of France is", "max_tokens": 4}
+    greedy = http.post("/v1/completions", json={**body, "temperature": 0}).json()
+    one = http.post("/v1/completions", json={**body, "use_beam_search": True}).json()
+    assert one["choices"][0]["text"] == greedy["choices"][0]["text"]
+    three = http.post(
+        "/v1/completions",
+        json={**body, "use_beam_search": True, "n": 3, "return_token_ids": True},
+    ).json()
+    choices = three["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2]
+    assert len({c["text"] for c in choices}) == 3
+    assert all(c["finish_reason"] in ("stop", "length") for c in choices)
+    assert three["usage"]["completion_tokens"] == sum(len(c["token_ids"]) for c in choices)
+    chat = http.post(
+        "/v1/chat/completions",
+        json={"messages": QUESTION, "max_tokens": 4, "n": 2, "use_beam_search": True},
+    ).json()
+    assert len(chat["choices"]) == 2 and all(c["message"]["content"] for c in chat["choices"])
+    for extra, message in (
+        ({"stream": True}, "does not support stream"),
+        ({"n": 11}, "at most 10"),
+        ({"stop": ["."]}, "does not support stop"),
+        ({"logprobs": 2}, "does not support logprobs"),
+    ):
+        reply = http.post("/v1/completions", json={**body, "use_beam_search": True, **extra})
+        assert reply.status_code == 400 and message in reply.text, reply.text
+
+
 def test_seed_is_reproducible(client: OpenAI) -> None:
     def run() -> str:
         out = client.chat.completions.create(

@@ -22,7 +22,10 @@ from pydantic import ValidationError
 
 from baton import tracing
 from baton.v1 import engine_pb2
+from baton_engine import beam_search
+from baton_engine.beam_search import BeamSearchParams, BeamSearchSequence
 from baton_engine.errors import InvalidRequestError
+from baton_engine.outputs import Logprob
 from baton_engine.pooling_params import cosine_similarity, pair_token_ids, score_pairs
 from baton_engine.sampling_params import tokenize_bad_words, truncate_prompt
 from baton_gateway import classification, codec, embeddings, responses_api, scoring
@@ -45,6 +48,7 @@ from baton_gateway.protocol import (
     TokenizeChatRequest,
     TokenizeRequest,
     TokenizeResponse,
+    UsageInfo,
     random_id,
 )
 from baton_gateway.reading import ChatReading
@@ -142,6 +146,7 @@ class Pipeline:
         labels: tuple[str, ...] = (),
         force_include_usage: bool = False,
         model_aliases: tuple[str, ...] = (),
+        eos_token_ids: tuple[int, ...] = (),
     ) -> None:
         """``tool_parser``: the parser "auto" tool choice uses (None: "auto" is refused);
         ``chat_template``: the template chat requests use instead of the model's;
@@ -161,11 +166,13 @@ class Pipeline:
         ``force_include_usage``: streamed completions end with a usage chunk even when the
         request does not ask for one (vLLM's ``--enable-force-include-usage``);
         ``model_aliases``: other names requests may give the model (vLLM's further
-        ``--served-model-name`` values)."""
+        ``--served-model-name`` values); ``eos_token_ids``: the model's (where beam search
+        ends a beam)."""
         self.pool = pool
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.model_aliases = model_aliases
+        self.eos_token_ids = eos_token_ids
         self.lora_modules = dict(lora_modules or {})
         self.labels = labels
         self.max_model_len = max_model_len
@@ -729,13 +736,22 @@ class Pipeline:
                 reading,
                 role,
             )
-        choices = {
-            s.index: ChoiceBuffer(s.index, s.prompt_token_ids, echo.get(s.index)) for s in specs
-        }
-        async with aclosing(generation.stream()) as deltas:
-            async for delta in deltas:
-                choices[delta.index].add(delta)
-        usage = usage_info(generation, num_prompt_tokens)
+        if request.use_beam_search:
+            choices = await self._beam_search(request, specs, echo)
+            generated = sum(len(c.token_ids) for c in choices.values())
+            usage = UsageInfo(
+                prompt_tokens=num_prompt_tokens,
+                completion_tokens=generated,
+                total_tokens=num_prompt_tokens + generated,
+            )
+        else:
+            choices = {
+                s.index: ChoiceBuffer(s.index, s.prompt_token_ids, echo.get(s.index)) for s in specs
+            }
+            async with aclosing(generation.stream()) as deltas:
+                async for delta in deltas:
+                    choices[delta.index].add(delta)
+            usage = usage_info(generation, num_prompt_tokens)
         common: dict[str, Any] = dict(
             request_id=req_id,
             created=created,
@@ -758,6 +774,85 @@ class Pipeline:
             num_generation_tokens=usage.completion_tokens,
         )
         return Response(body.model_dump_json(), media_type="application/json")
+
+    async def _beam_search(
+        self,
+        request: ChatCompletionRequest | CompletionRequest,
+        specs: list[SequenceSpec],
+        echo: dict[int, str],
+    ) -> dict[int, ChoiceBuffer]:
+        """vLLM's ``use_beam_search`` (``baton_engine.beam_search``): per prompt, ``n`` beams
+        grown one token per step (every live beam's sequence a one-token request with the top
+        ``2n`` logprobs, all at once); its ``n`` best become its choices, best first."""
+        width = request.n
+        params = BeamSearchParams(
+            beam_width=width,
+            max_tokens=specs[0].request.sampling.max_tokens,
+            ignore_eos=request.ignore_eos,
+            temperature=request.temperature or 0.0,
+            length_penalty=request.length_penalty,
+            include_stop_str_in_output=request.include_stop_str_in_output,
+        )
+        eos = frozenset(self.eos_token_ids)
+        firsts = [s for s in specs if s.index % width == 0]  # one per prompt
+        live = [[BeamSearchSequence(tokens=list(s.prompt_token_ids))] for s in firsts]
+        completed: list[list[BeamSearchSequence]] = [[] for _ in firsts]
+        for step in range(max(s.request.sampling.max_tokens for s in firsts)):
+            for p, spec in enumerate(firsts):  # (each prompt has its own budget)
+                if step >= spec.request.sampling.max_tokens:
+                    completed[p] += live[p]
+                    live[p] = []
+            batch = [(p, beam) for p, beams in enumerate(live) for beam in beams]
+            if not batch:
+                break
+            asks = [
+                self._next_logprobs(firsts[p], beam, 2 * width, f"{step}-{j}")
+                for j, (p, beam) in enumerate(batch)
+            ]
+            tops = await asyncio.gather(*asks)
+            grouped: list[list[Any]] = [[] for _ in firsts]
+            for (p, _), top in zip(batch, tops, strict=True):
+                grouped[p].append(top)
+            for p in range(len(firsts)):
+                live[p] = beam_search.expand(live[p], grouped[p], params, eos, completed[p])
+        choices: dict[int, ChoiceBuffer] = {}
+        for p, spec in enumerate(firsts):
+            ranked = beam_search.best(live[p], completed[p], params, eos)
+            for rank, beam in enumerate(ranked):
+                index = spec.index + rank
+                generated = beam.tokens[len(spec.prompt_token_ids) :]
+                shown = generated
+                if beam.finish_reason == "stop" and not request.include_stop_str_in_output:
+                    shown = generated[:-1]
+                text = self.tokenizer.decode(shown, skip_special_tokens=request.skip_special_tokens)
+                choice = ChoiceBuffer(index, spec.prompt_token_ids, echo.get(index))
+                choice.parts, choice.token_ids = [text], generated
+                choice.finish_reason = beam.finish_reason
+                choices[index] = choice
+        return choices
+
+    async def _next_logprobs(
+        self, spec: SequenceSpec, beam: BeamSearchSequence, num: int, suffix: str
+    ) -> dict[int, Logprob] | None:
+        """The top ``num`` logprobs of ``beam``'s next token (and the sampled one's), from a
+        one-token request on ``beam``'s sequence."""
+        request = engine_pb2.GenerateRequest()
+        request.CopyFrom(spec.request)
+        request.req_id = f"{spec.request.req_id}-beam-{suffix}"
+        del request.prompt_token_ids[:]
+        request.prompt_token_ids.extend(beam.tokens)
+        request.sampling.max_tokens = 1
+        request.sampling.min_tokens = 0
+        request.sampling.logprobs = num
+        request.sampling.ignore_eos = True
+        async with aclosing(self.pool.generate(request)) as chunks:
+            async for chunk in chunks:
+                if chunk.logprobs:
+                    lp = chunk.logprobs[0]
+                    top = {token: Logprob(value) for token, value in lp.top}
+                    top.setdefault(lp.token_id, Logprob(lp.logprob))
+                    return top
+        return None
 
     async def _stream(
         self,

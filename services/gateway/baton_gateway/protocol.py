@@ -160,6 +160,9 @@ class _SamplingRequest(OpenAIBaseModel):
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)  # keep the last N; -1: all
     request_id: str | None = Field(default=None, min_length=1)  # the response id's suffix
     priority: int = Field(default=0, ge=-(2**31), lt=2**31)  # lower first (priority policy)
+    # vLLM's beam search: n beams per prompt, the n best returned (pipeline.py)
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
     # Structured output: OpenAI's response_format, vLLM's structured_outputs, and vLLM's
     # older guided_* fields (at most one of them).
     response_format: ResponseFormat | None = None
@@ -207,7 +210,29 @@ class _SamplingRequest(OpenAIBaseModel):
         _ = self.structured  # raises for more than one constraint, or an incomplete one
         if self.stop_token_ids is not None and any(t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative")
+        if self.use_beam_search:
+            self._check_beam_search()
         return self
+
+    def _check_beam_search(self) -> None:
+        """What beam search cannot be combined with here (each a clear 400)."""
+        if 2 * self.n > MAX_LOGPROBS:
+            raise ValueError(
+                f"n (the beam width) must be at most {MAX_LOGPROBS // 2} with use_beam_search"
+            )
+        for name, given in (
+            ("stream", self.stream),
+            ("stop", bool(self.stop_strings)),
+            ("logprobs", self.num_logprobs is not None),
+            ("structured output", self.structured is not None),
+        ):
+            if given:
+                raise ValueError(f"use_beam_search does not support {name}")
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """Top-N logprobs to ask the worker for, or None for no logprobs (each request's)."""
+        return None
 
     @property
     def structured(self) -> StructuredOutputsSpec | None:

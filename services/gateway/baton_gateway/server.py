@@ -256,6 +256,7 @@ def create_app(config: GatewayConfig, tokenizer: Any) -> FastAPI:
                 lora_modules=dict(info.lora_modules),
                 labels=info.labels,
                 model_aliases=config.served_model_aliases,
+                eos_token_ids=info.eos_token_ids,
             )
             logger.info("serving %s (max_model_len %d) via %s", name, max_model_len,
                         ", ".join(f"{w.role} {w.addr}" for w in pool.workers))  # fmt: skip
