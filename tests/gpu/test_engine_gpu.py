@@ -164,6 +164,47 @@ def test_embeddings_match_reference(tmp_path: Path) -> None:
         )
 
 
+def test_a_classifier_on_the_gpus_defaults_matches_reference(tmp_path: Path) -> None:
+    """A sequence-classification model (its head of 3 labels in place of the LM head) on the
+    GPU's defaults (Triton attention, CUDA graphs captured at start, async scheduling) gives
+    the eager torch reference's probabilities, for prompts chunked and not."""
+    from baton_engine.pooling_params import PoolingParams
+
+    config = {**CONFIG, "architectures": ["Qwen2ForSequenceClassification"]}
+    config |= {"num_labels": 3, "id2label": {"0": "a", "1": "b", "2": "c"}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    prompts = {f"c{i}": [(7 * i + j) % 4000 + 1 for j in range(2 + 150 * i)] for i in range(4)}
+    results = []
+    for backend, eager, async_scheduling in (("torch", True, False), ("triton", False, None)):
+        core = _core(
+            tmp_path,
+            max_model_len=1024,
+            max_num_batched_tokens=256,
+            attention_backend=backend,
+            enforce_eager=eager,
+            async_scheduling=async_scheduling,
+        )
+        assert core.model_config.labels == ("a", "b", "c")
+        for req_id, prompt in prompts.items():
+            core.add_request(req_id, prompt, PoolingParams())
+        probs: dict[str, list[float]] = {}
+        for _ in range(10_000):  # bounded: a few steps
+            if not core.has_unfinished_requests():
+                break
+            for out in core.step():
+                if out.pooled is not None:
+                    probs[out.req_id] = out.pooled
+        core.check_invariants()
+        results.append(probs)
+        del core
+        _release_memory()
+    want, got = results
+    assert sorted(got) == sorted(prompts)
+    for req_id, p in want.items():
+        assert abs(sum(p) - 1.0) < 1e-4
+        torch.testing.assert_close(torch.tensor(got[req_id]), torch.tensor(p), atol=1e-4, rtol=1e-3)
+
+
 def test_async_sampling_equals_sync(tmp_path: Path) -> None:
     """Seeded random sampling, penalties and logprobs on the GPU's defaults (graphs, fused
     kernels) give the same tokens with and without async scheduling."""
