@@ -89,6 +89,14 @@ def test_classify_equals_the_offline_engine(classifier: tuple[httpx.Client, Any]
     )
     logits = http.post("/classify", json={"input": TEXTS[0], "activation": False}).json()
     close(logits["data"][0]["probs"], raw.outputs.probs)
+    # A conversation, rendered as /tokenize renders it (no generation prompt, as vLLM).
+    messages = [{"role": "user", "content": TEXTS[0]}]
+    rendered = http.post(
+        "/tokenize", json={"messages": messages, "add_generation_prompt": False}
+    ).json()["tokens"]
+    (as_chat,) = offline.classify({"prompt_token_ids": rendered}, use_tqdm=False)
+    (by_chat,) = http.post("/classify", json={"messages": messages}).json()["data"]
+    close(by_chat["probs"], as_chat.outputs.probs)
     (tail,) = offline.classify({"prompt_token_ids": ids[-3:]}, use_tqdm=False)
     cut = http.post("/classify", json={"input": TEXTS[1], "truncate_prompt_tokens": 3}).json()
     assert cut["usage"]["prompt_tokens"] == 3

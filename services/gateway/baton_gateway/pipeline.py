@@ -30,7 +30,7 @@ from baton_engine.pooling_params import cosine_similarity, pair_token_ids, score
 from baton_engine.sampling_params import tokenize_bad_words, truncate_prompt
 from baton_gateway import classification, codec, embeddings, responses_api, scoring
 from baton_gateway.chat import message_dict, render_chat_prompt, tokenize_chat, tokenize_text
-from baton_gateway.classification import ClassificationRequest
+from baton_gateway.classification import ClassificationChatRequest, ClassificationRequest
 from baton_gateway.client import WorkerPool
 from baton_gateway.embeddings import (
     EmbeddingChatRequest,
@@ -81,6 +81,7 @@ _WithPrompt = (
     | CompletionRequest
     | EmbeddingRequest
     | ClassificationRequest
+    | ClassificationChatRequest
     | ScoreRequest
     | RerankRequest
 )
@@ -554,7 +555,9 @@ class Pipeline:
             raise
 
     async def classify(
-        self, request: ClassificationRequest, named: RequestIds = RequestIds()
+        self,
+        request: ClassificationRequest | ClassificationChatRequest,
+        named: RequestIds = RequestIds(),
     ) -> Response:
         """vLLM's ``/classify`` (``classification.py``): every input's ids to one decode
         worker's ``Embed``, which a classifier answers with its labels' probabilities."""
@@ -566,7 +569,11 @@ class Pipeline:
             )
         record = self.metrics.start("classify")
         try:
-            prompts = self._completion_prompts(request)
+            if isinstance(request, ClassificationChatRequest):
+                ids = tokenize_chat(self.tokenizer, request, *self.chat_defaults)
+                prompts = [self._truncated(ids, request)]
+            else:
+                prompts = self._completion_prompts(request)
             req_id, worker_id = self._request_ids("classify", request, named)
             pb = codec.embed_request(
                 worker_id,

@@ -37,7 +37,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import baton
 from baton_gateway.auth import ApiKeyMiddleware
-from baton_gateway.classification import ClassificationRequest
+from baton_gateway.classification import classification_request
 from baton_gateway.client import WorkerPool
 from baton_gateway.embeddings import embedding_request
 from baton_gateway.errors import GatewayError, error_response
@@ -354,7 +354,8 @@ def create_app(config: GatewayConfig, tokenizer: Any) -> FastAPI:
 
     @app.post("/classify")
     @app.post("/v1/classify")
-    async def classify(body: ClassificationRequest, request: Request) -> Response:
+    async def classify(request: Request) -> Response:
+        body = await _parse(request, classification_request)
         work = state.pipeline.classify(body, request_ids(request))
         return await _cancel_on_disconnect(request, work)
 
