@@ -53,7 +53,9 @@ def test_a_cached_repository_id_serves_its_snapshot(
     (by_path,) = LLM(str(snapshot), **small).generate("Hello", greedy, use_tqdm=False)
     assert by_id.outputs[0].token_ids == by_path.outputs[0].token_ids
 
-    with pytest.raises(ModelLoadError, match=r"not in the local Hugging Face cache.*never"):
+    with pytest.raises(
+        ModelLoadError, match=r"neither a local path nor in the local Hugging Face cache.*never"
+    ):
         LLM("test-org/not-cached", **small)
 
 
@@ -79,5 +81,5 @@ def test_a_lora_adapter_by_repository_id(
     ]
     assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
     assert outs[0].outputs[0].token_ids != outs[2].outputs[0].token_ids  # (it does change them)
-    with pytest.raises(Exception, match="not in the local Hugging Face cache"):
+    with pytest.raises(Exception, match="nor in the local Hugging Face cache"):
         llm.generate("Hi", greedy, lora_request=LoRARequest("x", 3, "test-org/nope"))

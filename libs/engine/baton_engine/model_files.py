@@ -89,9 +89,9 @@ def cached_snapshot(repo_id: str) -> Path:
     except (LocalEntryNotFoundError, HFValidationError, OSError) as e:
         where = _hf_hub_cache() or "~/.cache/huggingface/hub"
         raise ModelLoadError(
-            f"model {repo_id} is not in the local Hugging Face cache ({where}), and Baton never "
-            f"downloads: fetch it first (for example `hf download {repo_id}`), or pass a local "
-            "folder or .gguf file"
+            f"model {repo_id} is neither a local path nor in the local Hugging Face cache "
+            f"({where}), and Baton never downloads: fetch it first (for example `hf download "
+            f"{repo_id}`), or pass a local folder or .gguf file"
         ) from e
     return Path(str(folder)).resolve()
 
