@@ -43,6 +43,7 @@ VLLM_COMMAND_LINE = [
     "-O", "3",
     "--uvicorn-log-level", "warning",
     "--distributed-executor-backend", "mp",
+    "--cuda-graph-sizes", "1", "2", "4", "8",
 ]  # fmt: skip
 
 
@@ -56,7 +57,8 @@ def test_a_vllm_command_line_parses_and_maps_onto_batons_flags() -> None:
     assert args.uvicorn_log_level == "warning" and args.disable_log_stats
     notes = check_flags(vars(args), ENGINE_FLAGS + FRONTEND_FLAGS)
     said = "\n".join(notes)
-    for flag in ("--trust-remote-code", "--swap-space", "--download-dir", "--max-logprobs"):
+    assert args.cuda_graph_sizes == [1, 2, 4, 8]
+    for flag in ("--trust-remote-code", "--swap-space", "--download-dir", "--cuda-graph-sizes"):
         assert flag in said
     assert "--kv-cache-dtype" not in said  # (vLLM's default value: nothing to say)
     kwargs = engine_kwargs_from_args(args)  # only Baton's engine arguments

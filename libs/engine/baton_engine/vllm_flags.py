@@ -39,6 +39,7 @@ class VllmFlag:
     # The values Baton serves; None: any (the flag changes nothing here).
     accepts: Callable[[Any], bool] | None = None
     aliases: tuple[str, ...] = ()  # vLLM's other spellings on a command line
+    nargs: str | None = None  # "+": several values, as vLLM takes them
 
     @property
     def flag(self) -> str:
@@ -111,6 +112,8 @@ ENGINE_FLAGS: tuple[VllmFlag, ...] = (
         "cuda_graph_sizes",
         "Baton captures CUDA graphs at batch sizes it picks from --max-num-seqs "
         "(--enforce-eager turns them off)",
+        kind=int,
+        nargs="+",
     ),
     VllmFlag(
         "compilation_config",
@@ -256,7 +259,9 @@ def add_flags(parser: argparse.ArgumentParser, flags: Iterable[VllmFlag]) -> Non
                 f.flag, action=argparse.BooleanOptionalAction, default=f.default, help=f.note
             )
         else:
-            group.add_argument(f.flag, *f.aliases, type=f.kind, default=f.default, help=f.note)
+            group.add_argument(
+                f.flag, *f.aliases, type=f.kind, nargs=f.nargs, default=f.default, help=f.note
+            )
 
 
 def check_flags(
