@@ -281,6 +281,7 @@ def test_beam_search(http: httpx.Client) -> None:
         ({"n": 11}, "at most 10"),
         ({"stop": ["."]}, "does not support stop"),
         ({"logprobs": 2}, "does not support logprobs"),
+        ({"prompt_logprobs": 1}, "does not support prompt_logprobs"),
     ):
         reply = http.post("/v1/completions", json={**body, "use_beam_search": True, **extra})
         assert reply.status_code == 400 and message in reply.text, reply.text

@@ -224,6 +224,7 @@ class _SamplingRequest(OpenAIBaseModel):
             ("stream", self.stream),
             ("stop", bool(self.stop_strings)),
             ("logprobs", self.num_logprobs is not None),
+            ("prompt_logprobs", self.prompt_logprobs is not None),
             ("structured output", self.structured is not None),
         ):
             if given:
