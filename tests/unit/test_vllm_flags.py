@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from baton.cli import build_parser
+from baton.cli import build_parser, with_config_file
 from baton.cli import main as baton_main
 from baton_engine.arg_utils import engine_kwargs_from_args
 from baton_engine.errors import InvalidRequestError
@@ -44,6 +45,13 @@ VLLM_COMMAND_LINE = [
     "--uvicorn-log-level", "warning",
     "--distributed-executor-backend", "mp",
     "--cuda-graph-sizes", "1", "2", "4", "8",
+    "--guided-decoding-backend", "xgrammar",
+    "--structured-outputs-config", '{"backend": "xgrammar"}',
+    "--enable-reasoning",
+    "--disable-frontend-multiprocessing",
+    "--use-v2-block-manager",
+    "--preemption-mode", "recompute",
+    "--hf-token", "hf_abc",
 ]  # fmt: skip
 
 
@@ -90,6 +98,14 @@ def test_a_vllm_command_line_parses_and_maps_onto_batons_flags() -> None:
         (["--api-server-count", "4"], "one gateway"),
         (["--headless"], "always has its gateway"),
         (["--hf-overrides", '{"num_hidden_layers": 2}'], "read as it is"),
+        (["--guided-decoding-backend", "outlines"], "XGrammar"),
+        (["--structured-outputs-config", '{"backend": "guidance"}'], "XGrammar"),
+        (["--structured-outputs-config.backend", "outlines"], "XGrammar"),
+        (["--preemption-mode", "swap"], "nothing is swapped"),
+        (["--rope-theta", "500000"], "config.json"),
+        (["--logits-processors", "my.Proc"], "logits processors"),
+        (["--enable-lora-bias"], "LoRA bias"),
+        (["--data-parallel-size-local", "2"], "--num-decode"),
     ],
 )
 def test_a_value_baton_cannot_serve_stops_serve_before_it_starts(
@@ -107,6 +123,33 @@ def test_vllms_api_key_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("BATON_API_KEY", "from-baton")
     assert parse("serve").api_key == "from-baton"
     assert parse("serve", "--api-key", "given").api_key == "given"
+
+
+def test_a_config_file_as_vllm_reads_it(tmp_path: Path) -> None:
+    """``--config FILE``: the YAML's keys are the subcommand's flags (dashes or underscores);
+    the command line's own win; false is the --no- form of a flag that has one."""
+    config = tmp_path / "serve.yaml"
+    config.write_text(
+        "model: /models/m\n"
+        "port: 9000\n"
+        "max_model_len: 2048\n"
+        "trust-remote-code: true\n"
+        "enable-prefix-caching: false\n"
+        "enable-auto-tool-choice: false\n"
+        "lora-modules: [a=/x, b=/y]\n"
+        'override-generation-config: {"temperature": 0.5}\n'
+    )
+    parser = build_parser()
+    argv = with_config_file(["serve", "--config", str(config), "--port", "9001"], parser)
+    args = parser.parse_args(argv)
+    assert (args.model_option, args.port, args.max_model_len) == ("/models/m", 9001, 2048)
+    assert args.trust_remote_code and not args.enable_prefix_caching
+    assert not args.enable_auto_tool_choice and args.lora_modules == ["a=/x", "b=/y"]
+    assert args.override_generation_config == {"temperature": 0.5}
+    assert with_config_file(["serve", "--port", "1"], parser) == ["serve", "--port", "1"]
+    (tmp_path / "list.yaml").write_text("- a\n- b\n")
+    with pytest.raises(InvalidRequestError, match="not a YAML mapping"):
+        with_config_file(["serve", f"--config={tmp_path / 'list.yaml'}"], parser)
 
 
 def test_serve_takes_one_model() -> None:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 DEMO_PROMPTS = [
     "Name the capital of France.",
@@ -75,12 +77,65 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def with_config_file(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
+    """vLLM's ``--config FILE``: the YAML file's keys (``max-model-len: 4096``; underscores
+    too) as the subcommand's flags, before the command line's own, which win. A list gives
+    several values, a mapping its JSON; ``true`` is the bare flag, ``false`` its ``--no-``
+    form where the flag has one (else nothing). Raises InvalidRequestError for a file that is
+    not a YAML mapping."""
+    from baton_engine.errors import InvalidRequestError
+
+    at = next((i for i, a in enumerate(argv) if a == "--config" or a.startswith("--config=")), None)
+    if at is None or not argv:
+        return argv
+    if argv[at] == "--config":
+        if at + 1 >= len(argv):
+            raise InvalidRequestError("--config needs a file")
+        path, rest = argv[at + 1], argv[:at] + argv[at + 2 :]
+    else:
+        path, rest = argv[at].split("=", 1)[1], argv[:at] + argv[at + 1 :]
+    import yaml
+
+    try:
+        with open(path) as f:
+            config: Any = yaml.safe_load(f)
+    except (OSError, yaml.YAMLError) as e:
+        raise InvalidRequestError(f"--config {path}: {e}") from None
+    if not isinstance(config, dict):
+        raise InvalidRequestError(f"--config {path}: not a YAML mapping of flags")
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    command = sub.choices.get(rest[0]) if rest else None
+    known = {s: a for a in (command or parser)._actions for s in a.option_strings}
+    flags: list[str] = []
+    for key, value in config.items():
+        flag = "--" + str(key).replace("_", "-")
+        if value is True:
+            flags.append(flag)
+        elif value is False:
+            no = "--no-" + flag[2:]
+            flags += [no] if no in known else []
+        elif isinstance(value, list):
+            flags += [flag, *map(str, value)]
+        elif isinstance(value, dict):
+            flags += [flag, json.dumps(value)]
+        elif value is not None:
+            flags += [flag, str(value)]
+    return [*rest[:1], *flags, *rest[1:]]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    args = build_parser().parse_args(argv)
     from baton_engine.errors import BatonError
+
+    parser = build_parser()
+    try:
+        argv = with_config_file(list(sys.argv[1:] if argv is None else argv), parser)
+    except BatonError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    args = parser.parse_args(argv)
 
     try:
         return int(args.func(args))

@@ -15,6 +15,7 @@ Imports no torch: the gateway's command line reads :data:`FRONTEND_FLAGS`.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -62,6 +63,19 @@ _NO_REMOTE_CODE = (
     "Baton runs its own implementation of each architecture it serves; no model code is loaded"
 )
 _REQUEST_LOGS = "Baton logs no request contents (trace requests with --otlp-endpoint)"
+_DATA_PARALLEL = "one Baton stack runs several engines as --num-decode (and --num-prefill) workers"
+_PREFILLS = "the scheduler fills each step's token budget with the waiting prompts, in order"
+_TEXT_ONLY = "Baton serves text-only models: prompts carry no images or audio"
+
+
+def _json_backend(value: Any) -> Any:
+    """The ``backend`` of a JSON object given as text (or a dict), else "?"."""
+    try:
+        parsed = json.loads(value) if isinstance(value, str) else value
+    except ValueError:
+        return "?"
+    return parsed.get("backend", "auto") if isinstance(parsed, dict) else "?"
+
 
 ENGINE_FLAGS: tuple[VllmFlag, ...] = (
     VllmFlag("trust_remote_code", _NO_REMOTE_CODE, False, bool),
@@ -88,12 +102,7 @@ ENGINE_FLAGS: tuple[VllmFlag, ...] = (
         None,
         bool,
     ),
-    VllmFlag(
-        "max_num_partial_prefills",
-        "the scheduler fills each step's token budget with the waiting prompts, in order",
-        1,
-        int,
-    ),
+    VllmFlag("max_num_partial_prefills", _PREFILLS, 1, int),
     VllmFlag(
         "distributed_executor_backend",
         "tensor-parallel ranks are always local processes of the engine ('mp'); Ray is not "
@@ -130,9 +139,7 @@ ENGINE_FLAGS: tuple[VllmFlag, ...] = (
         "auto",
         accepts=_one_of("auto", "vllm"),
     ),
-    VllmFlag(
-        "limit_mm_per_prompt", "Baton serves text-only models: prompts carry no images or audio"
-    ),
+    VllmFlag("limit_mm_per_prompt", _TEXT_ONLY),
     VllmFlag(
         "max_logprobs",
         f"Baton's cap on logprobs per token is its own, {MAX_LOGPROBS}",
@@ -162,7 +169,7 @@ ENGINE_FLAGS: tuple[VllmFlag, ...] = (
     ),
     VllmFlag(
         "data_parallel_size",
-        "one Baton stack runs several engines as --num-decode (and --num-prefill) workers",
+        _DATA_PARALLEL,
         1,
         int,
         _one_of(1),
@@ -191,6 +198,97 @@ ENGINE_FLAGS: tuple[VllmFlag, ...] = (
     VllmFlag(
         "kv_events_config",
         "KV events go to Baton's kvstore by themselves in disaggregated mode",
+        accepts=_one_of(None),
+    ),
+    VllmFlag("hf_token", _NO_DOWNLOAD),
+    VllmFlag("ignore_patterns", "weights are read from the model folder's safetensors"),
+    VllmFlag("use_tqdm_on_load", "no progress bar while weights load", True, bool),
+    VllmFlag("pt_load_map_location", "weights are read to the engine's device"),
+    VllmFlag("model_loader_extra_config", "weights load one way, with safetensors"),
+    VllmFlag(
+        "config_format", "the model's config.json is read", "auto", accepts=_one_of("auto", "hf")
+    ),
+    VllmFlag(
+        "preemption_mode",
+        "preempted requests are recomputed; nothing is swapped",
+        accepts=_one_of(None, "recompute"),
+    ),
+    VllmFlag("use_v2_block_manager", "(a no-op in vLLM too)", False, bool),
+    VllmFlag("disable_async_output_proc", "(vLLM V0's)", False, bool),
+    VllmFlag("multi_step_stream_outputs", "(vLLM V0's)", True, bool),
+    VllmFlag("scheduler_delay_factor", "new prompts are scheduled as soon as they fit", 0.0, float),
+    VllmFlag("max_long_partial_prefills", _PREFILLS, 1, int),
+    VllmFlag("tokenizer_pool_size", "the gateway tokenizes (workers need no tokenizer)", 0, int),
+    VllmFlag("disable_sliding_window", "Baton's models use full attention", False, bool),
+    VllmFlag("disable_mm_preprocessor_cache", _TEXT_ONLY, False, bool),
+    VllmFlag("mm_processor_kwargs", _TEXT_ONLY),
+    VllmFlag("collect_detailed_traces", "traces carry Baton's own spans (--otlp-endpoint)"),
+    VllmFlag("show_hidden_metrics_for_version", "Baton's metrics are all shown"),
+    VllmFlag(
+        "kv_sharing_fast_prefill",
+        "(for models that share KV across layers; none here)",
+        False,
+        bool,
+    ),
+    VllmFlag("mamba_ssm_cache_dtype", "Baton serves no Mamba models", "auto"),
+    VllmFlag("ray_workers_use_nsight", "Baton does not use Ray", False, bool),
+    VllmFlag(
+        "logprobs_mode",
+        "logprobs are the model's raw ones ('raw_logprobs')",
+        "raw_logprobs",
+        accepts=_one_of("raw_logprobs"),
+    ),
+    VllmFlag(
+        "guided_decoding_backend",
+        "structured output is compiled by XGrammar",
+        "auto",
+        accepts=_one_of("auto", "xgrammar"),
+    ),
+    VllmFlag(
+        "structured_outputs_config",
+        "structured output is compiled by XGrammar (backend auto or xgrammar)",
+        accepts=lambda v: v is None or _json_backend(v) in ("auto", "xgrammar"),
+    ),
+    VllmFlag(
+        "structured_outputs_config.backend",
+        "structured output is compiled by XGrammar",
+        accepts=_one_of(None, "auto", "xgrammar"),
+    ),
+    VllmFlag("lora_dtype", "adapters run in the model's dtype", "auto", accepts=_one_of("auto")),
+    VllmFlag("fully_sharded_loras", "adapters follow the base weights' split", False, bool),
+    VllmFlag("lora_extra_vocab_size", "adapters that add tokens are not supported", 256, int),
+    VllmFlag("enable_lora_bias", "LoRA bias is not supported", False, bool, _one_of(False)),
+    VllmFlag(
+        "long_lora_scaling_factors", "long-context LoRA is not supported", accepts=_one_of(None)
+    ),
+    VllmFlag("qlora_adapter_name_or_path", "QLoRA is not supported", accepts=_one_of(None)),
+    VllmFlag(
+        "enable_prompt_adapter", "prompt adapters are not supported", False, bool, _one_of(False)
+    ),
+    VllmFlag("max_prompt_adapters", "prompt adapters are not supported", 1, int),
+    VllmFlag("enable_prompt_embeds", "prompts are token ids or text", False, bool, _one_of(False)),
+    VllmFlag(
+        "logits_processors", "custom logits processors are not supported", accepts=_one_of(None)
+    ),
+    VllmFlag("logits_processor_pattern", "custom logits processors are not supported"),
+    VllmFlag("num_lookahead_slots", "speculative decoding is not supported", 0, int, _one_of(0)),
+    VllmFlag(
+        "rope_scaling", "the model's config.json says the rope scaling", accepts=_one_of(None)
+    ),
+    VllmFlag("rope_theta", "the model's config.json says the rope theta", accepts=_one_of(None)),
+    VllmFlag("scheduler_cls", "Baton's scheduler is its own", accepts=_one_of(None)),
+    VllmFlag("worker_cls", "Baton's workers are its own", accepts=_one_of(None, "auto")),
+    VllmFlag("worker_extension_cls", "Baton's workers are its own", accepts=_one_of(None, "")),
+    VllmFlag("additional_config", "no platform plugins", accepts=lambda v: not v or v == "{}"),
+    VllmFlag("enable_eplb", "Baton serves no MoE models", False, bool, _one_of(False)),
+    VllmFlag("data_parallel_size_local", _DATA_PARALLEL, None, int, lambda v: v in (None, 1)),
+    VllmFlag("data_parallel_start_rank", _DATA_PARALLEL, None, int, lambda v: v in (None, 0)),
+    VllmFlag("data_parallel_address", _DATA_PARALLEL, accepts=_one_of(None)),
+    VllmFlag("data_parallel_rpc_port", _DATA_PARALLEL, None, int, _one_of(None)),
+    VllmFlag("data_parallel_backend", _DATA_PARALLEL, "mp", accepts=_one_of("mp")),
+    VllmFlag(
+        "io_processor_plugin",
+        "input/output processor plugins are not supported",
         accepts=_one_of(None),
     ),
 )
@@ -230,6 +328,35 @@ FRONTEND_FLAGS: tuple[VllmFlag, ...] = (
         int,
         _one_of(1),
     ),
+    VllmFlag("disable_frontend_multiprocessing", "the gateway is its own process", False, bool),
+    VllmFlag(
+        "enable_reasoning", "reasoning is on whenever --reasoning-parser is given", False, bool
+    ),
+    VllmFlag(
+        "exclude_tools_when_tool_choice_none",
+        "tools always reach the template",
+        False,
+        bool,
+        _one_of(False),
+    ),
+    VllmFlag(
+        "trust_request_chat_template",
+        "a request's chat_template is rendered sandboxed",
+        False,
+        bool,
+    ),
+    VllmFlag(
+        "enable_tokenizer_info_endpoint",
+        "the gateway has no tokenizer_info endpoint",
+        False,
+        bool,
+        _one_of(False),
+    ),
+    VllmFlag("h11_max_incomplete_event_size", "uvicorn's defaults", None, int),
+    VllmFlag("h11_max_header_count", "uvicorn's defaults", None, int),
+    VllmFlag("enable_ssl_refresh", "certificates are read at start", False, bool),
+    VllmFlag("log_config_file", "Baton's services log to stderr in their own format"),
+    VllmFlag("tool_server", "built-in tools are not supported", accepts=_one_of(None)),
     VllmFlag(
         "headless",
         "a Baton stack always has its gateway (run the workers alone with baton decode / "
