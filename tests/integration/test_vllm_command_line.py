@@ -196,6 +196,7 @@ def test_metrics_under_vllms_names(served: tuple[Any, Path]) -> None:
         "vllm:e2e_request_latency_seconds_count{",
         "vllm:request_success_total{",
         "vllm:request_prompt_tokens_bucket{",
+        'vllm:gpu_cache_usage_perc{model_name="smol",role="decode"',  # (vLLM's older name)
         "vllm:request_generation_tokens_count{",
     ):
         assert name in text, name

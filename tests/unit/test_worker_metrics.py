@@ -50,3 +50,20 @@ def test_metrics_under_either_prefix(prefix: str) -> None:
     assert ("baton:kv_transfer_bytes_total", m) in got
     other = "vllm" if prefix == "baton" else "baton"
     assert not any(name.startswith(f"{other}:num_requests") for name, _ in got)
+    # vLLM's older names of the same series, under vllm: only
+    old = {
+        ("vllm:gpu_cache_usage_perc", m): 0.5,
+        ("vllm:gpu_prefix_cache_queries_total", m): 12,
+        ("vllm:gpu_prefix_cache_hits_total", m): 4,
+    }
+    assert all((got.get(k) == v) == (prefix == "vllm") for k, v in old.items())
+
+
+def test_inter_token_latency_under_both_of_vllms_names() -> None:
+    metrics = WorkerMetrics("m", metric_names="vllm")
+    metrics.record_inter_token(0.03)
+    got = samples(metrics)
+    m = (("model_name", "m"),)
+    assert got[("vllm:inter_token_latency_seconds_count", m)] == 1
+    assert got[("vllm:time_per_output_token_seconds_count", m)] == 1
+    assert got[("vllm:time_per_output_token_seconds_sum", m)] == pytest.approx(0.03)

@@ -429,7 +429,7 @@ class EngineLoop:
                 if stream.last_token_time is None:
                     metrics.time_to_first_token.observe(now - stream.arrival_time)
                 else:
-                    metrics.inter_token_latency.observe(now - stream.last_token_time)
+                    metrics.record_inter_token(now - stream.last_token_time)
                 stream.last_token_time = now
             stream.put(out)
             if out.finish_reason is not None:

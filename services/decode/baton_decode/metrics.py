@@ -129,6 +129,21 @@ class WorkerMetrics:
             "kv_lease_expired", "Leases on prefilled KV that expired before release"
         ).labels(m)
         self.kv_leases_active = gauge("kv_leases_active", "Prefilled prompts held").labels(m)
+        # vLLM's older names of the same series (dashboards and autoscalers written for vLLM
+        # before 0.10/0.11 read these), under vllm: only.
+        self._old_kv_usage: Gauge | None = None
+        self._old_itl: Histogram | None = None
+        self._old_prefix: tuple[Counter, Counter] | None = None
+        if metric_names == "vllm":
+            prefix = "vllm"
+            self._old_kv_usage = gauge("gpu_cache_usage_perc", "As kv_cache_usage_perc").labels(m)
+            self._old_itl = histogram(
+                "time_per_output_token_seconds", "As inter_token_latency_seconds", _ITL_BUCKETS
+            ).labels(m)
+            self._old_prefix = (
+                counter("gpu_prefix_cache_queries", "As prefix_cache_queries").labels(m),
+                counter("gpu_prefix_cache_hits", "As prefix_cache_hits").labels(m),
+            )
         # The engine's counters start at zero, as ours do.
         self._last = EngineStats(0, 0, 0.0, 0, 0, 0, 0, 0)
 
@@ -137,7 +152,18 @@ class WorkerMetrics:
         self.num_requests_running.set(stats.num_running)
         self.num_requests_waiting.set(stats.num_waiting)
         self.kv_cache_usage_perc.set(stats.kv_cache_usage)
+        if self._old_kv_usage is not None:
+            self._old_kv_usage.set(stats.kv_cache_usage)
         last = self._last
+        if self._old_prefix is not None:
+            for counter, now, before in zip(
+                self._old_prefix,
+                (stats.num_prefix_queries, stats.num_prefix_hits),
+                (last.num_prefix_queries, last.num_prefix_hits),
+                strict=True,
+            ):
+                if now > before:
+                    counter.inc(now - before)
         for counter, now, before in (
             (self.prefix_cache_queries, stats.num_prefix_queries, last.num_prefix_queries),
             (self.prefix_cache_hits, stats.num_prefix_hits, last.num_prefix_hits),
@@ -148,6 +174,11 @@ class WorkerMetrics:
             if now > before:
                 counter.inc(now - before)
         self._last = stats
+
+    def record_inter_token(self, seconds: float) -> None:
+        self.inter_token_latency.observe(seconds)
+        if self._old_itl is not None:
+            self._old_itl.observe(seconds)
 
     def record_finished(
         self, finish_reason: str, num_prompt_tokens: int = 0, num_generated: int = 0
