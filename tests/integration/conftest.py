@@ -125,6 +125,7 @@ def baton_server() -> Iterator[ServeProcess]:
             "--reasoning-parser",
             "qwen3",
             "--enable-request-id-headers",
+            "--trust-request-chat-template",  # (tests bring their own templates)
         ),
         api_key=API_KEY,
     )

@@ -156,6 +156,16 @@ def test_tokenizer_and_default_chat_template_kwargs(served: tuple[Any, Path]) ->
 
         assert rendered() == "Ahoy! Name a colour.\n"
         assert rendered(chat_template_kwargs={"greeting": "Hi. "}) == "Hi. Name a colour.\n"
+        # A request's own template is code the gateway would run: refused without
+        # --trust-request-chat-template, as in vLLM.
+        for path, extra in (
+            ("/tokenize", {"chat_template": "{{ messages }}"}),
+            ("/v1/chat/completions", {"chat_template": "{{ messages }}", "max_tokens": 2}),
+            ("/tokenize", {"chat_template_kwargs": {"chat_template": "{{ messages }}"}}),
+        ):
+            reply = http.post(path, json={"messages": messages, **extra})
+            assert reply.status_code == 400, reply.text
+            assert "--trust-request-chat-template" in reply.json()["error"]["message"]
 
 
 def test_streams_end_with_usage_unasked(served: tuple[Any, Path]) -> None:

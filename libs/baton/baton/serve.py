@@ -508,6 +508,7 @@ def _plan(args: argparse.Namespace, name: str) -> list[tuple[str, str, list[str]
         ),
         *(["--ssl-cert-reqs", str(args.ssl_cert_reqs)] if args.ssl_cert_reqs else []),
         *(["--enable-force-include-usage"] if args.enable_force_include_usage else []),
+        *(["--trust-request-chat-template"] if args.trust_request_chat_template else []),
         *(
             ["--default-chat-template-kwargs", json.dumps(args.default_chat_template_kwargs)]
             if args.default_chat_template_kwargs is not None

@@ -340,12 +340,6 @@ FRONTEND_FLAGS: tuple[VllmFlag, ...] = (
         _one_of(False),
     ),
     VllmFlag(
-        "trust_request_chat_template",
-        "a request's chat_template is rendered sandboxed",
-        False,
-        bool,
-    ),
-    VllmFlag(
         "enable_tokenizer_info_endpoint",
         "the gateway has no tokenizer_info endpoint",
         False,

@@ -138,6 +138,12 @@ def add_frontend_arguments(p: argparse.ArgumentParser) -> None:
         help="whether clients need a certificate (Python's ssl.CERT_*: 0 none, 2 required)",
     )
     p.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="let requests bring their own chat_template (a template is code the gateway runs; "
+        "without this flag such a request is a 400, as in vLLM)",
+    )
+    p.add_argument(
         "--enable-force-include-usage",
         action="store_true",
         help="streamed completions end with a usage chunk even when the request does not ask "
@@ -358,6 +364,7 @@ def run_gateway(args: argparse.Namespace) -> int:
         chat_template=chat_template,
         chat_template_kwargs=args.default_chat_template_kwargs,
         force_include_usage=args.enable_force_include_usage,
+        trust_request_chat_template=args.trust_request_chat_template,
         response_role=args.response_role,
         reasoning_parser=args.reasoning_parser,
         generation_defaults=generation_defaults(args),

@@ -42,6 +42,7 @@ from baton_gateway.generation import Generation, SequenceDelta, SequenceSpec, Te
 from baton_gateway.metrics import GatewayMetrics, RequestRecord
 from baton_gateway.protocol import (
     ChatCompletionRequest,
+    ChatPrompt,
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
@@ -148,6 +149,7 @@ class Pipeline:
         force_include_usage: bool = False,
         model_aliases: tuple[str, ...] = (),
         eos_token_ids: tuple[int, ...] = (),
+        trust_request_chat_template: bool = False,
     ) -> None:
         """``tool_parser``: the parser "auto" tool choice uses (None: "auto" is refused);
         ``chat_template``: the template chat requests use instead of the model's;
@@ -168,12 +170,15 @@ class Pipeline:
         request does not ask for one (vLLM's ``--enable-force-include-usage``);
         ``model_aliases``: other names requests may give the model (vLLM's further
         ``--served-model-name`` values); ``eos_token_ids``: the model's (where beam search
-        ends a beam)."""
+        ends a beam); ``trust_request_chat_template``: requests may bring their own chat
+        template (vLLM's ``--trust-request-chat-template``; else a 400, as there: a template
+        is code the gateway runs)."""
         self.pool = pool
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.model_aliases = model_aliases
         self.eos_token_ids = eos_token_ids
+        self.trust_request_chat_template = trust_request_chat_template
         self.lora_modules = dict(lora_modules or {})
         self.labels = labels
         self.max_model_len = max_model_len
@@ -218,6 +223,27 @@ class Pipeline:
     def lora_of(self, model: str | None) -> str | None:
         """The LoRA adapter a request's ``model`` names (None: the base model)."""
         return model if model is not None and model in self.lora_modules else None
+
+    def _render_chat(self, request: ChatPrompt) -> str:
+        """``request``'s conversation as prompt text, with the server's template defaults; a
+        request's own template only when the server trusts them (vLLM's rule)."""
+        self._check_template(request)
+        return render_chat_prompt(self.tokenizer, request, *self.chat_defaults)
+
+    def _tokenize_chat(self, request: ChatPrompt) -> list[int]:
+        self._check_template(request)
+        return tokenize_chat(self.tokenizer, request, *self.chat_defaults)
+
+    def _check_template(self, request: ChatPrompt) -> None:
+        given = request.chat_template is not None or (
+            (request.chat_template_kwargs or {}).get("chat_template") is not None
+        )
+        if given and not self.trust_request_chat_template:
+            raise bad_request(  # (vLLM's words)
+                "Chat template is passed with request, but --trust-request-chat-template is "
+                "not set. Refused request with untrusted chat template.",
+                param="chat_template",
+            )
 
     def _is_base(self, model: str) -> bool:
         return model == self.model_name or model in self.model_aliases
@@ -314,7 +340,7 @@ class Pipeline:
             raise bad_request(str(e), param="tool_choice") from e
         if tools is not None and tools.keeps_special_tokens:
             request.skip_special_tokens = False  # (as vLLM: the calls' token must show)
-        text = render_chat_prompt(self.tokenizer, request, *self.chat_defaults)
+        text = self._render_chat(request)
         prompt = tokenize_text(self.tokenizer, text, request.add_special_tokens)
         prompt = self._truncated(prompt, request)
         reasoning = reasoning_use(
@@ -532,7 +558,7 @@ class Pipeline:
         record = self.metrics.start("embeddings")
         try:
             if isinstance(request, EmbeddingChatRequest):
-                ids = tokenize_chat(self.tokenizer, request, *self.chat_defaults)
+                ids = self._tokenize_chat(request)
                 prompts = [self._truncated(ids, request)]
             else:
                 prompts = self._completion_prompts(request)
@@ -570,7 +596,7 @@ class Pipeline:
         record = self.metrics.start("classify")
         try:
             if isinstance(request, ClassificationChatRequest):
-                ids = tokenize_chat(self.tokenizer, request, *self.chat_defaults)
+                ids = self._tokenize_chat(request)
                 prompts = [self._truncated(ids, request)]
             else:
                 prompts = self._completion_prompts(request)
@@ -680,7 +706,7 @@ class Pipeline:
         get as its prompt (the same template, special tokens and server ``--chat-template``)."""
         self.check_model(request.model)
         if isinstance(request, TokenizeChatRequest):
-            ids = tokenize_chat(self.tokenizer, request, *self.chat_defaults)
+            ids = self._tokenize_chat(request)
         else:
             ids = tokenize_text(self.tokenizer, request.prompt, request.add_special_tokens)
         strs = self.tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else None

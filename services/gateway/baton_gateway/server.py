@@ -93,6 +93,7 @@ class GatewayConfig:
     chat_template: str | None = None  # None: the model's
     chat_template_kwargs: dict[str, Any] | None = None  # --default-chat-template-kwargs
     force_include_usage: bool = False  # --enable-force-include-usage
+    trust_request_chat_template: bool = False  # requests may bring their own template
     response_role: str = "assistant"  # chat messages' role after a generation prompt
     reasoning_parser: str | None = None  # None: chat outputs are all content
     # Sampling params for requests that leave them unset (the model's generation config).
@@ -257,6 +258,7 @@ def create_app(config: GatewayConfig, tokenizer: Any) -> FastAPI:
                 labels=info.labels,
                 model_aliases=config.served_model_aliases,
                 eos_token_ids=info.eos_token_ids,
+                trust_request_chat_template=config.trust_request_chat_template,
             )
             logger.info("serving %s (max_model_len %d) via %s", name, max_model_len,
                         ", ".join(f"{w.role} {w.addr}" for w in pool.workers))  # fmt: skip
