@@ -545,6 +545,16 @@ class Pipeline:
             self._check_vocabulary(ids, "prompt")
         return [self._truncated(ids, request) for ids in prompts]
 
+    def _pooling_prompts(
+        self,
+        request: EmbeddingRequest | ClassificationRequest | ClassificationChatRequest,
+    ) -> list[list[int]]:
+        """An embedding or classification request's prompts: its conversation, rendered with
+        the chat template, or its inputs; truncated as asked."""
+        if isinstance(request, EmbeddingChatRequest | ClassificationChatRequest):
+            return [self._truncated(self._tokenize_chat(request), request)]
+        return self._completion_prompts(request)
+
     async def embeddings(
         self, request: EmbeddingRequest, named: RequestIds = RequestIds()
     ) -> Response:
@@ -557,11 +567,7 @@ class Pipeline:
             )
         record = self.metrics.start("embeddings")
         try:
-            if isinstance(request, EmbeddingChatRequest):
-                ids = self._tokenize_chat(request)
-                prompts = [self._truncated(ids, request)]
-            else:
-                prompts = self._completion_prompts(request)
+            prompts = self._pooling_prompts(request)
             req_id, worker_id = self._request_ids("embd", request, named)
             pb = codec.embed_request(
                 worker_id,
@@ -595,11 +601,7 @@ class Pipeline:
             )
         record = self.metrics.start("classify")
         try:
-            if isinstance(request, ClassificationChatRequest):
-                ids = self._tokenize_chat(request)
-                prompts = [self._truncated(ids, request)]
-            else:
-                prompts = self._completion_prompts(request)
+            prompts = self._pooling_prompts(request)
             req_id, worker_id = self._request_ids("classify", request, named)
             pb = codec.embed_request(
                 worker_id,
