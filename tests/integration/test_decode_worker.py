@@ -311,6 +311,31 @@ def test_metrics_move_after_a_request(worker: Worker) -> None:
         assert after[key] - before[key] == 1
     itl = "baton:inter_token_latency_seconds_count"
     assert after[itl] > before[itl]
+    # vLLM's phases of the request: queued then inference (prefill, decode) make up its e2e.
+    moved = {
+        name: after[f"baton:{name}_seconds_sum"] - before[f"baton:{name}_seconds_sum"]
+        for name in (
+            "e2e_request_latency",
+            "request_queue_time",
+            "request_prefill_time",
+            "request_decode_time",
+            "request_inference_time",
+        )
+    }
+    for name in moved:
+        assert after[f"baton:{name}_seconds_count"] - before[f"baton:{name}_seconds_count"] == 1
+    assert moved["request_queue_time"] + moved["request_inference_time"] == pytest.approx(
+        moved["e2e_request_latency"]
+    )
+    assert moved["request_prefill_time"] + moved["request_decode_time"] == pytest.approx(
+        moved["request_inference_time"]
+    )
+    assert moved["request_decode_time"] > 0  # (six tokens after the first)
+    max_tokens = "baton:request_params_max_tokens_sum"
+    assert after[max_tokens] - before[max_tokens] == 7
+    steps = "baton:iteration_tokens_total_count"
+    assert after[steps] - before[steps] >= 7  # (a step per token at least; 5 prompt tokens)
+    assert after["baton:cache_config_info"] == 1
 
 
 def test_prefix_cache_hit_is_reported(worker: Worker) -> None:

@@ -152,6 +152,37 @@ def test_chat_and_embeddings_with_an_adapter(
     )
 
 
+def test_metrics_name_the_adapters_in_use(client: openai.OpenAI, server: Any) -> None:
+    """Each worker's ``lora_requests_info`` (vLLM's, which the Gateway API Inference
+    Extension's endpoint picker reads for LoRA affinity) names the adapters its running
+    requests use, and drops them once they end."""
+
+    def decode_info() -> str:
+        text = httpx.get(f"{server.root_url}/metrics", timeout=30).text
+        (line,) = (
+            line
+            for line in text.splitlines()
+            if line.startswith("baton:lora_requests_info{") and 'role="decode"' in line
+        )
+        assert 'max_lora="2"' in line, line
+        return line
+
+    def wait_for(label: str) -> None:
+        deadline = time.monotonic() + 60
+        while label not in (line := decode_info()):
+            assert time.monotonic() < deadline, line
+            time.sleep(0.05)
+
+    stream = client.completions.create(
+        model="mlp", prompt=PROMPT, max_tokens=480, temperature=0.0, stream=True,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    with stream:
+        next(iter(stream))
+        wait_for('running_lora_adapters="mlp"')
+    wait_for('running_lora_adapters=""')  # (the closed stream cancelled the request)
+
+
 def test_unknown_model_is_not_found(client: openai.OpenAI) -> None:
     with pytest.raises(openai.NotFoundError, match="The model `nope` does not exist"):
         client.completions.create(model="nope", prompt=PROMPT, max_tokens=2)

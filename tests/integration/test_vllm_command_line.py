@@ -208,6 +208,15 @@ def test_metrics_under_vllms_names(served: tuple[Any, Path]) -> None:
         "vllm:request_prompt_tokens_bucket{",
         'vllm:gpu_cache_usage_perc{model_name="smol",role="decode"',  # (vLLM's older name)
         "vllm:request_generation_tokens_count{",
+        # the phases of a request and the tokens of each step, which vLLM's dashboard plots
+        "vllm:request_queue_time_seconds_count{",
+        "vllm:request_prefill_time_seconds_count{",
+        "vllm:request_decode_time_seconds_count{",
+        "vllm:request_inference_time_seconds_count{",
+        "vllm:request_time_per_output_token_seconds_count{",
+        "vllm:request_params_max_tokens_bucket{",
+        "vllm:iteration_tokens_total_bucket{",
+        'vllm:cache_config_info{block_size="16",',  # (load balancers size workers by it)
     ):
         assert name in text, name
     assert "baton:num_requests_running" not in text

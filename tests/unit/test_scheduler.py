@@ -437,6 +437,43 @@ def test_priority_after_a_remote_kv_load(ok: bool) -> None:
     assert scheduler.kv.num_free_blocks == 256
 
 
+def test_first_scheduled_marks_each_request_once() -> None:
+    """Where a request's queue time ends (vLLM's request_queue_time_seconds): the step that
+    first admits it, to compute or to load its remote KV; not a resumption after preemption,
+    nor the admission after its load."""
+    scheduler = make_scheduler(num_blocks=10, block_size=4, max_num_seqs=3)
+    requests = make_requests(6, 8, max_tokens=12)  # three seats, a pool for two by the end
+    add_all(scheduler, requests)
+    marked: list[str] = []
+    run = Run()
+    while scheduler.has_unfinished_requests():
+        so = step(scheduler, run, _token_for)
+        firsts = [req_id for req_id, _ in scheduler.first_scheduled]
+        new = {n.req_id for n in so.scheduled_new_reqs if not n.output_token_ids}
+        assert set(firsts) == new - set(marked)
+        marked += firsts
+    assert scheduler.num_preemptions > 0  # (resumptions were not marked again)
+    assert marked == [r.req_id for r in requests]  # fcfs: in arrival order
+    times = [when for _, when in scheduler.first_scheduled]
+    assert times == sorted(times)
+
+    remote = Request(
+        req_id="remote",
+        prompt_token_ids=list(range(100, 108)),
+        sampling_params=SamplingParams(max_tokens=3),
+        max_tokens=3,
+        output_token_ids=[SAMPLED_TOKEN],
+        remote_kv="kv handle",
+    )
+    scheduler.add_request(remote)
+    step(scheduler, run)
+    assert [req_id for req_id, _ in scheduler.first_scheduled] == ["remote"]  # its load starts
+    scheduler.take_kv_loads()
+    scheduler.finish_kv_load("remote", True)
+    step(scheduler, run)
+    assert scheduler.first_scheduled == []  # its admission after the load is not a first
+
+
 # --- prefix caching -----------------------------------------------------------------------------
 
 

@@ -4,6 +4,8 @@ count their prompt and generated tokens in vLLM's 1-2-5 buckets."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -67,3 +69,70 @@ def test_inter_token_latency_under_both_of_vllms_names() -> None:
     assert got[("vllm:inter_token_latency_seconds_count", m)] == 1
     assert got[("vllm:time_per_output_token_seconds_count", m)] == 1
     assert got[("vllm:time_per_output_token_seconds_sum", m)] == pytest.approx(0.03)
+
+
+def test_a_finished_requests_phases_and_the_steps_tokens() -> None:
+    """vLLM's request phases (queued, prefill, decode, inference; the per-request time per
+    output token), tokens per forward pass and max_tokens, which its dashboard plots."""
+    metrics = WorkerMetrics("m", metric_names="vllm", max_model_len=512)
+    metrics.record_request_times(10.0, scheduled=10.5, first_token=11.0, last_token=14.0,
+                                 num_generated=7)  # fmt: skip
+    metrics.record_request_times(20.0, scheduled=20.0, first_token=22.0, last_token=22.0,
+                                 num_generated=1)  # fmt: skip
+    metrics.record_step(300)
+    metrics.record_step(4, num_passes=3)  # a multi-step: three passes of 4 decodes
+    metrics.record_finished("length", 3, 7, max_tokens=7)
+    metrics.record_finished("abort", 3, 1, max_tokens=100)  # not counted
+    got = samples(metrics)
+    m = (("model_name", "m"),)
+    sums = {
+        "request_queue_time_seconds": 0.5,
+        "request_prefill_time_seconds": 0.5 + 2.0,
+        "request_decode_time_seconds": 3.0,
+        "request_inference_time_seconds": 3.5 + 2.0,
+    }
+    for name, total in sums.items():
+        assert got[(f"vllm:{name}_count", m)] == 2, name
+        assert got[(f"vllm:{name}_sum", m)] == pytest.approx(total), name
+    tpot = "vllm:request_time_per_output_token_seconds"
+    assert got[(f"{tpot}_count", m)] == 1  # (one token has no time per output token)
+    assert got[(f"{tpot}_sum", m)] == pytest.approx(0.5)
+    steps = "vllm:iteration_tokens_total"
+    assert got[(f"{steps}_count", m)] == 4
+    assert got[(f"{steps}_bucket", (("le", "8.0"), *m))] == 3
+    assert got[(f"{steps}_bucket", (("le", "256.0"), *m))] == 3
+    assert got[(f"{steps}_bucket", (("le", "512.0"), *m))] == 4
+    assert got[("vllm:request_params_max_tokens_count", m)] == 1
+    assert got[("vllm:request_params_max_tokens_sum", m)] == 7
+
+
+def test_cache_config_and_lora_adapters_info() -> None:
+    """vLLM's info gauges: the KV cache's settings (load balancers size a worker by
+    num_gpu_blocks x block_size) and, with LoRA, the adapters in use (the Gateway API
+    Inference Extension's endpoint picker routes by them: the latest sample, by value)."""
+    cache = {"block_size": 16, "num_gpu_blocks": 100, "enable_prefix_caching": True}
+    metrics = WorkerMetrics("m", metric_names="vllm", cache_config=cache, max_loras=2)
+    got = samples(metrics)
+    labels = (("block_size", "16"), ("enable_prefix_caching", "True"), ("num_gpu_blocks", "100"))
+    assert got[("vllm:cache_config_info", labels)] == 1
+
+    def lora_info() -> dict[tuple[tuple[str, str], ...], float]:
+        return {k[1]: v for k, v in samples(metrics).items() if k[0] == "vllm:lora_requests_info"}
+
+    def keys(running: str, waiting: str) -> tuple[tuple[str, str], ...]:
+        return (
+            ("max_lora", "2"),
+            ("running_lora_adapters", running),
+            ("waiting_lora_adapters", waiting),
+        )
+
+    assert list(lora_info()) == [keys("", "")]
+    before = time.time()
+    metrics.record_lora_adapters(["a", "b"], ["c"])
+    info = lora_info()
+    assert list(info) == [keys("a,b", "c")]  # (the previous sample is gone)
+    assert before <= info[keys("a,b", "c")] <= time.time()
+    # Without LoRA there is no such gauge (as in vLLM).
+    plain = samples(WorkerMetrics("m", metric_names="vllm"))
+    assert not any(name == "vllm:lora_requests_info" for name, _ in plain)
+    assert not any(name == "vllm:cache_config_info" for name, _ in plain)

@@ -171,6 +171,9 @@ class RequestStream:
     arrival_time: float  # time.monotonic() when accepted
     queue: asyncio.Queue[EngineCoreOutput | BatonError] = field(default_factory=asyncio.Queue)
     last_token_time: float | None = None  # None until the first token
+    first_token_time: float | None = None
+    scheduled_time: float | None = None  # when the engine first scheduled it
+    max_tokens: int | None = None  # as the engine resolves it (None: an embedding)
     num_generated: int = 0  # tokens delivered so far
     # Called (on the loop) after each item is queued: a GenerateStream call drains the streams
     # that have news once per step instead of awaiting each.
@@ -325,6 +328,9 @@ class EngineLoop:
         if remote_kv is not None and self._on_kv_load is None:
             raise InvalidRequestError("this worker cannot pull remote KV")
         stream = RequestStream(req_id, len(prompt_token_ids), time.monotonic())
+        if isinstance(params, SamplingParams):
+            room = self.core.max_model_len - len(prompt_token_ids)
+            stream.max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         self._streams[req_id] = stream
         self._commands.put(
             _Add(
@@ -415,11 +421,20 @@ class EngineLoop:
             self.core.shutdown()
 
     def _deliver(
-        self, outputs: list[EngineCoreOutput], errors: list[tuple[str, BatonError]]
+        self,
+        outputs: list[EngineCoreOutput],
+        errors: list[tuple[str, BatonError]],
+        first_scheduled: list[tuple[str, float]],
     ) -> None:
-        """Runs on the loop: route a step's outputs and errors to their streams."""
+        """Runs on the loop: note when requests were first scheduled, then route a step's
+        outputs and errors to their streams."""
         now = time.monotonic()
         metrics = self._metrics
+        streams = self._streams
+        for req_id, when in first_scheduled:
+            stream = streams.get(req_id)
+            if stream is not None:
+                stream.scheduled_time = when
         for out in outputs:
             stream = self._streams.get(out.req_id)
             if stream is None:  # aborted while the step ran
@@ -428,6 +443,7 @@ class EngineLoop:
             if metrics is not None and out.new_token_ids:
                 if stream.last_token_time is None:
                     metrics.time_to_first_token.observe(now - stream.arrival_time)
+                    stream.first_token_time = now
                 else:
                     metrics.record_inter_token(now - stream.last_token_time)
                 stream.last_token_time = now
@@ -437,8 +453,20 @@ class EngineLoop:
                 if metrics is not None:
                     metrics.e2e_request_latency.observe(now - stream.arrival_time)
                     metrics.record_finished(
-                        out.finish_reason, stream.num_prompt_tokens, stream.num_generated
+                        out.finish_reason,
+                        stream.num_prompt_tokens,
+                        stream.num_generated,
+                        stream.max_tokens,
                     )
+                    if stream.scheduled_time is not None:
+                        first = stream.first_token_time
+                        metrics.record_request_times(
+                            stream.arrival_time,
+                            stream.scheduled_time,
+                            now if first is None else first,
+                            now,
+                            stream.num_generated,
+                        )
         for req_id, error in errors:
             stream = self._streams.pop(req_id, None)
             if stream is not None:
@@ -480,8 +508,9 @@ class EngineLoop:
                     self._publish_stats()
                 was_busy = self.core.has_schedulable_requests()
                 outputs = self._step(errors) if was_busy else []
-                if outputs or errors:
-                    self._post(self._deliver, outputs, errors)
+                scheduled = self.core.first_scheduled if was_busy else []
+                if outputs or errors or scheduled:
+                    self._post(self._deliver, outputs, errors, scheduled)
                 loads = self.core.take_kv_loads()
                 if loads:
                     self._post(self._start_kv_loads, loads)
@@ -586,6 +615,8 @@ class EngineLoop:
                 raise
             return []
         self._num_step_failures = 0
+        if self._metrics is not None:
+            self._metrics.record_step(*self.core.last_step_tokens)
         for out in outputs:
             if out.finish_reason is not None:
                 self._live.discard(out.req_id)
@@ -596,6 +627,9 @@ class EngineLoop:
     def _publish_stats(self) -> None:
         stats = self.core.stats()
         self._stats = stats
-        if self._metrics is not None:
-            self._metrics.record_stats(stats)
+        metrics = self._metrics
+        if metrics is not None:
+            metrics.record_stats(stats)
+            if metrics.exports_lora_info:
+                metrics.record_lora_adapters(*self.core.lora_adapters())
         self._stats_logger.maybe_log(stats, time.monotonic())

@@ -612,7 +612,11 @@ async def _serve(
 ) -> int:
     loop = asyncio.get_running_loop()
     metrics = WorkerMetrics(
-        name, metric_names=config.metric_names, max_model_len=core.max_model_len
+        name,
+        metric_names=config.metric_names,
+        max_model_len=core.max_model_len,
+        cache_config=core.cache_config_info(),
+        max_loras=core.config.max_loras if core.config.enable_lora else None,
     )
     try:
         httpd, _ = start_http_server(

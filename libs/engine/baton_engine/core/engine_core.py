@@ -337,6 +337,8 @@ class EngineCore:
         self.async_scheduling = config.resolved_async_scheduling()
         # async scheduling: the step launched last, reported by the next call to step()
         self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None
+        # The latest step's tokens: per forward pass, and passes (multi-step scheduling).
+        self.last_step_tokens: tuple[int, int] = (0, 0)
         # A step allocates a few objects per request (outputs, token lists) that mostly live on;
         # with the default thresholds the collector's older-generation passes then walk the
         # whole heap (torch, the model, imports) every few steps, which made the bookkeeping
@@ -711,6 +713,36 @@ class EngineCore:
         ``enable_kv_events``)."""
         return self.kv.take_events()
 
+    def cache_config_info(self) -> dict[str, object]:
+        """The KV cache's settings, under vLLM's names (its ``cache_config_info`` labels;
+        ``num_gpu_blocks`` counts the KV blocks wherever they live, as vLLM's CPU backend
+        does)."""
+        config = self.config
+        return {
+            "block_size": config.block_size,
+            "num_gpu_blocks": self.kv.pool.num_blocks,
+            "cache_dtype": "auto",
+            "enable_prefix_caching": config.enable_prefix_caching,
+            "gpu_memory_utilization": config.gpu_memory_utilization,
+            "kv_cache_size_tokens": self.kv.pool.num_blocks * config.block_size,
+        }
+
+    @property
+    def first_scheduled(self) -> list[tuple[str, float]]:
+        """Requests the latest step scheduled for the first time, with when
+        (``time.monotonic()``): their queue time ends there."""
+        return self.scheduler.first_scheduled
+
+    def lora_adapters(self) -> tuple[list[str], list[str]]:
+        """The adapters of the running requests (those loading remote KV too), and of the
+        waiting ones, each sorted by name (vLLM's ``lora_requests_info``)."""
+        scheduler = self.scheduler
+        if not scheduler.lora_refs:
+            return [], []
+        running = scheduler.running_loras()
+        waiting = {r.lora_name for r in scheduler.waiting if r.lora_name is not None}
+        return sorted(running), sorted(waiting)
+
     def cached_block_hashes(self) -> list[bytes]:
         """Every hash the prefix cache holds now (to resync the kvstore's index)."""
         return self.kv.pool.cached_hashes()
@@ -754,6 +786,7 @@ class EngineCore:
         tokens on the host (penalties, logprobs, structured output) waits for them before it
         is launched."""
         so = self.scheduler.schedule()
+        self.last_step_tokens = (so.total_num_scheduled_tokens, so.num_steps)
         outputs: list[EngineCoreOutput] = []
         with self._ranks_checked():
             if self._in_flight is not None and (

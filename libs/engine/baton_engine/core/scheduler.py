@@ -42,6 +42,7 @@ writing them.
 from __future__ import annotations
 
 import bisect
+import time
 from collections import deque
 from collections.abc import Iterable
 from operator import attrgetter
@@ -121,6 +122,10 @@ class Scheduler:
         self.num_grammars = 0  # requests with structured output among ``requests``
         self.num_embeddings = 0  # embedding requests (PoolingParams) among ``requests``
         self.lora_refs: dict[str, int] = {}  # adapter name -> its requests among ``requests``
+        # Requests the latest schedule() scheduled for the first time (admitted to compute, or
+        # to load their remote KV), with when (time.monotonic()): where their queue time ends.
+        # Replaced, not cleared, by the next schedule(), so a reader may keep the list.
+        self.first_scheduled: list[tuple[str, float]] = []
 
     # --- requests in and out -------------------------------------------------------------------
 
@@ -247,6 +252,8 @@ class Scheduler:
         return min(num_new, budget)
 
     def schedule(self) -> SchedulerOutput:
+        if self.first_scheduled:
+            self.first_scheduled = []
         if self.num_scheduler_steps > 1:
             num_steps = self._num_steps()
             if num_steps > 1:
@@ -321,7 +328,7 @@ class Scheduler:
             request = self.waiting[0]
             if request.lora_name is not None and self.max_loras is not None:
                 if loras is None:
-                    loras = self._running_loras()
+                    loras = self.running_loras()
                 if request.lora_name not in loras:
                     if len(loras) >= self.max_loras:
                         passed_over.append(self.waiting.popleft())
@@ -371,7 +378,7 @@ class Scheduler:
             preempted,
         )  # fmt: skip
 
-    def _running_loras(self) -> set[str]:
+    def running_loras(self) -> set[str]:
         """The adapters of the running requests and of those loading remote KV."""
         names = {r.lora_name for r in self.running if r.lora_name is not None}
         names.update(r.lora_name for r in self.loading.values() if r.lora_name is not None)
@@ -481,6 +488,7 @@ class Scheduler:
         self.waiting.popleft()
         self.kv.record_prefix_lookup(request.num_prompt_tokens, num_cached)
         request.num_cached_tokens = num_cached
+        self.first_scheduled.append((request.req_id, time.monotonic()))
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self.loading[request.req_id] = request
         first_block = num_cached // self.kv.block_size
@@ -494,8 +502,9 @@ class Scheduler:
         num_cached = prefix.num_cached_tokens if prefix is not None else 0
         if prefix is not None:
             self.kv.record_prefix_lookup(request.num_tokens, num_cached)
-        if request.num_cached_tokens < 0:
+        if request.num_cached_tokens < 0:  # its first admission
             request.num_cached_tokens = num_cached
+            self.first_scheduled.append((request.req_id, time.monotonic()))
         request.num_computed_tokens += num_cached
         request.status = RequestStatus.RUNNING
         if self._by_priority:
