@@ -387,9 +387,10 @@ def test_unknown_engine_argument() -> None:
 
 
 def test_vllms_arguments_and_a_separate_tokenizer(default_model_dir: Path, tmp_path: Path) -> None:
-    """``LLM(model, tokenizer=..., trust_remote_code=True, swap_space=4, quantization=None)``
-    as vLLM scripts write it: the tokenizer comes from its own folder (no config.json needed),
-    the other arguments change nothing; a missing tokenizer fails the start."""
+    """``LLM(model, tokenizer=..., trust_remote_code=True, swap_space=4, quantization=None,
+    max_logprobs=2)`` as vLLM scripts write it: the tokenizer comes from its own folder (no
+    config.json needed), requests may ask for at most ``max_logprobs`` logprobs, the other
+    arguments change nothing; a missing tokenizer fails the start."""
     import shutil
 
     tok_dir = tmp_path / "tokenizer"
@@ -404,9 +405,17 @@ def test_vllms_arguments_and_a_separate_tokenizer(default_model_dir: Path, tmp_p
         trust_remote_code=True,
         swap_space=4,
         quantization=None,
+        max_logprobs=2,
         **small,
     )
     assert llm.get_tokenizer().name_or_path == str(tok_dir)
+    two = SamplingParams(temperature=0.0, max_tokens=1, logprobs=2, prompt_logprobs=2)
+    (allowed,) = llm.generate("The capital of France is", two, use_tqdm=False)
+    assert allowed.outputs[0].logprobs is not None and len(allowed.outputs[0].logprobs[0]) >= 2
+    for kind, too_many in (("sample", {"logprobs": 3}), ("prompt", {"prompt_logprobs": 3})):
+        params = SamplingParams(max_tokens=1, **too_many)  # type: ignore[arg-type]
+        with pytest.raises(InvalidRequestError, match=f"{kind} logprobs of 3, .* max allowed: 2"):
+            llm.generate("The capital of France is", params, use_tqdm=False)
     (out,) = llm.generate("The capital of France is", GREEDY, use_tqdm=False)
     reference = LLM(str(default_model_dir), **small)
     (want,) = reference.generate("The capital of France is", GREEDY, use_tqdm=False)
@@ -416,6 +425,8 @@ def test_vllms_arguments_and_a_separate_tokenizer(default_model_dir: Path, tmp_p
         LLM(str(default_model_dir), tokenizer=str(tmp_path / "missing"), **small)
     with pytest.raises(InvalidRequestError, match="quantization 'gptq'"):
         LLM(str(default_model_dir), quantization="gptq", **small)
+    with pytest.raises(InvalidRequestError, match="at most 20 logprobs per token"):
+        LLM(str(default_model_dir), max_logprobs=50, **small)
 
 
 PRIORITY_PROMPTS = [

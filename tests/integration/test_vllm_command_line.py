@@ -2,8 +2,9 @@
 accepted, and the ones Baton implements work as in vLLM: HTTPS (``--ssl-keyfile`` /
 ``--ssl-certfile``), ``--tokenizer``, ``--default-chat-template-kwargs``,
 ``--enable-force-include-usage``, ``--model`` (a repository id, from a Hugging Face cache),
-``--served-model-name`` (two names); and the workers' metrics under vLLM's names
-(``--metric-names vllm``)."""
+``--served-model-name`` (two names); the workers' metrics under vLLM's names
+(``--metric-names vllm``); ``--uds``, ``--max-logprobs``, ``--chat-template-content-format``
+and ``--exclude-tools-when-tool-choice-none``."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import pytest
 from openai import OpenAI
 
@@ -221,3 +223,71 @@ def test_metrics_under_vllms_names(served: tuple[Any, Path]) -> None:
         assert name in text, name
     assert "baton:num_requests_running" not in text
     assert "baton:kv_transfer_bytes_total" in text  # (Baton's own: no vLLM counterpart)
+
+
+# Prints each message's content as the template receives it.
+CONTENT_TEMPLATE = (
+    "{% for m in messages %}{{ m['content'] }};{% endfor %}{% if tools %}TOOLS{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def on_socket(
+    serve_launcher: Any, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Any, httpx.HTTPTransport]]:
+    """``baton serve --uds PATH`` with vLLM's --max-logprobs, --chat-template-content-format
+    and --exclude-tools-when-tool-choice-none."""
+    socket_path = tmp_path_factory.mktemp("uds") / "baton.sock"
+    server = serve_launcher.start(
+        [
+            "--uds", str(socket_path),
+            "--mode", "aggregated",
+            "--max-logprobs", "2",
+            "--chat-template", CONTENT_TEMPLATE,
+            "--chat-template-content-format", "openai",
+            "--exclude-tools-when-tool-choice-none",
+        ]
+    )  # fmt: skip
+    try:
+        yield server, httpx.HTTPTransport(uds=str(socket_path))
+    finally:
+        _, survivors = serve_launcher.stop(server)
+        assert not survivors, f"left behind: {survivors}"
+
+
+def test_served_on_a_unix_socket(on_socket: tuple[Any, httpx.HTTPTransport]) -> None:
+    server, transport = on_socket
+    assert server.base_url.startswith("unix:") and server.base_url.endswith("baton.sock")
+    with (
+        httpx.Client(transport=transport) as http_client,
+        OpenAI(base_url="http://baton/v1", api_key="x", http_client=http_client) as client,
+    ):
+        assert [m.id for m in client.models.list().data] == [server.model]
+        reply = client.completions.create(
+            model=server.model, prompt="Hello", max_tokens=2, logprobs=2
+        )
+        assert reply.choices[0].logprobs is not None
+        # --max-logprobs 2: more is vLLM's 400
+        with pytest.raises(openai.BadRequestError, match=r"logprobs of 3, .* max allowed: 2"):
+            client.completions.create(model=server.model, prompt="Hello", max_tokens=2, logprobs=3)
+
+
+def test_content_format_and_tools_reach_the_template_as_configured(
+    on_socket: tuple[Any, httpx.HTTPTransport],
+) -> None:
+    server, transport = on_socket
+    messages = [{"role": "user", "content": "Hi"}]
+    with httpx.Client(transport=transport, base_url="http://baton", timeout=60) as http:
+        ids = http.post("/tokenize", json={"messages": messages}).json()["tokens"]
+        text = http.post("/detokenize", json={"tokens": ids}).json()["prompt"]
+        assert text == "[{'type': 'text', 'text': 'Hi'}];"  # (OpenAI's parts: the flag's)
+
+        def prompt_tokens(**extra: Any) -> int:
+            body = {"model": server.model, "messages": messages, "max_tokens": 1, **extra}
+            reply = http.post("/v1/chat/completions", json=body)
+            assert reply.status_code == 200, reply.text
+            count: int = reply.json()["usage"]["prompt_tokens"]
+            return count
+
+        tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+        assert prompt_tokens(tools=[tool], tool_choice="none") == prompt_tokens() == len(ids)

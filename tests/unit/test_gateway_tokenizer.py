@@ -14,7 +14,7 @@ from baton_engine.model_files import (
     load_model_tokenizer,
     served_model_name,
 )
-from baton_gateway.chat import render_chat_prompt
+from baton_gateway.chat import ChatDefaults, detect_content_format, render_chat_prompt
 from baton_gateway.errors import GatewayError
 from baton_gateway.protocol import ChatCompletionRequest
 
@@ -85,3 +85,54 @@ def test_broken_or_hostile_template_is_a_400(tokenizer: Any) -> None:
             assert e.value.status == 400
     finally:
         tokenizer.chat_template = original
+
+
+# A template written for OpenAI's content parts (as multimodal models' are): it loops over a
+# message's content, through a variable.
+PARTS_TEMPLATE = (
+    "{% for m in messages %}{% set parts = m['content'] %}{{ m.role }}:"
+    "{% for p in parts | selectattr('type', 'equalto', 'text') %}[{{ p.text }}]{% endfor %};"
+    "{% endfor %}"
+)
+
+
+@pytest.mark.parametrize(
+    ("template", "detected"),
+    [
+        (PARTS_TEMPLATE, "openai"),
+        ("{% for m in messages %}{% for c in m.content %}{% endfor %}{% endfor %}", "openai"),
+        ("{% for m in messages %}{{ m['content'] }}{% endfor %}", "string"),
+        ("{% for m in messages %}{% for t in m.tool_calls %}{% endfor %}{% endfor %}", "string"),
+        ("{% for m in messages %}{{ m.content ", "string"),  # (does not parse: rendering says)
+    ],
+)
+def test_content_format_is_detected_from_the_template(template: str, detected: str) -> None:
+    assert detect_content_format(template) == detected
+
+
+def test_content_reaches_the_template_in_its_format(tokenizer: Any) -> None:
+    """vLLM's --chat-template-content-format: "openai" hands a template the content as a list
+    of parts (a string as one part); "string" joins text parts by newlines; "auto" reads the
+    template: the model's own (SmolLM2's, which prints ``message['content']``) gets strings."""
+    request = ChatCompletionRequest.model_validate(
+        {
+            "messages": [
+                {"role": "system", "content": "Be brief."},
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+                },
+            ]
+        }
+    )
+    parts = "system:[Be brief.];user:[a][b];"
+    assert render_chat_prompt(tokenizer, request, ChatDefaults(PARTS_TEMPLATE)) == parts
+    openai = ChatDefaults(PARTS_TEMPLATE, content_format="openai")
+    assert render_chat_prompt(tokenizer, request, openai) == parts
+    # Forced to "string", the same template iterates the characters of a string: no parts.
+    string = ChatDefaults(PARTS_TEMPLATE, content_format="string")
+    assert render_chat_prompt(tokenizer, request, string) == "system:;user:;"
+    for content_format in ("auto", "string"):
+        text = render_chat_prompt(tokenizer, request, ChatDefaults(content_format=content_format))
+        assert "<|im_start|>user\na\nb<|im_end|>" in text
+    assert detect_content_format(tokenizer.chat_template) == "string"

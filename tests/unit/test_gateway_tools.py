@@ -15,7 +15,7 @@ from pydantic import ValidationError
 from baton_engine.errors import InvalidRequestError
 from baton_engine.sampling_params import StructuredOutputsParams
 from baton_engine.structured_output import StructuredOutputManager
-from baton_gateway.chat import render_chat_prompt
+from baton_gateway.chat import ChatDefaults, render_chat_prompt
 from baton_gateway.cli import load_chat_template
 from baton_gateway.protocol import ChatCompletionRequest
 from baton_gateway.tools import (
@@ -327,7 +327,7 @@ def test_tool_messages_reach_the_template(tokenizer: Any, tmp_path: Path) -> Non
         {"role": "tool", "tool_call_id": "call_1", "content": "18 C"},
     ]
     request = chat(messages=history, tools=[WEATHER, TIME], chat_template=template)
-    assert render_chat_prompt(tokenizer, request, "server {{ 1 }}") == (
+    assert render_chat_prompt(tokenizer, request, ChatDefaults("server {{ 1 }}")) == (
         "user: Weather in Paris?;CALL get_weather Paris;RESULT call_1 18 C;"
         "TOOLS get_weather,get_time"
     )
@@ -335,9 +335,16 @@ def test_tool_messages_reach_the_template(tokenizer: Any, tmp_path: Path) -> Non
     path.write_text(template)
     assert load_chat_template(str(path)) == template
     assert load_chat_template(template) == template
-    assert render_chat_prompt(tokenizer, chat(messages=MESSAGES), template) == (
+    assert render_chat_prompt(tokenizer, chat(messages=MESSAGES), ChatDefaults(template)) == (
         "user: Weather in Paris?;"
     )
+    # --exclude-tools-when-tool-choice-none: tools the request may not call stay out of the
+    # prompt (vLLM's flag); without it they reach the template as always.
+    hide = ChatDefaults(template, exclude_tools_when_tool_choice_none=True)
+    for choice, listed in (("none", False), ("auto", True), (None, True)):
+        request = chat(tools=[WEATHER], tool_choice=choice)
+        assert ("TOOLS get_weather" in render_chat_prompt(tokenizer, request, hide)) == listed
+        assert "TOOLS get_weather" in render_chat_prompt(tokenizer, request, ChatDefaults(template))
     with pytest.raises(InvalidRequestError, match="no such file"):
         load_chat_template(str(tmp_path / "missing.jinja"))
     with pytest.raises(InvalidRequestError, match="not a valid Jinja template"):

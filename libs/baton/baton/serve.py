@@ -287,6 +287,8 @@ def _signal_group(proc: subprocess.Popen[str], sig: signal.Signals) -> None:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    from baton_engine.arg_utils import engine_kwargs_from_args
+    from baton_engine.config import EngineConfig
     from baton_engine.errors import InvalidRequestError
     from baton_engine.model_files import resolve_model, served_model_name
     from baton_engine.vllm_flags import ENGINE_FLAGS, FRONTEND_FLAGS, check_flags
@@ -307,6 +309,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     load_chat_template(args.chat_template)
     check_tls(args)
     check_flags(vars(args), FRONTEND_FLAGS + ENGINE_FLAGS)
+    EngineConfig(**engine_kwargs_from_args(args, check=False)).validate()  # (the workers')
     resolve_model(args.model)  # convert once, before several processes race to
     name = args.served_model_name[0] if args.served_model_name else served_model_name(args.model)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -502,6 +505,7 @@ def _plan(args: argparse.Namespace, name: str) -> list[tuple[str, str, list[str]
             args,
             "tokenizer",
             "root_path",
+            "uds",
             "ssl_keyfile",
             "ssl_certfile",
             "ssl_ca_certs",
@@ -509,6 +513,12 @@ def _plan(args: argparse.Namespace, name: str) -> list[tuple[str, str, list[str]
         *(["--ssl-cert-reqs", str(args.ssl_cert_reqs)] if args.ssl_cert_reqs else []),
         *(["--enable-force-include-usage"] if args.enable_force_include_usage else []),
         *(["--trust-request-chat-template"] if args.trust_request_chat_template else []),
+        *("--chat-template-content-format", args.chat_template_content_format),
+        *(
+            ["--exclude-tools-when-tool-choice-none"]
+            if args.exclude_tools_when_tool_choice_none
+            else []
+        ),
         *(
             ["--default-chat-template-kwargs", json.dumps(args.default_chat_template_kwargs)]
             if args.default_chat_template_kwargs is not None
@@ -593,7 +603,7 @@ def _supervise(
             children[i].start_forwarding(sys.stdout)
         if not announced and all(c.ready.is_set() for c in children):
             scheme = "https" if args.ssl_certfile else "http"
-            url = f"{scheme}://{args.host}:{args.port}/v1"
+            url = f"unix:{args.uds}" if args.uds else f"{scheme}://{args.host}:{args.port}/v1"
             shape = ", ".join(c.label for c in children)
             print(f"Baton is serving {name} at {url} ({args.mode}: {shape})", flush=True)
             announced = True

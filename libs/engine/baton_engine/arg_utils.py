@@ -52,6 +52,8 @@ _HELP = {
     "max_loras": "most LoRA adapters one step may use (others wait)",
     "max_lora_rank": "largest LoRA rank accepted",
     "max_cpu_loras": "LoRA adapters kept read in host memory (default: max_loras)",
+    "max_logprobs": "the most logprobs (and prompt logprobs) per token a request may ask for "
+    "(-1: Baton's most, 20)",
     "lora_modules": "LoRA adapters served by name: name=path or vLLM's JSON "
     '\'{"name": ..., "path": ..., "base_model_name": ...}\' (needs --enable-lora)',
 }

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from baton_engine.errors import InvalidRequestError, ModelLoadError
+from baton_engine.sampling_params import MAX_LOGPROBS
 
 # vLLM's: "fcfs" serves requests in arrival order; "priority" by each request's priority (lower
 # first), ties in arrival order.
@@ -259,6 +260,9 @@ class EngineConfig:
     max_cpu_loras: int | None = None
     lora_modules: tuple[str, ...] = ()
     usage_context: str = "offline"  # "offline" | "serving": picks defaults, as in vLLM
+    # The most logprobs (and prompt logprobs) per token a request may ask for (vLLM's; -1: as
+    # many as Baton returns, MAX_LOGPROBS)
+    max_logprobs: int = MAX_LOGPROBS
 
     def resolved_async_scheduling(self) -> bool:
         if self.async_scheduling is not None:
@@ -334,6 +338,11 @@ class EngineConfig:
             raise InvalidRequestError(
                 f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
                 f"got {self.scheduling_policy!r}"
+            )
+        if not -1 <= self.max_logprobs <= MAX_LOGPROBS:
+            raise InvalidRequestError(
+                f"max_logprobs must be in [-1, {MAX_LOGPROBS}] (Baton returns at most "
+                f"{MAX_LOGPROBS} logprobs per token), got {self.max_logprobs}"
             )
         if self.lora_modules and not self.enable_lora:
             raise InvalidRequestError("lora_modules (--lora-modules) needs enable_lora")

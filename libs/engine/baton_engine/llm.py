@@ -30,8 +30,8 @@ from baton_engine.pooling_params import (
     pair_token_ids,
     score_pairs,
 )
-from baton_engine.sampling_params import SamplingParams, truncate_prompt
-from baton_engine.vllm_flags import MAX_LOGPROBS, take_engine_args
+from baton_engine.sampling_params import MAX_LOGPROBS, SamplingParams, truncate_prompt
+from baton_engine.vllm_flags import take_engine_args
 
 
 class TokensPrompt(TypedDict):

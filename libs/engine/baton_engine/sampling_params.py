@@ -9,6 +9,8 @@ from typing import Any
 
 from baton_engine.errors import InvalidRequestError
 
+MAX_LOGPROBS = 20  # top logprobs per token Baton returns at most (vLLM's default cap)
+
 _GREEDY_EPS = 1e-5
 
 
@@ -171,11 +173,11 @@ class SamplingParams:
             raise bad(
                 f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
             )
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise bad(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise bad(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         check_truncate_prompt_tokens(self.truncate_prompt_tokens)
-        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
-            raise bad(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise bad(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
         if any(t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids must be non-negative")
         if self.stop and not self.detokenize:

@@ -25,7 +25,6 @@ from baton_engine.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
-MAX_LOGPROBS = 20  # top logprobs per token Baton returns at most (vLLM's default cap)
 # The workers' engine metrics are named baton:* or, with --metric-names vllm, vllm:* as vLLM
 # names them (so that dashboards and autoscalers built for vLLM read them unchanged).
 METRIC_PREFIXES = ("baton", "vllm")
@@ -49,10 +48,6 @@ class VllmFlag:
 
 def _one_of(*values: Any) -> Callable[[Any], bool]:
     return lambda v: v in values
-
-
-def _at_most(limit: int) -> Callable[[Any], bool]:
-    return lambda v: v is None or int(v) <= limit
 
 
 _NO_DOWNLOAD = (
@@ -140,13 +135,6 @@ ENGINE_FLAGS: tuple[VllmFlag, ...] = (
         accepts=_one_of("auto", "vllm"),
     ),
     VllmFlag("limit_mm_per_prompt", _TEXT_ONLY),
-    VllmFlag(
-        "max_logprobs",
-        f"Baton's cap on logprobs per token is its own, {MAX_LOGPROBS}",
-        MAX_LOGPROBS,
-        int,
-        accepts=_at_most(MAX_LOGPROBS),
-    ),
     VllmFlag(
         "quantization",
         "Baton serves unquantized weights (bfloat16, float16 or float32; a GGUF's weights are "
@@ -307,13 +295,6 @@ FRONTEND_FLAGS: tuple[VllmFlag, ...] = (
         bool,
     ),
     VllmFlag("enable_server_load_tracking", "the workers' load is on /metrics", False, bool),
-    VllmFlag(
-        "chat_template_content_format",
-        "message content parts are joined into one string for the template ('string'); "
-        "'openai' is not supported",
-        "auto",
-        accepts=_one_of("auto", "string"),
-    ),
     VllmFlag("allowed_local_media_path", "Baton serves text-only models: no media is read"),
     VllmFlag("middleware", "custom ASGI middleware is not supported", accepts=_one_of(None)),
     VllmFlag(
@@ -331,13 +312,6 @@ FRONTEND_FLAGS: tuple[VllmFlag, ...] = (
     VllmFlag("disable_frontend_multiprocessing", "the gateway is its own process", False, bool),
     VllmFlag(
         "enable_reasoning", "reasoning is on whenever --reasoning-parser is given", False, bool
-    ),
-    VllmFlag(
-        "exclude_tools_when_tool_choice_none",
-        "tools always reach the template",
-        False,
-        bool,
-        _one_of(False),
     ),
     VllmFlag(
         "enable_tokenizer_info_endpoint",

@@ -116,10 +116,16 @@ def add_frontend_arguments(p: argparse.ArgumentParser) -> None:
     reasoning, the chat template, the default sampling params, HTTP (CORS, TLS, root path),
     and vLLM's other frontend flags (``vllm_flags.FRONTEND_FLAGS``)."""
     from baton_engine.vllm_flags import FRONTEND_FLAGS, add_flags
+    from baton_gateway.chat import CONTENT_FORMATS
     from baton_gateway.reasoning import REASONING_PARSERS
     from baton_gateway.tools import TOOL_PARSERS
 
     p.add_argument("--uvicorn-log-level", default="info", help="uvicorn's log level")
+    p.add_argument(
+        "--uds",
+        default=None,
+        help="serve HTTP on this Unix domain socket instead of --host/--port",
+    )
     p.add_argument(
         "--root-path",
         default=None,
@@ -180,6 +186,19 @@ def add_frontend_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="chat template for chat requests, a file or the template itself (default: the "
         "model's)",
+    )
+    p.add_argument(
+        "--chat-template-content-format",
+        choices=CONTENT_FORMATS,
+        default="auto",
+        help="how a message's content reaches the chat template: string (text parts joined by "
+        "newlines) | openai (a list of {type, text} parts) | auto (openai for a template that "
+        "loops over a message's content, else string)",
+    )
+    p.add_argument(
+        "--exclude-tools-when-tool-choice-none",
+        action="store_true",
+        help='a request\'s tools do not reach the chat template when its tool_choice is "none"',
     )
     p.add_argument(
         "--response-role",
@@ -326,8 +345,9 @@ def tool_call_parser(args: argparse.Namespace) -> str | None:
 def run_gateway(args: argparse.Namespace) -> int:
     """Load the tokenizer, connect to the workers, serve until SIGINT/SIGTERM; return 0.
 
-    Prints ``baton gateway ready on http://HOST:PORT`` once it accepts requests (launchers wait
-    for that line). Raises ModelLoadError if the tokenizer cannot be loaded.
+    Prints ``baton gateway ready on http://HOST:PORT`` (``unix:PATH`` with ``--uds``) once it
+    accepts requests (launchers wait for that line). Raises ModelLoadError if the tokenizer
+    cannot be loaded.
     """
     from baton_engine.errors import InvalidRequestError
     from baton_engine.model_files import load_model_tokenizer, load_named_tokenizer
@@ -363,6 +383,8 @@ def run_gateway(args: argparse.Namespace) -> int:
         tool_call_parser=parser,
         chat_template=chat_template,
         chat_template_kwargs=args.default_chat_template_kwargs,
+        chat_template_content_format=args.chat_template_content_format,
+        exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
         force_include_usage=args.enable_force_include_usage,
         trust_request_chat_template=args.trust_request_chat_template,
         response_role=args.response_role,
@@ -387,6 +409,7 @@ def run_gateway(args: argparse.Namespace) -> int:
         app,
         host=args.host,
         port=args.port,
+        uds=args.uds,
         log_level=args.uvicorn_log_level,
         access_log=not args.disable_uvicorn_access_log,
         root_path=args.root_path or "",
@@ -419,6 +442,9 @@ class _Server(uvicorn.Server):
             return
         for server in self.servers:
             for sock in server.sockets or []:
+                if sock.family == socket.AF_UNIX:
+                    print(f"baton gateway ready on unix:{sock.getsockname()}", flush=True)
+                    return
                 host, port = sock.getsockname()[:2]
                 host = f"[{host}]" if ":" in host else host
                 print(f"baton gateway ready on {self.scheme}://{host}:{port}", flush=True)

@@ -29,7 +29,13 @@ from baton_engine.outputs import Logprob
 from baton_engine.pooling_params import cosine_similarity, pair_token_ids, score_pairs
 from baton_engine.sampling_params import tokenize_bad_words, truncate_prompt
 from baton_gateway import classification, codec, embeddings, responses_api, scoring
-from baton_gateway.chat import message_dict, render_chat_prompt, tokenize_chat, tokenize_text
+from baton_gateway.chat import (
+    ChatDefaults,
+    message_dict,
+    render_chat_prompt,
+    tokenize_chat,
+    tokenize_text,
+)
 from baton_gateway.classification import ClassificationChatRequest, ClassificationRequest
 from baton_gateway.client import WorkerPool
 from baton_gateway.embeddings import (
@@ -137,8 +143,7 @@ class Pipeline:
         vocab_size: int,
         metrics: GatewayMetrics,
         tool_parser: str | None = None,
-        chat_template: str | None = None,
-        chat_template_kwargs: Mapping[str, Any] | None = None,
+        chat: ChatDefaults | None = None,
         response_role: str = "assistant",
         reasoning_parser: str | None = None,
         generation_defaults: dict[str, Any] | None = None,
@@ -152,9 +157,8 @@ class Pipeline:
         trust_request_chat_template: bool = False,
     ) -> None:
         """``tool_parser``: the parser "auto" tool choice uses (None: "auto" is refused);
-        ``chat_template``: the template chat requests use instead of the model's;
-        ``chat_template_kwargs``: the template's arguments for requests that do not set them
-        (vLLM's ``--default-chat-template-kwargs``);
+        ``chat``: how conversations are rendered (the server's chat template, its default
+        arguments, the content format, whether tool_choice "none" hides the tools);
         ``response_role``: chat answers' role after a generation prompt (vLLM's
         ``--response-role``);
         ``reasoning_parser``: how chat outputs are split into reasoning and content (None:
@@ -185,7 +189,7 @@ class Pipeline:
         self.vocab_size = vocab_size
         self.metrics = metrics
         self.tool_parser = tool_parser
-        self.chat_defaults = (chat_template, dict(chat_template_kwargs or {}))
+        self.chat_defaults = chat if chat is not None else ChatDefaults()
         self.force_include_usage = force_include_usage
         self.response_role = response_role
         self.reasoning_parser = reasoning_parser
@@ -228,11 +232,11 @@ class Pipeline:
         """``request``'s conversation as prompt text, with the server's template defaults; a
         request's own template only when the server trusts them (vLLM's rule)."""
         self._check_template(request)
-        return render_chat_prompt(self.tokenizer, request, *self.chat_defaults)
+        return render_chat_prompt(self.tokenizer, request, self.chat_defaults)
 
     def _tokenize_chat(self, request: ChatPrompt) -> list[int]:
         self._check_template(request)
-        return tokenize_chat(self.tokenizer, request, *self.chat_defaults)
+        return tokenize_chat(self.tokenizer, request, self.chat_defaults)
 
     def _check_template(self, request: ChatPrompt) -> None:
         given = request.chat_template is not None or (

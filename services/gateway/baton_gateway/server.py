@@ -37,6 +37,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import baton
 from baton_gateway.auth import ApiKeyMiddleware
+from baton_gateway.chat import ChatDefaults
 from baton_gateway.classification import classification_request
 from baton_gateway.client import WorkerPool
 from baton_gateway.embeddings import embedding_request
@@ -92,6 +93,8 @@ class GatewayConfig:
     tool_call_parser: str | None = None  # None: "auto" tool choice is refused
     chat_template: str | None = None  # None: the model's
     chat_template_kwargs: dict[str, Any] | None = None  # --default-chat-template-kwargs
+    chat_template_content_format: str = "auto"  # --chat-template-content-format
+    exclude_tools_when_tool_choice_none: bool = False  # --exclude-tools-when-tool-choice-none
     force_include_usage: bool = False  # --enable-force-include-usage
     trust_request_chat_template: bool = False  # requests may bring their own template
     response_role: str = "assistant"  # chat messages' role after a generation prompt
@@ -246,8 +249,12 @@ def create_app(config: GatewayConfig, tokenizer: Any) -> FastAPI:
                 info.vocab_size,
                 metrics,
                 tool_parser=config.tool_call_parser,
-                chat_template=config.chat_template,
-                chat_template_kwargs=config.chat_template_kwargs,
+                chat=ChatDefaults(
+                    config.chat_template,
+                    dict(config.chat_template_kwargs or {}),
+                    config.chat_template_content_format,
+                    config.exclude_tools_when_tool_choice_none,
+                ),
                 force_include_usage=config.force_include_usage,
                 response_role=config.response_role,
                 reasoning_parser=config.reasoning_parser,

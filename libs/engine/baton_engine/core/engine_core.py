@@ -418,6 +418,13 @@ class EngineCore:
                 "--runner generate or auto)"
             )
         params.validate()
+        cap = self.config.max_logprobs
+        for kind, num in (("sample", params.logprobs), ("prompt", params.prompt_logprobs)):
+            if num is not None and 0 <= cap < num:
+                raise InvalidRequestError(  # (vLLM's words)
+                    f"Requested {kind} logprobs of {num}, which is greater than max allowed: "
+                    f"{cap} (--max-logprobs)"
+                )
         if n >= self.max_model_len:
             raise InvalidRequestError(
                 f"the prompt has {n} tokens, but max_model_len is {self.max_model_len} "
