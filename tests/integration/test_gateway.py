@@ -22,6 +22,7 @@ from openai.types.chat import ChatCompletionMessageParam
 pytestmark = pytest.mark.integration
 
 MODEL = "SmolLM2-135M-Instruct"
+JSON_CONTENT = {"content-type": "application/json"}
 QUESTION: list[ChatCompletionMessageParam] = [
     {"role": "user", "content": "What is the capital of France? Answer in a sentence."}
 ]
@@ -703,7 +704,44 @@ def test_error_statuses(client: OpenAI, http: httpx.Client) -> None:
     assert malformed.status_code == 400 and malformed.json()["error"]["code"] == 400
     not_object = http.post("/v1/completions", json=[1, 2, 3])
     assert not_object.status_code == 400
+    # A lone UTF-16 surrogate is valid JSON but no Unicode: tokenizers, protobuf and the JSON
+    # encoder refuse it deep inside, so every route refuses it first (a pair is one character).
+    for path, body in (
+        ("/v1/completions", b'{"model": "%s", "prompt": "a\\ud83d", "max_tokens": 1}'),
+        ("/v1/chat/completions", b'{"model": "\\udc00", "messages": [{"role": "user"}]}'),
+        ("/v1/score", b'{"model": "%s", "text_1": "a", "text_2": ["\\ud83d"]}'),
+        ("/tokenize", b'{"prompt": "\\ud83d", "\\ude00": 1}'),
+    ):
+        lone = http.post(path, content=body.replace(b"%s", MODEL.encode()), headers=JSON_CONTENT)
+        assert lone.status_code == 400, (path, lone.text)
+        assert "lone UTF-16 surrogate" in lone.json()["error"]["message"]
+    pair = http.post("/tokenize", content=b'{"prompt": "\\ud83d\\ude00"}', headers=JSON_CONTENT)
+    assert pair.status_code == 200 and pair.json()["tokens"]
+    assert http.post("/detokenize", json={"tokens": pair.json()["tokens"]}).json() == {
+        "prompt": "\U0001f600"
+    }
     # Still serving.
+    ok = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=4)
+    assert ok.choices[0].message.content
+
+
+def test_constraints_that_allow_no_token_do_not_fail_the_engine(
+    client: OpenAI, http: httpx.Client
+) -> None:
+    """allowed_token_ids that a grammar forbids leave no token to sample. Such a step used to
+    fail (a token id out of the vocabulary), taking every request in it along, and the third
+    in a row stopped the engine: now the request ends (its grammar refuses the token drawn)
+    and everything else keeps being served."""
+    for _ in range(4):
+        reply = http.post(
+            "/v1/completions",
+            json={
+                "model": MODEL, "prompt": "Hello", "max_tokens": 3, "temperature": 1.0,
+                "allowed_token_ids": [1, 2, 3], "guided_regex": "[a-z]+",
+            },
+        )  # fmt: skip
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["choices"][0]["finish_reason"] == "stop"
     ok = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=4)
     assert ok.choices[0].message.content
 

@@ -451,3 +451,38 @@ def test_temperature_frequencies_match_softmax(temperature: float) -> None:
     assert chi2(temperature) < 45.0  # 10 dof: p ~ 1e-6 for a correct sampler
     wrong = temperature * 1.6
     assert chi2(wrong) > chi2(temperature)
+
+
+# 8. constraints that leave no token ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+            ],
+        ),
+    ],
+)
+def test_a_row_with_every_token_masked_still_gets_a_token_id(device: str) -> None:
+    """Constraints can contradict each other (allowed_token_ids all banned, a grammar that
+    allows none of them): the row's token is then meaningless, but it must be a token id, not
+    the vocabulary size, which failed the whole step (every request in it) and, three times in
+    a row, the engine. Other rows sample as usual."""
+    nothing = {"allowed_token_ids": [5], "bad_words_token_ids": [[5]]}
+    for params in (
+        SamplingParams(temperature=1.0, **nothing),  # type: ignore[arg-type]
+        SamplingParams(temperature=0.7, top_k=5, top_p=0.9, logprobs=2, **nothing),  # type: ignore[arg-type]
+        SamplingParams(temperature=0.0, **nothing),  # type: ignore[arg-type]
+    ):
+        logits = _logits(2).to(device)
+        rows = [params, SamplingParams(temperature=0.0)]
+        meta = SamplingMetadata.from_params(rows, [[], []], [[], []], {}, device=device)
+        token, other = Sampler()(logits, meta).sampled_token_ids.tolist()
+        assert 0 <= token < VOCAB, params
+        assert other == int(logits[1].argmax())

@@ -485,7 +485,10 @@ def _draw(probs: torch.Tensor, generators: Mapping[int, torch.Generator]) -> tor
 def _inverse_cdf(probs: torch.Tensor, generators: Mapping[int, torch.Generator]) -> torch.Tensor:
     """Draw one token per row: the first whose cumulative probability exceeds ``u`` times the
     row's total, with one uniform ``u`` per row (float64). Unseeded rows share one batched draw
-    from the default RNG; seeded rows then draw theirs from their own generator."""
+    from the default RNG; seeded rows then draw theirs from their own generator.
+
+    A row whose constraints left no token (all NaN after the softmax) finds none: it gets the
+    last token id, a meaningless but valid one (the vocabulary size would fail the step)."""
     u = torch.empty(probs.size(0), dtype=torch.float64)
     if len(generators) < probs.size(0):
         u.uniform_()
@@ -495,7 +498,7 @@ def _inverse_cdf(probs: torch.Tensor, generators: Mapping[int, torch.Generator])
     total = cdf[:, -1:]
     # Below the total (u * total may round up to it), so the token found has a probability.
     x = torch.minimum(u.unsqueeze(1) * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, x, right=True).squeeze(1)
+    return torch.searchsorted(cdf, x, right=True).squeeze(1).clamp_(max=probs.size(1) - 1)
 
 
 def _exponential_race(

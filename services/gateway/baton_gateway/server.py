@@ -18,18 +18,21 @@ streaming, :class:`~baton_gateway.streaming.SSEResponse` does the same.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import re
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import httpx
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -158,6 +161,54 @@ class RequestIdMiddleware:
         await self.app(scope, receive, send_with_id)
 
 
+# A UTF-16 surrogate, escaped (\\udXXX: only these make json.loads produce one) or in raw
+# bytes (which it decodes with "surrogatepass"): the cheap test before the exact one.
+_MAYBE_SURROGATE = re.compile(rb"\\[uU][dD][89a-fA-F]|\xed[\xa0-\xbf]")
+
+
+def _has_lone_surrogate(value: Any) -> bool:
+    """Whether a string in ``value`` (parsed JSON) holds a surrogate without its pair: not
+    Unicode, which tokenizers, protobuf and JSON encoders refuse deep inside the gateway."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        return False
+    if isinstance(value, dict):
+        return any(_has_lone_surrogate(k) or _has_lone_surrogate(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(_has_lone_surrogate(v) for v in value)
+    return False
+
+
+class _CheckedRequest(Request):
+    """A request whose JSON body holds only valid Unicode (else a 400, for every route)."""
+
+    async def json(self) -> Any:
+        if not hasattr(self, "_json"):
+            body = await self.body()
+            parsed = json.loads(body)
+            if _MAYBE_SURROGATE.search(body) and _has_lone_surrogate(parsed):
+                raise HTTPException(
+                    400,
+                    "the request's JSON holds a lone UTF-16 surrogate (an escape \\ud800-\\udfff "
+                    "without its pair): it is not valid Unicode",
+                )
+            self._json = parsed
+        return self._json
+
+
+class _CheckedRoute(APIRoute):
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def checked(request: Request) -> Response:
+            return await handler(_CheckedRequest(request.scope, request.receive))
+
+        return checked
+
+
 async def _parse(request: Request, parse: Callable[[Any], _Body]) -> _Body:
     """A body whose model depends on its fields (``messages`` or not), as FastAPI would
     have validated it: pydantic's errors, or a bad JSON body, become a 400."""
@@ -275,6 +326,7 @@ def create_app(config: GatewayConfig, tokenizer: Any) -> FastAPI:
             await http.aclose()
 
     app = FastAPI(title="Baton", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.router.route_class = _CheckedRoute
 
     @app.exception_handler(GatewayError)
     async def _gateway_error(request: Request, exc: GatewayError) -> JSONResponse:
