@@ -746,6 +746,52 @@ def test_constraints_that_allow_no_token_do_not_fail_the_engine(
     assert ok.choices[0].message.content
 
 
+def test_invocations_picks_the_endpoint_by_the_body(http: httpx.Client, baton_server: Any) -> None:
+    """SageMaker's one route, as vLLM serves it: a chat completion's body is answered as one,
+    a completion's as one, and so on; a body that is none of them is a 400. The API key guards
+    it as it guards /v1."""
+    bodies_and_kinds = (
+        ({"messages": QUESTION, "max_tokens": 2}, "chat.completion"),
+        ({"prompt": "Hi", "max_tokens": 2}, "text_completion"),
+        ({"input": "Hi"}, "embedding"),
+        ({"text_1": "Hi", "text_2": ["Hello", "Bye"]}, "score"),
+    )
+    for body, kind in bodies_and_kinds:
+        reply = http.post("/invocations", json={"model": MODEL, **body})
+        assert reply.status_code == 200, reply.text
+        answer = reply.json()
+        assert kind in (answer["object"], answer.get("data", [{}])[0].get("object")), answer
+    rerank = http.post("/invocations", json={"query": "Hi", "documents": ["Hello", "Bye"]})
+    assert rerank.status_code == 200 and len(rerank.json()["results"]) == 2, rerank.text
+    neither = http.post("/invocations", json={"model": MODEL, "question": "Hi"})
+    assert neither.status_code == 400
+    assert "cannot find an endpoint" in neither.json()["error"]["message"]
+    keyless = httpx.post(f"{baton_server.root_url}/invocations", json={"prompt": "Hi"})
+    assert keyless.status_code == 401
+
+
+def test_load_counts_the_requests_in_flight(client: OpenAI, http: httpx.Client) -> None:
+    """vLLM's GET /load: the requests the server is serving (a stream while it is open)."""
+
+    def load() -> int:
+        reply = http.get("/load")
+        assert reply.status_code == 200
+        server_load: int = reply.json()["server_load"]
+        return server_load
+
+    stream = client.completions.create(
+        model=MODEL, prompt="Count to a hundred:", max_tokens=400, stream=True,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    with stream:
+        next(iter(stream))
+        assert load() >= 1
+    deadline = time.monotonic() + 30
+    while load() != 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
 def test_logit_bias_and_allowed_token_ids(client: OpenAI, http: httpx.Client) -> None:
     """OpenAI's logit_bias (token ids as strings) and vLLM's allowed_token_ids reach the
     sampler; bad keys and ids out of the vocabulary are 400s."""

@@ -246,6 +246,7 @@ def on_socket(
             "--chat-template", CONTENT_TEMPLATE,
             "--chat-template-content-format", "openai",
             "--exclude-tools-when-tool-choice-none",
+            "--enable-tokenizer-info-endpoint",
         ]
     )  # fmt: skip
     try:
@@ -291,3 +292,10 @@ def test_content_format_and_tools_reach_the_template_as_configured(
 
         tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
         assert prompt_tokens(tools=[tool], tool_choice="none") == prompt_tokens() == len(ids)
+        # --enable-tokenizer-info-endpoint: the tokenizer's configuration, as vLLM's
+        info = http.get("/tokenizer_info").json()
+        assert info["chat_template"] == CONTENT_TEMPLATE  # (the server's, which requests get)
+        from baton_engine.model_files import load_model_tokenizer
+
+        assert info["tokenizer_class"] == type(load_model_tokenizer(None)).__name__
+        assert info["eos_token"] == "<|im_end|>" and "vocab_file" not in info

@@ -519,6 +519,7 @@ def _plan(args: argparse.Namespace, name: str) -> list[tuple[str, str, list[str]
             if args.exclude_tools_when_tool_choice_none
             else []
         ),
+        *(["--enable-tokenizer-info-endpoint"] if args.enable_tokenizer_info_endpoint else []),
         *(
             ["--default-chat-template-kwargs", json.dumps(args.default_chat_template_kwargs)]
             if args.default_chat_template_kwargs is not None

@@ -294,7 +294,12 @@ FRONTEND_FLAGS: tuple[VllmFlag, ...] = (
         False,
         bool,
     ),
-    VllmFlag("enable_server_load_tracking", "the workers' load is on /metrics", False, bool),
+    VllmFlag(
+        "enable_server_load_tracking",
+        "GET /load always reports the requests the gateway is serving",
+        False,
+        bool,
+    ),
     VllmFlag("allowed_local_media_path", "Baton serves text-only models: no media is read"),
     VllmFlag("middleware", "custom ASGI middleware is not supported", accepts=_one_of(None)),
     VllmFlag(
@@ -312,13 +317,6 @@ FRONTEND_FLAGS: tuple[VllmFlag, ...] = (
     VllmFlag("disable_frontend_multiprocessing", "the gateway is its own process", False, bool),
     VllmFlag(
         "enable_reasoning", "reasoning is on whenever --reasoning-parser is given", False, bool
-    ),
-    VllmFlag(
-        "enable_tokenizer_info_endpoint",
-        "the gateway has no tokenizer_info endpoint",
-        False,
-        bool,
-        _one_of(False),
     ),
     VllmFlag("h11_max_incomplete_event_size", "uvicorn's defaults", None, int),
     VllmFlag("h11_max_header_count", "uvicorn's defaults", None, int),

@@ -1,4 +1,5 @@
-"""``--api-key``: every ``/v1`` request must carry ``Authorization: Bearer <key>``.
+"""``--api-key``: every ``/v1`` request (and ``/invocations``, which serves the same work) must
+carry ``Authorization: Bearer <key>``.
 
 As in vLLM, only the OpenAI routes are protected; ``/health`` and ``/metrics`` stay open for
 load balancers and Prometheus. A pure ASGI middleware, so streamed responses pass untouched.
@@ -19,7 +20,8 @@ class ApiKeyMiddleware:
         self._expected = f"Bearer {api_key}".encode()
 
     def authorized(self, scope: Scope) -> bool:
-        if scope["type"] != "http" or not scope["path"].startswith("/v1"):
+        path = scope["path"] if scope["type"] == "http" else ""
+        if not (path.startswith("/v1") or path == "/invocations"):
             return True
         if scope.get("method") == "OPTIONS":  # CORS preflight carries no credentials
             return True

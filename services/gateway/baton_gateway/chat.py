@@ -209,6 +209,34 @@ def tokenize_chat(
     return ids
 
 
+def _json_value(value: Any) -> Any:
+    """``value`` as JSON holds it: an added token as its text, other objects as strings."""
+    if hasattr(value, "content") and isinstance(value.content, str):  # AddedToken
+        return value.content
+    if isinstance(value, dict):
+        return {str(k): _json_value(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_value(v) for v in value]
+    if value is None or isinstance(value, str | int | float | bool):
+        return value
+    return str(value)
+
+
+def tokenizer_config(tokenizer: Any, chat_template: str | None = None) -> dict[str, Any]:
+    """vLLM's ``/tokenizer_info``: the tokenizer's configuration (its ``tokenizer_config.json``
+    as loaded, without file paths), its class, and the chat template requests get (the
+    server's, else the tokenizer's)."""
+    config = dict(getattr(tokenizer, "init_kwargs", None) or {})
+    for path in ("vocab_file", "merges_file", "tokenizer_file", "name_or_path"):
+        config.pop(path, None)
+    out: dict[str, Any] = _json_value(config)
+    out["tokenizer_class"] = type(tokenizer).__name__
+    template = chat_template if chat_template is not None else tokenizer.chat_template
+    if template is not None:
+        out["chat_template"] = template
+    return out
+
+
 def tokenize_text(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:
     ids: list[int] = tokenizer.encode(text, add_special_tokens=add_special_tokens)
     return ids

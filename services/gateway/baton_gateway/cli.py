@@ -196,6 +196,11 @@ def add_frontend_arguments(p: argparse.ArgumentParser) -> None:
         "loops over a message's content, else string)",
     )
     p.add_argument(
+        "--enable-tokenizer-info-endpoint",
+        action="store_true",
+        help="serve GET /tokenizer_info: the tokenizer's configuration and chat template",
+    )
+    p.add_argument(
         "--exclude-tools-when-tool-choice-none",
         action="store_true",
         help='a request\'s tools do not reach the chat template when its tool_choice is "none"',
@@ -385,6 +390,7 @@ def run_gateway(args: argparse.Namespace) -> int:
         chat_template_kwargs=args.default_chat_template_kwargs,
         chat_template_content_format=args.chat_template_content_format,
         exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
+        tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
         force_include_usage=args.enable_force_include_usage,
         trust_request_chat_template=args.trust_request_chat_template,
         response_role=args.response_role,

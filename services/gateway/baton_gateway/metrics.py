@@ -89,6 +89,7 @@ class GatewayMetrics:
         self.registry = CollectorRegistry()
         self.model_name = model_name
         r, m = self.registry, ["model_name"]
+        self.num_running = 0  # requests in flight (vLLM's /load "server_load")
         self._requests = Counter(
             "baton:gateway_requests",
             "Requests answered, by endpoint and outcome (ok, error, cancelled, or HTTP status)",
@@ -136,6 +137,7 @@ class GatewayMetrics:
 
     def start(self, endpoint: str) -> RequestRecord:
         self._running.inc()
+        self.num_running += 1
         span = tracing.start_span(f"gateway {endpoint}", kind=tracing.SpanKind.SERVER)
         return RequestRecord(endpoint, time.monotonic(), span=span)
 
@@ -158,6 +160,7 @@ class GatewayMetrics:
             record.span.set_attribute("baton.generation_tokens", num_generation_tokens)
             tracing.end_span(record.span, None if status == "ok" else status)
         self._running.dec()
+        self.num_running -= 1
         self._requests.labels(self.model_name, record.endpoint, status).inc()
         if first_token_time is not None:
             self._ttft.observe(first_token_time - record.arrival)

@@ -40,11 +40,11 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import baton
 from baton_gateway.auth import ApiKeyMiddleware
-from baton_gateway.chat import ChatDefaults
+from baton_gateway.chat import ChatDefaults, tokenizer_config
 from baton_gateway.classification import classification_request
 from baton_gateway.client import WorkerPool
 from baton_gateway.embeddings import embedding_request
-from baton_gateway.errors import GatewayError, error_response
+from baton_gateway.errors import GatewayError, bad_request, error_response
 from baton_gateway.metrics import GatewayMetrics
 from baton_gateway.pipeline import Pipeline, RequestIds
 from baton_gateway.protocol import (
@@ -111,6 +111,7 @@ class GatewayConfig:
     # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's, behind its
     # VLLM_ALLOW_RUNTIME_LORA_UPDATING; here also BATON_ALLOW_RUNTIME_LORA_UPDATING)
     runtime_lora_updating: bool = False
+    tokenizer_info_endpoint: bool = False  # GET /tokenizer_info (vLLM's flag)
 
 
 def _json(status: int, body: Any) -> JSONResponse:
@@ -432,6 +433,46 @@ def create_app(config: GatewayConfig, tokenizer: Any) -> FastAPI:
     async def rerank(body: RerankRequest, request: Request) -> Response:
         work = state.pipeline.score(body, request_ids(request))
         return await _cancel_on_disconnect(request, work)
+
+    @app.post("/invocations")
+    async def invocations(request: Request) -> Response:
+        """SageMaker's one route (vLLM's): the first endpoint, in vLLM's order, whose request
+        the body is serves it."""
+        body = await _parse(request, lambda data: data)
+        pipeline = state.pipeline
+        routes: list[tuple[Callable[[Any], Any], Callable[..., Awaitable[Response]]]] = [
+            (ChatCompletionRequest.model_validate, pipeline.chat),
+            (CompletionRequest.model_validate, pipeline.completion),
+            (embedding_request, pipeline.embeddings),
+            (classification_request, pipeline.classify),
+            (ScoreRequest.model_validate, pipeline.score),
+            (RerankRequest.model_validate, pipeline.score),
+        ]
+        # (a model embeds or classifies, not both)
+        del routes[2 if pipeline.labels else 3]
+        for parse, serve in routes:
+            try:
+                parsed = parse(body)
+            except ValidationError:
+                continue
+            return await _cancel_on_disconnect(request, serve(parsed, request_ids(request)))
+        raise bad_request(
+            "cannot find an endpoint for the request: its body is none of a chat completion's, "
+            "a completion's, an embedding's or classification's, a score's or a rerank's"
+        )
+
+    @app.get("/load")
+    async def load() -> JSONResponse:
+        """vLLM's: the requests the gateway is serving now."""
+        return JSONResponse({"server_load": state.pipeline.metrics.num_running})
+
+    if config.tokenizer_info_endpoint:
+
+        @app.get("/tokenizer_info")
+        async def tokenizer_info() -> JSONResponse:
+            """vLLM's (``--enable-tokenizer-info-endpoint``): the tokenizer's class and
+            configuration, and the chat template requests get."""
+            return JSONResponse(tokenizer_config(tokenizer, config.chat_template))
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> JSONResponse:
