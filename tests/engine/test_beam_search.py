@@ -84,3 +84,15 @@ def test_beams_end_at_eos_and_bad_parameters(default_model_dir: Path) -> None:
         llm.beam_search("Hi", BeamSearchParams(beam_width=11, max_tokens=2))
     with pytest.raises(InvalidRequestError, match="beam_width must be at least 1"):
         BeamSearchParams(beam_width=0, max_tokens=2)
+
+
+def test_extreme_length_penalties_score_without_failing() -> None:
+    """A length_penalty whose power of the length overflows (or underflows) a float scores
+    every beam the same (or by its sign) instead of raising (an HTTP request's 500 before)."""
+    from baton_engine.beam_search import BeamSearchSequence
+
+    beam = BeamSearchSequence(tokens=[1, 2, 3], cum_logprob=-2.0)
+    assert score(beam, (), 2.0) == -2.0 / 9
+    assert score(beam, (), 1e308) == 0.0
+    assert score(beam, (), -1e308) == float("-inf")
+    assert score(BeamSearchSequence(tokens=[1, 2], cum_logprob=0.0), (), -1e308) == 0.0

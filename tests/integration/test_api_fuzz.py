@@ -18,10 +18,16 @@ import pytest
 
 pytestmark = pytest.mark.integration
 
-NUM_REQUESTS = 150
+NUM_REQUESTS = 400
 SEED = 43
 MODEL = "SmolLM2-135M-Instruct"
-MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": "x"}'}}
+MESSAGES = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Hi"},
+    {"role": "assistant", "content": None, "tool_calls": [CALL]},
+    {"role": "tool", "tool_call_id": "c1", "content": "42"},
+]
 TOOL = {
     "type": "function",
     "function": {
@@ -41,8 +47,11 @@ SEEDS: dict[str, dict[str, Any]] = {
         "model": MODEL, "prompt": "Hello", "max_tokens": 3, "echo": True, "logprobs": 2,
         "stop": "\n", "prompt_logprobs": 1, "truncate_prompt_tokens": 3, "bad_words": ["x"],
         "allowed_token_ids": [1, 2, 3], "guided_regex": "[a-z]+", "use_beam_search": False,
+        "top_k": 5, "stop_token_ids": [2],
     },
-    "/v1/embeddings": {"model": MODEL, "input": ["a", "b"], "encoding_format": "float"},
+    "/v1/embeddings": {
+        "model": MODEL, "input": ["a", "b"], "encoding_format": "float", "dimensions": None,
+    },
     "/tokenize": {"model": MODEL, "prompt": "hello", "return_token_strs": True},
     "/detokenize": {"model": MODEL, "tokens": [1, 2, 3]},
     "/v1/responses": {
@@ -68,7 +77,7 @@ EXTRA_FIELDS = [
     "continue_final_message", "chat_template_kwargs", "structural_tag", "guided_json",
     "guided_grammar", "skip_special_tokens", "include_stop_str_in_output", "ignore_eos",
     "min_p", "top_k", "repetition_penalty", "length_penalty", "max_completion_tokens",
-    "parallel_tool_calls", "previous_response_id", "echo", "stream_options",
+    "parallel_tool_calls", "previous_response_id", "echo", "stream_options", "use_beam_search",
 ]  # fmt: skip
 
 

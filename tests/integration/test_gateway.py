@@ -1101,6 +1101,11 @@ def test_disconnect_mid_stream_cancels_on_the_worker(
     def running() -> list[float]:
         return _metric(http, "baton:num_requests_running", worker=worker)
 
+    def aborted() -> float:
+        """Requests the worker ended by abort (as it counts them)."""
+        labels = {"worker": worker, "finished_reason": "abort"}
+        return sum(_metric(http, "baton:request_success_total", **labels))
+
     def worker_state() -> dict[str, list[float]]:
         """What the gateway's /metrics says of the worker (failures show it when they wait)."""
         names = ("num_requests_running", "num_requests_waiting", "gateway_worker_metrics_up")
@@ -1113,6 +1118,7 @@ def test_disconnect_mid_stream_cancels_on_the_worker(
         "ignore_eos": True,
         "stream": True,
     }
+    aborted_before = aborted()
     with http.stream("POST", "/v1/chat/completions", json=body) as resp:
         assert resp.status_code == 200
         chunks = []
@@ -1122,8 +1128,8 @@ def test_disconnect_mid_stream_cancels_on_the_worker(
             if len(chunks) >= 4:
                 break
         assert all(c["object"] == "chat.completion.chunk" for c in chunks)
-        _wait_for(lambda: running() == [1.0], observe=worker_state)
-    # 400 tokens take many seconds; the worker must drop the request well before that.
+    # 400 tokens take seconds; the worker drops the request (an abort, not its end) before.
+    _wait_for(lambda: aborted() == aborted_before + 1, 6, observe=worker_state)
     _wait_for(lambda: running() == [0.0], 6, observe=worker_state)
     _wait_for(
         lambda: (
@@ -1135,6 +1141,7 @@ def test_disconnect_mid_stream_cancels_on_the_worker(
     # The same for a non-streamed request whose client gives up waiting.
     with pytest.raises(httpx.ReadTimeout):
         http.post("/v1/chat/completions", json={**body, "stream": False}, timeout=1.5)
+    _wait_for(lambda: aborted() == aborted_before + 2, 6, observe=worker_state)
     _wait_for(lambda: running() == [0.0], 6, observe=worker_state)
     ok = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=4)
     assert ok.choices[0].message.content

@@ -136,3 +136,23 @@ def test_content_reaches_the_template_in_its_format(tokenizer: Any) -> None:
         text = render_chat_prompt(tokenizer, request, ChatDefaults(content_format=content_format))
         assert "<|im_start|>user\na\nb<|im_end|>" in text
     assert detect_content_format(tokenizer.chat_template) == "string"
+
+
+def test_a_tool_calling_conversation_renders_with_a_template_without_tools(
+    tokenizer: Any,
+) -> None:
+    """An assistant's tool call carries no content: the template gets "" (vLLM's string
+    format), so a template that adds the content to text (SmolLM2's) renders the conversation
+    instead of failing it with a 400."""
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    request = ChatCompletionRequest.model_validate(
+        {
+            "messages": [
+                {"role": "user", "content": "Call f."},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c1", "content": "42"},
+            ]
+        }
+    )
+    text = render_chat_prompt(tokenizer, request)
+    assert "<|im_start|>assistant\n<|im_end|>\n<|im_start|>tool\n42<|im_end|>" in text

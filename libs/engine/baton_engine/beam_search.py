@@ -13,6 +13,7 @@ length (prompt included, a final EOS not) to the power ``length_penalty``, as vL
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
@@ -65,7 +66,13 @@ def score(beam: BeamSearchSequence, eos_token_ids: Collection[int], length_penal
     length = len(beam.tokens)
     if beam.tokens and beam.tokens[-1] in eos_token_ids:
         length -= 1
-    return beam.cum_logprob / float(length**length_penalty)
+    try:
+        divisor = float(length**length_penalty)
+    except OverflowError:  # an extreme penalty: every beam scores (minus) zero
+        divisor = math.inf
+    if divisor == 0.0:  # (an extreme negative one underflows)
+        return -math.inf if beam.cum_logprob < 0 else 0.0
+    return beam.cum_logprob / divisor
 
 
 def expand(

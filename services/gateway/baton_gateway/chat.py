@@ -127,10 +127,10 @@ def _template_source(tokenizer: Any, template: str | None, tools: bool) -> str |
 
 def message_dict(message: ChatMessage, content_format: str = "string") -> dict[str, Any]:
     """The message as the template sees it: its content in ``content_format`` ("string": text
-    parts joined by newlines; "openai": a list of ``{"type": "text", "text": ...}`` parts, a
-    string content as one part, no content as none, as vLLM passes them); ``tool_calls`` with
-    their arguments parsed; ``reasoning`` also as ``reasoning_content`` and the other way
-    round; other keys (``name``, ``tool_call_id``...) passed through."""
+    parts joined by newlines, no content as ""; "openai": a list of ``{"type": "text", "text":
+    ...}`` parts, a string content as one part, no content as none, as vLLM passes them);
+    ``tool_calls`` with their arguments parsed; ``reasoning`` also as ``reasoning_content`` and
+    the other way round; other keys (``name``, ``tool_call_id``...) passed through."""
     out: dict[str, Any] = dict(message.model_extra or {})
     if "tool_calls" in out:
         out["tool_calls"] = _template_tool_calls(out["tool_calls"])
@@ -156,8 +156,8 @@ def message_dict(message: ChatMessage, content_format: str = "string") -> dict[s
         )
     elif content_format == "openai":
         out["content"] = [] if content is None else [{"type": "text", "text": content}]
-    else:
-        out["content"] = content
+    else:  # (an assistant's tool calls without content: "", which templates can add to)
+        out["content"] = "" if content is None else content
     return out
 
 

@@ -14,6 +14,8 @@ from typing import Any
 from baton.v1 import common_pb2, engine_pb2
 from baton_gateway.protocol import ChatCompletionRequest, CompletionRequest, StructuredOutputsSpec
 
+_INT32_MAX = 2**31 - 1
+
 _FINISH_REASONS = {
     common_pb2.FINISH_REASON_STOP: "stop",
     common_pb2.FINISH_REASON_LENGTH: "length",
@@ -99,14 +101,16 @@ def sampling_params(
     pb = common_pb2.SamplingParams(
         temperature=value("temperature"),
         top_p=value("top_p"),
-        top_k=max(value("top_k"), 0),  # -1 or 0: disabled
+        # -1 or 0: disabled; one past the vocabulary is too, however large (int32 on the wire)
+        top_k=min(max(value("top_k"), 0), _INT32_MAX),
         min_p=value("min_p"),
         presence_penalty=request.presence_penalty,
         frequency_penalty=request.frequency_penalty,
         repetition_penalty=value("repetition_penalty"),
         max_tokens=max_tokens,
         min_tokens=request.min_tokens,
-        stop_token_ids=request.stop_token_ids or [],
+        # (an id past int32 is past every vocabulary: never sampled, as vLLM ignores it)
+        stop_token_ids=[t for t in request.stop_token_ids or () if t <= _INT32_MAX],
         ignore_eos=request.ignore_eos,
         logit_bias=request.token_biases,
         allowed_token_ids=request.allowed_token_ids or [],

@@ -48,7 +48,7 @@ class PoolingOptions(OpenAIBaseModel):
 
 class _EmbeddingOptions(PoolingOptions):
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = Field(default=None, ge=1)
+    dimensions: int | None = Field(default=None, ge=1, lt=2**31)
     user: str | None = None
     normalize: bool | None = None  # L2-normalize (None: yes; vLLM's)
 
