@@ -792,6 +792,42 @@ def test_load_counts_the_requests_in_flight(client: OpenAI, http: httpx.Client) 
         time.sleep(0.05)
 
 
+def test_cache_salt_keeps_prefix_cache_hits_within_a_salt(http: httpx.Client) -> None:
+    """vLLM's cache_salt: a prompt hits the prefix cache only under the salt it was cached
+    with (so one tenant cannot learn from a hit what another sent), with local prefill and
+    with remote prefill (a prompt past the remote-prefill threshold: the prefill worker's
+    blocks, the KV handle's hashes, the decode worker's pulled blocks and the prefix index
+    all carry the salt)."""
+
+    def cached(prompt: str, salt: str | None) -> int:
+        body: dict[str, Any] = {"model": MODEL, "prompt": prompt, "max_tokens": 1}
+        if salt is not None:
+            body["cache_salt"] = salt
+        reply = http.post("/v1/completions", json=body)
+        assert reply.status_code == 200, reply.text
+        details = reply.json()["usage"]["prompt_tokens_details"]
+        return 0 if details is None else int(details["cached_tokens"])
+
+    def remote() -> float:
+        return sum(_metric(http, "baton:disagg_decisions_total", decision="remote"))
+
+    for words in (40, 300):  # local prefill, then remote
+        remote_before = remote()
+        prompt = f"Salted prompt of {words} words:" + " hello" * words
+        assert cached(prompt, "tenant-a") == 0
+        assert cached(prompt, "tenant-a") >= words - 16  # (its full blocks)
+        assert cached(prompt, "tenant-b") == 0
+        assert cached(prompt, None) == 0
+        assert cached(prompt, "tenant-b") >= words - 16
+        # (the long prompt went to the prefill worker: the decode worker checked the salted
+        # hashes of its KV handle; later runs go there too until the decode worker's pulled
+        # blocks reach the prefix index)
+        assert (remote() > remote_before) == (words == 300)
+    empty = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "cache_salt": ""})
+    assert empty.status_code == 400
+    assert "'cache_salt' must be a non-empty string" in empty.json()["error"]["message"]
+
+
 def test_logit_bias_and_allowed_token_ids(client: OpenAI, http: httpx.Client) -> None:
     """OpenAI's logit_bias (token ids as strings) and vLLM's allowed_token_ids reach the
     sampler; bad keys and ids out of the vocabulary are 400s."""

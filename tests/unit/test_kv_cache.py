@@ -20,6 +20,7 @@ from baton_engine.kv_cache import (
     hash_request_tokens,
 )
 from baton_engine.kv_cache.block_pool import KVCacheEvent
+from baton_engine.kv_cache.hashing import prefix_root
 from baton_engine.request import Request
 from baton_engine.sampling_params import SamplingParams
 
@@ -334,6 +335,30 @@ def test_second_request_hits_the_shared_prefix() -> None:
     assert refs(kv, [0, 1, 2, 3, 4]) == [2, 2, 2, 1, 1]
     assert kv.num_free_blocks == 5
     kv.check_invariants()
+
+
+def test_a_cache_salt_shares_blocks_only_with_the_same_salt() -> None:
+    """vLLM's cache_salt: the same prompt under another salt (or none) hits nothing, so one
+    tenant cannot learn from a hit what another sent; under the same salt it hits as usual.
+    A salt and a LoRA adapter make a root of their own."""
+    kv = make_manager(num_blocks=20)
+    prompt = tokens(3 * BLOCK_SIZE + 1)
+
+    def salted(req_id: str, salt: str | None, lora: str | None = None) -> Request:
+        request = make_request(req_id, prompt)
+        request.cache_salt, request.lora_name = salt, lora
+        return request
+
+    assert admit(kv, salted("a", "tenant-1"))[0].num_cached_tokens == 0
+    assert admit(kv, salted("b", "tenant-1"))[0].num_cached_tokens == 3 * BLOCK_SIZE
+    for req_id, salt in (("c", "tenant-2"), ("d", None)):
+        assert admit(kv, salted(req_id, salt))[0].num_cached_tokens == 0
+    assert admit(kv, salted("e", None))[0].num_cached_tokens == 3 * BLOCK_SIZE  # ("d"'s)
+    roots = {
+        prefix_root(lora, salt)
+        for lora, salt in ((None, None), ("x", None), (None, "x"), ("x", "x"), ("x", "y"))
+    }
+    assert len(roots) == 5 and prefix_root(None, None) is None
 
 
 def test_hit_is_capped_below_num_tokens() -> None:

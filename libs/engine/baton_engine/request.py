@@ -81,8 +81,11 @@ class Request:
     # step samples is dropped above the core), reporting the pooled hidden state.
     pooling: PoolingParams | None = None
     # The LoRA adapter it runs with (None: the base model), by name: its KV is hashed from the
-    # adapter's root (``hashing.adapter_root``) and a step runs at most ``max_loras`` adapters.
+    # adapter's root (``hashing.prefix_root``) and a step runs at most ``max_loras`` adapters.
     lora_name: str | None = None
+    # vLLM's cache_salt: its KV is hashed from a root of the salt too, so it shares prefix-cache
+    # blocks only with requests of the same salt.
+    cache_salt: str | None = None
     # Structured output: the request's matcher, which accepts each token it samples (the
     # scheduler's update) and bounds the next (the engine's bitmask); the request ends when
     # the grammar does.

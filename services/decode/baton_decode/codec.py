@@ -39,6 +39,7 @@ class GenerateInput:
     kv_handle: KVHandle | None = None
     priority: int = 0  # lower first under the priority scheduling policy
     lora_name: str | None = None  # the LoRA adapter, by the name the worker serves it under
+    cache_salt: str | None = None  # shares prefix-cache blocks only with the same salt
 
 
 def sampling_params_from_proto(pb: common_pb2.SamplingParams) -> SamplingParams:
@@ -120,6 +121,7 @@ def generate_input_from_proto(pb: engine_pb2.GenerateRequest) -> GenerateInput:
         kv_handle=handle,
         priority=pb.priority,
         lora_name=pb.lora_name or None,
+        cache_salt=pb.cache_salt or None,
     )
 
 

@@ -59,6 +59,7 @@ class _Add:
     first_token_id: int | None = None
     priority: int = 0
     lora_request: LoRARequest | None = None
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True)
@@ -302,11 +303,13 @@ class EngineLoop:
         first_token_id: int | None = None,
         priority: int = 0,
         lora_name: str | None = None,
+        cache_salt: str | None = None,
     ) -> RequestStream:
         """Validate and queue a request; its outputs arrive on the returned stream (an
         embedding request's, ``PoolingParams``: one output, with ``pooled``).
 
-        ``lora_name``: one of the engine's ``lora_modules`` (None or "": the base model).
+        ``lora_name``: one of the engine's ``lora_modules`` (None or "": the base model);
+        ``cache_salt``: the request shares prefix-cache blocks only with requests of the same.
 
         Raises, before anything is queued: ``InvalidRequestError`` (``DuplicateRequestError``
         for an id in flight), then ``WorkerFullError``, or ``EngineDeadError``. Bad input is
@@ -342,6 +345,7 @@ class EngineLoop:
                 first_token_id=first_token_id,
                 priority=priority,
                 lora_request=lora_request,
+                cache_salt=cache_salt,
             )
         )
         return stream
@@ -555,6 +559,7 @@ class EngineLoop:
                     first_token_id=command.first_token_id,
                     priority=command.priority,
                     lora_request=command.lora_request,
+                    cache_salt=command.cache_salt,
                 )
             except Exception as e:  # validated on the loop already, so this is not bad input
                 logger.exception("adding request %s failed", command.req_id)

@@ -28,7 +28,7 @@ from baton_decode.engine_loop import EngineLoop, StagedKV
 from baton_decode.metrics import WorkerMetrics
 from baton_engine.core.outputs import KVLoad
 from baton_engine.errors import BatonError, InvalidRequestError
-from baton_engine.kv_cache.hashing import adapter_root, hash_request_tokens
+from baton_engine.kv_cache.hashing import hash_request_tokens, prefix_root
 from baton_kvtransfer.errors import KVTransferError
 from baton_kvtransfer.handle import KVHandle
 from baton_kvtransfer.sink import KVTransferSink
@@ -233,12 +233,16 @@ class KVPuller:
 
 
 def check_block_hashes(
-    prompt_token_ids: list[int], handle: KVHandle, block_size: int, lora_name: str | None = None
+    prompt_token_ids: list[int],
+    handle: KVHandle,
+    block_size: int,
+    lora_name: str | None = None,
+    cache_salt: str | None = None,
 ) -> None:
     """Raise ``InvalidRequestError`` when the handle's block hashes are not those of this
-    prompt under this LoRA adapter (its KV would belong to other tokens, or to another
-    adapter's model)."""
-    root = adapter_root(lora_name)
+    prompt under this LoRA adapter and cache salt (its KV would belong to other tokens, or to
+    another adapter's model; or the blocks would be cached under another salt)."""
+    root = prefix_root(lora_name, cache_salt)
     mine = [h.hash_value for h in hash_request_tokens(prompt_token_ids, block_size, root=root)]
     if list(handle.block_hashes) != mine:
         raise InvalidRequestError("the KV handle's block hashes do not match the prompt")

@@ -250,7 +250,11 @@ class DecodeServicer(WorkerInfoMixin, engine_pb2_grpc.DecodeServiceServicer):
                 # checked here: the pull refuses it and the prompt is recomputed.
                 if inp.kv_handle.compat_hash == self.compat_hash:
                     check_block_hashes(
-                        inp.prompt_token_ids, inp.kv_handle, self.block_size, inp.lora_name
+                        inp.prompt_token_ids,
+                        inp.kv_handle,
+                        self.block_size,
+                        inp.lora_name,
+                        inp.cache_salt,
                     )
                 remote = RemoteKV(inp.kv_handle, tracing.context_with(span))
             await self.engine.compile_grammar(inp.params)
@@ -262,6 +266,7 @@ class DecodeServicer(WorkerInfoMixin, engine_pb2_grpc.DecodeServiceServicer):
                 first_token_id=inp.first_token_id,
                 priority=inp.priority,
                 lora_name=inp.lora_name,
+                cache_salt=inp.cache_salt,
             )
         except BatonError as e:
             tracing.end_span(span, e)

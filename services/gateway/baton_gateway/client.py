@@ -51,7 +51,7 @@ import grpc
 
 from baton import tracing
 from baton.v1 import common_pb2, engine_pb2, engine_pb2_grpc
-from baton_engine.kv_cache.hashing import adapter_root, hash_request_tokens
+from baton_engine.kv_cache.hashing import hash_request_tokens, prefix_root
 from baton_gateway import codec
 from baton_gateway.codec import GenerateChunk, ModelInfo, WorkerLoad
 from baton_gateway.errors import GatewayError
@@ -578,13 +578,14 @@ class WorkerPool:
     # --- routing -------------------------------------------------------------------------------
 
     async def _cached_blocks(
-        self, prompt: Sequence[int], lora_name: str | None = None
+        self, prompt: Sequence[int], lora_name: str | None = None, cache_salt: str | None = None
     ) -> dict[str, int]:
         """Leading prompt blocks each worker caches (by address), from the prefix index (under
-        the LoRA adapter ``lora_name``: its blocks are hashed from the adapter's root)."""
+        the LoRA adapter ``lora_name`` and the ``cache_salt``: its blocks are hashed from a root
+        of those)."""
         if self.kvstore is None or len(prompt) < self.block_size:
             return {}
-        root = adapter_root(lora_name)
+        root = prefix_root(lora_name, cache_salt)
         hashes = [h.hash_value for h in hash_request_tokens(prompt, self.block_size, root=root)]
         try:
             matches = await self.kvstore.lookup_prefix(hashes, None)
@@ -621,9 +622,10 @@ class WorkerPool:
         exclude: Iterable[Worker] = (),
         local_only: bool = False,
         lora_name: str | None = None,
+        cache_salt: str | None = None,
     ) -> RouteDecision:
         worth = self._worth_lookup(prompt)
-        cached = await self._cached_blocks(prompt, lora_name) if worth else {}
+        cached = await self._cached_blocks(prompt, lora_name, cache_salt) if worth else {}
         picked = self._pick(DECODE, len(prompt), cached, exclude)
         if picked is None:
             raise GatewayError(HTTPStatus.SERVICE_UNAVAILABLE, "no decode worker is available")
@@ -674,6 +676,7 @@ class WorkerPool:
                 request.prompt_token_ids,
                 local_only=request.sampling.HasField("prompt_logprobs"),
                 lora_name=request.lora_name or None,
+                cache_salt=request.cache_salt or None,
             )
         except GatewayError as e:
             tracing.end_span(span, e)

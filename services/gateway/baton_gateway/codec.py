@@ -161,16 +161,18 @@ def generate_request(
     sampling: common_pb2.SamplingParams,
     priority: int = 0,
     lora_name: str | None = None,
+    cache_salt: str | None = None,
 ) -> engine_pb2.GenerateRequest:
     """A ``GenerateRequest`` for local prefill on the decode worker (aggregated mode);
     ``priority``: lower is served first (workers with ``--scheduling-policy priority``);
-    ``lora_name``: the LoRA adapter (None: the base model)."""
+    ``lora_name``: the LoRA adapter (None: the base model); ``cache_salt``: vLLM's."""
     return engine_pb2.GenerateRequest(
         req_id=req_id,
         prompt_token_ids=prompt_token_ids,
         sampling=sampling,
         priority=priority,
         lora_name=lora_name or "",
+        cache_salt=cache_salt or "",
     )
 
 
@@ -182,6 +184,7 @@ def prefill_request(request: engine_pb2.GenerateRequest) -> engine_pb2.PrefillRe
         sampling=request.sampling,
         priority=request.priority,
         lora_name=request.lora_name,
+        cache_salt=request.cache_salt,
     )
 
 

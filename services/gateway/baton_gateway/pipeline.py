@@ -296,6 +296,7 @@ class Pipeline:
                     sampling,
                     request.priority,
                     self.lora_of(request.model),
+                    request.cache_salt,
                 )
                 specs.append(SequenceSpec(index, ids, gen_request))
         return specs

@@ -160,6 +160,9 @@ class _SamplingRequest(OpenAIBaseModel):
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)  # keep the last N; -1: all
     request_id: str | None = Field(default=None, min_length=1)  # the response id's suffix
     priority: int = Field(default=0, ge=-(2**31), lt=2**31)  # lower first (priority policy)
+    # vLLM's: the request shares prefix-cache blocks only with requests of the same salt (so
+    # that one tenant cannot learn from cache hits what another sent)
+    cache_salt: str | None = None
     # vLLM's beam search: n beams per prompt, the n best returned (pipeline.py)
     use_beam_search: bool = False
     length_penalty: float = 1.0
@@ -179,6 +182,13 @@ class _SamplingRequest(OpenAIBaseModel):
             if not (key.isascii() and key.isdigit()):
                 raise ValueError(f"keys must be token ids, got {key!r}")
         return bias
+
+    @field_validator("cache_salt")
+    @classmethod
+    def _check_cache_salt(cls, salt: str | None) -> str | None:
+        if salt is not None and not salt:  # (vLLM's words)
+            raise ValueError("Parameter 'cache_salt' must be a non-empty string if provided.")
+        return salt
 
     @field_validator("allowed_token_ids")
     @classmethod

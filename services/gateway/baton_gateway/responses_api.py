@@ -144,6 +144,7 @@ _CHAT_EXTRAS = frozenset(
         "chat_template_kwargs",
         "request_id",
         "priority",
+        "cache_salt",
         "include_reasoning",
     }
 )

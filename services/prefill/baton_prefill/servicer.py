@@ -22,7 +22,7 @@ from baton_decode import codec
 from baton_decode.engine_loop import EngineLoop
 from baton_decode.server import WorkerInfoMixin, status_code
 from baton_engine.errors import BatonError, InvalidRequestError
-from baton_engine.kv_cache.hashing import adapter_root, hash_request_tokens
+from baton_engine.kv_cache.hashing import hash_request_tokens, prefix_root
 from baton_kvtransfer.handle import KVHandle
 from baton_kvtransfer.leases import LeaseTable
 
@@ -93,6 +93,7 @@ class PrefillServicer(WorkerInfoMixin, engine_pb2_grpc.PrefillServiceServicer):
                 prefill_only=True,
                 priority=request.priority,
                 lora_name=request.lora_name,
+                cache_salt=request.cache_salt or None,
             )
         except BatonError as e:
             await context.abort(status_code(e), str(e))
@@ -135,7 +136,9 @@ class PrefillServicer(WorkerInfoMixin, engine_pb2_grpc.PrefillServiceServicer):
             block_hashes=tuple(
                 h.hash_value
                 for h in hash_request_tokens(
-                    prompt, self.block_size, root=adapter_root(request.lora_name or None)
+                    prompt,
+                    self.block_size,
+                    root=prefix_root(request.lora_name or None, request.cache_salt or None),
                 )
             ),
             num_tokens=len(prompt),

@@ -559,10 +559,12 @@ class EngineCore:
         first_token_id: int | None = None,
         priority: int = 0,
         lora_request: LoRARequest | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         """Queue a request, with the LoRA adapter ``lora_request`` if given. ``priority`` ranks
         it under ``scheduling_policy="priority"`` (lower is served first); any other value than
-        0 is refused under ``fcfs``.
+        0 is refused under ``fcfs``. ``cache_salt`` (vLLM's): the request shares prefix-cache
+        blocks only with requests of the same salt.
 
         An embedding request (``PoolingParams``) ends once its prompt is computed: its one
         output has ``pooled`` set (and a token, sampled greedily, that is no output).
@@ -614,6 +616,7 @@ class EngineCore:
                 priority=priority,
                 pooling=pooling,
                 lora_name=None if lora_request is None else lora_request.lora_name,
+                cache_salt=cache_salt or None,
             )
         )
 

@@ -1,10 +1,12 @@
 """Chained block hashes for prefix caching.
 
 A block's hash covers its parent's hash and its own token ids, so equal hashes mean equal
-prefixes. Only full blocks are hashed. A request with a LoRA adapter chains from its adapter's
-root (``adapter_root``) instead of the empty one: the same tokens under another adapter (or none)
-have other KV, so other hashes. The token ids are kept with the hash so a hash collision
-can never hand one request another's KV. The kvstore's prefix index uses the same hash.
+prefixes. Only full blocks are hashed. A request with a LoRA adapter, or a ``cache_salt``, chains
+from a root of those (``prefix_root``) instead of the empty one: the same tokens under another
+adapter (or none) have other KV, so other hashes; and under another salt (vLLM's, which tenants
+set so that no other can learn from a prefix-cache hit what they sent) they share no block.
+The token ids are kept with the hash so a hash collision can never hand one request another's
+KV. The kvstore's prefix index uses the same hash.
 """
 
 from __future__ import annotations
@@ -36,12 +38,15 @@ def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int]) -> Blo
     return _tuple_new(BlockHash, (hashlib.blake2b(data, digest_size=16).digest(), tokens))
 
 
-def adapter_root(lora_name: str | None) -> BlockHash | None:
-    """The parent of a request's first block: None (the empty root) for the base model, else a
-    root of the LoRA adapter's name."""
-    if lora_name is None:
+def prefix_root(lora_name: str | None, cache_salt: str | None = None) -> BlockHash | None:
+    """The parent of a request's first block: None (the empty root) for the base model without
+    a salt, else a root of the LoRA adapter's name and the salt."""
+    if lora_name is None and cache_salt is None:
         return None
-    digest = hashlib.blake2b(b"lora\x00" + lora_name.encode(), digest_size=16).digest()
+    data = b"" if lora_name is None else b"lora\x00" + lora_name.encode()
+    if cache_salt is not None:
+        data += b"\x00salt\x00" + cache_salt.encode()
+    digest = hashlib.blake2b(data, digest_size=16).digest()
     return _tuple_new(BlockHash, (digest, ()))
 
 
@@ -52,7 +57,7 @@ def hash_request_tokens(
     root: BlockHash | None = None,
 ) -> list[BlockHash]:
     """Hashes of every full block of ``token_ids``, extending the already ``known`` prefix;
-    ``root``: the first block's parent (``adapter_root``)."""
+    ``root``: the first block's parent (``prefix_root``)."""
     hashes = list(known)
     parent = hashes[-1] if hashes else root
     for start in range(len(hashes) * block_size, len(token_ids) - block_size + 1, block_size):

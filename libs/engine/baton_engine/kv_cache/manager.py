@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from baton_engine.kv_cache.block_pool import BlockPool, KVCacheBlock, KVCacheEvent
-from baton_engine.kv_cache.hashing import BlockHash, adapter_root, hash_block_tokens
+from baton_engine.kv_cache.hashing import BlockHash, hash_block_tokens, prefix_root
 from baton_engine.request import Request
 
 
@@ -62,7 +62,7 @@ class KVCacheManager:
             start = len(known) * block_size
             prompt = request.prompt_token_ids
             tail = prompt[start:] + request.output_token_ids[max(0, start - len(prompt)) :]
-            parent = known[-1] if known else adapter_root(request.lora_name)
+            parent = known[-1] if known else prefix_root(request.lora_name, request.cache_salt)
             for i in range(0, len(tail) - block_size + 1, block_size):
                 parent = hash_block_tokens(parent, tail[i : i + block_size])
                 known.append(parent)
