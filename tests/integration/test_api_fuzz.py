@@ -52,6 +52,7 @@ SEEDS: dict[str, dict[str, Any]] = {
     "/v1/embeddings": {
         "model": MODEL, "input": ["a", "b"], "encoding_format": "float", "dimensions": None,
     },
+    "/pooling": {"model": MODEL, "input": "a", "encoding_format": "base64"},
     "/tokenize": {"model": MODEL, "prompt": "hello", "return_token_strs": True},
     "/detokenize": {"model": MODEL, "tokens": [1, 2, 3]},
     "/v1/responses": {

@@ -75,6 +75,11 @@ def test_classify_equals_the_offline_engine(classifier: tuple[httpx.Client, Any]
         counts = [http.post("/tokenize", json={"prompt": t}).json()["count"] for t in TEXTS]
         assert body["usage"]["prompt_tokens"] == body["usage"]["total_tokens"] == sum(counts)
     assert len({d["label"] for d in body["data"]}) > 1  # (the labels differ: argmax is read)
+    # vLLM's /pooling: each input's pooler output, here the labels' probabilities
+    pooled = http.post("/pooling", json={"input": TEXTS, "encoding_format": "float"}).json()
+    for data, probs in zip(pooled["data"], want, strict=True):
+        assert data["object"] == "pooling"
+        close(data["data"], probs)
 
     # One text; token ids; the head's logits; truncation to the last tokens.
     ids = http.post("/tokenize", json={"prompt": TEXTS[1]}).json()["tokens"]

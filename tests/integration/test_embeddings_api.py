@@ -53,6 +53,14 @@ def test_sdk_embeddings_equal_the_offline_engine(
     b64 = http.post("/v1/embeddings", json={"input": TEXTS[0], "encoding_format": "base64"})
     raw = np.frombuffer(base64.b64decode(b64.json()["data"][0]["embedding"]), dtype="<f4")
     close(raw, body["data"][0]["embedding"])
+    # vLLM's /pooling: the same request, each input's pooler output (here the embedding)
+    pooled = http.post("/pooling", json={"input": TEXTS, "encoding_format": "float"})
+    assert pooled.status_code == 200, pooled.text
+    answer = pooled.json()
+    assert answer["id"].startswith("pool-") and answer["usage"]["prompt_tokens"] == sum(counts)
+    for i, (data, want) in enumerate(zip(answer["data"], offline, strict=True)):
+        assert data["index"] == i and data["object"] == "pooling"
+        close(data["data"], want)
 
 
 def test_input_forms(client: OpenAI, http: httpx.Client, offline: list[list[float]]) -> None:

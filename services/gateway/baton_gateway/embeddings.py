@@ -109,6 +109,38 @@ def response(
     )
 
 
+class PoolingData(OpenAIBaseModel):
+    index: int
+    object: Literal["pooling"] = "pooling"
+    data: list[float] | str
+
+
+class PoolingResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[PoolingData]
+    usage: UsageInfo
+
+
+def pooling_response(
+    req_id: str, model: str, pooled: Sequence[Embedded], encoding_format: str
+) -> PoolingResponse:
+    """vLLM's ``/pooling`` answer: each input's pooler output as it is (an embedding model's
+    embedding, a classifier's labels' probabilities), in order."""
+    num_prompt_tokens = sum(e.num_prompt_tokens for e in pooled)
+    return PoolingResponse(
+        id=req_id,
+        model=model,
+        data=[
+            PoolingData(index=i, data=encode(e.values, encoding_format))
+            for i, e in enumerate(pooled)
+        ],
+        usage=UsageInfo(prompt_tokens=num_prompt_tokens, total_tokens=num_prompt_tokens),
+    )
+
+
 def encode(values: list[float], encoding_format: str) -> list[float] | str:
     """One embedding as the response carries it: floats, or base64 of little-endian float32
     (what OpenAI's clients decode with ``np.frombuffer(..., dtype="float32")``)."""

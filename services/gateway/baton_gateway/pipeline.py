@@ -570,10 +570,30 @@ class Pipeline:
                 "this is a sequence-classification model: it does not embed (use /classify, "
                 "/score or /rerank)"
             )
-        record = self.metrics.start("embeddings")
+        return await self._pooled(request, named, "embeddings", "embd", embeddings.response)
+
+    async def pooling(
+        self, request: EmbeddingRequest, named: RequestIds = RequestIds()
+    ) -> Response:
+        """vLLM's ``/pooling``: the embeddings' request, answered with each input's pooler
+        output as it is: an embedding model's embedding, a classifier's labels'
+        probabilities."""
+        self.check_model(request.model)
+        return await self._pooled(request, named, "pooling", "pool", embeddings.pooling_response)
+
+    async def _pooled(
+        self,
+        request: EmbeddingRequest,
+        named: RequestIds,
+        endpoint: str,
+        id_prefix: str,
+        respond: Callable[[str, str, list[codec.Embedded], str], Any],
+    ) -> Response:
+        """Every input's ids to one decode worker's ``Embed``; ``respond`` builds the body."""
+        record = self.metrics.start(endpoint)
         try:
             prompts = self._pooling_prompts(request)
-            req_id, worker_id = self._request_ids("embd", request, named)
+            req_id, worker_id = self._request_ids(id_prefix, request, named)
             pb = codec.embed_request(
                 worker_id,
                 prompts,
@@ -582,9 +602,9 @@ class Pipeline:
                 request.normalize,
                 self.lora_of(request.model),
             )
-            embedded = await self._embed(pb, record)
+            pooled = await self._embed(pb, record)
             name = self.served_name(request.model)
-            body = embeddings.response(req_id, name, embedded, request.encoding_format)
+            body = respond(req_id, name, pooled, request.encoding_format)
             self.metrics.finish(record, "ok", num_prompt_tokens=body.usage.prompt_tokens)
             return Response(body.model_dump_json(), media_type="application/json")
         except BaseException as e:

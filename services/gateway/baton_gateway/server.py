@@ -414,6 +414,12 @@ def create_app(config: GatewayConfig, tokenizer: Any) -> FastAPI:
         work = state.pipeline.embeddings(body, request_ids(request))
         return await _cancel_on_disconnect(request, work)
 
+    @app.post("/pooling")
+    async def pooling(request: Request) -> Response:
+        body = await _parse(request, embedding_request)
+        work = state.pipeline.pooling(body, request_ids(request))
+        return await _cancel_on_disconnect(request, work)
+
     @app.post("/classify")
     @app.post("/v1/classify")
     async def classify(request: Request) -> Response:
