@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -79,6 +80,26 @@ def test_prompt_forms_and_order(llm: LLM) -> None:
     assert by_dict.prompt == text and by_dict.outputs[0].text == by_text.outputs[0].text
     with pytest.raises(InvalidRequestError, match="multi_modal_data are not supported"):
         llm.generate({"prompt": text, "multi_modal_data": {}}, GREEDY, use_tqdm=False)
+
+
+def test_cache_salt_in_a_prompt_dict(llm: LLM) -> None:
+    """vLLM's ``{"prompt": ..., "cache_salt": ...}``: a prompt hits the prefix cache only
+    under its salt; the answer is the same."""
+    text = "A salted prompt, long enough to fill two blocks of sixteen tokens: " * 4
+
+    def run(salt: str | None) -> Any:
+        prompt: Any = {"prompt": text} if salt is None else {"prompt": text, "cache_salt": salt}
+        (out,) = llm.generate(prompt, GREEDY, use_tqdm=False)
+        return out
+
+    first = run("tenant-a")
+    again = run("tenant-a")
+    assert first.num_cached_tokens == 0 and again.num_cached_tokens >= 32
+    other, unsalted = run("tenant-b"), run(None)
+    assert other.num_cached_tokens == 0 and unsalted.num_cached_tokens == 0
+    assert again.outputs[0].text == first.outputs[0].text == other.outputs[0].text
+    with pytest.raises(InvalidRequestError, match="cache_salt must be a non-empty string"):
+        llm.generate({"prompt": text, "cache_salt": ""}, GREEDY, use_tqdm=False)
 
 
 def test_detokenize_false_gives_token_ids_only(llm: LLM) -> None:

@@ -68,11 +68,13 @@ class LLMEngine:
         prompt_token_ids: Sequence[int] | None = None,
         priority: int = 0,
         lora_request: LoRARequest | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         """Queue a request; ``prompt_token_ids``, when given, is the already-encoded ``prompt``
         (``params.truncate_prompt_tokens`` keeps its last tokens).
-        ``priority`` (lower first) needs ``scheduling_policy="priority"``; siblings share it, and
-        ``lora_request`` (a LoRA adapter; the engine needs ``enable_lora``).
+        ``priority`` (lower first) needs ``scheduling_policy="priority"``; siblings share it,
+        ``lora_request`` (a LoRA adapter; the engine needs ``enable_lora``) and ``cache_salt``
+        (vLLM's: prefix-cache blocks are shared only with requests of the same salt).
         With ``PoolingParams`` it is an embedding request: ``step`` returns its
         ``EmbeddingRequestOutput`` once its prompt is computed."""
         if request_id in self._requests or request_id in self._embeddings:
@@ -85,7 +87,12 @@ class LLMEngine:
         token_ids = truncate_prompt(token_ids, params.truncate_prompt_tokens, self.max_model_len)
         if isinstance(params, PoolingParams):
             self.core.add_request(
-                request_id, token_ids, params, priority=priority, lora_request=lora_request
+                request_id,
+                token_ids,
+                params,
+                priority=priority,
+                lora_request=lora_request,
+                cache_salt=cache_salt,
             )
             self._embeddings[request_id] = token_ids
             return
@@ -100,7 +107,12 @@ class LLMEngine:
                 seed = None if params.seed is None else params.seed + i
                 child_params = replace(params, n=1, seed=seed)
             self.core.add_request(
-                child_id, token_ids, child_params, priority=priority, lora_request=lora_request
+                child_id,
+                token_ids,
+                child_params,
+                priority=priority,
+                lora_request=lora_request,
+                cache_salt=cache_salt,
             )
             detok = None
             if params.detokenize:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any, TypedDict, TypeVar
+from typing import Any, NotRequired, TypedDict, TypeVar
 
 from tqdm.auto import tqdm
 
@@ -36,10 +36,13 @@ from baton_engine.vllm_flags import take_engine_args
 
 class TokensPrompt(TypedDict):
     prompt_token_ids: list[int]
+    # vLLM's: shares prefix-cache blocks only with prompts of the same salt
+    cache_salt: NotRequired[str]
 
 
 class TextPrompt(TypedDict):
     prompt: str
+    cache_salt: NotRequired[str]
 
 
 PromptType = str | TextPrompt | TokensPrompt
@@ -109,7 +112,8 @@ class LLM:
             sampling_params = self.get_default_sampling_params()
         prompt_list = _prompt_list(prompts)
         params = _params_list(sampling_params, SamplingParams, len(prompt_list))
-        outputs = self._run(prompt_list, params, use_tqdm, priority, lora_request)
+        salts = _salt_list(prompts)
+        outputs = self._run(prompt_list, params, use_tqdm, priority, lora_request, salts)
         return outputs  # type: ignore[return-value]  # (sampling params: RequestOutputs)
 
     def beam_search(
@@ -247,7 +251,8 @@ class LLM:
         params = _params_list(pooling_params or PoolingParams(), PoolingParams, len(prompt_list))
         if truncate_prompt_tokens is not None:
             params = [replace(p, truncate_prompt_tokens=truncate_prompt_tokens) for p in params]
-        outputs = self._run(prompt_list, params, use_tqdm, priority, lora_request)
+        salts = _salt_list(prompts)
+        outputs = self._run(prompt_list, params, use_tqdm, priority, lora_request, salts)
         return outputs  # type: ignore[return-value]  # (pooling params: embeddings)
 
     def chat(
@@ -373,6 +378,7 @@ class LLM:
         use_tqdm: bool,
         priority: Sequence[int] | None = None,
         lora_request: LoRAArg = None,
+        cache_salts: Sequence[str | None] | None = None,
     ) -> list[RequestOutput | EmbeddingRequestOutput]:
         """Run every prompt with its params to the end; outputs in the prompts' order."""
         priorities = [0] * len(prompts) if priority is None else list(priority)
@@ -397,11 +403,18 @@ class LLM:
         for token_ids, sp, prio, lora in zip(encoded, params, priorities, loras, strict=True):
             engine.core.validate_request(token_ids, sp, prio, lora)
         ids = [str(next(self._counter)) for _ in prompts]
-        for req_id, prompt, token_ids, sp, prio, lora in zip(
-            ids, prompts, encoded, params, priorities, loras, strict=True
+        salts = [None] * len(prompts) if cache_salts is None else cache_salts
+        for req_id, prompt, token_ids, sp, prio, lora, salt in zip(
+            ids, prompts, encoded, params, priorities, loras, salts, strict=True
         ):
             engine.add_request(
-                req_id, prompt, sp, prompt_token_ids=token_ids, priority=prio, lora_request=lora
+                req_id,
+                prompt,
+                sp,
+                prompt_token_ids=token_ids,
+                priority=prio,
+                lora_request=lora,
+                cache_salt=salt,
             )
         results: dict[str, RequestOutput | EmbeddingRequestOutput] = {}
         with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm) as bar:
@@ -417,6 +430,19 @@ class LLM:
         return [results[i] for i in ids]
 
 
+_PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "cache_salt"})
+
+
+def _salt_list(prompts: PromptType | Sequence[PromptType]) -> list[str | None]:
+    """Each prompt's ``cache_salt`` (None: none), as ``_prompt_list`` lists the prompts."""
+    given: list[Any] = [prompts] if isinstance(prompts, str | dict) else list(prompts)
+    salts = [p.get("cache_salt") if isinstance(p, dict) else None for p in given]
+    for salt in salts:
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            raise InvalidRequestError("a prompt's cache_salt must be a non-empty string")
+    return salts
+
+
 def _prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[str | list[int]]:
     """Prompts as text or token ids, however given (one or many; strings, TextPrompt or
     TokensPrompt dicts, as vLLM takes them)."""
@@ -425,8 +451,8 @@ def _prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[str | list[
     out: list[str | list[int]] = []
     for given in prompts:
         p: Any = given  # (a TypedDict: its keys are checked here)
-        if isinstance(p, dict) and p.keys() - {"prompt", "prompt_token_ids"}:
-            extra = ", ".join(sorted(p.keys() - {"prompt", "prompt_token_ids"}))
+        if isinstance(p, dict) and p.keys() - _PROMPT_KEYS:
+            extra = ", ".join(sorted(p.keys() - _PROMPT_KEYS))
             raise InvalidRequestError(
                 f"prompts with {extra} are not supported (Baton serves text-only models)"
             )
