@@ -102,6 +102,25 @@ def test_cache_salt_in_a_prompt_dict(llm: LLM) -> None:
         llm.generate({"prompt": text, "cache_salt": ""}, GREEDY, use_tqdm=False)
 
 
+def test_encode_and_reset_prefix_cache(llm: LLM) -> None:
+    """vLLM's ``LLM.encode`` (the pooler's output as a tensor: here the embedding) and
+    ``LLM.reset_prefix_cache`` (the next prompt computes everything)."""
+    texts = ["The capital of France is", "Once upon a time"]
+    encoded = llm.encode(texts, use_tqdm=False)
+    for got, want in zip(encoded, llm.embed(texts, use_tqdm=False), strict=True):
+        assert got.prompt_token_ids == want.prompt_token_ids
+        assert got.outputs.data.tolist() == pytest.approx(want.outputs.embedding, abs=1e-6)
+    with pytest.raises(InvalidRequestError, match="pooling_task 'classify' is not supported"):
+        llm.encode(texts, pooling_task="classify", use_tqdm=False)
+    prompt = "A prompt to cache, long enough for two blocks of sixteen tokens each. " * 3
+    llm.generate(prompt, GREEDY, use_tqdm=False)
+    (cached,) = llm.generate(prompt, GREEDY, use_tqdm=False)
+    assert cached.num_cached_tokens >= 32
+    assert llm.reset_prefix_cache()
+    (fresh,) = llm.generate(prompt, GREEDY, use_tqdm=False)
+    assert fresh.num_cached_tokens == 0 and fresh.outputs[0].text == cached.outputs[0].text
+
+
 def test_detokenize_false_gives_token_ids_only(llm: LLM) -> None:
     """vLLM's ``detokenize=False``: the same tokens, no text; stop strings need the text."""
     prompt = "The capital of France is"

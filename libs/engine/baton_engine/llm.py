@@ -20,6 +20,8 @@ from baton_engine.outputs import (
     ClassificationOutput,
     ClassificationRequestOutput,
     EmbeddingRequestOutput,
+    PoolingOutput,
+    PoolingRequestOutput,
     RequestOutput,
     ScoringOutput,
     ScoringRequestOutput,
@@ -233,6 +235,46 @@ class LLM:
                 prompts, pooling_params, truncate_prompt_tokens, use_tqdm, lora_request, priority
             )
         ]
+
+    def encode(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+        lora_request: LoRAArg = None,
+        priority: Sequence[int] | None = None,
+        pooling_task: str | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """vLLM's generic pooling: each prompt's pooler output as a tensor (``outputs.data``),
+        as :meth:`embed` or :meth:`classify` computes it for this model. ``pooling_task``, when
+        given, must be the model's: "embed", or "classify" for a sequence-classification
+        model."""
+        import torch
+
+        task = "classify" if self._classifies else "embed"
+        if pooling_task not in (None, "encode", task):
+            raise InvalidRequestError(
+                f"pooling_task {pooling_task!r} is not supported by this model (its task is "
+                f"{task!r})"
+            )
+        return [
+            PoolingRequestOutput(
+                o.request_id,
+                PoolingOutput(torch.tensor(o.outputs.embedding)),
+                o.prompt_token_ids,
+                num_cached_tokens=o.num_cached_tokens,
+            )
+            for o in self._pool(
+                prompts, pooling_params, truncate_prompt_tokens, use_tqdm, lora_request, priority
+            )
+        ]
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every prefix-cache entry (vLLM's), so the next prompts compute everything;
+        False, changing nothing, while a request still holds blocks."""
+        return self.engine.core.reset_prefix_cache()
 
     @property
     def _classifies(self) -> bool:

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -57,6 +61,22 @@ class EmbeddingRequestOutput:
 
     request_id: str
     outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
+@dataclass
+class PoolingOutput:
+    data: torch.Tensor  # the pooler's output: an embedding, or a classifier's probabilities
+
+
+@dataclass
+class PoolingRequestOutput:
+    """What ``LLM.encode`` returns per prompt, as vLLM's."""
+
+    request_id: str
+    outputs: PoolingOutput
     prompt_token_ids: list[int]
     finished: bool = True
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache

@@ -723,6 +723,13 @@ class EngineCore:
         ``enable_kv_events``)."""
         return self.kv.take_events()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block hash; False (nothing changed) while requests hold blocks.
+        With KV events the kvstore hears of each block removed."""
+        if self.has_unfinished_requests():
+            return False
+        return self.kv.reset_prefix_cache()
+
     def cache_config_info(self) -> dict[str, object]:
         """The KV cache's settings, under vLLM's names (its ``cache_config_info`` labels;
         ``num_gpu_blocks`` counts the KV blocks wherever they live, as vLLM's CPU backend
