@@ -67,6 +67,7 @@ def test_chat_request_mapping() -> None:
         tools=[{"type": "function", "name": "f", "parameters": schema}],
         tool_choice="none",
         top_k=5,  # vLLM's extras pass through; unknown fields do not
+        cache_salt="tenant-1",
         some_future_field=1,
     )
     chat = ChatCompletionRequest.model_validate(
@@ -74,6 +75,7 @@ def test_chat_request_mapping() -> None:
     )
     assert [m.role for m in chat.messages] == ["system", "user", "user"]
     assert chat.max_tokens == 7 and chat.num_logprobs == 2 and chat.top_k == 5
+    assert chat.cache_salt == "tenant-1"
     assert chat.tools is not None and chat.tools[0].function.name == "f"
     assert chat.effective_tool_choice == "none"
     named = request(tools=req.tools, tool_choice={"type": "function", "name": "f"})
