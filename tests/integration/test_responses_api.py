@@ -8,6 +8,9 @@ The shared server (conftest.py) runs the hermes tool parser and the qwen3 reason
 from __future__ import annotations
 
 import json
+import re
+import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -229,11 +232,11 @@ def test_structured_output_reasoning_and_logprobs(client: OpenAI) -> None:
 
 
 def test_request_errors(client: OpenAI, http: httpx.Client) -> None:
-    """Unsupported tools and background are 400s naming their field, as are the chat
-    request's own checks; an unknown model or stored response is a 404."""
+    """Unsupported tools and an unstored background response are 400s naming their field,
+    as are the chat request's own checks; an unknown model or stored response is a 404."""
     for fields, param in (
         ({"tools": [{"type": "web_search"}]}, "tools"),
-        ({"background": True}, "background"),
+        ({"background": True, "store": False}, "background"),
         ({"input": []}, "input"),
         ({"top_logprobs": 30}, "top_logprobs"),
         ({"temperature": -1}, "temperature"),
@@ -247,3 +250,110 @@ def test_request_errors(client: OpenAI, http: httpx.Client) -> None:
         client.responses.create(model="no-such-model", input=QUESTION)
     assert http.get("/v1/responses/resp_nothing").status_code == 404
     assert http.delete("/v1/responses/resp_nothing").status_code == 404
+    assert http.post("/v1/responses/resp_nothing/cancel").status_code == 404
+    synchronous = client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="Cannot cancel a synchronous response"):
+        client.responses.cancel(synchronous.id)
+    # Only a background response that was streamed can be streamed again.
+    resp = http.get(f"/v1/responses/{synchronous.id}", params={"stream": "true"})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "stream"
+
+
+def _wait_for(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s"
+        time.sleep(0.05)
+
+
+def _worker_aborts(http: httpx.Client) -> float:
+    """The requests the decode worker ended by abort (the gateway's /metrics shows its)."""
+    pattern = re.compile(r'^baton:request_success_total\{[^}]*finished_reason="abort"[^}]*\} (\S+)')
+    lines = http.get("/metrics").text.splitlines()
+    return sum(float(m.group(1)) for line in lines if (m := pattern.match(line)))
+
+
+def test_background_response_runs_to_the_end(client: OpenAI) -> None:
+    """background=true answers at once, queued; the response runs on in the gateway and, read
+    back, ends as the same request in the foreground does."""
+    kwargs: dict[str, Any] = dict(model=MODEL, input=QUESTION, max_output_tokens=24, temperature=0)
+    foreground = client.responses.create(**kwargs)
+    queued = client.responses.create(background=True, **kwargs)
+    assert queued.status == "queued" and queued.background and queued.output == []
+    seen = {queued.status}
+
+    def ended() -> bool:
+        seen.add(client.responses.retrieve(queued.id).status)
+        return not seen.isdisjoint({"completed", "incomplete", "failed", "cancelled"})
+
+    _wait_for(ended, 60, "the background response's end")
+    done = client.responses.retrieve(queued.id)
+    assert done.status == foreground.status, done.error
+    assert done.output_text == foreground.output_text and done.background
+    assert done.usage is not None and foreground.usage is not None
+    assert done.usage.output_tokens == foreground.usage.output_tokens
+    assert seen <= {"queued", "in_progress", done.status}, seen
+    # Finished, it is continued as any stored response.
+    follow_up = client.responses.create(
+        model=MODEL, input="Thanks.", previous_response_id=done.id, max_output_tokens=2
+    )
+    assert follow_up.usage is not None and follow_up.usage.input_tokens > done.usage.input_tokens
+
+
+def test_cancelling_a_background_response(client: OpenAI, http: httpx.Client) -> None:
+    """Cancel stops a running background response on the worker (an abort there) and keeps
+    what it wrote so far; cancelling again answers the same; deleting one that runs stops it."""
+    kwargs: dict[str, Any] = dict(
+        model=MODEL,
+        input="Tell me a long story about a dragon.",
+        max_output_tokens=400,
+        extra_body={"ignore_eos": True},
+    )
+    aborts = _worker_aborts(http)
+    running = client.responses.create(background=True, **kwargs)
+    _wait_for(
+        lambda: client.responses.retrieve(running.id).status == "in_progress",
+        30,
+        "the background response running",
+    )
+    time.sleep(0.5)  # (some text first: 400 tokens take far longer on this model)
+    with pytest.raises(openai.BadRequestError, match="has not finished"):
+        client.responses.create(model=MODEL, input="x", previous_response_id=running.id)
+    cancelled = client.responses.cancel(running.id)
+    assert cancelled.status == "cancelled" and cancelled.usage is None
+    [message] = cancelled.output
+    assert message.type == "message" and message.status == "incomplete"
+    assert message.content[0].text  # (written before the cancel)
+    assert client.responses.retrieve(running.id).status == "cancelled"
+    assert client.responses.cancel(running.id).status == "cancelled"
+    _wait_for(lambda: _worker_aborts(http) == aborts + 1, 10, "the worker's abort")
+
+    deleted = client.responses.create(background=True, **kwargs)
+    http.delete(f"/v1/responses/{deleted.id}").raise_for_status()
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(deleted.id)
+    _wait_for(lambda: _worker_aborts(http) == aborts + 2, 10, "the worker's second abort")
+    ok = client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=2)
+    assert ok.status == "incomplete"
+
+
+def test_a_background_stream_can_be_picked_up_again(client: OpenAI) -> None:
+    """A streamed background response runs on after its client goes; the stream read again
+    from after any event's sequence number gives the rest, to the same end."""
+    kwargs: dict[str, Any] = dict(model=MODEL, input=QUESTION, max_output_tokens=24, temperature=0)
+    foreground = client.responses.create(**kwargs)
+    with client.responses.create(background=True, stream=True, **kwargs) as stream:
+        first = [next(iter(stream)) for _ in range(4)]
+    assert [e.sequence_number for e in first] == [0, 1, 2, 3]
+    assert first[0].type == "response.created" and first[0].response.status == "queued"
+    assert first[1].type == "response.in_progress"
+    response_id = first[0].response.id
+    rest = list(client.responses.retrieve(response_id, stream=True, starting_after=3))
+    assert [e.sequence_number for e in rest] == list(range(4, 4 + len(rest)))
+    assert rest[-1].type in ("response.completed", "response.incomplete")
+    events = [*first, *rest]
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == foreground.output_text == rest[-1].response.output_text
+    # From the start, once it has ended: every event again.
+    again = list(client.responses.retrieve(response_id, stream=True))
+    assert [e.model_dump() for e in again] == [e.model_dump() for e in events]

@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
 import pytest
 from pydantic import ValidationError
 
+from baton_gateway.errors import GatewayError
 from baton_gateway.generation import SequenceDelta
 from baton_gateway.protocol import ChatCompletionRequest
 from baton_gateway.reading import ChatReading
 from baton_gateway.reasoning import reasoning_use
 from baton_gateway.responses_api import (
+    BackgroundRun,
+    OutputMessage,
+    OutputText,
     ResponseEvents,
     ResponsesRequest,
     ResponseStore,
@@ -20,6 +25,7 @@ from baton_gateway.responses_api import (
     chat_request,
     input_messages,
     response_object,
+    stopped,
 )
 
 
@@ -88,7 +94,7 @@ def test_chat_request_mapping() -> None:
     with pytest.raises(ValidationError):
         ChatCompletionRequest.model_validate(chat_request(request(tool_choice="required"), []))
     bad: dict[str, Any]
-    for bad in ({"input": []}, {"background": True}, {"tools": [{"type": "file_search"}]}):
+    for bad in ({"input": []}, {"background": True, "store": False}, {"tools": [{"type": "x"}]}):
         with pytest.raises(ValidationError):
             request(**bad)
 
@@ -102,6 +108,56 @@ def test_store_keeps_the_most_recent() -> None:
     none = ResponseStore(0)
     none.put(StoredResponse(response_object(request(), "r", "m"), []))
     assert none.get("r") is None
+
+
+def test_a_background_response_must_be_stored() -> None:
+    assert request(background=True).background
+    with pytest.raises(ValidationError, match="must be stored"):
+        request(background=True, store=False)
+
+
+def test_a_background_run_is_followed_from_any_event() -> None:
+    """Readers get the events after the one they name, then each as it comes, and end with the
+    run; a run that keeps no events (not streamed) only ends."""
+
+    async def main() -> None:
+        run = BackgroundRun(keep_events=True)
+        run.emit("e0")
+        run.emit("e1")
+
+        async def read(starting_after: int) -> list[str]:
+            return [event async for event in run.follow(starting_after)]
+
+        readers = [asyncio.create_task(read(n)) for n in (-1, 0, 1, 5)]
+        await asyncio.sleep(0)
+        run.emit("e2")
+        await asyncio.sleep(0)
+        assert not any(reader.done() for reader in readers)  # (waiting for more)
+        run.finish()
+        everything = ["e0", "e1", "e2"]
+        assert await asyncio.gather(*readers) == [everything, everything[1:], everything[2:], []]
+        assert await read(-1) == everything  # (after the end too)
+
+        quiet = BackgroundRun(keep_events=False)
+        quiet.emit("e0")
+        quiet.finish()
+        assert quiet.events is None and quiet.done
+
+    asyncio.run(main())
+
+
+def test_a_stopped_response_keeps_its_output_as_incomplete() -> None:
+    start = response_object(request(background=True), "resp_1", "m")
+    message = OutputMessage(id="msg_1", content=[OutputText(text="Once upon")])
+    cancelled = stopped(start, "cancelled", [message])
+    assert cancelled.status == "cancelled" and cancelled.error is None and cancelled.background
+    [item] = cancelled.output
+    assert item.status == "incomplete" and item.content[0].text == "Once upon"
+    failed = stopped(start, "failed", [], GatewayError(503, "no decode worker is available"))
+    assert failed.status == "failed" and failed.output == []
+    assert failed.error == {"code": "server_error", "message": "no decode worker is available"}
+    refused = stopped(start, "failed", [], GatewayError(400, "too long"))
+    assert refused.error is not None and refused.error["code"] == "invalid_prompt"
 
 
 def _events(

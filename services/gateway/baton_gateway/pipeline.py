@@ -9,6 +9,7 @@ Model name (404) -> prompt token ids -> length check (400) -> one Generate reque
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncGenerator, Callable, Mapping
 from contextlib import aclosing
@@ -81,6 +82,8 @@ from baton_gateway.streaming import (
     completion_stream,
 )
 from baton_gateway.tools import ReadOut, ToolCallsSoFar, tool_use
+
+logger = logging.getLogger(__name__)
 
 # What the id and truncation helpers read: ``request_id``, ``truncate_prompt_tokens``.
 _WithPrompt = (
@@ -197,6 +200,7 @@ class Pipeline:
         self.texts = TokenTexts(tokenizer)
         self.tokens_as_ids = tokens_as_ids
         self.stored_responses = responses_api.ResponseStore(max_stored_responses)
+        self._runs: set[asyncio.Task[str]] = set()  # background responses running
 
     def check_model(self, model: str | None) -> None:
         if model is not None and not self._is_base(model) and model not in self.lora_modules:
@@ -390,11 +394,21 @@ class Pipeline:
     ) -> Response:
         """OpenAI's Responses API, served as a chat request (``responses_api.py``)."""
         self.check_model(request.model)
+        if request.background and self.stored_responses.capacity <= 0:
+            raise bad_request(
+                "Background responses are stored, and --max-stored-responses is 0.",
+                param="background",
+            )
         record = self.metrics.start("responses")
         try:
             history: list[dict[str, Any]] = []
             if request.previous_response_id is not None:
                 previous = self._stored(request.previous_response_id, "previous_response_id")
+                if previous.running:
+                    raise bad_request(
+                        f"Response with id '{request.previous_response_id}' has not finished.",
+                        param="previous_response_id",
+                    )
                 history = previous.conversation
             try:
                 chat = ChatCompletionRequest.model_validate(
@@ -406,6 +420,15 @@ class Pipeline:
             generation = self._generation(chat, specs, record)
             texts = self.texts if chat.num_logprobs is not None else None
             start = responses_api.response_object(request, resp_id, self.served_name(request.model))
+            run = responses_api.BackgroundRun(request.stream) if request.background else None
+
+            def store(response: responses_api.ResponseObject) -> responses_api.ResponseObject:
+                if request.store:
+                    output = response.output
+                    conversation = responses_api.conversation_after(history, request, output)
+                    stored = responses_api.StoredResponse(response, conversation, run)
+                    self.stored_responses.put(stored)
+                return response
 
             def finish(
                 output: list[responses_api.OutputItem], reason: str | None
@@ -417,10 +440,7 @@ class Pipeline:
                     reason,
                     lambda text: len(self.tokenizer.encode(text, add_special_tokens=False)),
                 )
-                if request.store:
-                    conversation = responses_api.conversation_after(history, request, output)
-                    self.stored_responses.put(responses_api.StoredResponse(response, conversation))
-                return response
+                return store(response)
 
             def record_finish(status: str) -> None:
                 self.metrics.finish(
@@ -432,6 +452,24 @@ class Pipeline:
                 )
 
             reader = reading.new_reader() if reading is not None else None
+            if run is not None:
+                queued = store(start.model_copy(update={"status": "queued"}))
+                events = responses_api.ResponseEvents(queued, reader, texts)
+                work = self._background(start, generation, events, run, finish, store)
+                run.task = asyncio.create_task(work)
+                self._runs.add(run.task)
+
+                def ended(task: asyncio.Task[str]) -> None:
+                    self._runs.discard(task)
+                    if task.cancelled():  # (before it started)
+                        store(responses_api.stopped(start, "cancelled", []))
+                        run.finish()
+                    record_finish("cancelled" if task.cancelled() else task.result())
+
+                run.task.add_done_callback(ended)
+                if run.events is not None:
+                    return SSEResponse(run.follow())
+                return Response(queued.model_dump_json(), media_type="application/json")
             if request.stream:
                 events = responses_api.ResponseEvents(start, reader, texts)
                 return await self._stream_response(generation, events, finish, record_finish)
@@ -487,6 +525,76 @@ class Pipeline:
         stream = responses_api.response_stream(events, first, deltas, finish, outcome)
         return SSEResponse(stream, on_close)
 
+    async def _background(
+        self,
+        start: responses_api.ResponseObject,
+        generation: Generation,
+        events: responses_api.ResponseEvents,
+        run: responses_api.BackgroundRun,
+        finish: responses_api.Finish,
+        store: Callable[[responses_api.ResponseObject], responses_api.ResponseObject],
+    ) -> str:
+        """A background response's run, to its end (stored as it goes); how it ended, for
+        metrics ("ok", "error", "cancelled" or "500")."""
+        store(start)  # (in progress)
+        outcome = StreamOutcome()
+        deltas = generation.stream()
+        stream = responses_api.response_stream(events, None, deltas, finish, outcome)
+        try:
+            async for event in stream:
+                run.emit(event)
+        except asyncio.CancelledError:  # POST /v1/responses/{id}/cancel, or shutting down
+            if outcome.status == "cancelled":  # (not ended yet)
+                if events.output:
+                    events.close()  # (its items, with their text so far; no events sent)
+                store(responses_api.stopped(start, "cancelled", events.output))
+        except Exception as e:  # (a bug: the response says so; the gateway goes on)
+            logger.exception("background response %s failed", start.id)
+            outcome.status = "500"
+            error = GatewayError(HTTPStatus.INTERNAL_SERVER_ERROR, f"{type(e).__name__}: {e}")
+            store(responses_api.stopped(start, "failed", events.output, error))
+        finally:
+            await stream.aclose()
+            await deltas.aclose()
+            run.finish()
+        if outcome.error is not None:
+            store(responses_api.stopped(start, "failed", events.output, outcome.error))
+        return outcome.status
+
+    async def cancel_response(self, response_id: str) -> responses_api.ResponseObject:
+        """``POST /v1/responses/{id}/cancel``: a background response stops where it is (one
+        that has ended is answered as it is)."""
+        stored = self._stored(response_id)
+        if stored.run is None:
+            raise bad_request("Cannot cancel a synchronous response.")
+        await self._stop(stored.run)
+        return self._stored(response_id).response
+
+    async def _stop(self, run: responses_api.BackgroundRun) -> None:
+        task = run.task
+        if task is not None and not task.done():
+            task.cancel()
+            await asyncio.wait({task})  # (its cancellation, not this request's, is swallowed)
+
+    async def close(self) -> None:
+        """Stop every background response (the gateway is shutting down)."""
+        for task in list(self._runs):
+            task.cancel()
+        await asyncio.gather(*self._runs, return_exceptions=True)
+
+    def response_events(
+        self, response_id: str, starting_after: int | None
+    ) -> AsyncGenerator[str, None]:
+        """``GET /v1/responses/{id}?stream=true``: a background response's stream again, from
+        after ``starting_after`` (else from its start)."""
+        stored = self._stored(response_id)
+        if stored.run is None or stored.run.events is None:
+            raise bad_request(
+                "Only a response created with background=true and stream=true can be streamed.",
+                param="stream",
+            )
+        return stored.run.follow(-1 if starting_after is None else starting_after)
+
     def _stored(self, response_id: str, param: str | None = None) -> responses_api.StoredResponse:
         """The stored response ``response_id``, or a 404 (vLLM's wording)."""
         stored = self.stored_responses.get(response_id)
@@ -500,9 +608,11 @@ class Pipeline:
         """``GET /v1/responses/{id}``."""
         return self._stored(response_id).response
 
-    def delete_response(self, response_id: str) -> responses_api.DeletedResponse:
-        """``DELETE /v1/responses/{id}``."""
-        self._stored(response_id)
+    async def delete_response(self, response_id: str) -> responses_api.DeletedResponse:
+        """``DELETE /v1/responses/{id}`` (a background response still running is stopped)."""
+        stored = self._stored(response_id)
+        if stored.run is not None:
+            await self._stop(stored.run)
         self.stored_responses.delete(response_id)
         return responses_api.DeletedResponse(id=response_id)
 

@@ -16,10 +16,17 @@ events, from ``response.created`` to ``response.completed`` (``response.incomple
 Responses stored (``store``, the default) are kept in this gateway's memory, the most recent
 ``--max-stored-responses`` of them, for ``GET``/``DELETE /v1/responses/{id}`` and
 ``previous_response_id``; another gateway of the same stack does not see them.
+
+A ``background`` response (stored) is answered at once, ``queued``; it runs on in the gateway
+whether or not the client stays, ``GET /v1/responses/{id}`` shows how far it got, and ``POST
+/v1/responses/{id}/cancel`` stops it. Streamed as well, its events are kept with it, so a client
+that lost the stream picks it up again with ``GET /v1/responses/{id}?stream=true&starting_after=N``
+(OpenAI's API, as vLLM serves it).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections import OrderedDict
@@ -27,7 +34,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pydantic import ConfigDict, Field, field_validator
+from pydantic import ConfigDict, Field, ValidationInfo, field_validator
 
 from baton_gateway.errors import GatewayError
 from baton_gateway.generation import SequenceDelta
@@ -192,9 +199,9 @@ class ResponsesRequest(OpenAIBaseModel):
 
     @field_validator("background")
     @classmethod
-    def _no_background(cls, background: bool) -> bool:
-        if background:
-            raise ValueError("background responses are not supported")
+    def _stored_if_background(cls, background: bool, info: ValidationInfo) -> bool:
+        if background and not info.data.get("store", True):
+            raise ValueError("a background response must be stored (store=true)")
         return background
 
 
@@ -335,7 +342,8 @@ class ResponseObject(OpenAIBaseModel):
     id: str
     object: Literal["response"] = "response"
     created_at: int
-    status: Literal["in_progress", "completed", "incomplete", "failed"]
+    status: Literal["queued", "in_progress", "completed", "incomplete", "failed", "cancelled"]
+    background: bool = False
     error: dict[str, Any] | None = None
     incomplete_details: IncompleteDetails | None = None
     instructions: str | None = None
@@ -369,6 +377,7 @@ def response_object(request: ResponsesRequest, response_id: str, model: str) -> 
         id=response_id,
         created_at=int(time.time()),
         status="in_progress",
+        background=request.background,
         instructions=request.instructions,
         max_output_tokens=request.max_output_tokens,
         model=model,
@@ -469,10 +478,72 @@ def conversation_after(
     return [*history, *input_messages(request), message]
 
 
+def stopped(
+    response: ResponseObject,
+    status: Literal["failed", "cancelled"],
+    output: list[OutputItem],
+    error: GatewayError | None = None,
+) -> ResponseObject:
+    """``response`` ended before its output did: ``output`` is what it had (its items
+    incomplete), ``error`` why it failed."""
+    body = error.to_response().error if error is not None else None
+    return response.model_copy(
+        update={
+            "status": status,
+            "output": [item.model_copy(update={"status": "incomplete"}) for item in output],
+            "error": None
+            if body is None
+            else {  # (OpenAI's codes: the request's fault, or the server's)
+                "code": "server_error" if body.code >= 500 else "invalid_prompt",
+                "message": body.message,
+            },
+        }
+    )
+
+
+class BackgroundRun:
+    """A background response's run: its task and, when streamed, every event so far, which any
+    number of readers follow (each from where it chooses)."""
+
+    def __init__(self, keep_events: bool) -> None:
+        self.events: list[str] | None = [] if keep_events else None
+        self.task: asyncio.Task[str] | None = None  # (returns how it ended, for metrics)
+        self.done = False
+        self._wake = asyncio.Event()
+
+    def emit(self, event: str) -> None:
+        if self.events is not None:
+            self.events.append(event)
+            self._wake.set()
+            self._wake = asyncio.Event()
+
+    def finish(self) -> None:
+        self.done = True
+        self._wake.set()
+
+    async def follow(self, starting_after: int = -1) -> AsyncGenerator[str, None]:
+        """The events after sequence number ``starting_after``, then each as it comes, until the
+        run ends."""
+        assert self.events is not None
+        sent = max(starting_after + 1, 0)
+        while True:
+            while sent < len(self.events):
+                yield self.events[sent]
+                sent += 1
+            if self.done:
+                return
+            await self._wake.wait()
+
+
 @dataclass(frozen=True, slots=True)
 class StoredResponse:
     response: ResponseObject
     conversation: list[dict[str, Any]]  # what previous_response_id continues
+    run: BackgroundRun | None = None  # (background responses)
+
+    @property
+    def running(self) -> bool:
+        return self.response.status in ("queued", "in_progress")
 
 
 class ResponseStore:
@@ -551,10 +622,10 @@ class ResponseEvents:
         return model.model_dump(mode="json")
 
     def start(self) -> list[str]:
-        body = self._dump(self.response)
+        running = self.response.model_copy(update={"status": "in_progress"})
         return [
-            self._event("response.created", response=body),
-            self._event("response.in_progress", response=body),
+            self._event("response.created", response=self._dump(self.response)),
+            self._event("response.in_progress", response=self._dump(running)),
         ]
 
     def _add(self, item: OutputItem) -> tuple[_OpenItem, str]:
@@ -757,6 +828,7 @@ async def response_stream(
                 yield event
     except GatewayError as e:
         outcome.status = "error"
+        outcome.error = e
         yield events.error(e)
         return
     for event in events.close():

@@ -1,9 +1,9 @@
 """The OpenAI-compatible HTTP server: routes, auth, errors, and the request pipeline.
 
 Routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/responses`` (and ``GET``/``DELETE
-/v1/responses/{id}``), ``/v1/embeddings``, ``/v1/models``; vLLM's ``/classify``, ``/score`` and
-``/rerank`` (also under ``/v1``; ``/v2/rerank``), ``/tokenize``, ``/detokenize``, ``/version`` and
-``/ping``; ``/health`` and ``/metrics``.
+/v1/responses/{id}``, ``POST /v1/responses/{id}/cancel``), ``/v1/embeddings``, ``/v1/models``;
+vLLM's ``/classify``, ``/score`` and ``/rerank`` (also under ``/v1``; ``/v2/rerank``),
+``/tokenize``, ``/detokenize``, ``/version`` and ``/ping``; ``/health`` and ``/metrics``.
 
 Every completion request: validate (pydantic; 400) -> check the model name (404) -> render the
 chat template and tokenize -> check prompt + max_tokens against ``max_model_len`` (400) -> one
@@ -60,6 +60,7 @@ from baton_gateway.protocol import (
 )
 from baton_gateway.responses_api import ResponsesRequest
 from baton_gateway.scoring import RerankRequest, ScoreRequest
+from baton_gateway.streaming import SSEResponse
 
 logger = logging.getLogger(__name__)
 
@@ -323,6 +324,8 @@ def create_app(config: GatewayConfig, tokenizer: Any) -> FastAPI:
                         ", ".join(f"{w.role} {w.addr}" for w in pool.workers))  # fmt: skip
             yield
         finally:
+            if hasattr(state, "pipeline"):
+                await state.pipeline.close()
             await pool.close()
             await http.aclose()
 
@@ -401,12 +404,20 @@ def create_app(config: GatewayConfig, tokenizer: Any) -> FastAPI:
         return await _cancel_on_disconnect(request, work)
 
     @app.get("/v1/responses/{response_id}")
-    async def get_response(response_id: str) -> JSONResponse:
+    async def get_response(
+        response_id: str, stream: bool = False, starting_after: int | None = None
+    ) -> Response:
+        if stream:
+            return SSEResponse(state.pipeline.response_events(response_id, starting_after))
         return _json(200, state.pipeline.stored_response(response_id))
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str) -> JSONResponse:
+        return _json(200, await state.pipeline.cancel_response(response_id))
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str) -> JSONResponse:
-        return _json(200, state.pipeline.delete_response(response_id))
+        return _json(200, await state.pipeline.delete_response(response_id))
 
     @app.post("/v1/embeddings")
     async def embeddings(request: Request) -> Response:

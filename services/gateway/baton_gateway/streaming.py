@@ -64,7 +64,9 @@ class SSEResponse(StreamingResponse):
     media_type = "text/event-stream"
 
     def __init__(
-        self, events: AsyncGenerator[str, None], on_close: Callable[[], Awaitable[None]]
+        self,
+        events: AsyncGenerator[str, None],
+        on_close: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         super().__init__(events, headers={"Cache-Control": "no-cache"})
         self._events = events
@@ -85,14 +87,17 @@ class SSEResponse(StreamingResponse):
         finally:
             # Closing a generator that never started skips its finally blocks: hence on_close.
             await self._events.aclose()
-            await self._on_close()
+            if self._on_close is not None:
+                await self._on_close()
 
 
 @dataclass(slots=True)
 class StreamOutcome:
-    """How a stream ended, for metrics: "ok", "error", or "cancelled" (client disconnect)."""
+    """How a stream ended, for metrics: "ok", "error", or "cancelled" (client disconnect);
+    ``error``: the error the stream ended with."""
 
     status: str = "cancelled"
+    error: GatewayError | None = None
 
 
 @dataclass(frozen=True, slots=True)
