@@ -14,7 +14,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import httpx
@@ -58,12 +58,15 @@ class ServeProcess:
             return []
 
 
-def start_serve(extra: Sequence[str] = (), api_key: str | None = None) -> ServeProcess:
-    """Start ``baton serve`` on a free port and wait for its "Baton is serving" line."""
+def start_serve(
+    extra: Sequence[str] = (), api_key: str | None = None, env: Mapping[str, str] | None = None
+) -> ServeProcess:
+    """Start ``baton serve`` on a free port (``env``: variables to set for it) and wait for its
+    "Baton is serving" line."""
     port = free_port()
     cmd = [sys.executable, "-m", "baton.cli", "serve", "--port", str(port), *ENGINE_ARGS]
     cmd += ["--disable-uvicorn-access-log", *extra]
-    env = dict(os.environ)
+    env = {**os.environ, **(env or {})}
     env.pop("BATON_API_KEY", None)
     env.pop("VLLM_API_KEY", None)
     if api_key is not None:
@@ -128,6 +131,7 @@ def baton_server() -> Iterator[ServeProcess]:
             "--trust-request-chat-template",  # (tests bring their own templates)
         ),
         api_key=API_KEY,
+        env={"VLLM_SERVER_DEV_MODE": "1"},  # (POST /reset_prefix_cache)
     )
     yield server
     _, survivors = stop_serve(server)

@@ -792,6 +792,56 @@ def test_load_counts_the_requests_in_flight(client: OpenAI, http: httpx.Client) 
         time.sleep(0.05)
 
 
+def _cached_tokens(http: httpx.Client, prompt: str, salt: str | None = None) -> int:
+    """How many of ``prompt``'s tokens a completion found in the prefix cache."""
+    body: dict[str, Any] = {"model": MODEL, "prompt": prompt, "max_tokens": 1}
+    if salt is not None:
+        body["cache_salt"] = salt
+    reply = http.post("/v1/completions", json=body)
+    assert reply.status_code == 200, reply.text
+    details = reply.json()["usage"]["prompt_tokens_details"]
+    return 0 if details is None else int(details["cached_tokens"])
+
+
+def test_reset_prefix_cache_on_every_worker(http: httpx.Client) -> None:
+    """vLLM's POST /reset_prefix_cache (VLLM_SERVER_DEV_MODE): the decode and prefill workers
+    forget their cached blocks, so a prompt cached there (local prefill, then remote) is
+    computed anew; while a request holds blocks it is a 409 that says so, and nothing
+    changes."""
+
+    def reset() -> httpx.Response:
+        """The reset, once no KV lease is left (the prefill worker's end when the decode
+        worker has pulled; released just after the answer)."""
+        deadline = time.monotonic() + 5
+        while (reply := http.post("/reset_prefix_cache")).status_code == 409:
+            assert time.monotonic() < deadline, reply.text
+            time.sleep(0.1)
+        return reply
+
+    for words in (40, 300):  # local prefill, then remote
+        prompt = f"A prompt to forget, {words} words:" + " hello" * words
+        _cached_tokens(http, prompt)
+        assert _cached_tokens(http, prompt) >= words - 16
+        assert reset().status_code == 200
+        assert _cached_tokens(http, prompt) == 0, words
+
+    prompt = "Kept while a request runs:" + " hello" * 40
+    _cached_tokens(http, prompt)
+    body = {"model": MODEL, "messages": STORY, "max_tokens": 400, "ignore_eos": True}
+    with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as resp:
+        assert resp.status_code == 200
+        # The role chunk, then two tokens: the decode worker runs it (a prefill worker may
+        # have sampled the first).
+        chunks = (line for line in resp.iter_lines() if '"content":"' in line)
+        for _ in range(3):
+            next(chunks)
+        busy = http.post("/reset_prefix_cache")
+        assert busy.status_code == 409, busy.text
+        assert "requests or KV leases hold blocks" in busy.json()["error"]["message"]
+    assert _cached_tokens(http, prompt) >= 40 - 16  # (not reset)
+    assert reset().status_code == 200  # (the stream's request aborted)
+
+
 def test_cache_salt_keeps_prefix_cache_hits_within_a_salt(http: httpx.Client) -> None:
     """vLLM's cache_salt: a prompt hits the prefix cache only under the salt it was cached
     with (so one tenant cannot learn from a hit what another sent), with local prefill and
@@ -800,13 +850,7 @@ def test_cache_salt_keeps_prefix_cache_hits_within_a_salt(http: httpx.Client) ->
     all carry the salt)."""
 
     def cached(prompt: str, salt: str | None) -> int:
-        body: dict[str, Any] = {"model": MODEL, "prompt": prompt, "max_tokens": 1}
-        if salt is not None:
-            body["cache_salt"] = salt
-        reply = http.post("/v1/completions", json=body)
-        assert reply.status_code == 200, reply.text
-        details = reply.json()["usage"]["prompt_tokens_details"]
-        return 0 if details is None else int(details["cached_tokens"])
+        return _cached_tokens(http, prompt, salt)
 
     def remote() -> float:
         return sum(_metric(http, "baton:disagg_decisions_total", decision="remote"))

@@ -271,6 +271,8 @@ def test_served_on_a_unix_socket(on_socket: tuple[Any, httpx.HTTPTransport]) -> 
         # --max-logprobs 2: more is vLLM's 400
         with pytest.raises(openai.BadRequestError, match=r"logprobs of 3, .* max allowed: 2"):
             client.completions.create(model=server.model, prompt="Hello", max_tokens=2, logprobs=3)
+        # Without VLLM_SERVER_DEV_MODE, no POST /reset_prefix_cache (as in vLLM).
+        assert http_client.post("http://baton/reset_prefix_cache").status_code == 404
 
 
 def test_content_format_and_tools_reach_the_template_as_configured(

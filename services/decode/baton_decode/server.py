@@ -104,7 +104,8 @@ def status_code(error: BatonError) -> grpc.StatusCode:
 
 
 class WorkerInfoMixin:
-    """``GetLoad`` and ``GetModelInfo``, the same for both roles' servicers."""
+    """What both roles' servicers answer the same way: ``GetLoad``, ``GetModelInfo``, the LoRA
+    adapters' loading and unloading, and ``ResetPrefixCache``."""
 
     engine: EngineLoop
     served_model_name: str
@@ -150,6 +151,21 @@ class WorkerInfoMixin:
             await context.abort(status_code(e), str(e))
         logger.info("no longer serving LoRA adapter %s", name)
         return engine_pb2.UnloadLoRAAdapterResponse()
+
+    async def ResetPrefixCache(
+        self,
+        request: engine_pb2.ResetPrefixCacheRequest,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> engine_pb2.ResetPrefixCacheResponse:
+        try:
+            reset = await self.engine.call(lambda core: core.reset_prefix_cache())
+        except BatonError as e:
+            await context.abort(status_code(e), str(e))
+        if reset:
+            logger.info("prefix cache reset")
+        else:
+            logger.warning("prefix cache not reset: requests or KV leases hold blocks")
+        return engine_pb2.ResetPrefixCacheResponse(reset=reset)
 
 
 class _CallRequests:

@@ -347,6 +347,13 @@ def tool_call_parser(args: argparse.Namespace) -> str | None:
     return args.tool_call_parser if args.enable_auto_tool_choice else None
 
 
+def _env_flag(name: str) -> bool:
+    """Whether ``BATON_<name>`` or vLLM's ``VLLM_<name>`` is set to 1 or true."""
+    return any(
+        os.environ.get(f"{who}_{name}", "").lower() in ("1", "true") for who in ("BATON", "VLLM")
+    )
+
+
 def run_gateway(args: argparse.Namespace) -> int:
     """Load the tokenizer, connect to the workers, serve until SIGINT/SIGTERM; return 0.
 
@@ -399,10 +406,8 @@ def run_gateway(args: argparse.Namespace) -> int:
         tokens_as_ids=args.return_tokens_as_token_ids,
         max_stored_responses=args.max_stored_responses,
         request_id_headers=args.enable_request_id_headers,
-        runtime_lora_updating=any(
-            os.environ.get(f"{who}_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true")
-            for who in ("BATON", "VLLM")
-        ),
+        runtime_lora_updating=_env_flag("ALLOW_RUNTIME_LORA_UPDATING"),
+        dev_mode=_env_flag("SERVER_DEV_MODE"),
         cors=CorsPolicy(
             tuple(args.allowed_origins),
             tuple(args.allowed_methods),

@@ -409,6 +409,26 @@ class WorkerPool:
             if isinstance(result, Exception) and not isinstance(result, grpc.aio.AioRpcError):
                 raise result
 
+    async def reset_prefix_cache(self) -> list[str]:
+        """Have every worker up forget its prefix cache (the kvstore hears of each block
+        removed); the addresses of those that did not (requests or KV leases hold blocks, or
+        it stopped answering: it is marked down)."""
+        request = engine_pb2.ResetPrefixCacheRequest()
+        workers = [w for w in self.workers if w.healthy]
+        results = await asyncio.gather(
+            *(w.stub.ResetPrefixCache(request, timeout=30.0) for w in workers),
+            return_exceptions=True,
+        )
+        missed = []
+        for worker, result in zip(workers, results, strict=True):
+            if isinstance(result, grpc.aio.AioRpcError) and not self._went_down(worker, result):
+                raise rpc_error(result, worker.addr) from result
+            if isinstance(result, BaseException) and not isinstance(result, grpc.aio.AioRpcError):
+                raise result
+            if isinstance(result, BaseException) or not result.reset:
+                missed.append(worker.addr)
+        return missed
+
     def _went_down(self, worker: Worker, error: BaseException) -> bool:
         """Whether ``error`` says that ``worker`` stopped answering (it is marked down)."""
         if isinstance(error, grpc.aio.AioRpcError) and error.code() in _DOWN_CODES:

@@ -113,6 +113,9 @@ class GatewayConfig:
     # VLLM_ALLOW_RUNTIME_LORA_UPDATING; here also BATON_ALLOW_RUNTIME_LORA_UPDATING)
     runtime_lora_updating: bool = False
     tokenizer_info_endpoint: bool = False  # GET /tokenizer_info (vLLM's flag)
+    # POST /reset_prefix_cache (vLLM's, behind its VLLM_SERVER_DEV_MODE; here also
+    # BATON_SERVER_DEV_MODE): unguarded by --api-key, as there, so off by default
+    dev_mode: bool = False
 
 
 def _json(status: int, body: Any) -> JSONResponse:
@@ -512,6 +515,19 @@ def create_app(config: GatewayConfig, tokenizer: Any) -> FastAPI:
             await state.pipeline.unload_lora_adapter(body.lora_name)
             text = f"Success: LoRA adapter '{body.lora_name}' removed successfully."
             return Response(text, media_type="text/plain")
+
+    if config.dev_mode:
+
+        @app.post("/reset_prefix_cache")
+        async def reset_prefix_cache() -> Response:
+            missed = await state.pipeline.pool.reset_prefix_cache()
+            if missed:
+                raise GatewayError(
+                    409,
+                    f"The prefix cache was not reset on {', '.join(missed)}: requests or KV "
+                    "leases hold blocks there (or it stopped answering). Retry when idle.",
+                )
+            return Response(status_code=200)
 
     if config.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)

@@ -186,6 +186,16 @@ class UnloadLoRAAdapterResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class ResetPrefixCacheRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ResetPrefixCacheResponse(_message.Message):
+    __slots__ = ("reset",)
+    RESET_FIELD_NUMBER: _ClassVar[int]
+    reset: bool
+    def __init__(self, reset: bool = ...) -> None: ...
+
 class LoRAModule(_message.Message):
     __slots__ = ("name", "path", "base_model_name")
     NAME_FIELD_NUMBER: _ClassVar[int]

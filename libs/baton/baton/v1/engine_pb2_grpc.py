@@ -74,6 +74,11 @@ class DecodeServiceStub(object):
                 request_serializer=baton_dot_v1_dot_engine__pb2.UnloadLoRAAdapterRequest.SerializeToString,
                 response_deserializer=baton_dot_v1_dot_engine__pb2.UnloadLoRAAdapterResponse.FromString,
                 _registered_method=True)
+        self.ResetPrefixCache = channel.unary_unary(
+                '/baton.v1.DecodeService/ResetPrefixCache',
+                request_serializer=baton_dot_v1_dot_engine__pb2.ResetPrefixCacheRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_engine__pb2.ResetPrefixCacheResponse.FromString,
+                _registered_method=True)
 
 
 class DecodeServiceServicer(object):
@@ -140,6 +145,14 @@ class DecodeServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ResetPrefixCache(self, request, context):
+        """Forget every prefix-cache block (vLLM's reset_prefix_cache); reset is false, and nothing
+        changes, while a request or a KV lease holds blocks.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -182,6 +195,11 @@ def add_DecodeServiceServicer_to_server(servicer, server):
                     servicer.UnloadLoRAAdapter,
                     request_deserializer=baton_dot_v1_dot_engine__pb2.UnloadLoRAAdapterRequest.FromString,
                     response_serializer=baton_dot_v1_dot_engine__pb2.UnloadLoRAAdapterResponse.SerializeToString,
+            ),
+            'ResetPrefixCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResetPrefixCache,
+                    request_deserializer=baton_dot_v1_dot_engine__pb2.ResetPrefixCacheRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_engine__pb2.ResetPrefixCacheResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -410,6 +428,33 @@ class DecodeService(object):
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def ResetPrefixCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.DecodeService/ResetPrefixCache',
+            baton_dot_v1_dot_engine__pb2.ResetPrefixCacheRequest.SerializeToString,
+            baton_dot_v1_dot_engine__pb2.ResetPrefixCacheResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class PrefillServiceStub(object):
     """Missing associated documentation comment in .proto file."""
@@ -449,6 +494,11 @@ class PrefillServiceStub(object):
                 '/baton.v1.PrefillService/UnloadLoRAAdapter',
                 request_serializer=baton_dot_v1_dot_engine__pb2.UnloadLoRAAdapterRequest.SerializeToString,
                 response_deserializer=baton_dot_v1_dot_engine__pb2.UnloadLoRAAdapterResponse.FromString,
+                _registered_method=True)
+        self.ResetPrefixCache = channel.unary_unary(
+                '/baton.v1.PrefillService/ResetPrefixCache',
+                request_serializer=baton_dot_v1_dot_engine__pb2.ResetPrefixCacheRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_engine__pb2.ResetPrefixCacheResponse.FromString,
                 _registered_method=True)
 
 
@@ -492,6 +542,12 @@ class PrefillServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ResetPrefixCache(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -524,6 +580,11 @@ def add_PrefillServiceServicer_to_server(servicer, server):
                     servicer.UnloadLoRAAdapter,
                     request_deserializer=baton_dot_v1_dot_engine__pb2.UnloadLoRAAdapterRequest.FromString,
                     response_serializer=baton_dot_v1_dot_engine__pb2.UnloadLoRAAdapterResponse.SerializeToString,
+            ),
+            'ResetPrefixCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResetPrefixCache,
+                    request_deserializer=baton_dot_v1_dot_engine__pb2.ResetPrefixCacheRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_engine__pb2.ResetPrefixCacheResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -688,6 +749,33 @@ class PrefillService(object):
             '/baton.v1.PrefillService/UnloadLoRAAdapter',
             baton_dot_v1_dot_engine__pb2.UnloadLoRAAdapterRequest.SerializeToString,
             baton_dot_v1_dot_engine__pb2.UnloadLoRAAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResetPrefixCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.PrefillService/ResetPrefixCache',
+            baton_dot_v1_dot_engine__pb2.ResetPrefixCacheRequest.SerializeToString,
+            baton_dot_v1_dot_engine__pb2.ResetPrefixCacheResponse.FromString,
             options,
             channel_credentials,
             insecure,
