@@ -19,16 +19,20 @@ from baton_gateway.chat import ChatDefaults, render_chat_prompt
 from baton_gateway.cli import load_chat_template
 from baton_gateway.protocol import ChatCompletionRequest
 from baton_gateway.tools import (
+    DeepSeekReader,
+    Glm45Reader,
     HermesReader,
     Llama3JsonReader,
     MistralReader,
     NamedCallReader,
     PythonicReader,
+    Qwen3CoderReader,
     RequiredCallsReader,
     ToolCallReader,
     ToolCallsSoFar,
     tool_call_schema,
     tool_use,
+    typed_value,
 )
 
 WEATHER = {
@@ -77,10 +81,10 @@ HERMES_CASES = [
     # No calls: the text exactly, trailing whitespace and tag-like text included.
     ("Hello there!\n", "Hello there!\n", []),
     ("if a < b: <tool", "if a < b: <tool", []),
-    # A block that is not a call stays content, tags and all.
+    # A block that is not a call stays content, tags and all, and the whitespace before it.
     (
-        '<tool_call>{"name": nope}</tool_call> then text',
-        '<tool_call>{"name": nope}</tool_call> then text',
+        'See:\n<tool_call>{"name": nope}</tool_call> then text',
+        'See:\n<tool_call>{"name": nope}</tool_call> then text',
         [],
     ),
     # An unterminated block that parses is a call (the output ran out before the end tag).
@@ -188,6 +192,148 @@ def test_pythonic_reader(text: str, content: str, calls: list[Any]) -> None:
     assert read(PythonicReader, text) == (content, calls)
     for step in (1, 3, 8):
         assert read(PythonicReader, text, step) == (content, calls), step
+
+
+# The XML formats' values are text; the tools' schemas type them.
+SCHEMAS: dict[str, Any] = {
+    "get_weather": {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string"},
+            "zip": {"type": "string"},
+            "days": {"type": "integer"},
+            "metric": {"type": "boolean"},
+            "where": {"type": "object"},
+            "note": {"type": ["string", "null"]},
+        },
+    },
+}
+
+
+def test_typed_values() -> None:
+    props = SCHEMAS["get_weather"]["properties"]
+    assert typed_value("75001", props["zip"]) == "75001"  # a string as written
+    assert typed_value("3", props["days"]) == 3
+    assert typed_value("true", props["metric"]) is True
+    assert typed_value("True", props["metric"]) is True  # (a Python literal)
+    assert typed_value('{"lat": 1.5}', props["where"]) == {"lat": 1.5}
+    assert typed_value("{'lat': 1.5}", props["where"]) == {"lat": 1.5}
+    assert typed_value("null", props["days"]) is None
+    assert typed_value("null", props["note"]) is None and typed_value("x", props["note"]) == "x"
+    assert typed_value("soon", props["days"]) == "soon"  # not a number: kept as written
+    assert typed_value("3", None) == "3"  # a parameter the schema does not know
+
+
+QWEN3_CODER_CASES = [
+    (
+        "Let me check.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n"
+        "</parameter>\n<parameter=zip>\n75001\n</parameter>\n<parameter=days>\n3\n</parameter>\n"
+        '<parameter=where>\n{"lat": 48.9}\n</parameter>\n</function>\n</tool_call>\n'
+        "<tool_call>\n<function=get_time>\n</function>\n</tool_call>",
+        "Let me check.",
+        [
+            ("get_weather", {"city": "Paris", "zip": "75001", "days": 3, "where": {"lat": 48.9}}),
+            ("get_time", {}),
+        ],
+    ),
+    # A value over several lines keeps them (only the layout's newlines go).
+    (
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nNew\nYork\n</parameter>\n"
+        "</function>\n</tool_call>",
+        "",
+        [("get_weather", {"city": "New\nYork"})],
+    ),
+    ("No tools needed.\n", "No tools needed.\n", []),
+    # A block without a function stays content, tags and all.
+    ("<tool_call>\nhello\n</tool_call>", "<tool_call>\nhello\n</tool_call>", []),
+    # Cut short: the call as far as it got.
+    (
+        "<tool_call>\n<function=get_weather>\n<parameter=days>\n2",
+        "",
+        [("get_weather", {"days": 2})],
+    ),
+]
+
+
+@pytest.mark.parametrize(("text", "content", "calls"), QWEN3_CODER_CASES)
+def test_qwen3_coder_reader(text: str, content: str, calls: list[Any]) -> None:
+    for step in (None, 1, 2, 5, 13):
+        assert read(lambda: Qwen3CoderReader(SCHEMAS), text, step) == (content, calls), step
+
+
+GLM45_CASES = [
+    (
+        "I will look.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n"
+        "<arg_value>Paris</arg_value>\n<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n"
+        "<arg_key>metric</arg_key>\n<arg_value>false</arg_value>\n</tool_call>\n"
+        "<tool_call>get_time\n</tool_call>",
+        "I will look.",
+        [("get_weather", {"city": "Paris", "days": 3, "metric": False}), ("get_time", {})],
+    ),
+    ("Just text", "Just text", []),
+    # No name: content.
+    (
+        "<tool_call>\n<arg_key>a</arg_key><arg_value>1</arg_value></tool_call>",
+        "<tool_call>\n<arg_key>a</arg_key><arg_value>1</arg_value></tool_call>",
+        [],
+    ),
+]
+
+
+@pytest.mark.parametrize(("text", "content", "calls"), GLM45_CASES)
+def test_glm45_reader(text: str, content: str, calls: list[Any]) -> None:
+    for step in (None, 1, 3, 7):
+        assert read(lambda: Glm45Reader(SCHEMAS), text, step) == (content, calls), step
+
+
+DEEPSEEK_CASES = [
+    # V3 and R1: "function", the name, and fenced JSON.
+    (
+        "Sure.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n"
+        '```json\n{"city": "Paris"}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function'
+        "<｜tool▁sep｜>get_time\n```json\n{}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+        "Sure.",
+        [("get_weather", {"city": "Paris"}), ("get_time", {})],
+    ),
+    # V3.1: the name, then the JSON.
+    (
+        "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>"
+        '{"city": "Oslo"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+        "",
+        [("get_weather", {"city": "Oslo"})],
+    ),
+    ("Plain answer.", "Plain answer.", []),
+    # Arguments that are not JSON: all of the section is content.
+    (
+        "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>{oops<｜tool▁call▁end｜>"
+        "<｜tool▁calls▁end｜>",
+        "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>{oops<｜tool▁call▁end｜>"
+        "<｜tool▁calls▁end｜>",
+        [],
+    ),
+]
+
+
+@pytest.mark.parametrize(("text", "content", "calls"), DEEPSEEK_CASES)
+def test_deepseek_reader(text: str, content: str, calls: list[Any]) -> None:
+    for step in (None, 1, 4, 9):
+        assert read(DeepSeekReader, text, step) == (content, calls), step
+
+
+def test_xml_readers_get_the_requests_schemas() -> None:
+    """``tool_use`` hands the XML formats' readers the request's tools, so values are typed."""
+    request = chat(messages=MESSAGES, tools=[WEATHER, TIME], tool_choice="auto")
+    reader = tool_use(request, "qwen3_coder").new_reader()  # type: ignore[union-attr]
+    out = reader.feed(
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\n42\n</parameter>\n"
+        "<parameter=unit>\ncelsius\n</parameter>\n</function>\n</tool_call>",
+        final=True,
+    )
+    [call] = out.tool_calls
+    assert json.loads(call.function.arguments or "") == {"city": "42", "unit": "celsius"}
+    for parser in ("glm45", "deepseek_v3", "deepseek_v31", "hermes"):
+        use = tool_use(request, parser)
+        assert use is not None and not use.keeps_special_tokens
 
 
 def test_required_and_named_readers() -> None:

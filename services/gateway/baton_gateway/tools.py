@@ -16,8 +16,12 @@ format of Hermes, Qwen2.5 and many others), ``llama3_json`` (Llama 3.1's JSON ca
 ``{"name": ..., "parameters": {...}}``, several separated by ``;``), ``mistral`` (Mistral's
 ``[TOOL_CALLS]`` token and a JSON list of calls, or its newer ``[TOOL_CALLS]name[ARGS]{...}``;
 the text keeps special tokens so that the token shows, and call ids are the 9 letters and digits
-Mistral's chat templates require) and ``pythonic`` (Llama 3.2/4's Python-style list of calls,
-``[get_weather(city="Paris"), get_time()]``).
+Mistral's chat templates require), ``pythonic`` (Llama 3.2/4's Python-style list of calls,
+``[get_weather(city="Paris"), get_time()]``), ``qwen3_coder`` (Qwen3-Coder's XML:
+``<function=NAME>`` and ``<parameter=KEY>`` tags in ``<tool_call>`` blocks), ``glm45`` (GLM-4.5
+and 4.6: the name, then ``<arg_key>``/``<arg_value>`` pairs in ``<tool_call>`` blocks) and
+``deepseek_v3``/``deepseek_v31`` (DeepSeek's section of calls between its tool-call tokens).
+The XML formats write values as text; the tool's parameters schema types them, as in vLLM.
 
 One :class:`ToolCallReader` per choice turns the text into content and tool-call pieces, fed as
 the text streams in; a non-streamed response feeds it the whole text and merges the pieces, so
@@ -31,6 +35,7 @@ from __future__ import annotations
 import ast
 import json
 import random
+import re
 import string
 import uuid
 from collections.abc import Callable
@@ -278,23 +283,30 @@ class Llama3JsonReader(ToolCallReader):
         return out
 
 
-class HermesReader(ToolCallReader):
-    """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks among content.
+class TaggedCallsReader(ToolCallReader):
+    """Calls in ``START`` ... ``END`` blocks among content; a subclass reads a block's body
+    (:meth:`_parse_block`: its calls, or None when it holds none).
 
-    Content streams as it comes, except text that may begin a ``<tool_call>`` tag (held until
-    it does or does not) and trailing whitespace (held until more content follows it).
-    Whitespace before, between and after calls is dropped; a reply without calls keeps its
-    text exactly. A block whose JSON is not a call goes out as content, tags and all; so does
-    an unterminated one that does not parse at the end.
+    Content streams as it comes, except text that may begin ``START`` (held until it does or
+    does not) and trailing whitespace (held until more content follows it). Whitespace before,
+    between and after calls is dropped; a reply without calls keeps its text exactly. A block
+    that holds no call goes out as content, tags and all; so does an unterminated one that does
+    not parse at the end. ``schemas``: each tool's parameters schema, by name (formats whose
+    values are text use it to type them).
     """
 
     START, END = "<tool_call>", "</tool_call>"
 
-    def __init__(self) -> None:
+    def __init__(self, schemas: dict[str, Any] | None = None) -> None:
         super().__init__()
+        self.schemas = schemas or {}
         self._buffer = ""
         self._in_call = False
         self._after_call = False  # the content being released follows a call: drop its lead
+        self._gap = ""  # the whitespace before the open block
+
+    def _parse_block(self, body: str) -> list[tuple[str, Any]] | None:
+        raise NotImplementedError
 
     def _read(self, text: str, final: bool) -> ReadOut:
         self._buffer += text
@@ -313,7 +325,10 @@ class HermesReader(ToolCallReader):
                 continue
             start = self._buffer.find(self.START)
             if start >= 0:
-                self._release(out, self._buffer[:start].rstrip())
+                lead = self._buffer[:start]
+                self._release(out, lead.rstrip())
+                # (the whitespace before the block: dropped if it holds calls)
+                self._gap = "" if self._after_call else lead[len(lead.rstrip()) :]
                 self._buffer = self._buffer[start + len(self.START) :]
                 self._in_call = True
                 continue
@@ -335,14 +350,132 @@ class HermesReader(ToolCallReader):
         out.content += text
 
     def _close_call(self, body: str, out: ReadOut, terminated: bool) -> bool:
-        """Release the block ``body`` as a call, or as content if it is not one; True for a
-        call."""
-        parsed = _parse_call(body.strip(), ("arguments", "parameters"))
-        if parsed is None:
-            out.content += self.START + body + (self.END if terminated else "")
+        """Release the block ``body`` as calls, or as content if it holds none; True for
+        calls."""
+        calls = self._parse_block(body)
+        if not calls:
+            out.content += self._gap + self.START + body + (self.END if terminated else "")
             return False
-        out.tool_calls.append(self._call(*parsed))
+        out.tool_calls += [self._call(name, arguments) for name, arguments in calls]
         return True
+
+
+class HermesReader(TaggedCallsReader):
+    """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks among content."""
+
+    def _parse_block(self, body: str) -> list[tuple[str, Any]] | None:
+        parsed = _parse_call(body.strip(), ("arguments", "parameters"))
+        return None if parsed is None else [parsed]
+
+
+def typed_value(text: str, schema: Any) -> Any:
+    """A parameter written as text, as the type its ``schema`` gives it (vLLM's reading):
+    a string, or a parameter the schema does not know, as written; ``null`` as None; else the
+    text as JSON, else as a Python literal, else as written."""
+    if not isinstance(schema, dict):
+        return text
+    kind = schema.get("type")
+    if kind == "string" or (isinstance(kind, list) and "string" in kind and text != "null"):
+        return text
+    if text.strip().lower() == "null":
+        return None
+    try:
+        return json.loads(text)
+    except ValueError:
+        pass
+    try:
+        return ast.literal_eval(text.strip())
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        return text
+
+
+class Qwen3CoderReader(TaggedCallsReader):
+    """Qwen3-Coder's XML calls (vLLM's ``qwen3_coder``), each in a ``<tool_call>`` block::
+
+        <tool_call>
+        <function=get_weather>
+        <parameter=city>
+        Paris
+        </parameter>
+        </function>
+        </tool_call>
+
+    A value's one leading and trailing newline are the layout's; the rest is typed by the
+    tool's schema (:func:`typed_value`)."""
+
+    _FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|$)", re.DOTALL)
+    _PARAMETER = re.compile(
+        r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|$)", re.DOTALL
+    )
+
+    def _parse_block(self, body: str) -> list[tuple[str, Any]] | None:
+        calls = []
+        for function in self._FUNCTION.finditer(body):
+            name = function.group(1).strip()
+            properties = (self.schemas.get(name) or {}).get("properties") or {}
+            arguments = {}
+            for parameter in self._PARAMETER.finditer(function.group(2)):
+                key, value = parameter.group(1).strip(), parameter.group(2)
+                value = value.removeprefix("\n").removesuffix("\n")
+                arguments[key] = typed_value(value, properties.get(key))
+            calls.append((name, arguments))
+        return calls or None
+
+
+class Glm45Reader(TaggedCallsReader):
+    """GLM-4.5 and 4.6's calls (vLLM's ``glm45``): the function's name, then its arguments
+    as key and value tags, in a ``<tool_call>`` block::
+
+        <tool_call>get_weather
+        <arg_key>city</arg_key>
+        <arg_value>Paris</arg_value>
+        </tool_call>
+
+    Values are typed by the tool's schema (:func:`typed_value`)."""
+
+    _ARGUMENT = re.compile(
+        r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)(?:</arg_value>|$)", re.DOTALL
+    )
+
+    def _parse_block(self, body: str) -> list[tuple[str, Any]] | None:
+        name, _, rest = body.strip().partition("<arg_key>")
+        name = name.strip()
+        if not name or any(c.isspace() or c in "<>{}" for c in name):
+            return None
+        properties = (self.schemas.get(name) or {}).get("properties") or {}
+        arguments = {
+            key.strip(): typed_value(value, properties.get(key.strip()))
+            for key, value in self._ARGUMENT.findall("<arg_key>" + rest if rest else "")
+        }
+        return [(name, arguments)]
+
+
+class DeepSeekReader(TaggedCallsReader):
+    """DeepSeek's calls (vLLM's ``deepseek_v3`` and ``deepseek_v31``): one section of calls
+    among content, each call ``function<｜tool▁sep｜>NAME`` and its arguments in a fenced JSON
+    block (V3, R1), or ``NAME<｜tool▁sep｜>{...}`` (V3.1), between its begin and end tokens."""
+
+    START, END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+    _CALL = re.compile(
+        r"<｜tool▁call▁begin｜>(.*?)<｜tool▁sep｜>(.*?)<｜tool▁call▁end｜>", re.DOTALL
+    )
+    _FENCED = re.compile(r"\s*(.*?)\s*\n```(?:json)?\s*\n(.*?)\s*```\s*$", re.DOTALL)
+
+    def _parse_block(self, body: str) -> list[tuple[str, Any]] | None:
+        calls = []
+        for head, rest in self._CALL.findall(body):
+            if head.strip() == "function":  # V3: the name, then ```json ... ```
+                fenced = self._FENCED.match(rest)
+                if fenced is None:
+                    return None
+                name, arguments = fenced.group(1), fenced.group(2)
+            else:  # V3.1
+                name, arguments = head, rest
+            try:
+                calls.append((name.strip(), json.loads(arguments)))
+            except ValueError:
+                return None
+        return calls or None
 
 
 class MistralReader(ToolCallReader):
@@ -482,11 +615,16 @@ def _held_back(text: str, tag: str) -> int:
     return keep + (len(body) - len(body.rstrip()))
 
 
-TOOL_PARSERS: dict[str, Callable[[], ToolCallReader]] = {
+# vLLM's names. Each reader class takes no argument or the tools' parameter schemas by name.
+TOOL_PARSERS: dict[str, type[ToolCallReader]] = {
+    "deepseek_v3": DeepSeekReader,
+    "deepseek_v31": DeepSeekReader,
+    "glm45": Glm45Reader,
     "hermes": HermesReader,
     "llama3_json": Llama3JsonReader,
     "mistral": MistralReader,
     "pythonic": PythonicReader,
+    "qwen3_coder": Qwen3CoderReader,
 }
 
 
@@ -496,11 +634,7 @@ class ToolUse:
 
     choice: str  # "required", "named" or "auto"
     new_reader: Callable[[], ToolCallReader]
-
-    @property
-    def keeps_special_tokens(self) -> bool:
-        """The reader's format uses special tokens: the text must keep them."""
-        return bool(getattr(self.new_reader, "keeps_special_tokens", False))
+    keeps_special_tokens: bool = False  # the format uses special tokens: the text keeps them
 
 
 def tool_use(request: ChatCompletionRequest, tool_parser: str | None) -> ToolUse | None:
@@ -521,7 +655,11 @@ def tool_use(request: ChatCompletionRequest, tool_parser: str | None) -> ToolUse
                 '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
                 "to be set"
             )
-        return ToolUse(choice, TOOL_PARSERS[tool_parser])
+        reader = TOOL_PARSERS[tool_parser]
+        if issubclass(reader, TaggedCallsReader):
+            schemas = {t.function.name: t.function.parameters for t in request.tools or []}
+            return ToolUse(choice, lambda: reader(schemas), reader.keeps_special_tokens)
+        return ToolUse(choice, reader, reader.keeps_special_tokens)
     return None
 
 
