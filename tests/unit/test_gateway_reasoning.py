@@ -72,6 +72,11 @@ CASES = [
     ("deepseek_r1", OPEN_PROMPT, "still thinking when max_tokens ran out",
      "still thinking when max_tokens ran out", ""),
     ("deepseek_r1", PLAIN_PROMPT, "</think>", "", ""),
+    # GLM-4.5 opens its block; DeepSeek-V3.1's template opens it (thinking) or closes it.
+    ("glm45", PLAIN_PROMPT, "<think>Paris.</think>Sunny.", "Paris.", "Sunny."),
+    ("glm45", CLOSED_PROMPT, "Sunny.", "", "Sunny."),
+    ("deepseek_v3", OPEN_PROMPT, "Paris.</think>Sunny.", "Paris.", "Sunny."),
+    ("deepseek_v3", CLOSED_PROMPT, "Sunny.", "", "Sunny."),
 ]  # fmt: skip
 
 

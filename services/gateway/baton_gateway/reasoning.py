@@ -10,7 +10,10 @@ carries the same text. A request's ``include_reasoning: false`` drops it. Parser
   ``</think>``, or to the end of the output when there is none.
 - ``qwen3``: the output is reasoning only inside a ``<think>`` block that it opens first, or
   that the prompt left open (Qwen3's thinking templates end with ``<think>``); otherwise, as
-  with ``enable_thinking: false``, all of it is content.
+  with ``enable_thinking: false``, all of it is content. ``glm45`` (GLM-4.5 and 4.6 open the
+  block themselves, and their templates close it in the prompt when thinking is off) and
+  ``deepseek_v3`` (DeepSeek-V3.1's template opens the block in the prompt with ``thinking:
+  true``, and closes it otherwise) read the same way.
 
 A constrained output (structured output, or a named or required tool choice) reasons first, as
 in vLLM, when the output begins inside the reasoning (``deepseek_r1``, or a prompt that left
@@ -31,7 +34,12 @@ THINK_START = "<think>"
 THINK_END = "</think>"
 
 # Parser name -> whether the output begins inside the reasoning whatever the prompt.
-REASONING_PARSERS: dict[str, bool] = {"deepseek_r1": True, "qwen3": False}
+REASONING_PARSERS: dict[str, bool] = {
+    "deepseek_r1": True,
+    "deepseek_v3": False,
+    "glm45": False,
+    "qwen3": False,
+}
 
 
 def partial_tag_length(text: str, tag: str) -> int:
