@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pydantic import ValidationError
 
 from baton_engine.model_files import (
     converted_model_dir,
@@ -17,6 +18,7 @@ from baton_engine.model_files import (
 from baton_gateway.chat import ChatDefaults, detect_content_format, render_chat_prompt
 from baton_gateway.errors import GatewayError
 from baton_gateway.protocol import ChatCompletionRequest
+from baton_gateway.responses_api import ResponsesRequest, chat_request
 
 TEXTS = ["The capital of France is Paris.", "Ünïcödé 你好 🙂", "  two  spaces\tand\ttabs\n", ""]
 
@@ -67,6 +69,38 @@ def test_chat_template_rendering(tokenizer: Any) -> None:
     with pytest.raises(GatewayError, match="not supported") as e:
         render_chat_prompt(tokenizer, image)
     assert e.value.status == 400
+
+
+def test_documents_and_reasoning_effort_reach_the_template(tokenizer: Any) -> None:
+    """vLLM's ``documents`` (RAG templates) and OpenAI's ``reasoning_effort`` (gpt-oss's
+    template reads it) are the template's variables, over chat_template_kwargs; the Responses
+    API's ``reasoning.effort`` is the latter."""
+    template = (
+        "{% for d in documents or [] %}[{{ d.title }}: {{ d.text }}]{% endfor %}"
+        "effort={{ reasoning_effort | default('none') }};"
+        "{% for m in messages %}{{ m.content }}{% endfor %}"
+    )
+    fields = {"messages": [{"role": "user", "content": "Q"}], "chat_template": template}
+    plain = ChatCompletionRequest.model_validate(fields)
+    assert render_chat_prompt(tokenizer, plain) == "effort=none;Q"
+    rich = ChatCompletionRequest.model_validate(
+        {
+            **fields,
+            "documents": [
+                {"title": "Paris", "text": "The capital."},
+                {"title": "Oslo", "text": "Cold."},
+            ],
+            "reasoning_effort": "high",
+            "chat_template_kwargs": {"reasoning_effort": "low"},
+        }
+    )
+    text = render_chat_prompt(tokenizer, rich)
+    assert text == "[Paris: The capital.][Oslo: Cold.]effort=high;Q"
+    with pytest.raises(ValidationError):
+        ChatCompletionRequest.model_validate({**fields, "reasoning_effort": "extreme"})
+    responses = ResponsesRequest.model_validate({"input": "Q", "reasoning": {"effort": "medium"}})
+    chat = ChatCompletionRequest.model_validate(chat_request(responses, []))
+    assert chat.reasoning_effort == "medium"
 
 
 def test_broken_or_hostile_template_is_a_400(tokenizer: Any) -> None:

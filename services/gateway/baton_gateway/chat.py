@@ -166,7 +166,8 @@ def render_chat_prompt(
 ) -> str:
     """Render ``request.messages`` into the prompt text with the request's chat template, else
     the server's (``defaults.template``), else the tokenizer's; the request's
-    ``chat_template_kwargs`` over the server's (``defaults.kwargs``).
+    ``chat_template_kwargs`` over the server's (``defaults.kwargs``), and its ``documents`` and
+    ``reasoning_effort`` over both.
 
     Raises a 400 GatewayError when there is no template or rendering fails.
     """
@@ -178,6 +179,10 @@ def render_chat_prompt(
     kwargs = {k: v for k, v in given.items() if k not in _RESERVED_KWARGS}
     kwargs["add_generation_prompt"] = request.add_generation_prompt
     kwargs["continue_final_message"] = request.continue_final_message
+    if request.documents is not None:
+        kwargs["documents"] = request.documents
+    if request.reasoning_effort is not None:
+        kwargs["reasoning_effort"] = request.reasoning_effort
     if template is not None:
         kwargs["chat_template"] = template
     tools = [t.model_dump(exclude_none=True) for t in request.tools] if request.tools else None

@@ -348,6 +348,11 @@ class ChatPrompt(OpenAIBaseModel):
     continue_final_message: bool = False
     add_special_tokens: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: documents a RAG template renders (transformers' ``documents``: each a dict,
+    # typically "title" and "text")
+    documents: list[dict[str, str]] | None = None
+    # OpenAI's: reaches the template, for those that read it (gpt-oss's)
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
 
     @model_validator(mode="after")
     def _check_chat_prompt(self) -> ChatPrompt:

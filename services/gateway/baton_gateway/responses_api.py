@@ -175,7 +175,8 @@ class ResponsesRequest(OpenAIBaseModel):
     tool_choice: Literal["none", "auto", "required"] | ToolChoiceFunction = "auto"
     parallel_tool_calls: bool = True
     text: TextConfig = Field(default_factory=TextConfig)
-    reasoning: dict[str, Any] | None = None  # (effort, summary: accepted, not used)
+    # effort reaches the chat template as reasoning_effort; summary: accepted, not used
+    reasoning: dict[str, Any] | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
     truncation: Literal["auto", "disabled"] = "disabled"
@@ -265,6 +266,7 @@ def chat_request(request: ResponsesRequest, history: list[dict[str, Any]]) -> di
             else choice
         ),
         "parallel_tool_calls": request.parallel_tool_calls,
+        "reasoning_effort": (request.reasoning or {}).get("effort"),
         "response_format": response_format,
         "logprobs": request.top_logprobs is not None,
         "top_logprobs": request.top_logprobs,
