@@ -122,6 +122,10 @@ def test_completion_rejects_unsupported() -> None:
         with pytest.raises(ValidationError):
             CompletionRequest.model_validate({"prompt": "x", **bad})
     assert CompletionRequest(prompt="x").max_tokens == 16  # OpenAI's default
+    # vLLM's prompt_embeds, with a prompt or without: refused in words, never ignored.
+    for body in ({"prompt": "x", "prompt_embeds": "AAAA"}, {"prompt_embeds": "AAAA"}):
+        with pytest.raises(ValidationError, match="prompt_embeds are not supported"):
+            CompletionRequest.model_validate(body)
 
 
 def test_stream_chunk_json_shape() -> None:

@@ -470,6 +470,16 @@ class CompletionRequest(_SamplingRequest):
     best_of: int | None = None
     add_special_tokens: bool = True
 
+    @model_validator(mode="before")
+    @classmethod
+    def _no_prompt_embeds(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("prompt_embeds") is not None:
+            raise ValueError(  # (not ignored: the answer would be to another prompt)
+                "prompt_embeds are not supported: prompts are text or token ids (vLLM takes "
+                "them only with --enable-prompt-embeds, which Baton does not have)"
+            )
+        return data
+
     @model_validator(mode="after")
     def _check_completion(self) -> CompletionRequest:
         if self.suffix:
