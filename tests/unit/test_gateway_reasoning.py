@@ -13,7 +13,7 @@ import pytest
 from baton_gateway.chat import render_chat_prompt
 from baton_gateway.protocol import ChatCompletionRequest
 from baton_gateway.reading import ChatReading
-from baton_gateway.reasoning import reasoning_use
+from baton_gateway.reasoning import REASONING_PARSERS, reasoning_use
 from baton_gateway.tools import ToolCallsSoFar, tool_use
 
 WEATHER = {
@@ -77,6 +77,14 @@ CASES = [
     ("glm45", CLOSED_PROMPT, "Sunny.", "", "Sunny."),
     ("deepseek_v3", OPEN_PROMPT, "Paris.</think>Sunny.", "Paris.", "Sunny."),
     ("deepseek_v3", CLOSED_PROMPT, "Sunny.", "", "Sunny."),
+    # Other tags: Seed-OSS's (deepseek_r1's rule), Magistral's (qwen3's); step3 as deepseek_r1.
+    ("seed_oss", PLAIN_PROMPT, "<seed:think>Paris.</seed:think>Sunny.", "Paris.", "Sunny."),
+    ("seed_oss", PLAIN_PROMPT, "Paris, still.", "Paris, still.", ""),
+    ("seed_oss", PLAIN_PROMPT, "<think>x</think>y", "<think>x</think>y", ""),
+    ("mistral", PLAIN_PROMPT, "[THINK]Paris.[/THINK]Sunny.", "Paris.", "Sunny."),
+    ("mistral", PLAIN_PROMPT, "Sunny. [/THINK]", "", "Sunny. [/THINK]"),
+    ("mistral", "<s>[INST]Hi[/INST][THINK]", "Paris.[/THINK]Sunny.", "Paris.", "Sunny."),
+    ("step3", PLAIN_PROMPT, "Paris.</think>Sunny.", "Paris.", "Sunny."),
 ]  # fmt: skip
 
 
@@ -85,6 +93,15 @@ def test_reasoning_split(parser: str, prompt: str, text: str, reasoning: str, co
     assert split(parser, prompt, text) == (reasoning, content)
     for step in range(1, 12):  # streamed in pieces of every size: the same split
         assert split(parser, prompt, text, step) == (reasoning, content), step
+
+
+def test_special_tags_are_kept_in_the_text() -> None:
+    """Magistral's [THINK] tags are special tokens: its parser asks for them in the text (the
+    gateway then sets skip_special_tokens false), and its constrained outputs start after
+    [/THINK]."""
+    use = reasoning_use("mistral", "[THINK]", include=True, constrained=True)
+    assert use is not None and use.form.special and use.grammar_after == "[/THINK]"
+    assert not REASONING_PARSERS["qwen3"].special
 
 
 def test_streamed_pieces_hold_back_only_a_possible_tag() -> None:

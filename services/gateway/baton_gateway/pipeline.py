@@ -358,6 +358,8 @@ class Pipeline:
             include=request.include_reasoning,
             constrained=request.structured is not None,
         )
+        if reasoning is not None and reasoning.form.special:
+            request.skip_special_tokens = False  # (the tags are special tokens)
         reading = ChatReading(tools, reasoning) if tools or reasoning else None
         req_id, worker_id = self._request_ids(prefix, request, named)
         specs = self._specs(

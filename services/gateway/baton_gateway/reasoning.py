@@ -14,6 +14,9 @@ carries the same text. A request's ``include_reasoning: false`` drops it. Parser
   block themselves, and their templates close it in the prompt when thinking is off) and
   ``deepseek_v3`` (DeepSeek-V3.1's template opens the block in the prompt with ``thinking:
   true``, and closes it otherwise) read the same way.
+- ``step3`` reads as ``deepseek_r1``; ``seed_oss`` too, with Seed-OSS's ``<seed:think>`` and
+  ``</seed:think>``; ``mistral`` as ``qwen3``, with Magistral's ``[THINK]`` and ``[/THINK]``,
+  special tokens that the text then keeps.
 
 A constrained output (structured output, or a named or required tool choice) reasons first, as
 in vLLM, when the output begins inside the reasoning (``deepseek_r1``, or a prompt that left
@@ -33,12 +36,31 @@ from dataclasses import dataclass
 THINK_START = "<think>"
 THINK_END = "</think>"
 
-# Parser name -> whether the output begins inside the reasoning whatever the prompt.
-REASONING_PARSERS: dict[str, bool] = {
-    "deepseek_r1": True,
-    "deepseek_v3": False,
-    "glm45": False,
-    "qwen3": False,
+
+@dataclass(frozen=True, slots=True)
+class ReasoningFormat:
+    """How a model marks its reasoning: the tags around it, whether an output that does not
+    open with ``start`` begins inside the reasoning all the same, and whether the tags are
+    special tokens (the text must keep them)."""
+
+    start: str
+    end: str
+    by_default: bool
+    special: bool = False
+
+
+_THINK = ReasoningFormat(THINK_START, THINK_END, by_default=False)
+_THINK_FIRST = ReasoningFormat(THINK_START, THINK_END, by_default=True)
+
+# vLLM's parser names.
+REASONING_PARSERS: dict[str, ReasoningFormat] = {
+    "deepseek_r1": _THINK_FIRST,
+    "deepseek_v3": _THINK,
+    "glm45": _THINK,
+    "mistral": ReasoningFormat("[THINK]", "[/THINK]", by_default=False, special=True),
+    "qwen3": _THINK,
+    "seed_oss": ReasoningFormat("<seed:think>", "</seed:think>", by_default=True),
+    "step3": _THINK_FIRST,
 }
 
 
@@ -53,11 +75,12 @@ def partial_tag_length(text: str, tag: str) -> int:
 class ReasoningReader:
     """Splits one choice's text into reasoning and content, piece by piece."""
 
-    def __init__(self, in_reasoning: bool, by_default: bool) -> None:
-        """``in_reasoning``: the prompt left a ``<think>`` open; ``by_default``: text that does
-        not open with ``<think>`` is reasoning all the same (``deepseek_r1``)."""
+    def __init__(self, in_reasoning: bool, form: ReasoningFormat = _THINK) -> None:
+        """``in_reasoning``: the prompt left the reasoning open; ``form``: the model's tags,
+        and whether text that does not open with the start tag is reasoning all the same."""
         self._state = "reasoning" if in_reasoning else "opening"
-        self._by_default = by_default
+        self._start, self._end = form.start, form.end
+        self._by_default = form.by_default
         self._held = ""
 
     def feed(self, text: str, final: bool) -> tuple[str, str]:
@@ -67,21 +90,21 @@ class ReasoningReader:
         while text:
             if self._state == "opening":
                 stripped = text.lstrip()
-                if stripped.startswith(THINK_START):
-                    text = stripped[len(THINK_START) :]
+                if stripped.startswith(self._start):
+                    text = stripped[len(self._start) :]
                     self._state = "reasoning"
-                elif THINK_START.startswith(stripped) and not final:
+                elif self._start.startswith(stripped) and not final:
                     self._held, text = text, ""  # whitespace, or the beginning of the tag
                 else:
                     self._state = "reasoning" if self._by_default else "content"
             elif self._state == "reasoning":
-                end = text.find(THINK_END)
+                end = text.find(self._end)
                 if end >= 0:
                     reasoning += text[:end]
-                    text = text[end + len(THINK_END) :]
+                    text = text[end + len(self._end) :]
                     self._state = "content"
                     continue
-                keep = 0 if final else partial_tag_length(text, THINK_END)
+                keep = 0 if final else partial_tag_length(text, self._end)
                 reasoning += text[: len(text) - keep]
                 self._held, text = text[len(text) - keep :], ""
             else:
@@ -95,13 +118,13 @@ class ReasoningUse:
     """How a request's choices are split: the parser's rule and what its prompt left open."""
 
     in_reasoning: bool
-    by_default: bool
+    form: ReasoningFormat
     include: bool  # the request's include_reasoning
     # the text after which the request's grammar applies (None: it has none)
     grammar_after: str | None = None
 
     def new_reader(self) -> ReasoningReader:
-        return ReasoningReader(self.in_reasoning, self.by_default)
+        return ReasoningReader(self.in_reasoning, self.form)
 
 
 def reasoning_use(
@@ -110,11 +133,11 @@ def reasoning_use(
     """How to split a chat request's choices, or None when they are all content: no
     ``parser``, or an output ``constrained`` from its first token. ``prompt`` is the rendered
     prompt. A constrained output that begins inside the reasoning gets ``grammar_after`` set:
-    its grammar must start after it (:data:`THINK_END`)."""
+    its grammar must start after it (the format's end tag)."""
     if parser is None:
         return None
-    opened = prompt.rstrip().endswith(THINK_START)
-    by_default = REASONING_PARSERS[parser]
-    if constrained and not (opened or by_default):
+    form = REASONING_PARSERS[parser]
+    opened = prompt.rstrip().endswith(form.start)
+    if constrained and not (opened or form.by_default):
         return None
-    return ReasoningUse(opened, by_default, include, THINK_END if constrained else None)
+    return ReasoningUse(opened, form, include, form.end if constrained else None)
