@@ -85,6 +85,11 @@ def test_models(client: OpenAI) -> None:
     models = client.models.list().data
     assert [m.id for m in models] == [MODEL]
     assert models[0].model_extra is not None and models[0].model_extra["max_model_len"] == 512
+    # OpenAI's retrieve: the same card; another name is a 404 (names may hold slashes)
+    assert client.models.retrieve(MODEL).model_dump() == models[0].model_dump()
+    for missing in ("nope", "org/nope"):
+        with pytest.raises(openai.NotFoundError, match="does not exist"):
+            client.models.retrieve(missing)
 
 
 def test_chat_streaming_equals_non_streaming(client: OpenAI) -> None:

@@ -101,6 +101,7 @@ def test_models_lists_the_adapters(
         path = adapters[name]
         card = cards[name].model_dump()
         assert card["parent"] == server.model and card["root"] == str(path)
+        assert client.models.retrieve(name).model_dump() == card  # (OpenAI's retrieve)
 
 
 def test_requests_run_with_their_adapter(

@@ -372,8 +372,7 @@ def create_app(config: GatewayConfig, tokenizer: Any) -> FastAPI:
         body = await pipeline.metrics.scrape(state.http, urls, {w.addr: w.role for w in workers})
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
-    async def models() -> JSONResponse:
+    def model_cards() -> list[ModelCard]:
         pipeline = state.pipeline
         name, max_len = pipeline.model_name, pipeline.max_model_len
         cards = [  # every name the model is served under, as vLLM lists them
@@ -384,7 +383,18 @@ def create_app(config: GatewayConfig, tokenizer: Any) -> FastAPI:
             ModelCard(id=lora, root=path, parent=name, max_model_len=max_len)
             for lora, path in pipeline.lora_modules.items()
         ]
-        return _json(200, ModelList(data=cards))
+        return cards
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        return _json(200, ModelList(data=model_cards()))
+
+    @app.get("/v1/models/{model:path}")  # OpenAI's retrieve (names may hold slashes)
+    async def model(model: str) -> JSONResponse:
+        for card in model_cards():
+            if card.id == model:
+                return _json(200, card)
+        raise GatewayError(404, f"The model `{model}` does not exist.", param="model")
 
     def request_ids(request: Request) -> RequestIds:
         return RequestIds(
