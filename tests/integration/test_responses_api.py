@@ -343,7 +343,8 @@ def test_a_background_stream_can_be_picked_up_again(client: OpenAI) -> None:
     kwargs: dict[str, Any] = dict(model=MODEL, input=QUESTION, max_output_tokens=24, temperature=0)
     foreground = client.responses.create(**kwargs)
     with client.responses.create(background=True, stream=True, **kwargs) as stream:
-        first = [next(iter(stream)) for _ in range(4)]
+        received = iter(stream)
+        first = [next(received) for _ in range(4)]
     assert [e.sequence_number for e in first] == [0, 1, 2, 3]
     assert first[0].type == "response.created" and first[0].response.status == "queued"
     assert first[1].type == "response.in_progress"
