@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import random
 from typing import Any
 
@@ -19,7 +20,7 @@ import pytest
 pytestmark = pytest.mark.integration
 
 NUM_REQUESTS = 400
-SEED = 43
+SEED = int(os.environ.get("BATON_FUZZ_SEED", "44"))  # (other seeds: more cases)
 MODEL = "SmolLM2-135M-Instruct"
 CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": "x"}'}}
 MESSAGES = [
@@ -79,6 +80,7 @@ EXTRA_FIELDS = [
     "guided_grammar", "skip_special_tokens", "include_stop_str_in_output", "ignore_eos",
     "min_p", "top_k", "repetition_penalty", "length_penalty", "max_completion_tokens",
     "parallel_tool_calls", "previous_response_id", "echo", "stream_options", "use_beam_search",
+    "background", "documents", "reasoning_effort", "prompt_embeds", "reasoning",
 ]  # fmt: skip
 
 
