@@ -22,6 +22,9 @@ from baton_gateway.tools import (
     DeepSeekReader,
     Glm45Reader,
     HermesReader,
+    InternLM2Reader,
+    JambaReader,
+    KimiK2Reader,
     Llama3JsonReader,
     MistralReader,
     NamedCallReader,
@@ -318,6 +321,44 @@ DEEPSEEK_CASES = [
 def test_deepseek_reader(text: str, content: str, calls: list[Any]) -> None:
     for step in (None, 1, 4, 9):
         assert read(DeepSeekReader, text, step) == (content, calls), step
+
+
+KIMI = (
+    "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+    '<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|><|tool_call_begin|>'
+    "functions.get_time:1<|tool_call_argument_begin|>{}<|tool_call_end|>"
+    "<|tool_calls_section_end|>"
+)
+SECTION_CASES = [
+    (KimiK2Reader, "Checking." + KIMI, "Checking.", [("get_weather", {"city": "Paris"}),
+                                                       ("get_time", {})]),
+    (KimiK2Reader, KIMI.replace('{"city": "Paris"}', "{oops"), KIMI.replace(
+        '{"city": "Paris"}', "{oops"), []),
+    (JambaReader, 'Sure. <tool_calls>[{"name": "get_weather", "arguments": {"city": "Oslo"}}, '
+     '{"name": "get_time", "arguments": {}}]</tool_calls>', "Sure.",
+     [("get_weather", {"city": "Oslo"}), ("get_time", {})]),
+    (JambaReader, "<tool_calls>[1, 2]</tool_calls>", "<tool_calls>[1, 2]</tool_calls>", []),
+    (InternLM2Reader, 'Let me look.<|action_start|><|plugin|>\n{"name": "get_weather", '
+     '"parameters": {"city": "Rome"}}<|action_end|>', "Let me look.",
+     [("get_weather", {"city": "Rome"})]),
+    (JambaReader, "No tools.", "No tools.", []),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("reader", "text", "content", "calls"), SECTION_CASES)
+def test_kimi_jamba_and_internlm_readers(
+    reader: Callable[[], ToolCallReader], text: str, content: str, calls: list[Any]
+) -> None:
+    for step in (None, 1, 4, 9):
+        assert read(reader, text, step) == (content, calls), step
+
+
+def test_kimi_k2_keeps_the_models_call_ids() -> None:
+    """Kimi's template writes each call's id back in later turns: it is the model's own."""
+    out = KimiK2Reader().feed(KIMI, final=True)
+    assert [c.id for c in out.tool_calls] == ["functions.get_weather:0", "functions.get_time:1"]
+    request = chat(messages=MESSAGES, tools=[WEATHER], tool_choice="auto")
+    assert tool_use(request, "internlm").keeps_special_tokens  # type: ignore[union-attr]
 
 
 def test_xml_readers_get_the_requests_schemas() -> None:

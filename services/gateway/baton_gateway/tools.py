@@ -20,7 +20,9 @@ Mistral's chat templates require), ``pythonic`` (Llama 3.2/4's Python-style list
 ``[get_weather(city="Paris"), get_time()]``), ``qwen3_coder`` (Qwen3-Coder's XML:
 ``<function=NAME>`` and ``<parameter=KEY>`` tags in ``<tool_call>`` blocks), ``glm45`` (GLM-4.5
 and 4.6: the name, then ``<arg_key>``/``<arg_value>`` pairs in ``<tool_call>`` blocks) and
-``deepseek_v3``/``deepseek_v31`` (DeepSeek's section of calls between its tool-call tokens).
+``deepseek_v3``/``deepseek_v31`` (DeepSeek's section of calls between its tool-call tokens),
+``kimi_k2`` (Kimi K2's section of calls; their ids kept), ``jamba`` (a JSON list in
+``<tool_calls>``) and ``internlm`` (InternLM2's action tokens around a JSON call).
 The XML formats write values as text; the tool's parameters schema types them, as in vLLM.
 
 One :class:`ToolCallReader` per choice turns the text into content and tool-call pieces, fed as
@@ -478,6 +480,70 @@ class DeepSeekReader(TaggedCallsReader):
         return calls or None
 
 
+class KimiK2Reader(TaggedCallsReader):
+    """Kimi K2's calls (vLLM's ``kimi_k2``): one section of calls among content, each an id
+    ``functions.NAME:INDEX`` and its JSON arguments between the call tokens. The id is kept as
+    the call's id: Kimi's template writes it back in later turns."""
+
+    START, END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
+    _CALL = re.compile(
+        r"<\|tool_call_begin\|>\s*(\S+?)\s*<\|tool_call_argument_begin\|>(.*?)<\|tool_call_end\|>",
+        re.DOTALL,
+    )
+
+    def __init__(self, schemas: dict[str, Any] | None = None) -> None:
+        super().__init__(schemas)
+        self._ids: list[str] = []  # the ids of the calls the last block holds, in order
+
+    def _parse_block(self, body: str) -> list[tuple[str, Any]] | None:
+        calls, ids = [], []
+        for call_id, arguments in self._CALL.findall(body):
+            try:
+                calls.append((call_id.split(":")[0].split(".")[-1], json.loads(arguments)))
+            except ValueError:
+                return None
+            ids.append(call_id)
+        self._ids = ids
+        return calls or None
+
+    def _call(self, name: str, arguments: Any) -> DeltaToolCall:
+        call = super()._call(name, arguments)
+        call.id = self._ids.pop(0)
+        return call
+
+
+class JambaReader(TaggedCallsReader):
+    """Jamba's calls (vLLM's ``jamba``): a JSON list of ``{"name", "arguments"}`` objects in a
+    ``<tool_calls>`` block."""
+
+    START, END = "<tool_calls>", "</tool_calls>"
+
+    def _parse_block(self, body: str) -> list[tuple[str, Any]] | None:
+        try:
+            parsed = json.loads(body)
+        except ValueError:
+            return None
+        calls = []
+        for obj in parsed if isinstance(parsed, list) else [parsed]:
+            call = _parse_call(json.dumps(obj), ("arguments", "parameters"))
+            if call is None:
+                return None
+            calls.append(call)
+        return calls or None
+
+
+class InternLM2Reader(TaggedCallsReader):
+    """InternLM2's calls (vLLM's ``internlm``): ``{"name", "parameters"}`` after its action and
+    plugin tokens, to the action's end token (special tokens: the text keeps them)."""
+
+    START, END = "<|action_start|><|plugin|>", "<|action_end|>"
+    keeps_special_tokens = True
+
+    def _parse_block(self, body: str) -> list[tuple[str, Any]] | None:
+        parsed = _parse_call(body.strip(), ("parameters", "arguments"))
+        return None if parsed is None else [parsed]
+
+
 class MistralReader(ToolCallReader):
     """Mistral's tool calls: content, then ``[TOOL_CALLS]`` and the calls to the end: a JSON list
     of ``{"name", "arguments"}`` objects (Mistral 7B v0.3, Nemo), or ``name[ARGS]{...}`` after
@@ -621,6 +687,9 @@ TOOL_PARSERS: dict[str, type[ToolCallReader]] = {
     "deepseek_v31": DeepSeekReader,
     "glm45": Glm45Reader,
     "hermes": HermesReader,
+    "internlm": InternLM2Reader,
+    "jamba": JambaReader,
+    "kimi_k2": KimiK2Reader,
     "llama3_json": Llama3JsonReader,
     "mistral": MistralReader,
     "pythonic": PythonicReader,
