@@ -219,6 +219,22 @@ def _parse_call(text: str, arguments_key: tuple[str, ...]) -> tuple[str, Any] | 
     return obj["name"], {}
 
 
+def _json_calls(text: str) -> list[tuple[str, Any]] | None:
+    """The calls of a JSON list of ``{"name", "arguments"}`` objects (or of one such object),
+    or None when it is not that."""
+    try:
+        parsed = json.loads(text)
+    except ValueError:
+        return None
+    calls = []
+    for obj in parsed if isinstance(parsed, list) else [parsed]:
+        call = _parse_call(json.dumps(obj), ("arguments", "parameters"))
+        if call is None:
+            return None
+        calls.append(call)
+    return calls
+
+
 class RequiredCallsReader(ToolCallReader):
     """``tool_choice="required"``: a JSON array of ``{"name", "parameters"}`` objects; each
     call goes out once its object is complete."""
@@ -519,17 +535,7 @@ class JambaReader(TaggedCallsReader):
     START, END = "<tool_calls>", "</tool_calls>"
 
     def _parse_block(self, body: str) -> list[tuple[str, Any]] | None:
-        try:
-            parsed = json.loads(body)
-        except ValueError:
-            return None
-        calls = []
-        for obj in parsed if isinstance(parsed, list) else [parsed]:
-            call = _parse_call(json.dumps(obj), ("arguments", "parameters"))
-            if call is None:
-                return None
-            calls.append(call)
-        return calls or None
+        return _json_calls(body) or None
 
 
 class InternLM2Reader(TaggedCallsReader):
@@ -588,15 +594,10 @@ class MistralReader(ToolCallReader):
             if not part:
                 continue
             if part[0] in "[{":  # a JSON list of calls, or one
-                try:
-                    parsed = json.loads(part)
-                except ValueError:
+                listed = _json_calls(part)
+                if listed is None:
                     return None
-                for obj in parsed if isinstance(parsed, list) else [parsed]:
-                    call = _parse_call(json.dumps(obj), ("arguments", "parameters"))
-                    if call is None:
-                        return None
-                    calls.append(call)
+                calls += listed
             elif self.ARGS in part:  # name[ARGS]{...}
                 name, _, arguments = part.partition(self.ARGS)
                 try:
