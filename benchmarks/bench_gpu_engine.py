@@ -44,6 +44,7 @@ SHAPES = {
     "qwen": CONFIGS / "qwen2.5-0.5b",
     "llama": CONFIGS / "llama-3.1-8b",
     "llama70b": CONFIGS / "llama-3.1-70b",  # tensor parallelism only (device/tp_probe.py)
+    "qwen3moe": CONFIGS / "qwen3-30b-a3b",  # a mixture of experts: 128 experts, 8 a token
 }
 COPY_BANDWIDTH = 4.28e12  # bytes/s, device-to-device copy on the H200 (read + write counted)
 TINY = {
@@ -264,12 +265,24 @@ def free() -> None:
 
 
 def roofline(mc: ModelConfig, batch: int, context: float, dtype_bytes: int = 2) -> float:
-    """Output tokens/s if a decode step only had to read the weights and the batch's KV."""
-    h, inter, layers = mc.hidden_size, mc.intermediate_size, mc.num_layers
+    """Output tokens/s if a decode step only had to read the weights and the batch's KV. A
+    mixture of experts' step reads the experts its tokens chose: with routing uniform at
+    random (as dummy weights route), each expert is chosen by one of ``batch`` tokens with
+    probability ``1 - (1 - k / E) ** batch``."""
+    h, layers = mc.hidden_size, mc.num_layers
     kv_dim = mc.num_kv_heads * mc.head_dim
-    per_layer = h * (mc.num_heads * mc.head_dim) * 2 + h * kv_dim * 2 + 3 * h * inter
+    attn = h * (mc.num_heads * mc.head_dim) * 2 + h * kv_dim * 2
+    mlp = 0.0
+    for i in range(layers):
+        if mc.is_moe_layer(i):
+            e, k = mc.num_experts, mc.num_experts_per_tok
+            read = e * (1 - (1 - k / e) ** batch)
+            mlp += read * 3 * h * mc.moe_intermediate_size + h * e
+            mlp += 3 * h * mc.shared_expert_intermediate_size
+        else:
+            mlp += 3 * h * mc.intermediate_size
     embed = mc.vocab_size * h * (1 if mc.tie_word_embeddings else 2)
-    weight_bytes = (layers * per_layer + embed) * dtype_bytes
+    weight_bytes = (layers * attn + mlp + embed) * dtype_bytes
     kv_bytes = batch * context * layers * 2 * kv_dim * dtype_bytes
     return batch / ((weight_bytes + kv_bytes) / COPY_BANDWIDTH)
 

@@ -34,6 +34,22 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     "mistral": {"sliding_window": None},
     "qwen2": {},
     "qwen3": {"head_dim": 32},
+    # mixtures of experts: 8 experts, 2 a token
+    "mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32},
+    "qwen2_moe": {  # a shared expert; layer 0 dense (mlp_only_layers)
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 48,
+        "mlp_only_layers": [0],
+    },
+    "qwen3_moe": {
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "norm_topk_prob": True,
+        "head_dim": 32,
+    },
 }
 
 
@@ -46,9 +62,12 @@ def build_model(name: str, tokenizer_dir: Path, out: Path) -> Any:
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+        "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
     }[family]
     torch.manual_seed(0)
-    config = config_cls(vocab_size=49152, **TINY, **ARCHITECTURES[name])
+    config = config_cls(vocab_size=49152, **{**TINY, **ARCHITECTURES[name]})
     return _saved(model_cls(config).eval(), tokenizer_dir, out)
 
 

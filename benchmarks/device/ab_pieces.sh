@@ -14,10 +14,10 @@ for round in $(seq 1 "${ROUNDS:-2}"); do
     for batch in ${BATCHES:-256}; do
       ab_variant pieces "" --shapes $shape --batches $batch
       ab_variant eager \
-          "import baton_engine.runner.model_runner as m; m.ModelRunner.enable_piece_graphs = lambda self, capture: None" \
+          "import baton_engine.runner.model_runner as m; m.ModelRunner.enable_piece_graphs = lambda self, capture: True" \
           --shapes $shape --batches $batch
       ab_variant old \
-          "import baton_engine.runner.model_runner as m; m.ModelRunner.enable_piece_graphs = lambda self, capture: None; m.ModelRunner.warmup_kernels = lambda self: self.backend.warmup(self.kv_caches[0], self.model_config.num_heads)" \
+          "import baton_engine.runner.model_runner as m; m.ModelRunner.enable_piece_graphs = lambda self, capture: True; m.ModelRunner.warmup_kernels = lambda self: self.backend.warmup(self.kv_caches[0], self.model_config.num_heads)" \
           --shapes $shape --batches $batch
     done
   done

@@ -312,6 +312,41 @@ def test_lone_request_decodes_through_fused_gemv_layers(
     assert results[1] == results[0] and all(len(t) == 40 for t in results[0].values())
 
 
+def test_a_mixture_of_experts_on_the_gpus_defaults_matches_reference(tmp_path: Path) -> None:
+    """A Qwen3-MoE shape (16 experts, 2 a token) on the GPU's defaults: its decode steps are
+    captured in CUDA graphs, whose static-shape experts (dense for 19 requests, gathered for
+    one: ``models/moe.py``) give the eager reference's greedy tokens; its prompt steps run
+    eagerly (no piecewise graphs), their experts one by one as routed."""
+    moe = CONFIG | {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "num_experts": 16,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 256,
+        "norm_topk_prob": True,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(moe))
+    want = _run(tmp_path, "torch", enforce_eager=True, async_scheduling=False)[0]
+    _release_memory()
+    got, core = _run(tmp_path, "triton", enforce_eager=False)
+    assert got == want
+    graphs = core.runner.graphs
+    assert graphs is not None and graphs.num_steps.get(24, 0) > 0
+    assert core.runner.pieces is None and not core.runner.model.folded_norms
+    from baton_engine.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    core.add_request("lone", [(7 * j) % 4000 + 1 for j in range(50)], params)
+    lone = _drain(core)["lone"]  # decode steps of one request: the size-1 graph
+    assert graphs.num_steps.get(1, 0) >= 20
+    del core
+    _release_memory()
+    ref = _core(tmp_path, max_model_len=1024, max_num_seqs=24, attention_backend="torch",
+                enforce_eager=True, async_scheduling=False)  # fmt: skip
+    ref.add_request("lone", [(7 * j) % 4000 + 1 for j in range(50)], params)
+    assert _drain(ref)["lone"] == lone
+
+
 def test_multi_step_equals_single_step(tmp_path: Path) -> None:
     """Multi-step scheduling on the GPU's defaults (decode graphs, async scheduling): several
     passes a step, each pass's input the pass before's token on the device, give the tokens of

@@ -195,3 +195,24 @@ def test_iter_weights_and_tokenizer_errors(tmp_path: Path) -> None:
         list(iter_weights(tmp_path))
     with pytest.raises(ModelLoadError, match=re.escape(str(tmp_path))):
         load_tokenizer(tmp_path)
+
+
+def test_a_gguf_mixture_of_experts_is_refused_clearly(tmp_path: Path) -> None:
+    """Mixtral's GGUF files say ``llama`` with an expert count: refused by name, not at the
+    first tensor the converter does not know."""
+    import gguf
+
+    path = tmp_path / "mixtral.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_embedding_length(64)
+    writer.add_head_count(4)
+    writer.add_expert_count(8)
+    writer.add_expert_used_count(2)
+    writer.add_tensor("token_embd.weight", np.zeros((16, 64), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    reader = gguf.GGUFReader(str(path))
+    with pytest.raises(ModelLoadError, match="mixtures of experts are not supported"):
+        gguf_convert.build_hf_config(reader, has_output=False)

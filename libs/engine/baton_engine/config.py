@@ -35,6 +35,10 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    # Mixtures of experts: the decoders above with sparse MLPs (``models/moe.py``)
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
     # The same decoders with a classification head (``score``) on the last token's hidden
     # state instead of the LM head: classifiers, reward models and cross-encoders (rerankers).
     "LlamaForSequenceClassification": "llama",
@@ -77,7 +81,7 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
 class ModelConfig:
     """The shape of a Llama-family decoder, read from a Hugging Face ``config.json``."""
 
-    architecture: str  # "llama" | "qwen2" | "qwen3"
+    architecture: str  # "llama" | "qwen2" | "qwen3" | "mixtral" | "qwen2_moe" | "qwen3_moe"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -102,6 +106,30 @@ class ModelConfig:
     # (``lm_head``, read from the checkpoint's ``score``) has one output per label. Empty: a
     # causal LM.
     labels: tuple[str, ...] = ()
+    # A mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE): the MLP of its sparse layers
+    # (``is_moe_layer``) is ``num_experts`` experts of ``moe_intermediate_size``, each token
+    # routed to ``num_experts_per_tok`` of them (softmax, top k, renormalized if
+    # ``norm_topk_prob``), plus a shared expert of ``shared_expert_intermediate_size`` under a
+    # sigmoid gate (Qwen2-MoE). Its other layers have a dense MLP of ``intermediate_size``.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    shared_expert_intermediate_size: int = 0
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer ``layer``'s MLP is sparse (transformers' rule)."""
+        return (
+            self.is_moe
+            and layer not in self.mlp_only_layers
+            and (layer + 1) % self.decoder_sparse_step == 0
+        )
 
     @property
     def is_classifier(self) -> bool:
@@ -135,6 +163,9 @@ class ModelConfig:
         labels: tuple[str, ...] = ()
         if archs[0].endswith("ForSequenceClassification"):
             labels = _labels(cfg)
+        moe: dict[str, Any] = {}
+        if arch in ("mixtral", "qwen2_moe", "qwen3_moe"):
+            moe = _moe_fields(arch, cfg)
         return cls(
             architecture=arch,
             vocab_size=int(cfg["vocab_size"]),
@@ -150,8 +181,10 @@ class ModelConfig:
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             # (a classifier has no LM head to tie, whatever its config says)
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)) and not labels,
-            attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
-            qk_norm=arch == "qwen3",
+            attention_bias=bool(
+                cfg.get("attention_bias", cfg.get("qkv_bias", arch in ("qwen2", "qwen2_moe")))
+            ),
+            qk_norm=arch in ("qwen3", "qwen3_moe"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
@@ -163,6 +196,7 @@ class ModelConfig:
                 else None
             ),
             labels=labels,
+            **moe,
         )
 
     @classmethod
@@ -176,6 +210,37 @@ class ModelConfig:
             if isinstance(e, ModelLoadError):
                 raise
             raise ModelLoadError(f"{path} is not a valid model config: {e}") from None
+
+
+def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """A mixture of experts' ``ModelConfig`` fields from its config (Mixtral's experts have the
+    ``intermediate_size`` and always renormalize their top k; transformers >= 5 writes
+    ``num_local_experts`` for Qwen3-MoE too)."""
+    num_experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    top_k = int(cfg.get("num_experts_per_tok") or 0)
+    if num_experts <= 0 or not 0 < top_k <= num_experts:
+        raise ValueError(
+            f"a mixture of experts needs 0 < num_experts_per_tok ({top_k}) <= the number of "
+            f"experts ({num_experts})"
+        )
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act {cfg['hidden_act']!r} is not supported (only silu)")
+    if arch == "mixtral":
+        return dict(
+            num_experts=num_experts,
+            num_experts_per_tok=top_k,
+            moe_intermediate_size=int(cfg["intermediate_size"]),
+            norm_topk_prob=True,
+        )
+    return dict(
+        num_experts=num_experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=int(cfg["moe_intermediate_size"]),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),  # (transformers' default)
+        shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0),
+        decoder_sparse_step=max(1, int(cfg.get("decoder_sparse_step") or 1)),
+        mlp_only_layers=tuple(int(i) for i in cfg.get("mlp_only_layers") or ()),
+    )
 
 
 def _labels(cfg: dict[str, Any]) -> tuple[str, ...]:

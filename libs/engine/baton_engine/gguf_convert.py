@@ -106,6 +106,11 @@ def build_hf_config(reader: Any, has_output: bool) -> dict[str, Any]:
             raise ModelLoadError(f"GGUF metadata lacks {arch}.{key}")
         return v
 
+    if int(_field(reader, f"{arch}.expert_count", 0) or 0):
+        raise ModelLoadError(
+            "GGUF files of mixtures of experts are not supported: serve the model's Hugging "
+            "Face folder (config.json and safetensors)"
+        )
     hidden, n_head = int(req("embedding_length")), int(req("attention.head_count"))
     tokens = _field(reader, "tokenizer.ggml.tokens")
     vocab = len(tokens) if tokens is not None else int(req("vocab_size"))

@@ -122,6 +122,7 @@ FUSED_PARTS: dict[str, tuple[str, ...]] = {
     "down_proj": ("down_proj",),
 }
 TARGETS = tuple(part for parts in FUSED_PARTS.values() for part in parts)
+_MLP_TARGETS = (*FUSED_PARTS["gate_up_proj"], *FUSED_PARTS["down_proj"])
 _WEIGHT = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 
 
@@ -201,6 +202,11 @@ def load_adapter(request: LoRARequest, cfg: ModelConfig, max_rank: int) -> LoRAA
             raise refuse(f"target {part!r} is not supported (targets: {', '.join(TARGETS)})")
         if not 0 <= layer < cfg.num_layers:
             raise refuse(f"weight {key!r} names layer {layer}; the model has {cfg.num_layers}")
+        if part in _MLP_TARGETS and cfg.is_moe_layer(layer):
+            raise refuse(
+                f"weight {key!r}: layer {layer}'s MLP is a mixture of experts (adapters on "
+                "experts are not supported)"
+            )
         pairs.setdefault((layer, part), {})[which] = tensor
     if not pairs:
         raise refuse("it holds no LoRA weights")

@@ -162,7 +162,13 @@ ENGINE_FLAGS: tuple[VllmFlag, ...] = (
         int,
         _one_of(1),
     ),
-    VllmFlag("enable_expert_parallel", "Baton serves no MoE models", False, bool, _one_of(False)),
+    VllmFlag(
+        "enable_expert_parallel",
+        "tensor-parallel ranks split every expert (no expert parallelism)",
+        False,
+        bool,
+        _one_of(False),
+    ),
     VllmFlag(
         "cpu_offload_gb",
         "weights stay on the device; none are offloaded",
@@ -268,7 +274,7 @@ ENGINE_FLAGS: tuple[VllmFlag, ...] = (
     VllmFlag("worker_cls", "Baton's workers are its own", accepts=_one_of(None, "auto")),
     VllmFlag("worker_extension_cls", "Baton's workers are its own", accepts=_one_of(None, "")),
     VllmFlag("additional_config", "no platform plugins", accepts=lambda v: not v or v == "{}"),
-    VllmFlag("enable_eplb", "Baton serves no MoE models", False, bool, _one_of(False)),
+    VllmFlag("enable_eplb", "no expert parallelism to balance", False, bool, _one_of(False)),
     VllmFlag("data_parallel_size_local", _DATA_PARALLEL, None, int, lambda v: v in (None, 1)),
     VllmFlag("data_parallel_start_rank", _DATA_PARALLEL, None, int, lambda v: v in (None, 0)),
     VllmFlag("data_parallel_address", _DATA_PARALLEL, accepts=_one_of(None)),

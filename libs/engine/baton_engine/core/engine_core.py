@@ -147,8 +147,8 @@ def build_runner(config: EngineConfig, tp_rank: int = 0) -> RunnerSetup:
     if config.runner != "generate":
         runner.pooler = PoolerConfig.resolve(config.pooler_config, model_dir, len(mc.labels))
     eager = config.enforce_eager
-    if runner.device.type == "cuda" and not eager:
-        runner.enable_piece_graphs(capture=True)
+    if runner.device.type == "cuda" and not eager and not runner.enable_piece_graphs(capture=True):
+        logger.info("prompt steps run eagerly: the experts they run depend on the routing")
     num_blocks = _num_kv_blocks(config, runner, max_model_len, free_at_start)
     runner.initialize_kv_cache(num_blocks)
     if runner.device.type == "cuda":

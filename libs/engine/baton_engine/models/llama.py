@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2 with qkv bias, Qwen3 with q/k norm, SmolLM).
+"""Llama-family decoder (Llama, Mistral, Qwen2 with qkv bias, Qwen3 with q/k norm, SmolLM), and
+its mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE: ``moe.SparseMoE`` in place of the MLP).
 
 Q/K/V and gate/up projections are fused into one matmul each (fewer, larger GEMMs); Hugging Face
 checkpoints are split into them at load time. Layers pass ``(hidden, residual)`` along, so that
@@ -11,6 +12,7 @@ kernels.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, cast
 
@@ -19,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from baton_engine.config import ModelConfig
+from baton_engine.models.moe import SparseMoE
 from baton_engine.models.rotary import FusedRope, RopeTables, RotaryEmbedding
 from baton_kernels import fused
 from baton_kernels.attention import AttentionBackend, AttentionMetadata, KVCacheView
@@ -105,11 +108,11 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     fused = False  # Triton SiLU-and-multiply (set by use_fused_kernels)
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
-        self.intermediate_size = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        size = self.intermediate_size = intermediate_size or cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * size, bias=False)
+        self.down_proj = nn.Linear(size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -131,12 +134,24 @@ class DecoderLayer(nn.Module):
     gemv_down = False  # without gemv_mlp, folded: the down projection as a GEMV (use_gemv_decode)
     folded_norms = False  # the norms' weights are in the projections (fold_norms)
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, index: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp: MLP | SparseMoE
+        if cfg.is_moe_layer(index):
+            shared = cfg.shared_expert_intermediate_size
+            self.mlp = SparseMoE(cfg, MLP(cfg, shared) if shared else None)
+        else:
+            self.mlp = MLP(cfg)
+
+    @property
+    def dense_mlp(self) -> MLP:
+        """The MLP, on a path that fuses its pieces: never a mixture of experts' (the model
+        turns those paths off for one)."""
+        assert isinstance(self.mlp, MLP), "a mixture of experts runs the generic path"
+        return self.mlp
 
     def pre_attention(
         self, hidden: torch.Tensor, residual: torch.Tensor | None
@@ -179,7 +194,7 @@ class DecoderLayer(nn.Module):
         new K/V itself.)"""
         from baton_kernels.triton.gemv import dot_launch, gemv
 
-        attn, mlp = self.self_attn, self.mlp
+        attn, mlp = self.self_attn, self.dense_mlp
         norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
         qkv = gemv(
             stream,
@@ -246,7 +261,7 @@ class DecoderLayer(nn.Module):
         down GEMM adding into the stream. Returns ``stream``."""
         from baton_kernels.triton.fused_ops import silu_and_mul
 
-        mlp = self.mlp
+        mlp = self.dense_mlp
         gate_up = F.linear(stream, mlp.gate_up_proj.weight)
         act = silu_and_mul(gate_up, norm_of=stream, eps=self.post_attention_layernorm.eps)
         return stream.addmm_(act, mlp.down_proj.weight.t())
@@ -271,7 +286,7 @@ class CpuDecodeLayers:
     def add_layer(self, layer: DecoderLayer) -> bool:
         """Append a layer's weights; False if one of its linear layers is not packed for the
         AVX512-BF16 GEMM with bf16 outputs."""
-        attn, mlp = layer.self_attn, layer.mlp
+        attn, mlp = layer.self_attn, layer.dense_mlp
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         packed = [m for m in linears if isinstance(m, PackedLinear) and m.kernel == "vnni"]
         if len(packed) != len(linears) or any(m.out_float32 for m in packed):
@@ -326,6 +341,19 @@ _STACKED = {
 }
 
 
+# One expert's weight (Mixtral's names, renamed to Qwen's by _EXPERT_RENAMES): layer, expert,
+# part.
+_EXPERT = re.compile(r"layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_MIXTRAL_PARTS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+_EXPERT_RENAMES = re.compile(r"\.block_sparse_moe\.|(?<=\.experts\.)(\d+)\.(w[123])\.")
+
+
+def _expert_rename(m: re.Match[str]) -> str:
+    if m.group(2) is None:
+        return ".mlp."
+    return f"{m.group(1)}.{_MIXTRAL_PARTS[m.group(2)]}."
+
+
 # Tensor parallelism (Megatron-style): these projections are split by output rows (column
 # parallel: each rank computes its heads / its share of the MLP), those by input columns (row
 # parallel: each rank's partial product, summed by ``DecoderLayer.reduce``). The rest (the
@@ -343,6 +371,8 @@ def shard_config(cfg: ModelConfig, tp_size: int) -> ModelConfig:
         ("attention heads", cfg.num_heads),
         ("KV heads", cfg.num_kv_heads),
         ("intermediate size", cfg.intermediate_size),
+        ("experts' intermediate size", cfg.moe_intermediate_size),
+        ("shared expert's intermediate size", cfg.shared_expert_intermediate_size),
     ):
         if n % tp_size:
             raise ValueError(
@@ -353,6 +383,8 @@ def shard_config(cfg: ModelConfig, tp_size: int) -> ModelConfig:
         num_heads=cfg.num_heads // tp_size,
         num_kv_heads=cfg.num_kv_heads // tp_size,
         intermediate_size=cfg.intermediate_size // tp_size,
+        moe_intermediate_size=cfg.moe_intermediate_size // tp_size,
+        shared_expert_intermediate_size=cfg.shared_expert_intermediate_size // tp_size,
     )
 
 
@@ -368,7 +400,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList([DecoderLayer(cfg) for _ in range(cfg.num_layers)])
+        self.layers = nn.ModuleList([DecoderLayer(cfg, i) for i in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # The LM head, or a classifier's head (one output per label: ``compute_logits`` then
         # gives the labels' logits).
@@ -496,12 +528,13 @@ class LlamaForCausalLM(nn.Module):
     def use_cpu_decode_layers(self, ops: Any) -> bool:
         """Run the layers of decode-only steps as one C++ call (``CpuDecodeLayers``) if the
         model qualifies: fused kernels on, every linear layer packed for the AVX512-BF16 GEMM
-        with bf16 outputs, no q/k norm. The caller vouches for the attention backend (its
-        decode must be the C++ kernel). Call after the weights are loaded and packed; returns
-        whether the path is on."""
+        with bf16 outputs, no q/k norm, no experts. The caller vouches for the attention
+        backend (its decode must be the C++ kernel). Call after the weights are loaded and
+        packed; returns whether the path is on."""
         self.cpu_decode_layers = None
-        if ops is None or not self.fused_rope or self.config.qk_norm or self.tp_size > 1:
-            return False  # (the C++ loop has no all-reduce)
+        cfg = self.config
+        if ops is None or not self.fused_rope or cfg.qk_norm or cfg.is_moe or self.tp_size > 1:
+            return False  # (the C++ loop has no all-reduce, nor experts)
         layers = CpuDecodeLayers(ops, self.config, self.rotary)
         if not all(layers.add_layer(cast(DecoderLayer, layer)) for layer in self.layers):
             return False
@@ -513,12 +546,14 @@ class LlamaForCausalLM(nn.Module):
         (Triton GEMV kernels with the norms, SiLU and residual adds inside: 5 launches a layer
         instead of 8; with ``mlp`` off, the attention's projections only, and with ``down``
         the down projection too once the norms are folded, ``fold_norms``). Needs the fused
-        kernels on (``use_fused_kernels``) and no q/k norm; returns whether the path is on."""
+        kernels on (``use_fused_kernels``), no q/k norm and no experts; returns whether the
+        path is on."""
         from baton_kernels.triton.gemv import MAX_ROWS
 
         ok = (
             self.fused_rope
             and not self.config.qk_norm
+            and not self.config.is_moe
             and self.tp_size == 1  # (the residual adds inside the GEMVs precede no all-reduce)
             and 0 < rows <= MAX_ROWS
         )
@@ -536,18 +571,18 @@ class LlamaForCausalLM(nn.Module):
         norms' kernels; with ``prompts`` every other step's layers too (``piece``). Needs the
         fused kernels on (``use_fused_kernels``), an attention backend whose ``forward_rope``
         takes a ``DecodeNorm`` (on decode-only steps, and on all with ``prompts``: the caller
-        vouches), no q/k norm, one rank (o_proj and down_proj add into the residual stream
-        before any all-reduce), and GPU-side Triton (or its interpreter). Call after the
-        weights are loaded; a second call folds what the norms hold then (ones, unless they
-        were changed). Returns whether the path is on."""
-        if not self.fused_rope or self.config.qk_norm or self.tp_size > 1:
+        vouches), no q/k norm, no experts, one rank (o_proj and down_proj add into the
+        residual stream before any all-reduce), and GPU-side Triton (or its interpreter).
+        Call after the weights are loaded; a second call folds what the norms hold then (ones,
+        unless they were changed). Returns whether the path is on."""
+        if not self.fused_rope or self.config.qk_norm or self.config.is_moe or self.tp_size > 1:
             return False
         with torch.no_grad():
             for layer in self.layers:
                 layer = cast(DecoderLayer, layer)
                 for norm, proj in (
                     (layer.input_layernorm, layer.self_attn.qkv_proj),
-                    (layer.post_attention_layernorm, layer.mlp.gate_up_proj),
+                    (layer.post_attention_layernorm, layer.dense_mlp.gate_up_proj),
                 ):
                     w = proj.weight
                     w.copy_(w.float().mul_(norm.weight.float()).to(w.dtype))
@@ -562,7 +597,7 @@ class LlamaForCausalLM(nn.Module):
         kernels (``baton_kernels.fused``; the results equal the torch ops' within a rounding)."""
         self.fused_rope = True
         for module in self.modules():
-            if isinstance(module, RMSNorm | MLP):
+            if isinstance(module, RMSNorm | MLP | SparseMoE):
                 module.fused = True
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -573,8 +608,9 @@ class LlamaForCausalLM(nn.Module):
         names of parameters that were loaded."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
+        expert_parts: dict[str, set[tuple[int, str]]] = {}  # stacked parameter -> pieces in
         for hf_name, tensor in weights:
-            name = hf_name.removeprefix("model.")
+            name = _EXPERT_RENAMES.sub(_expert_rename, hf_name.removeprefix("model."))
             if name == "score.weight" and self.config.is_classifier:
                 name = "lm_head.weight"  # (transformers' name for a classifier's head)
             if "rotary_emb" in name or (
@@ -582,6 +618,15 @@ class LlamaForCausalLM(nn.Module):
             ):
                 continue
             tensor = self._tp_slice(name, tensor)
+            expert = _EXPERT.match(name)
+            if expert is not None:
+                layer, index, part = expert.groups()
+                mlp = cast(DecoderLayer, self.layers[int(layer)]).mlp
+                if not isinstance(mlp, SparseMoE) or int(index) >= len(mlp.experts.down_proj):
+                    raise ValueError(f"checkpoint tensor {hf_name!r} has no place in the model")
+                stacked = f"layers.{layer}.mlp.experts.{mlp.experts.load(int(index), part, tensor)}"
+                expert_parts.setdefault(stacked, set()).add((int(index), part))
+                continue
             shard = None
             for frag, (fused_name, idx) in _STACKED.items():
                 if f".{frag}." in name:
@@ -594,8 +639,14 @@ class LlamaForCausalLM(nn.Module):
                 if shard is None:
                     param.copy_(tensor)
                 else:
-                    param.narrow(0, *self._shard_range(name, shard)).copy_(tensor)
+                    param.narrow(0, *_shard_range(self.config, param, name, shard)).copy_(tensor)
             loaded.add(name)
+        # a stacked parameter is loaded once every expert's pieces are
+        loaded.update(
+            name
+            for name, pieces in expert_parts.items()
+            if len(pieces) == params[name].shape[0] * (2 if name.endswith("gate_up_proj") else 1)
+        )
         return loaded
 
     def _tp_slice(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -612,9 +663,12 @@ class LlamaForCausalLM(nn.Module):
         size = tensor.shape[dim] // self.tp_size
         return tensor.narrow(dim, self.tp_rank * size, size)
 
-    def _shard_range(self, name: str, shard: int) -> tuple[int, int]:
-        cfg = self.config
-        if "qkv_proj" in name:
-            q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-            return ((0, q), (q, kv), (q + kv, kv))[shard]
-        return (shard * cfg.intermediate_size, cfg.intermediate_size)
+
+def _shard_range(cfg: ModelConfig, param: torch.Tensor, name: str, shard: int) -> tuple[int, int]:
+    """``(start, length)`` of piece ``shard`` of a fused projection's rows (q, k, v or gate,
+    up: a shared expert's MLP has its own size)."""
+    if "qkv_proj" in name:
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        return ((0, q), (q, kv), (q + kv, kv))[shard]
+    size = param.shape[0] // 2
+    return (shard * size, size)

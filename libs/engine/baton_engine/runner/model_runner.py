@@ -409,11 +409,15 @@ class ModelRunner:
         self.graphs.capture_all()
         return True
 
-    def enable_piece_graphs(self, capture: bool) -> None:
+    def enable_piece_graphs(self, capture: bool) -> bool:
         """Run the steps that decode graphs do not take (prompt chunks, mixed batches) through
         ``PieceGraphs``, captured now when ``capture``: before the KV cache is sized, so that
-        their memory is counted as in use."""
+        their memory is counted as in use. Not for a mixture of experts: on these steps its
+        experts run one by one, as the routing says (``moe.experts_sorted``), which a graph
+        cannot follow. Returns whether the pieces are on."""
         cfg = self.model_config
+        if cfg.is_moe:
+            return False
         q_size = cfg.num_heads * cfg.head_dim
         self.pieces = PieceGraphs(
             self.model,
@@ -427,6 +431,7 @@ class ModelRunner:
             switch=self._lora_switch(),
         )
         self.pieces.capture_all()
+        return True
 
     def _lora_switch(self) -> Callable[[bool], object] | None:
         """With LoRA adapters, the graphs' switch: whether a step computes the adapters'

@@ -1,0 +1,174 @@
+"""The sparse MLP of a mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE), as transformers
+computes it: a router (``gate``) scores the experts for each token; the token goes to its
+``top_k`` best by softmax probability (renormalized to sum to 1 where the model says so), and
+its output is the sum of those experts' SwiGLU MLPs weighted by the probabilities. Qwen2-MoE
+adds a shared expert that every token goes through, scaled by a sigmoid gate.
+
+The experts' weights are stacked, as transformers >= 5 holds them: ``experts.gate_up_proj``
+``[E, 2I, H]`` (gate rows, then up rows) and ``experts.down_proj`` ``[E, H, I]``; checkpoints
+with one tensor an expert are stacked at load time (``Experts.load``). With tensor
+parallelism each rank holds every expert's share of ``I`` (gate/up by rows, down by columns),
+as for a dense MLP, and the layer's all-reduce sums the partial outputs; the router and the
+shared expert's gate are replicated.
+
+Three ways to run the experts, with the same result (``experts_sorted`` is the reference):
+- ``experts_sorted``: the token-expert pairs sorted by expert, one GEMM pair an expert that
+  has tokens. It reads the routing on the host (how many tokens each expert has), so it cannot
+  be captured in a CUDA graph; it runs every step but the captured decode steps.
+- ``experts_gathered``: each pair's expert weights gathered, then batched GEMVs. For a few
+  tokens (``T * top_k <= E``): it reads only the experts chosen.
+- ``experts_dense``: every expert on every token, weighted by a routing matrix that is zero
+  where a token did not choose the expert: three launches, every expert's weights read once.
+The last two are what a decode step captured in a CUDA graph runs (static shapes, no host
+work): the gather for small batches, the dense form for larger ones, where a decode step
+reads most experts' weights anyway.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from baton_engine.config import ModelConfig
+from baton_kernels import fused
+
+Activation = Callable[[torch.Tensor], torch.Tensor]
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SiLU of the first half of the last dimension times its second half."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router's choice for each token, from its logits ``[T, E]``: ``(weights, ids)``,
+    both ``[T, top_k]``, the weights in the logits' dtype (softmax in float32, as
+    transformers)."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = probs.topk(top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(logits.dtype), ids
+
+
+def experts_sorted(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    act: Activation = silu_and_mul,
+) -> torch.Tensor:
+    """The experts' weighted sum for each token of ``x`` ``[T, H]`` routed to ``ids`` with
+    ``weights`` (``[T, k]``): ``[T, H]``. Each token's outputs are summed in expert order, as
+    transformers sums them."""
+    top_k = ids.shape[1]
+    flat = ids.flatten()
+    order = flat.argsort(stable=True)
+    counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()  # (the host sync)
+    token = order // top_k
+    rows = x.index_select(0, token)
+    out = torch.empty_like(rows)
+    start = 0
+    for expert, n in enumerate(counts):
+        if n:
+            end = start + n
+            hidden = act(F.linear(rows[start:end], gate_up[expert]))
+            torch.matmul(hidden, down[expert].t(), out=out[start:end])
+            start = end
+    out.mul_(weights.flatten()[order].unsqueeze(1))
+    return torch.zeros_like(x).index_add_(0, token, out)
+
+
+def experts_gathered(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    act: Activation = silu_and_mul,
+) -> torch.Tensor:
+    """``experts_sorted`` with each token-expert pair's weights gathered (static shapes)."""
+    num_tokens, top_k = ids.shape
+    flat = ids.flatten()
+    rows = x.unsqueeze(1).expand(-1, top_k, -1).reshape(-1, x.shape[1], 1)  # [T k, H, 1]
+    hidden = act(torch.bmm(gate_up.index_select(0, flat), rows).squeeze(2))  # [T k, I]
+    out = torch.bmm(down.index_select(0, flat), hidden.unsqueeze(2)).squeeze(2)  # [T k, H]
+    out = out * weights.reshape(-1, 1)
+    return out.view(num_tokens, top_k, -1).sum(dim=1)
+
+
+def experts_dense(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    act: Activation = silu_and_mul,
+) -> torch.Tensor:
+    """``experts_sorted`` with every expert run on every token (static shapes)."""
+    num_experts = gate_up.shape[0]
+    routing = torch.zeros(x.shape[0], num_experts, dtype=x.dtype, device=x.device)
+    routing.scatter_(1, ids, weights)  # [T, E]: zero where a token did not choose the expert
+    hidden = torch.matmul(x, gate_up.transpose(1, 2))  # [E, T, 2I]
+    hidden = act(hidden.flatten(0, 1)).view(num_experts, x.shape[0], -1)
+    out = torch.bmm(hidden, down.transpose(1, 2))  # [E, T, H]
+    return torch.einsum("te,eth->th", routing, out)
+
+
+class Experts(nn.Module):
+    """The stacked weights of a layer's experts (one rank's share of each)."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = nn.Parameter(
+            torch.empty(num_experts, 2 * intermediate_size, hidden_size)
+        )
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+    def load(self, expert: int, part: str, tensor: torch.Tensor) -> str:
+        """Copy one expert's ``gate_proj``, ``up_proj`` or ``down_proj`` weight (this rank's
+        share) in; returns the name of the parameter it went to."""
+        size = self.intermediate_size
+        with torch.no_grad():
+            if part == "down_proj":
+                self.down_proj[expert].copy_(tensor)
+                return "down_proj"
+            start = 0 if part == "gate_proj" else size
+            self.gate_up_proj[expert, start : start + size].copy_(tensor)
+        return "gate_up_proj"
+
+
+class SparseMoE(nn.Module):
+    """A mixture of experts in place of a decoder layer's MLP (the module docstring)."""
+
+    fused = False  # SiLU-and-multiply as a fused kernel (set by use_fused_kernels)
+
+    def __init__(self, cfg: ModelConfig, shared_expert: nn.Module | None = None) -> None:
+        super().__init__()
+        self.top_k, self.renormalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        self.shared_expert = shared_expert
+        self.shared_expert_gate = (
+            nn.Linear(cfg.hidden_size, 1, bias=False) if shared_expert is not None else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
+        act = fused.silu_and_mul if self.fused else silu_and_mul
+        experts = self.experts
+        run = experts_sorted
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            few = ids.numel() <= experts.gate_up_proj.shape[0]
+            run = experts_gathered if few else experts_dense
+        out = run(x, ids, weights, experts.gate_up_proj, experts.down_proj, act)
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            shared = self.shared_expert(x)
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * shared
+        return out
