@@ -93,8 +93,9 @@ def offline(default_model_dir: Path, adapters: dict[str, Path]) -> dict[str, Any
 
 
 def test_models_lists_the_adapters(
-    client: openai.OpenAI, server: Any, adapters: dict[str, Path]
+    client: openai.OpenAI, server: Any, adapters: dict[str, Path], default_model_dir: Path
 ) -> None:
+    assert server.model == str(default_model_dir)  # as vLLM names it: the path as given
     cards = {m.id: m for m in client.models.list().data}
     assert set(cards) == {server.model, "every", "mlp"}
     for name in ("every", "mlp"):

@@ -45,8 +45,9 @@ def test_model_tokenizer_without_conversion(tmp_path: Path, default_model_dir: P
     assert tok.encode("hi there") == load_model_tokenizer(str(default_model_dir)).encode("hi there")
     assert not list(tmp_path.iterdir())  # nothing was written
     assert served_model_name(None) == "SmolLM2-135M-Instruct"
-    assert served_model_name("/m/Foo-1B.Q4.gguf") == "Foo-1B.Q4"
-    assert served_model_name(str(default_model_dir)) == default_model_dir.name
+    # as vLLM: the path as given
+    assert served_model_name("/m/Foo-1B.Q4.gguf") == "/m/Foo-1B.Q4.gguf"
+    assert served_model_name(str(default_model_dir)) == str(default_model_dir)
 
 
 def test_chat_template_rendering(tokenizer: Any) -> None:

@@ -128,16 +128,11 @@ def model_source(model: str | None) -> Path:
 
 
 def served_model_name(model: str | None) -> str:
-    """The name a server lists ``model`` under by default: the default model's name, a
-    repository id as given, else the folder's name or the file's stem
-    (``/m/SmolLM2-135M-Instruct.Q4_1.gguf`` -> ``SmolLM2-135M-Instruct.Q4_1``). Nothing is read
-    beyond a ``stat``."""
-    if model is None:
-        return DEFAULT_MODEL_NAME
-    if is_repo_id(model):
-        return model  # (as vLLM: the repository id itself)
-    path = Path(model).expanduser()
-    return path.stem if path.suffix.lower() == ".gguf" else path.resolve().name
+    """The name a server lists ``model`` under by default: the default model's name, else
+    ``model`` as given, as vLLM names it (a repository id, or a path: ``vllm serve
+    /models/llama`` answers to ``"model": "/models/llama"``, which scripts written for vLLM
+    send)."""
+    return DEFAULT_MODEL_NAME if model is None else model
 
 
 def converted_model_dir(model: str | None, cache_dir: Path | None = None) -> Path | None:
