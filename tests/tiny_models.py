@@ -53,7 +53,8 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
 }
 
 
-def build_model(name: str, tokenizer_dir: Path, out: Path) -> Any:
+def build_model(name: str, tokenizer_dir: Path, out: Path, **overrides: Any) -> Any:
+    """A tiny ``name`` (one of ``ARCHITECTURES``), its config changed by ``overrides``."""
     import transformers
 
     family = name.split("-")[0].removesuffix("3") if name != "qwen3" else "qwen3"
@@ -67,7 +68,7 @@ def build_model(name: str, tokenizer_dir: Path, out: Path) -> Any:
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
     }[family]
     torch.manual_seed(0)
-    config = config_cls(vocab_size=49152, **{**TINY, **ARCHITECTURES[name]})
+    config = config_cls(vocab_size=49152, **{**TINY, **ARCHITECTURES[name], **overrides})
     return _saved(model_cls(config).eval(), tokenizer_dir, out)
 
 

@@ -106,6 +106,11 @@ class ModelConfig:
     # (``lm_head``, read from the checkpoint's ``score``) has one output per label. Empty: a
     # causal LM.
     labels: tuple[str, ...] = ()
+    # Sliding-window attention (Mistral-7B-v0.1, Phi-3, Qwen2 with use_sliding_window): tokens
+    # attend to the last ``sliding_window`` positions only, in some layers. Baton computes
+    # full attention, which equals it while a sequence is no longer than the window: such a
+    # model is served up to that length (None: no window).
+    sliding_window: int | None = None
     # A mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE): the MLP of its sparse layers
     # (``is_moe_layer``) is ``num_experts`` experts of ``moe_intermediate_size``, each token
     # routed to ``num_experts_per_tok`` of them (softmax, top k, renormalized if
@@ -163,6 +168,11 @@ class ModelConfig:
         labels: tuple[str, ...] = ()
         if archs[0].endswith("ForSequenceClassification"):
             labels = _labels(cfg)
+        window = cfg.get("sliding_window") or None
+        if arch.startswith("qwen") and not cfg.get("use_sliding_window"):
+            window = None  # (Qwen's configs name a window they do not use)
+        elif "sliding_attention" not in cfg.get("layer_types", ["sliding_attention"]):
+            window = None  # (transformers >= 5: every layer's attention is full)
         moe: dict[str, Any] = {}
         if arch in ("mixtral", "qwen2_moe", "qwen3_moe"):
             moe = _moe_fields(arch, cfg)
@@ -196,6 +206,7 @@ class ModelConfig:
                 else None
             ),
             labels=labels,
+            sliding_window=None if window is None else int(window),
             **moe,
         )
 

@@ -106,12 +106,7 @@ def build_runner(config: EngineConfig, tp_rank: int = 0) -> RunnerSetup:
     model_dir = resolve_model(config.model)
     mc = ModelConfig.from_path(model_dir)
     config.check_model_task(mc)
-    max_model_len = config.max_model_len or min(mc.max_position_embeddings, _DEFAULT_MAX_MODEL_LEN)
-    if max_model_len > mc.max_position_embeddings:
-        raise InvalidRequestError(
-            f"max_model_len {max_model_len} exceeds the model's "
-            f"max_position_embeddings {mc.max_position_embeddings}"
-        )
+    max_model_len = _max_model_len(config, mc)
     dtype = resolve_dtype(config, mc)
     torch.manual_seed(config.seed)
     tp_size = config.tensor_parallel_size
@@ -165,6 +160,36 @@ def build_runner(config: EngineConfig, tp_rank: int = 0) -> RunnerSetup:
         f"; each of {tp_size} ranks holds 1/{tp_size} of the heads" if tp_size > 1 else "",
     )
     return RunnerSetup(runner, num_blocks, model_dir, mc, max_model_len, dtype)
+
+
+def _max_model_len(config: EngineConfig, mc: ModelConfig) -> int:
+    """The longest sequence served: ``max_model_len``, else the model's positions up to 8,192
+    (or its sliding window: ``ModelConfig.sliding_window``)."""
+    window = mc.sliding_window
+    if config.max_model_len is None:
+        longest = min(mc.max_position_embeddings, _DEFAULT_MAX_MODEL_LEN)
+        if window is not None and window < longest:
+            logger.warning(
+                "the model's attention slides over the last %d tokens, which Baton does not "
+                "implement: sequences are served up to that length (--max-model-len %d), where "
+                "full attention computes the same",
+                window,
+                window,
+            )
+            return window
+        return longest
+    if config.max_model_len > mc.max_position_embeddings:
+        raise InvalidRequestError(
+            f"max_model_len {config.max_model_len} exceeds the model's "
+            f"max_position_embeddings {mc.max_position_embeddings}"
+        )
+    if window is not None and config.max_model_len > window:
+        raise InvalidRequestError(
+            f"max_model_len {config.max_model_len} exceeds the model's sliding window of "
+            f"{window} tokens: Baton computes full attention, which equals the model's only "
+            "up to the window's length (as vLLM's --disable-sliding-window)"
+        )
+    return config.max_model_len
 
 
 def lora_limits(config: EngineConfig) -> LoRALimits | None:
