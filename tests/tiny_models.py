@@ -31,8 +31,12 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
             "original_max_position_embeddings": 64,
         }
     },
+    "llama-linear-rope": {"rope_scaling": {"rope_type": "linear", "factor": 2.0}},
     "mistral": {"sliding_window": None},
     "qwen2": {},
+    "qwen2-yarn-rope": {  # as Qwen2.5 serves 128k tokens (its original 32k here 64)
+        "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+    },
     "qwen3": {"head_dim": 32},
     # mixtures of experts: 8 experts, 2 a token
     "mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32},

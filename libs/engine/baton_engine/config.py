@@ -161,6 +161,14 @@ class ModelConfig:
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
         rope_theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
+        positions = int(cfg.get("max_position_embeddings", 2048))
+        if rope_type in ("llama3", "yarn"):  # (transformers' defaults; Phi-3's key first)
+            original = cfg.get("original_max_position_embeddings")
+            rope["original_max_position_embeddings"] = int(
+                original or rope.get("original_max_position_embeddings") or positions
+            )
+            if rope.get("factor") is None:
+                rope["factor"] = positions / rope["original_max_position_embeddings"]
         eos = cfg.get("eos_token_id")
         eos_ids: tuple[int, ...] = (
             () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
@@ -188,7 +196,10 @@ class ModelConfig:
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
             rope_theta=rope_theta,
             rope_scaling=rope if rope_type != "default" else None,
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            # (what the rope scaling serves, as vLLM derives it)
+            max_position_embeddings=_rope_positions(
+                positions, rope if rope_type != "default" else None
+            ),
             # (a classifier has no LM head to tie, whatever its config says)
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)) and not labels,
             attention_bias=bool(
@@ -221,6 +232,19 @@ class ModelConfig:
             if isinstance(e, ModelLoadError):
                 raise
             raise ModelLoadError(f"{path} is not a valid model config: {e}") from None
+
+
+def _rope_positions(max_position_embeddings: int, scaling: dict[str, Any] | None) -> int:
+    """The positions a model serves with its rope scaling, as vLLM derives them: ``linear``
+    and ``yarn`` stretch the (original) positions by their factor; ``llama3``'s config already
+    counts them."""
+    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type"))
+    if scaling is None or rope_type not in ("linear", "yarn"):
+        return max_position_embeddings
+    base = max_position_embeddings
+    if rope_type == "yarn":
+        base = int(scaling.get("original_max_position_embeddings") or base)
+    return int(base * float(scaling["factor"]))
 
 
 def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:

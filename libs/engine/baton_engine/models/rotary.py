@@ -1,4 +1,6 @@
-"""Rotary position embeddings (Hugging Face's rotate-half layout), with Llama 3 scaling."""
+"""Rotary position embeddings (Hugging Face's rotate-half layout), with the static scalings of
+transformers' ``rope_type``: ``llama3``, ``linear`` and ``yarn`` (whose attention factor scales
+the cos/sin table, so that every path that reads the table applies it)."""
 
 from __future__ import annotations
 
@@ -20,6 +22,38 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.T
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
     return torch.where(medium, smoothed, scaled)
+
+
+def _yarn_inv_freq(
+    inv_freq: torch.Tensor, scaling: dict[str, Any], head_dim: int, theta: float
+) -> tuple[torch.Tensor, float]:
+    """YaRN's frequencies (interpolated below its correction range, extrapolated above, a
+    linear ramp between) and its attention factor, as transformers computes them."""
+    factor = float(scaling["factor"])
+    old_len = float(scaling["original_max_position_embeddings"])
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+
+    def correction_dim(rotations: float) -> float:
+        return head_dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = correction_dim(float(scaling.get("beta_fast") or 32))
+    high = correction_dim(float(scaling.get("beta_slow") or 1))
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # (transformers': no division by zero)
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    blended = inv_freq / factor * (1 - extrapolation) + inv_freq * extrapolation
+    return blended, float(attention)
 
 
 class RotaryEmbedding(torch.nn.Module):
@@ -46,13 +80,23 @@ class RotaryEmbedding(torch.nn.Module):
             theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
         )
         rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type"))
-        if scaling is not None and rope_type == "llama3":
+        attention = 1.0
+        if scaling is None or rope_type in (None, "default"):
+            pass
+        elif rope_type == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, scaling)
-        elif scaling is not None and rope_type not in (None, "default"):
-            raise ValueError(f"unsupported rope scaling {rope_type!r}")
+        elif rope_type == "linear":
+            inv_freq = inv_freq / float(scaling["factor"])
+        elif rope_type == "yarn":
+            inv_freq, attention = _yarn_inv_freq(inv_freq, scaling, head_dim, theta)
+        else:
+            raise ValueError(
+                f"unsupported rope scaling {rope_type!r} (supported: llama3, linear, yarn)"
+            )
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)
-        return torch.stack([emb.cos(), emb.sin()], dim=1)
+        table = torch.stack([emb.cos(), emb.sin()], dim=1)
+        return table if attention == 1.0 else table * attention
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTables:
         """The tables for one step's ``positions``, computed once and shared by every layer."""

@@ -1,0 +1,53 @@
+"""The rotary tables of each rope scaling equal transformers' cos and sin (its attention factor
+included), and the positions served follow the scaling as vLLM derives them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from baton_engine.config import ModelConfig
+from baton_engine.models.rotary import RotaryEmbedding
+
+SHAPE = {"hidden_size": 512, "intermediate_size": 128, "num_hidden_layers": 1,
+         "num_attention_heads": 4, "vocab_size": 100, "rope_theta": 1000000.0,
+         "max_position_embeddings": 4096}  # fmt: skip
+
+
+YARN_MSCALE = {"type": "yarn", "factor": 8.0, "original_max_position_embeddings": 1024,
+               "beta_fast": 16, "mscale": 0.707, "mscale_all_dim": 0.707}  # fmt: skip
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 1024}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("scaling", "positions"),
+    [
+        (None, 4096),
+        ({"rope_type": "linear", "factor": 2.0}, 8192),
+        ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}, 4096),
+        ({"rope_type": "yarn", "factor": 4.0}, 16384),  # original: max_position_embeddings
+        (YARN_MSCALE, 8192),
+        (LLAMA3, 4096),
+    ],
+)
+def test_tables_equal_transformers(scaling: dict[str, Any] | None, positions: int) -> None:
+    from transformers import Qwen2Config
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
+
+    cfg = SHAPE | ({"rope_scaling": scaling} if scaling else {})
+    mc = ModelConfig.from_hf_dict(cfg | {"architectures": ["Qwen2ForCausalLM"]})
+    assert mc.max_position_embeddings == positions
+    ours = RotaryEmbedding(mc.head_dim, 6000, mc.rope_theta, mc.rope_scaling).cos_sin
+    hf = Qwen2RotaryEmbedding(Qwen2Config(**cfg))
+    at = torch.tensor([[0, 1, 17, 1000, 3000, 5999]])
+    cos, sin = hf(torch.zeros(1, dtype=torch.float32), at)
+    torch.testing.assert_close(ours[at[0], 0], cos[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours[at[0], 1], sin[0], atol=1e-5, rtol=1e-5)
+
+
+def test_an_unsupported_scaling_is_named() -> None:
+    with pytest.raises(ValueError, match=r"unsupported rope scaling 'dynamic' \(supported: "):
+        RotaryEmbedding(64, 16, 10000.0, {"rope_type": "dynamic", "factor": 2.0})
