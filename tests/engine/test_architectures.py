@@ -5,6 +5,7 @@ initialised by transformers itself (nothing is downloaded); the tokenizer is the
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -89,3 +90,34 @@ def test_which_configs_have_a_sliding_window() -> None:
     # transformers >= 5 lists each layer's attention
     full = ["full_attention"] * 2
     assert window("MistralForCausalLM", sliding_window=4096, layer_types=full) is None
+
+
+def test_hf_overrides_replace_the_configs_keys(default_model_dir: Path, tmp_path: Path) -> None:
+    """vLLM's hf_overrides: a folder without rope scaling, served with YaRN's, generates what
+    transformers does with YaRN in the config (the same weights)."""
+    from baton_engine.errors import InvalidRequestError
+
+    yarn = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+    build_model("qwen2", default_model_dir, tmp_path / "plain")  # rope_type "default"
+    model = build_model("qwen2", default_model_dir, tmp_path / "yarn", rope_scaling=yarn)
+    prompt = [10 + i for i in range(40)]
+    with torch.inference_mode():
+        ids = torch.tensor([prompt])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12,
+                             do_sample=False, eos_token_id=None, pad_token_id=0)  # fmt: skip
+    want = out[0, len(prompt) :].tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    got = {}
+    for name, overrides in (("plain", None), ("overridden", json.dumps({"rope_scaling": yarn}))):
+        llm = LLM(str(tmp_path / "plain"), dtype="float32", kv_cache_memory=16 << 20,
+                  hf_overrides=overrides)  # fmt: skip
+        try:
+            (result,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+            got[name] = list(result.outputs[0].token_ids)
+            if overrides:  # the positions YaRN serves: 4 x 64
+                assert llm.engine.core.max_model_len == 256
+        finally:
+            llm.shutdown()
+    assert got["overridden"] == want != got["plain"]
+    with pytest.raises(InvalidRequestError, match="hf_overrides must be a JSON object"):
+        LLM(str(tmp_path / "plain"), hf_overrides="[1]")

@@ -51,3 +51,11 @@ def test_tables_equal_transformers(scaling: dict[str, Any] | None, positions: in
 def test_an_unsupported_scaling_is_named() -> None:
     with pytest.raises(ValueError, match=r"unsupported rope scaling 'dynamic' \(supported: "):
         RotaryEmbedding(64, 16, 10000.0, {"rope_type": "dynamic", "factor": 2.0})
+
+
+def test_a_partial_rotation_is_refused() -> None:
+    """(Phi-4-mini's kind: a rotation of part of each head, which the kernels do not do.)"""
+    nested = {"rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 0.75}}
+    for where in ({"partial_rotary_factor": 0.75}, nested):
+        with pytest.raises(ValueError, match=r"partial_rotary_factor 0\.75 is not supported"):
+            ModelConfig.from_hf_dict(SHAPE | where)

@@ -44,6 +44,9 @@ _HELP = {
     "pooler_config": 'how embeddings pool, as JSON: {"pooling_type": "LAST" | "MEAN" | '
     '"CLS", "normalize": true | false} (default: the model\'s sentence-transformers config, '
     "else LAST, normalized)",
+    "hf_overrides": "keys of the model's config.json to replace, as JSON (vLLM's): e.g. "
+    '\'{"rope_scaling": {"rope_type": "yarn", "factor": 4.0, '
+    '"original_max_position_embeddings": 32768}}\'',
     "seed": "seed of the default random generator",
     "device": "cpu | cuda",
     "tensor_parallel_size": "split the model's heads and MLP across this many processes: one "
@@ -61,7 +64,11 @@ _HELP = {
 
 # vLLM's short forms and older names
 _ALIASES = {"tensor_parallel_size": ("-tp",), "pooler_config": ("--override-pooler-config",)}
-_TYPES: dict[str, Any] = {"pooler_config": str, "tokenizer": str}  # (None defaults: ints)
+_TYPES: dict[str, Any] = {
+    "pooler_config": str,
+    "hf_overrides": str,
+    "tokenizer": str,
+}  # (None defaults: ints)
 _CHOICES = {"scheduling_policy": SCHEDULING_POLICIES, "runner": RUNNERS}
 
 

@@ -157,9 +157,17 @@ class ModelConfig:
         num_heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         # transformers >= 5 writes `rope_parameters` (theta and scaling together); older
-        # configs have `rope_theta` and `rope_scaling`.
-        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-        rope_theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+        # configs have `rope_theta` and `rope_scaling`, which win where both are given (one
+        # came from hf_overrides).
+        scaling = dict(cfg.get("rope_scaling") or {})
+        if "type" in scaling:  # (the older name)
+            scaling.setdefault("rope_type", scaling.pop("type"))
+        rope = dict(cfg.get("rope_parameters") or {}) | scaling
+        rope_theta = float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0)
+        rope.pop("rope_theta", None)
+        partial = float(rope.pop("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
+        if partial != 1.0:
+            raise ValueError(f"partial_rotary_factor {partial} is not supported (only 1.0)")
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         positions = int(cfg.get("max_position_embeddings", 2048))
         if rope_type in ("llama3", "yarn"):  # (transformers' defaults; Phi-3's key first)
@@ -222,10 +230,12 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_path(cls, model_dir: Path) -> ModelConfig:
+    def from_path(cls, model_dir: Path, overrides: dict[str, Any] | None = None) -> ModelConfig:
+        """The model folder's config, with ``overrides`` (vLLM's ``hf_overrides``) replacing
+        its top-level keys."""
         path = model_dir / "config.json"
         try:
-            return cls.from_hf_dict(json.loads(path.read_text()))
+            return cls.from_hf_dict(json.loads(path.read_text()) | (overrides or {}))
         except FileNotFoundError:
             raise ModelLoadError(f"{model_dir} has no config.json") from None
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
@@ -344,6 +354,10 @@ class EngineConfig:
     # How embeddings pool (vLLM's --pooler-config JSON: {"pooling_type": "LAST" | "MEAN" |
     # "CLS", "normalize": bool}); None: the model folder's sentence-transformers config, LAST
     pooler_config: str | None = None
+    # Keys of the model's config.json replaced (vLLM's --hf-overrides, a JSON object, or a dict
+    # offline): {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, ...}} serves Qwen2.5 at
+    # 128k tokens without editing its folder.
+    hf_overrides: str | dict[str, Any] | None = None
     seed: int = 0
     device: str = "cpu"
     # Split the model's heads and MLP across this many processes (ranks 1..N-1 are helper
@@ -378,6 +392,20 @@ class EngineConfig:
         # Qwen2.5-0.5B workload of issue 5 at 256 ran 2% faster than with 8,192,
         # benchmarks/device/ab_budget.sh), else 8,192.
         return 16384 if _large_gpu(self.device) else 8192
+
+    def hf_overrides_dict(self) -> dict[str, Any]:
+        """``hf_overrides`` as a dict (``InvalidRequestError`` unless a JSON object)."""
+        value = self.hf_overrides
+        if isinstance(value, str):
+            try:
+                value = json.loads(value) if value.strip() else {}
+            except ValueError as e:
+                raise InvalidRequestError(f"hf_overrides is not valid JSON: {e}") from None
+        if not isinstance(value, dict | None):
+            raise InvalidRequestError(
+                f"hf_overrides must be a JSON object (keys of config.json), got {value!r}"
+            )
+        return value or {}
 
     def _runner_from_task(self) -> None:
         """Set ``runner`` from vLLM's ``task`` / ``convert`` (``InvalidRequestError`` for a
@@ -453,6 +481,7 @@ class EngineConfig:
             from baton_engine.pooling_params import PoolerConfig
 
             PoolerConfig.resolve(self.pooler_config, None)  # (its errors, before the model)
+        self.hf_overrides_dict()  # (its errors, before the model)
         if self.load_format not in ("auto", "dummy"):
             raise InvalidRequestError(
                 f"load_format must be 'auto' or 'dummy', got {self.load_format!r}"

@@ -177,11 +177,6 @@ ENGINE_FLAGS: tuple[VllmFlag, ...] = (
         _one_of(0, 0.0),
     ),
     VllmFlag("speculative_config", "speculative decoding is not supported", accepts=_one_of(None)),
-    VllmFlag(
-        "hf_overrides",
-        "the model's config.json is read as it is",
-        accepts=lambda v: not v or v == "{}",
-    ),
     VllmFlag("enable_sleep_mode", "sleep mode is not supported", False, bool, _one_of(False)),
     VllmFlag(
         "kv_transfer_config",
@@ -272,9 +267,15 @@ ENGINE_FLAGS: tuple[VllmFlag, ...] = (
     VllmFlag("logits_processor_pattern", "custom logits processors are not supported"),
     VllmFlag("num_lookahead_slots", "speculative decoding is not supported", 0, int, _one_of(0)),
     VllmFlag(
-        "rope_scaling", "the model's config.json says the rope scaling", accepts=_one_of(None)
+        "rope_scaling",
+        "vLLM's older flag: give --hf-overrides '{\"rope_scaling\": ...}'",
+        accepts=_one_of(None),
     ),
-    VllmFlag("rope_theta", "the model's config.json says the rope theta", accepts=_one_of(None)),
+    VllmFlag(
+        "rope_theta",
+        "vLLM's older flag: give --hf-overrides '{\"rope_theta\": ...}'",
+        accepts=_one_of(None),
+    ),
     VllmFlag("scheduler_cls", "Baton's scheduler is its own", accepts=_one_of(None)),
     VllmFlag("worker_cls", "Baton's workers are its own", accepts=_one_of(None, "auto")),
     VllmFlag("worker_extension_cls", "Baton's workers are its own", accepts=_one_of(None, "")),

@@ -104,7 +104,7 @@ def build_runner(config: EngineConfig, tp_rank: int = 0) -> RunnerSetup:
     profiling pass, the graph captures and the KV sizing include collectives."""
     start = time.perf_counter()
     model_dir = resolve_model(config.model)
-    mc = ModelConfig.from_path(model_dir)
+    mc = ModelConfig.from_path(model_dir, config.hf_overrides_dict())
     config.check_model_task(mc)
     max_model_len = _max_model_len(config, mc)
     dtype = resolve_dtype(config, mc)
@@ -306,9 +306,8 @@ class EngineCore:
                     f"{torch.cuda.device_count()} visible"
                 )
             try:  # before any process starts: does the model split that many ways?
-                shard_config(
-                    ModelConfig.from_path(resolve_model(config.model)), config.tensor_parallel_size
-                )
+                mc = ModelConfig.from_path(resolve_model(config.model), config.hf_overrides_dict())
+                shard_config(mc, config.tensor_parallel_size)
             except ValueError as e:
                 raise InvalidRequestError(str(e)) from e
         try:
