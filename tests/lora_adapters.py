@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 # SmolLM2-135M: hidden 576, 9 query heads and 3 KV heads of 64, intermediate 1536, 30 layers
 SHAPES = {
@@ -45,7 +45,11 @@ def write_adapter(
     for layer in range(num_layers):
         for part in targets:
             in_f, out_f = shapes[part]
-            owner = "mlp" if part in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+            owner = (
+                "mlp"
+                if part in ("gate_proj", "up_proj", "down_proj", "gate_up_proj")
+                else "self_attn"
+            )
             prefix = f"base_model.model.model.layers.{layer}.{owner}.{part}"
             tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, in_f, generator=gen) * scale
             tensors[f"{prefix}.lora_B.weight"] = torch.randn(out_f, rank, generator=gen) * scale
@@ -66,3 +70,33 @@ def write_adapter(
     else:
         save_file(tensors, str(folder / "adapter_model.safetensors"))
     return folder
+
+
+def merged_greedy(
+    model: torch.nn.Module, adapter: Path, prompts: list[list[int]], max_new_tokens: int
+) -> list[list[int]]:
+    """transformers' greedy tokens of ``prompts`` (token ids) with ``adapter`` (safetensors,
+    no rsLoRA) merged into ``model``'s weights (``W + scale * B @ A``), restored afterwards."""
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    scale = config["lora_alpha"] / config["r"]
+    tensors = load_file(str(adapter / "adapter_model.safetensors"))
+    params = dict(model.named_parameters())
+    deltas = {
+        key.removeprefix("base_model.model.").replace(".lora_A", ""): scale
+        * (tensors[key.replace(".lora_A.", ".lora_B.")] @ a)
+        for key, a in tensors.items()
+        if ".lora_A." in key
+    }
+    out = []
+    with torch.no_grad():
+        for target, delta in deltas.items():
+            params[target] += delta
+        for p in prompts:
+            ids = torch.tensor([p])
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids),  # type: ignore[operator]
+                                 max_new_tokens=max_new_tokens, do_sample=False,
+                                 eos_token_id=None, pad_token_id=0)  # fmt: skip
+            out.append(gen[0, len(p) :].tolist())
+        for target, delta in deltas.items():
+            params[target] -= delta
+    return out

@@ -38,6 +38,7 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
         "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
     },
     "qwen3": {"head_dim": 32},
+    "phi3": {},  # q/k/v and gate/up fused in the checkpoint
     # mixtures of experts: 8 experts, 2 a token
     "mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32},
     "qwen2_moe": {  # a shared expert; layer 0 dense (mlp_only_layers)
@@ -61,12 +62,14 @@ def build_model(name: str, tokenizer_dir: Path, out: Path, **overrides: Any) -> 
     """A tiny ``name`` (one of ``ARCHITECTURES``), its config changed by ``overrides``."""
     import transformers
 
-    family = name.split("-")[0].removesuffix("3") if name != "qwen3" else "qwen3"
+    family = name.split("-")[0]
+    family = {"llama3": "llama"}.get(family, family)
     config_cls, model_cls = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
         "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
         "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),

@@ -250,3 +250,28 @@ def test_lora_needs_enable_lora(default_model_dir: Path, adapters: dict[str, LoR
         llm.generate("hi", GREEDY, lora_request=adapters["every"], use_tqdm=False)
     with pytest.raises(InvalidRequestError, match="max_loras must be at least 1"):
         LLM(str(default_model_dir), enable_lora=True, max_loras=0)
+
+
+def test_adapters_of_fused_projections(default_model_dir: Path, tmp_path: Path) -> None:
+    """Phi-3 holds q/k/v and gate/up fused, and PEFT adapts them as one (``qkv_proj``,
+    ``gate_up_proj``): such an adapter generates what transformers does with it merged."""
+    from lora_adapters import merged_greedy
+    from tiny_models import build_model
+
+    model = build_model("phi3", default_model_dir, tmp_path / "model")
+    shapes = {"qkv_proj": (64, 128), "o_proj": (64, 64), "gate_up_proj": (64, 256),
+              "down_proj": (128, 64)}  # fmt: skip
+    adapter = write_adapter(tmp_path / "fused", rank=4, alpha=8, targets=tuple(shapes), seed=7,
+                            shapes=shapes, num_layers=2, scale=0.3)  # fmt: skip
+    prompts = [[10 + i for i in range(n)] for n in (5, 23)]
+    want = merged_greedy(model, adapter, prompts, NUM_NEW_TOKENS)
+    llm = LLM(str(tmp_path / "model"), dtype="float32", max_model_len=256,
+              kv_cache_memory=16 << 20, enable_lora=True, max_lora_rank=8)  # fmt: skip
+    try:
+        inputs = [{"prompt_token_ids": p} for p in prompts]
+        base = llm.generate(inputs, GREEDY, use_tqdm=False)
+        got = llm.generate(inputs, GREEDY, lora_request=LoRARequest("fused", 1, str(adapter)))
+        assert [list(g.outputs[0].token_ids) for g in got] == want
+        assert want != [list(b.outputs[0].token_ids) for b in base]
+    finally:
+        llm.shutdown()

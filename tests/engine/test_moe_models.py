@@ -8,8 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
-from lora_adapters import write_adapter
+from lora_adapters import merged_greedy, write_adapter
 from safetensors.torch import load_file
 from tiny_models import build_model
 
@@ -45,7 +44,8 @@ def test_adapters_on_the_attention_and_the_dense_layers(
     }  # fmt: skip
     experts = write_adapter(tmp_path / "experts", rank=4, alpha=8, targets=("down_proj",), seed=3,
                             shapes=SHAPES, num_layers=2)  # fmt: skip
-    want = {name: _merged_greedy(model, folder) for name, folder in adapters.items()}
+    want = {name: merged_greedy(model, folder, PROMPTS, NUM_NEW_TOKENS)
+            for name, folder in adapters.items()}  # fmt: skip
     llm = LLM(str(tmp_path / "model"), dtype="float32", max_model_len=256,
               kv_cache_memory=16 << 20, enable_lora=True, max_lora_rank=8)  # fmt: skip
     try:
@@ -60,34 +60,6 @@ def test_adapters_on_the_attention_and_the_dense_layers(
             llm.generate(prompts, params, lora_request=LoRARequest("experts", 3, str(experts)))
     finally:
         llm.shutdown()
-
-
-def _merged_greedy(model: torch.nn.Module, adapter: Path) -> list[list[int]]:
-    """transformers' greedy tokens of ``PROMPTS`` with ``adapter`` merged into ``model``'s
-    weights (restored afterwards)."""
-    config = json.loads((adapter / "adapter_config.json").read_text())
-    scale = config["lora_alpha"] / config["r"]
-    tensors = load_file(str(adapter / "adapter_model.safetensors"))
-    params = dict(model.named_parameters())
-    deltas = {
-        key.removeprefix("base_model.model.").replace(".lora_A", ""): scale
-        * (tensors[key.replace(".lora_A.", ".lora_B.")] @ a)
-        for key, a in tensors.items()
-        if ".lora_A." in key
-    }
-    out = []
-    with torch.no_grad():
-        for target, delta in deltas.items():
-            params[target] += delta
-        for p in PROMPTS:
-            ids = torch.tensor([p])
-            gen = model.generate(ids, attention_mask=torch.ones_like(ids),
-                                 max_new_tokens=NUM_NEW_TOKENS, do_sample=False,
-                                 eos_token_id=None, pad_token_id=0)  # fmt: skip
-            out.append(gen[0, len(p) :].tolist())
-        for target, delta in deltas.items():
-            params[target] -= delta
-    return out
 
 
 @pytest.mark.parametrize(

@@ -35,6 +35,7 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Phi3ForCausalLM": "phi3",  # (Phi-3, Phi-4: q/k/v and gate/up fused in the checkpoint)
     # Mixtures of experts: the decoders above with sparse MLPs (``models/moe.py``)
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
@@ -81,7 +82,8 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
 class ModelConfig:
     """The shape of a Llama-family decoder, read from a Hugging Face ``config.json``."""
 
-    architecture: str  # "llama" | "qwen2" | "qwen3" | "mixtral" | "qwen2_moe" | "qwen3_moe"
+    # "llama" | "qwen2" | "qwen3" | "phi3" | "mixtral" | "qwen2_moe" | "qwen3_moe"
+    architecture: str
     vocab_size: int
     hidden_size: int
     intermediate_size: int

@@ -122,7 +122,9 @@ FUSED_PARTS: dict[str, tuple[str, ...]] = {
     "down_proj": ("down_proj",),
 }
 TARGETS = tuple(part for parts in FUSED_PARTS.values() for part in parts)
-_MLP_TARGETS = (*FUSED_PARTS["gate_up_proj"], *FUSED_PARTS["down_proj"])
+_MLP_TARGETS = (*FUSED_PARTS["gate_up_proj"], *FUSED_PARTS["down_proj"], "gate_up_proj")
+# fused projections a checkpoint may hold whole (Phi-3), and adapters target as one
+_FUSED_TARGETS = ("qkv_proj", "gate_up_proj")
 _WEIGHT = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 
 
@@ -198,8 +200,9 @@ def load_adapter(request: LoRARequest, cfg: ModelConfig, max_rank: int) -> LoRAA
         if match is None:
             raise refuse(f"weight {key!r} is not a LoRA weight of a supported projection")
         layer, part, which = int(match[1]), match[2], match[3]
-        if part not in TARGETS:
-            raise refuse(f"target {part!r} is not supported (targets: {', '.join(TARGETS)})")
+        if part not in TARGETS and part not in _FUSED_TARGETS:
+            targets = ", ".join((*TARGETS, *_FUSED_TARGETS))
+            raise refuse(f"target {part!r} is not supported (targets: {targets})")
         if not 0 <= layer < cfg.num_layers:
             raise refuse(f"weight {key!r} names layer {layer}; the model has {cfg.num_layers}")
         if part in _MLP_TARGETS and cfg.is_moe_layer(layer):
@@ -210,6 +213,7 @@ def load_adapter(request: LoRARequest, cfg: ModelConfig, max_rank: int) -> LoRAA
         pairs.setdefault((layer, part), {})[which] = tensor
     if not pairs:
         raise refuse("it holds no LoRA weights")
+    pairs = _split_fused_targets(pairs, cfg, refuse)
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
     for (layer, part), ab in sorted(pairs.items()):
         if set(ab) != {"A", "B"}:
@@ -223,6 +227,36 @@ def load_adapter(request: LoRARequest, cfg: ModelConfig, max_rank: int) -> LoRAA
             )
         weights[layer, part] = (a.float(), b.float() * scale)
     return LoRAAdapter(name, request.lora_path, rank, weights)  # (the path as named)
+
+
+def _split_fused_targets(
+    pairs: dict[tuple[int, str], dict[str, torch.Tensor]],
+    cfg: ModelConfig,
+    refuse: Callable[[str], InvalidRequestError],
+) -> dict[tuple[int, str], dict[str, torch.Tensor]]:
+    """``pairs`` with each adapter of a fused projection (Phi-3's ``qkv_proj`` and
+    ``gate_up_proj``) as adapters of its parts: the same ``A``, ``B``'s rows of each part."""
+    out: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for (layer, part), ab in pairs.items():
+        if part not in _FUSED_TARGETS:
+            out.setdefault((layer, part), {}).update(ab)
+            continue
+        parts = FUSED_PARTS[part]
+        sizes = [part_shape(cfg, p)[1] for p in parts]
+        b = ab.get("B")
+        if b is not None and b.shape[0] != sum(sizes):
+            raise refuse(
+                f"layer {layer} {part}: lora_B has {b.shape[0]} rows; the projection has "
+                f"{sum(sizes)}"
+            )
+        for i, sub in enumerate(parts):
+            if (layer, sub) in pairs:
+                raise refuse(f"layer {layer} has adapters for both {part} and {sub}")
+            piece = dict(ab)
+            if b is not None:
+                piece["B"] = torch.split(b, sizes)[i]
+            out[(layer, sub)] = piece
+    return out
 
 
 def _read_tensors(

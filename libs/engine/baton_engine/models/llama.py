@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -341,6 +341,11 @@ _STACKED = {
 }
 
 
+_STACKED_PARTS = {
+    fused: tuple(part for part, (f, _) in _STACKED.items() if f == fused)
+    for fused in ("qkv_proj", "gate_up_proj")
+}
+
 # One expert's weight (Mixtral's names, renamed to Qwen's by _EXPERT_RENAMES): layer, expert,
 # part.
 _EXPERT = re.compile(r"layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -609,7 +614,7 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         expert_parts: dict[str, set[tuple[int, str]]] = {}  # stacked parameter -> pieces in
-        for hf_name, tensor in weights:
+        for hf_name, tensor in self._split_fused(weights):
             name = _EXPERT_RENAMES.sub(_expert_rename, hf_name.removeprefix("model."))
             if name == "score.weight" and self.config.is_classifier:
                 name = "lm_head.weight"  # (transformers' name for a classifier's head)
@@ -648,6 +653,24 @@ class LlamaForCausalLM(nn.Module):
             if len(pieces) == params[name].shape[0] * (2 if name.endswith("gate_up_proj") else 1)
         )
         return loaded
+
+    def _split_fused(
+        self, weights: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """``weights`` with a checkpoint's fused projections (Phi-3's ``qkv_proj`` and
+        ``gate_up_proj``) as their parts, named as the other checkpoints name them (so that
+        they are split across ranks as those are)."""
+        cfg, tp = self.config, self.tp_size
+        q, kv = cfg.num_heads * tp * cfg.head_dim, cfg.num_kv_heads * tp * cfg.head_dim
+        for name, tensor in weights:
+            fused = name.rsplit(".", 2)
+            if len(fused) == 3 and fused[1] in ("qkv_proj", "gate_up_proj"):
+                sizes = [q, kv, kv] if fused[1] == "qkv_proj" else [tensor.shape[0] // 2] * 2
+                parts = _STACKED_PARTS[fused[1]]
+                for part, piece in zip(parts, torch.split(tensor, sizes), strict=True):
+                    yield f"{fused[0]}.{part}.{fused[2]}", piece
+            else:
+                yield name, tensor
 
     def _tp_slice(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's part of a whole checkpoint tensor (all of it when replicated)."""
