@@ -39,6 +39,12 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     },
     "qwen3": {"head_dim": 32},
     "phi3": {},  # q/k/v and gate/up fused in the checkpoint
+    "granite": {  # multipliers of the embeddings, residual adds, attention scale and logits
+        "embedding_multiplier": 3.0,
+        "residual_multiplier": 0.5,
+        "attention_multiplier": 0.1,
+        "logits_scaling": 4.0,
+    },
     # mixtures of experts: 8 experts, 2 a token
     "mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32},
     "qwen2_moe": {  # a shared expert; layer 0 dense (mlp_only_layers)
@@ -70,6 +76,7 @@ def build_model(name: str, tokenizer_dir: Path, out: Path, **overrides: Any) -> 
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
+        "granite": (transformers.GraniteConfig, transformers.GraniteForCausalLM),
         "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
         "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),

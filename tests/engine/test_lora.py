@@ -252,17 +252,25 @@ def test_lora_needs_enable_lora(default_model_dir: Path, adapters: dict[str, LoR
         LLM(str(default_model_dir), enable_lora=True, max_loras=0)
 
 
-def test_adapters_of_fused_projections(default_model_dir: Path, tmp_path: Path) -> None:
-    """Phi-3 holds q/k/v and gate/up fused, and PEFT adapts them as one (``qkv_proj``,
-    ``gate_up_proj``): such an adapter generates what transformers does with it merged."""
+@pytest.mark.parametrize(
+    ("arch", "shapes"),
+    [  # Phi-3's q/k/v and gate/up fused (PEFT adapts them as one); Granite's residual multiplier
+        ("phi3", {"qkv_proj": (64, 128), "o_proj": (64, 64), "gate_up_proj": (64, 256),
+                  "down_proj": (128, 64)}),
+        ("granite", {"q_proj": (64, 64), "o_proj": (64, 64), "down_proj": (128, 64)}),
+    ],
+)  # fmt: skip
+def test_adapters_on_other_architectures(
+    arch: str, shapes: dict[str, tuple[int, int]], default_model_dir: Path, tmp_path: Path
+) -> None:
+    """An adapter generates what transformers does with it merged into the weights: on Phi-3's
+    fused projections, and on Granite's, whose outputs the residual multiplier scales."""
     from lora_adapters import merged_greedy
     from tiny_models import build_model
 
-    model = build_model("phi3", default_model_dir, tmp_path / "model")
-    shapes = {"qkv_proj": (64, 128), "o_proj": (64, 64), "gate_up_proj": (64, 256),
-              "down_proj": (128, 64)}  # fmt: skip
-    adapter = write_adapter(tmp_path / "fused", rank=4, alpha=8, targets=tuple(shapes), seed=7,
-                            shapes=shapes, num_layers=2, scale=0.3)  # fmt: skip
+    model = build_model(arch, default_model_dir, tmp_path / "model")
+    adapter = write_adapter(tmp_path / "adapter", rank=4, alpha=8, targets=tuple(shapes),
+                            seed=7, shapes=shapes, num_layers=2, scale=0.3)  # fmt: skip
     prompts = [[10 + i for i in range(n)] for n in (5, 23)]
     want = merged_greedy(model, adapter, prompts, NUM_NEW_TOKENS)
     llm = LLM(str(tmp_path / "model"), dtype="float32", max_model_len=256,
@@ -270,7 +278,7 @@ def test_adapters_of_fused_projections(default_model_dir: Path, tmp_path: Path) 
     try:
         inputs = [{"prompt_token_ids": p} for p in prompts]
         base = llm.generate(inputs, GREEDY, use_tqdm=False)
-        got = llm.generate(inputs, GREEDY, lora_request=LoRARequest("fused", 1, str(adapter)))
+        got = llm.generate(inputs, GREEDY, lora_request=LoRARequest("a", 1, str(adapter)))
         assert [list(g.outputs[0].token_ids) for g in got] == want
         assert want != [list(b.outputs[0].token_ids) for b in base]
     finally:

@@ -36,6 +36,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",  # (Phi-3, Phi-4: q/k/v and gate/up fused in the checkpoint)
+    "GraniteForCausalLM": "granite",  # (Llama with the multipliers below)
     # Mixtures of experts: the decoders above with sparse MLPs (``models/moe.py``)
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
@@ -82,7 +83,7 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
 class ModelConfig:
     """The shape of a Llama-family decoder, read from a Hugging Face ``config.json``."""
 
-    # "llama" | "qwen2" | "qwen3" | "phi3" | "mixtral" | "qwen2_moe" | "qwen3_moe"
+    # "llama" | "qwen2" | "qwen3" | "phi3" | "granite" | "mixtral" | "qwen2_moe" | "qwen3_moe"
     architecture: str
     vocab_size: int
     hidden_size: int
@@ -108,6 +109,12 @@ class ModelConfig:
     # (``lm_head``, read from the checkpoint's ``score``) has one output per label. Empty: a
     # causal LM.
     labels: tuple[str, ...] = ()
+    # Granite's multipliers: of the embeddings, of each attention and MLP output added to the
+    # residual stream, the attention's scale (None: 1/sqrt(head_dim)), the logits' divisor.
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    logits_scaling: float = 1.0
     # Sliding-window attention (Mistral-7B-v0.1, Phi-3, Qwen2 with use_sliding_window): tokens
     # attend to the last ``sliding_window`` positions only, in some layers. Baton computes
     # full attention, which equals it while a sequence is no longer than the window: such a
@@ -228,6 +235,12 @@ class ModelConfig:
             ),
             labels=labels,
             sliding_window=None if window is None else int(window),
+            embedding_multiplier=float(cfg.get("embedding_multiplier", 1.0)),
+            residual_multiplier=float(cfg.get("residual_multiplier", 1.0)),
+            attention_multiplier=(
+                float(cfg["attention_multiplier"]) if cfg.get("attention_multiplier") else None
+            ),
+            logits_scaling=float(cfg.get("logits_scaling", 1.0)),
             **moe,
         )
 

@@ -225,6 +225,8 @@ def load_adapter(request: LoRARequest, cfg: ModelConfig, max_rank: int) -> LoRAA
                 f"layer {layer} {part}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} "
                 f"do not fit the model (expected {(rank, in_f)} and {(out_f, rank)})"
             )
+        if part in ("o_proj", "down_proj"):  # (Granite scales what these add to the stream)
+            b = b * cfg.residual_multiplier
         weights[layer, part] = (a.float(), b.float() * scale)
     return LoRAAdapter(name, request.lora_path, rank, weights)  # (the path as named)
 

@@ -72,7 +72,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.scale = self.head_dim**-0.5
+        self.scale = cfg.attention_multiplier or self.head_dim**-0.5
 
     def attend(
         self,
@@ -341,6 +341,9 @@ _STACKED = {
 }
 
 
+# the projections whose outputs are added to the residual stream
+_RESIDUAL_OUTPUTS = ("o_proj.weight", "down_proj.weight")
+
 _STACKED_PARTS = {
     fused: tuple(part for part, (f, _) in _STACKED.items() if f == fused)
     for fused in ("qkv_proj", "gate_up_proj")
@@ -439,14 +442,14 @@ class LlamaForCausalLM(nn.Module):
         rope = self.rope_for(positions)
         decode_only = metadata.num_decodes == metadata.num_reqs
         if self.cpu_decode_layers and decode_only and metadata.decode_seq_lens is not None:
-            hidden = self.embed_tokens(input_ids)
+            hidden = self.embed(input_ids)
             last, stream = self.cpu_decode_layers(hidden, positions, kv_caches, metadata)
             return self.norm.add_forward(last, stream)[0]
         gemv = input_ids.shape[0] <= self.gemv_rows
         if decode_only and (gemv or self.folded_norms):
             # layers that update the residual stream in place (no norm kernel between them)
             layer_forward = DecoderLayer.forward_gemv if gemv else DecoderLayer.forward_folded
-            stream = self.embed_tokens(input_ids)
+            stream = self.embed(input_ids)
             for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
                 layer = cast(DecoderLayer, layer)
                 stream = layer_forward(layer, rope, stream, kv_cache, metadata, backend)
@@ -483,7 +486,7 @@ class LlamaForCausalLM(nn.Module):
         if self.folded_prompts:
             return self._folded_piece(i, x, residual)
         if i == 0:
-            hidden, residual = self.embed_tokens(x), None
+            hidden, residual = self.embed(x), None
         else:
             assert residual is not None
             hidden, residual = cast(DecoderLayer, self.layers[i - 1]).post_attention(x, residual)
@@ -498,7 +501,7 @@ class LlamaForCausalLM(nn.Module):
         add into the stream in their GEMMs, SiLU-and-multiply applies the second norm, and no
         norm kernel runs but the final one."""
         if i == 0:
-            stream = self.embed_tokens(x)
+            stream = self.embed(x)
         else:
             assert stream is not None
             layer = cast(DecoderLayer, self.layers[i - 1])
@@ -605,8 +608,16 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, RMSNorm | MLP | SparseMoE):
                 module.fused = True
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The token embeddings (times Granite's ``embedding_multiplier``)."""
+        hidden: torch.Tensor = self.embed_tokens(input_ids)
+        multiplier = self.config.embedding_multiplier
+        return hidden if multiplier == 1.0 else hidden * multiplier
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)  # type: ignore[no-any-return]
+        logits: torch.Tensor = self.lm_head(hidden)
+        scaling = self.config.logits_scaling
+        return logits if scaling == 1.0 else logits / scaling
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy Hugging Face-named tensors in, splitting into fused projections. Returns the
@@ -623,6 +634,9 @@ class LlamaForCausalLM(nn.Module):
             ):
                 continue
             tensor = self._tp_slice(name, tensor)
+            if name.endswith(_RESIDUAL_OUTPUTS) and self.config.residual_multiplier != 1.0:
+                # Granite scales what these add to the residual stream: in the weights, once
+                tensor = tensor * self.config.residual_multiplier
             expert = _EXPERT.match(name)
             if expert is not None:
                 layer, index, part = expert.groups()
