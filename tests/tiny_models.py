@@ -54,6 +54,15 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
         "shared_expert_intermediate_size": 48,
         "mlp_only_layers": [0],
     },
+    "granitemoe": {  # experts stacked in the checkpoint; Granite's multipliers
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "intermediate_size": 32,
+        "embedding_multiplier": 3.0,
+        "residual_multiplier": 0.5,
+        "attention_multiplier": 0.1,
+        "logits_scaling": 4.0,
+    },
     "qwen3_moe": {
         "num_experts": 8,
         "num_experts_per_tok": 2,
@@ -77,6 +86,7 @@ def build_model(name: str, tokenizer_dir: Path, out: Path, **overrides: Any) -> 
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
         "granite": (transformers.GraniteConfig, transformers.GraniteForCausalLM),
+        "granitemoe": (transformers.GraniteMoeConfig, transformers.GraniteMoeForCausalLM),
         "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
         "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),

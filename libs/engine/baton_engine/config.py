@@ -41,6 +41,7 @@ SUPPORTED_ARCHITECTURES = {
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "GraniteMoeForCausalLM": "granitemoe",  # (with Granite's multipliers)
     # The same decoders with a classification head (``score``) on the last token's hidden
     # state instead of the LM head: classifiers, reward models and cross-encoders (rerankers).
     "LlamaForSequenceClassification": "llama",
@@ -83,7 +84,8 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
 class ModelConfig:
     """The shape of a Llama-family decoder, read from a Hugging Face ``config.json``."""
 
-    # "llama" | "qwen2" | "qwen3" | "phi3" | "granite" | "mixtral" | "qwen2_moe" | "qwen3_moe"
+    # "llama" | "qwen2" | "qwen3" | "phi3" | "granite", and mixtures of experts: "mixtral" |
+    # "qwen2_moe" | "qwen3_moe" | "granitemoe"
     architecture: str
     vocab_size: int
     hidden_size: int
@@ -199,7 +201,7 @@ class ModelConfig:
         elif "sliding_attention" not in cfg.get("layer_types", ["sliding_attention"]):
             window = None  # (transformers >= 5: every layer's attention is full)
         moe: dict[str, Any] = {}
-        if arch in ("mixtral", "qwen2_moe", "qwen3_moe"):
+        if arch in ("mixtral", "qwen2_moe", "qwen3_moe", "granitemoe"):
             moe = _moe_fields(arch, cfg)
         return cls(
             architecture=arch,
@@ -273,9 +275,9 @@ def _rope_positions(max_position_embeddings: int, scaling: dict[str, Any] | None
 
 
 def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
-    """A mixture of experts' ``ModelConfig`` fields from its config (Mixtral's experts have the
-    ``intermediate_size`` and always renormalize their top k; transformers >= 5 writes
-    ``num_local_experts`` for Qwen3-MoE too)."""
+    """A mixture of experts' ``ModelConfig`` fields from its config (Mixtral's and
+    Granite-MoE's experts have the ``intermediate_size`` and always renormalize their top k;
+    transformers >= 5 writes ``num_local_experts`` for Qwen3-MoE too)."""
     num_experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
     top_k = int(cfg.get("num_experts_per_tok") or 0)
     if num_experts <= 0 or not 0 < top_k <= num_experts:
@@ -285,7 +287,7 @@ def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
         )
     if cfg.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act {cfg['hidden_act']!r} is not supported (only silu)")
-    if arch == "mixtral":
+    if arch in ("mixtral", "granitemoe"):
         return dict(
             num_experts=num_experts,
             num_experts_per_tok=top_k,

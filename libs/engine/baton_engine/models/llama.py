@@ -342,7 +342,7 @@ _STACKED = {
 
 
 # the projections whose outputs are added to the residual stream
-_RESIDUAL_OUTPUTS = ("o_proj.weight", "down_proj.weight")
+_RESIDUAL_OUTPUTS = ("o_proj.weight", "down_proj.weight", "experts.down_proj")
 
 _STACKED_PARTS = {
     fused: tuple(part for part, (f, _) in _STACKED.items() if f == fused)
@@ -353,13 +353,22 @@ _STACKED_PARTS = {
 # part.
 _EXPERT = re.compile(r"layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _MIXTRAL_PARTS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
-_EXPERT_RENAMES = re.compile(r"\.block_sparse_moe\.|(?<=\.experts\.)(\d+)\.(w[123])\.")
+# Granite-MoE's names: its experts stacked already, as transformers >= 5 stacks them
+_GRANITE_MOE = {
+    "router.layer.weight": "gate.weight",
+    "input_linear.weight": "experts.gate_up_proj",
+    "output_linear.weight": "experts.down_proj",
+}
+_EXPERT_RENAMES = re.compile(
+    r"\.block_sparse_moe\.(?:(router\.layer\.weight|input_linear\.weight|output_linear\.weight)$)?"
+    r"|(?<=\.experts\.)(\d+)\.(w[123])\."
+)
 
 
 def _expert_rename(m: re.Match[str]) -> str:
     if m.group(2) is None:
-        return ".mlp."
-    return f"{m.group(1)}.{_MIXTRAL_PARTS[m.group(2)]}."
+        return ".mlp." + _GRANITE_MOE.get(m.group(1) or "", "")
+    return f"{m.group(2)}.{_MIXTRAL_PARTS[m.group(3)]}."
 
 
 # Tensor parallelism (Megatron-style): these projections are split by output rows (column
@@ -633,7 +642,10 @@ class LlamaForCausalLM(nn.Module):
                 name == "lm_head.weight" and self.config.tie_word_embeddings
             ):
                 continue
-            tensor = self._tp_slice(name, tensor)
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                tensor = self._tp_slice_stacked(name, tensor)
+            else:
+                tensor = self._tp_slice(name, tensor)
             if name.endswith(_RESIDUAL_OUTPUTS) and self.config.residual_multiplier != 1.0:
                 # Granite scales what these add to the residual stream: in the weights, once
                 tensor = tensor * self.config.residual_multiplier
@@ -685,6 +697,19 @@ class LlamaForCausalLM(nn.Module):
                     yield f"{fused[0]}.{part}.{fused[2]}", piece
             else:
                 yield name, tensor
+
+    def _tp_slice_stacked(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a layer's stacked experts (``[E, 2I, H]`` gate and up, or
+        ``[E, H, I]`` down): its share of each expert's ``I``."""
+        if self.tp_size == 1:
+            return tensor
+        if name.endswith("down_proj"):
+            size = tensor.shape[2] // self.tp_size
+            return tensor.narrow(2, self.tp_rank * size, size)
+        size = tensor.shape[1] // 2 // self.tp_size
+        e, _, h = tensor.shape
+        halves = tensor.view(e, 2, -1, h)  # [E, 2, I, H]
+        return halves.narrow(2, self.tp_rank * size, size).reshape(e, -1, h)
 
     def _tp_slice(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's part of a whole checkpoint tensor (all of it when replicated)."""
