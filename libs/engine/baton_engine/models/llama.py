@@ -1,5 +1,7 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2 with qkv bias, Qwen3 with q/k norm, SmolLM), and
-its mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE: ``moe.SparseMoE`` in place of the MLP).
+"""Llama-family decoder (Llama, Mistral, Qwen2 with qkv bias, Qwen3 with q/k norm, SmolLM,
+Phi-3 with its projections fused in the checkpoint, Granite with its multipliers), and its
+mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, Granite-MoE: ``moe.SparseMoE`` in place of
+the MLP).
 
 Q/K/V and gate/up projections are fused into one matmul each (fewer, larger GEMMs); Hugging Face
 checkpoints are split into them at load time. Layers pass ``(hidden, residual)`` along, so that
