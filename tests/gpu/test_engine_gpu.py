@@ -347,6 +347,26 @@ def test_a_mixture_of_experts_on_the_gpus_defaults_matches_reference(tmp_path: P
     assert _drain(ref)["lone"] == lone
 
 
+def test_granite_on_the_gpus_defaults_matches_reference(tmp_path: Path) -> None:
+    """Granite's multipliers (embeddings, attention scale, logits) on the GPU's defaults: CUDA
+    graphs, piecewise prompt graphs, folded norms and the fused GEMV layers give the eager
+    reference's greedy tokens."""
+    granite = CONFIG | {
+        "architectures": ["GraniteForCausalLM"],
+        "model_type": "granite",
+        "embedding_multiplier": 12.0,
+        "residual_multiplier": 0.22,
+        "attention_multiplier": 0.015625,
+        "logits_scaling": 8.0,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(granite))
+    want = _run(tmp_path, "torch", enforce_eager=True, async_scheduling=False)[0]
+    _release_memory()
+    got, core = _run(tmp_path, "triton", enforce_eager=False)
+    assert got == want
+    assert core.runner.model.folded_norms and core.runner.pieces is not None
+
+
 def test_multi_step_equals_single_step(tmp_path: Path) -> None:
     """Multi-step scheduling on the GPU's defaults (decode graphs, async scheduling): several
     passes a step, each pass's input the pass before's token on the device, give the tokens of
