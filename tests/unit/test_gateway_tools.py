@@ -21,6 +21,8 @@ from baton_gateway.protocol import ChatCompletionRequest
 from baton_gateway.tools import (
     DeepSeekReader,
     Glm45Reader,
+    Granite20bFCReader,
+    GraniteReader,
     HermesReader,
     InternLM2Reader,
     JambaReader,
@@ -350,6 +352,36 @@ def test_kimi_jamba_and_internlm_readers(
     reader: Callable[[], ToolCallReader], text: str, content: str, calls: list[Any]
 ) -> None:
     for step in (None, 1, 4, 9):
+        assert read(reader, text, step) == (content, calls), step
+
+
+GRANITE_CASES = [
+    # Granite 3.1 and later: <tool_call> then a JSON list, the whole output
+    (GraniteReader, '<tool_call>[{"name": "get_weather", "arguments": {"city": "Oslo"}}, '
+     '{"name": "get_time", "arguments": {}}]', "", [("get_weather", {"city": "Oslo"}),
+                                                   ("get_time", {})]),
+    # Granite 3.0: its <|tool_call|> token, after whitespace
+    (GraniteReader, ' \n<|tool_call|>[{"name": "get_time", "arguments": {}}]', "",
+     [("get_time", {})]),
+    # anything else is content, a tag later in the text included
+    (GraniteReader, 'Sure. <tool_call>[{"name": "f", "arguments": {}}]',
+     'Sure. <tool_call>[{"name": "f", "arguments": {}}]', []),
+    (GraniteReader, "<tool", "<tool", []),  # a tag's beginning, then the end
+    (GraniteReader, "<toolbox> is not a tag", "<toolbox> is not a tag", []),
+    (GraniteReader, '<tool_call>[{"name": "f", "argu', '<tool_call>[{"name": "f", "argu', []),
+    # Granite-20B-FunctionCalling: content, then an object after each <function_call>
+    (Granite20bFCReader, 'Checking. <function_call> {"name": "get_weather", "arguments": '
+     '{"city": "Rome"}}\n<function_call> {"name": "get_time", "arguments": {}}', "Checking. ",
+     [("get_weather", {"city": "Rome"}), ("get_time", {})]),
+    (Granite20bFCReader, "<function_call> oops", "<function_call> oops", []),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("reader", "text", "content", "calls"), GRANITE_CASES)
+def test_granite_readers(
+    reader: Callable[[], ToolCallReader], text: str, content: str, calls: list[Any]
+) -> None:
+    for step in (None, 1, 3, 7):
         assert read(reader, text, step) == (content, calls), step
 
 

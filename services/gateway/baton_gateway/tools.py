@@ -550,20 +550,19 @@ class InternLM2Reader(TaggedCallsReader):
         return None if parsed is None else [parsed]
 
 
-class MistralReader(ToolCallReader):
-    """Mistral's tool calls: content, then ``[TOOL_CALLS]`` and the calls to the end: a JSON list
-    of ``{"name", "arguments"}`` objects (Mistral 7B v0.3, Nemo), or ``name[ARGS]{...}`` after
-    each ``[TOOL_CALLS]`` (tokenizers v11 and later). Content streams (text that may begin the
-    token is held); the calls go out at the end, each whole. Calls that do not parse stay
-    content, the token included, so nothing the model wrote is lost."""
+class CallsToTheEndReader(ToolCallReader):
+    """Content, then ``BOT`` and calls to the end: after each ``BOT``, a JSON list of
+    ``{"name", "arguments"}`` objects or one such object, or ``name[ARGS]{...}``. Content
+    streams (text that may begin ``BOT`` is held); the calls go out at the end, each whole.
+    Calls that do not parse stay content, ``BOT`` included, so nothing the model wrote is
+    lost."""
 
-    BOT, ARGS = "[TOOL_CALLS]", "[ARGS]"
-    keeps_special_tokens = True  # (the token is a special token)
+    BOT, ARGS = "", "[ARGS]"
 
     def __init__(self) -> None:
         super().__init__()
         self._buffer = ""
-        self._calls: str | None = None  # the text after the first [TOOL_CALLS]
+        self._calls: str | None = None  # the text after the first BOT
 
     def _read(self, text: str, final: bool) -> ReadOut:
         out = ReadOut()
@@ -608,10 +607,63 @@ class MistralReader(ToolCallReader):
                 return None
         return calls or None
 
+
+class MistralReader(CallsToTheEndReader):
+    """Mistral's tool calls: content, then ``[TOOL_CALLS]`` and a JSON list of calls (Mistral
+    7B v0.3, Nemo), or ``name[ARGS]{...}`` after each ``[TOOL_CALLS]`` (tokenizers v11 and
+    later)."""
+
+    BOT = "[TOOL_CALLS]"
+    keeps_special_tokens = True  # (the token is a special token)
+
     def _call(self, name: str, arguments: Any) -> DeltaToolCall:
         call = super()._call(name, arguments)
         call.id = "".join(random.choices(string.ascii_letters + string.digits, k=9))
         return call
+
+
+class Granite20bFCReader(CallsToTheEndReader):
+    """Granite-20B-FunctionCalling's calls (vLLM's ``granite-20b-fc``): content, then a
+    ``{"name", "arguments"}`` object after each ``<function_call>``."""
+
+    BOT = "<function_call>"
+
+
+class GraniteReader(ToolCallReader):
+    """IBM Granite 3.x's calls (vLLM's ``granite``): an output that is ``<|tool_call|>`` (3.0)
+    or ``<tool_call>`` (3.1 and later), then a JSON list of ``{"name", "arguments"}`` objects
+    to the end. Any other output is content, streamed as it comes (leading whitespace and a
+    tag's beginning are held until they tell); calls that do not parse stay content."""
+
+    TAGS = ("<|tool_call|>", "<tool_call>")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._text = ""
+        self._calls: bool | None = None  # None: not yet known whether the output is calls
+
+    def _read(self, text: str, final: bool) -> ReadOut:
+        out = ReadOut()
+        if self._calls is False:
+            out.content = text
+            return out
+        self._text += text
+        lead = self._text.lstrip()
+        if self._calls is None:
+            if any(lead.startswith(tag) for tag in self.TAGS):
+                self._calls = True
+            elif final or (lead and not any(tag.startswith(lead) for tag in self.TAGS)):
+                self._calls = False
+                out.content, self._text = self._text, ""
+                return out
+        if final and self._calls:
+            tag = next(tag for tag in self.TAGS if lead.startswith(tag))
+            calls = _json_calls(lead[len(tag) :].strip())
+            if calls:
+                out.tool_calls = [self._call(name, arguments) for name, arguments in calls]
+            else:
+                out.content = self._text
+        return out
 
 
 class PythonicReader(ToolCallReader):
@@ -687,6 +739,8 @@ TOOL_PARSERS: dict[str, type[ToolCallReader]] = {
     "deepseek_v3": DeepSeekReader,
     "deepseek_v31": DeepSeekReader,
     "glm45": Glm45Reader,
+    "granite": GraniteReader,
+    "granite-20b-fc": Granite20bFCReader,
     "hermes": HermesReader,
     "internlm": InternLM2Reader,
     "jamba": JambaReader,
