@@ -81,6 +81,25 @@ def test_a_vllm_command_line_parses_and_maps_onto_batons_flags() -> None:
 
 
 @pytest.mark.parametrize(
+    ("value", "tokens"), [("4096", 4096), ("32k", 32000), ("32K", 32768), ("25.6k", 25600),
+                          ("1M", 1 << 20), ("1m", 10**6)],
+)  # fmt: skip
+def test_lengths_take_vllms_suffixes(value: str, tokens: int) -> None:
+    """vLLM's --max-model-len 32k (decimal, lower case) or 32K (binary, upper case)."""
+    args = parse("serve", "--max-model-len", value, "--max-num-batched-tokens", value)
+    assert args.max_model_len == tokens and args.max_num_batched_tokens == tokens
+
+
+@pytest.mark.parametrize("value", ["1.5K", "1.5", "32 k", "lots"])
+def test_a_length_that_does_not_read_is_refused(
+    value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        parse("serve", "--max-model-len", value)
+    assert "--max-model-len" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
     ("argv", "message"),
     [
         (["--quantization", "fp8"], "--quantization 'fp8' is not supported: Baton serves "),

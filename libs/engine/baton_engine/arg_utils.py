@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 from dataclasses import fields
 from typing import Any
 
@@ -11,7 +12,8 @@ from baton_engine.vllm_flags import ENGINE_FLAGS, add_flags, check_flags
 
 _HELP = {
     "tokenizer": "a local folder (or .gguf file) whose tokenizer to use instead of the model's",
-    "max_model_len": "context length (prompt + output); default: the model's, at most 8192",
+    "max_model_len": "context length (prompt + output; 32k = 32,000, 32K = 32,768, as in vLLM); "
+    "default: the model's, at most 8192",
     "max_num_seqs": "most requests running at once",
     "max_num_batched_tokens": "token budget of one engine step (default: 8192 offline, 16384 "
     "on GPUs of >= 70 GiB but the A100; 512 serving on CPU, 2048 on GPU)",
@@ -64,11 +66,33 @@ _HELP = {
 
 # vLLM's short forms and older names
 _ALIASES = {"tensor_parallel_size": ("-tp",), "pooler_config": ("--override-pooler-config",)}
-_TYPES: dict[str, Any] = {
+
+
+def human_readable_int(value: str) -> int:
+    """An integer as vLLM's ``--max-model-len`` reads one: plain, or with a suffix, lower case
+    decimal (``32k`` = 32,000, ``25.6k``) or upper case binary (``32K`` = 32,768; whole
+    numbers only)."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgtKMGT]?)", value.strip())
+    if match is None:
+        raise argparse.ArgumentTypeError(f"invalid integer {value!r} (e.g. 4096, 32k, 32K)")
+    number, suffix = match.groups()
+    if suffix.islower():
+        return int(float(number) * 1000 ** ("kmgt".index(suffix) + 1))
+    if "." in number:
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is not a whole number (decimals take a decimal suffix: k, m, g, t)"
+        )
+    power = "KMGT".index(suffix) + 1 if suffix else 0
+    return int(number) << (10 * power)
+
+
+_TYPES: dict[str, Any] = {  # (None defaults: ints)
     "pooler_config": str,
     "hf_overrides": str,
     "tokenizer": str,
-}  # (None defaults: ints)
+    "max_model_len": human_readable_int,  # (vLLM's: 32k, 32K)
+    "max_num_batched_tokens": human_readable_int,
+}
 _CHOICES = {"scheduling_policy": SCHEDULING_POLICIES, "runner": RUNNERS}
 
 
