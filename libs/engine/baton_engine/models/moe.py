@@ -15,13 +15,15 @@ Three ways to run the experts, with the same result (``experts_sorted`` is the r
 - ``experts_sorted``: the token-expert pairs sorted by expert, one GEMM pair an expert that
   has tokens. It reads the routing on the host (how many tokens each expert has), so it cannot
   be captured in a CUDA graph; it runs every step but the captured decode steps.
-- ``experts_gathered``: each pair's expert weights gathered, then batched GEMVs. For a few
-  tokens (``T * top_k <= E``): it reads only the experts chosen.
+- ``experts_gathered``: each pair's expert weights gathered (copied), then batched GEMVs: it
+  reads only the experts chosen, twice (the copy).
 - ``experts_dense``: every expert on every token, weighted by a routing matrix that is zero
   where a token did not choose the expert: three launches, every expert's weights read once.
 The last two are what a decode step captured in a CUDA graph runs (static shapes, no host
-work): the gather for small batches, the dense form for larger ones, where a decode step
-reads most experts' weights anyway.
+work): the gather while the pairs are at most half the experts (``2 T k <= E``: it moves fewer
+bytes), the dense form beyond, where a decode step reads most experts' weights anyway. (Not yet
+measured on a GPU; a fused MoE kernel, which reads each chosen expert once, is the better
+form for both.)
 """
 
 from __future__ import annotations
@@ -165,7 +167,7 @@ class SparseMoE(nn.Module):
         experts = self.experts
         run = experts_sorted
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            few = ids.numel() <= experts.gate_up_proj.shape[0]
+            few = 2 * ids.numel() <= experts.gate_up_proj.shape[0]
             run = experts_gathered if few else experts_dense
         out = run(x, ids, weights, experts.gate_up_proj, experts.down_proj, act)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
