@@ -190,8 +190,9 @@ def test_disaggregated_with_tensor_parallel_workers(
     """``--mode disaggregated`` with workers split across ranks, each side any size: a split
     prefill worker gathers the prompt's whole blocks from its ranks, a split decode worker
     pulls whole blocks and gives each rank its heads; the greedy text equals the offline
-    engine's."""
-    prompt, want = _tiny_model_text("llama", 53, default_model_dir, tmp_path)
+    engine's. The model is a mixture of experts (with a shared expert and a dense layer): its
+    experts split across the ranks too."""
+    prompt, want = _tiny_model_text("qwen2_moe", 53, default_model_dir, tmp_path)
     server = serve_launcher.start(
         [str(tmp_path), *tp_args, "--mode", "disaggregated", "--dtype", "float32",
          "--remote-prefill-threshold", "0", "--kv-transfer", transfer]
