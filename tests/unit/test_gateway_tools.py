@@ -347,14 +347,6 @@ SECTION_CASES = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize(("reader", "text", "content", "calls"), SECTION_CASES)
-def test_kimi_jamba_and_internlm_readers(
-    reader: Callable[[], ToolCallReader], text: str, content: str, calls: list[Any]
-) -> None:
-    for step in (None, 1, 4, 9):
-        assert read(reader, text, step) == (content, calls), step
-
-
 GRANITE_CASES = [
     # Granite 3.1 and later: <tool_call> then a JSON list, the whole output
     (GraniteReader, '<tool_call>[{"name": "get_weather", "arguments": {"city": "Oslo"}}, '
@@ -377,11 +369,11 @@ GRANITE_CASES = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize(("reader", "text", "content", "calls"), GRANITE_CASES)
-def test_granite_readers(
+@pytest.mark.parametrize(("reader", "text", "content", "calls"), SECTION_CASES + GRANITE_CASES)
+def test_kimi_jamba_internlm_and_granite_readers(
     reader: Callable[[], ToolCallReader], text: str, content: str, calls: list[Any]
 ) -> None:
-    for step in (None, 1, 3, 7):
+    for step in (None, 1, 4, 9):
         assert read(reader, text, step) == (content, calls), step
 
 
