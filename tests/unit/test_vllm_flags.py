@@ -181,6 +181,7 @@ def test_llm_takes_vllms_arguments(caplog: pytest.LogCaptureFixture) -> None:
     Baton's alone, with a note each; a value Baton cannot serve raises, naming it."""
     given: dict[str, Any] = dict(
         trust_remote_code=True,
+        enable_expert_parallel=True,  # (a mixture of experts' deployment: the same outputs)
         swap_space=4,
         disable_log_stats=True,
         enforce_eager=True,
@@ -191,6 +192,7 @@ def test_llm_takes_vllms_arguments(caplog: pytest.LogCaptureFixture) -> None:
         left = take_engine_args(given)
     assert left == {"enforce_eager": True, "max_model_len": 64}
     assert "trust_remote_code has no effect in Baton" in caplog.text
+    assert "enable_expert_parallel has no effect in Baton" in caplog.text
     assert "disable_log_stats" not in caplog.text  # (LLM's default in vLLM too)
     for bad, message in (
         ({"quantization": "awq"}, "quantization 'awq' is not supported"),

@@ -164,10 +164,10 @@ ENGINE_FLAGS: tuple[VllmFlag, ...] = (
     ),
     VllmFlag(
         "enable_expert_parallel",
-        "tensor-parallel ranks split every expert (no expert parallelism)",
+        "the tensor-parallel ranks split every expert by its intermediate size instead of "
+        "holding whole experts: the same outputs, another layout",
         False,
         bool,
-        _one_of(False),
     ),
     VllmFlag(
         "cpu_offload_gb",
@@ -280,7 +280,9 @@ ENGINE_FLAGS: tuple[VllmFlag, ...] = (
     VllmFlag("worker_cls", "Baton's workers are its own", accepts=_one_of(None, "auto")),
     VllmFlag("worker_extension_cls", "Baton's workers are its own", accepts=_one_of(None, "")),
     VllmFlag("additional_config", "no platform plugins", accepts=lambda v: not v or v == "{}"),
-    VllmFlag("enable_eplb", "no expert parallelism to balance", False, bool, _one_of(False)),
+    VllmFlag(
+        "enable_eplb", "each rank holds a share of every expert: none to balance", False, bool
+    ),
     VllmFlag("data_parallel_size_local", _DATA_PARALLEL, None, int, lambda v: v in (None, 1)),
     VllmFlag("data_parallel_start_rank", _DATA_PARALLEL, None, int, lambda v: v in (None, 0)),
     VllmFlag("data_parallel_address", _DATA_PARALLEL, accepts=_one_of(None)),
