@@ -465,6 +465,14 @@ def test_tool_choice_defaults_and_checks() -> None:
     with pytest.raises(ValueError, match="--enable-auto-tool-choice"):
         tool_use(chat(tools=[WEATHER]), None)
     assert tool_use(chat(tools=[WEATHER]), "hermes") is not None
+    # vLLM's other names of formats read here: a Llama 4 output through "llama4_pythonic"
+    use = tool_use(chat(tools=[WEATHER]), "llama4_pythonic")
+    assert use is not None
+    text = '<|python_start|>[get_weather(city="Oslo")]<|python_end|>'
+    assert read(use.new_reader, text) == ("", [("get_weather", {"city": "Oslo"})])
+    for alias, reader in (("llama4_json", Llama3JsonReader), ("qwen3_xml", Qwen3CoderReader)):
+        use = tool_use(chat(tools=[WEATHER]), alias)
+        assert use is not None and isinstance(use.new_reader(), reader)
     assert tool_use(chat(tools=[WEATHER], tool_choice="none"), None) is None
     assert tool_use(chat(tools=[WEATHER], tool_choice="required"), None) is not None
     # A response_format with "none" or "auto" is allowed, as in vLLM.

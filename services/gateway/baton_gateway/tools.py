@@ -746,9 +746,12 @@ TOOL_PARSERS: dict[str, type[ToolCallReader]] = {
     "jamba": JambaReader,
     "kimi_k2": KimiK2Reader,
     "llama3_json": Llama3JsonReader,
+    "llama4_json": Llama3JsonReader,  # (vLLM's names for the same formats)
+    "llama4_pythonic": PythonicReader,
     "mistral": MistralReader,
     "pythonic": PythonicReader,
     "qwen3_coder": Qwen3CoderReader,
+    "qwen3_xml": Qwen3CoderReader,
 }
 
 
