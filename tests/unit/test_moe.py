@@ -12,7 +12,9 @@ from baton_engine.models.moe import (
     experts_gathered,
     experts_sorted,
     route,
+    silu_and_mul,
 )
+from baton_kernels.cpu_linear import vnni_ops
 
 E, H, INTER = 8, 64, 48  # experts, hidden, an expert's intermediate size
 
@@ -92,3 +94,25 @@ def test_an_expert_no_token_chose_adds_nothing() -> None:
 def _expert(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     gate, up = (x @ gate_up.t()).chunk(2, dim=-1)
     return (torch.nn.functional.silu(gate) * up) @ down.t()
+
+
+@pytest.mark.skipif(vnni_ops() is None, reason="no AVX512-BF16 GEMM on this CPU")
+@pytest.mark.parametrize("num_tokens", [1, 5, 64])
+def test_packed_experts_equal_the_stacked_ones(num_tokens: int) -> None:
+    """(bf16 on a CPU: each expert's weights packed for the AVX512-BF16 GEMM.)"""
+    from baton_engine.models.moe import Experts
+
+    torch.manual_seed(num_tokens)
+    stacked, packed = Experts(E, H, INTER), Experts(E, H, INTER)
+    with torch.no_grad():
+        stacked.gate_up_proj.normal_(0, 0.2)
+        stacked.down_proj.normal_(0, 0.2)
+        stacked.to(torch.bfloat16)
+        packed.load_state_dict(stacked.state_dict())
+        packed.to(torch.bfloat16)
+    assert packed.pack() and packed.gate_up_proj.numel() == 0  # (the stacked copy dropped)
+    x = torch.randn(num_tokens, H, dtype=torch.bfloat16)
+    weights, ids = route(torch.randn(num_tokens, E, dtype=torch.bfloat16), 2, renormalize=True)
+    want = stacked.sorted(x, ids, weights, silu_and_mul)
+    got = packed.sorted(x, ids, weights, silu_and_mul)
+    torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2)

@@ -23,6 +23,7 @@ from baton_engine.core.outputs import (
 from baton_engine.lora import LoRALimits, LoRAManager
 from baton_engine.models import LlamaForCausalLM
 from baton_engine.models.llama import shard_config
+from baton_engine.models.moe import Experts
 from baton_engine.pooling_params import PoolerConfig
 from baton_engine.runner.cuda_graphs import DecodeGraphs, PieceGraphs
 from baton_engine.runner.input_batch import CachedRequestState, InputBatch
@@ -266,6 +267,9 @@ class ModelRunner:
         projections for decode steps (GPU, ``FOLD_NORMS``)."""
         for kernel, num in pack_linears(self.model, float32_outputs=("lm_head",)).items():
             logger.info("packed %d linear layers for the %s kernel", num, kernel)
+        num = sum(m.pack() for m in self.model.modules() if isinstance(m, Experts))
+        if num:
+            logger.info("packed the experts of %d layers for the vnni kernel", num)
         if self.lora_limits is not None:
             # The adapters' deltas read each projection's own input (the normed hidden state):
             # no folded norms, no one-call CPU decode.
