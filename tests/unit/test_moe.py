@@ -116,3 +116,38 @@ def test_packed_experts_equal_the_stacked_ones(num_tokens: int) -> None:
     want = stacked.sorted(x, ids, weights, silu_and_mul)
     got = packed.sorted(x, ids, weights, silu_and_mul)
     torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 2, 3, 24])  # 2 T k <= E: gathered; beyond: dense
+def test_a_captured_step_runs_a_static_shape_form(
+    num_tokens: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The layer under CUDA-graph capture (simulated here: the capture test made true) runs
+    a form without host work, and answers what the eager layer does."""
+    from baton_engine.config import ModelConfig
+    from baton_engine.models import moe
+
+    cfg = ModelConfig.from_hf_dict({
+        "architectures": ["Qwen3MoeForCausalLM"], "hidden_size": H, "intermediate_size": 128,
+        "moe_intermediate_size": INTER, "num_experts": E, "num_experts_per_tok": 2,
+        "num_hidden_layers": 1, "num_attention_heads": 4, "vocab_size": 100,
+    })  # fmt: skip
+    torch.manual_seed(num_tokens)
+    layer = moe.SparseMoE(cfg)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0, 0.2)
+    x = torch.randn(num_tokens, H)
+    with torch.no_grad():
+        want = layer(x)
+        ran: list[str] = []
+        for name in ("experts_gathered", "experts_dense"):
+            form = getattr(moe, name)
+            monkeypatch.setattr(
+                moe, name, lambda *a, f=form, n=name, **k: ran.append(n) or f(*a, **k)
+            )
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+        got = layer(x)
+    assert ran == ["experts_gathered" if 2 * num_tokens * 2 <= E else "experts_dense"]
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
