@@ -85,6 +85,13 @@ CASES = [
     ("mistral", PLAIN_PROMPT, "Sunny. [/THINK]", "", "Sunny. [/THINK]"),
     ("mistral", "<s>[INST]Hi[/INST][THINK]", "Paris.[/THINK]Sunny.", "Paris.", "Sunny."),
     ("step3", PLAIN_PROMPT, "Paris.</think>Sunny.", "Paris.", "Sunny."),
+    # Granite's phrases, either spelling of each; an answer that opens otherwise is content
+    ("granite", PLAIN_PROMPT, "Here is my thought process:\nParis.\nHere is my response:\nSunny.",
+     "\nParis.\n", "\nSunny."),
+    ("granite", PLAIN_PROMPT, " Here's my thought process: Paris. Here's my response: Sunny.",
+     " Paris. ", " Sunny."),
+    ("granite", PLAIN_PROMPT, "Here is the weather: sunny.", "", "Here is the weather: sunny."),
+    ("granite", PLAIN_PROMPT, "Here is my thought process: cut off", " cut off", ""),
 ]  # fmt: skip
 
 

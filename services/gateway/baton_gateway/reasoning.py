@@ -17,6 +17,9 @@ carries the same text. A request's ``include_reasoning: false`` drops it. Parser
 - ``step3`` reads as ``deepseek_r1``; ``seed_oss`` too, with Seed-OSS's ``<seed:think>`` and
   ``</seed:think>``; ``mistral`` as ``qwen3``, with Magistral's ``[THINK]`` and ``[/THINK]``,
   special tokens that the text then keeps.
+- ``granite``: Granite 3.2/3.3's thinking mode writes its reasoning after "Here is my thought
+  process:" and its answer after "Here is my response:" ("Here's" for either, as vLLM accepts);
+  an output that does not open with the first is all content.
 
 A constrained output (structured output, or a named or required tool choice) reasons first, as
 in vLLM, when the output begins inside the reasoning (``deepseek_r1``, or a prompt that left
@@ -39,14 +42,16 @@ THINK_END = "</think>"
 
 @dataclass(frozen=True, slots=True)
 class ReasoningFormat:
-    """How a model marks its reasoning: the tags around it, whether an output that does not
-    open with ``start`` begins inside the reasoning all the same, and whether the tags are
-    special tokens (the text must keep them)."""
+    """How a model marks its reasoning: the tags around it (and other spellings of each, read
+    alike), whether an output that does not open with ``start`` begins inside the reasoning all
+    the same, and whether the tags are special tokens (the text must keep them)."""
 
     start: str
     end: str
     by_default: bool
     special: bool = False
+    other_starts: tuple[str, ...] = ()
+    other_ends: tuple[str, ...] = ()
 
 
 _THINK = ReasoningFormat(THINK_START, THINK_END, by_default=False)
@@ -57,6 +62,13 @@ REASONING_PARSERS: dict[str, ReasoningFormat] = {
     "deepseek_r1": _THINK_FIRST,
     "deepseek_v3": _THINK,
     "glm45": _THINK,
+    "granite": ReasoningFormat(
+        "Here is my thought process:",
+        "Here is my response:",
+        by_default=False,
+        other_starts=("Here's my thought process:",),
+        other_ends=("Here's my response:",),
+    ),
     "mistral": ReasoningFormat("[THINK]", "[/THINK]", by_default=False, special=True),
     "qwen3": _THINK,
     "seed_oss": ReasoningFormat("<seed:think>", "</seed:think>", by_default=True),
@@ -79,7 +91,8 @@ class ReasoningReader:
         """``in_reasoning``: the prompt left the reasoning open; ``form``: the model's tags,
         and whether text that does not open with the start tag is reasoning all the same."""
         self._state = "reasoning" if in_reasoning else "opening"
-        self._start, self._end = form.start, form.end
+        self._starts = (form.start, *form.other_starts)
+        self._ends = (form.end, *form.other_ends)
         self._by_default = form.by_default
         self._held = ""
 
@@ -90,21 +103,23 @@ class ReasoningReader:
         while text:
             if self._state == "opening":
                 stripped = text.lstrip()
-                if stripped.startswith(self._start):
-                    text = stripped[len(self._start) :]
+                start = next((s for s in self._starts if stripped.startswith(s)), None)
+                if start is not None:
+                    text = stripped[len(start) :]
                     self._state = "reasoning"
-                elif self._start.startswith(stripped) and not final:
+                elif any(s.startswith(stripped) for s in self._starts) and not final:
                     self._held, text = text, ""  # whitespace, or the beginning of the tag
                 else:
                     self._state = "reasoning" if self._by_default else "content"
             elif self._state == "reasoning":
-                end = text.find(self._end)
-                if end >= 0:
+                found = [(at, tag) for tag in self._ends if (at := text.find(tag)) >= 0]
+                if found:
+                    end, tag = min(found)
                     reasoning += text[:end]
-                    text = text[end + len(self._end) :]
+                    text = text[end + len(tag) :]
                     self._state = "content"
                     continue
-                keep = 0 if final else partial_tag_length(text, self._end)
+                keep = 0 if final else max(partial_tag_length(text, t) for t in self._ends)
                 reasoning += text[: len(text) - keep]
                 self._held, text = text[len(text) - keep :], ""
             else:
