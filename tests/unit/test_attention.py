@@ -18,15 +18,29 @@ BACKENDS = ["torch", "cpu"]  # "cpu" is the C++ decode kernel; CI builds it (gcc
 TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 2e-2)}
 
 
-def ref_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal attention of the last ``len(q)`` positions of a sequence over all ``len(k)``."""
+def ref_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
+) -> torch.Tensor:
+    """Causal attention of the last ``len(q)`` positions of a sequence over all ``len(k)``;
+    with ``window``, over the last ``window`` positions up to each query's; with ``softcap``,
+    the scores capped by ``softcap * tanh(score / softcap)``."""
     q_len, seq_len = q.shape[0], k.shape[0]
     group = q.shape[1] // k.shape[1]
     k = k.float().repeat_interleave(group, dim=1)
     v = v.float().repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
-    pos = torch.arange(seq_len - q_len, seq_len)
-    scores.masked_fill_(torch.arange(seq_len)[None, :] > pos[:, None], -math.inf)
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    pos = torch.arange(seq_len - q_len, seq_len)[:, None]
+    keys = torch.arange(seq_len)[None, :]
+    scores.masked_fill_(keys > pos, -math.inf)
+    if window:
+        scores.masked_fill_(keys <= pos - window, -math.inf)
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
@@ -125,6 +139,20 @@ def test_prompt_only_batch_with_long_cached_prefixes(backend: str, dtype: torch.
     check_backend(backend, dtype, 64, 16, 9, 3, specs)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("window", "softcap"), [(8, 0.0), (0, 3.0), (21, 2.5), (1, 0.0)])
+def test_sliding_window_and_softcap(
+    backend: str, dtype: torch.dtype, window: int, softcap: float
+) -> None:
+    """Gemma 2's local layers and Mistral-7B-v0.1: each query sees the last ``window``
+    positions up to its own; Gemma 2's scores capped by ``softcap * tanh(s / softcap)``.
+    Decodes, fresh prompts (batched) and chunks after cached context, longer and shorter than
+    the window; queries scaled up so that the cap changes the result."""
+    specs = [(0, 1), (7, 1), (40, 1), (130, 1), (0, 30), (0, 30), (0, 5), (12, 6), (90, 40)]
+    check_backend(backend, dtype, 64, 16, 6, 2, specs, window, softcap)
+
+
 def check_backend(
     backend: str,
     dtype: torch.dtype,
@@ -133,6 +161,8 @@ def check_backend(
     num_heads: int,
     num_kv_heads: int,
     specs: list[tuple[int, int]] | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> None:
     # decodes (various lengths), fresh prefills of equal length (batched), fresh of another
     # length, and chunks with cached context
@@ -140,15 +170,18 @@ def check_backend(
         specs = [(0, 1), (7, 1), (40, 1), (130, 1), (0, 9), (0, 9), (0, 5), (12, 6), (33, 17)]
     md, cache, ks, vs = build_step(specs, block_size, 128, dtype, head_dim, num_heads, num_kv_heads)
     gen = torch.Generator().manual_seed(1)
-    q = torch.randn(md.num_tokens, num_heads, head_dim, generator=gen).to(dtype)
+    q = torch.randn(md.num_tokens, num_heads, head_dim, generator=gen)
+    q = (q * 4 if softcap else q).to(dtype)  # (scores of several units: the cap bends them)
     new_k = torch.cat([k[c:] for k, (c, _) in zip(ks, specs, strict=True)])
     new_v = torch.cat([v[c:] for v, (c, _) in zip(vs, specs, strict=True)])
     scale = head_dim**-0.5
-    out = create_attention_backend(backend).forward(q, new_k, new_v, cache, md, scale)
+    out = create_attention_backend(backend).forward(
+        q, new_k, new_v, cache, md, scale, window=window, softcap=softcap
+    )
     rtol, atol = TOL[dtype]
     for i in range(md.num_reqs):
         s, e = md.query_start_loc[i], md.query_start_loc[i + 1]
-        want = ref_attention(q[s:e], ks[i], vs[i], scale)
+        want = ref_attention(q[s:e], ks[i], vs[i], scale, window, softcap)
         torch.testing.assert_close(out[s:e].float(), want, rtol=rtol, atol=atol)
     # and the new tokens' K/V landed in their slots
     torch.testing.assert_close(cache.key[md.slot_block, md.slot_offset], new_k)

@@ -8,6 +8,14 @@ Token layout of one step (decodes first, then prefill chunks):
 
 A request's keys are its ``seq_len`` tokens: the ``seq_len - query_len`` already in the paged cache
 followed by the ``query_len`` new ones, which are written to the cache before attention runs.
+
+Two options of a layer's attention change what a query sees (both off by default):
+
+- ``window`` W > 0 (sliding-window attention: Mistral-7B-v0.1, Gemma 2/3's local layers): the
+  query at position p attends to the keys at positions p - W < j <= p only (W keys, its own
+  included), as transformers masks them.
+- ``softcap`` c > 0 (Gemma 2): each score ``s = scale * q.k`` becomes ``c * tanh(s / c)``
+  before the mask and the softmax.
 """
 
 from __future__ import annotations
@@ -70,7 +78,11 @@ class AttentionBackend(Protocol):
         kv_cache: KVCacheView,
         metadata: AttentionMetadata,
         scale: float,
+        *,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Write the new tokens' K/V into the cache, then attend causally over each request's
-        cached and new tokens."""
+        cached and new tokens (within ``window`` of each query, scores capped by ``softcap``:
+        see the module's docstring)."""
         ...

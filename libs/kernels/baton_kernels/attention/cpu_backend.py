@@ -50,15 +50,22 @@ class CpuAttentionBackend(TorchAttentionBackend):
         kv_cache: KVCacheView,
         metadata: AttentionMetadata,
         scale: float,
+        *,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         md = metadata
         if (
-            md.num_decodes == md.num_reqs
+            window
+            or softcap
+            or md.num_decodes == md.num_reqs
             or query.dtype != torch.bfloat16
             or not self.prompt_tiles
             or not self._kernel_applies(query, kv_cache.kv)
         ):
-            return super().forward(query, key, value, kv_cache, md, scale)
+            return super().forward(
+                query, key, value, kv_cache, md, scale, window=window, softcap=softcap
+            )
         self._write_kv(key, value, kv_cache, md)
         out: torch.Tensor = self.ops.paged_attention(
             query,
@@ -90,10 +97,21 @@ class CpuAttentionBackend(TorchAttentionBackend):
         self.ops.write_kv_cache_(key, value, kv, md.slot_block, md.slot_offset)
 
     def _decode(
-        self, query: torch.Tensor, kv_cache: KVCacheView, md: AttentionMetadata, scale: float
+        self,
+        query: torch.Tensor,
+        kv_cache: KVCacheView,
+        md: AttentionMetadata,
+        scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
-        if not self._kernel_applies(query, kv_cache.kv) or md.decode_seq_lens is None:
-            return super()._decode(query, kv_cache, md, scale)
+        if (
+            window
+            or softcap
+            or not self._kernel_applies(query, kv_cache.kv)
+            or md.decode_seq_lens is None
+        ):
+            return super()._decode(query, kv_cache, md, scale, window, softcap)
         nd = query.shape[0]
         out: torch.Tensor = self.ops.paged_decode_attention(
             query,

@@ -22,6 +22,16 @@ def _cu_seqlens(lengths: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(cu, dtype=torch.int32, device=device)
 
 
+def _refuse_options(backend: str, window: int, softcap: float) -> None:
+    """Baton does not pass a sliding window or a softcap to these libraries (its own backends
+    compute them): a model that needs one is an error, not silently full attention."""
+    if window or softcap:
+        raise ValueError(
+            f"the {backend} attention backend does not compute sliding-window attention or "
+            "softcapped scores here; use --attention-backend triton"
+        )
+
+
 class FlashAttnBackend:
     """flash-attn 2's ``flash_attn_varlen_func`` with a block table. It aligns the causal mask
     to the end of the keys, as a chunk over cached context needs, but its paged KV requires
@@ -42,8 +52,12 @@ class FlashAttnBackend:
         kv_cache: KVCacheView,
         metadata: AttentionMetadata,
         scale: float,
+        *,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         md = metadata
+        _refuse_options(self.name, window, softcap)
         if kv_cache.block_size % 256:
             raise ValueError(
                 f"flash_attn's paged KV needs block_size % 256 == 0, not {kv_cache.block_size}"
@@ -87,8 +101,12 @@ class FlashInferBackend:
         kv_cache: KVCacheView,
         metadata: AttentionMetadata,
         scale: float,
+        *,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         md = metadata
+        _refuse_options(self.name, window, softcap)
         write_kv_cache(key, value, kv_cache, md)
         if self._wrapper is None:
             workspace = torch.empty(self.WORKSPACE_BYTES, dtype=torch.uint8, device=query.device)

@@ -4,6 +4,8 @@ Decodes are batched: their blocks are gathered into one padded tensor and attend
 additive mask, treating the query heads that share a KV head as that head's query rows. Prefill
 chunks with no cached context attend to their own fresh K/V without reading the cache, and runs
 of such chunks of equal length are batched into one call; chunks with context run one at a time.
+A sliding window becomes part of the mask; a softcap computes the same attention by hand (SDPA
+has no softcap), in float32.
 """
 
 from __future__ import annotations
@@ -30,6 +32,44 @@ def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tens
     return rows.view(num_reqs, num_blocks * block_size, num_kv_heads, dim)
 
 
+def attention(
+    q: torch.Tensor,  # [..., num_heads, M, D]
+    k: torch.Tensor,  # [..., num_kv_heads, N, D]
+    v: torch.Tensor,
+    mask: torch.Tensor | None,  # bool (True: attend) or additive, broadcast to [..., M, N]
+    scale: float,
+    softcap: float = 0.0,
+    is_causal: bool = False,
+) -> torch.Tensor:  # [..., num_heads, M, D]
+    """``F.scaled_dot_product_attention`` (query heads grouped over the KV heads), or with a
+    ``softcap`` the same math by hand in float32, the scores capped before the mask."""
+    group = q.shape[-3] // k.shape[-3]
+    if not softcap:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=group > 1
+        )
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
+    scores = q.float() @ k.float().transpose(-1, -2) * (scale / softcap)
+    scores = scores.tanh_().mul_(softcap)
+    if is_causal:
+        mask = causal_mask(q.shape[-2], k.shape[-2], 0, q.device)
+    if mask is not None and mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    elif mask is not None:
+        scores = scores + mask
+    return (scores.softmax(-1) @ v.float()).to(q.dtype)
+
+
+def causal_mask(query_len: int, seq_len: int, window: int, device: torch.device) -> torch.Tensor:
+    """``[query_len, seq_len]`` bool, True where the query (the last ``query_len`` positions)
+    sees the key: at or before its position, and within ``window`` of it when ``window`` > 0."""
+    rows = torch.arange(seq_len - query_len, seq_len, device=device)[:, None]
+    cols = torch.arange(seq_len, device=device)[None, :]
+    visible = cols <= rows
+    return visible & (cols > rows - window) if window > 0 else visible
+
+
 class TorchAttentionBackend:
     name = "torch"
 
@@ -41,22 +81,25 @@ class TorchAttentionBackend:
         kv_cache: KVCacheView,
         metadata: AttentionMetadata,
         scale: float,
+        *,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         self._write_kv(key, value, kv_cache, metadata)
         md = metadata
         nd = md.num_decodes
         if nd == md.num_reqs:  # decodes only
-            return self._decode(query, kv_cache, md, scale)
+            return self._decode(query, kv_cache, md, scale, window, softcap)
         out = torch.empty_like(query)
         if nd:
-            out[:nd] = self._decode(query[:nd], kv_cache, md, scale)
+            out[:nd] = self._decode(query[:nd], kv_cache, md, scale, window, softcap)
         i = nd
         while i < md.num_reqs:
             start, query_len = md.query_start_loc[i], md.query_len(i)
             if md.seq_lens[i] != query_len:  # has cached context
                 end = start + query_len
                 out[start:end] = self._prefill_with_context(
-                    query[start:end], kv_cache, md, i, scale
+                    query[start:end], kv_cache, md, i, scale, window, softcap
                 )
                 i += 1
                 continue
@@ -65,7 +108,7 @@ class TorchAttentionBackend:
                 j += 1
             end = md.query_start_loc[j]
             out[start:end] = self._prefill_fresh(
-                query[start:end], key[start:end], value[start:end], j - i, scale
+                query[start:end], key[start:end], value[start:end], j - i, scale, window, softcap
             )
             i = j
         return out
@@ -76,7 +119,13 @@ class TorchAttentionBackend:
         write_kv_cache(key, value, kv_cache, md)
 
     def _decode(
-        self, query: torch.Tensor, kv_cache: KVCacheView, md: AttentionMetadata, scale: float
+        self,
+        query: torch.Tensor,
+        kv_cache: KVCacheView,
+        md: AttentionMetadata,
+        scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         nd, num_heads, dim = query.shape
         num_kv_heads = kv_cache.kv.shape[3]
@@ -85,11 +134,27 @@ class TorchAttentionBackend:
         v = gather_blocks(kv_cache.value, tables).transpose(1, 2)
         # The query heads sharing a KV head become that head's query rows.
         q = query.view(nd, num_kv_heads, num_heads // num_kv_heads, dim)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=md.decode_bias, scale=scale)
+        bias = md.decode_bias
+        if window > 0:  # the keys before each request's window are masked too
+            seq_lens = md.decode_seq_lens
+            if seq_lens is None:
+                seq_lens = torch.tensor(md.seq_lens[:nd], device=query.device)
+            cols = torch.arange(k.shape[2], device=query.device)
+            before = (cols[None, :] < (seq_lens[:, None] - window)).view(nd, 1, 1, -1)
+            bias = torch.zeros_like(k[:, :1, :1, :, 0]) if bias is None else bias
+            bias = bias.masked_fill(before, float("-inf"))
+        out = attention(q, k, v, bias, scale, softcap)
         return out.reshape(nd, num_heads, dim)
 
     def _prefill_fresh(
-        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, n: int, scale: float
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        n: int,
+        scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         """``n`` equal-length chunks that start at position 0: plain causal attention."""
         num_tokens, num_heads, dim = query.shape
@@ -97,13 +162,16 @@ class TorchAttentionBackend:
         def heads_first(x: torch.Tensor) -> torch.Tensor:
             return x.view(n, num_tokens // n, x.shape[1], dim).transpose(1, 2)
 
-        out = F.scaled_dot_product_attention(
+        length = num_tokens // n
+        mask = causal_mask(length, length, window, query.device) if 0 < window < length else None
+        out = attention(
             heads_first(query),
             heads_first(key),
             heads_first(value),
-            is_causal=True,
-            scale=scale,
-            enable_gqa=True,
+            mask,
+            scale,
+            softcap,
+            is_causal=mask is None,
         )
         return out.transpose(1, 2).reshape(num_tokens, num_heads, dim)
 
@@ -114,6 +182,8 @@ class TorchAttentionBackend:
         md: AttentionMetadata,
         i: int,
         scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         query_len, seq_len = query.shape[0], md.seq_lens[i]
         num_blocks = -(seq_len // -kv_cache.block_size)
@@ -121,9 +191,6 @@ class TorchAttentionBackend:
         k = gather_blocks(kv_cache.key, table)[:, :seq_len].transpose(1, 2)
         v = gather_blocks(kv_cache.value, table)[:, :seq_len].transpose(1, 2)
         # Query row r sits at position seq_len - query_len + r and sees keys up to it.
-        rows = torch.arange(seq_len - query_len, seq_len, device=query.device)
-        mask = torch.arange(seq_len, device=query.device)[None, :] <= rows[:, None]
-        out = F.scaled_dot_product_attention(
-            query.transpose(0, 1).unsqueeze(0), k, v, attn_mask=mask, scale=scale, enable_gqa=True
-        )
+        mask = causal_mask(query_len, seq_len, window, query.device)
+        out = attention(query.transpose(0, 1).unsqueeze(0), k, v, mask, scale, softcap)
         return out.squeeze(0).transpose(0, 1)

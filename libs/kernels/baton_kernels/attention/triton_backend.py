@@ -63,7 +63,12 @@ class TritonAttentionBackend:
         kv_cache: KVCacheView,
         metadata: AttentionMetadata,
         scale: float,
+        *,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
+        if window or softcap:
+            raise NotImplementedError("sliding windows and softcaps in the Triton kernels")
         write_kv_cache(key, value, kv_cache, metadata.slot_block, metadata.slot_offset)
         return self._attend(query, kv_cache, metadata, scale)
 
@@ -78,6 +83,9 @@ class TritonAttentionBackend:
         positions: torch.Tensor,  # [num_tokens]
         cos_sin: torch.Tensor,  # [max_positions, 2, head_dim]
         norm: DecodeNorm | None = None,
+        *,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         """``forward`` of q and k rotated by ``positions`` (``fused.rotary_embedding_``), the
         rotation and the cache write in one launch; on a decode-only step, in the decode
@@ -87,6 +95,8 @@ class TritonAttentionBackend:
         same launch (the decode kernel's, or the rotary kernel's, which stores q normed)."""
         from baton_kernels.triton.fused_ops import rotary_embedding_and_write_kv_
 
+        if window or softcap:
+            raise NotImplementedError("sliding windows and softcaps in the Triton kernels")
         decode_only = metadata.num_decodes == metadata.num_reqs
         if FUSE_DECODE_ROPE and decode_only:
             rope = DecodeRope(
