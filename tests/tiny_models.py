@@ -33,9 +33,15 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     },
     "llama-linear-rope": {"rope_scaling": {"rope_type": "linear", "factor": 2.0}},
     "mistral": {"sliding_window": None},
+    "mistral-sliding-window": {"sliding_window": 16},  # (Mistral-7B-v0.1's kind: every layer)
     "qwen2": {},
     "qwen2-yarn-rope": {  # as Qwen2.5 serves 128k tokens (its original 32k here 64)
         "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+    },
+    "qwen2-sliding-window": {  # its layers from max_window_layers on slide
+        "use_sliding_window": True,
+        "sliding_window": 16,
+        "max_window_layers": 1,
     },
     "qwen3": {"head_dim": 32},
     "phi3": {},  # q/k/v and gate/up fused in the checkpoint
@@ -70,6 +76,25 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
         "norm_topk_prob": True,
         "head_dim": 32,
     },
+    # Gemma: GeGLU, (1 + weight) norms, scaled embeddings; Gemma 2 and 3: sandwich norms and
+    # a local layer (window 16, shorter than the tests' prompts) before a global one
+    "gemma": {},
+    "gemma2": {  # head size 256 (Gemma 2's default); softcaps low enough to bend these scores
+        "sliding_window": 16,
+        "query_pre_attn_scalar": 24,
+        "attn_logit_softcapping": 2.0,
+        "final_logit_softcapping": 5.0,
+    },
+    "gemma3": {  # the global layer's rope scaled, the local one's with its own theta
+        "head_dim": 64,
+        "sliding_window": 16,
+        "query_pre_attn_scalar": 24,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "rope_parameters": {
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0},
+        },
+    },
 }
 
 
@@ -90,10 +115,31 @@ def build_model(name: str, tokenizer_dir: Path, out: Path, **overrides: Any) -> 
         "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
         "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+        "gemma": (transformers.GemmaConfig, transformers.GemmaForCausalLM),
+        "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
+        "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
     }[family]
     torch.manual_seed(0)
     config = config_cls(vocab_size=49152, **{**TINY, **ARCHITECTURES[name], **overrides})
     return _saved(model_cls(config).eval(), tokenizer_dir, out)
+
+
+def build_gemma3_vision_language(tokenizer_dir: Path, out: Path) -> Any:
+    """A tiny ``Gemma3ForConditionalGeneration`` (Gemma 3 4B's kind): the language model of
+    ``ARCHITECTURES["gemma3"]`` and a one-layer vision tower."""
+    import transformers
+
+    torch.manual_seed(0)
+    text = transformers.Gemma3TextConfig(vocab_size=49152, **{**TINY, **ARCHITECTURES["gemma3"]})
+    vision = transformers.SiglipVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        image_size=28, patch_size=14,
+    )  # fmt: skip
+    config = transformers.Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4
+    )
+    model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    return _saved(model, tokenizer_dir, out)
 
 
 def _saved(model: Any, tokenizer_dir: Path, out: Path) -> Any:
@@ -103,6 +149,8 @@ def _saved(model: Any, tokenizer_dir: Path, out: Path) -> Any:
         for param_name, p in model.named_parameters():
             if "norm" not in param_name:  # weights and biases (Qwen2's qkv bias) alike
                 p.normal_(0, 0.2)
+            elif "gemma" in type(model).__name__.lower():
+                p.normal_(0, 0.3)  # (Gemma's norms scale by 1 + weight: zeros at init)
     model.save_pretrained(out)
     for f in tokenizer_dir.iterdir():
         if f.name.startswith("tokenizer") or f.name.endswith(".jinja"):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import ARCHITECTURES, build_model
+from tiny_models import ARCHITECTURES, build_gemma3_vision_language, build_model
 
 from baton import LLM, SamplingParams
 
@@ -36,6 +36,62 @@ def test_architecture_matches_transformers(
     assert [g.outputs[0].token_ids for g in got] == want
 
 
+def test_the_language_model_of_gemma3_vision_language(
+    default_model_dir: Path, tmp_path: Path
+) -> None:
+    """Gemma 3 4B/12B/27B (``Gemma3ForConditionalGeneration``): its language model serves text
+    prompts as transformers' whole model generates them; the vision tower is not loaded."""
+    model = build_gemma3_vision_language(default_model_dir, tmp_path)
+    prompts = [[10 + i for i in range(n)] for n in (5, 40)]
+    want = []
+    with torch.inference_mode():
+        for p in prompts:
+            ids = torch.tensor([p])
+            out = model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+                eos_token_id=None, pad_token_id=0,
+            )  # fmt: skip
+            want.append(out[0, len(p) :].tolist())
+    llm = LLM(str(tmp_path), dtype="float32", max_model_len=256, kv_cache_memory=16 << 20)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+        got = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        assert [g.outputs[0].token_ids for g in got] == want
+        runner = llm.engine.core.runner
+        assert not any("vision" in name for name, _ in runner.model.named_parameters())
+    finally:
+        llm.shutdown()
+
+
+def test_a_gemma3_text_config_takes_transformers_defaults() -> None:
+    """Gemma 3 4B's config.json names 6 keys of its language model; the rest are
+    transformers' defaults (8 heads of 256, 4 KV heads, one global layer in 6, the local
+    layers' rope at theta 10,000, the global ones' scaled)."""
+    from baton_engine.config import ModelConfig
+
+    config = ModelConfig.from_hf_dict({
+        "architectures": ["Gemma3ForConditionalGeneration"],
+        "eos_token_id": [1, 106],
+        "torch_dtype": "bfloat16",
+        "text_config": {
+            "hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+            "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+            "sliding_window": 1024,
+        },
+        "vision_config": {"model_type": "siglip_vision_model"},
+    })  # fmt: skip
+    assert (config.architecture, config.num_layers, config.hidden_size) == ("gemma3", 34, 2560)
+    assert (config.num_heads, config.num_kv_heads, config.head_dim) == (8, 4, 256)
+    assert (config.vocab_size, config.eos_token_ids, config.torch_dtype) == (
+        262_208, (1, 106), "bfloat16"
+    )  # fmt: skip
+    assert [config.layer_window(i) for i in range(6)] == [1024] * 5 + [0]
+    assert config.rope_theta == 1_000_000.0 and config.local_rope_theta == 10_000.0
+    assert config.rope_scaling == {"rope_type": "linear", "factor": 8.0}
+    assert config.attention_multiplier == 256**-0.5 and config.qk_norm
+    assert config.tie_word_embeddings and config.text_of_multimodal
+
+
 def test_dummy_weights_run(default_model_dir: Path) -> None:
     llm = LLM(
         str(default_model_dir), load_format="dummy", max_model_len=128, kv_cache_memory=16 << 20
@@ -45,12 +101,12 @@ def test_dummy_weights_run(default_model_dir: Path) -> None:
     assert len(out.outputs[0].token_ids) == 4
 
 
-def test_a_sliding_window_model_is_served_up_to_its_window(
-    default_model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+def test_disable_sliding_window_serves_up_to_the_window(
+    default_model_dir: Path, tmp_path: Path
 ) -> None:
-    """Mistral-7B-v0.1's kind of config: attention over the last 24 tokens. Baton computes
-    full attention, the same up to 24 tokens: it serves up to that length, and a longer
-    max_model_len is refused rather than answered differently from the model."""
+    """vLLM's --disable-sliding-window: full attention, which equals the model's up to its
+    window, so sequences are served up to the window's length and a longer max_model_len is
+    refused. (Without it the window is computed: the sliding-window architectures above.)"""
     from baton_engine.errors import InvalidRequestError
 
     model = build_model("mistral", default_model_dir, tmp_path, sliding_window=24)
@@ -59,37 +115,45 @@ def test_a_sliding_window_model_is_served_up_to_its_window(
         ids = torch.tensor([prompt])
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10,
                              do_sample=False, eos_token_id=None, pad_token_id=0)  # fmt: skip
-    with caplog.at_level("WARNING"):
-        llm = LLM(str(tmp_path), dtype="float32", kv_cache_memory=16 << 20)
+    llm = LLM(str(tmp_path), dtype="float32", kv_cache_memory=16 << 20,
+              disable_sliding_window=True)  # fmt: skip
     try:
         assert llm.engine.core.max_model_len == 24
-        assert any("slides over the last 24 tokens" in r.getMessage() for r in caplog.records)
         params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
         (got,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
         assert list(got.outputs[0].token_ids) == out[0, len(prompt) :].tolist()
     finally:
         llm.shutdown()
     with pytest.raises(InvalidRequestError, match="sliding window of 24 tokens"):
-        LLM(str(tmp_path), dtype="float32", max_model_len=64)
+        LLM(str(tmp_path), dtype="float32", max_model_len=64, disable_sliding_window=True)
+    llm = LLM(str(tmp_path), dtype="float32", kv_cache_memory=16 << 20)
+    try:
+        assert llm.engine.core.max_model_len == 512  # (the model's positions)
+    finally:
+        llm.shutdown()
 
 
-def test_which_configs_have_a_sliding_window() -> None:
-    from baton_engine.config import ModelConfig
-
-    shape = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-             "num_attention_heads": 4, "vocab_size": 100}  # fmt: skip
-
-    def window(arch: str, **cfg: object) -> int | None:
-        return ModelConfig.from_hf_dict(shape | {"architectures": [arch]} | cfg).sliding_window
-
-    assert window("MistralForCausalLM", sliding_window=4096) == 4096
-    assert window("MistralForCausalLM", sliding_window=None) is None
-    # Qwen's configs name a window their layers do not use unless use_sliding_window
-    assert window("Qwen2ForCausalLM", sliding_window=32768, use_sliding_window=False) is None
-    assert window("Qwen2ForCausalLM", sliding_window=4096, use_sliding_window=True) == 4096
-    # transformers >= 5 lists each layer's attention
-    full = ["full_attention"] * 2
-    assert window("MistralForCausalLM", sliding_window=4096, layer_types=full) is None
+def test_gemma2_logprobs_match_transformers(default_model_dir: Path, tmp_path: Path) -> None:
+    """Gemma 2 caps its logits (c * tanh(x / c)): greedy tokens cannot show the cap, the
+    logprobs do."""
+    model = build_model("gemma2", default_model_dir, tmp_path)
+    prompt = [10 + i for i in range(23)]
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt])).logits[0, -1].float()
+    want = torch.log_softmax(logits, -1)
+    cap = 5.0  # (tiny_models' final_logit_softcapping)
+    uncapped = torch.log_softmax(torch.atanh(logits / cap) * cap, -1)
+    llm = LLM(str(tmp_path), dtype="float32", max_model_len=256, kv_cache_memory=16 << 20)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5)
+        (out,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    got = out.outputs[0].logprobs[0]
+    assert set(got) == set(want.topk(5).indices.tolist())
+    for token, logprob in got.items():
+        assert abs(logprob.logprob - want[token].item()) < 1e-4
+        assert abs(logprob.logprob - uncapped[token].item()) > 1e-2  # (the cap shows)
 
 
 def test_hf_overrides_replace_the_configs_keys(default_model_dir: Path, tmp_path: Path) -> None:

@@ -258,13 +258,17 @@ def test_lora_needs_enable_lora(default_model_dir: Path, adapters: dict[str, LoR
         ("phi3", {"qkv_proj": (64, 128), "o_proj": (64, 64), "gate_up_proj": (64, 256),
                   "down_proj": (128, 64)}),
         ("granite", {"q_proj": (64, 64), "o_proj": (64, 64), "down_proj": (128, 64)}),
+        # Gemma 2's outputs normed before the residual adds, its scores and logits capped (its
+        # heads of 256)
+        ("gemma2", {"q_proj": (64, 1024), "o_proj": (1024, 64), "down_proj": (128, 64)}),
     ],
 )  # fmt: skip
 def test_adapters_on_other_architectures(
     arch: str, shapes: dict[str, tuple[int, int]], default_model_dir: Path, tmp_path: Path
 ) -> None:
     """An adapter generates what transformers does with it merged into the weights: on Phi-3's
-    fused projections, and on Granite's, whose outputs the residual multiplier scales."""
+    fused projections, on Granite's, whose outputs the residual multiplier scales, and on Gemma
+    2's, whose outputs are normed."""
     from lora_adapters import merged_greedy
     from tiny_models import build_model
 

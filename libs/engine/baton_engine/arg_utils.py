@@ -29,6 +29,8 @@ _HELP = {
     "attention_backend": "auto | cpu (C++ paged decode kernel) | triton (GPU) | torch "
     "(reference) | flash_attn | flashinfer (when installed); also $BATON_ATTENTION_BACKEND",
     "enforce_eager": "GPU: run every step eagerly instead of replaying CUDA graphs",
+    "disable_sliding_window": "attend fully in the model's sliding-window layers, serving "
+    "sequences up to the window's length (vLLM's)",
     "async_scheduling": "schedule the next step while the device runs this one (default: on "
     "for GPUs, off for CPUs)",
     "num_scheduler_steps": "forward passes a step runs when every running request is a plain "

@@ -37,6 +37,16 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",  # (Phi-3, Phi-4: q/k/v and gate/up fused in the checkpoint)
     "GraniteForCausalLM": "granite",  # (Llama with the multipliers below)
+    # Gemma: GeGLU MLP, RMSNorms scaling by (1 + weight), scaled embeddings; Gemma 2 and 3 add
+    # norms on the attention's and the MLP's outputs and interleave sliding-window layers
+    # (Gemma 2 caps scores and logits, Gemma 3 norms q and k and rotates its local layers by
+    # their own rope).
+    "GemmaForCausalLM": "gemma",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
+    # Gemma 3 4B, 12B and 27B: the language model of a vision-language checkpoint, its vision
+    # tower left out (prompts are text)
+    "Gemma3ForConditionalGeneration": "gemma3",
     # Mixtures of experts: the decoders above with sparse MLPs (``models/moe.py``)
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
@@ -84,8 +94,8 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
 class ModelConfig:
     """The shape of a Llama-family decoder, read from a Hugging Face ``config.json``."""
 
-    # "llama" | "qwen2" | "qwen3" | "phi3" | "granite", and mixtures of experts: "mixtral" |
-    # "qwen2_moe" | "qwen3_moe" | "granitemoe"
+    # "llama" | "qwen2" | "qwen3" | "phi3" | "granite" | "gemma" | "gemma2" | "gemma3", and
+    # mixtures of experts: "mixtral" | "qwen2_moe" | "qwen3_moe" | "granitemoe"
     architecture: str
     vocab_size: int
     hidden_size: int
@@ -117,11 +127,29 @@ class ModelConfig:
     residual_multiplier: float = 1.0
     attention_multiplier: float | None = None
     logits_scaling: float = 1.0
-    # Sliding-window attention (Mistral-7B-v0.1, Phi-3, Qwen2 with use_sliding_window): tokens
-    # attend to the last ``sliding_window`` positions only, in some layers. Baton computes
-    # full attention, which equals it while a sequence is no longer than the window: such a
-    # model is served up to that length (None: no window).
+    # Sliding-window attention (Mistral-7B-v0.1, Phi-3, Qwen2 with use_sliding_window, Gemma 2
+    # and 3's local layers): a token attends to the last ``sliding_window`` positions only (its
+    # own included), in the layers ``layer_types`` names "sliding_attention" (transformers'
+    # list; empty: every layer). None: no window.
     sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()
+    # Gemma 3: the sliding layers' rope theta (their rope unscaled); None: one rope for all
+    local_rope_theta: float | None = None
+    # The MLP's activation: "silu" (SwiGLU) or "gelu_tanh" (Gemma's GeGLU, tanh-approximated)
+    hidden_act: str = "silu"
+    # Gemma: RMSNorm scales by (1 + weight); the offset is added to the weights at load
+    norm_weight_offset: float = 0.0
+    # Gemma 2 and 3: the attention's and the MLP's outputs are normed before each residual add
+    sandwich_norms: bool = False
+    # Gemma: the embedding multiplier is rounded to the model's dtype first, as transformers
+    # rounds its normalizer (sqrt(hidden) is 34.0 in bf16 for Gemma 3 1B's 1152, not 33.94)
+    embedding_multiplier_in_dtype: bool = False
+    # Gemma 2: attention scores and final logits become c * tanh(x / c) (0: not capped)
+    attn_logit_softcapping: float = 0.0
+    final_logit_softcapping: float = 0.0
+    # The language model of a vision-language checkpoint (its weights named under
+    # ``language_model``; the vision tower's are not loaded)
+    text_of_multimodal: bool = False
     # A mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE): the MLP of its sparse layers
     # (``is_moe_layer``) is ``num_experts`` experts of ``moe_intermediate_size``, each token
     # routed to ``num_experts_per_tok`` of them (softmax, top k, renormalized if
@@ -138,6 +166,28 @@ class ModelConfig:
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    def is_sliding_layer(self, layer: int) -> bool:
+        """Whether layer ``layer`` is one of the sliding-window (local) layers."""
+        if self.layer_types:
+            return self.layer_types[layer] == "sliding_attention"
+        return self.sliding_window is not None
+
+    def layer_window(self, layer: int) -> int:
+        """Layer ``layer``'s sliding window (0: its attention is full)."""
+        window = self.sliding_window
+        return window if window is not None and self.is_sliding_layer(layer) else 0
+
+    @property
+    def plain_layers(self) -> bool:
+        """Whether every layer is Llama's (SwiGLU MLP, two norms, no q/k norm, no experts): what
+        the fused decode paths (GEMV layers, folded norms, the one-call CPU decode) compute."""
+        return (
+            self.hidden_act == "silu"
+            and not self.sandwich_norms
+            and not self.qk_norm
+            and not self.is_moe
+        )
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether layer ``layer``'s MLP is sparse (transformers' rule)."""
@@ -165,8 +215,14 @@ class ModelConfig:
                 f"unsupported architecture {archs[0]!r}; "
                 f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"
             )
+        multimodal = archs[0] in _TEXT_CONFIG_DEFAULTS
+        if multimodal:
+            cfg = _language_model_config(archs[0], cfg)
         num_heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
+        gemma: dict[str, Any] = {}
+        if arch.startswith("gemma"):
+            cfg, gemma = _gemma_fields(arch, cfg, hidden)
         # transformers >= 5 writes `rope_parameters` (theta and scaling together); older
         # configs have `rope_theta` and `rope_scaling`, which win where both are given (one
         # came from hf_overrides).
@@ -195,20 +251,17 @@ class ModelConfig:
         labels: tuple[str, ...] = ()
         if archs[0].endswith("ForSequenceClassification"):
             labels = _labels(cfg)
-        window = cfg.get("sliding_window") or None
-        if arch.startswith("qwen") and not cfg.get("use_sliding_window"):
-            window = None  # (Qwen's configs name a window they do not use)
-        elif "sliding_attention" not in cfg.get("layer_types", ["sliding_attention"]):
-            window = None  # (transformers >= 5: every layer's attention is full)
+        num_layers = int(cfg["num_hidden_layers"])
+        window, layer_types = _sliding_layers(arch, cfg, num_layers)
         moe: dict[str, Any] = {}
         if arch in ("mixtral", "qwen2_moe", "qwen3_moe", "granitemoe"):
             moe = _moe_fields(arch, cfg)
-        return cls(
+        fields: dict[str, Any] = dict(
             architecture=arch,
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(cfg["intermediate_size"]),
-            num_layers=int(cfg["num_hidden_layers"]),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
             head_dim=int(cfg.get("head_dim") or hidden // num_heads),
@@ -224,7 +277,7 @@ class ModelConfig:
             attention_bias=bool(
                 cfg.get("attention_bias", cfg.get("qkv_bias", arch in ("qwen2", "qwen2_moe")))
             ),
-            qk_norm=arch in ("qwen3", "qwen3_moe"),
+            qk_norm=arch in ("qwen3", "qwen3_moe", "gemma3"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
@@ -236,15 +289,17 @@ class ModelConfig:
                 else None
             ),
             labels=labels,
-            sliding_window=None if window is None else int(window),
+            sliding_window=window,
+            layer_types=layer_types,
+            hidden_act=_hidden_act(arch, cfg),
             embedding_multiplier=float(cfg.get("embedding_multiplier", 1.0)),
             residual_multiplier=float(cfg.get("residual_multiplier", 1.0)),
             attention_multiplier=(
                 float(cfg["attention_multiplier"]) if cfg.get("attention_multiplier") else None
             ),
             logits_scaling=float(cfg.get("logits_scaling", 1.0)),
-            **moe,
         )
+        return cls(**(fields | moe | gemma), text_of_multimodal=multimodal)
 
     @classmethod
     def from_path(cls, model_dir: Path, overrides: dict[str, Any] | None = None) -> ModelConfig:
@@ -259,6 +314,122 @@ class ModelConfig:
             if isinstance(e, ModelLoadError):
                 raise
             raise ModelLoadError(f"{path} is not a valid model config: {e}") from None
+
+
+# A vision-language checkpoint's language model is described by its ``text_config``, whose
+# keys left out take transformers' defaults for it (Gemma 3 4B's names 6 of them).
+_TEXT_CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
+    "Gemma3ForConditionalGeneration": {  # (transformers' Gemma3TextConfig)
+        "vocab_size": 262_208,
+        "hidden_size": 2304,
+        "intermediate_size": 9216,
+        "num_hidden_layers": 26,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "max_position_embeddings": 131_072,
+        "rms_norm_eps": 1e-6,
+        "bos_token_id": 2,
+        "eos_token_id": 1,
+        "tie_word_embeddings": True,
+        "rope_theta": 1_000_000.0,
+        "rope_local_base_freq": 10_000.0,
+        "query_pre_attn_scalar": 256,
+        "sliding_window": 4096,
+        "sliding_window_pattern": 6,
+    },
+}
+
+
+def _language_model_config(architecture: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """The config of a vision-language checkpoint's language model: its ``text_config`` over
+    transformers' defaults, with the checkpoint's own token ids and dtype where it names them."""
+    text = dict(cfg.get("text_config") or {})
+    for key in ("bos_token_id", "eos_token_id", "torch_dtype", "dtype", "tie_word_embeddings"):
+        if cfg.get(key) is not None:
+            text[key] = cfg[key]
+    return _TEXT_CONFIG_DEFAULTS[architecture] | text
+
+
+def _sliding_layers(
+    arch: str, cfg: dict[str, Any], num_layers: int
+) -> tuple[int | None, tuple[str, ...]]:
+    """The sliding window (None: none is used) and each layer's kind (``layer_types``; empty:
+    every layer slides when there is a window), by transformers' rules for configs that do not
+    list them (Gemma 3's kinds also pick each layer's rope, window or not)."""
+    window = cfg.get("sliding_window") or None
+    types = tuple(str(t) for t in cfg.get("layer_types") or ())
+    if not types and arch in ("gemma2", "gemma3"):
+        # Gemma 2 alternates local and global layers; Gemma 3 has one global in 6
+        every = 2 if arch == "gemma2" else int(cfg.get("sliding_window_pattern") or 6)
+        types = tuple(
+            "full_attention" if (i + 1) % every == 0 else "sliding_attention"
+            for i in range(num_layers)
+        )
+    elif not types and window is not None and arch.startswith("qwen"):
+        # Qwen's configs name a window their layers use only with use_sliding_window, from
+        # layer max_window_layers on
+        first = int(cfg.get("max_window_layers") or 28)
+        types = tuple(
+            "sliding_attention" if cfg.get("use_sliding_window") and i >= first
+            else "full_attention"
+            for i in range(num_layers)
+        )  # fmt: skip
+    if types and len(types) != num_layers:
+        raise ValueError(f"layer_types lists {len(types)} layers, not {num_layers}")
+    if types and "sliding_attention" not in types:
+        window = None  # (every layer's attention is full)
+    return (None if window is None else int(window)), types
+
+
+_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+
+
+def _hidden_act(arch: str, cfg: dict[str, Any]) -> str:
+    """The MLP's activation (Gemma's configs call it hidden_activation; transformers runs Gemma
+    1's legacy "gelu" as the tanh approximation)."""
+    name = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
+    if arch == "gemma" and name == "gelu":
+        return "gelu_tanh"
+    if name not in _ACTIVATIONS:
+        raise ValueError(
+            f"hidden activation {name!r} is not supported (supported: {sorted(_ACTIVATIONS)})"
+        )
+    return _ACTIVATIONS[name]
+
+
+def _gemma_fields(
+    arch: str, cfg: dict[str, Any], hidden: int
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A Gemma config made readable by the generic parsing (Gemma 3's rope of its global
+    layers as the model's rope), and the ``ModelConfig`` fields that are Gemma's."""
+    if cfg.get("use_bidirectional_attention"):
+        raise ValueError("bidirectional attention (EmbeddingGemma) is not supported")
+    fields: dict[str, Any] = dict(
+        norm_weight_offset=1.0,
+        embedding_multiplier=hidden**0.5,
+        embedding_multiplier_in_dtype=True,
+    )
+    if arch == "gemma":
+        return cfg, fields
+    fields["sandwich_norms"] = True
+    fields["attention_multiplier"] = float(cfg.get("query_pre_attn_scalar") or 256) ** -0.5
+    fields["attn_logit_softcapping"] = float(cfg.get("attn_logit_softcapping") or 0.0)
+    fields["final_logit_softcapping"] = float(cfg.get("final_logit_softcapping") or 0.0)
+    if arch == "gemma3":
+        rope = cfg.get("rope_parameters") or {}
+        if "full_attention" in rope:  # (transformers >= 5: a rope for each kind of layer)
+            local = dict(rope.get("sliding_attention") or {})
+            cfg = cfg | {"rope_parameters": rope["full_attention"]}
+        else:
+            local = {"rope_theta": cfg.get("rope_local_base_freq", 10000.0)}
+        if local.get("rope_type", "default") != "default":
+            raise ValueError("a scaled rope on Gemma 3's local layers is not supported")
+        fields["local_rope_theta"] = float(local.get("rope_theta") or 10000.0)
+        if not (cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta")):
+            cfg = cfg | {"rope_theta": 1_000_000.0}  # (transformers' default for its global layers)
+    return cfg, fields
 
 
 def _rope_positions(max_position_embeddings: int, scaling: dict[str, Any] | None) -> int:
@@ -355,6 +526,8 @@ class EngineConfig:
     load_format: str = "auto"  # "auto" | "dummy"
     attention_backend: str = "auto"  # "auto" | "cpu" | "triton" | "torch" (reference) | ...
     enforce_eager: bool = False  # GPU: no CUDA graphs (decode steps, prompt-step pieces)
+    # vLLM's: the sliding-window layers attend fully, and sequences are served up to the window
+    disable_sliding_window: bool = False
     # Schedule and launch step N+1 while step N runs on the device (its sampled tokens reach
     # the host one step later). None: on for GPUs, where it hides the host's per-step work;
     # off on CPUs, where the forward pass itself runs on the host.

@@ -208,12 +208,6 @@ ENGINE_FLAGS: tuple[VllmFlag, ...] = (
     VllmFlag("scheduler_delay_factor", "new prompts are scheduled as soon as they fit", 0.0, float),
     VllmFlag("max_long_partial_prefills", _PREFILLS, 1, int),
     VllmFlag("tokenizer_pool_size", "the gateway tokenizes (workers need no tokenizer)", 0, int),
-    VllmFlag(
-        "disable_sliding_window",
-        "Baton computes full attention: a model with a sliding window is served up to its length",
-        False,
-        bool,
-    ),
     VllmFlag("disable_mm_preprocessor_cache", _TEXT_ONLY, False, bool),
     VllmFlag("mm_processor_kwargs", _TEXT_ONLY),
     VllmFlag("collect_detailed_traces", "traces carry Baton's own spans (--otlp-endpoint)"),

@@ -4,6 +4,7 @@ out; no tokenizer, no text."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import gc
 import logging
@@ -107,6 +108,8 @@ def build_runner(config: EngineConfig, tp_rank: int = 0) -> RunnerSetup:
     mc = ModelConfig.from_path(model_dir, config.hf_overrides_dict())
     config.check_model_task(mc)
     max_model_len = _max_model_len(config, mc)
+    if config.disable_sliding_window:  # (full attention, up to the window: _max_model_len)
+        mc = dataclasses.replace(mc, sliding_window=None)
     dtype = resolve_dtype(config, mc)
     torch.manual_seed(config.seed)
     tp_size = config.tensor_parallel_size
@@ -163,21 +166,13 @@ def build_runner(config: EngineConfig, tp_rank: int = 0) -> RunnerSetup:
 
 
 def _max_model_len(config: EngineConfig, mc: ModelConfig) -> int:
-    """The longest sequence served: ``max_model_len``, else the model's positions up to 8,192
-    (or its sliding window: ``ModelConfig.sliding_window``)."""
-    window = mc.sliding_window
+    """The longest sequence served: ``max_model_len``, else the model's positions up to 8,192;
+    with ``disable_sliding_window``, at most the model's sliding window (vLLM's rule: its
+    layers then attend fully, which equals the window up to its length)."""
+    window = mc.sliding_window if config.disable_sliding_window else None
     if config.max_model_len is None:
         longest = min(mc.max_position_embeddings, _DEFAULT_MAX_MODEL_LEN)
-        if window is not None and window < longest:
-            logger.warning(
-                "the model's attention slides over the last %d tokens, which Baton does not "
-                "implement: sequences are served up to that length (--max-model-len %d), where "
-                "full attention computes the same",
-                window,
-                window,
-            )
-            return window
-        return longest
+        return longest if window is None else min(longest, window)
     if config.max_model_len > mc.max_position_embeddings:
         raise InvalidRequestError(
             f"max_model_len {config.max_model_len} exceeds the model's "
@@ -186,8 +181,7 @@ def _max_model_len(config: EngineConfig, mc: ModelConfig) -> int:
     if window is not None and config.max_model_len > window:
         raise InvalidRequestError(
             f"max_model_len {config.max_model_len} exceeds the model's sliding window of "
-            f"{window} tokens: Baton computes full attention, which equals the model's only "
-            "up to the window's length (as vLLM's --disable-sliding-window)"
+            f"{window} tokens, the most served with --disable-sliding-window"
         )
     return config.max_model_len
 

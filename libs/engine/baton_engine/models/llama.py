@@ -1,5 +1,6 @@
 """Llama-family decoder (Llama, Mistral, Qwen2 with qkv bias, Qwen3 with q/k norm, SmolLM,
-Phi-3 with its projections fused in the checkpoint, Granite with its multipliers), and its
+Phi-3 with its projections fused in the checkpoint, Granite with its multipliers, Gemma 1-3
+with their GeGLU, (1 + weight) norms, sandwich norms, local layers and softcaps), and its
 mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, Granite-MoE: ``moe.SparseMoE`` in place of
 the MLP).
 
@@ -59,7 +60,7 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, index: int = 0) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
             cfg.num_heads,
@@ -75,6 +76,10 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = cfg.attention_multiplier or self.head_dim**-0.5
+        self.window = cfg.layer_window(index)  # 0: full attention
+        self.softcap = cfg.attn_logit_softcapping
+        # which of the model's ropes rotates this layer (Gemma 3's local layers: the second)
+        self.rope_index = int(cfg.local_rope_theta is not None and cfg.is_sliding_layer(index))
 
     def attend(
         self,
@@ -98,12 +103,15 @@ class Attention(nn.Module):
         if isinstance(rope, FusedRope) and getattr(backend, "fuses_rope", False):
             # rotation and cache write in one launch (TritonAttentionBackend.forward_rope)
             out = backend.forward_rope(  # type: ignore[attr-defined]
-                q, k, v, kv_cache, metadata, self.scale, rope.positions, rope.cos_sin, norm
-            )
+                q, k, v, kv_cache, metadata, self.scale, rope.positions, rope.cos_sin, norm,
+                window=self.window, softcap=self.softcap,
+            )  # fmt: skip
         else:
             assert norm is None, "a folded norm needs the backend's forward_rope"
             q, k = rope.apply_qk(q, k)
-            out = backend.forward(q, k, v, kv_cache, metadata, self.scale)
+            out = backend.forward(
+                q, k, v, kv_cache, metadata, self.scale, window=self.window, softcap=self.softcap
+            )
         return cast(torch.Tensor, out).reshape(num_tokens, self.q_size)
 
 
@@ -115,13 +123,15 @@ class MLP(nn.Module):
         size = self.intermediate_size = intermediate_size or cfg.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * size, bias=False)
         self.down_proj = nn.Linear(size, cfg.hidden_size, bias=False)
+        self.gelu = cfg.hidden_act == "gelu_tanh"  # Gemma's GeGLU (else SwiGLU)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if self.fused:
+        if self.fused and not self.gelu:
             return self.down_proj(fused.silu_and_mul(gate_up))  # type: ignore[no-any-return]
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)  # type: ignore[no-any-return]
+        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.down_proj(act * up)  # type: ignore[no-any-return]
 
 
 def _no_reduce(x: torch.Tensor) -> torch.Tensor:
@@ -139,8 +149,16 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, index)
+        # the norm before the MLP (Gemma 2/3's pre_feedforward_layernorm)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # Gemma 2/3: norms of the attention's and the MLP's outputs (their post_attention_ and
+        # post_feedforward_layernorm), before each is added to the residual stream
+        self.attn_output_norm: RMSNorm | None = None
+        self.mlp_output_norm: RMSNorm | None = None
+        if cfg.sandwich_norms:
+            self.attn_output_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.mlp_output_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp: MLP | SparseMoE
         if cfg.is_moe_layer(index):
             shared = cfg.shared_expert_intermediate_size
@@ -169,8 +187,13 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer after attention (``out`` ``[T, q]``): ``(mlp output, residual)``."""
         hidden = self.reduce(self.self_attn.o_proj(out))
+        if self.attn_output_norm is not None:
+            hidden = self.attn_output_norm(hidden)
         hidden, residual = self.post_attention_layernorm.add_forward(hidden, residual)
-        return self.reduce(self.mlp(hidden)), residual
+        hidden = self.reduce(self.mlp(hidden))
+        if self.mlp_output_norm is not None:
+            hidden = self.mlp_output_norm(hidden)
+        return hidden, residual
 
     def forward_gemv(
         self,
@@ -346,6 +369,19 @@ _STACKED = {
 # the projections whose outputs are added to the residual stream
 _RESIDUAL_OUTPUTS = ("o_proj.weight", "down_proj.weight", "experts.down_proj")
 
+# A vision-language checkpoint's language model (transformers < 5 and >= 5 name it so), and
+# the rest of it
+_LANGUAGE_MODEL = re.compile(r"^(?:language_model\.(?=model\.|lm_head\.)|model\.language_model\.)")
+_VISION = re.compile(r"^(?:model\.)?(?:vision_tower|multi_modal_projector)\.")
+
+# Gemma 2/3's norm names -> the layer's (its norm before the MLP is the Llama layers' second)
+_SANDWICH_NORMS = {
+    ".post_attention_layernorm.": ".attn_output_norm.",
+    ".pre_feedforward_layernorm.": ".post_attention_layernorm.",
+    ".post_feedforward_layernorm.": ".mlp_output_norm.",
+}
+_SANDWICH_RENAMES = re.compile("|".join(re.escape(k) for k in _SANDWICH_NORMS))
+
 _STACKED_PARTS = {
     fused: tuple(part for part, (f, _) in _STACKED.items() if f == fused)
     for fused in ("qkv_proj", "gate_up_proj")
@@ -418,6 +454,12 @@ class LlamaForCausalLM(nn.Module):
         cfg = shard_config(cfg, tp_size)
         self.config = cfg
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        # Gemma 3's local layers: their own theta, unscaled (Attention.rope_index)
+        self.rotary_local = (
+            RotaryEmbedding(cfg.head_dim, max_positions, cfg.local_rope_theta)
+            if cfg.local_rope_theta is not None
+            else None
+        )
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList([DecoderLayer(cfg, i) for i in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -430,6 +472,12 @@ class LlamaForCausalLM(nn.Module):
         self.folded_norms = False  # decode steps run forward_folded (fold_norms)
         self.folded_prompts = False  # and the other steps' pieces are folded too (fold_norms)
         self.tie_weights()
+
+    def reset_rotary(self, device: torch.device | str) -> None:
+        """Recompute the rope tables in float32 on ``device`` (after building on "meta")."""
+        for rotary in (self.rotary, self.rotary_local):
+            if rotary is not None:
+                rotary.reset(device)
 
     def set_reduce(self, reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """The all-reduce that sums the row-parallel projections' partial outputs."""
@@ -450,7 +498,7 @@ class LlamaForCausalLM(nn.Module):
         metadata: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:  # [num_tokens, hidden]
-        rope = self.rope_for(positions)
+        ropes = self.rope_for(positions)
         decode_only = metadata.num_decodes == metadata.num_reqs
         if self.cpu_decode_layers and decode_only and metadata.decode_seq_lens is not None:
             hidden = self.embed(input_ids)
@@ -463,11 +511,12 @@ class LlamaForCausalLM(nn.Module):
             stream = self.embed(input_ids)
             for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
                 layer = cast(DecoderLayer, layer)
+                rope = ropes[layer.self_attn.rope_index]
                 stream = layer_forward(layer, rope, stream, kv_cache, metadata, backend)
             return self.norm.add_forward(stream, None)[0]
         x, residual = self.piece(0, input_ids, None)
         for i, kv_cache in enumerate(kv_caches):
-            out = self.attend(i, rope, x, kv_cache, metadata, backend, residual)
+            out = self.attend(i, ropes, x, kv_cache, metadata, backend, residual)
             x, residual = self.piece(i + 1, out, residual)
         return x
 
@@ -480,10 +529,18 @@ class LlamaForCausalLM(nn.Module):
     def num_pieces(self) -> int:
         return len(self.layers) + 1
 
-    def rope_for(self, positions: torch.Tensor) -> RopeTables | FusedRope:
-        if self.fused_rope:
-            return FusedRope(positions, self.rotary.cos_sin)
-        return cast(RopeTables, self.rotary(positions, self.embed_tokens.weight.dtype))
+    def rope_for(self, positions: torch.Tensor) -> tuple[RopeTables | FusedRope, ...]:
+        """The step's rotations: the model's rope, and Gemma 3's local one (each layer takes
+        its ``Attention.rope_index``)."""
+        ropes: list[RopeTables | FusedRope] = []
+        for rotary in (self.rotary, self.rotary_local):
+            if rotary is None:
+                continue
+            if self.fused_rope:
+                ropes.append(FusedRope(positions, rotary.cos_sin))
+            else:
+                ropes.append(cast(RopeTables, rotary(positions, self.embed_tokens.weight.dtype)))
+        return tuple(ropes)
 
     def piece(
         self, i: int, x: torch.Tensor, residual: torch.Tensor | None
@@ -527,7 +584,7 @@ class LlamaForCausalLM(nn.Module):
     def attend(
         self,
         i: int,
-        rope: RopeTables | FusedRope,
+        ropes: tuple[RopeTables | FusedRope, ...],
         qkv: torch.Tensor,
         kv_cache: KVCacheView,
         metadata: AttentionMetadata,
@@ -542,18 +599,27 @@ class LlamaForCausalLM(nn.Module):
         if self.folded_prompts:
             assert stream is not None, "a folded layer's attention needs the residual stream"
             norm = layer.folded_norm(stream)
-        return layer.self_attn.attend(rope, qkv, kv_cache, metadata, backend, norm)
+        attn = layer.self_attn
+        return attn.attend(ropes[attn.rope_index], qkv, kv_cache, metadata, backend, norm)
 
     def use_cpu_decode_layers(self, ops: Any) -> bool:
         """Run the layers of decode-only steps as one C++ call (``CpuDecodeLayers``) if the
         model qualifies: fused kernels on, every linear layer packed for the AVX512-BF16 GEMM
-        with bf16 outputs, no q/k norm, no experts. The caller vouches for the attention
+        with bf16 outputs, Llama's layers (``ModelConfig.plain_layers``), no sliding window or
+        softcap. The caller vouches for the attention
         backend (its decode must be the C++ kernel). Call after the weights are loaded and
         packed; returns whether the path is on."""
         self.cpu_decode_layers = None
         cfg = self.config
-        if ops is None or not self.fused_rope or cfg.qk_norm or cfg.is_moe or self.tp_size > 1:
-            return False  # (the C++ loop has no all-reduce, nor experts)
+        if (
+            ops is None
+            or not self.fused_rope
+            or not cfg.plain_layers
+            or cfg.sliding_window is not None
+            or cfg.attn_logit_softcapping
+            or self.tp_size > 1
+        ):
+            return False  # (the C++ loop has no all-reduce, experts, windows or softcap)
         layers = CpuDecodeLayers(ops, self.config, self.rotary)
         if not all(layers.add_layer(cast(DecoderLayer, layer)) for layer in self.layers):
             return False
@@ -565,14 +631,13 @@ class LlamaForCausalLM(nn.Module):
         (Triton GEMV kernels with the norms, SiLU and residual adds inside: 5 launches a layer
         instead of 8; with ``mlp`` off, the attention's projections only, and with ``down``
         the down projection too once the norms are folded, ``fold_norms``). Needs the fused
-        kernels on (``use_fused_kernels``), no q/k norm and no experts; returns whether the
-        path is on."""
+        kernels on (``use_fused_kernels``) and Llama's layers (``ModelConfig.plain_layers``);
+        returns whether the path is on."""
         from baton_kernels.triton.gemv import MAX_ROWS
 
         ok = (
             self.fused_rope
-            and not self.config.qk_norm
-            and not self.config.is_moe
+            and self.config.plain_layers
             and self.tp_size == 1  # (the residual adds inside the GEMVs precede no all-reduce)
             and 0 < rows <= MAX_ROWS
         )
@@ -590,11 +655,12 @@ class LlamaForCausalLM(nn.Module):
         norms' kernels; with ``prompts`` every other step's layers too (``piece``). Needs the
         fused kernels on (``use_fused_kernels``), an attention backend whose ``forward_rope``
         takes a ``DecodeNorm`` (on decode-only steps, and on all with ``prompts``: the caller
-        vouches), no q/k norm, no experts, one rank (o_proj and down_proj add into the
-        residual stream before any all-reduce), and GPU-side Triton (or its interpreter).
+        vouches), Llama's layers (``ModelConfig.plain_layers``), one rank (o_proj and
+        down_proj add into the residual stream before any all-reduce), and GPU-side Triton (or
+        its interpreter).
         Call after the weights are loaded; a second call folds what the norms hold then (ones,
         unless they were changed). Returns whether the path is on."""
-        if not self.fused_rope or self.config.qk_norm or self.config.is_moe or self.tp_size > 1:
+        if not self.fused_rope or not self.config.plain_layers or self.tp_size > 1:
             return False
         with torch.no_grad():
             for layer in self.layers:
@@ -611,6 +677,11 @@ class LlamaForCausalLM(nn.Module):
         self.folded_prompts = prompts
         return True
 
+    def attention_options(self) -> list[tuple[int, float]]:
+        """The layers' distinct ``(window, softcap)`` (kernel variants to compile ahead)."""
+        attentions = [cast(DecoderLayer, layer).self_attn for layer in self.layers]
+        return sorted({(attn.window, attn.softcap) for attn in attentions})
+
     def use_fused_kernels(self) -> None:
         """Run the residual add + RMSNorm, the rotary embedding and SiLU-and-multiply as fused
         kernels (``baton_kernels.fused``; the results equal the torch ops' within a rounding)."""
@@ -620,15 +691,21 @@ class LlamaForCausalLM(nn.Module):
                 module.fused = True
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """The token embeddings (times Granite's ``embedding_multiplier``)."""
+        """The token embeddings (times Granite's ``embedding_multiplier``, or Gemma's
+        sqrt(hidden) rounded to the model's dtype)."""
         hidden: torch.Tensor = self.embed_tokens(input_ids)
         multiplier = self.config.embedding_multiplier
+        if self.config.embedding_multiplier_in_dtype:
+            multiplier = torch.tensor(multiplier, dtype=hidden.dtype).item()
         return hidden if multiplier == 1.0 else hidden * multiplier
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits: torch.Tensor = self.lm_head(hidden)
         scaling = self.config.logits_scaling
-        return logits if scaling == 1.0 else logits / scaling
+        if scaling != 1.0:
+            logits = logits / scaling
+        cap = self.config.final_logit_softcapping
+        return logits if not cap else torch.tanh(logits / cap) * cap
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy Hugging Face-named tensors in, splitting into fused projections. Returns the
@@ -637,7 +714,17 @@ class LlamaForCausalLM(nn.Module):
         loaded: set[str] = set()
         expert_parts: dict[str, set[tuple[int, str]]] = {}  # stacked parameter -> pieces in
         for hf_name, tensor in self._split_fused(weights):
-            name = _EXPERT_RENAMES.sub(_expert_rename, hf_name.removeprefix("model."))
+            name = hf_name
+            if self.config.text_of_multimodal:
+                if _VISION.match(name):
+                    continue  # (prompts are text: the vision tower is not built)
+                name = _LANGUAGE_MODEL.sub("", name)
+            name = _EXPERT_RENAMES.sub(_expert_rename, name.removeprefix("model."))
+            if self.config.sandwich_norms:
+                name = _SANDWICH_RENAMES.sub(lambda m: _SANDWICH_NORMS[m.group(0)], name)
+            if name.endswith("norm.weight") and self.config.norm_weight_offset:
+                # Gemma's norms scale by (1 + weight): the sum, once, in float32
+                tensor = tensor.float() + self.config.norm_weight_offset
             if name == "score.weight" and self.config.is_classifier:
                 name = "lm_head.weight"  # (transformers' name for a classifier's head)
             if "rotary_emb" in name or (

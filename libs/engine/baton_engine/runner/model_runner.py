@@ -218,7 +218,7 @@ class ModelRunner:
         # bytes: more than an H200 holds for a rank of Llama-3.1-70B at TP 2)
         self.model.to(dtype).to_empty(device=self.device)
         self.model.tie_weights()
-        self.model.rotary.reset(self.device)
+        self.model.reset_rotary(self.device)
         self.model.eval()
         if self.backend.name != "torch" and fused.available(self.device):
             self.model.use_fused_kernels()  # (the torch backend is the reference: torch ops)
@@ -360,7 +360,10 @@ class ModelRunner:
         start = time.perf_counter()
         warmup = getattr(self.backend, "warmup", None)
         if warmup is not None and self.kv_caches:
-            warmup(self.kv_caches[0], self.model_config.num_heads)
+            for window, softcap in self.model.attention_options():
+                warmup(
+                    self.kv_caches[0], self.model_config.num_heads, window=window, softcap=softcap
+                )
         if self.device.type == "cuda":
             hidden = torch.zeros(
                 (self.max_num_seqs, self.model_config.hidden_size),
