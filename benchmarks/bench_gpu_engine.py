@@ -45,6 +45,7 @@ SHAPES = {
     "llama": CONFIGS / "llama-3.1-8b",
     "llama70b": CONFIGS / "llama-3.1-70b",  # tensor parallelism only (device/tp_probe.py)
     "qwen3moe": CONFIGS / "qwen3-30b-a3b",  # a mixture of experts: 128 experts, 8 a token
+    "gemma3": CONFIGS / "gemma-3-1b",  # 5 of 6 layers attend to their last 512 tokens
 }
 COPY_BANDWIDTH = 4.28e12  # bytes/s, device-to-device copy on the H200 (read + write counted)
 TINY = {
@@ -268,7 +269,8 @@ def roofline(mc: ModelConfig, batch: int, context: float, dtype_bytes: int = 2) 
     """Output tokens/s if a decode step only had to read the weights and the batch's KV. A
     mixture of experts' step reads the experts its tokens chose: with routing uniform at
     random (as dummy weights route), each expert is chosen by one of ``batch`` tokens with
-    probability ``1 - (1 - k / E) ** batch``."""
+    probability ``1 - (1 - k / E) ** batch``. A sliding-window layer reads at most its window's
+    KV."""
     h, layers = mc.hidden_size, mc.num_layers
     kv_dim = mc.num_kv_heads * mc.head_dim
     attn = h * (mc.num_heads * mc.head_dim) * 2 + h * kv_dim * 2
@@ -283,7 +285,8 @@ def roofline(mc: ModelConfig, batch: int, context: float, dtype_bytes: int = 2) 
             mlp += 3 * h * mc.intermediate_size
     embed = mc.vocab_size * h * (1 if mc.tie_word_embeddings else 2)
     weight_bytes = (layers * attn + mlp + embed) * dtype_bytes
-    kv_bytes = batch * context * layers * 2 * kv_dim * dtype_bytes
+    kv_tokens = sum(min(context, mc.layer_window(i) or context) for i in range(layers))
+    kv_bytes = batch * kv_tokens * 2 * kv_dim * dtype_bytes
     return batch / ((weight_bytes + kv_bytes) / COPY_BANDWIDTH)
 
 

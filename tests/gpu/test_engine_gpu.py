@@ -367,6 +367,53 @@ def test_granite_on_the_gpus_defaults_matches_reference(tmp_path: Path) -> None:
     assert core.runner.model.folded_norms and core.runner.pieces is not None
 
 
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "mistral"])
+def test_sliding_windows_on_the_gpus_defaults_match_reference(arch: str, tmp_path: Path) -> None:
+    """Local layers attending to their last 100 tokens (the prompts reach ~700) on the GPU's
+    defaults: Gemma 2 (heads of 256, capped scores and logits, GeGLU, sandwich norms), Gemma 3
+    (q/k norms, the local layers' own rope) and a Mistral-7B-v0.1 kind (every layer local,
+    through the folded norms and the fused GEMV layers of a lone request) give the eager
+    reference's greedy tokens: the Triton kernels' windows and softcaps in CUDA graphs and
+    prompt chunks."""
+    from baton_engine.sampling_params import SamplingParams
+
+    config = CONFIG | {"sliding_window": 100}
+    if arch == "mistral":
+        config |= {"architectures": ["MistralForCausalLM"], "model_type": "mistral"}
+    else:
+        config |= {
+            "architectures": ["Gemma2ForCausalLM" if arch == "gemma2" else "Gemma3ForCausalLM"],
+            "model_type": "gemma2" if arch == "gemma2" else "gemma3_text",
+            "num_attention_heads": 4,
+            "head_dim": 256 if arch == "gemma2" else 128,
+            "hidden_activation": "gelu_pytorch_tanh",
+            "query_pre_attn_scalar": 144,
+            "attn_logit_softcapping": 50.0 if arch == "gemma2" else None,
+            "final_logit_softcapping": 30.0 if arch == "gemma2" else None,
+            "layer_types": ["sliding_attention", "full_attention"] * 2,
+            "rope_local_base_freq": 10000.0,
+        }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    want = _run(tmp_path, "torch", enforce_eager=True, async_scheduling=False)[0]
+    _release_memory()
+    got, core = _run(tmp_path, "triton", enforce_eager=False)
+    assert got == want
+    graphs = core.runner.graphs
+    assert graphs is not None and graphs.num_steps.get(24, 0) > 0
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    prompt = [(7 * j) % 4000 + 1 for j in range(300)]
+    core.add_request("lone", prompt, params)
+    lone = _drain(core)["lone"]
+    if arch == "mistral":
+        assert core.runner.model.folded_norms and core.runner.model.gemv_rows > 0
+    del core
+    _release_memory()
+    ref = _core(tmp_path, max_model_len=1024, max_num_seqs=24, attention_backend="torch",
+                enforce_eager=True, async_scheduling=False)  # fmt: skip
+    ref.add_request("lone", prompt, params)
+    assert _drain(ref)["lone"] == lone
+
+
 def test_multi_step_equals_single_step(tmp_path: Path) -> None:
     """Multi-step scheduling on the GPU's defaults (decode graphs, async scheduling): several
     passes a step, each pass's input the pass before's token on the device, give the tokens of
