@@ -9,9 +9,11 @@ With a GPU the same tests run compiled, on the device.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import random
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -20,6 +22,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 pytest.importorskip("triton")
+import triton
+import triton.language as tl
 
 from baton_kernels.attention import (
     AttentionMetadata,
@@ -28,6 +32,7 @@ from baton_kernels.attention import (
     create_attention_backend,
 )
 from baton_kernels.attention.triton_backend import TritonAttentionBackend
+from baton_kernels.triton.common import softcapped
 from baton_kernels.triton.decode_attention import (
     choose_num_splits,
     decode_attention,
@@ -140,6 +145,10 @@ def check_paged_attention(
     num_heads: int,
     num_kv_heads: int,
     config: PrefillConfig | None = None,
+    *,
+    window: int = 0,
+    softcap: float = 0.0,
+    scale: float | None = None,
 ) -> None:
     """``paged_attention`` over requests of ``(cached, new)`` tokens equals the reference."""
     batch = PagedBatch([c + n for c, n in specs], block_size, num_kv_heads, head_dim, dtype)
@@ -147,7 +156,7 @@ def check_paged_attention(
     for _, n in specs:
         qsl.append(qsl[-1] + n)
     query = random_heads(qsl[-1], num_heads, head_dim, dtype)
-    scale = head_dim**-0.5
+    scale = scale or head_dim**-0.5
     out = torch.full(query.shape, POISON, dtype=dtype, device=DEVICE)
     paged_attention(
         query,
@@ -158,9 +167,13 @@ def check_paged_attention(
         batch.block_tables,
         scale,
         max(n for _, n in specs),
+        window=window,
+        softcap=softcap,
         config=config,
     )
-    want = ref_paged_attention(query, batch.cache, qsl, batch.seq_lens, batch.block_tables, scale)
+    want = ref_paged_attention(
+        query, batch.cache, qsl, batch.seq_lens, batch.block_tables, scale, window, softcap
+    )
     assert_close(out, want, dtype)
 
 
@@ -327,6 +340,200 @@ def test_decode_attention_of_many_requests_with_wide_heads_matches_reference(
     assert_close(out, want, dtype)
 
 
+# --- Sliding windows and softcaps ---------------------------------------------------------------
+# (dtype, block size, query heads, KV heads): each pair of float32 / bfloat16, blocks of 16 / 32
+# and groups of 7 (Qwen2.5-0.5B) / 1 (no GQA) once, to keep the interpreter's time down. A
+# softcap of 2 bends the scores of these random inputs (about N(0, 1) after the scale) hard, so
+# a kernel that skipped it would be far off.
+WINDOW_CASES = [
+    (torch.float32, 16, 7, 1),
+    (torch.bfloat16, 32, 7, 1),
+    (torch.float32, 32, 2, 2),
+    (torch.bfloat16, 16, 2, 2),
+]
+WINDOW_CASE_IDS = ["fp32-16-g7", "bf16-32-g7", "fp32-32-g1", "bf16-16-g1"]
+SOFTCAP = 2.0
+
+
+@triton.jit
+def _softcapped_kernel(x_ptr, out_ptr, ratio, cap, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(out_ptr + offs, softcapped(tl.load(x_ptr + offs), ratio, cap))
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.parametrize("cap", [1.0, 50.0])
+def test_softcapped_matches_tanh(cap: float) -> None:
+    """The kernels' tanh from exp2 against torch's, from tiny to huge arguments and infinities
+    (exp2 overflows to inf or underflows to 0: +-cap, never NaN)."""
+    small = torch.logspace(-8, 0, 100)
+    x = torch.cat(
+        [
+            torch.linspace(-40, 40, 301),
+            small,
+            -small,
+            torch.tensor([0.0, 1e4, -1e4, 1e30, -1e30, 3e38, -3e38, math.inf, -math.inf]),
+        ]
+    )
+    x = torch.cat([x, torch.zeros(1024 - x.numel())]).to(DEVICE)  # tl.arange: a power of two
+    out = torch.full_like(x, POISON)
+    _softcapped_kernel[(1,)](x, out, 1.0 / cap, cap, N=x.numel())
+    want = cap * torch.tanh(x.double() / cap)
+    assert not out.isnan().any()
+    # (under the interpreter at most 1.9e-7 of the cap; compiled, exp2 and / are approximate)
+    torch.testing.assert_close(out.double(), want, atol=1e-6 * cap, rtol=0)
+
+
+def check_decode_attention(
+    seq_lens: list[int],
+    dtype: torch.dtype,
+    head_dim: int,
+    block_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    num_splits: int,
+    *,
+    window: int = 0,
+    softcap: float = 0.0,
+    fuse_reduce: bool | None = None,
+    tile_n: int | None = None,
+    scale: float | None = None,
+    seed: int = 1,
+) -> None:
+    """``decode_attention`` over requests of ``seq_lens`` keys equals the reference."""
+    batch = PagedBatch(seq_lens, block_size, num_kv_heads, head_dim, dtype, seed=seed)
+    query = random_heads(len(seq_lens), num_heads, head_dim, dtype)
+    scale = scale or head_dim**-0.5
+    out = torch.full(query.shape, POISON, dtype=dtype, device=DEVICE)
+    decode_attention(
+        query,
+        batch.cache,
+        out,
+        torch.tensor(seq_lens, device=DEVICE),
+        batch.block_tables,
+        scale,
+        num_splits,
+        window=window,
+        softcap=softcap,
+        fuse_reduce=fuse_reduce,
+        tile_n=tile_n,
+    )
+    want = ref_decode_attention(
+        query, batch.cache, seq_lens, batch.block_tables, scale, window, softcap
+    )
+    assert_close(out, want, dtype)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "block_size", "num_heads", "num_kv_heads"), WINDOW_CASES, ids=WINDOW_CASE_IDS
+)
+@pytest.mark.parametrize(("num_splits", "fuse_reduce"), [(1, True), (4, True), (4, False)])
+@pytest.mark.parametrize(
+    ("window", "softcap"), [(100, 0.0), (300, 0.0), (0, SOFTCAP), (300, SOFTCAP)]
+)
+def test_decode_attention_with_window_and_softcap_matches_reference(
+    dtype: torch.dtype,
+    block_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    num_splits: int,
+    fuse_reduce: bool,
+    window: int,
+    softcap: float,
+) -> None:
+    """Requests shorter than the window, as long and longer (head 64: 128-key tiles). The
+    window of 300 keys over 4 splits fills 3 of them (128 keys each), starting mid-block (515
+    and 301 keys: at 215 and 1) or on a block edge (700 keys: at 400); that of 100 keys fills
+    one, the only one the reduce reads."""
+    seq_lens = [1, 50, 100, 299, 300, 301, 515, 700]
+    check_decode_attention(
+        seq_lens, dtype, 64, block_size, num_heads, num_kv_heads, num_splits,
+        window=window, softcap=softcap, fuse_reduce=fuse_reduce,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("fuse_reduce", [True, False])
+@pytest.mark.parametrize("softcap", [0.0, SOFTCAP])
+def test_decode_window_over_more_slices_than_the_reduce_unrolls(
+    fuse_reduce: bool, softcap: float
+) -> None:
+    """16-key tiles cut a window of 203 keys into 13 slices (two rounds of the reduce's 8),
+    each starting mid-block (at 312 of 515 keys, 797 of 1000); requests shorter than the
+    window, as long and one key longer beside them."""
+    seq_lens = [515, 1000, 30, 203, 204]
+    check_decode_attention(
+        seq_lens, torch.float32, 128, 16, 4, 2, 16,
+        window=203, softcap=softcap, fuse_reduce=fuse_reduce, tile_n=16, seed=5,
+    )  # fmt: skip
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+def test_softcap_of_huge_scores_is_finite() -> None:
+    """Scores far beyond the cap (a scale of 1000) saturate at +-cap in both kernels."""
+    check_decode_attention(
+        [3, 70, 300], torch.float32, 64, 16, 7, 1, 4, softcap=5.0, window=100, scale=1000.0
+    )
+    specs = [(0, 20), (70, 13)]
+    check_paged_attention(specs, torch.float32, 64, 16, 7, 1, softcap=5.0, window=30, scale=1000.0)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "block_size", "num_heads", "num_kv_heads"), WINDOW_CASES, ids=WINDOW_CASE_IDS
+)
+@pytest.mark.parametrize(
+    ("window", "softcap"), [(20, 0.0), (100, 0.0), (0, SOFTCAP), (50, SOFTCAP)]
+)
+def test_paged_attention_with_window_and_softcap_matches_reference(
+    dtype: torch.dtype,
+    block_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    window: int,
+    softcap: float,
+) -> None:
+    """Decodes, fresh chunks and chunks after cached context (head 64: 64-key tiles), the
+    windows cutting through tiles: the first tiles skipped (200 + 3 under 20 or 50), masked
+    before the tiles every row sees whole and the diagonal's after them (129 + 30 under 100:
+    [0, 64) masked, [64, 128) whole, [128, 159) masked), rows of one program whose windows
+    start tiles apart (0 + 45, 5 + 40)."""
+    specs = [(0, 1), (37, 1), (0, 45), (70, 13), (5, 40), (129, 30), (200, 3)]
+    check_paged_attention(
+        specs, dtype, 64, block_size, num_heads, num_kv_heads, window=window, softcap=softcap
+    )
+
+
+@pytest.mark.parametrize("head_dim", HEAD_SIZES)
+@pytest.mark.parametrize(
+    "config",
+    [
+        PrefillConfig(128, 32, 8, 3, True),
+        PrefillConfig(64, 128, 4, 4),
+        PrefillConfig(16, 64, 4, 2),
+    ],
+    ids=str,
+)
+def test_paged_attention_window_launches_agree(head_dim: int, config: PrefillConfig) -> None:
+    """Other tile shapes under a window of 40 and a softcap: 32-, 128- and 64-key tiles, 128,
+    64 and 16 rows (18, 9 and 2 tokens of 7 heads)."""
+    specs = [(0, 45), (70, 13), (129, 30), (0, 1), (300, 20)]
+    check_paged_attention(
+        specs, torch.bfloat16, head_dim, 16, 14, 2, config, window=40, softcap=SOFTCAP
+    )
+
+
+def test_window_and_softcap_must_not_be_negative() -> None:
+    batch = PagedBatch([5], 16, 1, 64, torch.float32)
+    query = random_heads(1, 7, 64, torch.float32)
+    lens = torch.tensor([5], device=DEVICE)
+    cu = torch.tensor([0, 1], dtype=torch.int32, device=DEVICE)
+    out, tables = torch.empty_like(query), batch.block_tables
+    for bad in ({"window": -1}, {"softcap": -1.0}):
+        with pytest.raises(ValueError, match="must be >= 0"):
+            decode_attention(query, batch.cache, out, lens, tables, 1.0, 1, **bad)
+        with pytest.raises(ValueError, match="must be >= 0"):
+            paged_attention(query, batch.cache, out, cu, lens.int(), tables, 1.0, 1, **bad)
+
+
 def make_step(
     specs: list[tuple[int, int]],
     block_size: int,
@@ -360,8 +567,14 @@ def make_step(
     return md, batch
 
 
+# (window, softcap) of a layer through the backend: off, and a window of 20 (cutting a decode's
+# keys mid-block and the last chunk's rows' at different tiles) with a softcap
+BACKEND_OPTIONS = [(0, 0.0), (20, SOFTCAP)]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_triton_backend_matches_reference(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize(("window", "softcap"), BACKEND_OPTIONS)
+def test_triton_backend_matches_reference(dtype: torch.dtype, window: int, softcap: float) -> None:
     specs = [(4, 1), (300, 1), (0, 12), (33, 9)]
     md, want = make_step(specs, 16, 1, 64, dtype)
     slots = (md.slot_block, slice(None), md.slot_offset)
@@ -371,16 +584,21 @@ def test_triton_backend_matches_reference(dtype: torch.dtype) -> None:
     cache = KVCacheView(pool[:, 1])
     cache.kv[slots] = torch.randn(cache.kv[slots].shape, device=DEVICE).to(dtype)
     query = random_heads(md.num_tokens, 7, 64, dtype)
-    out = TritonAttentionBackend().forward(query, new_k, new_v, cache, md, 0.125)
+    out = TritonAttentionBackend().forward(
+        query, new_k, new_v, cache, md, 0.125, window=window, softcap=softcap
+    )
     torch.testing.assert_close(pool, want.pool, atol=0, rtol=0)
     ref = ref_paged_attention(
-        query, want.cache, md.query_start_loc, md.seq_lens, md.block_tables, 0.125
+        query, want.cache, md.query_start_loc, md.seq_lens, md.block_tables, 0.125, window, softcap
     )
     assert_close(out, ref, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_triton_backend_forward_rope_matches_rotary_then_forward(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize(("window", "softcap"), BACKEND_OPTIONS)
+def test_triton_backend_forward_rope_matches_rotary_then_forward(
+    dtype: torch.dtype, window: int, softcap: float
+) -> None:
     """The model's path with fused kernels: q and k rotated by position in place, the rotated
     K and V written into the cache by the same launch, then attention as ``forward``."""
     from baton_engine.models.rotary import RotaryEmbedding
@@ -398,13 +616,14 @@ def test_triton_backend_forward_rope_matches_rotary_then_forward(dtype: torch.dt
     cache = KVCacheView(pool[:, 1])
     cache.kv[slots] = torch.randn(cache.kv[slots].shape, device=DEVICE).to(dtype)  # stale
     out = TritonAttentionBackend().forward_rope(
-        query, new_k, new_v, cache, md, 0.125, positions, cos_sin
+        query, new_k, new_v, cache, md, 0.125, positions, cos_sin, window=window, softcap=softcap
     )
     assert_close(query, want_q, dtype)
     assert_close(pool, want.pool, dtype)
     ref = ref_paged_attention(
-        want_q, want.cache, md.query_start_loc, md.seq_lens, md.block_tables, 0.125
-    )
+        want_q, want.cache, md.query_start_loc, md.seq_lens, md.block_tables, 0.125, window,
+        softcap,
+    )  # fmt: skip
     assert_close(out, ref, dtype)
 
 
@@ -454,6 +673,52 @@ def test_decode_attention_rotates_and_writes_the_new_token_itself(
     assert_close(batch.pool, want_pool, dtype)
     assert_close(out, want, dtype)
     assert torch.equal(query, unrotated[0]) and torch.equal(key, unrotated[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_splits", [1, 4])
+@pytest.mark.parametrize("softcap", [0.0, SOFTCAP])
+def test_decode_rope_under_a_window_writes_the_new_token_before_reading_it(
+    dtype: torch.dtype, num_splits: int, softcap: float
+) -> None:
+    """``rope`` with a window of 150 (head 128: 64-key tiles, so 4 splits fill 3 slices of the
+    window): the program of the window's last slice writes the new token's K/V before the reads
+    (with 1,000 keys the unwindowed split would fill 4). Out equals the reference over the
+    cache the rotary kernel writes; requests shorter than the window, as long, and longer
+    (515 keys: the window starts mid-block); a padding row writes nothing."""
+    from baton_engine.models.rotary import RotaryEmbedding
+    from baton_kernels.triton.decode_attention import DecodeRope
+    from baton_kernels.triton.fused_ops import rotary_embedding_and_write_kv_
+
+    num_heads, num_kv_heads, head_dim, window = 8, 2, 128, 150
+    specs = [(3, 1), (149, 1), (149, 1), (514, 1), (0, 1), (999, 1)]
+    md, batch = make_step(specs, 16, num_kv_heads, head_dim, dtype)
+    slot_block = md.slot_block.clone()
+    slot_block[1] = -1  # a padding row: its slot keeps what it held
+    slots = (md.slot_block, slice(None), md.slot_offset)
+    batch.cache.kv[slots] = torch.randn(batch.cache.kv[slots].shape, device=DEVICE).to(dtype)
+    n = len(specs)
+    query = random_heads(n, num_heads, head_dim, dtype)
+    key = random_heads(n, num_kv_heads, head_dim, dtype)
+    value = random_heads(n, num_kv_heads, head_dim, dtype)
+    positions = torch.tensor([c for c, _ in specs], device=DEVICE)
+    cos_sin = RotaryEmbedding(head_dim, 1024, 10000.0, None).to(DEVICE).cos_sin
+    want_pool = batch.pool.clone()
+    want_cache = KVCacheView(want_pool[:, 1])
+    want_q, want_k = query.clone(), key.clone()
+    rotary_embedding_and_write_kv_(
+        want_q, want_k, value, positions, cos_sin, want_cache.kv, slot_block, md.slot_offset
+    )
+    want = ref_decode_attention(
+        want_q, want_cache, md.seq_lens, md.block_tables, 0.1, window, softcap
+    )
+    out = torch.full(query.shape, POISON, dtype=dtype, device=DEVICE)
+    rope = DecodeRope(positions, cos_sin, key, value, slot_block, md.slot_offset)
+    lens = torch.tensor(md.seq_lens, device=DEVICE)
+    decode_attention(query, batch.cache, out, lens, md.block_tables, 0.1, num_splits,
+                     window=window, softcap=softcap, rope=rope)  # fmt: skip
+    assert_close(batch.pool, want_pool, dtype)
+    assert_close(out, want, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -535,12 +800,14 @@ def test_decode_attention_rejects_a_mismatched_rope() -> None:
             decode_attention(query, batch.cache, out, lens, batch.block_tables, 0.1, 1, rope=rope)
 
 
+@pytest.mark.parametrize(("window", "softcap"), [(0, 0.0), (100, SOFTCAP)])
 def test_forward_rope_of_a_decode_only_step_runs_one_launch(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, window: int, softcap: float
 ) -> None:
     """The backend's decode-only ``forward_rope`` hands the rotation to the decode kernel (the
     rotary kernel would have rotated ``query`` in place) and matches the mixed-step path's
-    result for the same rows."""
+    result for the same rows, and the reference over what that path rotated and wrote (a
+    window of 100 cuts the 300 keys mid-block, over two splits)."""
     from baton_engine.models.rotary import RotaryEmbedding
     from baton_kernels.attention import triton_backend
 
@@ -555,14 +822,21 @@ def test_forward_rope_of_a_decode_only_step_runs_one_launch(
         cos_sin = RotaryEmbedding(64, 512, 10000.0, None).to(DEVICE).cos_sin
         before = query.clone()
         monkeypatch.setattr(triton_backend, "FUSE_DECODE_ROPE", fused)
+        options = {"window": window, "softcap": softcap}
+        backend = TritonAttentionBackend()
         outs.append(
-            TritonAttentionBackend().forward_rope(
-                query, new_k, new_v, batch.cache, md, 0.125, positions, cos_sin
+            backend.forward_rope(
+                query, new_k, new_v, batch.cache, md, 0.125, positions, cos_sin, **options
             )
         )
         queries.append(torch.equal(query, before))
     assert queries == [True, False]
     assert_close(outs[0], outs[1], torch.bfloat16)
+    # the unfused path rotated query in place and wrote the rotated keys: the reference's inputs
+    ref = ref_decode_attention(
+        query, batch.cache, md.seq_lens, md.block_tables, 0.125, window, softcap
+    )
+    assert_close(outs[0], ref, torch.bfloat16)
 
 
 @pytest.fixture
@@ -644,3 +918,57 @@ def test_warmup_runs_every_variant_and_leaves_the_cache_alone() -> None:
     assert torch.equal(pool, before)
     assert split_counts() == [1, 2, 4, 8, 16, 32, 64]
     assert all(choose_num_splits(n, 2, 4096, DEVICE) in split_counts() for n in (1, 3, 40, 999))
+
+
+def test_backend_splits_a_windowed_decode_over_the_window(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A window shorter than the decodes' keys: the split count is chosen for the keys read
+    (``choose_num_splits`` of the window), not for ``max_decode_blocks``."""
+    from baton_kernels.attention import triton_backend
+
+    splits = []
+
+    def spy(*args: Any, **kwargs: Any) -> None:
+        splits.append(args[6])
+        decode_attention(*args, **kwargs)
+
+    monkeypatch.setattr(triton_backend, "decode_attention", spy)
+    md, batch = make_step([(2000, 1)], 16, 1, 64, torch.float32)
+    slots = (md.slot_block, slice(None), md.slot_offset)
+    new_k, new_v = batch.cache.kv[slots].unbind(1)
+    query = random_heads(1, 7, 64, torch.float32)
+    backend = TritonAttentionBackend()
+    for window in (0, 100, 5000):
+        out = backend.forward(query, new_k, new_v, batch.cache, md, 0.125, window=window)
+        ref = ref_decode_attention(query, batch.cache, md.seq_lens, md.block_tables, 0.125, window)
+        assert_close(out, ref, torch.float32)
+    assert splits == [16, 2, 16]  # 2,016 keys, 100, 2,016 (4 SMs on a CPU: 16 at most)
+
+
+@pytest.mark.parametrize(("window", "softcap"), [(4096, 50.0), (512, 0.0)])
+def test_warmup_launches_the_variants_of_a_window_and_softcap(
+    monkeypatch: pytest.MonkeyPatch, window: int, softcap: float
+) -> None:
+    """``warmup`` with a layer's options launches (compiles, on a GPU) the kernels' variants
+    for them, and leaves the cache alone."""
+    from baton_kernels.triton import decode_attention as decode_module
+    from baton_kernels.triton import paged_attention as prefill_module
+
+    seen = set()
+    for module in (decode_module, prefill_module):
+
+        def spy(kernel: Any, real: Any = module.launcher) -> Any:
+            def launch(grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
+                seen.add((kernel.__name__, kwargs["WINDOWED"], kwargs["SOFTCAP"]))
+                real(kernel)(grid, *args, **kwargs)
+
+            return launch
+
+        monkeypatch.setattr(module, "launcher", spy)
+    pool = torch.randn(4, NUM_LAYERS, 2, 16, 2, 64, device=DEVICE)
+    before = pool.clone()
+    TritonAttentionBackend().warmup(
+        KVCacheView(pool[:, 1]), num_heads=14, window=window, softcap=softcap
+    )
+    assert torch.equal(pool, before)
+    flags = (window > 0, softcap > 0)
+    assert seen == {("_decode_kernel", *flags), ("_paged_attention_kernel", *flags)}

@@ -8,6 +8,10 @@
 
 The step's small device tensors (query offsets, lengths) are built once per ``AttentionMetadata``
 object and reused by every layer of that step.
+
+A layer's sliding ``window`` and ``softcap`` go to both attention kernels, which compile a variant
+per combination of the two switched on (not per value); ``warmup`` compiles those of the options
+it is given.
 """
 
 from __future__ import annotations
@@ -38,7 +42,8 @@ class _StepTensors(NamedTuple):
     query_start_loc: torch.Tensor | None  # [num_reqs + 1] int32 on the device, for prefills
     seq_lens: torch.Tensor | None  # [num_reqs] int32, unless the metadata has decode_seq_lens
     max_prefill_len: int  # longest query chunk after the decodes
-    num_splits: int  # for the decodes
+    num_splits: int  # for the decodes (without a window shorter than max_decode_len)
+    max_decode_len: int  # keys of max_decode_blocks
 
 
 class TritonAttentionBackend:
@@ -67,10 +72,8 @@ class TritonAttentionBackend:
         window: int = 0,
         softcap: float = 0.0,
     ) -> torch.Tensor:
-        if window or softcap:
-            raise NotImplementedError("sliding windows and softcaps in the Triton kernels")
         write_kv_cache(key, value, kv_cache, metadata.slot_block, metadata.slot_offset)
-        return self._attend(query, kv_cache, metadata, scale)
+        return self._attend(query, kv_cache, metadata, scale, window=window, softcap=softcap)
 
     def forward_rope(
         self,
@@ -95,14 +98,12 @@ class TritonAttentionBackend:
         same launch (the decode kernel's, or the rotary kernel's, which stores q normed)."""
         from baton_kernels.triton.fused_ops import rotary_embedding_and_write_kv_
 
-        if window or softcap:
-            raise NotImplementedError("sliding windows and softcaps in the Triton kernels")
         decode_only = metadata.num_decodes == metadata.num_reqs
         if FUSE_DECODE_ROPE and decode_only:
             rope = DecodeRope(
                 positions, cos_sin, key, value, metadata.slot_block, metadata.slot_offset, norm
             )
-            return self._attend(query, kv_cache, metadata, scale, rope)
+            return self._attend(query, kv_cache, metadata, scale, rope, window, softcap)
         rotary_embedding_and_write_kv_(
             query, key, value, positions, cos_sin, kv_cache.kv, metadata.slot_block,
             metadata.slot_offset,
@@ -110,7 +111,7 @@ class TritonAttentionBackend:
             eps=0.0 if norm is None else norm.eps,
             bias=None if norm is None else norm.bias,
         )  # fmt: skip
-        return self._attend(query, kv_cache, metadata, scale)
+        return self._attend(query, kv_cache, metadata, scale, window=window, softcap=softcap)
 
     def _attend(
         self,
@@ -119,6 +120,8 @@ class TritonAttentionBackend:
         md: AttentionMetadata,
         scale: float,
         rope: DecodeRope | None = None,  # a decode-only step's rotation and cache write
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         step = self._step_tensors(md, kv_cache, query.device)
         out = query.new_empty(query.shape)
@@ -126,6 +129,9 @@ class TritonAttentionBackend:
         if nd:
             seq_lens = md.decode_seq_lens if md.decode_seq_lens is not None else step.seq_lens
             assert seq_lens is not None
+            num_splits = step.num_splits
+            if 0 < window < step.max_decode_len:  # split the keys read, the window's
+                num_splits = choose_num_splits(nd, kv_cache.kv.shape[3], window, query.device)
             decode_attention(
                 query[:nd],
                 kv_cache,
@@ -133,7 +139,9 @@ class TritonAttentionBackend:
                 seq_lens[:nd],
                 md.block_tables[:nd],
                 scale,
-                step.num_splits,
+                num_splits,
+                window=window,
+                softcap=softcap,
                 rope=rope,
             )
         if nd < md.num_reqs:
@@ -147,14 +155,20 @@ class TritonAttentionBackend:
                 md.block_tables[nd:],
                 scale,
                 step.max_prefill_len,
+                window=window,
+                softcap=softcap,
             )
         return out
 
-    def warmup(self, kv_cache: KVCacheView, num_heads: int) -> None:
+    def warmup(
+        self, kv_cache: KVCacheView, num_heads: int, *, window: int = 0, softcap: float = 0.0
+    ) -> None:
         """Compile every kernel variant a step can launch (two per decode split count and
         launch, with and without the rotation; the prefill kernel, the cache write) now, so
         that no request waits ~1 s for Triton's JIT the first time a batch shape needs a new
-        one. Writes nothing into the cache."""
+        one. Writes nothing into the cache. The variants are those of a layer with this
+        ``window`` and ``softcap`` (the values do not matter, only which are > 0): call it once
+        per set of options the model's layers use."""
         kv = kv_cache.kv
         dev, head_dim = kv.device, kv.shape[-1]
         query = torch.randn((1, num_heads, head_dim), dtype=kv.dtype, device=dev)
@@ -168,14 +182,19 @@ class TritonAttentionBackend:
             for tile, warps, stages in set(decode_launches(head_dim, splits)):
                 launch = functools.partial(
                     decode_attention, query, kv_cache, out, one, table, 1.0, splits,
-                    tile_n=tile, num_warps=warps, num_stages=stages,
+                    window=window, softcap=softcap, tile_n=tile, num_warps=warps,
+                    num_stages=stages,
                 )  # fmt: skip
                 launch()
                 launch(rope=DecodeRope(one - 1, cos_sin, key, key, skip, one))
         write_kv_cache(key, key, kv_cache, skip, one)
         cu = torch.tensor([0, 1], dtype=torch.int32, device=dev)
-        paged_attention(query, kv_cache, out, cu, one.to(torch.int32), table, 1.0, 1)
-        paged_attention(query, kv_cache, out, cu, one.to(torch.int32), table, 1.0, 64)
+        prefill = functools.partial(
+            paged_attention, query, kv_cache, out, cu, one.to(torch.int32), table, 1.0,
+            window=window, softcap=softcap,
+        )  # fmt: skip
+        prefill(1)
+        prefill(64)
 
     def _step_tensors(
         self, md: AttentionMetadata, kv_cache: KVCacheView, device: torch.device
@@ -187,8 +206,8 @@ class TritonAttentionBackend:
         has_prefills = nd < md.num_reqs
         max_prefill_len = max((qsl[i + 1] - qsl[i] for i in range(nd, md.num_reqs)), default=0)
         num_splits = 1
+        max_len = md.max_decode_blocks * kv_cache.block_size
         if nd:
-            max_len = md.max_decode_blocks * kv_cache.block_size
             num_splits = choose_num_splits(nd, kv_cache.kv.shape[3], max_len, device)
         seq_lens = md.seq_lens_tensor
         if seq_lens is None and (has_prefills or md.decode_seq_lens is None):
@@ -196,6 +215,6 @@ class TritonAttentionBackend:
         query_start_loc = md.query_start_loc_tensor
         if query_start_loc is None and has_prefills:
             query_start_loc = torch.tensor(qsl, dtype=torch.int32).to(device, non_blocking=True)
-        self._step = _StepTensors(query_start_loc, seq_lens, max_prefill_len, num_splits)
+        self._step = _StepTensors(query_start_loc, seq_lens, max_prefill_len, num_splits, max_len)
         self._step_key = md
         return self._step

@@ -1,7 +1,7 @@
 # Triton kernels (untyped decorator, pointer and stride arguments) are exempt; launchers are typed.
 # mypy: allow-untyped-defs, allow-incomplete-defs, allow-untyped-decorators
-"""Pieces shared by the Triton kernels: loading one K/V tile through the block table, one step
-of the online softmax, and launch-time helpers."""
+"""Pieces shared by the Triton kernels: loading one K/V tile through the block table, a tile's
+scores (softcapped or not), one step of the online softmax, and launch-time helpers."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import triton.language as tl
 from baton_kernels.attention.base import KVCacheView
 
 LOG2E = math.log2(math.e)
+_TWO_LOG2E: tl.constexpr = tl.constexpr(2 * LOG2E)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
 
@@ -125,6 +126,11 @@ def check_kv_cache(kv_cache: KVCacheView, query: torch.Tensor) -> None:
         raise ValueError(f"{query.shape[1]} query heads are not a multiple of {kv.shape[3]}")
 
 
+def check_window_softcap(window: int, softcap: float) -> None:
+    if window < 0 or softcap < 0:
+        raise ValueError(f"window {window} and softcap {softcap} must be >= 0 (0: off)")
+
+
 def upcast_in_kernel(t: torch.Tensor) -> bool:
     """Kernels given CPU tensors run under the interpreter, which cannot do 16-bit float math."""
     return t.device.type == "cpu"
@@ -210,3 +216,31 @@ def online_softmax_step(
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
     return m_new, l_i, acc
+
+
+@triton.jit
+def tile_scores(
+    q,  # [M, BLOCK_D]
+    k,  # [BLOCK_D, TILE_N]
+    qk_scale,  # softmax scale * log2(e)
+    cap,  # SOFTCAP: the softcap * log2(e)
+    SOFTCAP: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """``[M, TILE_N]`` fp32 scores in the log2 domain the online softmax takes: ``scale * q.k *
+    log2(e)``, or with ``SOFTCAP`` ``c * tanh(scale * q.k / c) * log2(e)`` (both c and the scale
+    times log2(e) here, so their ratio is scale / c)."""
+    s = tl.dot(q, k, input_precision=DOT_PREC)
+    if SOFTCAP:
+        return softcapped(s, qk_scale / cap, cap)
+    return s * qk_scale
+
+
+@triton.jit
+def softcapped(x, ratio, cap):
+    """``cap * tanh(x * ratio)``. tanh from exp2 (the interpreter has no libdevice tanh):
+    tanh(y) = 1 - 2 / (e^2y + 1), within a few 1e-7 of it absolutely (what the softmax feels,
+    once times the cap; the relative error near 0 is larger and does not matter there); where
+    exp2 overflows to inf or underflows to 0 it gives +-1, not NaN."""
+    e2y = tl.exp2(x * (ratio * _TWO_LOG2E))
+    return cap - 2.0 * cap / (e2y + 1.0)

@@ -25,6 +25,13 @@ launches. ``fuse_reduce=False`` keeps the separate reduce kernel (for A/B measur
 
 One program holds the ``GROUP`` query heads of its KV head as tile rows (padded to 16 for the
 tensor cores), so each K/V tile is read once per group.
+
+With a sliding ``window`` W (``WINDOWED``) only the window's keys are read: the slices cut
+``[max(seq_len - W, 0), seq_len)`` as they would a request of ``min(seq_len, W)`` keys (so the
+kernel, the fused reduce and the separate one count the same active slices), and the slice
+that holds the new token is still the last active one. With a ``softcap`` (``SOFTCAP``) each
+score is capped. Both are constexpr flags with the values as runtime arguments (one compiled
+variant serves any window and cap; with both off the kernel is the one without them).
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ from baton_kernels.triton.common import (
     bulk_prefetch_ok,
     cdiv,
     check_kv_cache,
+    check_window_softcap,
     dot_precision,
     load_kv_tile,
     next_pow2,
@@ -51,6 +59,7 @@ from baton_kernels.triton.common import (
     online_softmax_step,
     pdl_launch,
     prefetch_rows_l2,
+    tile_scores,
     upcast_in_kernel,
     zeroed_counters,
 )
@@ -95,9 +104,13 @@ PREFETCH_TILES = int(os.environ.get("BATON_DECODE_PREFETCH_TILES", "1"))
 
 
 @triton.jit
-def _split_bounds(seq_len, NUM_SPLITS: tl.constexpr, TILE_N: tl.constexpr):
+def _split_bounds(
+    seq_len, window, NUM_SPLITS: tl.constexpr, TILE_N: tl.constexpr, WINDOWED: tl.constexpr
+):
     """A request's slice length (whole tiles) and how many slices hold its keys (at least one:
-    split 0 always runs and, alone, reduces)."""
+    split 0 always runs and, alone, reduces); with ``WINDOWED``, of its last ``window`` keys."""
+    if WINDOWED:
+        seq_len = tl.minimum(seq_len, window)
     split_len = tl.maximum(tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), TILE_N), 1) * TILE_N
     return split_len, tl.maximum(tl.cdiv(seq_len, split_len), 1)
 
@@ -143,7 +156,8 @@ def _rotated(
 
 
 @triton.jit(
-    do_not_specialize=["s_tb"],  # the table width changes from step to step
+    # the table width changes from step to step; one variant serves every window
+    do_not_specialize=["s_tb", "window"],
     do_not_specialize_on_alignment=[
         "seq_lens_ptr", "tables_ptr", "pos_ptr", "slot_block_ptr", "slot_offset_ptr"
     ],
@@ -192,6 +206,8 @@ def _decode_kernel(
     qb_ptr,
     kb_ptr,
     vb_ptr,
+    window,  # WINDOWED: keys the query sees (its own included)
+    cap,  # SOFTCAP: the softcap * log2(e)
     ROPE: tl.constexpr,
     NORM: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -206,6 +222,8 @@ def _decode_kernel(
     TILE_N: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    WINDOWED: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     FUSE_REDUCE: tl.constexpr,
     BLOCK_S: tl.constexpr,
     UNROLL: tl.constexpr,
@@ -226,10 +244,12 @@ def _decode_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
-    split_len, active = _split_bounds(seq_len, NUM_SPLITS, TILE_N)
+    split_len, active = _split_bounds(seq_len, window, NUM_SPLITS, TILE_N, WINDOWED)
     if split >= active:
         return
     start = split * split_len
+    if WINDOWED:  # the slices start at the window's first key (anywhere in a block)
+        start += tl.maximum(seq_len - window, 0)
     end = tl.minimum(start + split_len, seq_len)
     full_end = start + (end - start) // TILE_N * TILE_N
     table_ptr = tables_ptr + b * s_tb
@@ -302,7 +322,7 @@ def _decode_kernel(
             kv_ptr, table_ptr, pos, pos < end, kv_head, offs_d,
             s_cb, s_ckv, s_cs, s_ch, s_cd, BLOCK_SIZE, HEAD_DIM, BLOCK_D, False, UPCAST,
         )  # fmt: skip
-        s = tl.dot(q, k, input_precision=DOT_PREC) * qk_scale
+        s = tile_scores(q, k, qk_scale, cap, SOFTCAP, DOT_PREC)
         m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, DOT_PREC)
     if full_end < end:
         pos = full_end + tl.arange(0, TILE_N)
@@ -311,7 +331,7 @@ def _decode_kernel(
             kv_ptr, table_ptr, pos, pos_ok, kv_head, offs_d,
             s_cb, s_ckv, s_cs, s_ch, s_cd, BLOCK_SIZE, HEAD_DIM, BLOCK_D, True, UPCAST,
         )  # fmt: skip
-        s = tl.dot(q, k, input_precision=DOT_PREC) * qk_scale
+        s = tile_scores(q, k, qk_scale, cap, SOFTCAP, DOT_PREC)
         s = tl.where(pos_ok[None, :], s, float("-inf"))
         m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, DOT_PREC)
 
@@ -428,7 +448,7 @@ def _combine_splits(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["window"])
 def _decode_reduce_kernel(
     part_out_ptr,
     part_lse_ptr,
@@ -437,6 +457,7 @@ def _decode_reduce_kernel(
     s_ot,
     s_oh,
     s_od,
+    window,
     NUM_HEADS: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     GROUP: tl.constexpr,
@@ -446,10 +467,12 @@ def _decode_reduce_kernel(
     BLOCK_S: tl.constexpr,
     UNROLL: tl.constexpr,
     TILE_N: tl.constexpr,
+    WINDOWED: tl.constexpr,
 ):
     """The combine as a launch of its own (``fuse_reduce=False``): program (b, KV head)."""
     b = tl.program_id(0).to(tl.int64)
-    _, active = _split_bounds(tl.load(seq_lens_ptr + b).to(tl.int32), NUM_SPLITS, TILE_N)
+    seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
+    _, active = _split_bounds(seq_len, window, NUM_SPLITS, TILE_N, WINDOWED)
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
     _combine_splits(
@@ -538,6 +561,8 @@ def decode_attention(
     scale: float,
     num_splits: int,
     *,
+    window: int = 0,
+    softcap: float = 0.0,
     tile_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
@@ -545,17 +570,19 @@ def decode_attention(
     rope: DecodeRope | None = None,
 ) -> None:
     """Attention of each request's single query token over its ``seq_len`` cached keys (its own
-    K/V included, written before). ``num_splits`` from ``choose_num_splits``, or fixed when the
-    launch is captured in a CUDA graph. ``tile_n`` (keys per tile), ``num_warps`` and
-    ``num_stages`` (default ``ONE_SPLIT_STAGES`` or ``SPLIT_STAGES``) are tuning knobs
-    (benchmarks/bench_attention_gpu.py --sweep); ``fuse_reduce``
-    (default ``FUSE_REDUCE``) combines the splits in the last program instead of a second
-    launch. With ``rope``, ``query`` is not rotated yet and the new tokens' K/V are not in the
-    cache: the kernel rotates q (leaving ``query`` as it is) and writes the rotated K and the
-    V at each request's slot before it reads the keys, one launch instead of two; with
-    ``rope.norm`` it also applies the layer's input RMSNorm that was folded into the projection
-    (``DecodeNorm``) to q, k and v first."""
+    K/V included, written before): its last ``window`` keys only and scores capped by
+    ``softcap``, where those are > 0 (see ``attention.base``). ``num_splits`` from
+    ``choose_num_splits``, or fixed when the launch is captured in a CUDA graph. ``tile_n``
+    (keys per tile), ``num_warps`` and ``num_stages`` (default ``ONE_SPLIT_STAGES`` or
+    ``SPLIT_STAGES``) are tuning knobs (benchmarks/bench_attention_gpu.py --sweep);
+    ``fuse_reduce`` (default ``FUSE_REDUCE``) combines the splits in the last program instead
+    of a second launch. With ``rope``, ``query`` is not rotated yet and the new tokens' K/V are
+    not in the cache: the kernel rotates q (leaving ``query`` as it is) and writes the rotated
+    K and the V at each request's slot before it reads the keys, one launch instead of two;
+    with ``rope.norm`` it also applies the layer's input RMSNorm that was folded into the
+    projection (``DecodeNorm``) to q, k and v first."""
     check_kv_cache(kv_cache, query)
+    check_window_softcap(window, softcap)
     num_decodes, num_heads, head_dim = query.shape
     if num_decodes == 0:
         return
@@ -633,6 +660,8 @@ def decode_attention(
         block_tables.stride(0),
         *rope_args,
         *norm_args,
+        window,
+        softcap * LOG2E,
         ROPE=rope is not None,
         NORM=norm is not None,
         HAS_BIAS=norm is not None and norm.bias is not None,
@@ -647,6 +676,8 @@ def decode_attention(
         TILE_N=tile_n,
         UPCAST=upcast_in_kernel(query),
         DOT_PREC=dot_precision(query.dtype),
+        WINDOWED=window > 0,
+        SOFTCAP=softcap > 0,
         FUSE_REDUCE=fuse_reduce,
         BLOCK_S=next_pow2(num_splits),
         UNROLL=min(COMBINE_UNROLL, num_splits),
@@ -665,6 +696,7 @@ def decode_attention(
             out,
             seq_lens,
             *out.stride(),
+            window,
             NUM_HEADS=num_heads,
             NUM_SPLITS=num_splits,
             GROUP=group,
@@ -674,6 +706,7 @@ def decode_attention(
             BLOCK_S=next_pow2(num_splits),
             UNROLL=min(COMBINE_UNROLL, num_splits),
             TILE_N=tile_n,
+            WINDOWED=window > 0,
             num_warps=2,
         )
 
@@ -715,14 +748,21 @@ def ref_decode_attention(
     seq_lens: list[int],
     block_tables: torch.Tensor,
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:  # [num_decodes, num_heads, head_dim] fp32
+    """One request at a time in fp32 over its last ``window`` keys (all with 0), the scores
+    capped by ``softcap`` (none with 0)."""
     out = torch.empty(query.shape, dtype=torch.float32, device=query.device)
     block_size = kv_cache.block_size
     group = query.shape[1] // kv_cache.kv.shape[3]
     for i, seq_len in enumerate(seq_lens):
         blocks = block_tables[i, : math.ceil(seq_len / block_size)]
-        k = kv_cache.key[blocks].flatten(0, 1)[:seq_len].float().repeat_interleave(group, 1)
-        v = kv_cache.value[blocks].flatten(0, 1)[:seq_len].float().repeat_interleave(group, 1)
+        first = max(seq_len - window, 0) if window > 0 else 0
+        k = kv_cache.key[blocks].flatten(0, 1)[first:seq_len].float().repeat_interleave(group, 1)
+        v = kv_cache.value[blocks].flatten(0, 1)[first:seq_len].float().repeat_interleave(group, 1)
         scores = torch.einsum("hd,khd->hk", query[i].float(), k) * scale
+        if softcap > 0:
+            scores = softcap * torch.tanh(scores / softcap)
         out[i] = torch.einsum("hk,khd->hd", scores.softmax(-1), v)
     return out

@@ -17,6 +17,13 @@ of one KV head: tile row ``m`` is token ``m // GROUP``, head ``m % GROUP``, so e
 read once for the whole group and any ratio (7 included) fills the rows. Tiles that lie wholly
 below the first row's diagonal run without a mask.
 
+With a sliding ``window`` W (``WINDOWED``), row ``r`` sees keys ``q_pos - W < j <= q_pos`` only:
+the key loop starts at the tile of the first row's first key, and the tiles before the last row's
+first key are masked as the diagonal's are; those between, which every row sees whole, run
+without a mask. With a ``softcap`` (``SOFTCAP``) the scores are capped before the mask. Both are
+constexpr flags with the values as runtime arguments: one compiled variant serves any window
+and cap, and with both off the kernel is the one without them.
+
 Programs are numbered per request: request ``i``'s q-blocks start at ``query_start_loc[i] //
 BLOCK_Q + i``, which leaves a few idle programs but lets each find its request by binary search
 with no host-side work list. ``HEAVY_FIRST`` walks that numbering backwards, so each request's
@@ -37,10 +44,12 @@ from baton_kernels.triton.common import (
     LOG2E,
     block_d,
     check_kv_cache,
+    check_window_softcap,
     dot_precision,
     load_kv_tile,
     next_pow2,
     online_softmax_step,
+    tile_scores,
     upcast_in_kernel,
 )
 from baton_kernels.triton.launch import launcher
@@ -85,9 +94,9 @@ def _find_request(cu_q_ptr, q_base, pid, num_reqs, BLOCK_Q: tl.constexpr):
 
 # Values that change from step to step are not specialised on (Triton would otherwise compile a
 # new variant, for ~1 s, whenever the request count or the table width crosses a multiple of 16,
-# or a slice starts at another alignment).
+# or a slice starts at another alignment). Nor is the window: one variant serves every size.
 @triton.jit(
-    do_not_specialize=["num_reqs", "s_tb"],
+    do_not_specialize=["num_reqs", "s_tb", "window"],
     do_not_specialize_on_alignment=["cu_q_ptr", "seq_lens_ptr", "tables_ptr"],
 )
 def _paged_attention_kernel(
@@ -111,6 +120,8 @@ def _paged_attention_kernel(
     s_ch,
     s_cd,
     s_tb,
+    window,  # WINDOWED: keys each row sees (its own included)
+    cap,  # SOFTCAP: the softcap * log2(e)
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -121,6 +132,8 @@ def _paged_attention_kernel(
     UPCAST: tl.constexpr,
     DOT_PREC: tl.constexpr,
     HEAVY_FIRST: tl.constexpr,
+    WINDOWED: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     pid = tl.program_id(0)
     if HEAVY_FIRST:
@@ -158,13 +171,30 @@ def _paged_attention_kernel(
     kv_end = ctx_len + tl.minimum((q_block + 1) * BLOCK_Q, q_len)
     # every row of this program sees keys [0, ctx_len + q_block * BLOCK_Q]
     unmasked_end = (ctx_len + q_block * BLOCK_Q + 1) // TILE_N * TILE_N
-    for start in range(0, unmasked_end, TILE_N):
+    unmasked_start = 0
+    if WINDOWED:
+        # The first row sees keys from ctx_len + q_block * BLOCK_Q - window + 1 on, the last
+        # from kv_end - window on (either from 0 where negative): the tiles before the first
+        # row's first key are skipped, those before the last row's masked.
+        first = tl.maximum(ctx_len + q_block * BLOCK_Q - window + 1, 0) // TILE_N * TILE_N
+        seen_by_all = tl.cdiv(tl.maximum(kv_end - window, 0), TILE_N) * TILE_N
+        unmasked_start = tl.minimum(seen_by_all, unmasked_end)
+        for start in range(first, unmasked_start, TILE_N):
+            pos = start + tl.arange(0, TILE_N)  # all below unmasked_end: no row's diagonal
+            k, v = load_kv_tile(
+                kv_ptr, table_ptr, pos, pos < kv_end, kv_head, offs_d,
+                s_cb, s_ckv, s_cs, s_ch, s_cd, BLOCK_SIZE, HEAD_DIM, BLOCK_D, False, UPCAST,
+            )  # fmt: skip
+            s = tile_scores(q, k, qk_scale, cap, SOFTCAP, DOT_PREC)
+            s = tl.where(pos[None, :] > q_pos[:, None] - window, s, float("-inf"))
+            m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, DOT_PREC)
+    for start in range(unmasked_start, unmasked_end, TILE_N):
         pos = start + tl.arange(0, TILE_N)
         k, v = load_kv_tile(
             kv_ptr, table_ptr, pos, pos < kv_end, kv_head, offs_d,
             s_cb, s_ckv, s_cs, s_ch, s_cd, BLOCK_SIZE, HEAD_DIM, BLOCK_D, False, UPCAST,
         )  # fmt: skip
-        s = tl.dot(q, k, input_precision=DOT_PREC) * qk_scale
+        s = tile_scores(q, k, qk_scale, cap, SOFTCAP, DOT_PREC)
         m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, DOT_PREC)
     for start in range(unmasked_end, kv_end, TILE_N):
         pos = start + tl.arange(0, TILE_N)
@@ -173,8 +203,10 @@ def _paged_attention_kernel(
             kv_ptr, table_ptr, pos, pos_ok, kv_head, offs_d,
             s_cb, s_ckv, s_cs, s_ch, s_cd, BLOCK_SIZE, HEAD_DIM, BLOCK_D, True, UPCAST,
         )  # fmt: skip
-        s = tl.dot(q, k, input_precision=DOT_PREC) * qk_scale
+        s = tile_scores(q, k, qk_scale, cap, SOFTCAP, DOT_PREC)
         visible = pos_ok[None, :] & (pos[None, :] <= q_pos[:, None])
+        if WINDOWED:
+            visible &= pos[None, :] > q_pos[:, None] - window
         s = tl.where(visible, s, float("-inf"))
         m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, DOT_PREC)
 
@@ -196,14 +228,18 @@ def paged_attention(
     scale: float,
     max_query_len: int,
     *,
+    window: int = 0,
+    softcap: float = 0.0,
     config: PrefillConfig | None = None,
 ) -> None:
-    """Causal attention of each request's query chunk over its ``seq_len`` cached keys. Token
-    indices in ``query_start_loc`` index ``query`` and ``out`` directly, so a slice of a larger
-    batch (the prefills after its decodes) is passed without copying. ``config`` overrides the
-    launch of chunks longer than a few tokens (benchmarks/bench_attention_gpu.py --sweep
-    prefill)."""
+    """Causal attention of each request's query chunk over its ``seq_len`` cached keys (within
+    ``window`` of each query and scores capped by ``softcap`` where those are > 0: see
+    ``attention.base``). Token indices in ``query_start_loc`` index ``query`` and ``out``
+    directly, so a slice of a larger batch (the prefills after its decodes) is passed without
+    copying. ``config`` overrides the launch of chunks longer than a few tokens
+    (benchmarks/bench_attention_gpu.py --sweep prefill)."""
     check_kv_cache(kv_cache, query)
+    check_window_softcap(window, softcap)
     num_reqs = int(seq_lens.shape[0])
     num_tokens, num_heads, head_dim = query.shape
     if num_reqs == 0 or num_tokens == 0:
@@ -236,6 +272,8 @@ def paged_attention(
         *out.stride(),
         *kv.stride(),
         block_tables.stride(0),
+        window,
+        softcap * LOG2E,
         GROUP=group,
         HEAD_DIM=head_dim,
         BLOCK_D=bd,
@@ -246,6 +284,8 @@ def paged_attention(
         UPCAST=upcast_in_kernel(query),
         DOT_PREC=dot_precision(query.dtype),
         HEAVY_FIRST=cfg.heavy_first,
+        WINDOWED=window > 0,
+        SOFTCAP=softcap > 0,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -258,8 +298,11 @@ def ref_paged_attention(
     seq_lens: list[int],
     block_tables: torch.Tensor,
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim] fp32, rows outside the batch are zero
-    """One request at a time in fp32: gather its keys from the block table, mask, softmax."""
+    """One request at a time in fp32: gather its keys from the block table, cap the scores
+    (``softcap``), mask (causal, and ``window``), softmax."""
     out = torch.zeros(query.shape, dtype=torch.float32, device=query.device)
     block_size = kv_cache.block_size
     group = query.shape[1] // kv_cache.kv.shape[3]
@@ -274,8 +317,13 @@ def ref_paged_attention(
         k = k.repeat_interleave(group, dim=1)
         v = v.repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", query[start:end].float(), k) * scale
-        q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
-        hidden = torch.arange(seq_len, device=query.device)[None, :] > q_pos[:, None]
+        if softcap > 0:
+            scores = softcap * torch.tanh(scores / softcap)
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)[:, None]
+        cols = torch.arange(seq_len, device=query.device)[None, :]
+        hidden = cols > q_pos
+        if window > 0:
+            hidden |= cols <= q_pos - window
         scores.masked_fill_(hidden, -math.inf)
         out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
     return out
