@@ -10,7 +10,8 @@ against what they replace, in one process.
   context 130-250; once reading each layer from memory, once the same layer again (in cache).
 - prompt attention: one layer's attention (with the K/V write) for 16 fresh 128-token prompts
   and for a 512-token chunk after 1,536 cached tokens, the reference backend (gather + SDPA)
-  vs the CPU backend's in-place ``paged_attention``.
+  vs the CPU backend's in-place ``paged_attention``; the chunk again with a sliding window of
+  256 and with a softcap of 50 (the reference masks, or computes by hand in float32).
 - argmax: 16 rows of 49,152 float32 logits, torch vs the C++ kernel.
 """
 
@@ -112,20 +113,27 @@ def bench_attention() -> None:
 
 
 def bench_prompt_attention() -> None:
-    for label, cached, new, reqs in (
-        ("16 x 128 fresh", 0, 128, 16),
-        ("512 after 1536", 1536, 512, 1),
+    for label, cached, new, reqs, window, softcap in (
+        ("16 x 128 fresh", 0, 128, 16, 0, 0.0),
+        ("512 after 1536", 1536, 512, 1, 0, 0.0),
+        ("512 after 1536", 1536, 512, 1, 256, 0.0),
+        ("512 after 1536", 1536, 512, 1, 0, 50.0),
     ):
-        times = time_prompt_attention(cached, new, reqs)
+        times = time_prompt_attention(cached, new, reqs, window, softcap)
+        options = f", window {window}" if window else ""
+        options += f", softcap {softcap:g}" if softcap else ""
         print(
-            f"prompt attention, {label} tokens, 9 query / 3 KV heads: reference "
+            f"prompt attention, {label} tokens{options}, 9 query / 3 KV heads: reference "
             f"{times['torch'] * 1e3:.2f} ms, in place {times['cpu'] * 1e3:.2f} ms per layer"
         )
 
 
-def time_prompt_attention(cached: int, new: int, reqs: int) -> dict[str, float]:
+def time_prompt_attention(
+    cached: int, new: int, reqs: int, window: int = 0, softcap: float = 0.0
+) -> dict[str, float]:
     """Seconds per call of each backend's forward for ``reqs`` chunks of ``new`` tokens after
-    ``cached`` cached ones (one layer, bf16, the default model's heads)."""
+    ``cached`` cached ones (one layer, bf16, the default model's heads), with the attention
+    options ``window`` and ``softcap``."""
     from baton_kernels.attention import AttentionMetadata, KVCacheView, create_attention_backend
 
     gen = torch.Generator().manual_seed(0)
@@ -153,7 +161,10 @@ def time_prompt_attention(cached: int, new: int, reqs: int) -> dict[str, float]:
     for name in ("torch", "cpu"):
         backend = create_attention_backend(name)
         times[name] = per_call(
-            lambda b=backend: b.forward(q, kv[:, 0], kv[:, 1], cache, md, dim**-0.5), 20
+            lambda b=backend: b.forward(
+                q, kv[:, 0], kv[:, 1], cache, md, dim**-0.5, window=window, softcap=softcap
+            ),
+            20,
         )
     return times
 

@@ -103,6 +103,8 @@ def build_step(
         slot_offset=torch.tensor(slot_offset),
         decode_bias=decode_bias,
         max_decode_blocks=max_decode_blocks,
+        # as the model runner passes them: the CPU backend's decode kernel needs them
+        decode_seq_lens=torch.tensor(seq_lens[:num_decodes]) if num_decodes else None,
     )
     return md, cache, ks, vs
 
@@ -143,14 +145,39 @@ def test_prompt_only_batch_with_long_cached_prefixes(backend: str, dtype: torch.
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("window", "softcap"), [(8, 0.0), (0, 3.0), (21, 2.5), (1, 0.0)])
 def test_sliding_window_and_softcap(
-    backend: str, dtype: torch.dtype, window: int, softcap: float
+    backend: str,
+    dtype: torch.dtype,
+    window: int,
+    softcap: float,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Gemma 2's local layers and Mistral-7B-v0.1: each query sees the last ``window``
     positions up to its own; Gemma 2's scores capped by ``softcap * tanh(s / softcap)``.
     Decodes, fresh prompts (batched) and chunks after cached context, longer and shorter than
-    the window; queries scaled up so that the cap changes the result."""
+    the window; queries scaled up so that the cap changes the result. The CPU backend runs
+    them in its kernels: decodes always, prompts in bf16 where the tiles run (float32 prompts
+    take the reference, with or without these options)."""
+    if backend == "cpu":
+        refuse_reference(monkeypatch, prompts=dtype == torch.bfloat16)
     specs = [(0, 1), (7, 1), (40, 1), (130, 1), (0, 30), (0, 30), (0, 5), (12, 6), (90, 40)]
     check_backend(backend, dtype, 64, 16, 6, 2, specs, window, softcap)
+
+
+def refuse_reference(monkeypatch: pytest.MonkeyPatch, prompts: bool) -> None:
+    """Makes the reference backend's decode (and with ``prompts``, all of its attention) an
+    error, so that a CPU backend test passes through the C++ kernels only."""
+    from baton_kernels.attention import torch_backend
+    from baton_kernels.cpu_ops import load_cpu_ops
+
+    ops = load_cpu_ops()
+    assert ops is not None
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the CPU backend ran the reference")
+
+    monkeypatch.setattr(torch_backend.TorchAttentionBackend, "_decode", refuse)
+    if prompts and ops.bf16_gemm_available():  # (the tiles: AVX512-BF16 CPUs only)
+        monkeypatch.setattr(torch_backend, "attention", refuse)
 
 
 def check_backend(
@@ -225,6 +252,75 @@ def test_cpu_paged_attention_op_matches_reference(dtype: torch.dtype) -> None:
         torch.testing.assert_close(out[s:e].float(), want, rtol=rtol, atol=atol)
 
 
+# Windows shorter than a block and a tile (5), one tile (16), cutting through tiles and blocks
+# (37, 100; longer than some sequences), longer than every sequence (1000: the ops take the path
+# without one) and of one token (1); the softcap alone and with a window.
+WINDOW_SOFTCAP = [(5, 0.0), (16, 0.0), (37, 0.0), (100, 0.0), (1000, 0.0), (1, 0.0),
+                  (0, 2.5), (37, 2.5)]  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", HEAD_SIZES)
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(2, 2), (8, 2), (7, 1)])
+@pytest.mark.parametrize(("window", "softcap"), WINDOW_SOFTCAP)
+def test_cpu_attention_ops_window_and_softcap(
+    dtype: torch.dtype,
+    head_dim: int,
+    num_heads: int,
+    num_kv_heads: int,
+    window: int,
+    softcap: float,
+) -> None:
+    """The ops themselves with a sliding window and a softcap, GQA groups of 1, 4 and 7:
+    ``paged_attention`` over decodes, chunks shorter than 8 tokens (row by row) and longer ones
+    (in tiles in bf16 on AVX512-BF16; rows in float32), fresh and after cached context, over
+    several work units past 128 tokens; ``paged_decode_attention`` over the decodes. The keys
+    that a window puts out of reach are NaN in the cache, so a kernel that reads them fails:
+    decodes and row-by-row chunks must start at their window exactly, the tiles at the key tile
+    holding their first row's window start."""
+    from baton_kernels.attention.torch_backend import write_kv_cache
+    from baton_kernels.cpu_ops import load_cpu_ops
+
+    ops = load_cpu_ops()
+    assert ops is not None
+    specs = [(9, 1), (300, 1), (0, 37), (300, 40), (0, 2), (517, 3), (200, 150), (0, 260)]
+    block_size = 16
+    md, cache, ks, vs = build_step(specs, block_size, 200, dtype, head_dim, num_heads, num_kv_heads)
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(md.num_tokens, num_heads, head_dim, generator=gen)
+    q = (q * 4 if softcap else q).to(dtype)  # (scores of several units: the cap bends them)
+    new_k = torch.cat([k[c:] for k, (c, _) in zip(ks, specs, strict=True)])
+    new_v = torch.cat([v[c:] for v, (c, _) in zip(vs, specs, strict=True)])
+    write_kv_cache(new_k, new_v, cache, md)
+    tiles = dtype == torch.bfloat16 and bool(ops.bf16_gemm_available())
+    for i, (cached, new) in enumerate(specs):
+        # The first key any of the request's rows sees; a tiled chunk reads from its tile.
+        first = max(0, cached - window + 1) if window else 0
+        if tiles and new >= 8:
+            first -= first % 16
+        for t in range(first):
+            block = int(md.block_tables[i, t // block_size])
+            cache.key[block, t % block_size] = float("nan")
+            cache.value[block, t % block_size] = float("nan")
+    scale = head_dim**-0.5
+    out = ops.paged_attention(
+        q, cache.key, cache.value, md.block_tables, torch.tensor(md.seq_lens),
+        torch.tensor(md.query_start_loc), scale, window, softcap,
+    )  # fmt: skip
+    nd = md.num_decodes
+    decode_out = ops.paged_decode_attention(
+        q[:nd], cache.key, cache.value, md.block_tables[:nd], torch.tensor(md.seq_lens[:nd]),
+        scale, window, softcap,
+    )  # fmt: skip
+    rtol, atol = TOL[dtype]
+    for i in range(md.num_reqs):
+        s, e = md.query_start_loc[i], md.query_start_loc[i + 1]
+        want = ref_attention(q[s:e], ks[i], vs[i], scale, window, softcap)
+        torch.testing.assert_close(out[s:e].float(), want, rtol=rtol, atol=atol)
+        if i < nd:
+            torch.testing.assert_close(decode_out[s:e].float(), want, rtol=rtol, atol=atol)
+
+
 def test_cpu_paged_attention_rejects_inconsistent_metadata() -> None:
     """The in-place kernel reads the cache through the tables: a table or length that points
     outside it is an error, not a read of foreign memory."""
@@ -236,10 +332,13 @@ def test_cpu_paged_attention_rejects_inconsistent_metadata() -> None:
     q = torch.randn(5, 4, 64).to(torch.bfloat16)
     tables = torch.tensor([[1, 2], [3, 4]])
 
-    def call(tables: torch.Tensor, seq_lens: list[int], starts: list[int]) -> torch.Tensor:
+    def call(
+        tables: torch.Tensor, seq_lens: list[int], starts: list[int], window: int = 0
+    ) -> torch.Tensor:
         out: torch.Tensor = ops.paged_attention(
-            q, kv[:, 0], kv[:, 1], tables, torch.tensor(seq_lens), torch.tensor(starts), 0.125
-        )
+            q, kv[:, 0], kv[:, 1], tables, torch.tensor(seq_lens), torch.tensor(starts), 0.125,
+            window,
+        )  # fmt: skip
         return out
 
     assert call(tables, [3, 20], [0, 3, 5]).shape == q.shape
@@ -254,3 +353,14 @@ def test_cpu_paged_attention_rejects_inconsistent_metadata() -> None:
     with pytest.raises(RuntimeError, match="block id -1 outside the cache"):
         ops.paged_decode_attention(q[:2], kv[:, 0], kv[:, 1], torch.tensor([[1], [-1]]),
                                    torch.tensor([4, 4]), 0.125)  # fmt: skip
+    with pytest.raises(RuntimeError, match="window must be >= 0"):
+        ops.paged_decode_attention(q[:2], kv[:, 0], kv[:, 1], tables, torch.tensor([4, 4]),
+                                   0.125, -1, 0.0)  # fmt: skip
+    with pytest.raises(RuntimeError, match="softcap must be >= 0"):
+        ops.paged_attention(q, kv[:, 0], kv[:, 1], tables, torch.tensor([3, 20]),
+                            torch.tensor([0, 3, 5]), 0.125, 0, -1.0)  # fmt: skip
+    # A window leaves the blocks before it unread: their table entries are not checked.
+    window_only = torch.tensor([[1, 2], [-1, 4]])
+    assert call(window_only, [3, 20], [0, 3, 5], window=3).shape == q.shape
+    with pytest.raises(RuntimeError, match="block id -1 outside the cache"):
+        call(window_only, [3, 20], [0, 3, 5], window=4)  # (reaches token 15, in block -1)

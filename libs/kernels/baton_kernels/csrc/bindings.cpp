@@ -24,14 +24,22 @@ int64_t parallel_threads(int64_t n) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto nogil = py::call_guard<py::gil_scoped_release>();
-  m.def("paged_decode_attention", &paged_decode_attention, nogil,
+  // window and softcap default to off, so callers that predate them keep their meaning.
+  m.def("paged_decode_attention", &paged_decode_attention, nogil, py::arg("query"),
+        py::arg("kc"), py::arg("vc"), py::arg("tables"), py::arg("seq_lens"), py::arg("scale"),
+        py::arg("window") = 0, py::arg("softcap") = 0.0,
         "query [R, H, D], caches [blocks, block_size, KVH, D], tables [R, max_blocks] int64, "
-        "seq_lens [R] int64, scale -> [R, H, D]");
-  m.def("paged_attention", &paged_attention, nogil,
+        "seq_lens [R] int64, scale, window (0: off), softcap (0: off) -> [R, H, D]: each row "
+        "over the last `window` tokens of its sequence, scores capped by softcap * tanh(s / "
+        "softcap)");
+  m.def("paged_attention", &paged_attention, nogil, py::arg("query"), py::arg("kc"),
+        py::arg("vc"), py::arg("tables"), py::arg("seq_lens"), py::arg("query_start_loc"),
+        py::arg("scale"), py::arg("window") = 0, py::arg("softcap") = 0.0,
         "query [T, H, D] (each request's new tokens in order), caches [blocks, block_size, KVH, "
         "D], tables [R, max_blocks] int64, seq_lens [R] int64 (cached + new), query_start_loc "
-        "[R + 1] int64, scale -> [T, H, D]: causal attention over each request's cached and new "
-        "tokens");
+        "[R + 1] int64, scale, window (0: off), softcap (0: off) -> [T, H, D]: causal attention "
+        "over each request's cached and new tokens, the token at position p over p - window < j "
+        "<= p only, scores capped by softcap * tanh(s / softcap)");
   m.def("write_kv_cache_", &write_kv_cache_, nogil,
         "key, value [T, KVH, D] into kv [blocks, 2, block_size, KVH, D] at (slot_block, "
         "slot_offset) [T] int64");

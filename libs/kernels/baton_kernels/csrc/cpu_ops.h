@@ -6,11 +6,17 @@
 
 #include <vector>
 
+// Both attention entry points take the layer's sliding window (W > 0: the query at position p
+// sees keys p - W < j <= p only; 0: off) and score softcap (c > 0: each score s = scale * q.k
+// becomes c * tanh(s / c) before the mask and softmax; 0: off), as
+// baton_kernels.attention.base defines them.
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor kc, torch::Tensor vc,
-                                     torch::Tensor tables, torch::Tensor lens, double scale);
+                                     torch::Tensor tables, torch::Tensor lens, double scale,
+                                     int64_t window, double softcap);
 torch::Tensor paged_attention(torch::Tensor query, torch::Tensor kc, torch::Tensor vc,
                               torch::Tensor tables, torch::Tensor seq_lens,
-                              torch::Tensor query_start_loc, double scale);
+                              torch::Tensor query_start_loc, double scale, int64_t window,
+                              double softcap);
 // A prompt chunk of a batch for prefill_attention: its query rows [start, start + len), its
 // sequence's length (cached + new tokens) and its row of the block tables.
 struct PromptChunk {
@@ -18,11 +24,12 @@ struct PromptChunk {
 };
 // Whether prefill_attention runs on this CPU for this dtype and GQA group.
 bool prefill_attention_available(const torch::Tensor& query, const torch::Tensor& kc);
-// Causal attention of each chunk's rows over its sequence into `out` (bf16; checked by
-// paged_attention, its only caller).
+// Causal attention of each chunk's rows over its sequence into `out`, within `window` and with
+// scores capped by `softcap` (as above; bf16; checked by paged_attention, its only caller).
 void prefill_attention(const torch::Tensor& query, const torch::Tensor& kc,
                        const torch::Tensor& vc, const int64_t* tables, int64_t mb,
-                       const std::vector<PromptChunk>& chunks, float scale, torch::Tensor& out);
+                       const std::vector<PromptChunk>& chunks, float scale, int64_t window,
+                       float softcap, torch::Tensor& out);
 void write_kv_cache_(torch::Tensor key, torch::Tensor value, torch::Tensor kv,
                      torch::Tensor slot_block, torch::Tensor slot_offset);
 std::vector<torch::Tensor> fused_add_rms_norm(torch::Tensor x,

@@ -49,7 +49,10 @@ std::vector<torch::Tensor> decode_layers(torch::Tensor hidden, torch::Tensor pos
     rotary_embedding_(q, k, positions, cos_sin);
     const torch::Tensor& kv = kvs[layer];
     write_kv_cache_(k, v, kv, slot_block, slot_offset);
-    auto attn = paged_decode_attention(q, kv.select(1, 0), kv.select(1, 1), tables, lens, scale);
+    // No window, no softcap: this loop is for layers with neither (a model with either must
+    // not take it; no model the engine builds passes either option yet).
+    auto attn = paged_decode_attention(q, kv.select(1, 0), kv.select(1, 1), tables, lens, scale,
+                                       /*window=*/0, /*softcap=*/0.0);
     auto o = linear_bf16_vnni(attn.view({t, q_size}), w[3], c10::nullopt, h, false);
     auto normed2 = fused_add_rms_norm(o, residual, w[4], eps);
     auto gate_up = linear_bf16_vnni(normed2[0], w[5], c10::nullopt, 2 * intermediate, false);

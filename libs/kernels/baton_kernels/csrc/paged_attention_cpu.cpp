@@ -1,10 +1,13 @@
 // Paged attention on CPU, reading K and V in place from the paged cache through the block
 // tables (no gather copy). Each query row is a decode token, which attends to its whole
 // sequence, or a prompt token, which attends to its request's tokens up to its own position
-// (`Rows`); each task is one (row, KV head) pair: it scores the GQA group's query heads against
-// that head's rows and accumulates in float32. Tasks run on torch's intra-op thread pool
-// (at::parallel_for). The reference is baton_kernels.attention.torch_backend (gather + SDPA);
-// tests compare the two.
+// (`Rows`); with a sliding window, to the last `window` of those only, which the row then reads
+// alone (a contiguous range of positions: no mask). Each task is one (row, KV head) pair: it
+// scores the GQA group's query heads against that head's rows and accumulates in float32. A
+// softcap bends the scores in a pass of its own before the softmax, taken only when set, so
+// that attention without one runs the same code as before it existed. Tasks run on torch's
+// intra-op thread pool (at::parallel_for). The reference is
+// baton_kernels.attention.torch_backend (gather + SDPA); tests compare the two.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
@@ -20,20 +23,29 @@
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+#include "vec_math.h"
 
 namespace {
-// Which requests' block table each query row reads and how many tokens it attends to: a decode
-// row attends to its whole sequence, the row of a prompt token at position p to tokens [0, p].
+// Which requests' block table each query row reads and which tokens it attends to: a decode
+// row attends to its whole sequence, the row of a prompt token at position p to tokens [0, p];
+// with a sliding window of W, to tokens [max(0, len - W), len) of those.
 struct Rows {
   const int64_t* tables;  // [requests, mb] block ids
   int64_t mb;
-  int64_t count;       // rows to compute
-  const int64_t* req;  // [count] the request of each row
-  const int64_t* len;  // [count] tokens each row attends to
-  const int64_t* row;  // [count] its row of the query and the output (null: 0, 1, ...)
+  int64_t count;         // rows to compute
+  const int64_t* req;    // [count] the request of each row
+  const int64_t* len;    // [count] its tokens end here (exclusive): 1 + its position
+  const int64_t* row;    // [count] its row of the query and the output (null: 0, 1, ...)
+  const int64_t* first;  // [count] its first token, the window's start (null: 0, no window)
   const int64_t* table(int64_t r) const { return tables + req[r] * mb; }
   int64_t at(int64_t r) const { return row ? row[r] : r; }
+  int64_t from(int64_t r) const { return first ? first[r] : 0; }
 };
+
+// The first token a row ending at `len` sees through a window of `window` tokens (0: off).
+inline int64_t window_start(int64_t len, int64_t window) {
+  return window > 0 ? std::max<int64_t>(0, len - window) : 0;
+}
 
 // Converts a row of `dim` values to float32.
 inline void load_row(const float* src, float* dst, int64_t dim) {
@@ -75,11 +87,30 @@ inline void softmax_rows_(float* scores, int64_t rows, int64_t stride, int64_t l
   }
 }
 
+// The softcap in place over `rows` rows of `len` scores, `stride` floats apart: s becomes
+// cap * tanh(s / cap). Vectorised: it runs on every score of a capped layer, and std::tanh per
+// score costs as much as the dot products of a 64-dimension head.
+inline void cap_rows_(float* scores, int64_t rows, int64_t stride, int64_t len, float cap) {
+  for (int64_t g = 0; g < rows; ++g) {
+    float* sg = scores + g * stride;
+    int64_t t = 0;
+#if defined(__AVX512F__)
+    const __m512 c = _mm512_set1_ps(cap), inv = _mm512_set1_ps(1.f / cap);
+    for (; t < len; t += 16) {
+      const __mmask16 m = len - t >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (len - t)) - 1u);
+      const __m512 x = _mm512_maskz_loadu_ps(m, sg + t);
+      _mm512_mask_storeu_ps(sg + t, m, _mm512_mul_ps(c, vtanh(_mm512_mul_ps(x, inv))));
+    }
+#endif
+    for (; t < len; ++t) sg[t] = cap * std::tanh(sg[t] / cap);
+  }
+}
+
 // GT: the query heads per KV head when known at compile time (0: read from the shapes); a
 // constant lets the group's accumulators stay in registers.
 template <typename scalar_t, int64_t D, int64_t GT>
 void kernel(const torch::Tensor& query, const torch::Tensor& kc, const torch::Tensor& vc,
-            const Rows& rows, float scale, torch::Tensor& out) {
+            const Rows& rows, float scale, float softcap, torch::Tensor& out) {
   const int64_t R = rows.count, H = query.size(1), KVH = kc.size(2), BS = kc.size(1);
   const int64_t G = GT ? GT : H / KVH;
   const auto* q = query.data_ptr<scalar_t>();
@@ -99,15 +130,15 @@ void kernel(const torch::Tensor& query, const torch::Tensor& kc, const torch::Te
     for (int64_t task = begin; task < end; ++task) {
       {
         const int64_t r = task / KVH, h = task % KVH;
-        const int64_t L = ln[r];
+        const int64_t t_lo = rows.from(r), t_hi = ln[r], L = t_hi - t_lo;  // tokens [t_lo, t_hi)
         scores.resize(static_cast<size_t>(G * L));
         for (int64_t g = 0; g < G; ++g) {
           load_row(q + rows.at(r) * qs0 + (h * G + g) * qs1, qf[g], D);
           for (int64_t d = 0; d < D; ++d) { qf[g][d] *= scale; acc[g][d] = 0.f; }
         }
         const int64_t* tab = rows.table(r);
-        const int64_t nb = (L + BS - 1) / BS;
-        for (int64_t t = 0; t < L; ++t) {
+        const int64_t nb = (t_hi + BS - 1) / BS;
+        for (int64_t t = t_lo; t < t_hi; ++t) {
           const int64_t b = tab[t / BS];
           if (t % BS == 0 && t / BS + 1 < nb) {
             const int64_t nxt = tab[t / BS + 1];
@@ -118,15 +149,16 @@ void kernel(const torch::Tensor& query, const torch::Tensor& kc, const torch::Te
           for (int64_t g = 0; g < G; ++g) {
             float s = 0.f;
             for (int64_t d = 0; d < D; ++d) s += qf[g][d] * row[d];
-            scores[g * L + t] = s;
+            scores[g * L + t - t_lo] = s;
           }
         }
+        if (softcap > 0.f) cap_rows_(scores.data(), G, L, L, softcap);
         softmax_rows_(scores.data(), G, L, L);
-        for (int64_t t = 0; t < L; ++t) {
+        for (int64_t t = t_lo; t < t_hi; ++t) {
           const int64_t b = tab[t / BS];
           load_row(v + b * vs0 + (t % BS) * vs1 + h * vs2, row, D);
           for (int64_t g = 0; g < G; ++g) {
-            const float p = scores[g * L + t];
+            const float p = scores[g * L + t - t_lo];
             for (int64_t d = 0; d < D; ++d) acc[g][d] += p * row[d];
           }
         }
@@ -171,7 +203,7 @@ inline __m512 bf16_to_f32(const uint16_t* p) {
 // of the kernel's time in cache); K rows are prefetched one and two chunks ahead.
 template <int64_t D, int64_t GT>
 void kernel_bf16(const torch::Tensor& query, const torch::Tensor& kc, const torch::Tensor& vc,
-                 const Rows& rows, float scale, torch::Tensor& out) {
+                 const Rows& rows, float scale, float softcap, torch::Tensor& out) {
   constexpr int64_t QV = D / 32;  // zmm of bf16 per row
   constexpr int64_t DV = D / 16;  // zmm of float32 per row
   const int64_t R = rows.count, H = query.size(1), KVH = kc.size(2), BS = kc.size(1);
@@ -200,7 +232,7 @@ void kernel_bf16(const torch::Tensor& query, const torch::Tensor& kc, const torc
   // a thread takes the tasks whose first token falls in its range of all the tasks' tokens.
   std::vector<int64_t> start(static_cast<size_t>(R * KVH + 1), 0);
   for (int64_t task = 0; task < R * KVH; ++task)
-    start[task + 1] = start[task] + std::max<int64_t>(ln[task / KVH], 1);
+    start[task + 1] = start[task] + std::max<int64_t>(ln[task / KVH] - rows.from(task / KVH), 1);
   at::parallel_for(0, start[R * KVH], 1, [&](int64_t lo, int64_t hi) {
     const int64_t begin = std::lower_bound(start.begin(), start.end() - 1, lo) - start.begin();
     const int64_t end = std::lower_bound(start.begin(), start.end() - 1, hi) - start.begin();
@@ -208,27 +240,33 @@ void kernel_bf16(const torch::Tensor& query, const torch::Tensor& kc, const torc
     std::vector<const uint16_t*> krows, vrows;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t r = task / KVH, h = task % KVH;
-      const int64_t L = ln[r], LP = (L + 15) / 16 * 16;
+      const int64_t t_lo = rows.from(r), L = ln[r] - t_lo, LP = (L + 15) / 16 * 16;
       scores.resize(static_cast<size_t>(G * LP));
       krows.resize(static_cast<size_t>(L));
       vrows.resize(static_cast<size_t>(L));
       const int64_t* tab = rows.table(r);
-      for (int64_t t = 0; t < L; t += BS) {  // block by block: no division per token
+      // Block by block from the first token (a window may start inside a block): no division
+      // per token.
+      for (int64_t t = t_lo; t < ln[r];) {
+        const int64_t off = t % BS, n = std::min(BS - off, ln[r] - t);
         const int64_t blk = tab[t / BS];
-        const uint16_t* kb = k + blk * ks0 + h * ks2;
-        const uint16_t* vb = v + blk * vs0 + h * vs2;
-        for (int64_t i = 0, n = std::min(BS, L - t); i < n; ++i) {
-          krows[t + i] = kb + i * ks1;
-          vrows[t + i] = vb + i * vs1;
+        const uint16_t* kb = k + blk * ks0 + off * ks1 + h * ks2;
+        const uint16_t* vb = v + blk * vs0 + off * vs1 + h * vs2;
+        for (int64_t i = 0; i < n; ++i) {
+          krows[t - t_lo + i] = kb + i * ks1;
+          vrows[t - t_lo + i] = vb + i * vs1;
         }
+        t += n;
       }
       prefetch_rows(krows.data(), std::min<int64_t>(L, 32), true);
       if (task + 1 < end) {  // the next task's first K rows, into L2, so it starts warm
         const int64_t r2 = (task + 1) / KVH, h2 = (task + 1) % KVH;
-        for (int64_t t = 0; t < std::min<int64_t>(ln[r2], 32); t += BS) {
-          const uint16_t* kb = k + rows.table(r2)[t / BS] * ks0 + h2 * ks2;
-          const int64_t n = std::min<int64_t>(BS, std::min<int64_t>(ln[r2], 32) - t);
+        const int64_t hi2 = std::min<int64_t>(ln[r2], rows.from(r2) + 32);
+        for (int64_t t = rows.from(r2); t < hi2;) {
+          const int64_t off = t % BS, n = std::min(BS - off, hi2 - t);
+          const uint16_t* kb = k + rows.table(r2)[t / BS] * ks0 + off * ks1 + h2 * ks2;
           for (int64_t i = 0; i < n; ++i) prefetch_row(kb + i * ks1, false);
+          t += n;
         }
       }
       __m512bh qv[16][QV];
@@ -264,6 +302,7 @@ void kernel_bf16(const torch::Tensor& query, const torch::Tensor& kc, const torc
           _mm512_storeu_ps(scores.data() + g * LP + t0, _mm512_mul_ps(sums, _mm512_set1_ps(scale)));
         }
       }
+      if (softcap > 0.f) cap_rows_(scores.data(), G, LP, L, softcap);
       softmax_rows_(scores.data(), G, LP, L);
       __m512 acc[16][DV];
       for (int64_t g = 0; g < G; ++g)
@@ -292,28 +331,28 @@ void kernel_bf16(const torch::Tensor& query, const torch::Tensor& kc, const torc
 // The group sizes of common models (SmolLM2 3, Llama-3 4, Qwen2.5 7, ...) as constants.
 template <typename scalar_t, int64_t D>
 void dispatch_group(const torch::Tensor& query, const torch::Tensor& kc, const torch::Tensor& vc,
-                    const Rows& rows, float scale, torch::Tensor& out) {
+                    const Rows& rows, float scale, float softcap, torch::Tensor& out) {
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
   if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
     switch (query.size(1) / kc.size(2)) {
-      case 1: return kernel_bf16<D, 1>(query, kc, vc, rows, scale, out);
-      case 2: return kernel_bf16<D, 2>(query, kc, vc, rows, scale, out);
-      case 3: return kernel_bf16<D, 3>(query, kc, vc, rows, scale, out);
-      case 4: return kernel_bf16<D, 4>(query, kc, vc, rows, scale, out);
-      case 7: return kernel_bf16<D, 7>(query, kc, vc, rows, scale, out);
-      case 8: return kernel_bf16<D, 8>(query, kc, vc, rows, scale, out);
-      default: return kernel_bf16<D, 0>(query, kc, vc, rows, scale, out);
+      case 1: return kernel_bf16<D, 1>(query, kc, vc, rows, scale, softcap, out);
+      case 2: return kernel_bf16<D, 2>(query, kc, vc, rows, scale, softcap, out);
+      case 3: return kernel_bf16<D, 3>(query, kc, vc, rows, scale, softcap, out);
+      case 4: return kernel_bf16<D, 4>(query, kc, vc, rows, scale, softcap, out);
+      case 7: return kernel_bf16<D, 7>(query, kc, vc, rows, scale, softcap, out);
+      case 8: return kernel_bf16<D, 8>(query, kc, vc, rows, scale, softcap, out);
+      default: return kernel_bf16<D, 0>(query, kc, vc, rows, scale, softcap, out);
     }
   }
 #endif
   switch (query.size(1) / kc.size(2)) {
-    case 1: return kernel<scalar_t, D, 1>(query, kc, vc, rows, scale, out);
-    case 2: return kernel<scalar_t, D, 2>(query, kc, vc, rows, scale, out);
-    case 3: return kernel<scalar_t, D, 3>(query, kc, vc, rows, scale, out);
-    case 4: return kernel<scalar_t, D, 4>(query, kc, vc, rows, scale, out);
-    case 7: return kernel<scalar_t, D, 7>(query, kc, vc, rows, scale, out);
-    case 8: return kernel<scalar_t, D, 8>(query, kc, vc, rows, scale, out);
-    default: return kernel<scalar_t, D, 0>(query, kc, vc, rows, scale, out);
+    case 1: return kernel<scalar_t, D, 1>(query, kc, vc, rows, scale, softcap, out);
+    case 2: return kernel<scalar_t, D, 2>(query, kc, vc, rows, scale, softcap, out);
+    case 3: return kernel<scalar_t, D, 3>(query, kc, vc, rows, scale, softcap, out);
+    case 4: return kernel<scalar_t, D, 4>(query, kc, vc, rows, scale, softcap, out);
+    case 7: return kernel<scalar_t, D, 7>(query, kc, vc, rows, scale, softcap, out);
+    case 8: return kernel<scalar_t, D, 8>(query, kc, vc, rows, scale, softcap, out);
+    default: return kernel<scalar_t, D, 0>(query, kc, vc, rows, scale, softcap, out);
   }
 }
 }  // namespace
@@ -331,18 +370,21 @@ void check(const torch::Tensor& query, const torch::Tensor& kc, const torch::Ten
   TORCH_CHECK(query.scalar_type() == kc.scalar_type() && kc.scalar_type() == vc.scalar_type());
   TORCH_CHECK(query.scalar_type() == torch::kBFloat16 || query.scalar_type() == torch::kFloat,
               "float32 or bfloat16 only");
-  // Every block a row reads must be in the cache: the tokens each request's rows reach, then
-  // those requests' table entries.
+  // Every block a row reads must be in the cache: the tokens each request's rows reach (from
+  // the earliest window start: the blocks before a window are never read, so their entries
+  // need not be valid), then those requests' table entries.
   const int64_t bs = kc.size(1), capacity = rows.mb * bs, nblocks = kc.size(0);
   std::vector<int64_t> reach(static_cast<size_t>(tables.size(0)), 0);
+  std::vector<int64_t> low(static_cast<size_t>(tables.size(0)), capacity);
   for (int64_t r = 0; r < rows.count; ++r) {
     TORCH_CHECK(rows.len[r] >= 1 && rows.len[r] <= capacity, "row ", r, " attends to ",
                 rows.len[r], " tokens; its block table holds ", capacity);
     reach[rows.req[r]] = std::max(reach[rows.req[r]], rows.len[r]);
+    low[rows.req[r]] = std::min(low[rows.req[r]], rows.from(r));
   }
   for (size_t i = 0; i < reach.size(); ++i) {
     const int64_t* tab = rows.tables + static_cast<int64_t>(i) * rows.mb;
-    for (int64_t b = 0; b < (reach[i] + bs - 1) / bs; ++b)
+    for (int64_t b = low[i] / bs; b < (reach[i] + bs - 1) / bs; ++b)
       TORCH_CHECK(tab[b] >= 0 && tab[b] < nblocks, "block id ", tab[b], " outside the cache of ",
                   nblocks, " blocks");
   }
@@ -350,14 +392,19 @@ void check(const torch::Tensor& query, const torch::Tensor& kc, const torch::Ten
 
 // The per-row kernel for `rows` into `out`.
 void attend(const torch::Tensor& query, const torch::Tensor& kc, const torch::Tensor& vc,
-            const Rows& rows, float s, torch::Tensor& out) {
+            const Rows& rows, float s, float cap, torch::Tensor& out) {
   if (query.scalar_type() == torch::kBFloat16) {
-    if (query.size(2) == 64) dispatch_group<c10::BFloat16, 64>(query, kc, vc, rows, s, out);
-    else dispatch_group<c10::BFloat16, 128>(query, kc, vc, rows, s, out);
+    if (query.size(2) == 64) dispatch_group<c10::BFloat16, 64>(query, kc, vc, rows, s, cap, out);
+    else dispatch_group<c10::BFloat16, 128>(query, kc, vc, rows, s, cap, out);
   } else {
-    if (query.size(2) == 64) dispatch_group<float, 64>(query, kc, vc, rows, s, out);
-    else dispatch_group<float, 128>(query, kc, vc, rows, s, out);
+    if (query.size(2) == 64) dispatch_group<float, 64>(query, kc, vc, rows, s, cap, out);
+    else dispatch_group<float, 128>(query, kc, vc, rows, s, cap, out);
   }
+}
+
+void check_options(int64_t window, double softcap) {
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0: off), got ", window);
+  TORCH_CHECK(softcap >= 0.0, "softcap must be >= 0 (0: off), got ", softcap);
 }
 
 torch::Tensor int64_list(const torch::Tensor& t, const char* what) {
@@ -372,25 +419,36 @@ constexpr int64_t kMinPromptTile = 8;
 }  // namespace
 
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor kc, torch::Tensor vc,
-                                     torch::Tensor tables, torch::Tensor lens, double scale) {
+                                     torch::Tensor tables, torch::Tensor lens, double scale,
+                                     int64_t window, double softcap) {
+  check_options(window, softcap);
   auto t = int64_list(tables, "tables");
   auto l = int64_list(lens, "seq_lens");
   const int64_t R = query.size(0);
   TORCH_CHECK(t.dim() == 2 && t.size(0) >= R && l.numel() == R,
               "one block table row and one length per query row");
-  std::vector<int64_t> req(static_cast<size_t>(R));
+  std::vector<int64_t> req(static_cast<size_t>(R)), first;
   for (int64_t r = 0; r < R; ++r) req[r] = r;
-  const Rows rows{t.data_ptr<int64_t>(), t.size(1), R, req.data(), l.data_ptr<int64_t>(),
-                  nullptr};
+  const int64_t* len = l.data_ptr<int64_t>();
+  // A window no shorter than every sequence hides no token: the path without one.
+  if (window > 0 && R > 0 && window >= *std::max_element(len, len + R)) window = 0;
+  if (window > 0) {  // each row reads the last `window` tokens only
+    first.resize(static_cast<size_t>(R));
+    for (int64_t r = 0; r < R; ++r) first[r] = window_start(len[r], window);
+  }
+  const Rows rows{t.data_ptr<int64_t>(), t.size(1), R, req.data(), len, nullptr,
+                  first.empty() ? nullptr : first.data()};
   check(query, kc, vc, t, rows);
   auto out = torch::empty_like(query);
-  attend(query, kc, vc, rows, static_cast<float>(scale), out);
+  attend(query, kc, vc, rows, static_cast<float>(scale), static_cast<float>(softcap), out);
   return out;
 }
 
 torch::Tensor paged_attention(torch::Tensor query, torch::Tensor kc, torch::Tensor vc,
                               torch::Tensor tables, torch::Tensor seq_lens,
-                              torch::Tensor query_start_loc, double scale) {
+                              torch::Tensor query_start_loc, double scale, int64_t window,
+                              double softcap) {
+  check_options(window, softcap);
   auto t = int64_list(tables, "tables");
   auto sl = int64_list(seq_lens, "seq_lens");
   auto qs = int64_list(query_start_loc, "query_start_loc");
@@ -410,10 +468,20 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor kc, torch::Tens
       len[start[i] + j] = seq[i] - q_len + j + 1;  // causal: up to its own position
     }
   }
+  // A window no shorter than every sequence hides no token (Mistral's 4,096 over shorter
+  // sequences): the path without one, tiles and all.
+  if (window > 0 && n > 0 && window >= *std::max_element(seq, seq + n)) window = 0;
+  std::vector<int64_t> first;  // each row's window start (none without a window)
+  if (window > 0) {
+    first.resize(static_cast<size_t>(T));
+    for (int64_t r = 0; r < T; ++r) first[r] = window_start(len[r], window);
+  }
   const int64_t* tab = t.data_ptr<int64_t>();
-  check(query, kc, vc, t, Rows{tab, t.size(1), T, req.data(), len.data(), nullptr});
+  check(query, kc, vc, t,
+        Rows{tab, t.size(1), T, req.data(), len.data(), nullptr,
+             first.empty() ? nullptr : first.data()});
   auto out = torch::empty_like(query);
-  const float s = static_cast<float>(scale);
+  const float s = static_cast<float>(scale), cap = static_cast<float>(softcap);
   // Prompt chunks in tiles where the CPU can; the other rows one at a time.
   std::vector<PromptChunk> chunks;
   std::vector<int64_t> rest;
@@ -426,16 +494,19 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor kc, torch::Tens
       for (int64_t r = start[i]; r < start[i + 1]; ++r) rest.push_back(r);
     }
   }
-  if (!chunks.empty()) prefill_attention(query, kc, vc, tab, t.size(1), chunks, s, out);
+  if (!chunks.empty())
+    prefill_attention(query, kc, vc, tab, t.size(1), chunks, s, window, cap, out);
   if (!rest.empty()) {
-    std::vector<int64_t> rest_req, rest_len;
+    std::vector<int64_t> rest_req, rest_len, rest_first;
     for (int64_t r : rest) {
       rest_req.push_back(req[r]);
       rest_len.push_back(len[r]);
+      if (!first.empty()) rest_first.push_back(first[r]);
     }
     const auto count = static_cast<int64_t>(rest.size());
-    const Rows rest_rows{tab, t.size(1), count, rest_req.data(), rest_len.data(), rest.data()};
-    attend(query, kc, vc, rest_rows, s, out);
+    const Rows rest_rows{tab, t.size(1), count, rest_req.data(), rest_len.data(), rest.data(),
+                         rest_first.empty() ? nullptr : rest_first.data()};
+    attend(query, kc, vc, rest_rows, s, cap, out);
   }
   return out;
 }

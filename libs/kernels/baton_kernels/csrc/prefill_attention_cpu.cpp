@@ -6,8 +6,13 @@
 // to bf16 (as FlashAttention does on GPUs) against V packed as pairs of keys x 16 dimensions.
 // K and V are read in place from the paged cache and packed once per work unit (a KV head and
 // up to kUnitTokens query tokens), which then reuses them for each of its query tiles.
-// Accumulation is float32. paged_attention (paged_attention_cpu.cpp) sends it the prompt
-// chunks of a batch; the reference is baton_kernels.attention.torch_backend.
+// Accumulation is float32. With a sliding window a unit packs, and a query tile visits, only
+// the key tiles from the one holding its first row's window start (every other key tile is
+// wholly outside every row's window); each row's mask then drops the keys before its own
+// window as well as those past its position. Whether either option is on is a template
+// argument: without them, the window is a constant 0 that folds away, and attention compiles to
+// the code it was before they existed. paged_attention (paged_attention_cpu.cpp)
+// sends it the prompt chunks of a batch; the reference is baton_kernels.attention.torch_backend.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
@@ -85,10 +90,18 @@ struct Unit {
   int64_t chunk, head, t0, t1;  // query tokens [t0, t1) of the chunk, one KV head
 };
 
-template <int64_t D>
+// The first key a query token at position `pos` sees through a window of `window` (0: off).
+inline int64_t first_key(int64_t pos, int64_t window) {
+  return window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+}
+
+// Options: a window or a softcap is on (false: neither, whatever `window` and `softcap` say).
+template <int64_t D, bool Options>
 void run(const torch::Tensor& query, const torch::Tensor& kc, const torch::Tensor& vc,
          const int64_t* tables, int64_t mb, const std::vector<PromptChunk>& chunks, float scale,
-         torch::Tensor& out) {
+         int64_t window_arg, float softcap, torch::Tensor& out) {
+  const int64_t window = Options ? window_arg : 0;
+  const bool cap = Options && softcap > 0.f;
   static const std::array<QkTile, kMaxRows> qk =
       qk_entries<D>(std::make_integer_sequence<int, kMaxRows>{});
   const auto& pv = kPv;
@@ -112,7 +125,7 @@ void run(const torch::Tensor& query, const torch::Tensor& kc, const torch::Tenso
       for (int64_t t0 = 0; t0 < chunks[c].len; t0 += kUnitTokens) {
         const int64_t t1 = std::min(chunks[c].len, t0 + kUnitTokens);
         units.push_back({static_cast<int64_t>(c), h, t0, t1});
-        start.push_back(start.back() + (t1 - t0) * (ctx + t1));
+        start.push_back(start.back() + (t1 - t0) * (ctx + t1 - first_key(ctx + t0, window)));
       }
   }
   const int64_t n_units = static_cast<int64_t>(units.size());
@@ -130,12 +143,14 @@ void run(const torch::Tensor& query, const torch::Tensor& kc, const torch::Tenso
       const PromptChunk& c = chunks[unit.chunk];
       const int64_t h = unit.head, ctx = c.seq_len - c.len;
       const int64_t* tab = tables + c.req * mb;
-      const int64_t tiles = (ctx + unit.t1 - 1) / kKeys + 1;  // key tiles the unit needs
-      kp.resize(static_cast<size_t>(tiles * (D / 2) * kKeys));
-      vp.resize(static_cast<size_t>(tiles * (kKeys / 2) * D));
-      for (int64_t kt = 0; kt < tiles; ++kt) {
-        int32_t* kt_p = kp.data() + kt * (D / 2) * kKeys;
-        int32_t* vt_p = vp.data() + kt * (kKeys / 2) * D;
+      // Key tiles [kt0, tiles) hold the keys the unit needs: kt0 = 0 without a window.
+      const int64_t kt0 = first_key(ctx + unit.t0, window) / kKeys;
+      const int64_t tiles = (ctx + unit.t1 - 1) / kKeys + 1;
+      kp.resize(static_cast<size_t>((tiles - kt0) * (D / 2) * kKeys));
+      vp.resize(static_cast<size_t>((tiles - kt0) * (kKeys / 2) * D));
+      for (int64_t kt = kt0; kt < tiles; ++kt) {
+        int32_t* kt_p = kp.data() + (kt - kt0) * (D / 2) * kKeys;
+        int32_t* vt_p = vp.data() + (kt - kt0) * (kKeys / 2) * D;
         for (int64_t i = 0; i < kKeys; i += 2) {
           const uint16_t* kr[2];
           const uint16_t* vr[2];
@@ -170,23 +185,38 @@ void run(const torch::Tensor& query, const torch::Tensor& kc, const torch::Tenso
           std::fill(acc[m], acc[m] + D, 0.f);
         }
         const int64_t last = ctx + t + nt - 1;  // the tile's last position
-        for (int64_t k0 = 0; k0 <= last; k0 += kStepKeys) {
-          // Scores of up to kStepTiles key tiles (those holding keys <= last), scaled and
-          // masked past each row's own position, and each row's max over them.
+        // From the key tile of the first row's window start: the tiles before it are before
+        // every row's window (0 without a window).
+        const int64_t k_first = first_key(ctx + t, window) / kKeys * kKeys;
+        for (int64_t k0 = k_first; k0 <= last; k0 += kStepKeys) {
+          // Scores of up to kStepTiles key tiles (those holding keys <= last), scaled (and
+          // capped) and masked past each row's own position and before its window, and each
+          // row's max over them.
           const int64_t nkt = std::min(kStepTiles, last / kKeys + 1 - k0 / kKeys);
           for (int64_t i = 0; i < nkt; ++i)
-            qk[M - 1](qrow, kp.data() + (k0 / kKeys + i) * (D / 2) * kKeys,
+            qk[M - 1](qrow, kp.data() + (k0 / kKeys + i - kt0) * (D / 2) * kKeys,
                       s + i * kMaxRows * kKeys);
           __mmask16 valid[kMaxRows][kStepTiles];
           for (int m = 0; m < M; ++m) {
             const int64_t n_valid = ctx + t + m / G + 1 - k0;  // keys of this step the row sees
+            // and how many of those come before its window
+            const int64_t n_before = n_valid - window;
             __m512 mx = _mm512_set1_ps(kNoScore);
             for (int64_t i = 0; i < nkt; ++i) {
               const int64_t n = std::clamp<int64_t>(n_valid - i * kKeys, 0, 16);
-              valid[m][i] = static_cast<__mmask16>((1u << n) - 1u);
+              const int64_t nb = window > 0 ? std::clamp<int64_t>(n_before - i * kKeys, 0, 16) : 0;
+              valid[m][i] = static_cast<__mmask16>(((1u << n) - 1u) & ~((1u << nb) - 1u));
               float* sm = s + (i * kMaxRows + m) * kKeys;
-              const __m512 sc = _mm512_mask_mul_ps(_mm512_set1_ps(kNoScore), valid[m][i],
-                                                   _mm512_loadu_ps(sm), _mm512_set1_ps(scale));
+              __m512 sc;
+              if (cap) {  // softcap * tanh(scale * qk / softcap)
+                const __m512 x =
+                    _mm512_mul_ps(_mm512_loadu_ps(sm), _mm512_set1_ps(scale / softcap));
+                sc = _mm512_mask_mul_ps(_mm512_set1_ps(kNoScore), valid[m][i], vtanh(x),
+                                        _mm512_set1_ps(softcap));
+              } else {
+                sc = _mm512_mask_mul_ps(_mm512_set1_ps(kNoScore), valid[m][i],
+                                        _mm512_loadu_ps(sm), _mm512_set1_ps(scale));
+              }
               _mm512_storeu_ps(sm, sc);
               mx = _mm512_max_ps(mx, sc);
             }
@@ -214,7 +244,7 @@ void run(const torch::Tensor& query, const torch::Tensor& kc, const torch::Tenso
           }
           // p.v: the rows' outputs, rescaled, plus the step's pairs of keys; tiles of up to 6
           // rows x 4 chunks of 16 dimensions, so that each V load serves several rows.
-          const int32_t* vt_p = vp.data() + (k0 / 2) * D;
+          const int32_t* vt_p = vp.data() + ((k0 - kt0 * kKeys) / 2) * D;
           const auto* p32 = reinterpret_cast<const int32_t*>(p16);
           for (int m0 = 0; m0 < M; m0 += kPvRows) {
             const int mb = std::min(kPvRows, M - m0);
@@ -243,9 +273,16 @@ bool prefill_attention_available(const torch::Tensor& query, const torch::Tensor
 
 void prefill_attention(const torch::Tensor& query, const torch::Tensor& kc,
                        const torch::Tensor& vc, const int64_t* tables, int64_t mb,
-                       const std::vector<PromptChunk>& chunks, float scale, torch::Tensor& out) {
-  if (query.size(2) == 64) run<64>(query, kc, vc, tables, mb, chunks, scale, out);
-  else run<128>(query, kc, vc, tables, mb, chunks, scale, out);
+                       const std::vector<PromptChunk>& chunks, float scale, int64_t window,
+                       float softcap, torch::Tensor& out) {
+  const bool options = window > 0 || softcap > 0.f;
+  if (query.size(2) == 64) {
+    if (options) run<64, true>(query, kc, vc, tables, mb, chunks, scale, window, softcap, out);
+    else run<64, false>(query, kc, vc, tables, mb, chunks, scale, window, softcap, out);
+  } else {
+    if (options) run<128, true>(query, kc, vc, tables, mb, chunks, scale, window, softcap, out);
+    else run<128, false>(query, kc, vc, tables, mb, chunks, scale, window, softcap, out);
+  }
 }
 
 #else  // no AVX512-BF16: paged_attention keeps every row on its per-row kernel
@@ -253,8 +290,8 @@ void prefill_attention(const torch::Tensor& query, const torch::Tensor& kc,
 bool prefill_attention_available(const torch::Tensor&, const torch::Tensor&) { return false; }
 
 void prefill_attention(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
-                       const int64_t*, int64_t, const std::vector<PromptChunk>&, float,
-                       torch::Tensor&) {
+                       const int64_t*, int64_t, const std::vector<PromptChunk>&, float, int64_t,
+                       float, torch::Tensor&) {
   TORCH_CHECK(false, "prefill_attention needs AVX512-BF16");
 }
 

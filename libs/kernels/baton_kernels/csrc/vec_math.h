@@ -25,4 +25,13 @@ inline __m512 vexp(__m512 x) {
   const __m512i e = _mm512_slli_epi32(_mm512_castps_si512(t), 23);
   return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(p), e));
 }
+
+// tanh(x) in float32 as 1 - 2 / (e^2x + 1): exactly +-1 once |x| passes ~44 (vexp's clamp), and
+// near 0 within a few ulp of 1 absolutely, not relatively. That suits the softcap c * tanh(s / c)
+// (its only user): the capped scores feed a softmax, to which only their absolute error counts.
+inline __m512 vtanh(__m512 x) {
+  const __m512 one = _mm512_set1_ps(1.f);
+  const __m512 e = vexp(_mm512_add_ps(x, x));
+  return _mm512_sub_ps(one, _mm512_div_ps(_mm512_set1_ps(2.f), _mm512_add_ps(e, one)));
+}
 #endif
