@@ -83,6 +83,7 @@ def run(
     fold: bool = False,
     fold_prompts: bool = False,
     num_scheduler_steps: int = 1,
+    weight_scale: float = 1.0,
 ) -> tuple[dict[str, list[int]], EngineCore]:
     core = make_core(
         model_dir,
@@ -91,6 +92,11 @@ def run(
         max_num_batched_tokens=max_num_batched_tokens,
         num_scheduler_steps=num_scheduler_steps,
     )
+    if weight_scale != 1.0:  # (larger scores and logits than the dummy weights give)
+        with torch.no_grad():
+            for name, param in core.runner.model.named_parameters():
+                if "norm" not in name:
+                    param.mul_(weight_scale)
     if random_norms:
         randomize_norms(core)
     if fused:
@@ -121,6 +127,36 @@ def test_padded_decode_path_matches_reference(tmp_path: Path) -> None:
     assert all(len(t) == 10 for t in got.values())
     graphs = core.runner.graphs
     assert graphs is not None and graphs.num_steps.get(8, 0) >= 8  # 5 requests padded to 8
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "mistral"])
+def test_sliding_windows_and_softcaps_through_the_decode_path_match_reference(
+    arch: str, tmp_path: Path
+) -> None:
+    """Layers that attend to their last 8 tokens (Gemma 2's local ones, with its capped scores
+    and logits; every layer of a Mistral-7B-v0.1 kind, its norms folded into the projections):
+    the Triton kernels' windows and softcaps through the padded decode buffers and piecewise
+    prompt steps give the reference's tokens."""
+    config = TINY_LLAMA | {"sliding_window": 8}
+    if arch == "gemma2":
+        config |= {
+            "architectures": ["Gemma2ForCausalLM"],
+            "head_dim": 32,
+            "hidden_activation": "gelu_pytorch_tanh",
+            "query_pre_attn_scalar": 24,
+            "attn_logit_softcapping": 2.0,
+            "final_logit_softcapping": 5.0,
+            "layer_types": ["sliding_attention", "full_attention"],
+        }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    options = dict(random_norms=True, weight_scale=10.0)
+    want, _ = run(tmp_path, "torch", graphs=False, **options)  # type: ignore[arg-type]
+    got, core = run(tmp_path, "triton", graphs=True, fused=True, pieces=True,
+                    fold=arch == "mistral", **options)  # type: ignore[arg-type]  # fmt: skip
+    assert got == want
+    assert core.runner.graphs is not None and sum(core.runner.graphs.num_steps.values()) > 0
+    windows = [layer.self_attn.window for layer in core.runner.model.layers]
+    assert windows == ([8, 0] if arch == "gemma2" else [8, 8])
 
 
 def test_padded_decode_path_with_async_scheduling(tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ import torch
 from baton_kernels.attention import AttentionMetadata, KVCacheView, create_attention_backend
 
 DTYPES = [torch.float32, torch.bfloat16]
-HEAD_SIZES = [64, 128]
+HEAD_SIZES = [64, 128, 256]  # (256: Gemma 2 and 3)
 BLOCK_SIZES = [4, 16]
 NUM_LAYERS = 3  # the pool is block-major over layers; the test uses the middle one
 BACKENDS = ["torch", "cpu"]  # "cpu" is the C++ decode kernel; CI builds it (gcc, ninja)

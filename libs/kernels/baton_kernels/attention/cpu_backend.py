@@ -26,7 +26,7 @@ import torch
 from baton_kernels.attention.base import AttentionMetadata, KVCacheView
 from baton_kernels.attention.torch_backend import TorchAttentionBackend
 
-KERNEL_HEAD_SIZES = (64, 128)
+KERNEL_HEAD_SIZES = (64, 128, 256)  # (256: Gemma 2 and 3)
 KERNEL_MAX_GROUP = 16
 
 

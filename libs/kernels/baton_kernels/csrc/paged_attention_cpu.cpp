@@ -362,7 +362,8 @@ namespace {
 void check(const torch::Tensor& query, const torch::Tensor& kc, const torch::Tensor& vc,
            const torch::Tensor& tables, const Rows& rows) {
   TORCH_CHECK(query.dim() == 3 && kc.dim() == 4 && vc.dim() == 4, "bad ranks");
-  TORCH_CHECK(query.size(2) == 64 || query.size(2) == 128, "head_dim must be 64 or 128");
+  TORCH_CHECK(query.size(2) == 64 || query.size(2) == 128 || query.size(2) == 256,
+              "head_dim must be 64, 128 or 256");
   TORCH_CHECK(query.size(1) % kc.size(2) == 0 && query.size(1) / kc.size(2) <= 16,
               "query heads must be a multiple (at most 16x) of KV heads");
   TORCH_CHECK(query.stride(2) == 1 && kc.stride(3) == 1 && vc.stride(3) == 1,
@@ -393,12 +394,16 @@ void check(const torch::Tensor& query, const torch::Tensor& kc, const torch::Ten
 // The per-row kernel for `rows` into `out`.
 void attend(const torch::Tensor& query, const torch::Tensor& kc, const torch::Tensor& vc,
             const Rows& rows, float s, float cap, torch::Tensor& out) {
+  // (256: Gemma 2 and 3's heads but Gemma 3 27B's)
+  const int64_t d = query.size(2);
   if (query.scalar_type() == torch::kBFloat16) {
-    if (query.size(2) == 64) dispatch_group<c10::BFloat16, 64>(query, kc, vc, rows, s, cap, out);
-    else dispatch_group<c10::BFloat16, 128>(query, kc, vc, rows, s, cap, out);
+    if (d == 64) dispatch_group<c10::BFloat16, 64>(query, kc, vc, rows, s, cap, out);
+    else if (d == 128) dispatch_group<c10::BFloat16, 128>(query, kc, vc, rows, s, cap, out);
+    else dispatch_group<c10::BFloat16, 256>(query, kc, vc, rows, s, cap, out);
   } else {
-    if (query.size(2) == 64) dispatch_group<float, 64>(query, kc, vc, rows, s, cap, out);
-    else dispatch_group<float, 128>(query, kc, vc, rows, s, cap, out);
+    if (d == 64) dispatch_group<float, 64>(query, kc, vc, rows, s, cap, out);
+    else if (d == 128) dispatch_group<float, 128>(query, kc, vc, rows, s, cap, out);
+    else dispatch_group<float, 256>(query, kc, vc, rows, s, cap, out);
   }
 }
 

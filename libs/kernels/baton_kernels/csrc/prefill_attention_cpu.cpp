@@ -279,9 +279,12 @@ void prefill_attention(const torch::Tensor& query, const torch::Tensor& kc,
   if (query.size(2) == 64) {
     if (options) run<64, true>(query, kc, vc, tables, mb, chunks, scale, window, softcap, out);
     else run<64, false>(query, kc, vc, tables, mb, chunks, scale, window, softcap, out);
-  } else {
+  } else if (query.size(2) == 128) {
     if (options) run<128, true>(query, kc, vc, tables, mb, chunks, scale, window, softcap, out);
     else run<128, false>(query, kc, vc, tables, mb, chunks, scale, window, softcap, out);
+  } else {
+    if (options) run<256, true>(query, kc, vc, tables, mb, chunks, scale, window, softcap, out);
+    else run<256, false>(query, kc, vc, tables, mb, chunks, scale, window, softcap, out);
   }
 }
 
