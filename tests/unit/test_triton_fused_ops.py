@@ -25,7 +25,9 @@ from baton_kernels.attention.base import KVCacheView
 from baton_kernels.triton import fused_ops
 from baton_kernels.triton.fused_ops import (
     fused_add_rms_norm,
+    gelu_tanh_and_mul,
     ref_fused_add_rms_norm,
+    ref_gelu_tanh_and_mul,
     ref_rms_norm,
     ref_rotary_embedding,
     ref_silu_and_mul,
@@ -329,6 +331,21 @@ def test_silu_and_mul(num_tokens: int, inter: int, dtype: torch.dtype) -> None:
     assert_close(got, ref_silu_and_mul(x), dtype)
     assert_close(got, F.silu(gate) * up, dtype)
     assert_close(silu_and_mul(x), got, dtype)  # allocating its own output
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inter", [64, 1500])
+def test_gelu_tanh_and_mul(inter: int, dtype: torch.dtype) -> None:
+    """Gemma's GeGLU: the same kernel with GELU's tanh form (as a sigmoid) for SiLU."""
+    torch.manual_seed(5)
+    x = randn(5, 2 * inter, dtype=dtype) * 3
+    out = torch.full((5, inter), POISON, dtype=dtype, device=DEVICE)
+    got = gelu_tanh_and_mul(x, out=out)
+    assert got is out
+    gate, up = x.split(inter, dim=-1)
+    assert_close(got, ref_gelu_tanh_and_mul(x), dtype)
+    assert_close(got, F.gelu(gate, approximate="tanh") * up, dtype)
+    assert not torch.allclose(got.float(), ref_silu_and_mul(x).float(), atol=0.1)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -67,6 +67,17 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``gelu(x[:, :I], approximate="tanh") * x[:, I:]`` for ``x`` ``[T, 2 * I]`` (Gemma's
+    GeGLU)."""
+    if x.is_cuda:
+        from baton_kernels.triton import fused_ops
+
+        return fused_ops.gelu_tanh_and_mul(x)
+    out: torch.Tensor = _cpu().gelu_tanh_and_mul(x)
+    return out
+
+
 ARGMAX_TRITON = True  # GPUs' argmax through the Triton kernel (False: torch's)
 
 

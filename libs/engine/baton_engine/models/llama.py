@@ -116,7 +116,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    fused = False  # Triton SiLU-and-multiply (set by use_fused_kernels)
+    fused = False  # fused SiLU- (GELU-) and-multiply kernels (set by use_fused_kernels)
 
     def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
@@ -127,8 +127,9 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if self.fused and not self.gelu:
-            return self.down_proj(fused.silu_and_mul(gate_up))  # type: ignore[no-any-return]
+        if self.fused:
+            act_and_mul = fused.gelu_tanh_and_mul if self.gelu else fused.silu_and_mul
+            return self.down_proj(act_and_mul(gate_up))  # type: ignore[no-any-return]
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
         return self.down_proj(act * up)  # type: ignore[no-any-return]

@@ -49,6 +49,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_embedding_", &rotary_embedding_, nogil,
         "q [T, Hq, D], k [T, Hk, D] rotated in place; positions [T] int64; cos_sin [P, 2, D]");
   m.def("silu_and_mul", &silu_and_mul, nogil, "x [T, 2I] -> silu(x[:, :I]) * x[:, I:]");
+  m.def("gelu_tanh_and_mul", &gelu_tanh_and_mul, nogil,
+        "x [T, 2I] -> gelu(x[:, :I], approximate='tanh') * x[:, I:] (Gemma's GeGLU)");
   m.def("argmax_rows", &argmax_rows, nogil,
         "x [B, V] float32 or bf16 -> [B] int64: torch.argmax(x, dim=1) (first of ties, NaN wins)");
   m.def("bf16_gemm_available", &bf16_gemm_available,

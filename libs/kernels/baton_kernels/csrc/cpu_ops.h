@@ -38,6 +38,7 @@ std::vector<torch::Tensor> fused_add_rms_norm(torch::Tensor x,
 void rotary_embedding_(torch::Tensor q, torch::Tensor k, torch::Tensor positions,
                        torch::Tensor cos_sin);
 torch::Tensor silu_and_mul(torch::Tensor x);
+torch::Tensor gelu_tanh_and_mul(torch::Tensor x);
 torch::Tensor argmax_rows(torch::Tensor x);
 bool bf16_gemm_available();
 torch::Tensor linear_bf16_vnni(torch::Tensor x, torch::Tensor packed,

@@ -6,6 +6,7 @@
 //   fused_add_rms_norm: residual = dtype(x + residual); out = dtype(r * rstd * w)
 //   rotary_embedding_:  x = dtype(dtype(x * c) + dtype(rot(x) * s)), c and s rounded to dtype
 //   silu_and_mul:       out = dtype(dtype(silu(gate)) * up)
+//   gelu_tanh_and_mul:  out = dtype(dtype(gelu_tanh(gate)) * up) (Gemma's GeGLU)
 // Rows run on torch's intra-op thread pool (at::parallel_for) once a tensor is large enough to
 // pay for a parallel region; with AVX512-BF16 the rows are processed 16 lanes at a time.
 #include <ATen/Parallel.h>
@@ -173,8 +174,14 @@ void rotary_kernel(torch::Tensor& q, torch::Tensor& k, const torch::Tensor& pos,
   });
 }
 
-template <typename T>
-void silu_and_mul_kernel(const torch::Tensor& x, torch::Tensor& out) {
+// GELU's tanh form as a sigmoid: 0.5 x (1 + tanh(y)) = x / (1 + e^(-2y)) with
+// y = sqrt(2 / pi) (x + 0.044715 x^3), the same pass as SiLU's x / (1 + e^(-x)) but for the
+// exponent's argument (and, unlike 1 - 2 / (e^2y + 1), accurate relatively near 0).
+constexpr float kGeluScale = 1.5957691216057308f;  // 2 sqrt(2 / pi)
+constexpr float kGeluCubic = 0.044715f;
+
+template <typename T, bool Gelu>
+void act_and_mul_kernel(const torch::Tensor& x, torch::Tensor& out) {
   const int64_t rows = x.size(0), n = out.size(1);
   const T* xp = x.data_ptr<T>();
   T* op = out.data_ptr<T>();
@@ -190,7 +197,13 @@ void silu_and_mul_kernel(const torch::Tensor& x, torch::Tensor& out) {
       for (int64_t i = 0; i < n; i += 16) {
         const __mmask16 m = lanes(n - i);
         const __m512 gv = vload(g + i, m);
-        const __m512 e = vexp(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+        __m512 arg = gv;
+        if constexpr (Gelu) {
+          const __m512 cube = _mm512_mul_ps(_mm512_mul_ps(gv, gv), gv);
+          arg = _mm512_mul_ps(_mm512_set1_ps(kGeluScale),
+                              _mm512_fmadd_ps(_mm512_set1_ps(kGeluCubic), cube, gv));
+        }
+        const __m512 e = vexp(_mm512_sub_ps(_mm512_setzero_ps(), arg));
         // 1 / (1 + e): the 14-bit reciprocal estimate and one Newton step (~1 ulp)
         const __m512 den = _mm512_add_ps(one, e);
         __m512 inv = _mm512_rcp14_ps(den);
@@ -201,7 +214,8 @@ void silu_and_mul_kernel(const torch::Tensor& x, torch::Tensor& out) {
 #else
       for (int64_t i = 0; i < n; ++i) {
         const float gv = static_cast<float>(g[i]);
-        const float act = rnd<T>(gv / (1.f + std::exp(-gv)));
+        const float arg = Gelu ? kGeluScale * (gv + kGeluCubic * gv * gv * gv) : gv;
+        const float act = rnd<T>(gv / (1.f + std::exp(-arg)));
         o[i] = static_cast<T>(act * static_cast<float>(u[i]));
       }
 #endif
@@ -261,16 +275,23 @@ void rotary_embedding_(torch::Tensor q, torch::Tensor k, torch::Tensor positions
     rotary_kernel<float>(q, k, positions, cos_sin);
 }
 
-torch::Tensor silu_and_mul(torch::Tensor x) {
+namespace {
+template <bool Gelu>
+torch::Tensor act_and_mul(const torch::Tensor& x) {
   check_rows(x, "x");
   TORCH_CHECK(x.size(1) % 2 == 0, "x must be [T, 2 * I]");
   auto out = torch::empty({x.size(0), x.size(1) / 2}, x.options());
   if (x.scalar_type() == torch::kBFloat16)
-    silu_and_mul_kernel<c10::BFloat16>(x, out);
+    act_and_mul_kernel<c10::BFloat16, Gelu>(x, out);
   else
-    silu_and_mul_kernel<float>(x, out);
+    act_and_mul_kernel<float, Gelu>(x, out);
   return out;
 }
+}  // namespace
+
+torch::Tensor silu_and_mul(torch::Tensor x) { return act_and_mul<false>(x); }
+
+torch::Tensor gelu_tanh_and_mul(torch::Tensor x) { return act_and_mul<true>(x); }
 
 // Index of each row's largest value, as torch.argmax: the first one on ties, the first NaN in
 // a row that has one. Compares integer keys of the float bits (monotonic in the float order),

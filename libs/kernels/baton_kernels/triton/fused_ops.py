@@ -435,9 +435,11 @@ def _silu_and_mul_kernel(
     BLOCK_HID: tl.constexpr,
     ROW_LOOP: tl.constexpr,
     PDL: tl.constexpr,
+    GELU: tl.constexpr = False,
 ):
     """Program (t, j): row t's output columns block j; with ``ROW_LOOP`` program t does every
-    block of row t in turn (its 1/rms computed once)."""
+    block of row t in turn (its 1/rms computed once). ``GELU``: GELU's tanh form in place of
+    SiLU (``gelu_tanh_and_mul``)."""
     pdl_begin(PDL)
     t = tl.program_id(0).to(tl.int64)
     rstd = 1.0
@@ -449,15 +451,16 @@ def _silu_and_mul_kernel(
     if ROW_LOOP:
         for start in range(0, inter, BLOCK):
             _silu_and_mul_block(x_ptr, out_ptr, t, start + tl.arange(0, BLOCK), inter, s_xt,
-                                s_xc, s_ot, s_oc, rstd, NORM)  # fmt: skip
+                                s_xc, s_ot, s_oc, rstd, NORM, GELU)  # fmt: skip
     else:
         _silu_and_mul_block(x_ptr, out_ptr, t, tl.program_id(1) * BLOCK + tl.arange(0, BLOCK),
-                            inter, s_xt, s_xc, s_ot, s_oc, rstd, NORM)  # fmt: skip
+                            inter, s_xt, s_xc, s_ot, s_oc, rstd, NORM, GELU)  # fmt: skip
 
 
 @triton.jit
 def _silu_and_mul_block(
-    x_ptr, out_ptr, t, offs, inter, s_xt, s_xc, s_ot, s_oc, rstd, NORM: tl.constexpr
+    x_ptr, out_ptr, t, offs, inter, s_xt, s_xc, s_ot, s_oc, rstd, NORM: tl.constexpr,
+    GELU: tl.constexpr,
 ):  # fmt: skip
     mask = offs < inter
     gate_ptrs = x_ptr + t * s_xt + offs * s_xc
@@ -468,8 +471,17 @@ def _silu_and_mul_block(
         up = (up.to(tl.float32) * rstd).to(up.dtype)
     gate = gate.to(tl.float32)
     up = up.to(tl.float32)
-    out = gate / (1.0 + tl.exp(-gate)) * up
+    arg = gate
+    if GELU:  # 0.5 x (1 + tanh(y)) = x / (1 + e^(-2y)), y = sqrt(2 / pi) (x + 0.044715 x^3)
+        arg = 1.5957691216057308 * (gate + 0.044715 * gate * gate * gate)
+    out = gate / (1.0 + tl.exp(-arg)) * up
     tl.store(out_ptr + t * s_ot + offs * s_oc, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``gelu(x[:, :I], approximate="tanh") * x[:, I:]`` (Gemma's GeGLU), as ``silu_and_mul``
+    computes SiLU's (in float32, one rounding)."""
+    return silu_and_mul(x, out, gelu=True)
 
 
 def silu_and_mul(
@@ -478,6 +490,7 @@ def silu_and_mul(
     *,
     norm_of: torch.Tensor | None = None,
     eps: float = 0.0,
+    gelu: bool = False,
 ) -> torch.Tensor:
     """``silu(x[:, :I]) * x[:, I:]`` for ``x`` ``[num_tokens, 2 * I]`` (any strides), computed in
     float32 and stored in ``x.dtype``, into ``out`` ``[num_tokens, I]`` when given.
@@ -520,10 +533,16 @@ def silu_and_mul(
         NORM=norm_of is not None,
         BLOCK_HID=next_pow2(norm_of.shape[1]) if norm_of is not None else 1,
         ROW_LOOP=row_loop,
+        GELU=gelu,
         num_warps=_num_warps(block),
         **pdl,
     )
     return out
+
+
+def ref_gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return torch.nn.functional.gelu(gate, approximate="tanh") * up
 
 
 def ref_silu_and_mul(
