@@ -61,6 +61,11 @@ def test_the_language_model_of_gemma3_vision_language(
         assert not any("vision" in name for name, _ in runner.model.named_parameters())
     finally:
         llm.shutdown()
+    # vLLM's hf_overrides replace a key of the text_config inside it, keeping the others
+    from baton_engine.config import ModelConfig
+
+    overridden = ModelConfig.from_path(tmp_path, {"text_config": {"sliding_window": 8}})
+    assert overridden.sliding_window == 8 and overridden.num_layers == 2
 
 
 def test_a_gemma3_text_config_takes_transformers_defaults() -> None:

@@ -304,10 +304,16 @@ class ModelConfig:
     @classmethod
     def from_path(cls, model_dir: Path, overrides: dict[str, Any] | None = None) -> ModelConfig:
         """The model folder's config, with ``overrides`` (vLLM's ``hf_overrides``) replacing
-        its top-level keys."""
+        its top-level keys; as in vLLM, those of a sub-config (a vision-language checkpoint's
+        ``text_config``) are replaced inside it."""
         path = model_dir / "config.json"
         try:
-            return cls.from_hf_dict(json.loads(path.read_text()) | (overrides or {}))
+            cfg = json.loads(path.read_text())
+            for key, value in (overrides or {}).items():
+                if key.endswith("_config") and isinstance(value, dict):
+                    value = dict(cfg.get(key) or {}) | value
+                cfg[key] = value
+            return cls.from_hf_dict(cfg)
         except FileNotFoundError:
             raise ModelLoadError(f"{model_dir} has no config.json") from None
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
