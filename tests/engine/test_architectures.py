@@ -15,21 +15,27 @@ from tiny_models import ARCHITECTURES, build_gemma3_vision_language, build_model
 from baton import LLM, SamplingParams
 
 
+def hf_greedy(model: torch.nn.Module, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """transformers' greedy tokens (``n`` of them, past any eos) of each prompt."""
+    want = []
+    with torch.inference_mode():
+        for p in prompts:
+            ids = torch.tensor([p])
+            out = model.generate(  # type: ignore[operator]
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                eos_token_id=None, pad_token_id=0,
+            )  # fmt: skip
+            want.append(out[0, len(p) :].tolist())
+    return want
+
+
 @pytest.mark.parametrize("name", sorted(ARCHITECTURES))
 def test_architecture_matches_transformers(
     name: str, default_model_dir: Path, tmp_path: Path
 ) -> None:
     model = build_model(name, default_model_dir, tmp_path)
     prompts = [[10 + i for i in range(n)] for n in (5, 23, 40)]
-    want = []
-    with torch.inference_mode():
-        for p in prompts:
-            ids = torch.tensor([p])
-            out = model.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
-                eos_token_id=None, pad_token_id=0,
-            )  # fmt: skip
-            want.append(out[0, len(p) :].tolist())
+    want = hf_greedy(model, prompts, 12)
     llm = LLM(str(tmp_path), dtype="float32", max_model_len=256, kv_cache_memory=16 << 20)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     got = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -43,15 +49,7 @@ def test_the_language_model_of_gemma3_vision_language(
     prompts as transformers' whole model generates them; the vision tower is not loaded."""
     model = build_gemma3_vision_language(default_model_dir, tmp_path)
     prompts = [[10 + i for i in range(n)] for n in (5, 40)]
-    want = []
-    with torch.inference_mode():
-        for p in prompts:
-            ids = torch.tensor([p])
-            out = model.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
-                eos_token_id=None, pad_token_id=0,
-            )  # fmt: skip
-            want.append(out[0, len(p) :].tolist())
+    want = hf_greedy(model, prompts, 12)
     llm = LLM(str(tmp_path), dtype="float32", max_model_len=256, kv_cache_memory=16 << 20)
     try:
         params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)

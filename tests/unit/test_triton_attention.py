@@ -639,40 +639,9 @@ def test_decode_attention_rotates_and_writes_the_new_token_itself(
     unrotated; a padding row (slot -1) writes nothing. Lengths put the new token alone (no
     cached key), in the first, a middle and the last slice, and alone in its slice (257 keys:
     with 4 splits of one 128-key tile, the third slice)."""
-    from baton_engine.models.rotary import RotaryEmbedding
-    from baton_kernels.triton.decode_attention import DecodeRope
-    from baton_kernels.triton.fused_ops import rotary_embedding_and_write_kv_
-
     num_heads, num_kv_heads = GQA[head_dim == 128]
     specs = [(3, 1), (64, 1), (200, 1), (514, 1), (0, 1), (256, 1)]
-    md, batch = make_step(specs, 16, num_kv_heads, head_dim, dtype)
-    slot_block = md.slot_block.clone()
-    slot_block[1] = -1  # a padding row: its slot keeps what it held
-    slots = (md.slot_block, slice(None), md.slot_offset)
-    batch.cache.kv[slots] = torch.randn(batch.cache.kv[slots].shape, device=DEVICE).to(dtype)
-    n = len(specs)
-    query = random_heads(n, num_heads, head_dim, dtype)
-    key = random_heads(n, num_kv_heads, head_dim, dtype)
-    value = random_heads(n, num_kv_heads, head_dim, dtype)
-    positions = torch.tensor([c for c, _ in specs], device=DEVICE)
-    cos_sin = RotaryEmbedding(head_dim, 1024, 10000.0, None).to(DEVICE).cos_sin
-    lens = torch.tensor(md.seq_lens, device=DEVICE)
-    want_pool = batch.pool.clone()
-    want_cache = KVCacheView(want_pool[:, 1])
-    want_q, want_k = query.clone(), key.clone()
-    rotary_embedding_and_write_kv_(
-        want_q, want_k, value, positions, cos_sin, want_cache.kv, slot_block, md.slot_offset
-    )
-    want = torch.full(query.shape, POISON, dtype=dtype, device=DEVICE)
-    decode_attention(want_q, want_cache, want, lens, md.block_tables, 0.1, num_splits)
-    unrotated = query.clone(), key.clone()
-    out = torch.full(query.shape, POISON, dtype=dtype, device=DEVICE)
-    rope = DecodeRope(positions, cos_sin, key, value, slot_block, md.slot_offset)
-    decode_attention(query, batch.cache, out, lens, md.block_tables, 0.1, num_splits, rope=rope)
-    # (compiled, the two kernels' rotations may round differently: contracted multiply-adds)
-    assert_close(batch.pool, want_pool, dtype)
-    assert_close(out, want, dtype)
-    assert torch.equal(query, unrotated[0]) and torch.equal(key, unrotated[1])
+    check_decode_rope(specs, num_heads, num_kv_heads, head_dim, dtype, num_splits)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -686,15 +655,30 @@ def test_decode_rope_under_a_window_writes_the_new_token_before_reading_it(
     (with 1,000 keys the unwindowed split would fill 4). Out equals the reference over the
     cache the rotary kernel writes; requests shorter than the window, as long, and longer
     (515 keys: the window starts mid-block); a padding row writes nothing."""
+    specs = [(3, 1), (149, 1), (149, 1), (514, 1), (0, 1), (999, 1)]
+    check_decode_rope(specs, 8, 2, 128, dtype, num_splits, window=150, softcap=softcap)
+
+
+def check_decode_rope(
+    specs: list[tuple[int, int]],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    num_splits: int,
+    window: int = 0,
+    softcap: float = 0.0,
+) -> None:
+    """``decode_attention`` with ``rope`` against the rotary kernel's write followed by the
+    reference's attention (row 1 a padding row: slot -1, its slot keeps what it held); ``query``
+    and ``key`` are left unrotated."""
     from baton_engine.models.rotary import RotaryEmbedding
     from baton_kernels.triton.decode_attention import DecodeRope
     from baton_kernels.triton.fused_ops import rotary_embedding_and_write_kv_
 
-    num_heads, num_kv_heads, head_dim, window = 8, 2, 128, 150
-    specs = [(3, 1), (149, 1), (149, 1), (514, 1), (0, 1), (999, 1)]
     md, batch = make_step(specs, 16, num_kv_heads, head_dim, dtype)
     slot_block = md.slot_block.clone()
-    slot_block[1] = -1  # a padding row: its slot keeps what it held
+    slot_block[1] = -1
     slots = (md.slot_block, slice(None), md.slot_offset)
     batch.cache.kv[slots] = torch.randn(batch.cache.kv[slots].shape, device=DEVICE).to(dtype)
     n = len(specs)
@@ -712,13 +696,16 @@ def test_decode_rope_under_a_window_writes_the_new_token_before_reading_it(
     want = ref_decode_attention(
         want_q, want_cache, md.seq_lens, md.block_tables, 0.1, window, softcap
     )
+    unrotated = query.clone(), key.clone()
     out = torch.full(query.shape, POISON, dtype=dtype, device=DEVICE)
     rope = DecodeRope(positions, cos_sin, key, value, slot_block, md.slot_offset)
     lens = torch.tensor(md.seq_lens, device=DEVICE)
     decode_attention(query, batch.cache, out, lens, md.block_tables, 0.1, num_splits,
                      window=window, softcap=softcap, rope=rope)  # fmt: skip
+    # (compiled, the two kernels' rotations may round differently: contracted multiply-adds)
     assert_close(batch.pool, want_pool, dtype)
     assert_close(out, want, dtype)
+    assert torch.equal(query, unrotated[0]) and torch.equal(key, unrotated[1])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
