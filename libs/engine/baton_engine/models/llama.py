@@ -15,6 +15,7 @@ kernels.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, cast
@@ -697,7 +698,7 @@ class LlamaForCausalLM(nn.Module):
         hidden: torch.Tensor = self.embed_tokens(input_ids)
         multiplier = self.config.embedding_multiplier
         if self.config.embedding_multiplier_in_dtype:
-            multiplier = torch.tensor(multiplier, dtype=hidden.dtype).item()
+            multiplier = _rounded(multiplier, hidden.dtype)
         return hidden if multiplier == 1.0 else hidden * multiplier
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -814,6 +815,12 @@ class LlamaForCausalLM(nn.Module):
             return tensor
         size = tensor.shape[dim] // self.tp_size
         return tensor.narrow(dim, self.tp_rank * size, size)
+
+
+@functools.cache
+def _rounded(value: float, dtype: torch.dtype) -> float:
+    """``value`` rounded to ``dtype`` (once per pair, not in every forward pass)."""
+    return float(torch.tensor(value, dtype=dtype).item())
 
 
 def _shard_range(cfg: ModelConfig, param: torch.Tensor, name: str, shard: int) -> tuple[int, int]:
