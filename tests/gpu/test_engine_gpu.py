@@ -448,3 +448,27 @@ def test_multi_step_equals_single_step(tmp_path: Path) -> None:
     assert multi[0] == 0 and multi[1] > 0
     allowed = [t for i in range(12) if i % len(kinds) == 4 for t in results[0][f"m{i}"]]
     assert allowed and set(allowed) <= {5, 9, 13}
+
+
+def test_speculative_decoding_gives_the_greedy_tokens(tmp_path: Path) -> None:
+    """n-gram drafts on the GPU's defaults (Triton attention over a step's drafts, decode
+    graphs for the steps without any): the greedy tokens of a run without drafts, for prompts
+    that repeat themselves (drafts are proposed) with a seeded sampled request beside them."""
+    from baton_engine.sampling_params import SamplingParams
+
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    seeded = SamplingParams(temperature=0.9, seed=3, max_tokens=20, ignore_eos=True)
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
+    results, drafts = [], []
+    for config in (None, spec):
+        core = _core(tmp_path, max_model_len=512, max_num_seqs=16, speculative_config=config)
+        for i in range(10):
+            prompt = [(11 * i + j) % 4000 + 1 for j in range(6 + i)] * 4
+            core.add_request(f"s{i}", prompt, seeded if i == 9 else greedy)
+        results.append(_drain(core))
+        drafts.append(core.scheduler.num_draft_tokens)
+        del core
+        _release_memory()
+    assert results[1] == results[0]
+    assert drafts[0] == 0 and drafts[1] > 0

@@ -109,7 +109,33 @@ def test_a_length_that_does_not_read_is_refused(
         (["--distributed-executor-backend", "ray"], "Ray is not supported"),
         (["--tokenizer-mode", "mistral"], "'mistral' and 'custom' are not supported"),
         (["--max-logprobs", "50"], "at most 20 logprobs per token"),
-        (["--speculative-config", '{"method": "ngram"}'], "speculative decoding"),
+        (["--speculative-config", '{"method": "eagle", "model": "x"}'], "n-gram lookup only"),
+        (["--speculative-config", '{"method": "ngram"}'], "num_speculative_tokens must be"),
+        (
+            [
+                "--speculative-config",
+                '{"method": "ngram", "num_speculative_tokens": 2, '
+                '"prompt_lookup_min": 3, "prompt_lookup_max": 2}',
+            ],
+            "above",
+        ),
+        (
+            [
+                "--speculative-config",
+                '{"method": "ngram", "num_speculative_tokens": 2, '
+                '"acceptance_method": "typical_acceptance_sampler"}',
+            ],
+            "['acceptance_method'] are not supported",
+        ),
+        (
+            [
+                "--speculative-config",
+                '{"method": "ngram", "num_speculative_tokens": 2}',
+                "--num-scheduler-steps",
+                "4",
+            ],
+            "cannot be combined",
+        ),
         (["--cpu-offload-gb", "8"], "none are offloaded"),
         (["--enable-sleep-mode"], "sleep mode"),
         (["--kv-transfer-config", '{"kv_connector": "NixlConnector"}'], "disaggregates"),
@@ -131,6 +157,19 @@ def test_a_value_baton_cannot_serve_stops_serve_before_it_starts(
 ) -> None:
     assert baton_main(["serve", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_speculative_config_reaches_the_workers_engines() -> None:
+    """``baton serve --speculative-config JSON`` hands it to each worker's command line, whose
+    engine then speculates."""
+    from baton.serve import engine_argv
+    from baton_engine.config import EngineConfig, SpeculativeConfig
+
+    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}'
+    argv = engine_argv(parse("serve", "--speculative-config", spec))
+    assert argv == ["--speculative-config", spec]
+    worker = EngineConfig(**engine_kwargs_from_args(parse("decode", *argv)))
+    assert worker.speculative() == SpeculativeConfig(3, 4, 4)
 
 
 def test_vllms_api_key_variable(monkeypatch: pytest.MonkeyPatch) -> None:

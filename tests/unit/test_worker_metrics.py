@@ -61,6 +61,19 @@ def test_metrics_under_either_prefix(prefix: str) -> None:
     assert all((got.get(k) == v) == (prefix == "vllm") for k, v in old.items())
 
 
+def test_speculative_decodings_counters_as_vllms() -> None:
+    metrics = WorkerMetrics("m", metric_names="vllm")
+    metrics.record_stats(EngineStats(1, 0, 0.1, 0, 0, 0, 5, 9, 3, 9, 4, (3, 1, 0)))
+    metrics.record_stats(EngineStats(1, 0, 0.1, 0, 0, 0, 5, 20, 5, 15, 7, (5, 2, 0)))
+    got = samples(metrics)
+    m = (("model_name", "m"),)
+    assert got[("vllm:spec_decode_num_drafts_total", m)] == 5
+    assert got[("vllm:spec_decode_num_draft_tokens_total", m)] == 15
+    assert got[("vllm:spec_decode_num_accepted_tokens_total", m)] == 7
+    per_pos = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+    assert [got.get((per_pos, (*m, ("position", str(i))))) for i in range(3)] == [5, 2, None]
+
+
 def test_inter_token_latency_under_both_of_vllms_names() -> None:
     metrics = WorkerMetrics("m", metric_names="vllm")
     metrics.record_inter_token(0.03)

@@ -61,6 +61,10 @@ _HELP = {
     "max_cpu_loras": "LoRA adapters kept read in host memory (default: max_loras)",
     "max_logprobs": "the most logprobs (and prompt logprobs) per token a request may ask for "
     "(-1: Baton's most, 20)",
+    "speculative_config": "n-gram speculative decoding (prompt lookup), as vLLM's JSON: "
+    '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
+    '"prompt_lookup_min": 2}\' (optional: "disable_by_batch_size": N); greedy requests get '
+    "exactly their tokens, sampled ones their distribution",
     "lora_modules": "LoRA adapters served by name: name=path or vLLM's JSON "
     '\'{"name": ..., "path": ..., "base_model_name": ...}\' (needs --enable-lora)',
 }
@@ -91,6 +95,7 @@ def human_readable_int(value: str) -> int:
 _TYPES: dict[str, Any] = {  # (None defaults: ints)
     "pooler_config": str,
     "hf_overrides": str,
+    "speculative_config": str,
     "tokenizer": str,
     "max_model_len": human_readable_int,  # (vLLM's: 32k, 32K)
     "max_num_batched_tokens": human_readable_int,

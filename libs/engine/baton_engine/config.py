@@ -490,6 +490,98 @@ def _labels(cfg: dict[str, Any]) -> tuple[str, ...]:
     return tuple(id2label.get(i, f"LABEL_{i}") for i in range(num_labels))
 
 
+# vLLM's --speculative-config methods that need a second model (or heads) Baton does not run
+_DRAFT_METHODS = ("draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "mtp",
+                  "deepseek_mtp", "ernie_mtp", "qwen3_next_mtp", "suffix")  # fmt: skip
+# Keys of vLLM's speculative config that Baton reads; others are refused, naming them.
+_SPECULATIVE_KEYS = (
+    "method",
+    "model",
+    "num_speculative_tokens",
+    "prompt_lookup_min",
+    "prompt_lookup_max",
+    "disable_by_batch_size",
+)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """n-gram speculative decoding (vLLM's ``--speculative-config '{"method": "ngram", ...}'``,
+    also called prompt lookup): each step, a decoding request whose last ``n`` tokens
+    (``prompt_lookup_min`` <= n <= ``prompt_lookup_max``, the longest that matches) occurred
+    before in its prompt or output proposes the up to ``num_speculative_tokens`` tokens that
+    followed them, and one forward pass checks them all: the tokens the model agrees with are
+    kept, and one more is sampled after them. Greedy requests get exactly their tokens without
+    speculation; sampled ones are drawn from exactly their distribution (rejection sampling).
+    No draft is proposed while ``disable_by_batch_size`` or more requests run."""
+
+    num_speculative_tokens: int
+    prompt_lookup_min: int
+    prompt_lookup_max: int
+    disable_by_batch_size: int | None = None
+    method: str = "ngram"
+
+    @classmethod
+    def parse(cls, value: str | dict[str, Any] | None) -> SpeculativeConfig | None:
+        """vLLM's JSON object (or a dict offline); None stays None. ``InvalidRequestError``
+        for a method Baton does not run, an unknown key or a bad value."""
+        if value is None or (isinstance(value, str) and not value.strip()):
+            return None
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise InvalidRequestError(f"speculative_config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise InvalidRequestError(f"speculative_config must be a JSON object, got {value!r}")
+        unknown = sorted(set(value) - set(_SPECULATIVE_KEYS))
+        if unknown:
+            raise InvalidRequestError(
+                f"speculative_config keys {unknown} are not supported (Baton reads "
+                f"{', '.join(_SPECULATIVE_KEYS)})"
+            )
+        method, model = value.get("method"), value.get("model")
+        if method is None and model in ("ngram", "[ngram]"):
+            method = "ngram"  # vLLM's older form: {"model": "[ngram]"}
+        if method in ("ngram", "[ngram]") and model not in (None, "ngram", "[ngram]"):
+            raise InvalidRequestError("speculative_config: method 'ngram' takes no model")
+        if method != "ngram" and method != "[ngram]":
+            what = (
+                "a draft model" if method in _DRAFT_METHODS or model is not None
+                else "no method" if method is None else f"method {method!r}"
+            )  # fmt: skip
+            raise InvalidRequestError(
+                f"speculative_config: {what} is not supported; Baton speculates by n-gram "
+                'lookup only: {"method": "ngram", "num_speculative_tokens": K}'
+            )
+        k = value.get("num_speculative_tokens")
+        lo, hi = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
+        if lo is None and hi is None:
+            lo = hi = 5  # vLLM's defaults
+        elif lo is None:
+            lo = hi
+        elif hi is None:
+            hi = lo
+        by_batch = value.get("disable_by_batch_size")
+        for name, number in (
+            ("num_speculative_tokens", k),
+            ("prompt_lookup_min", lo),
+            ("prompt_lookup_max", hi),
+            ("disable_by_batch_size", by_batch if by_batch is not None else 1),
+        ):
+            if isinstance(number, bool) or not isinstance(number, int) or number < 1:
+                raise InvalidRequestError(
+                    f"speculative_config: {name} must be a whole number of at least 1, "
+                    f"got {number!r}"
+                )
+        assert isinstance(lo, int) and isinstance(hi, int) and isinstance(k, int)
+        if lo > hi:
+            raise InvalidRequestError(
+                f"speculative_config: prompt_lookup_min ({lo}) is above prompt_lookup_max ({hi})"
+            )
+        return cls(k, lo, hi, by_batch)
+
+
 def large_gpu(total_memory: int, name: str) -> bool:
     """A GPU of at least 70 GiB that is not an A100: vLLM's test for its larger defaults (an
     A100 lost throughput with them, vLLM PR #17885)."""
@@ -573,11 +665,19 @@ class EngineConfig:
     # The most logprobs (and prompt logprobs) per token a request may ask for (vLLM's; -1: as
     # many as Baton returns, MAX_LOGPROBS)
     max_logprobs: int = MAX_LOGPROBS
+    # vLLM's --speculative-config (a JSON object, or a dict offline): n-gram speculative
+    # decoding (SpeculativeConfig); None: off
+    speculative_config: str | dict[str, Any] | None = None
 
     def resolved_async_scheduling(self) -> bool:
+        """As asked; by default on for GPUs, off for CPUs, and off with speculative decoding
+        (whose drafts come from the tokens of the step before)."""
         if self.async_scheduling is not None:
             return self.async_scheduling
-        return self.device.startswith("cuda")
+        return self.device.startswith("cuda") and self.speculative_config is None
+
+    def speculative(self) -> SpeculativeConfig | None:
+        return SpeculativeConfig.parse(self.speculative_config)
 
     def resolved_max_num_batched_tokens(self) -> int:
         if self.max_num_batched_tokens is not None:
@@ -678,6 +778,17 @@ class EngineConfig:
 
             PoolerConfig.resolve(self.pooler_config, None)  # (its errors, before the model)
         self.hf_overrides_dict()  # (its errors, before the model)
+        if self.speculative() is not None:
+            if self.async_scheduling:
+                raise InvalidRequestError(
+                    "speculative decoding needs async scheduling off (drafts come from the "
+                    "previous step's tokens): leave --async-scheduling unset"
+                )
+            if self.num_scheduler_steps > 1:
+                raise InvalidRequestError(
+                    "speculative decoding and multi-step scheduling (num_scheduler_steps > 1) "
+                    "cannot be combined"
+                )
         if self.load_format not in ("auto", "dummy"):
             raise InvalidRequestError(
                 f"load_format must be 'auto' or 'dummy', got {self.load_format!r}"

@@ -108,6 +108,10 @@ class Request:
     # engine, after the step: the tokens past one would have been reported with it), and no
     # grammar.
     multi_step: bool = field(init=False, repr=False)
+    # Speculative decoding may schedule drafts after its last token, several tokens coming out
+    # of one step: as ``multi_step``, and unseeded unless greedy (a seeded request draws one
+    # number a token, which drafts would change).
+    speculative: bool = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         sp = self.sampling_params
@@ -129,6 +133,7 @@ class Request:
             and sp.repetition_penalty == 1.0
             and not sp.bad_words_token_ids
         )
+        self.speculative = self.multi_step and (sp.seed is None or sp.is_greedy)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -46,6 +46,7 @@ __all__ = [
     "apply_penalties",
     "apply_top_k_top_p",
     "compute_logprobs",
+    "draw",
     "suppress_tokens",
 ]
 
@@ -475,7 +476,7 @@ def skip_draws(
         scratch.exponential_(generator=generator)
 
 
-def _draw(probs: torch.Tensor, generators: Mapping[int, torch.Generator]) -> torch.Tensor:
+def draw(probs: torch.Tensor, generators: Mapping[int, torch.Generator]) -> torch.Tensor:
     """One token per row from ``probs`` (rows need not sum to 1)."""
     if probs.device.type == "cpu":
         return _inverse_cdf(probs, generators)
@@ -556,31 +557,60 @@ class Sampler:
                 logprobs = compute_logprobs(raw_logprobs, sampled, num_logprobs)
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
 
+    def distribution(
+        self, logits: torch.Tensor, metadata: SamplingMetadata
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """What one token per row would be drawn from, without drawing it (speculative
+        decoding checks drafts against it): each row's argmax (None when no row is greedy
+        and top-k is unused), and the probabilities of the rows (``[B, V]`` float32,
+        temperature, top-k, top-p and min-p applied) with the mask of greedy rows, both None
+        when every row is greedy. Rows must need no token
+        history (no penalties, bad words or grammar: ``SamplingMetadata`` built with none)."""
+        with torch.no_grad():
+            scratch = logits.to(torch.float32, copy=True)
+            suppress_tokens(scratch, metadata.suppressed_token_ids)
+            allow_only(scratch, metadata.allowed_token_ids)
+            add_logit_bias(scratch, metadata.logit_bias)
+            if metadata.all_greedy:
+                return fused.argmax(scratch), None, None
+            greedy, greedy_rows, probs = _distribution(scratch, metadata)
+            return greedy, probs, greedy_rows
+
     @staticmethod
     def _sample(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         """Greedy and random sampling of processed float32 ``logits`` (modified in place)."""
         if metadata.all_greedy:
             return fused.argmax(logits)
-        device = logits.device
-        temperature = metadata.temperature.to(device=device, dtype=torch.float32)
-        top_k = None if metadata.top_k is None else metadata.top_k.to(device)
-        top_p = None if metadata.top_p is None else metadata.top_p.to(device)
-        min_p = None if metadata.min_p is None else metadata.min_p.to(device)
-
-        greedy_rows = temperature < _SAMPLING_EPS
-        if top_k is not None:
-            # top_k 1 is greedy by definition; taking argmax avoids sampling among exact ties.
-            greedy_rows |= top_k == 1
-        greedy = None
-        if not metadata.all_random or top_k is not None:
-            greedy = fused.argmax(logits)  # before temperature/truncation rewrite ``logits``
-
-        # Greedy rows divide by 1: their temperature is 0 and their result comes from argmax.
-        logits.div_(torch.where(greedy_rows, 1.0, temperature).unsqueeze(1))
-        logits = apply_top_k_top_p(logits, top_k, top_p)
-        if min_p is not None:
-            logits = apply_min_p(logits, min_p)
-        sampled = _draw(logits.softmax(dim=1), metadata.generators)
+        greedy, greedy_rows, probs = _distribution(logits, metadata)
+        sampled = draw(probs, metadata.generators)
         if greedy is None:
             return sampled
         return torch.where(greedy_rows, greedy, sampled)
+
+
+def _distribution(
+    logits: torch.Tensor, metadata: SamplingMetadata
+) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """Of processed float32 ``logits`` (modified in place), not all rows greedy: the argmax of
+    each row (None when no row is greedy and top-k is unused), the mask of greedy rows, and
+    each row's probabilities after temperature, top-k, top-p and min-p."""
+    device = logits.device
+    temperature = metadata.temperature.to(device=device, dtype=torch.float32)
+    top_k = None if metadata.top_k is None else metadata.top_k.to(device)
+    top_p = None if metadata.top_p is None else metadata.top_p.to(device)
+    min_p = None if metadata.min_p is None else metadata.min_p.to(device)
+
+    greedy_rows = temperature < _SAMPLING_EPS
+    if top_k is not None:
+        # top_k 1 is greedy by definition; taking argmax avoids sampling among exact ties.
+        greedy_rows |= top_k == 1
+    greedy = None
+    if not metadata.all_random or top_k is not None:
+        greedy = fused.argmax(logits)  # before temperature/truncation rewrite ``logits``
+
+    # Greedy rows divide by 1: their temperature is 0 and their result comes from argmax.
+    logits.div_(torch.where(greedy_rows, 1.0, temperature).unsqueeze(1))
+    logits = apply_top_k_top_p(logits, top_k, top_p)
+    if min_p is not None:
+        logits = apply_min_p(logits, min_p)
+    return greedy, greedy_rows, logits.softmax(dim=1)

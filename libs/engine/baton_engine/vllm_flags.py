@@ -176,7 +176,6 @@ ENGINE_FLAGS: tuple[VllmFlag, ...] = (
         float,
         _one_of(0, 0.0),
     ),
-    VllmFlag("speculative_config", "speculative decoding is not supported", accepts=_one_of(None)),
     VllmFlag("enable_sleep_mode", "sleep mode is not supported", False, bool, _one_of(False)),
     VllmFlag(
         "kv_transfer_config",
@@ -259,7 +258,13 @@ ENGINE_FLAGS: tuple[VllmFlag, ...] = (
         "logits_processors", "custom logits processors are not supported", accepts=_one_of(None)
     ),
     VllmFlag("logits_processor_pattern", "custom logits processors are not supported"),
-    VllmFlag("num_lookahead_slots", "speculative decoding is not supported", 0, int, _one_of(0)),
+    VllmFlag(
+        "num_lookahead_slots",
+        "speculative decoding sizes its slots from --speculative-config",
+        0,
+        int,
+        _one_of(0),
+    ),
     VllmFlag(
         "rope_scaling",
         "vLLM's older flag: give --hf-overrides '{\"rope_scaling\": ...}'",

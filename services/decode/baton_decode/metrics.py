@@ -100,6 +100,22 @@ class WorkerMetrics:
         self.num_preemptions = counter("num_preemptions", "Preemptions (recompute)").labels(m)
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens received").labels(m)
         self.generation_tokens = counter("generation_tokens", "Tokens generated").labels(m)
+        # speculative decoding (--speculative-config), as vLLM's spec_decode_* series
+        self.spec_decode_num_drafts = counter(
+            "spec_decode_num_drafts", "Steps of a request with drafts"
+        ).labels(m)
+        self.spec_decode_num_draft_tokens = counter(
+            "spec_decode_num_draft_tokens", "Draft tokens proposed"
+        ).labels(m)
+        self.spec_decode_num_accepted_tokens = counter(
+            "spec_decode_num_accepted_tokens", "Draft tokens accepted"
+        ).labels(m)
+        self.spec_decode_num_accepted_tokens_per_pos = Counter(
+            f"{prefix}:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by their position among a step's drafts",
+            ["model_name", "position"],
+            registry=self.registry,
+        )
         self.request_success = Counter(
             f"{prefix}:request_success",
             "Finished requests by finish reason",
@@ -225,9 +241,23 @@ class WorkerMetrics:
             (self.num_preemptions, stats.num_preemptions, last.num_preemptions),
             (self.prompt_tokens, stats.num_prompt_tokens, last.num_prompt_tokens),
             (self.generation_tokens, stats.num_generated_tokens, last.num_generated_tokens),
+            (self.spec_decode_num_drafts, stats.num_spec_drafts, last.num_spec_drafts),
+            (self.spec_decode_num_draft_tokens, stats.num_draft_tokens, last.num_draft_tokens),
+            (
+                self.spec_decode_num_accepted_tokens,
+                stats.num_accepted_tokens,
+                last.num_accepted_tokens,
+            ),
         ):
             if now > before:
                 counter.inc(now - before)
+        before_pos = last.num_accepted_per_pos
+        for pos, now in enumerate(stats.num_accepted_per_pos):
+            before = before_pos[pos] if pos < len(before_pos) else 0
+            if now > before:
+                self.spec_decode_num_accepted_tokens_per_pos.labels(self.model_name, str(pos)).inc(
+                    now - before
+                )
         self._last = stats
 
     @property

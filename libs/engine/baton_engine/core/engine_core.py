@@ -72,6 +72,12 @@ class EngineStats:
     num_preemptions: int
     num_prompt_tokens: int  # prompt tokens received (prefix hits included)
     num_generated_tokens: int
+    # speculative decoding (vLLM's spec_decode metrics): steps of a request with drafts, its
+    # drafts, those accepted, and those accepted at each draft position
+    num_spec_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_per_pos: tuple[int, ...] = ()
 
 
 def resolve_dtype(config: EngineConfig, model_config: ModelConfig) -> torch.dtype:
@@ -341,6 +347,7 @@ class EngineCore:
             scheduling_policy=config.scheduling_policy,
             max_loras=config.max_loras if config.enable_lora else None,
             pool_every_token=self.runner.pooler.every_token,
+            speculative=config.speculative(),
         )
         # Adapters served by name (--lora-modules), read now: a bad one fails the start.
         self.lora_modules = lora_requests(config.lora_modules)
@@ -898,7 +905,7 @@ class EngineCore:
         self._in_flight = None
         embeddings = self.scheduler.num_embeddings  # (their outputs carry no token)
         outputs = self.scheduler.update_from_output(so, handle.result())
-        if so.num_steps == 1 and not embeddings:
+        if so.num_steps == 1 and not embeddings and not so.spec_token_ids:
             self.num_generated_tokens += len(outputs)  # one new token each
         else:
             self.num_generated_tokens += sum(len(o.new_token_ids) for o in outputs)
@@ -914,6 +921,10 @@ class EngineCore:
             num_preemptions=self.scheduler.num_preemptions,
             num_prompt_tokens=self.num_prompt_tokens,
             num_generated_tokens=self.num_generated_tokens,
+            num_spec_drafts=self.scheduler.num_spec_drafts,
+            num_draft_tokens=self.scheduler.num_draft_tokens,
+            num_accepted_tokens=self.scheduler.num_accepted_tokens,
+            num_accepted_per_pos=tuple(self.scheduler.num_accepted_per_pos),
         )
 
     def check_invariants(self, full: bool | None = True) -> None:

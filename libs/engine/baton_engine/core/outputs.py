@@ -49,6 +49,9 @@ class SchedulerOutput:
     # token each per pass, ``num_scheduled_tokens`` counts one pass), each pass's input the
     # token the one before sampled (see ``Scheduler.schedule``).
     num_steps: int = 1
+    # Speculative decoding: req_id -> the draft tokens scheduled after its last token (its
+    # ``num_scheduled_tokens`` counts them); the runner checks them (spec_decode)
+    spec_token_ids: Mapping[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -83,6 +86,9 @@ class ModelRunnerOutput:
     step_token_ids: Mapping[str, list[int]] = field(default_factory=dict)
     # Embedding requests whose prompt ended this step: req_id -> the pooled hidden state
     pooled: Mapping[str, list[float]] = field(default_factory=dict)
+    # Requests that had drafts (SchedulerOutput.spec_token_ids), instead of
+    # ``sampled_token_ids``: req_id -> the drafts it kept, then the token sampled after them
+    spec_token_ids: Mapping[str, list[int]] = field(default_factory=dict)
 
 
 class EngineCoreOutput(NamedTuple):

@@ -30,6 +30,15 @@ many forward passes of the same requests, each pass's input the token the pass b
 (on the device). Blocks for every pass are allocated up front and each request counts one
 pending token a pass; a request that stops on a token of an early pass drops the later ones.
 
+Speculative decoding (``speculative``, n-gram drafts): a request about to decode one token
+(its last known one) whose sampling reads none of its tokens (``Request.speculative``, past its
+``min_tokens``) takes the drafts ``NgramProposer`` finds for it, up to what fits the budget and
+its ``max_tokens``; they count as known tokens of this step (``SchedulerOutput.spec_token_ids``)
+and the step samples once for it. ``update_from_output`` gets the drafts it kept and one more
+token, and moves its computed tokens back to the kept drafts. Blocks are indexed from known
+tokens only, so a block that held a rejected draft is indexed once its tokens are real and
+recomputed.
+
 Disaggregation adds one detour. A waiting request whose prompt KV lives on a prefill worker
 (``remote_kv``) is admitted without compute: it matches the local prefix cache, gets blocks for
 the rest of its prompt (left out of the prefix index until filled) and waits in ``loading``
@@ -47,7 +56,7 @@ from collections import deque
 from collections.abc import Iterable
 from operator import attrgetter
 
-from baton_engine.config import SCHEDULING_POLICIES
+from baton_engine.config import SCHEDULING_POLICIES, SpeculativeConfig
 from baton_engine.core.outputs import (
     CachedRequestData,
     EngineCoreOutput,
@@ -60,6 +69,7 @@ from baton_engine.core.outputs import (
 from baton_engine.errors import InvalidRequestError
 from baton_engine.kv_cache import KVCacheManager, PrefixMatch
 from baton_engine.request import Request, RequestStatus
+from baton_engine.spec_decode import NgramProposer
 
 # Built per request per step: a NamedTuple's own constructor is a Python function, a third of
 # the cost; tuple.__new__ fills every field (in declaration order) in one C call.
@@ -88,11 +98,13 @@ class Scheduler:
         scheduling_policy: str = "fcfs",
         max_loras: int | None = None,
         pool_every_token: bool = False,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         """``max_loras``: the most LoRA adapters the running requests may use at once (a
         waiting request with another adapter is passed over until one is free), None: any.
         ``pool_every_token``: embeddings read every prompt token's hidden state (MEAN or CLS
-        pooling), so embedding requests take no prefix-cache hits."""
+        pooling), so embedding requests take no prefix-cache hits. ``speculative``: n-gram
+        drafts for decoding requests (see the module docstring)."""
         self.pool_every_token = pool_every_token
         if scheduling_policy not in SCHEDULING_POLICIES:
             raise InvalidRequestError(
@@ -107,6 +119,22 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.long_prefill_token_threshold = long_prefill_token_threshold
         self.max_loras = max_loras
+        self.speculative = speculative
+        self.proposer = (
+            NgramProposer(
+                speculative.prompt_lookup_min,
+                speculative.prompt_lookup_max,
+                speculative.num_speculative_tokens,
+            )
+            if speculative is not None
+            else None
+        )
+        # speculative decoding: steps of a request with drafts, drafts scheduled, drafts
+        # accepted, and accepted at each draft position (vLLM's spec_decode metrics)
+        self.num_spec_drafts = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.num_accepted_per_pos = [0] * (speculative.num_speculative_tokens if speculative else 0)
         self.requests: dict[str, Request] = {}  # req_id -> every unfinished request
         # fcfs: arrival order, preempted requests at the front; priority: _waiting_rank order
         self.waiting: deque[Request] = deque()
@@ -160,6 +188,8 @@ class Scheduler:
 
     def _forget(self, request: Request) -> None:
         del self.requests[request.req_id]
+        if self.proposer is not None:
+            self.proposer.forget(request.req_id)
         self.num_grammars -= request.grammar is not None
         self.num_embeddings -= request.pooling is not None
         name = request.lora_name
@@ -264,6 +294,11 @@ class Scheduler:
         cached_reqs: list[CachedRequestData] = []
         preempted: set[str] = set()
         scheduled: list[Request] = []
+        spec: dict[str, list[int]] = {}
+        speculate = self.speculative is not None and (
+            self.speculative.disable_by_batch_size is None
+            or len(self.running) < self.speculative.disable_by_batch_size
+        )
 
         # This loop runs for every running request every step: _num_new_tokens is inlined, and
         # allocate_slots is skipped while the request's blocks have room (kv_limit). Preemption
@@ -289,6 +324,11 @@ class Scheduler:
                 and (request.prefill_only or num_output + num_pending >= request.max_tokens)
             ):
                 continue
+            drafts = None
+            if speculate and num_new == 1 and not num_pending and request.speculative:
+                drafts = self._drafts(request, budget - 1)
+                num_new += len(drafts)
+                num_known += len(drafts)
             if computed + num_new <= request.kv_limit:
                 new_block_ids: list[int] = []
             else:
@@ -306,6 +346,8 @@ class Scheduler:
             cached_reqs.append(
                 _tuple_new(CachedRequestData, (request.req_id, new_block_ids, computed))
             )
+            if drafts:
+                spec[request.req_id] = drafts
             num_scheduled[request.req_id] = num_new
             budget -= num_new
             # Preemption takes the tail, which this loop has not reached: the requests it has
@@ -375,8 +417,21 @@ class Scheduler:
 
         return self._output(
             scheduled, new_reqs, cached_reqs, num_scheduled, self.max_num_batched_tokens - budget,
-            preempted,
+            preempted, spec_token_ids=spec,
         )  # fmt: skip
+
+    def _drafts(self, request: Request, room: int) -> list[int]:
+        """The drafts a decoding request takes this step (``room``: the budget left after its
+        token): none below its ``min_tokens`` (its end tokens are suppressed there), and no
+        more than would run past its ``max_tokens`` or the prefill chunk size."""
+        assert self.proposer is not None
+        num_output = len(request.output_token_ids)
+        if num_output < request.sampling_params.min_tokens:
+            return []
+        room = min(room, request.max_tokens - num_output - 1)
+        if self.long_prefill_token_threshold > 0:
+            room = min(room, self.long_prefill_token_threshold - 1)
+        return self.proposer.propose(request, room)
 
     def running_loras(self) -> set[str]:
         """The adapters of the running requests and of those loading remote KV."""
@@ -393,6 +448,7 @@ class Scheduler:
         num_tokens: int,
         preempted: set[str],
         num_steps: int = 1,
+        spec_token_ids: dict[str, list[int]] | None = None,
     ) -> SchedulerOutput:
         finished, self._finished_req_ids = self._finished_req_ids, set()
         self._step_id += 1
@@ -406,6 +462,7 @@ class Scheduler:
             finished_req_ids=frozenset(finished),
             preempted_req_ids=frozenset(preempted),
             num_steps=num_steps,
+            spec_token_ids=spec_token_ids or {},
         )
 
     # --- multi-step scheduling -----------------------------------------------------------------
@@ -532,8 +589,13 @@ class Scheduler:
         sampled = runner_output.sampled_token_ids
         prompt_logprobs = runner_output.prompt_logprobs
         logprobs_of = runner_output.logprobs
+        spec = runner_output.spec_token_ids
         any_finished = False
         for request in self._scheduled.pop(scheduler_output.step_id, ()):
+            if spec and request.req_id in spec:
+                drafts = scheduler_output.spec_token_ids[request.req_id]
+                any_finished |= self._update_spec(request, drafts, spec[request.req_id], outputs)
+                continue
             token_id = sampled.get(request.req_id)
             if token_id is not None:
                 request.num_pending_tokens -= 1
@@ -614,39 +676,72 @@ class Scheduler:
             request.num_pending_tokens -= num_steps
             if request.status is not _RUNNING and request.status.is_finished:
                 continue
-            out = request.output_token_ids
-            if len(out) + num_steps < request.stop_len and request.stop_ids.isdisjoint(tokens):
-                out += tokens  # the common case: none of them can stop it
-                outputs.append(_tuple_new(EngineCoreOutput, (request.req_id, tokens, None, None,
-                                                             None, request.num_cached_tokens,
-                                                             None, None, None)))  # fmt: skip
-                continue
-            status = None
-            for i, token_id in enumerate(tokens):
-                out.append(token_id)
-                status = request.check_stop()
-                if status is not None:
-                    tokens = tokens[: i + 1]
-                    break
-            if status is not None:
-                if request.status == RequestStatus.RUNNING:
-                    any_finished = True
-                else:  # preempted after this step was launched
-                    self.waiting.remove(request)
-                self._free(request, status)
-            outputs.append(
-                EngineCoreOutput(
-                    request.req_id,
-                    tokens,
-                    None,
-                    status.finish_reason if status is not None else None,
-                    request.stop_reason,
-                    request.num_cached_tokens,
-                )
-            )
+            output, finished = self._append_tokens(request, tokens)
+            outputs.append(output)
+            any_finished |= finished
         if any_finished:
             self.running = [r for r in self.running if not r.is_finished()]
         return outputs
+
+    def _update_spec(
+        self,
+        request: Request,
+        drafts: list[int],
+        tokens: list[int],
+        outputs: list[EngineCoreOutput],
+    ) -> bool:
+        """``update_from_output`` for a request that had ``drafts``: its computed tokens go
+        back to the drafts it kept (``tokens`` less the last), whose KV holds; the KV written
+        past them is overwritten by the steps that compute those positions again. Whether it
+        finished a running request."""
+        request.num_pending_tokens -= 1
+        if request.status is not _RUNNING and request.status.is_finished:
+            return False
+        num_accepted = len(tokens) - 1
+        self.num_spec_drafts += 1
+        self.num_draft_tokens += len(drafts)
+        self.num_accepted_tokens += num_accepted
+        for i in range(num_accepted):
+            self.num_accepted_per_pos[i] += 1
+        if request.status is _RUNNING:
+            request.num_computed_tokens -= len(drafts) - num_accepted
+        output, finished = self._append_tokens(request, tokens)
+        outputs.append(output)
+        return finished
+
+    def _append_tokens(self, request: Request, tokens: list[int]) -> tuple[EngineCoreOutput, bool]:
+        """Append a step's several tokens to a request that reports no logprobs (a multi-step's,
+        a speculative step's) up to the first that stops it (those after it are dropped), and
+        its output; whether it finished a running request."""
+        out = request.output_token_ids
+        if len(out) + len(tokens) < request.stop_len and request.stop_ids.isdisjoint(tokens):
+            out += tokens  # the common case: none of them can stop it
+            return _tuple_new(EngineCoreOutput, (request.req_id, tokens, None, None, None,
+                                                 request.num_cached_tokens, None, None,
+                                                 None)), False  # fmt: skip
+        status = None
+        for i, token_id in enumerate(tokens):
+            out.append(token_id)
+            status = request.check_stop()
+            if status is not None:
+                tokens = tokens[: i + 1]
+                break
+        finished = False
+        if status is not None:
+            if request.status == RequestStatus.RUNNING:
+                finished = True
+            else:  # preempted after this step was launched
+                self.waiting.remove(request)
+            self._free(request, status)
+        output = EngineCoreOutput(
+            request.req_id,
+            tokens,
+            None,
+            status.finish_reason if status is not None else None,
+            request.stop_reason,
+            request.num_cached_tokens,
+        )
+        return output, finished
 
     def check_invariants(self, full: bool = True) -> None:
         self.kv.check_invariants(full)

@@ -142,6 +142,10 @@ class InputBatch:
             state.num_computed_tokens = cached.num_computed_tokens
             if cached.new_block_ids:
                 self._append_blocks(state, cached.new_block_ids)
+        for req_id, drafts in so.spec_token_ids.items():
+            # the step's inputs after the request's last token (record_spec overwrites them)
+            state = requests[req_id]
+            self.token_table[state.row, state.num_tokens : state.num_tokens + len(drafts)] = drafts
 
     def _append_blocks(self, state: CachedRequestState, block_ids: list[int]) -> None:
         if block_ids:
@@ -171,6 +175,22 @@ class InputBatch:
             state.row, len(state.prompt_token_ids) : state.num_tokens
         ].tolist()
         return tokens
+
+    def record_spec(
+        self, states: list[CachedRequestState], tokens: list[list[int]], num_removed: int
+    ) -> None:
+        """``record_sampled`` for requests that had drafts: each one's kept drafts and the
+        token after them (``tokens``), over the drafts in its row."""
+        live = self.requests if num_removed != self.num_removed else None
+        width = self.token_table.shape[1]
+        for state, new in zip(states, tokens, strict=True):
+            state.num_pending -= 1
+            if live is not None and live.get(state.req_id) is not state:
+                continue  # finished or preempted since: its row is another's
+            start = state.num_tokens
+            end = min(start + len(new), width)  # (a full-length request's last needs none)
+            self.token_table[state.row, start:end] = new[: end - start]
+            state.num_tokens += len(new)
 
     def record_sampled(
         self,

@@ -6,7 +6,8 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from itertools import accumulate
 from typing import NamedTuple
 
 import numpy as np
@@ -30,6 +31,7 @@ from baton_engine.runner.input_batch import CachedRequestState, InputBatch
 from baton_engine.runner.staging import InputStaging
 from baton_engine.sampler import Sampler, SamplingMetadata, compute_logprobs
 from baton_engine.sampling_params import SamplingParams
+from baton_engine.spec_decode import draft_rows, kept_tokens, verify
 from baton_kernels import fused
 from baton_kernels.attention import AttentionMetadata, KVCacheView, create_attention_backend
 from baton_kernels.cpu_linear import pack_linears
@@ -132,6 +134,22 @@ class _DecodeGather(NamedTuple):
         return self._replace(
             order=order, reqs=[reqs[i] for i in keep], rows=self.rows[idx], pos=self.pos[idx]
         )
+
+
+class _SpecCheck(NamedTuple):
+    """A step's drafts being checked: the requests that had some, their drafts, and on the
+    device whether each draft holds then the token each position gives (``spec_decode.verify``,
+    one tensor)."""
+
+    states: list[CachedRequestState]
+    drafts: list[list[int]]
+    outcome: torch.Tensor
+
+    def tokens(self) -> list[list[int]]:
+        """Each request's kept drafts and the token after them (reads the outcome)."""
+        outcome = self.outcome.tolist()
+        num_drafts = sum(len(d) for d in self.drafts)
+        return kept_tokens(self.drafts, outcome[:num_drafts], outcome[num_drafts:])
 
 
 class ModelRunner:
@@ -589,6 +607,7 @@ class ModelRunner:
             s.wants_prompt_logprobs for s in reqs
         )
         pooled: dict[str, list[float]] = {}
+        spec: _SpecCheck | None = None
         pools = self.batch.num_pooling > 0 and any(s.pooling is not None for s in reqs)
         if (
             graphs is not None
@@ -603,12 +622,21 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden)
         else:
             num_new = [num_sched[r] for r in order]
-            input_ids, positions, metadata, sample_rows = self._prepare_inputs(reqs, num_new)
+            drafted = so.spec_token_ids
+            # decodes and drafts alone: every token runs as a decode (_prepare_inputs' split)
+            split = (
+                bool(drafted)
+                and not (wants_prompt_logprobs or pools)
+                and all(n == 1 or r in drafted for r, n in zip(order, num_new, strict=True))
+            )
+            input_ids, positions, metadata, sample_rows = self._prepare_inputs(reqs, num_new, split)
             hidden = self._forward(input_ids, positions, metadata)
             if wants_prompt_logprobs:
                 prompt_logprobs = self._prompt_logprobs(reqs, metadata, hidden)
+            # each request's first token's row
+            starts = list(accumulate(num_new, initial=0)) if split else metadata.query_start_loc
             last_token = self.staging.to_device(
-                [metadata.query_start_loc[i + 1] - 1 for i in sample_rows], torch.long
+                [starts[i + 1] - 1 for i in sample_rows], torch.long
             )
             last_hidden = hidden[last_token]
             if pools:
@@ -619,8 +647,15 @@ class ModelRunner:
                     pooled_rows = self.model.compute_logits(pooled_rows.to(hidden.dtype))
                 pooled = _pool([reqs[i] for i in sample_rows], pooled_rows, self.pooler)
             logits = self.model.compute_logits(last_hidden)
+            if drafted:
+                spec = self._verify(reqs, order, drafted, starts, hidden)
         if not sample_rows:
-            return StepHandle.ready(ModelRunnerOutput({}, prompt_logprobs=prompt_logprobs))
+            if spec is None:
+                return StepHandle.ready(ModelRunnerOutput({}, prompt_logprobs=prompt_logprobs))
+            no_ids = (torch.empty(0, dtype=torch.long), None)
+            return StepHandle(
+                self.batch, [], no_ids, {}, prompt_logprobs, self.check_ranks, spec=spec
+            )
         sampled_reqs = reqs if len(sample_rows) == len(reqs) else [reqs[i] for i in sample_rows]
         for state in sampled_reqs:
             state.num_pending += 1
@@ -658,7 +693,50 @@ class ModelRunner:
             req_ids=order if sampled_reqs is reqs else None,
             rows=mine.rows if mine is not None else None,
             pooled=pooled,
+            spec=spec,
         )
+
+    def _verify(
+        self,
+        reqs: list[CachedRequestState],
+        order: list[str],
+        spec_token_ids: Mapping[str, list[int]],
+        starts: Sequence[int],
+        hidden: torch.Tensor,
+    ) -> _SpecCheck:
+        """Check the drafts of the step's requests that have some (spec_decode): the logits
+        at each of their positions (the last token's and every draft's), their argmax or
+        their sampling distribution, and which drafts hold, on the device."""
+        which = [i for i, req_id in enumerate(order) if req_id in spec_token_ids]
+        states = [reqs[i] for i in which]
+        drafts = [spec_token_ids[order[i]] for i in which]
+        # a request with drafts has exactly its last token and them in the step, from the row
+        # ``starts[i]`` on
+        rows = np.concatenate([np.arange(starts[i], starts[i + 1]) for i in which])
+        logits = self.model.compute_logits(hidden[self.staging.to_device(rows, torch.long)])
+        probs = greedy_rows = None
+        if all(_plain_greedy(s) for s in states):
+            greedy_ids: torch.Tensor | None = fused.argmax(logits)
+        else:
+            params = [s.sampling_params for s, d in zip(states, drafts, strict=True)
+                      for _ in range(len(d) + 1)]  # fmt: skip
+            none: list[list[int]] = [[] for _ in params]
+            metadata = SamplingMetadata.from_params(params, none, none, {}, device=self.device)
+            greedy_ids, probs, greedy_rows = self.sampler.distribution(logits, metadata)
+        _, rows_of_drafts = draft_rows([len(d) for d in drafts])
+        accept, target = verify(
+            torch.tensor([t for d in drafts for t in d], dtype=torch.long).to(self.device),
+            torch.from_numpy(rows_of_drafts).to(self.device),
+            greedy_ids,
+            probs,
+            greedy_rows,
+        )
+        outcome = torch.cat([accept.long(), target])
+        if self.tp_size > 1:  # every rank keeps rank 0's tokens
+            distributed.broadcast(outcome)
+        for state in states:
+            state.num_pending += 1
+        return _SpecCheck(states, drafts, outcome)
 
     def _forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
@@ -899,8 +977,13 @@ class ModelRunner:
         return hidden, sample_rows
 
     def _prepare_inputs(
-        self, reqs: list[CachedRequestState], num_new: list[int]
+        self, reqs: list[CachedRequestState], num_new: list[int], split: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        """The step's inputs and attention metadata, and which requests sample (the last chunk
+        of a prompt, a decode). ``split``: every token is a one-token query of its own (a
+        decode of its request's table up to its position), as a request's drafts are checked:
+        the decode kernels then run them (the C++ decode layers on CPUs), the KV of a row's
+        earlier drafts written in each layer before any row attends."""
         bs = self.block_size
         num_reqs = len(reqs)
         rows = np.fromiter((s.row for s in reqs), dtype=np.int64, count=num_reqs)
@@ -916,14 +999,19 @@ class ModelRunner:
         token_rows = np.repeat(rows, counts)
         input_ids = self._input_ids[:num_tokens]
         input_ids[:] = self.batch.token_table[token_rows, pos]
-        seq_lens = ends.tolist()
-        query_start_loc = cu.tolist()
         # the last chunk of a prompt (or a decode): its last logits are sampled
-        sample_rows = [i for i, s in enumerate(reqs) if seq_lens[i] == s.num_tokens + s.num_pending]
+        known = [s.num_tokens + s.num_pending for s in reqs]
+        sample_rows = [i for i, end in enumerate(ends.tolist()) if end == known[i]]
+        q_rows, q_ends, q_cu = rows, ends, cu  # the queries: one a request
         num_decodes = int(np.count_nonzero(counts == 1))
+        if split:  # one a token
+            q_rows, q_ends, q_cu = token_rows, pos + 1, np.arange(num_tokens + 1, dtype=np.int64)
+            num_decodes = num_tokens
+        seq_lens = q_ends.tolist()
+        query_start_loc = q_cu.tolist()
         max_blocks = -(max(seq_lens) // -bs)
         stage = self.staging.to_device
-        table = stage(self.batch.block_table[rows, :max_blocks], torch.int64)
+        table = stage(self.batch.block_table[q_rows, :max_blocks], torch.int64)
         slot_block = stage(self.batch.block_table[token_rows, pos // bs], torch.int64)
         slot_offset = stage(pos % bs, torch.int64)
         decode_bias = None
@@ -934,7 +1022,7 @@ class ModelRunner:
             # The Triton kernels read the lengths; the others may fall back to the masked
             # reference.
             max_decode_blocks = -(max(seq_lens[:num_decodes]) // -bs)
-            decode_lens = stage(ends[:num_decodes], torch.int64)
+            decode_lens = stage(q_ends[:num_decodes], torch.int64)
         elif num_decodes:
             max_decode_blocks = -(max(seq_lens[:num_decodes]) // -bs)
             lens = decode_lens = torch.tensor(seq_lens[:num_decodes])
@@ -945,7 +1033,7 @@ class ModelRunner:
             decode_bias = decode_bias.view(num_decodes, 1, 1, -1).to(self.device)
             decode_lens = decode_lens.to(self.device)
         metadata = AttentionMetadata(
-            num_reqs=len(reqs),
+            num_reqs=len(seq_lens),
             num_decodes=num_decodes,
             num_tokens=num_tokens,
             query_start_loc=query_start_loc,
@@ -957,8 +1045,8 @@ class ModelRunner:
             max_decode_blocks=max_decode_blocks,
             decode_seq_lens=decode_lens,
             # the Triton kernels' int32 offsets and lengths, staged with the rest
-            query_start_loc_tensor=stage(cu, torch.int32) if triton else None,
-            seq_lens_tensor=stage(ends, torch.int32) if triton else None,
+            query_start_loc_tensor=stage(q_cu, torch.int32) if triton else None,
+            seq_lens_tensor=stage(q_ends, torch.int32) if triton else None,
         )
         if self.lora is not None:
             names = [s.lora_name for s in reqs] if self.batch.num_lora else []
@@ -1061,10 +1149,12 @@ class StepHandle:
         rows: np.ndarray | None = None,
         num_steps: int = 1,
         pooled: dict[str, list[float]] | None = None,
+        spec: _SpecCheck | None = None,
     ) -> None:
         """``req_ids`` / ``rows``: the ids and table rows of ``sampled_reqs`` in order, where
         the launch had them at hand. ``num_steps``: a multi-step's passes (the host ids hold
-        each request's tokens in a row). ``pooled``: embeddings finished this step."""
+        each request's tokens in a row). ``pooled``: embeddings finished this step. ``spec``:
+        the drafts checked, of requests not among ``sampled_reqs``."""
         self._batch = batch
         self._num_steps = num_steps
         self._req_ids = req_ids
@@ -1076,6 +1166,7 @@ class StepHandle:
         self._logprobs = logprobs
         self._prompt_logprobs = prompt_logprobs
         self._pooled = pooled or {}
+        self._spec = spec
         self._output: ModelRunnerOutput | None = None
 
     @classmethod
@@ -1102,7 +1193,16 @@ class StepHandle:
         token_ids = ids.tolist()
         sampled = dict(zip(req_ids, token_ids, strict=True))
         self._batch.record_sampled(reqs, token_ids, self._num_removed, self._rows)
+        spec_tokens: dict[str, list[int]] = {}
+        if self._spec is not None:
+            states, tokens = self._spec.states, self._spec.tokens()
+            self._batch.record_spec(states, tokens, self._num_removed)
+            spec_tokens = {s.req_id: t for s, t in zip(states, tokens, strict=True)}
         self._output = ModelRunnerOutput(
-            sampled, self._logprobs, self._prompt_logprobs, pooled=self._pooled
+            sampled,
+            self._logprobs,
+            self._prompt_logprobs,
+            pooled=self._pooled,
+            spec_token_ids=spec_tokens,
         )
         return self._output

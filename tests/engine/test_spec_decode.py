@@ -1,0 +1,119 @@
+"""n-gram speculative decoding on the default model: greedy requests get the tokens they get
+without drafts (while drafts are proposed and kept), through chunked prompts, a token budget
+that cuts drafts, preemptions and prefix-cache hits on blocks that held rejected drafts;
+sampled requests run with drafts; requests it must not touch (seeded, logprobs, penalties)
+are served as without it; and ``LLM(speculative_config=...)`` as in vLLM, on the CPU's default
+kernels."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+from test_async_scheduling import SYSTEM, add_all, make_core, run, summary
+
+from baton_engine.core.engine_core import EngineCore
+from baton_engine.sampling_params import SamplingParams
+
+# Prompts that repeat a run of tokens: the model tends to continue the pattern, which n-gram
+# drafts then predict.
+LOOP = list(range(1000, 1012)) * 3
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+        "prompt_lookup_min": 1}  # fmt: skip
+GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+
+
+def batch_of_kinds(probe: list[int]) -> list[tuple[list[int], SamplingParams]]:
+    """Greedy requests of several lengths and kinds, with the kinds speculation leaves alone
+    among them."""
+    stop = next(t for t in probe[8:] if t not in probe[:8])
+    return [
+        (LOOP, GREEDY),
+        (LOOP[:30], replace(GREEDY, max_tokens=1)),
+        (LOOP[5:], replace(GREEDY, max_tokens=2)),
+        (LOOP[3:], replace(GREEDY, max_tokens=7)),
+        (LOOP, replace(GREEDY, stop_token_ids=[stop])),  # stops inside kept drafts, likely
+        (LOOP[1:], replace(GREEDY, min_tokens=5, ignore_eos=False)),
+        (LOOP[2:], replace(GREEDY, logit_bias={probe[3]: 2.0})),  # greedy through the sampler
+        ([*SYSTEM, *LOOP[:20]], replace(GREEDY, logprobs=2)),  # (no drafts: logprobs)
+        (LOOP[4:], replace(GREEDY, repetition_penalty=1.3)),  # (no drafts: a penalty)
+        (LOOP, SamplingParams(temperature=1.0, seed=7, max_tokens=20)),  # (no drafts: seeded)
+    ]
+
+
+def test_greedy_tokens_are_those_without_drafts(default_model_dir: Path) -> None:
+    reference = make_core(default_model_dir, False)
+    reference.add_request("probe", LOOP, GREEDY)
+    probe = summary(run(reference))["probe"][0]
+    batch = batch_of_kinds(probe)
+    add_all(reference, batch, "a")
+    want = summary(run(reference))
+    assert want["a4"][1] == "stop"
+    # a small token budget: prompts in chunks beside decodes, drafts cut to fit
+    core = make_core(default_model_dir, False, speculative_config=SPEC, max_num_batched_tokens=24)
+    add_all(core, batch, "a")
+    assert summary(run(core)) == want
+    sched = core.scheduler
+    assert sched.num_accepted_tokens > 20 and sched.num_draft_tokens > sched.num_accepted_tokens
+    assert core.num_generated_tokens == sum(len(t) for t, _ in want.values())
+    stats = core.stats()
+    assert stats.num_accepted_tokens == sched.num_accepted_tokens
+    assert sum(stats.num_accepted_per_pos) == stats.num_accepted_tokens
+
+
+def test_preemptions_and_prefix_hits_keep_the_tokens(default_model_dir: Path) -> None:
+    """A pool too small for the batch: requests are preempted and recomputed; then the same
+    batch again, whose prompts hit the blocks the first run left in the prefix cache (blocks
+    that held rejected drafts included): the tokens of a run without drafts, both times."""
+    batch = [(LOOP[i:], replace(GREEDY, max_tokens=48)) for i in range(6)]
+    small = {"num_gpu_blocks_override": 24}
+    reference = make_core(default_model_dir, False, **small)
+    add_all(reference, batch, "a")
+    want = summary(run(reference))
+    assert reference.scheduler.num_preemptions > 0
+    core = make_core(default_model_dir, False, speculative_config=SPEC, **small)
+    for tag in ("a", "b"):
+        add_all(core, batch, tag)
+        got = summary(run(core))
+        assert got == {tag + k[1:]: v for k, v in want.items()}
+    assert core.scheduler.num_preemptions > 0 and core.scheduler.num_accepted_tokens > 0
+    assert core.kv.num_prefix_hits > 0
+
+
+def test_sampled_requests_run_with_drafts(default_model_dir: Path) -> None:
+    """Temperature, top-k, top-p and min-p with drafts: each request gets its max_tokens,
+    near-greedy sampling keeps most drafts, and a seeded request (never drafted) gets the
+    tokens it gets without speculation."""
+    core = make_core(default_model_dir, False, speculative_config=SPEC)
+    kinds = [
+        SamplingParams(temperature=0.3, max_tokens=40, ignore_eos=True),
+        SamplingParams(temperature=0.8, top_k=20, top_p=0.9, max_tokens=40, ignore_eos=True),
+        SamplingParams(temperature=1.0, min_p=0.1, max_tokens=40, ignore_eos=True),
+    ]
+    seeded = SamplingParams(temperature=1.0, seed=11, max_tokens=30, ignore_eos=True)
+    batch = [(LOOP, params) for params in kinds] + [(LOOP, seeded)]
+    add_all(core, batch, "s")
+    got = summary(run(core))
+    assert all(len(tokens) == 40 for tokens, _ in list(got.values())[:3])
+    sched = core.scheduler
+    assert sched.num_accepted_tokens > sched.num_draft_tokens / 4
+    alone = make_core(default_model_dir, False)
+    add_all(alone, [(LOOP, seeded)], "s")
+    assert summary(run(alone))["s0"] == got["s3"]
+
+
+def test_llm_takes_vllms_speculative_config(default_model_dir: Path) -> None:
+    """On the CPU's defaults (bf16, the C++ decode layers, which run a step of drafts as one
+    decode row per token): the greedy tokens of an engine without drafts."""
+    from baton_engine.llm import LLM
+
+    prompts = [{"prompt_token_ids": LOOP[i:]} for i in range(3)]
+    tokens = []
+    for spec in (None, SPEC):
+        llm = LLM(str(default_model_dir), max_model_len=256, speculative_config=spec)
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        tokens.append([list(out.outputs[0].token_ids) for out in outs])
+    core: EngineCore = llm.engine.core
+    assert core.scheduler.proposer is not None and not core.async_scheduling
+    assert tokens[1] == tokens[0]
+    assert core.scheduler.num_accepted_tokens > 0
