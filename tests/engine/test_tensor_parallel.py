@@ -41,6 +41,24 @@ def test_two_ranks_generate_what_one_does(arch: str, default_model_dir: Path, tm
     assert got == want
 
 
+def test_two_ranks_keep_the_drafts_rank_0_keeps(default_model_dir: Path, tmp_path: Path):
+    """Speculative decoding split two ways: every rank records the drafts rank 0's check kept
+    (broadcast), and the tokens are those of one process without drafts."""
+    build_model("llama", default_model_dir, tmp_path)
+    prompts = [[10 + i % 7 for i in range(n)] for n in (15, 30)]  # (drafts from the start)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    want = greedy_tokens(tmp_path, prompts, 16, kv_cache_memory=1 << 24)
+    got = greedy_tokens(
+        tmp_path,
+        prompts,
+        16,
+        kv_cache_memory=1 << 24,
+        tensor_parallel_size=2,
+        speculative_config=spec,
+    )
+    assert got == want
+
+
 def test_a_model_that_does_not_split_evenly_is_refused(default_model_dir: Path, tmp_path: Path):
     build_model("llama", default_model_dir, tmp_path)  # 4 attention heads, 2 KV heads
     with pytest.raises(InvalidRequestError, match="does not divide the model's attention heads"):

@@ -10,7 +10,7 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from baton_decode.metrics import WorkerMetrics, token_buckets
+from baton_decode.metrics import StatsLogger, WorkerMetrics, token_buckets
 from baton_engine.core.engine_core import EngineStats
 
 
@@ -72,6 +72,22 @@ def test_speculative_decodings_counters_as_vllms() -> None:
     assert got[("vllm:spec_decode_num_accepted_tokens_total", m)] == 7
     per_pos = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
     assert [got.get((per_pos, (*m, ("position", str(i))))) for i in range(3)] == [5, 2, None]
+
+
+def test_the_log_line_of_a_window_with_drafts(caplog: pytest.LogCaptureFixture) -> None:
+    """vLLM's "SpecDecoding metrics" line, for the window's drafts only; none without drafts."""
+    start = EngineStats(1, 0, 0.1, 0, 0, 0, 5, 9, 3, 9, 4, (3, 1, 0))
+    log = StatsLogger(start, interval_s=1.0)
+    with caplog.at_level("INFO", logger="baton_decode.metrics"):
+        log.maybe_log(start, now=0.0)  # opens the window
+        log.maybe_log(EngineStats(1, 0, 0.1, 0, 0, 0, 5, 20, 7, 21, 10, (7, 3, 0)), now=1.0)
+        log.maybe_log(EngineStats(1, 0, 0.1, 0, 0, 0, 5, 30, 7, 21, 10, (7, 3, 0)), now=2.0)
+    lines = [r.getMessage() for r in caplog.records if "SpecDecoding" in r.getMessage()]
+    assert lines == [
+        "SpecDecoding metrics: Mean acceptance length: 2.50, Accepted: 6 tokens, Drafted: 12 "
+        "tokens, Per-position acceptance rate: 1.000, 0.500, 0.000, Avg Draft acceptance "
+        "rate: 50.0%"
+    ]
 
 
 def test_inter_token_latency_under_both_of_vllms_names() -> None:

@@ -371,4 +371,29 @@ class StatsLogger:
                 100 * stats.kv_cache_usage,
                 100 * hit_rate,
             )
+        num_drafts = stats.num_spec_drafts - last.num_spec_drafts
+        if num_drafts:
+            _log_drafts(stats, last, num_drafts)
         self._last, self._start, self._idle = stats, now, not busy
+
+
+def _log_drafts(stats: EngineStats, last: EngineStats, num_drafts: int) -> None:
+    """vLLM's speculative-decoding line for a window: the tokens a step of a request with
+    drafts gave on average (its kept drafts and one), and the drafts kept, overall and at each
+    position among a step's drafts."""
+    drafted = stats.num_draft_tokens - last.num_draft_tokens
+    accepted = stats.num_accepted_tokens - last.num_accepted_tokens
+    before = last.num_accepted_per_pos
+    per_pos = [
+        (now - (before[i] if i < len(before) else 0)) / num_drafts
+        for i, now in enumerate(stats.num_accepted_per_pos)
+    ]
+    logger.info(
+        "SpecDecoding metrics: Mean acceptance length: %.2f, Accepted: %d tokens, Drafted: %d "
+        "tokens, Per-position acceptance rate: %s, Avg Draft acceptance rate: %.1f%%",
+        1 + accepted / num_drafts,
+        accepted,
+        drafted,
+        ", ".join(f"{rate:.3f}" for rate in per_pos),
+        100 * accepted / drafted if drafted else 0.0,
+    )
