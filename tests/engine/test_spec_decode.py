@@ -1,9 +1,9 @@
 """n-gram speculative decoding on the default model: greedy requests get the tokens they get
 without drafts (while drafts are proposed and kept), through chunked prompts, a token budget
 that cuts drafts, preemptions and prefix-cache hits on blocks that held rejected drafts;
-sampled requests run with drafts; requests it must not touch (seeded, logprobs, penalties)
-are served as without it; and ``LLM(speculative_config=...)`` as in vLLM, on the CPU's default
-kernels."""
+penalties and bad words with drafts; sampled requests run with drafts; requests it must not
+touch (seeded, logprobs) are served as without it; and ``LLM(speculative_config=...)`` as in
+vLLM, on the CPU's default kernels."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from baton_engine.sampling_params import SamplingParams
 # Prompts that repeat a run of tokens: the model tends to continue the pattern, which n-gram
 # drafts then predict.
 LOOP = list(range(1000, 1012)) * 3
+PAIRS = [1000, 1001] * 16
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
         "prompt_lookup_min": 1}  # fmt: skip
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
@@ -36,8 +37,16 @@ def batch_of_kinds(probe: list[int]) -> list[tuple[list[int], SamplingParams]]:
         (LOOP[1:], replace(GREEDY, min_tokens=5, ignore_eos=False)),
         (LOOP[2:], replace(GREEDY, logit_bias={probe[3]: 2.0})),  # greedy through the sampler
         ([*SYSTEM, *LOOP[:20]], replace(GREEDY, logprobs=2)),  # (no drafts: logprobs)
-        (LOOP[4:], replace(GREEDY, repetition_penalty=1.3)),  # (no drafts: a penalty)
         (LOOP, SamplingParams(temperature=1.0, seed=7, max_tokens=20)),  # (no drafts: seeded)
+        # penalties and bad words: each draft's row penalized by the output and drafts before it
+        (LOOP[4:], replace(GREEDY, repetition_penalty=1.3)),
+        (LOOP[6:], replace(GREEDY, frequency_penalty=0.4, presence_penalty=0.3)),
+        # a loop of period 2: the drafts repeat tokens, which a row's history must count
+        # (0.8 and 1.5 leave the loop at a draft's row: tokens change if that row's history
+        # lacks the drafts before it)
+        *[(PAIRS, replace(GREEDY, frequency_penalty=f)) for f in (0.5, 0.8, 1.5, -0.5)],
+        (PAIRS, replace(GREEDY, presence_penalty=0.8)),
+        (LOOP[7:], replace(GREEDY, bad_words_token_ids=[probe[4:6]])),
     ]
 
 
@@ -81,13 +90,20 @@ def test_preemptions_and_prefix_hits_keep_the_tokens(default_model_dir: Path) ->
 
 
 def test_sampled_requests_run_with_drafts(default_model_dir: Path) -> None:
-    """Temperature, top-k, top-p and min-p with drafts: each request gets its max_tokens,
+    """Temperature, top-k, top-p, min-p and a penalty with drafts: each request gets its max_tokens,
     near-greedy sampling keeps most drafts, and a seeded request (never drafted) gets the
     tokens it gets without speculation."""
     core = make_core(default_model_dir, False, speculative_config=SPEC)
     kinds = [
         SamplingParams(temperature=0.3, max_tokens=40, ignore_eos=True),
-        SamplingParams(temperature=0.8, top_k=20, top_p=0.9, max_tokens=40, ignore_eos=True),
+        SamplingParams(
+            temperature=0.8,
+            top_k=20,
+            top_p=0.9,
+            presence_penalty=0.5,
+            max_tokens=40,
+            ignore_eos=True,
+        ),
         SamplingParams(temperature=1.0, min_p=0.1, max_tokens=40, ignore_eos=True),
     ]
     seeded = SamplingParams(temperature=1.0, seed=11, max_tokens=30, ignore_eos=True)

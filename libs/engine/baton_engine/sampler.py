@@ -536,21 +536,7 @@ class Sampler:
             num_logprobs = metadata.max_num_logprobs
             # Taken before any in-place processing below: logprobs report the raw distribution.
             raw_logprobs = None if num_logprobs is None else scratch.log_softmax(dim=1)
-            suppress_tokens(scratch, metadata.suppressed_token_ids)
-            allow_only(scratch, metadata.allowed_token_ids)
-            ban_bad_words(scratch, metadata.bad_words_token_ids, metadata.output_token_ids)
-            add_logit_bias(scratch, metadata.logit_bias)
-            if metadata.grammar_bitmask is not None:
-                apply_bitmask(scratch, metadata.grammar_bitmask, metadata.grammar_rows)
-            if not metadata.no_penalties:
-                scratch = penalties.apply_penalties(
-                    scratch,
-                    metadata.prompt_token_ids,
-                    metadata.output_token_ids,
-                    metadata.presence_penalties,
-                    metadata.frequency_penalties,
-                    metadata.repetition_penalties,
-                )
+            scratch = _process(scratch, metadata)
             sampled = self._sample(scratch, metadata)
             logprobs = None
             if raw_logprobs is not None and num_logprobs is not None:
@@ -564,13 +550,9 @@ class Sampler:
         decoding checks drafts against it): each row's argmax (None when no row is greedy
         and top-k is unused), and the probabilities of the rows (``[B, V]`` float32,
         temperature, top-k, top-p and min-p applied) with the mask of greedy rows, both None
-        when every row is greedy. Rows must need no token
-        history (no penalties, bad words or grammar: ``SamplingMetadata`` built with none)."""
+        when every row is greedy. The logits are processed as ``__call__`` processes them."""
         with torch.no_grad():
-            scratch = logits.to(torch.float32, copy=True)
-            suppress_tokens(scratch, metadata.suppressed_token_ids)
-            allow_only(scratch, metadata.allowed_token_ids)
-            add_logit_bias(scratch, metadata.logit_bias)
+            scratch = _process(logits.to(torch.float32, copy=True), metadata)
             if metadata.all_greedy:
                 return fused.argmax(scratch), None, None
             greedy, greedy_rows, probs = _distribution(scratch, metadata)
@@ -586,6 +568,27 @@ class Sampler:
         if greedy is None:
             return sampled
         return torch.where(greedy_rows, greedy, sampled)
+
+
+def _process(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """Steps 3 and 4 of the module docstring on float32 ``logits`` (in place where it can):
+    suppressed and disallowed tokens, bad words, logit bias, grammar, penalties."""
+    suppress_tokens(logits, metadata.suppressed_token_ids)
+    allow_only(logits, metadata.allowed_token_ids)
+    ban_bad_words(logits, metadata.bad_words_token_ids, metadata.output_token_ids)
+    add_logit_bias(logits, metadata.logit_bias)
+    if metadata.grammar_bitmask is not None:
+        apply_bitmask(logits, metadata.grammar_bitmask, metadata.grammar_rows)
+    if not metadata.no_penalties:
+        logits = penalties.apply_penalties(
+            logits,
+            metadata.prompt_token_ids,
+            metadata.output_token_ids,
+            metadata.presence_penalties,
+            metadata.frequency_penalties,
+            metadata.repetition_penalties,
+        )
+    return logits
 
 
 def _distribution(

@@ -31,13 +31,13 @@ many forward passes of the same requests, each pass's input the token the pass b
 pending token a pass; a request that stops on a token of an early pass drops the later ones.
 
 Speculative decoding (``speculative``, n-gram drafts): a request about to decode one token
-(its last known one) whose sampling reads none of its tokens (``Request.speculative``, past its
-``min_tokens``) takes the drafts ``NgramProposer`` finds for it, up to what fits the budget and
-its ``max_tokens``; they count as known tokens of this step (``SchedulerOutput.spec_token_ids``)
-and the step samples once for it. ``update_from_output`` gets the drafts it kept and one more
-token, and moves its computed tokens back to the kept drafts. Blocks are indexed from known
-tokens only, so a block that held a rejected draft is indexed once its tokens are real and
-recomputed.
+(its last known one) that reports no logprobs, has no stop strings, grammar or seeded sampling
+(``Request.speculative``) and is past its ``min_tokens`` takes the drafts ``NgramProposer``
+finds for it, up to what fits the budget and its ``max_tokens``; they count as known tokens of
+this step (``SchedulerOutput.spec_token_ids``) and the step samples once for it.
+``update_from_output`` gets the drafts it kept and one more token, and moves its computed tokens
+back to the kept drafts. Blocks are indexed from known tokens only, so a block that held a
+rejected draft is indexed once its tokens are real and recomputed.
 
 Disaggregation adds one detour. A waiting request whose prompt KV lives on a prefill worker
 (``remote_kv``) is admitted without compute: it matches the local prefix cache, gets blocks for

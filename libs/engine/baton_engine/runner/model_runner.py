@@ -718,10 +718,22 @@ class ModelRunner:
         if all(_plain_greedy(s) for s in states):
             greedy_ids: torch.Tensor | None = fused.argmax(logits)
         else:
-            params = [s.sampling_params for s, d in zip(states, drafts, strict=True)
-                      for _ in range(len(d) + 1)]  # fmt: skip
-            none: list[list[int]] = [[] for _ in params]
-            metadata = SamplingMetadata.from_params(params, none, none, {}, device=self.device)
+            params: list[SamplingParams] = []
+            prompts: list[list[int]] = []
+            outputs: list[list[int]] = []  # each row's output so far: the drafts before it too
+            for state, ahead in zip(states, drafts, strict=True):
+                sp = state.sampling_params
+                params += [sp] * (len(ahead) + 1)
+                if state.host_free:  # (nothing reads the tokens)
+                    prompts += [[]] * (len(ahead) + 1)
+                    outputs += [[]] * (len(ahead) + 1)
+                    continue
+                out = self.batch.output_token_ids(state)
+                prompts += [state.prompt_token_ids] * (len(ahead) + 1)
+                outputs += [out + ahead[:j] for j in range(len(ahead) + 1)]
+            metadata = SamplingMetadata.from_params(
+                params, prompts, outputs, {}, device=self.device
+            )
             greedy_ids, probs, greedy_rows = self.sampler.distribution(logits, metadata)
         _, rows_of_drafts = draft_rows([len(d) for d in drafts])
         accept, target = verify(
