@@ -1,15 +1,16 @@
 """n-gram speculative decoding on the default model: greedy requests get the tokens they get
 without drafts (while drafts are proposed and kept), through chunked prompts, a token budget
-that cuts drafts, preemptions and prefix-cache hits on blocks that held rejected drafts;
-penalties and bad words with drafts; sampled requests run with drafts; requests it must not
-touch (seeded, logprobs) are served as without it; and ``LLM(speculative_config=...)`` as in
-vLLM, on the CPU's default kernels."""
+that cuts drafts, preemptions and prefix-cache hits on blocks that held rejected drafts, with
+penalties, bad words and logprobs (each kept draft's); sampled requests run with drafts;
+requests it must not touch (seeded, prompt logprobs) are served as without it; and
+``LLM(speculative_config=...)`` as in vLLM, on the CPU's default kernels."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
 from test_async_scheduling import SYSTEM, add_all, make_core, run, summary
 
 from baton_engine.core.engine_core import EngineCore
@@ -36,7 +37,8 @@ def batch_of_kinds(probe: list[int]) -> list[tuple[list[int], SamplingParams]]:
         (LOOP, replace(GREEDY, stop_token_ids=[stop])),  # stops inside kept drafts, likely
         (LOOP[1:], replace(GREEDY, min_tokens=5, ignore_eos=False)),
         (LOOP[2:], replace(GREEDY, logit_bias={probe[3]: 2.0})),  # greedy through the sampler
-        ([*SYSTEM, *LOOP[:20]], replace(GREEDY, logprobs=2)),  # (no drafts: logprobs)
+        (LOOP[9:], replace(GREEDY, logprobs=3)),  # (each kept draft's)
+        ([*SYSTEM, *LOOP[:20]], replace(GREEDY, prompt_logprobs=2)),  # (no drafts)
         (LOOP, SamplingParams(temperature=1.0, seed=7, max_tokens=20)),  # (no drafts: seeded)
         # penalties and bad words: each draft's row penalized by the output and drafts before it
         (LOOP[4:], replace(GREEDY, repetition_penalty=1.3)),
@@ -56,12 +58,21 @@ def test_greedy_tokens_are_those_without_drafts(default_model_dir: Path) -> None
     probe = summary(run(reference))["probe"][0]
     batch = batch_of_kinds(probe)
     add_all(reference, batch, "a")
-    want = summary(run(reference))
+    outputs = run(reference)
+    want = summary(outputs)
     assert want["a4"][1] == "stop"
     # a small token budget: prompts in chunks beside decodes, drafts cut to fit
     core = make_core(default_model_dir, False, speculative_config=SPEC, max_num_batched_tokens=24)
     add_all(core, batch, "a")
-    assert summary(run(core)) == want
+    got = run(core)
+    assert summary(got) == want
+    want_lp, got_lp = (
+        [lp for o in outs["a7"] for lp in o.new_logprobs or ()] for outs in (outputs, got)
+    )
+    assert len(got_lp) == 40 and [lp.token_ids for lp in got_lp] == [lp.token_ids for lp in want_lp]
+    values = [[v for lp in lps for v in lp.logprobs] for lps in (got_lp, want_lp)]
+    assert values[0] == pytest.approx(values[1], abs=1e-4)
+    assert [lp.rank for lp in got_lp] == [lp.rank for lp in want_lp]
     sched = core.scheduler
     assert sched.num_accepted_tokens > 20 and sched.num_draft_tokens > sched.num_accepted_tokens
     assert core.num_generated_tokens == sum(len(t) for t, _ in want.values())

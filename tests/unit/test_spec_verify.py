@@ -173,11 +173,12 @@ def test_drafts_fit_the_token_budget_and_stop_at_a_stop_token() -> None:
     assert sched.kv.num_free_blocks == sched.kv.pool.num_blocks
 
 
-def test_no_drafts_for_logprobs_seeds_stop_strings_or_below_min_tokens() -> None:
+def test_no_drafts_for_prompt_logprobs_seeds_stop_strings_or_below_min_tokens() -> None:
     sched = spec_scheduler(prompt_lookup_min=1, prompt_lookup_max=1, disable_by_batch_size=3)
     kinds = {
         "plain": SamplingParams(max_tokens=9, temperature=0.8),
         "logprobs": SamplingParams(max_tokens=9, logprobs=2),
+        "prompt_logprobs": SamplingParams(max_tokens=9, prompt_logprobs=2),
         "penalty": SamplingParams(max_tokens=9, repetition_penalty=1.2),
         "seeded": SamplingParams(max_tokens=9, temperature=0.8, seed=3),
         "stop_str": SamplingParams(max_tokens=9, stop=["x"]),
@@ -194,7 +195,8 @@ def test_no_drafts_for_logprobs_seeds_stop_strings_or_below_min_tokens() -> None
     )
     sched.update_from_output(so, ModelRunnerOutput(dict.fromkeys(kinds, 3)))
     so = sched.schedule()
-    assert set(so.spec_token_ids) == {"plain", "penalty"}  # (its rows read their histories)
+    # (a penalty's rows read their histories; logprobs are each row's)
+    assert set(so.spec_token_ids) == {"plain", "penalty", "logprobs"}
 
 
 # --- the configuration --------------------------------------------------------------------------

@@ -109,9 +109,9 @@ class Request:
     # grammar.
     multi_step: bool = field(init=False, repr=False)
     # Speculative decoding may schedule drafts after its last token, several tokens coming out
-    # of one step: no logprobs, stop strings or grammar (as ``multi_step``; its penalties and
-    # bad words read each draft's row's history), and unseeded unless greedy (a seeded request
-    # draws one number a token, which drafts would change).
+    # of one step: no prompt logprobs, stop strings or grammar (its logprobs, penalties and bad
+    # words are each draft's row's), and unseeded unless greedy (a seeded request draws one
+    # number a token, which drafts would change).
     speculative: bool = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -134,7 +134,14 @@ class Request:
             and sp.repetition_penalty == 1.0
             and not sp.bad_words_token_ids
         )
-        self.speculative = plain and not sp.stop and (sp.seed is None or sp.is_greedy)
+        self.speculative = (
+            not self.prefill_only
+            and self.pooling is None
+            and sp.prompt_logprobs is None
+            and self.grammar is None
+            and not sp.stop
+            and (sp.seed is None or sp.is_greedy)
+        )
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -89,6 +89,8 @@ class ModelRunnerOutput:
     # Requests that had drafts (SchedulerOutput.spec_token_ids), instead of
     # ``sampled_token_ids``: req_id -> the drafts it kept, then the token sampled after them
     spec_token_ids: Mapping[str, list[int]] = field(default_factory=dict)
+    # and of those that asked for logprobs: req_id -> the logprobs of each of those tokens
+    spec_logprobs: Mapping[str, list[TokenLogprobs]] = field(default_factory=dict)
 
 
 class EngineCoreOutput(NamedTuple):

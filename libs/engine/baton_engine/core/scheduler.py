@@ -31,8 +31,8 @@ many forward passes of the same requests, each pass's input the token the pass b
 pending token a pass; a request that stops on a token of an early pass drops the later ones.
 
 Speculative decoding (``speculative``, n-gram drafts): a request about to decode one token
-(its last known one) that reports no logprobs, has no stop strings, grammar or seeded sampling
-(``Request.speculative``) and is past its ``min_tokens`` takes the drafts ``NgramProposer``
+(its last known one) that asks for no prompt logprobs, has no stop strings, grammar or seeded
+sampling (``Request.speculative``) and is past its ``min_tokens`` takes the drafts ``NgramProposer``
 finds for it, up to what fits the budget and its ``max_tokens``; they count as known tokens of
 this step (``SchedulerOutput.spec_token_ids``) and the step samples once for it.
 ``update_from_output`` gets the drafts it kept and one more token, and moves its computed tokens
@@ -594,7 +594,8 @@ class Scheduler:
         for request in self._scheduled.pop(scheduler_output.step_id, ()):
             if spec and request.req_id in spec:
                 drafts = scheduler_output.spec_token_ids[request.req_id]
-                any_finished |= self._update_spec(request, drafts, spec[request.req_id], outputs)
+                kept = spec[request.req_id], runner_output.spec_logprobs.get(request.req_id)
+                any_finished |= self._update_spec(request, drafts, *kept, outputs)
                 continue
             token_id = sampled.get(request.req_id)
             if token_id is not None:
@@ -688,6 +689,7 @@ class Scheduler:
         request: Request,
         drafts: list[int],
         tokens: list[int],
+        logprobs: list[TokenLogprobs] | None,
         outputs: list[EngineCoreOutput],
     ) -> bool:
         """``update_from_output`` for a request that had ``drafts``: its computed tokens go
@@ -705,14 +707,16 @@ class Scheduler:
             self.num_accepted_per_pos[i] += 1
         if request.status is _RUNNING:
             request.num_computed_tokens -= len(drafts) - num_accepted
-        output, finished = self._append_tokens(request, tokens)
+        output, finished = self._append_tokens(request, tokens, logprobs)
         outputs.append(output)
         return finished
 
-    def _append_tokens(self, request: Request, tokens: list[int]) -> tuple[EngineCoreOutput, bool]:
-        """Append a step's several tokens to a request that reports no logprobs (a multi-step's,
-        a speculative step's) up to the first that stops it (those after it are dropped), and
-        its output; whether it finished a running request."""
+    def _append_tokens(
+        self, request: Request, tokens: list[int], logprobs: list[TokenLogprobs] | None = None
+    ) -> tuple[EngineCoreOutput, bool]:
+        """Append a step's several tokens (a multi-step's, a speculative step's, with their
+        ``logprobs`` if asked for) to a request up to the first that stops it (those after it
+        are dropped), and its output; whether it finished a running request."""
         out = request.output_token_ids
         if len(out) + len(tokens) < request.stop_len and request.stop_ids.isdisjoint(tokens):
             out += tokens  # the common case: none of them can stop it
@@ -736,7 +740,7 @@ class Scheduler:
         output = EngineCoreOutput(
             request.req_id,
             tokens,
-            None,
+            logprobs[: len(tokens)] if logprobs is not None else None,
             status.finish_reason if status is not None else None,
             request.stop_reason,
             request.num_cached_tokens,

@@ -29,7 +29,7 @@ from baton_engine.pooling_params import PoolerConfig
 from baton_engine.runner.cuda_graphs import DecodeGraphs, PieceGraphs
 from baton_engine.runner.input_batch import CachedRequestState, InputBatch
 from baton_engine.runner.staging import InputStaging
-from baton_engine.sampler import Sampler, SamplingMetadata, compute_logprobs
+from baton_engine.sampler import LogprobsTensors, Sampler, SamplingMetadata, compute_logprobs
 from baton_engine.sampling_params import SamplingParams
 from baton_engine.spec_decode import draft_rows, kept_tokens, verify
 from baton_kernels import fused
@@ -139,17 +139,33 @@ class _DecodeGather(NamedTuple):
 class _SpecCheck(NamedTuple):
     """A step's drafts being checked: the requests that had some, their drafts, and on the
     device whether each draft holds then the token each position gives (``spec_decode.verify``,
-    one tensor)."""
+    one tensor); with logprobs asked for, those of the token each position keeps if kept."""
 
     states: list[CachedRequestState]
     drafts: list[list[int]]
     outcome: torch.Tensor
+    logprobs: LogprobsTensors | None = None
 
-    def tokens(self) -> list[list[int]]:
-        """Each request's kept drafts and the token after them (reads the outcome)."""
+    def tokens(self) -> tuple[list[list[int]], dict[str, list[TokenLogprobs]]]:
+        """Each request's kept drafts and the token after them, and the logprobs of those
+        that asked (reads the outcome)."""
         outcome = self.outcome.tolist()
         num_drafts = sum(len(d) for d in self.drafts)
-        return kept_tokens(self.drafts, outcome[:num_drafts], outcome[num_drafts:])
+        tokens = kept_tokens(self.drafts, outcome[:num_drafts], outcome[num_drafts:])
+        logprobs: dict[str, list[TokenLogprobs]] = {}
+        if self.logprobs is not None:
+            ids, values = self.logprobs.token_ids.tolist(), self.logprobs.logprobs.tolist()
+            ranks = self.logprobs.ranks.tolist()
+            row = 0  # the request's first row
+            for state, drafts, kept in zip(self.states, self.drafts, tokens, strict=True):
+                n = state.sampling_params.logprobs
+                if n is not None:
+                    logprobs[state.req_id] = [
+                        TokenLogprobs(ids[r][: 1 + n], values[r][: 1 + n], int(ranks[r]))
+                        for r in range(row, row + len(kept))
+                    ]
+                row += len(drafts) + 1
+        return tokens, logprobs
 
 
 class ModelRunner:
@@ -736,19 +752,25 @@ class ModelRunner:
             )
             greedy_ids, probs, greedy_rows = self.sampler.distribution(logits, metadata)
         _, rows_of_drafts = draft_rows([len(d) for d in drafts])
-        accept, target = verify(
-            torch.tensor([t for d in drafts for t in d], dtype=torch.long).to(self.device),
-            torch.from_numpy(rows_of_drafts).to(self.device),
-            greedy_ids,
-            probs,
-            greedy_rows,
-        )
+        draft_ids = torch.tensor([t for d in drafts for t in d], dtype=torch.long).to(self.device)
+        draft_index = torch.from_numpy(rows_of_drafts).to(self.device)
+        accept, target = verify(draft_ids, draft_index, greedy_ids, probs, greedy_rows)
         outcome = torch.cat([accept.long(), target])
         if self.tp_size > 1:  # every rank keeps rank 0's tokens
             distributed.broadcast(outcome)
         for state in states:
             state.num_pending += 1
-        return _SpecCheck(states, drafts, outcome)
+        logprobs = None
+        wanted = [
+            s.sampling_params.logprobs for s in states if s.sampling_params.logprobs is not None
+        ]
+        if wanted:
+            # the token each row keeps if it is kept: its draft if accepted, else the target
+            kept = target.clone()
+            kept[draft_index] = torch.where(accept, draft_ids, target[draft_index])
+            raw = logits.float().log_softmax(dim=1)  # (the model's own: vLLM's raw logprobs)
+            logprobs = compute_logprobs(raw, kept, max(wanted))
+        return _SpecCheck(states, drafts, outcome, logprobs)
 
     def _forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
@@ -1206,8 +1228,10 @@ class StepHandle:
         sampled = dict(zip(req_ids, token_ids, strict=True))
         self._batch.record_sampled(reqs, token_ids, self._num_removed, self._rows)
         spec_tokens: dict[str, list[int]] = {}
+        spec_logprobs: dict[str, list[TokenLogprobs]] = {}
         if self._spec is not None:
-            states, tokens = self._spec.states, self._spec.tokens()
+            states = self._spec.states
+            tokens, spec_logprobs = self._spec.tokens()
             self._batch.record_spec(states, tokens, self._num_removed)
             spec_tokens = {s.req_id: t for s, t in zip(states, tokens, strict=True)}
         self._output = ModelRunnerOutput(
@@ -1216,5 +1240,6 @@ class StepHandle:
             self._prompt_logprobs,
             pooled=self._pooled,
             spec_token_ids=spec_tokens,
+            spec_logprobs=spec_logprobs,
         )
         return self._output
