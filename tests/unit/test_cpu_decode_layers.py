@@ -1,7 +1,7 @@
 """The CPU engine runs a decode-only step's layers in one C++ call (csrc/decode_layers_cpu.cpp,
 ``CpuDecodeLayers``): the hidden states must equal the Python layer loop's bit for bit, for the
-default model and for a model with a qkv bias (Qwen2), and the path must stay off where its
-kernels do not apply."""
+default model, for a model with a qkv bias (Qwen2) and for one with sliding windows (Mistral),
+and the path must stay off where its kernels do not apply."""
 
 from __future__ import annotations
 
@@ -74,11 +74,13 @@ def test_default_model_decode_steps_equal_the_python_layers(default_model_dir: P
     assert run_comparing_paths(core) >= 10
 
 
-def test_qkv_bias_model_equals_the_python_layers(default_model_dir: Path, tmp_path: Path) -> None:
+def random_model(kind: str, default_model_dir: Path, folder: Path, **config: Any) -> None:
+    """A 2-layer transformers model of ``kind`` ("Qwen2", "Mistral") with random weights and
+    the default model's tokenizer in ``folder``."""
     import transformers
 
     torch.manual_seed(0)
-    config = transformers.Qwen2Config(
+    cfg = getattr(transformers, f"{kind}Config")(
         vocab_size=49152,
         hidden_size=256,
         intermediate_size=384,
@@ -87,19 +89,34 @@ def test_qkv_bias_model_equals_the_python_layers(default_model_dir: Path, tmp_pa
         num_key_value_heads=2,
         max_position_embeddings=512,
         tie_word_embeddings=False,
+        **config,
     )
-    model = transformers.Qwen2ForCausalLM(config).eval()
+    model = getattr(transformers, f"{kind}ForCausalLM")(cfg).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" not in name:
                 p.normal_(0, 0.2)
-    assert model.model.layers[0].self_attn.q_proj.bias is not None
-    model.save_pretrained(tmp_path)
+    model.save_pretrained(folder)
     for f in default_model_dir.iterdir():
         if f.name.startswith("tokenizer"):
-            (tmp_path / f.name).write_bytes(f.read_bytes())
+            (folder / f.name).write_bytes(f.read_bytes())
+
+
+def test_qkv_bias_model_equals_the_python_layers(default_model_dir: Path, tmp_path: Path) -> None:
+    random_model("Qwen2", default_model_dir, tmp_path)
     core = engine(tmp_path, dtype="bfloat16")
     assert core.runner.model.layers[0].self_attn.qkv_proj.bias is not None
+    assert run_comparing_paths(core) >= 10
+
+
+def test_sliding_window_model_equals_the_python_layers(
+    default_model_dir: Path, tmp_path: Path
+) -> None:
+    """A Mistral-7B-v0.1 kind whose every layer attends to its last 20 tokens (the prompts
+    reach 112): the one call reads each layer's window as the Python layers do."""
+    random_model("Mistral", default_model_dir, tmp_path, sliding_window=20)
+    core = engine(tmp_path, dtype="bfloat16")
+    assert core.runner.model.cpu_decode_layers.windows == [20, 20]
     assert run_comparing_paths(core) >= 10
 
 
@@ -116,5 +133,5 @@ def test_bad_input_is_a_clear_error() -> None:
     with pytest.raises(RuntimeError, match="weight tensors per layer"):
         ops.decode_layers(
             hidden, idx, torch.zeros(8, 2, 64), [hidden], [torch.zeros(1, 2, 16, 1, 64)],
-            idx, idx, idx.view(2, 1), idx, 1, 1, 64, 128, 1e-5, 0.125,
+            idx, idx, idx.view(2, 1), idx, 1, 1, 64, 128, 1e-5, 0.125, [],
         )  # fmt: skip

@@ -306,6 +306,7 @@ class CpuDecodeLayers:
         self.shape = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size)
         self.eps = cfg.rms_norm_eps
         self.scale = 1.0  # the layers' attention scale (add_layer)
+        self.windows: list[int] = []  # each layer's sliding window (0: none)
         # per layer: input norm, packed qkv, qkv bias (empty: none), packed o, post norm,
         # packed gate_up, packed down
         self.weights: list[torch.Tensor] = []
@@ -320,6 +321,7 @@ class CpuDecodeLayers:
             return False
         qkv, o, gate_up, down = packed
         self.scale = attn.scale
+        self.windows.append(attn.window)
         bias = qkv.bias
         no_bias = torch.empty(0, dtype=layer.input_layernorm.weight.dtype)
         self.weights += [
@@ -354,6 +356,7 @@ class CpuDecodeLayers:
             *self.shape,
             self.eps,
             self.scale,
+            self.windows if any(self.windows) else [],
         )
         return hidden, residual
 
@@ -607,8 +610,8 @@ class LlamaForCausalLM(nn.Module):
     def use_cpu_decode_layers(self, ops: Any) -> bool:
         """Run the layers of decode-only steps as one C++ call (``CpuDecodeLayers``) if the
         model qualifies: fused kernels on, every linear layer packed for the AVX512-BF16 GEMM
-        with bf16 outputs, Llama's layers (``ModelConfig.plain_layers``), no sliding window or
-        softcap. The caller vouches for the attention
+        with bf16 outputs, Llama's layers (``ModelConfig.plain_layers``; sliding windows
+        included), no softcap. The caller vouches for the attention
         backend (its decode must be the C++ kernel). Call after the weights are loaded and
         packed; returns whether the path is on."""
         self.cpu_decode_layers = None
@@ -617,11 +620,10 @@ class LlamaForCausalLM(nn.Module):
             ops is None
             or not self.fused_rope
             or not cfg.plain_layers
-            or cfg.sliding_window is not None
             or cfg.attn_logit_softcapping
             or self.tp_size > 1
         ):
-            return False  # (the C++ loop has no all-reduce, experts, windows or softcap)
+            return False  # (the C++ loop has no all-reduce, experts or softcap)
         layers = CpuDecodeLayers(ops, self.config, self.rotary)
         if not all(layers.add_layer(cast(DecoderLayer, layer)) for layer in self.layers):
             return False

@@ -62,7 +62,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "hidden [T, H], positions [T], cos_sin, weights (7 per layer: input norm, packed qkv, "
         "qkv bias or empty, packed o, post norm, packed gate_up, packed down), kv views per "
         "layer, slot_block, slot_offset, block tables, seq lens, num_heads, num_kv_heads, "
-        "head_dim, intermediate, eps, scale -> (hidden, residual) after the last layer");
+        "head_dim, intermediate, eps, scale, windows (per layer, 0: none; or empty) -> "
+        "(hidden, residual) after the last layer");
   m.def("parallel_threads", &parallel_threads, nogil,
         "n -> how many intra-op threads a parallel_for over n items ran on");
 }

@@ -49,4 +49,5 @@ std::vector<torch::Tensor> decode_layers(torch::Tensor hidden, torch::Tensor pos
                                          torch::Tensor slot_offset, torch::Tensor tables,
                                          torch::Tensor lens, int64_t num_heads,
                                          int64_t num_kv_heads, int64_t head_dim,
-                                         int64_t intermediate, double eps, double scale);
+                                         int64_t intermediate, double eps, double scale,
+                                         std::vector<int64_t> windows);
