@@ -8,6 +8,7 @@ requests it must not touch (seeded, prompt logprobs) are served as without it; a
 from __future__ import annotations
 
 from dataclasses import replace
+from itertools import accumulate
 from pathlib import Path
 
 import pytest
@@ -131,16 +132,35 @@ def test_sampled_requests_run_with_drafts(default_model_dir: Path) -> None:
 
 def test_llm_takes_vllms_speculative_config(default_model_dir: Path) -> None:
     """On the CPU's defaults (bf16, the C++ decode layers, which run a step of drafts as one
-    decode row per token): the greedy tokens of an engine without drafts."""
+    decode row per token): the greedy tokens of an engine without drafts; a stop string that
+    a token in the middle of a step's tokens completes ends the output at that token, text and
+    tokens as without drafts."""
     from baton_engine.llm import LLM
 
     prompts = [{"prompt_token_ids": LOOP[i:]} for i in range(3)]
-    tokens = []
-    for spec in (None, SPEC):
-        llm = LLM(str(default_model_dir), max_model_len=256, speculative_config=spec)
-        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
-        tokens.append([list(out.outputs[0].token_ids) for out in outs])
-    core: EngineCore = llm.engine.core
+    llms = [
+        LLM(str(default_model_dir), max_model_len=256, speculative_config=spec)
+        for spec in (None, SPEC)
+    ]
+    core: EngineCore = llms[1].engine.core
     assert core.scheduler.proposer is not None and not core.async_scheduling
-    assert tokens[1] == tokens[0]
+    # the drafted engine's steps for the first prompt: a token inside one of several tokens
+    core.add_request("probe", LOOP, GREEDY)
+    steps = [o.new_token_ids for o in run(core)["probe"]]
+    tokens = [t for step in steps for t in step]
+    ends = list(accumulate(len(step) for step in steps))
+    inside = next(e - 2 for e, step in zip(ends, steps, strict=True) if len(step) > 1 and e > 8)
+    text = llms[0].generate(prompts[:1], GREEDY, use_tqdm=False)[0].outputs[0].text
+    cut = len(llms[0].get_tokenizer().decode(tokens[: inside + 1]))
+    # the last 3 characters of the text up to that token, where they first occur
+    stop = next(text[i - 3 : i] for i in range(cut, 3, -1) if text.find(text[i - 3 : i]) == i - 3)
+    stopped = replace(GREEDY, stop=[stop])
+    results = []
+    for llm in llms:
+        outs = [o.outputs[0] for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+        outs += [o.outputs[0] for o in llm.generate(prompts[:1], stopped, use_tqdm=False)]
+        results.append([(list(o.token_ids), o.text, o.finish_reason, o.stop_reason) for o in outs])
+    assert results[1] == results[0]
+    assert results[0][0][0] == tokens
+    assert results[0][3][2:] == ("stop", stop) and len(results[0][3][0]) == inside + 1
     assert core.scheduler.num_accepted_tokens > 0

@@ -173,7 +173,7 @@ def test_drafts_fit_the_token_budget_and_stop_at_a_stop_token() -> None:
     assert sched.kv.num_free_blocks == sched.kv.pool.num_blocks
 
 
-def test_no_drafts_for_prompt_logprobs_seeds_stop_strings_or_below_min_tokens() -> None:
+def test_no_drafts_for_prompt_logprobs_seeds_or_below_min_tokens() -> None:
     sched = spec_scheduler(prompt_lookup_min=1, prompt_lookup_max=1, disable_by_batch_size=3)
     kinds = {
         "plain": SamplingParams(max_tokens=9, temperature=0.8),
@@ -195,8 +195,9 @@ def test_no_drafts_for_prompt_logprobs_seeds_stop_strings_or_below_min_tokens() 
     )
     sched.update_from_output(so, ModelRunnerOutput(dict.fromkeys(kinds, 3)))
     so = sched.schedule()
-    # (a penalty's rows read their histories; logprobs are each row's)
-    assert set(so.spec_token_ids) == {"plain", "penalty", "logprobs"}
+    # (a penalty's rows read their histories; logprobs are each row's; stop strings are
+    # matched above the engine, token by token)
+    assert set(so.spec_token_ids) == {"plain", "penalty", "logprobs", "stop_str"}
 
 
 # --- the configuration --------------------------------------------------------------------------

@@ -97,6 +97,11 @@ class IncrementalDetokenizer:
         return self._output_cache
 
     @property
+    def stops(self) -> tuple[str, ...]:
+        """The stop strings it matches (empty ones left out)."""
+        return self._stops
+
+    @property
     def finished(self) -> bool:
         """Whether a stop string matched or a ``final=True`` update was made."""
         return self._done

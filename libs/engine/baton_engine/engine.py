@@ -189,20 +189,32 @@ class LLMEngine:
 
     def _process(self, seq: _Sequence, out: EngineCoreOutput) -> None:
         completion = seq.output
-        completion.token_ids.extend(out.new_token_ids)
+        new_ids = out.new_token_ids
+        delta = DetokenizerDelta("")
+        detok = seq.detokenizer
+        if detok is not None:  # (None: detokenize=False)
+            at_stop = out.finished and out.finish_reason == "stop"
+            if len(new_ids) > 1 and detok.stops:
+                # A step's several tokens (speculative decoding): token by token, to end at
+                # the one that completes a stop string, as the gateway does.
+                parts = []
+                for i, token_id in enumerate(new_ids):
+                    last = i == len(new_ids) - 1
+                    delta = detok.update((token_id,), out.finished and last, at_stop and last)
+                    parts.append(delta.text)
+                    if delta.stop_str is not None:
+                        new_ids = new_ids[: i + 1]
+                        break
+                delta = DetokenizerDelta("".join(parts), delta.stop_str)
+            else:
+                delta = detok.update(new_ids, final=out.finished, stop_terminated=at_stop)
+        completion.token_ids.extend(new_ids)
         if out.new_logprobs is not None and completion.logprobs is not None:
-            for lp in out.new_logprobs:
+            for lp in out.new_logprobs[: len(new_ids)]:
                 completion.logprobs.append(self._to_logprob_dict(lp))
                 completion.cumulative_logprob = (
                     completion.cumulative_logprob or 0.0
                 ) + lp.logprobs[0]
-        delta = DetokenizerDelta("")
-        if seq.detokenizer is not None:  # (None: detokenize=False)
-            delta = seq.detokenizer.update(
-                out.new_token_ids,
-                final=out.finished,
-                stop_terminated=out.finished and out.finish_reason == "stop",
-            )
         completion.text += delta.text
         if delta.stop_str is not None and not out.finished:
             self.core.abort_requests([out.req_id], RequestStatus.FINISHED_STOPPED)

@@ -31,8 +31,8 @@ many forward passes of the same requests, each pass's input the token the pass b
 pending token a pass; a request that stops on a token of an early pass drops the later ones.
 
 Speculative decoding (``speculative``, n-gram drafts): a request about to decode one token
-(its last known one) that asks for no prompt logprobs, has no stop strings, grammar or seeded
-sampling (``Request.speculative``) and is past its ``min_tokens`` takes the drafts ``NgramProposer``
+(its last known one) that asks for no prompt logprobs, has no grammar or seeded sampling
+(``Request.speculative``) and is past its ``min_tokens`` takes the drafts ``NgramProposer``
 finds for it, up to what fits the budget and its ``max_tokens``; they count as known tokens of
 this step (``SchedulerOutput.spec_token_ids``) and the step samples once for it.
 ``update_from_output`` gets the drafts it kept and one more token, and moves its computed tokens
