@@ -1,9 +1,10 @@
 """n-gram speculative decoding on the default model: greedy requests get the tokens they get
 without drafts (while drafts are proposed and kept), through chunked prompts, a token budget
 that cuts drafts, preemptions and prefix-cache hits on blocks that held rejected drafts, with
-penalties, bad words and logprobs (each kept draft's); sampled requests run with drafts;
-requests it must not touch (seeded, prompt logprobs) are served as without it; and
-``LLM(speculative_config=...)`` as in vLLM, on the CPU's default kernels."""
+penalties, bad words, logprobs (each kept draft's), stop strings and structured output;
+sampled requests run with drafts; requests it must not touch (seeded, prompt logprobs) are
+served as without it; and ``LLM(speculative_config=...)`` as in vLLM, on the CPU's default
+kernels."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import pytest
 from test_async_scheduling import SYSTEM, add_all, make_core, run, summary
 
 from baton_engine.core.engine_core import EngineCore
-from baton_engine.sampling_params import SamplingParams
+from baton_engine.core.outputs import EngineCoreOutput
+from baton_engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 # Prompts that repeat a run of tokens: the model tends to continue the pattern, which n-gram
 # drafts then predict.
@@ -164,3 +166,46 @@ def test_llm_takes_vllms_speculative_config(default_model_dir: Path) -> None:
     assert results[0][0][0] == tokens
     assert results[0][3][2:] == ("stop", stop) and len(results[0][3][0]) == inside + 1
     assert core.scheduler.num_accepted_tokens > 0
+
+
+def test_drafts_follow_the_grammar(default_model_dir: Path, tokenizer: object) -> None:
+    """Structured output with drafts: the drafts its grammar forbids are cut before the step,
+    each draft's row is masked as after the drafts before it: greedy requests get the tokens
+    of a run without drafts, sampled ones output that follows the grammar."""
+    import json
+    import re
+
+    colors = {
+        "type": "array",
+        "items": {"enum": ["red", "green", "blue"]},
+        "minItems": 6,
+        "maxItems": 8,
+    }
+    schema = {"type": "object", "properties": {"colors": colors}, "required": ["colors"]}
+    pattern = r"(ab|cd){6,20}x"
+    constraints = [
+        StructuredOutputsParams(regex=pattern),
+        StructuredOutputsParams(json=schema, disable_any_whitespace=True),
+        StructuredOutputsParams(choice=["one two one two one two", "three"]),
+    ]
+    batch = [
+        (LOOP[i:], replace(GREEDY, max_tokens=48, ignore_eos=False, structured_outputs=so))
+        for i, so in enumerate(constraints)
+    ]
+    sampled = SamplingParams(temperature=0.8, max_tokens=48, structured_outputs=constraints[0])
+    want = summary(run_core(make_core(default_model_dir, False), batch))
+    core = make_core(default_model_dir, False, speculative_config=SPEC)
+    got = run_core(core, [*batch, (LOOP, sampled)])
+    assert {k: v for k, v in summary(got).items() if k != "a3"} == want
+    decode = tokenizer.decode  # type: ignore[attr-defined]
+    assert re.fullmatch(pattern, decode(want["a0"][0], skip_special_tokens=True))
+    assert len(json.loads(decode(want["a1"][0], skip_special_tokens=True))["colors"]) >= 6
+    assert re.fullmatch(pattern, decode(summary(got)["a3"][0], skip_special_tokens=True))
+    assert core.scheduler.num_accepted_tokens > 0
+
+
+def run_core(
+    core: EngineCore, batch: list[tuple[list[int], SamplingParams]]
+) -> dict[str, list[EngineCoreOutput]]:
+    add_all(core, batch, "a")
+    return run(core)

@@ -109,10 +109,10 @@ class Request:
     # grammar.
     multi_step: bool = field(init=False, repr=False)
     # Speculative decoding may schedule drafts after its last token, several tokens coming out
-    # of one step: no prompt logprobs or grammar (its logprobs, penalties and bad words are each
-    # draft's row's; its stop strings are matched token by token above the engine, which ends
-    # it), and unseeded unless greedy (a seeded request draws one number a token, which drafts
-    # would change).
+    # of one step: no prompt logprobs (its logprobs, penalties, bad words and grammar's masks are
+    # each draft's row's; its stop strings are matched token by token above the engine, which
+    # ends it), and unseeded unless greedy (a seeded request draws one number a token, which
+    # drafts would change).
     speculative: bool = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -139,7 +139,6 @@ class Request:
             not self.prefill_only
             and self.pooling is None
             and sp.prompt_logprobs is None
-            and self.grammar is None
             and (sp.seed is None or sp.is_greedy)
         )
 

@@ -62,6 +62,30 @@ class Grammar:
         """Set ``bitmask[row]`` to the tokens that may come next."""
         self._matcher.fill_next_token_bitmask(bitmask, row)
 
+    def valid_prefix(self, tokens: Sequence[int]) -> int:
+        """How many of ``tokens`` (drafts) the grammar allows in a row from here; its position
+        is left unchanged."""
+        n = 0
+        for token_id in tokens:
+            if self._matcher.is_terminated() or not self._matcher.accept_token(token_id):
+                break
+            n += 1
+        if n:
+            self._matcher.rollback(n)
+        return n
+
+    def fill_bitmasks(self, bitmask: torch.Tensor, row: int, tokens: Sequence[int]) -> None:
+        """Set rows ``row``, ``row + 1``, ... ``row + len(tokens)`` of ``bitmask`` to the
+        tokens that may come next here and after each of ``tokens`` (drafts the grammar
+        allows: ``valid_prefix``); its position is left unchanged."""
+        self._matcher.fill_next_token_bitmask(bitmask, row)
+        for i, token_id in enumerate(tokens):
+            if not self._matcher.accept_token(token_id):
+                raise ValueError(f"draft token {token_id} is not allowed by the grammar")
+            self._matcher.fill_next_token_bitmask(bitmask, row + 1 + i)
+        if tokens:
+            self._matcher.rollback(len(tokens))
+
 
 class StructuredOutputManager:
     """Compiles requests' grammars for one model's tokenizer and fills their bitmasks.
@@ -126,14 +150,25 @@ class StructuredOutputManager:
             raise InvalidRequestError(f"invalid structured output {kind}: {_first_line(e)}") from e
         return Grammar(xgr.GrammarMatcher(compiled))
 
-    def bitmask(self, grammars: Sequence[Grammar]) -> torch.Tensor:
-        """``[len(grammars), ceil(V / 32)]`` int32 on the CPU: row i, the tokens grammar i
-        allows next."""
+    def bitmask(
+        self, grammars: Sequence[Grammar], drafts: Sequence[Sequence[int]] | None = None
+    ) -> torch.Tensor:
+        """``[N, ceil(V / 32)]`` int32 on the CPU: the tokens each grammar allows next, a row
+        each; with ``drafts`` (speculative decoding: each grammar's, possibly none), after each
+        of its drafts too, in the rows that follow its own (N = len(grammars) + all drafts)."""
         import xgrammar as xgr
 
-        mask: torch.Tensor = xgr.allocate_token_bitmask(len(grammars), self.vocab_size)
-        for i, g in enumerate(grammars):
-            g.fill_bitmask(mask, i)
+        if drafts is None:
+            mask: torch.Tensor = xgr.allocate_token_bitmask(len(grammars), self.vocab_size)
+            for i, g in enumerate(grammars):
+                g.fill_bitmask(mask, i)
+            return mask
+        num_rows = len(grammars) + sum(len(d) for d in drafts)
+        mask = xgr.allocate_token_bitmask(num_rows, self.vocab_size)
+        row = 0
+        for g, ahead in zip(grammars, drafts, strict=True):
+            g.fill_bitmasks(mask, row, ahead)
+            row += 1 + len(ahead)
         return mask
 
 

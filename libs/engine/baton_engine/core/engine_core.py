@@ -11,6 +11,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
@@ -882,8 +883,15 @@ class EngineCore:
                 grammars[req_id] = request.grammar
         if not grammars:
             return None
-        bitmask = self.structured.bitmask(list(grammars.values()))
-        return GrammarBitmask({r: i for i, r in enumerate(grammars)}, bitmask)
+        if not so.spec_token_ids:
+            bitmask = self.structured.bitmask(list(grammars.values()))
+            return GrammarBitmask({r: i for i, r in enumerate(grammars)}, bitmask)
+        # a request's drafts take the rows after its own, one after each draft
+        drafts = [so.spec_token_ids.get(req_id, []) for req_id in grammars]
+        bitmask = self.structured.bitmask(list(grammars.values()), drafts)
+        firsts = accumulate((1 + len(d) for d in drafts[:-1]), initial=0)
+        rows = dict(zip(grammars, firsts, strict=True))
+        return GrammarBitmask(rows, bitmask)
 
     @contextlib.contextmanager
     def _ranks_checked(self) -> Iterator[None]:

@@ -31,13 +31,13 @@ many forward passes of the same requests, each pass's input the token the pass b
 pending token a pass; a request that stops on a token of an early pass drops the later ones.
 
 Speculative decoding (``speculative``, n-gram drafts): a request about to decode one token
-(its last known one) that asks for no prompt logprobs, has no grammar or seeded sampling
+(its last known one) that asks for no prompt logprobs and has no seeded sampling
 (``Request.speculative``) and is past its ``min_tokens`` takes the drafts ``NgramProposer``
-finds for it, up to what fits the budget and its ``max_tokens``; they count as known tokens of
-this step (``SchedulerOutput.spec_token_ids``) and the step samples once for it.
-``update_from_output`` gets the drafts it kept and one more token, and moves its computed tokens
-back to the kept drafts. Blocks are indexed from known tokens only, so a block that held a
-rejected draft is indexed once its tokens are real and recomputed.
+finds for it, up to what fits the budget, its ``max_tokens`` and its grammar; they count as
+known tokens of this step (``SchedulerOutput.spec_token_ids``) and the step samples once for
+it. ``update_from_output`` gets the drafts it kept and one more token, and moves its computed
+tokens back to the kept drafts. Blocks are indexed from known tokens only, so a block that held
+a rejected draft is indexed once its tokens are real and recomputed.
 
 Disaggregation adds one detour. A waiting request whose prompt KV lives on a prefill worker
 (``remote_kv``) is admitted without compute: it matches the local prefix cache, gets blocks for
@@ -431,7 +431,10 @@ class Scheduler:
         room = min(room, request.max_tokens - num_output - 1)
         if self.long_prefill_token_threshold > 0:
             room = min(room, self.long_prefill_token_threshold - 1)
-        return self.proposer.propose(request, room)
+        drafts = self.proposer.propose(request, room)
+        if drafts and request.grammar is not None:  # only what its grammar allows
+            del drafts[request.grammar.valid_prefix(drafts) :]
+        return drafts
 
     def running_loras(self) -> set[str]:
         """The adapters of the running requests and of those loading remote KV."""
@@ -724,8 +727,11 @@ class Scheduler:
                                                  request.num_cached_tokens, None, None,
                                                  None)), False  # fmt: skip
         status = None
+        grammar = request.grammar
         for i, token_id in enumerate(tokens):
             out.append(token_id)
+            if grammar is not None:
+                grammar.accept(token_id)  # check_stop ends it if refused or complete
             status = request.check_stop()
             if status is not None:
                 tokens = tokens[: i + 1]

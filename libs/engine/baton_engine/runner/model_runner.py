@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import time
@@ -590,6 +591,8 @@ class ModelRunner:
 
     def _launch(self, so: SchedulerOutput, grammar: GrammarSource | None) -> StepHandle:
         states = self.batch.requests
+        if grammar is not None and so.spec_token_ids:
+            grammar = functools.cache(grammar)  # (the drafts' check and the sampler share it)
         # Decodes first, then fresh prefill chunks by length, then chunks with cached context:
         # the attention backend batches the first two kinds.
         num_sched = so.num_scheduled_tokens
@@ -664,7 +667,7 @@ class ModelRunner:
                 pooled = _pool([reqs[i] for i in sample_rows], pooled_rows, self.pooler)
             logits = self.model.compute_logits(last_hidden)
             if drafted:
-                spec = self._verify(reqs, order, drafted, starts, hidden)
+                spec = self._verify(reqs, order, drafted, starts, hidden, grammar)
         if not sample_rows:
             if spec is None:
                 return StepHandle.ready(ModelRunnerOutput({}, prompt_logprobs=prompt_logprobs))
@@ -719,6 +722,7 @@ class ModelRunner:
         spec_token_ids: Mapping[str, list[int]],
         starts: Sequence[int],
         hidden: torch.Tensor,
+        grammar: GrammarSource | None,
     ) -> _SpecCheck:
         """Check the drafts of the step's requests that have some (spec_decode): the logits
         at each of their positions (the last token's and every draft's), their argmax or
@@ -747,8 +751,15 @@ class ModelRunner:
                 out = self.batch.output_token_ids(state)
                 prompts += [state.prompt_token_ids] * (len(ahead) + 1)
                 outputs += [out + ahead[:j] for j in range(len(ahead) + 1)]
+            masks = self._draft_masks(states, drafts, grammar)
             metadata = SamplingMetadata.from_params(
-                params, prompts, outputs, {}, device=self.device
+                params,
+                prompts,
+                outputs,
+                {},
+                grammar_bitmask=masks[0] if masks else None,
+                grammar_rows=masks[1] if masks else (),
+                device=self.device,
             )
             greedy_ids, probs, greedy_rows = self.sampler.distribution(logits, metadata)
         _, rows_of_drafts = draft_rows([len(d) for d in drafts])
@@ -771,6 +782,33 @@ class ModelRunner:
             raw = logits.float().log_softmax(dim=1)  # (the model's own: vLLM's raw logprobs)
             logprobs = compute_logprobs(raw, kept, max(wanted))
         return _SpecCheck(states, drafts, outcome, logprobs)
+
+    @staticmethod
+    def _draft_masks(
+        states: list[CachedRequestState], drafts: list[list[int]], grammar: GrammarSource | None
+    ) -> tuple[torch.Tensor, list[int]] | None:
+        """The grammar bitmask of a step's drafts' rows (the rows of a request with structured
+        output: its own and one after each draft, EngineCore._grammar_bitmask) and which rows
+        have one; None when none has a grammar."""
+        if grammar is None or all(s.sampling_params.structured_outputs is None for s in states):
+            return None
+        source = grammar()
+        if source is None:
+            return None
+        where: list[int] = []  # the check's rows with a grammar
+        rows: list[int] = []  # their rows of the step's bitmask
+        row = 0
+        for state, ahead in zip(states, drafts, strict=True):
+            first = source.rows.get(state.req_id)
+            if first is not None:
+                where += range(row, row + len(ahead) + 1)
+                rows += range(first, first + len(ahead) + 1)
+            row += len(ahead) + 1
+        bitmask = torch.full((row, source.bitmask.shape[1]), -1, dtype=torch.int32)
+        bitmask[torch.tensor(where, dtype=torch.int64)] = source.bitmask[
+            torch.tensor(rows, dtype=torch.int64)
+        ]
+        return bitmask, where
 
     def _forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
@@ -1110,7 +1148,7 @@ class ModelRunner:
             # on the H200's host: 2.5 ms a step at 256 constrained requests)
             where = [grammar.rows.get(s.req_id) for s in reqs]
             rows = [i for i, row in enumerate(where) if row is not None]
-            if len(rows) == len(reqs) and where == list(range(len(reqs))):
+            if where == list(range(len(reqs))) and grammar.bitmask.shape[0] == len(reqs):
                 bitmask = grammar.bitmask  # already in the batch's order
             elif rows:
                 bitmask = torch.full((len(reqs), grammar.bitmask.shape[1]), -1, dtype=torch.int32)
