@@ -1072,14 +1072,15 @@ class ModelRunner:
         input_ids = self._input_ids[:num_tokens]
         input_ids[:] = self.batch.token_table[token_rows, pos]
         # the last chunk of a prompt (or a decode): its last logits are sampled
+        seq_lens = ends.tolist()
         known = [s.num_tokens + s.num_pending for s in reqs]
-        sample_rows = [i for i, end in enumerate(ends.tolist()) if end == known[i]]
+        sample_rows = [i for i, end in enumerate(seq_lens) if end == known[i]]
         q_rows, q_ends, q_cu = rows, ends, cu  # the queries: one a request
         num_decodes = int(np.count_nonzero(counts == 1))
         if split:  # one a token
             q_rows, q_ends, q_cu = token_rows, pos + 1, np.arange(num_tokens + 1, dtype=np.int64)
             num_decodes = num_tokens
-        seq_lens = q_ends.tolist()
+            seq_lens = q_ends.tolist()
         query_start_loc = q_cu.tolist()
         max_blocks = -(max(seq_lens) // -bs)
         stage = self.staging.to_device
