@@ -44,6 +44,7 @@ def make_core(
     max_num_seqs: int = 8,
     max_num_batched_tokens: int | None = None,
     num_scheduler_steps: int = 1,
+    speculative_config: dict[str, object] | None = None,
 ) -> EngineCore:
     return EngineCore(
         EngineConfig(
@@ -57,6 +58,7 @@ def make_core(
             attention_backend=backend,
             async_scheduling=async_scheduling,
             num_scheduler_steps=num_scheduler_steps,
+            speculative_config=speculative_config,
         )
     )
 
@@ -84,13 +86,17 @@ def run(
     fold_prompts: bool = False,
     num_scheduler_steps: int = 1,
     weight_scale: float = 1.0,
+    num_speculative_tokens: int = 0,
 ) -> tuple[dict[str, list[int]], EngineCore]:
+    spec = {"method": "ngram", "num_speculative_tokens": num_speculative_tokens,
+            "prompt_lookup_min": 1}  # fmt: skip
     core = make_core(
         model_dir,
         backend,
         async_scheduling,
         max_num_batched_tokens=max_num_batched_tokens,
         num_scheduler_steps=num_scheduler_steps,
+        speculative_config=spec if num_speculative_tokens else None,
     )
     if weight_scale != 1.0:  # (larger scores and logits than the dummy weights give)
         with torch.no_grad():
@@ -104,7 +110,7 @@ def run(
     if fold:
         assert core.runner.model.fold_norms(prompts=fold_prompts)
     if graphs:
-        assert core.runner.enable_decode_graphs(capture=False)
+        assert core.runner.enable_decode_graphs(False, num_speculative_tokens)
         assert core.runner.graphs is not None and core.runner.graphs.sizes[:3] == [1, 2, 4]
     if pieces:
         core.runner.enable_piece_graphs(capture=False)
@@ -127,6 +133,21 @@ def test_padded_decode_path_matches_reference(tmp_path: Path) -> None:
     assert all(len(t) == 10 for t in got.values())
     graphs = core.runner.graphs
     assert graphs is not None and graphs.num_steps.get(8, 0) >= 8  # 5 requests padded to 8
+
+
+def test_drafts_through_the_decode_graphs_match_reference(tmp_path: Path) -> None:
+    """Speculative decoding on the GPU's decode path: a step of decodes and n-gram drafts runs
+    every token as a row of the padded graph buffers (captured up to 8 requests times 4 rows),
+    each draft's row attending to the K/V its step wrote before it; the greedy tokens equal
+    the reference's without drafts."""
+    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
+    want, _ = run(tmp_path, "torch", graphs=False)
+    got, core = run(tmp_path, "triton", graphs=True, num_speculative_tokens=3)
+    assert got == want
+    graphs = core.runner.graphs
+    assert graphs is not None and graphs.max_batch_size == 32
+    assert core.scheduler.num_accepted_tokens > 0  # (drafts held: fewer steps than tokens)
+    assert sum(n for size, n in graphs.num_steps.items() if size > 8) > 0  # rows of drafts
 
 
 @pytest.mark.parametrize("arch", ["gemma2", "mistral"])

@@ -451,16 +451,16 @@ def test_multi_step_equals_single_step(tmp_path: Path) -> None:
 
 
 def test_speculative_decoding_gives_the_greedy_tokens(tmp_path: Path) -> None:
-    """n-gram drafts on the GPU's defaults (Triton attention over a step's drafts, decode
-    graphs for the steps without any): the greedy tokens of a run without drafts, for prompts
-    that repeat themselves (drafts are proposed) with a seeded sampled request beside them."""
+    """n-gram drafts on the GPU's defaults (a step's decodes and drafts replay the decode
+    graphs, a row a token): the greedy tokens of a run without drafts, for prompts that repeat
+    themselves (drafts are proposed) with a seeded sampled request beside them."""
     from baton_engine.sampling_params import SamplingParams
 
     (tmp_path / "config.json").write_text(json.dumps(CONFIG))
     greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     seeded = SamplingParams(temperature=0.9, seed=3, max_tokens=20, ignore_eos=True)
     spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
-    results, drafts = [], []
+    results, drafts, wide = [], [], 0
     for config in (None, spec):
         core = _core(tmp_path, max_model_len=512, max_num_seqs=16, speculative_config=config)
         for i in range(10):
@@ -468,7 +468,9 @@ def test_speculative_decoding_gives_the_greedy_tokens(tmp_path: Path) -> None:
             core.add_request(f"s{i}", prompt, seeded if i == 9 else greedy)
         results.append(_drain(core))
         drafts.append(core.scheduler.num_draft_tokens)
+        steps = core.runner.graphs.num_steps
+        wide = sum(n for size, n in steps.items() if size > 16)  # more rows than requests
         del core
         _release_memory()
     assert results[1] == results[0]
-    assert drafts[0] == 0 and drafts[1] > 0
+    assert drafts[0] == 0 and drafts[1] > 0 and wide > 0

@@ -158,7 +158,9 @@ def build_runner(config: EngineConfig, tp_rank: int = 0) -> RunnerSetup:
     runner.initialize_kv_cache(num_blocks)
     if runner.device.type == "cuda":
         runner.warmup_kernels()
-        graphs = runner.enable_decode_graphs(capture=not eager)
+        spec = config.speculative()
+        drafts = spec.num_speculative_tokens if spec is not None else 0
+        graphs = runner.enable_decode_graphs(capture=not eager, num_speculative_tokens=drafts)
         if not graphs and not eager:
             logger.info("no CUDA graphs: the %s backend cannot be captured", runner.backend.name)
     logger.info(

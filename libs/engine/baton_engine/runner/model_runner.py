@@ -27,7 +27,7 @@ from baton_engine.models import LlamaForCausalLM
 from baton_engine.models.llama import shard_config
 from baton_engine.models.moe import Experts
 from baton_engine.pooling_params import PoolerConfig
-from baton_engine.runner.cuda_graphs import DecodeGraphs, PieceGraphs
+from baton_engine.runner.cuda_graphs import DEFAULT_CAPTURE_SIZES, DecodeGraphs, PieceGraphs
 from baton_engine.runner.input_batch import CachedRequestState, InputBatch
 from baton_engine.runner.staging import InputStaging
 from baton_engine.sampler import LogprobsTensors, Sampler, SamplingMetadata, compute_logprobs
@@ -434,15 +434,18 @@ class ModelRunner:
             rows = torch.arange(count, device=self.device)
             ids.index_copy_(0, rows, last.index_select(0, rows))
 
-    def enable_decode_graphs(self, capture: bool) -> bool:
+    def enable_decode_graphs(self, capture: bool, num_speculative_tokens: int = 0) -> bool:
         """Run decode-only steps through persistent buffers, from CUDA graphs when ``capture``
-        (after ``initialize_kv_cache``). Only backends that read ``decode_seq_lens`` on the
-        device can; returns whether this one does."""
+        (after ``initialize_kv_cache``); with ``num_speculative_tokens``, the steps of decodes
+        and drafts too (a row a token: up to ``max_num_seqs`` times one more than drafts a
+        request, within the default capture sizes). Only backends that read
+        ``decode_seq_lens`` on the device can; returns whether this one does."""
         if self.backend.name != "triton":
             return False
+        rows = self.max_num_seqs * (1 + num_speculative_tokens)
         self.graphs = DecodeGraphs(
             lambda ids, pos, md: self.model(ids, pos, self.kv_caches, md, self.backend),
-            max_batch_size=self.max_num_seqs,
+            max_batch_size=min(rows, max(self.max_num_seqs, DEFAULT_CAPTURE_SIZES[-1])),
             max_blocks_per_req=-(self.max_model_len // -self.block_size),
             device=self.device,
             capture=capture,
@@ -648,12 +651,17 @@ class ModelRunner:
                 and not (wants_prompt_logprobs or pools)
                 and all(n == 1 or r in drafted for r, n in zip(order, num_new, strict=True))
             )
-            input_ids, positions, metadata, sample_rows = self._prepare_inputs(reqs, num_new, split)
-            hidden = self._forward(input_ids, positions, metadata)
-            if wants_prompt_logprobs:
-                prompt_logprobs = self._prompt_logprobs(reqs, metadata, hidden)
+            if split and graphs is not None and sum(num_new) <= graphs.max_batch_size:
+                hidden, sample_rows = self._run_split_graph(graphs, reqs, num_new)
+            else:
+                input_ids, positions, metadata, sample_rows = self._prepare_inputs(
+                    reqs, num_new, split
+                )
+                hidden = self._forward(input_ids, positions, metadata)
+                if wants_prompt_logprobs:
+                    prompt_logprobs = self._prompt_logprobs(reqs, metadata, hidden)
             # each request's first token's row
-            starts = list(accumulate(num_new, initial=0)) if split else metadata.query_start_loc
+            starts = list(accumulate(num_new, initial=0))
             last_token = self.staging.to_device(
                 [starts[i + 1] - 1 for i in sample_rows], torch.long
             )
@@ -1047,6 +1055,40 @@ class ModelRunner:
             len(sample_rows) == n,
         )  # fmt: skip
         return hidden, sample_rows
+
+    def _run_split_graph(
+        self, graphs: DecodeGraphs, reqs: list[CachedRequestState], num_new: list[int]
+    ) -> tuple[torch.Tensor, list[int]]:
+        """A step of decodes and drafts through the decode graphs, every token a row of its
+        own (``_prepare_inputs``' split): hidden states, the requests that sample (the ones
+        without drafts). The graphs write every row's K/V in a layer before any row attends,
+        so a draft's row sees the drafts before it. No token is pending (speculative decoding
+        runs without async scheduling): every input is in the token table."""
+        bs = self.block_size
+        counts = np.asarray(num_new, dtype=np.int64)
+        starts = np.fromiter((s.num_computed_tokens for s in reqs), dtype=np.int64, count=len(reqs))
+        rows = np.repeat(
+            np.fromiter((s.row for s in reqs), dtype=np.int64, count=len(reqs)), counts
+        )
+        num_tokens = len(rows)
+        first = np.cumsum(counts) - counts  # each request's first token
+        pos = np.repeat(starts - first, counts) + self._arange[:num_tokens]
+        block_table = self.batch.block_table
+        if self.lora is not None:
+            names = [s.lora_name for s in reqs] if self.batch.num_lora else []
+            self.lora.set_batch(names, counts, self.staging)
+        hidden = graphs.run(
+            input_ids=self.batch.token_table[rows, pos],
+            positions=pos,
+            block_tables=block_table[rows, : int(pos.max()) // bs + 1],
+            slot_block=block_table[rows, pos // bs],
+            slot_offset=pos % bs,
+            host=lambda a: self.staging.host(a, torch.int64),
+            switch_on=self._lora_active(),
+        )
+        known = [s.num_tokens + s.num_pending for s in reqs]
+        ends = (starts + counts).tolist()
+        return hidden, [i for i, end in enumerate(ends) if end == known[i]]
 
     def _prepare_inputs(
         self, reqs: list[CachedRequestState], num_new: list[int], split: bool = False
