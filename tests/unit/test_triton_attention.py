@@ -905,6 +905,36 @@ def test_warmup_runs_every_variant_and_leaves_the_cache_alone() -> None:
     assert torch.equal(pool, before)
     assert split_counts() == [1, 2, 4, 8, 16, 32, 64]
     assert all(choose_num_splits(n, 2, 4096, DEVICE) in split_counts() for n in (1, 3, 40, 999))
+    # at most so many keys: the counts that many can take, and no other
+    assert split_counts(1024) == [1, 2, 4, 8, 16] and split_counts(100) == [1, 2]
+    for keys in (1, 64, 65, 100, 640, 1024, 1500, 8192):
+        taken = {choose_num_splits(n, h, k, DEVICE) for n in range(1, 40) for h in (1, 2, 8)
+                 for k in range(1, keys + 1, 7)}  # fmt: skip
+        assert taken <= set(split_counts(keys)), keys
+
+
+def test_warmup_compiles_the_split_counts_its_lengths_can_take(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``warmup`` for decodes of at most ``max_seq_len`` keys, or a layer's window (the keys
+    it splits) launches the split counts those can take, not all of them."""
+    from baton_kernels.attention import triton_backend
+
+    splits: set[int] = set()
+
+    def spy(*args: Any, **kwargs: Any) -> None:
+        splits.add(args[6])
+        decode_attention(*args, **kwargs)
+
+    monkeypatch.setattr(triton_backend, "decode_attention", spy)
+    pool = torch.randn(4, NUM_LAYERS, 2, 16, 2, 64, device=DEVICE)
+    backend = TritonAttentionBackend()
+    seen = []
+    for window, max_seq_len in ((0, None), (0, 1024), (100, 1024), (4096, 1024), (100, None)):
+        splits.clear()
+        backend.warmup(KVCacheView(pool[:, 1]), 14, window=window, max_seq_len=max_seq_len)
+        seen.append(sorted(splits))
+    assert seen == [split_counts(), [1, 2, 4, 8, 16], [1, 2], [1, 2, 4, 8, 16], [1, 2]]
 
 
 def test_backend_splits_a_windowed_decode_over_the_window(monkeypatch: pytest.MonkeyPatch) -> None:

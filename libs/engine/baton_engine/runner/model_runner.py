@@ -395,9 +395,14 @@ class ModelRunner:
         start = time.perf_counter()
         warmup = getattr(self.backend, "warmup", None)
         if warmup is not None and self.kv_caches:
+            bs = self.block_size
             for window, softcap in self.model.attention_options():
                 warmup(
-                    self.kv_caches[0], self.model_config.num_heads, window=window, softcap=softcap
+                    self.kv_caches[0],
+                    self.model_config.num_heads,
+                    window=window,
+                    softcap=softcap,
+                    max_seq_len=-(self.max_model_len // -bs) * bs,  # (the graphs' decode length)
                 )
         if self.device.type == "cuda":
             hidden = torch.zeros(

@@ -161,14 +161,21 @@ class TritonAttentionBackend:
         return out
 
     def warmup(
-        self, kv_cache: KVCacheView, num_heads: int, *, window: int = 0, softcap: float = 0.0
+        self,
+        kv_cache: KVCacheView,
+        num_heads: int,
+        *,
+        window: int = 0,
+        softcap: float = 0.0,
+        max_seq_len: int | None = None,
     ) -> None:
         """Compile every kernel variant a step can launch (two per decode split count and
         launch, with and without the rotation; the prefill kernel, the cache write) now, so
         that no request waits ~1 s for Triton's JIT the first time a batch shape needs a new
         one. Writes nothing into the cache. The variants are those of a layer with this
-        ``window`` and ``softcap`` (the values do not matter, only which are > 0): call it once
-        per set of options the model's layers use."""
+        ``window`` and ``softcap`` (whether each is > 0, and the split counts that a decode of
+        at most ``max_seq_len`` keys, or of the window's, can take): call it once per set of
+        options the model's layers use."""
         kv = kv_cache.kv
         dev, head_dim = kv.device, kv.shape[-1]
         query = torch.randn((1, num_heads, head_dim), dtype=kv.dtype, device=dev)
@@ -178,7 +185,8 @@ class TritonAttentionBackend:
         key = torch.randn((1, kv.shape[3], head_dim), dtype=kv.dtype, device=dev)
         cos_sin = torch.ones((1, 2, head_dim), device=dev)
         skip = torch.full_like(one, -1)  # slot -1: no K/V written
-        for splits in split_counts():
+        keys = [n for n in (window, max_seq_len) if n]  # (a window splits the keys it reads)
+        for splits in split_counts(min(keys, default=None)):
             for tile, warps, stages in set(decode_launches(head_dim, splits)):
                 launch = functools.partial(
                     decode_attention, query, kv_cache, out, one, table, 1.0, splits,

@@ -520,10 +520,11 @@ def decode_launches(head_dim: int, num_splits: int) -> tuple[tuple[int, int, int
     return few, few
 
 
-def split_counts() -> list[int]:
+def split_counts(max_keys: int | None = None) -> list[int]:
     """Every ``num_splits`` that ``choose_num_splits`` can return (each is its own compiled
-    variant of the kernel)."""
-    return [1 << i for i in range(MAX_SPLITS.bit_length())]
+    variant of the kernel), for at most ``max_keys`` keys a decode."""
+    top = MAX_SPLITS if max_keys is None else min(MAX_SPLITS, cdiv(max_keys, MIN_SPLIT_TOKENS))
+    return [1 << i for i in range(top.bit_length())]
 
 
 class DecodeNorm(NamedTuple):
