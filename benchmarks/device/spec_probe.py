@@ -93,7 +93,7 @@ def main() -> None:
         ms = 1000 * decode_s / max(decode_steps, 1)
         print(f"{k:>2} {rate:>9.1f} {rate / base_rate:>6.2f} {ms:>8.3f} {decode_steps:>6} "
               f"{share:>9} {tokens == base!s:>5}  {sizes}", flush=True)  # fmt: skip
-        del core
+        del core, graphs, sched  # (each holds the engine: its KV pool and graphs)
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
