@@ -10,7 +10,7 @@ echo "qwen b1 ended $(date +%T)"
 timeout -s INT 140 python3 benchmarks/device/spec_probe.py --shape llama --batch 1 --num-prompts 2 \
     --k 0,4
 echo "llama b1 ended $(date +%T)"
-timeout -s INT $((470 - SECONDS)) python3 -m pytest -q -rf -x -p no:warnings -p no:cacheprovider \
-    --durations=2 -o faulthandler_timeout=$((440 - SECONDS)) tests/gpu/test_engine_gpu.py \
+timeout -s INT $((550 - SECONDS)) python3 -m pytest -q -rf -x -p no:warnings -p no:cacheprovider \
+    --durations=2 -o faulthandler_timeout=$((520 - SECONDS)) tests/gpu/test_engine_gpu.py \
     -k "sliding and gemma3" 2>&1 | grep -v "site-packages/_pytest\|site-packages/pluggy"
 echo "ended $(date +%T)"
