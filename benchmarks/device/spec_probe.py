@@ -31,7 +31,13 @@ def main() -> None:
     p.add_argument("--k", default="0,2,4", help="num_speculative_tokens values (0: none)")
     p.add_argument("--lookup-min", type=int, default=2)
     p.add_argument("--lookup-max", type=int, default=4)
+    p.add_argument("--sync", action="store_true", help="no async scheduling without drafts too")
+    p.add_argument("--eager-drafts", action="store_true", help="steps with drafts without graphs")
     args = p.parse_args()
+    if args.eager_drafts:
+        from baton_engine.runner import model_runner
+
+        model_runner.SPLIT_GRAPHS = False
     args.only_config = ""  # several engines in this process: 0.6 of the memory each
     base: dict[str, list[int]] | None = None
     lookup = f"{args.lookup_min}..{args.lookup_max}"
@@ -49,7 +55,8 @@ def main() -> None:
                 "prompt_lookup_min": args.lookup_min,
                 "prompt_lookup_max": args.lookup_max,
             }
-        core, mc, params = probe_engine(args, speculative_config=spec)
+        sync = {"async_scheduling": False} if args.sync else {}
+        core, mc, params = probe_engine(args, speculative_config=spec, **sync)
         prompts = random_prompts(args.num_prompts, args.prompt_len, mc.vocab_size)
         # warm-up: the same shapes' kernels and graphs, two short requests
         for i, prompt in enumerate(random_prompts(2, 32, mc.vocab_size, seed=9)):

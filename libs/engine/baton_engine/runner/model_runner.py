@@ -70,6 +70,9 @@ GEMV_ROWS = 1
 # again (_DecodeGather): ~30 of the ~355 Python bytecodes a request costs the host per decode
 # step (benchmarks/bench_host_step.py --bytecodes). False: every step reads them.
 REUSE_GATHER = True
+# Steps of decodes and drafts replay the decode graphs, a row a token (False: they run eagerly,
+# or as prompt-step pieces; an A/B switch for benchmarks/device/spec_probe.py).
+SPLIT_GRAPHS = True
 # Decode steps on a GPU run with each layer's RMSNorms folded into the projections after them
 # (LlamaForCausalLM.fold_norms): 2 launches fewer a layer. On an H200 the decode graph took
 # 1.69-1.70 ms against 1.79 for Qwen2.5-0.5B at 256 rows, 1.04 against 1.12 at 64, and
@@ -656,7 +659,12 @@ class ModelRunner:
                 and not (wants_prompt_logprobs or pools)
                 and all(n == 1 or r in drafted for r, n in zip(order, num_new, strict=True))
             )
-            if split and graphs is not None and sum(num_new) <= graphs.max_batch_size:
+            if (
+                split
+                and graphs is not None
+                and SPLIT_GRAPHS
+                and sum(num_new) <= graphs.max_batch_size
+            ):
                 hidden, sample_rows = self._run_split_graph(graphs, reqs, num_new)
             else:
                 input_ids, positions, metadata, sample_rows = self._prepare_inputs(
