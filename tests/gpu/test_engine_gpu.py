@@ -414,6 +414,20 @@ def test_sliding_windows_on_the_gpus_defaults_match_reference(arch: str, tmp_pat
     assert _drain(ref)["lone"] == lone
 
 
+def test_a_second_engine_over_the_share_names_the_first(tmp_path: Path) -> None:
+    """Two engines in one process (a notebook's second ``LLM``) whose shares exceed the GPU:
+    the second's refusal says this process holds the first's memory, and how to free it."""
+    from baton_engine.errors import InvalidRequestError
+
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    first = _core(tmp_path, max_model_len=512, gpu_memory_utilization=0.6)
+    with pytest.raises(InvalidRequestError, match="by this process, an earlier engine"):
+        _core(tmp_path, max_model_len=512, gpu_memory_utilization=0.6)
+    del first
+    _release_memory()
+    _core(tmp_path, max_model_len=512, gpu_memory_utilization=0.6)  # (room again)
+
+
 def test_multi_step_equals_single_step(tmp_path: Path) -> None:
     """Multi-step scheduling on the GPU's defaults (decode graphs, async scheduling): several
     passes a step, each pass's input the pass before's token on the device, give the tokens of

@@ -234,10 +234,22 @@ def _check_gpu_share(config: EngineConfig, device: torch.device) -> int:
         raise InvalidRequestError(
             f"gpu_memory_utilization {config.gpu_memory_utilization} asks for "
             f"{wanted / 2**30:.1f} GiB of {device}'s {total / 2**30:.1f} GiB, but only "
-            f"{free / 2**30:.1f} GiB are free ({(total - free) / 2**30:.1f} GiB are held by "
-            "other processes): lower it"
+            f"{free / 2**30:.1f} GiB are free ({_held(total - free, device)}): lower it"
         )
     return int(free)
+
+
+def _held(used: int, device: torch.device) -> str:
+    """Who holds the ``used`` bytes of ``device``: other processes, and this one's share (an
+    earlier engine of this process not yet freed, as in a notebook's second ``LLM``)."""
+    mine = torch.cuda.memory_reserved(device)
+    if mine < 2**30:  # (a CUDA context's own, not an engine's)
+        return f"{used / 2**30:.1f} GiB are held by other processes"
+    return (
+        f"{mine / 2**30:.1f} GiB by this process, an earlier engine not yet freed (delete it "
+        f"and run gc.collect() and torch.cuda.empty_cache()); {(used - mine) / 2**30:.1f} GiB "
+        "by other processes"
+    )
 
 
 def kv_budget_bytes(
