@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import replace
+from itertools import accumulate
 from pathlib import Path
 
 import pytest
@@ -143,14 +144,46 @@ def test_aborts_and_preemption_give_the_tokens_of_single_steps(default_model_dir
         assert len(a) >= n and got[req_id][1] is None
 
 
-def test_stop_strings_and_host_bound_sampling_run_one_pass_a_step(
-    default_model_dir: Path,
-) -> None:
-    """Stop strings are matched on text above the engine, penalties and logprobs read the
-    request's tokens on the host: such requests never run several passes."""
+def test_a_stop_string_inside_a_run_ends_the_output_there(default_model_dir: Path) -> None:
+    """Stop strings run multi-steps too: ``LLM`` matches them token by token in a step's
+    several tokens and ends the output at the token that completes one (text, tokens, reason
+    and matched string as with one pass a step), here one completed inside a run of 4."""
+    from baton_engine.llm import LLM
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    prompt = {"prompt_token_ids": [*SYSTEM, 77]}
+    llms = [
+        LLM(str(default_model_dir), max_model_len=256, num_scheduler_steps=steps)
+        for steps in (1, 4)
+    ]
+    core: EngineCore = llms[1].engine.core
+    core.add_request("probe", [*SYSTEM, 77], greedy)
+    steps = [o.new_token_ids for o in run(core)["probe"]]
+    assert [len(step) for step in steps] == [1, 4, 4, 4, 4, 3]
+    tokens = [t for step in steps for t in step]
+    inside = 6  # the third token of the second run of 4
+    text = llms[0].generate([prompt], greedy, use_tqdm=False)[0].outputs[0].text
+    cut = len(llms[0].get_tokenizer().decode(tokens[: inside + 1]))
+    # the last 3 characters of the text up to that token, where they first occur
+    stop = next(text[i - 3 : i] for i in range(cut, 3, -1) if text.find(text[i - 3 : i]) == i - 3)
+    stopped = replace(greedy, stop=[stop])
+    results = []
+    for llm in llms:
+        multi = llm.engine.core.scheduler.num_multi_steps
+        out = llm.generate([prompt], stopped, use_tqdm=False)[0].outputs[0]
+        results.append((list(out.token_ids), out.text, out.finish_reason, out.stop_reason))
+        assert (llm.engine.core.scheduler.num_multi_steps > multi) == (llm is llms[1])
+    assert results[1] == results[0]
+    assert results[0][2:] == ("stop", stop) and tokens[: len(results[0][0])] == results[0][0]
+    assert len(results[0][0]) <= inside + 1 and text.startswith(results[0][1])
+    assert len(results[0][0]) not in accumulate(len(step) for step in steps)  # inside a run
+
+
+def test_host_bound_sampling_runs_one_pass_a_step(default_model_dir: Path) -> None:
+    """Penalties and logprobs read the request's tokens on the host: such requests never run
+    several passes."""
     core = make_core(default_model_dir, True, num_scheduler_steps=4)
     kinds = [
-        SamplingParams(temperature=0.0, max_tokens=12, stop=["never seen"], ignore_eos=True),
         SamplingParams(temperature=0.0, max_tokens=12, presence_penalty=0.5, ignore_eos=True),
         SamplingParams(temperature=0.0, max_tokens=12, logprobs=1, ignore_eos=True),
     ]

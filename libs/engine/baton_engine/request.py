@@ -104,9 +104,9 @@ class Request:
     stop_ids: frozenset[int] = field(init=False, repr=False)
     # Multi-step scheduling may run its decodes several passes a step: its sampling needs none
     # of its tokens on the host (no penalties or bad words; ``min_tokens`` is checked when
-    # scheduling), it reports no logprobs, it has no stop strings (matched on text above the
-    # engine, after the step: the tokens past one would have been reported with it), and no
-    # grammar.
+    # scheduling), it reports no logprobs, and no grammar. Its stop strings are matched token
+    # by token above the engine (the gateway, ``LLM``), which ends the output at the token that
+    # completes one and aborts it, as with speculative decoding's several tokens a step.
     multi_step: bool = field(init=False, repr=False)
     # Speculative decoding may schedule drafts after its last token, several tokens coming out
     # of one step: no prompt logprobs (its logprobs, penalties, bad words and grammar's masks are
@@ -129,7 +129,6 @@ class Request:
         self.stop_ids = frozenset((*eos, *sp.stop_token_ids))
         self.multi_step = (
             plain
-            and not sp.stop
             and sp.presence_penalty == 0.0
             and sp.frequency_penalty == 0.0
             and sp.repetition_penalty == 1.0
