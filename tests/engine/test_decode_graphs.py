@@ -135,19 +135,25 @@ def test_padded_decode_path_matches_reference(tmp_path: Path) -> None:
     assert graphs is not None and graphs.num_steps.get(8, 0) >= 8  # 5 requests padded to 8
 
 
-def test_drafts_through_the_decode_graphs_match_reference(tmp_path: Path) -> None:
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_drafts_through_the_decode_graphs_match_reference(
+    tmp_path: Path, async_scheduling: bool
+) -> None:
     """Speculative decoding on the GPU's decode path: a step of decodes and n-gram drafts runs
     every token as a row of the padded graph buffers (captured up to 8 requests times 4 rows),
-    each draft's row attending to the K/V its step wrote before it; the greedy tokens equal
-    the reference's without drafts."""
+    each draft's row attending to the K/V its step wrote before it; with async scheduling, a
+    request's first row takes its pending token from the step before's samples on the device.
+    The greedy tokens equal the reference's without drafts."""
     (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
     want, _ = run(tmp_path, "torch", graphs=False)
-    got, core = run(tmp_path, "triton", graphs=True, num_speculative_tokens=3)
+    got, core = run(tmp_path, "triton", graphs=True, async_scheduling=async_scheduling,
+                    num_speculative_tokens=3)  # fmt: skip
     assert got == want
     graphs = core.runner.graphs
     assert graphs is not None and graphs.max_batch_size == 32
     assert core.scheduler.num_accepted_tokens > 0  # (drafts held: fewer steps than tokens)
     assert sum(n for size, n in graphs.num_steps.items() if size > 8) > 0  # rows of drafts
+    assert (core.scheduler.num_guessed_drafts > 0) == async_scheduling
 
 
 @pytest.mark.parametrize("arch", ["gemma2", "mistral"])

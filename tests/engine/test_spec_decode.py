@@ -55,13 +55,22 @@ def batch_of_kinds(probe: list[int]) -> list[tuple[list[int], SamplingParams]]:
     ]
 
 
-def test_greedy_tokens_are_those_without_drafts(default_model_dir: Path) -> None:
+Kinds = tuple[list[tuple[list[int], SamplingParams]], dict[str, list[EngineCoreOutput]]]
+
+
+@pytest.fixture(scope="module")
+def kinds(default_model_dir: Path) -> Kinds:
+    """``batch_of_kinds`` and its outputs without drafts (one pass a step, synchronous)."""
     reference = make_core(default_model_dir, False)
     reference.add_request("probe", LOOP, GREEDY)
     probe = summary(run(reference))["probe"][0]
     batch = batch_of_kinds(probe)
     add_all(reference, batch, "a")
-    outputs = run(reference)
+    return batch, run(reference)
+
+
+def test_greedy_tokens_are_those_without_drafts(default_model_dir: Path, kinds: Kinds) -> None:
+    batch, outputs = kinds
     want = summary(outputs)
     assert want["a4"][1] == "stop"
     # a small token budget: prompts in chunks beside decodes, drafts cut to fit
@@ -84,23 +93,56 @@ def test_greedy_tokens_are_those_without_drafts(default_model_dir: Path) -> None
     assert sum(stats.num_accepted_per_pos) == stats.num_accepted_tokens
 
 
-def test_preemptions_and_prefix_hits_keep_the_tokens(default_model_dir: Path) -> None:
-    """A pool too small for the batch: requests are preempted and recomputed; then the same
-    batch again, whose prompts hit the blocks the first run left in the prefix cache (blocks
-    that held rejected drafts included): the tokens of a run without drafts, both times."""
+@pytest.mark.parametrize("budget", [None, 24])
+def test_async_scheduling_drafts_after_the_pending_token(
+    default_model_dir: Path, kinds: Kinds, budget: int | None
+) -> None:
+    """With async scheduling a decoding request's last token is still on the device when its
+    next step is scheduled: its drafts follow a guess of that token (what followed its latest
+    n-gram match), its first row takes the token from the device, and the step after is not
+    run ahead of it. Every kind of request gets the tokens of a synchronous run without
+    drafts (whole steps and a budget that chunks prompts and cuts drafts)."""
+    batch, outputs = kinds
+    core = make_core(
+        default_model_dir, True, speculative_config=SPEC, max_num_batched_tokens=budget
+    )
+    add_all(core, batch, "a")
+    assert summary(run(core)) == summary(outputs)
+    sched = core.scheduler
+    assert sched.num_guessed_drafts > 0 and sched.num_accepted_tokens > 20
+    # only requests that never wait for the host (the kinds above that do keep steps
+    # synchronous while they run): several pending at once, each with its drafts
+    plain = [(LOOP[i:], replace(GREEDY, max_tokens=12 + 5 * i)) for i in range(6)]
+    reference = make_core(default_model_dir, False)
+    add_all(reference, plain, "p")
+    add_all(core, plain, "p")
+    guessed = sched.num_guessed_drafts
+    assert summary(run(core)) == summary(run(reference))
+    assert sched.num_guessed_drafts > guessed
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_preemptions_and_prefix_hits_keep_the_tokens(
+    default_model_dir: Path, async_scheduling: bool
+) -> None:
+    """A pool too small for the batch: requests are preempted and recomputed (with async
+    scheduling too, drafts then following pending tokens); then the same batch again,
+    whose prompts hit the blocks the first run left in the prefix cache (blocks that held
+    rejected drafts included): the tokens of a run without drafts, both times."""
     batch = [(LOOP[i:], replace(GREEDY, max_tokens=48)) for i in range(6)]
     small = {"num_gpu_blocks_override": 24}
     reference = make_core(default_model_dir, False, **small)
     add_all(reference, batch, "a")
     want = summary(run(reference))
     assert reference.scheduler.num_preemptions > 0
-    core = make_core(default_model_dir, False, speculative_config=SPEC, **small)
+    core = make_core(default_model_dir, async_scheduling, speculative_config=SPEC, **small)
     for tag in ("a", "b"):
         add_all(core, batch, tag)
         got = summary(run(core))
         assert got == {tag + k[1:]: v for k, v in want.items()}
     assert core.scheduler.num_preemptions > 0 and core.scheduler.num_accepted_tokens > 0
     assert core.kv.num_prefix_hits > 0
+    assert (core.scheduler.num_guessed_drafts > 0) == async_scheduling
 
 
 def test_sampled_requests_run_with_drafts(default_model_dir: Path) -> None:

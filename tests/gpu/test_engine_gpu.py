@@ -466,7 +466,8 @@ def test_multi_step_equals_single_step(tmp_path: Path) -> None:
 
 def test_speculative_decoding_gives_the_greedy_tokens(tmp_path: Path) -> None:
     """n-gram drafts on the GPU's defaults (a step's decodes and drafts replay the decode
-    graphs, a row a token): the greedy tokens of a run without drafts, for prompts that repeat
+    graphs, a row a token), and with async scheduling (drafts after a pending token, taken on
+    the device): the greedy tokens of a run without drafts, for prompts that repeat
     themselves (drafts are proposed) with a seeded sampled request beside them."""
     from baton_engine.sampling_params import SamplingParams
 
@@ -475,8 +476,9 @@ def test_speculative_decoding_gives_the_greedy_tokens(tmp_path: Path) -> None:
     seeded = SamplingParams(temperature=0.9, seed=3, max_tokens=20, ignore_eos=True)
     spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
     results, drafts, wide = [], [], 0
-    for config in (None, spec):
-        core = _core(tmp_path, max_model_len=512, max_num_seqs=16, speculative_config=config)
+    for config, asynchronous in ((None, None), (spec, None), (spec, True)):
+        core = _core(tmp_path, max_model_len=512, max_num_seqs=16, speculative_config=config,
+                     async_scheduling=asynchronous)  # fmt: skip
         for i in range(10):
             prompt = [(11 * i + j) % 4000 + 1 for j in range(6 + i)] * 4
             core.add_request(f"s{i}", prompt, seeded if i == 9 else greedy)
@@ -486,5 +488,5 @@ def test_speculative_decoding_gives_the_greedy_tokens(tmp_path: Path) -> None:
         wide = sum(n for size, n in steps.items() if size > 16)  # more rows than requests
         del core
         _release_memory()
-    assert results[1] == results[0]
-    assert drafts[0] == 0 and drafts[1] > 0 and wide > 0
+    assert results[2] == results[1] == results[0]
+    assert drafts[0] == 0 and drafts[1] > 0 and drafts[2] > 0 and wide > 0

@@ -230,5 +230,8 @@ def test_speculation_turns_async_scheduling_off_unless_asked_for() -> None:
     spec = '{"method": "ngram", "num_speculative_tokens": 2}'
     assert EngineConfig(device="cuda").resolved_async_scheduling()
     assert not EngineConfig(device="cuda", speculative_config=spec).resolved_async_scheduling()
-    with pytest.raises(InvalidRequestError, match="async scheduling off"):
-        EngineConfig(speculative_config=spec, async_scheduling=True).validate()
+    asked = EngineConfig(speculative_config=spec, async_scheduling=True)
+    asked.validate()
+    assert asked.resolved_async_scheduling()
+    with pytest.raises(InvalidRequestError, match="cannot be combined"):
+        EngineConfig(speculative_config=spec, num_scheduler_steps=2).validate()

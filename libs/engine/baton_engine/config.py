@@ -671,7 +671,9 @@ class EngineConfig:
 
     def resolved_async_scheduling(self) -> bool:
         """As asked; by default on for GPUs, off for CPUs, and off with speculative decoding
-        (whose drafts come from the tokens of the step before)."""
+        (whose drafts come from the tokens of the step before: with async scheduling, a
+        request's drafts follow a guess of its pending token, and a step with drafts is not
+        run ahead of)."""
         if self.async_scheduling is not None:
             return self.async_scheduling
         return self.device.startswith("cuda") and self.speculative_config is None
@@ -778,17 +780,11 @@ class EngineConfig:
 
             PoolerConfig.resolve(self.pooler_config, None)  # (its errors, before the model)
         self.hf_overrides_dict()  # (its errors, before the model)
-        if self.speculative() is not None:
-            if self.async_scheduling:
-                raise InvalidRequestError(
-                    "speculative decoding needs async scheduling off (drafts come from the "
-                    "previous step's tokens): leave --async-scheduling unset"
-                )
-            if self.num_scheduler_steps > 1:
-                raise InvalidRequestError(
-                    "speculative decoding and multi-step scheduling (num_scheduler_steps > 1) "
-                    "cannot be combined"
-                )
+        if self.speculative() is not None and self.num_scheduler_steps > 1:
+            raise InvalidRequestError(
+                "speculative decoding and multi-step scheduling (num_scheduler_steps > 1) "
+                "cannot be combined"
+            )
         if self.load_format not in ("auto", "dummy"):
             raise InvalidRequestError(
                 f"load_format must be 'auto' or 'dummy', got {self.load_format!r}"

@@ -38,9 +38,10 @@ class NgramProposer:
         self.min_n, self.max_n, self.k = min_n, max_n, k
         self._tokens: dict[str, tuple[np.ndarray, int]] = {}  # req_id -> (buffer, length)
 
-    def propose(self, request: Request, max_drafts: int) -> list[int]:
-        """At most ``min(k, max_drafts)`` draft tokens to follow ``request``'s tokens."""
-        limit = min(self.k, max_drafts)
+    def propose(self, request: Request, max_drafts: int, extra: int = 0) -> list[int]:
+        """At most ``min(k + extra, max_drafts)`` draft tokens to follow ``request``'s tokens
+        (``extra``: the first guess the request's pending tokens)."""
+        limit = min(self.k + extra, max_drafts)
         if limit <= 0:
             return []
         return propose_ngram(self._sync(request), self.min_n, self.max_n, limit)

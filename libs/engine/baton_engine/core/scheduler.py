@@ -37,7 +37,11 @@ finds for it, up to what fits the budget, its ``max_tokens`` and its grammar; th
 known tokens of this step (``SchedulerOutput.spec_token_ids``) and the step samples once for
 it. ``update_from_output`` gets the drafts it kept and one more token, and moves its computed
 tokens back to the kept drafts. Blocks are indexed from known tokens only, so a block that held
-a rejected draft is indexed once its tokens are real and recomputed.
+a rejected draft is indexed once its tokens are real and recomputed. With async scheduling, a
+request whose last token is pending takes drafts only if its sampling reads none of its tokens
+on the host (``Request.multi_step``): its known tokens' proposal guesses the pending token
+(dropped) and gives the drafts after it. Until a step of drafts reports, the request's computed
+tokens run ahead of its known ones, so it is not scheduled again before.
 
 Disaggregation adds one detour. A waiting request whose prompt KV lives on a prefill worker
 (``remote_kv``) is admitted without compute: it matches the local prefix cache, gets blocks for
@@ -135,6 +139,7 @@ class Scheduler:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.num_accepted_per_pos = [0] * (speculative.num_speculative_tokens if speculative else 0)
+        self.num_guessed_drafts = 0  # drafts after a pending token (async scheduling)
         self.requests: dict[str, Request] = {}  # req_id -> every unfinished request
         # fcfs: arrival order, preempted requests at the front; priority: _waiting_rank order
         self.waiting: deque[Request] = deque()
@@ -325,8 +330,14 @@ class Scheduler:
             ):
                 continue
             drafts = None
-            if speculate and num_new == 1 and not num_pending and request.speculative:
-                drafts = self._drafts(request, budget - 1)
+            if speculate and num_new == 1 and request.speculative:
+                drafts = []
+                if not num_pending:
+                    drafts = self._drafts(request, budget - 1)
+                elif num_pending == 1 and request.multi_step:
+                    # async scheduling: its last token is still on the device (as the input
+                    # it decodes: drafts follow it; its sampling reads no token on the host)
+                    drafts = self._drafts(request, budget - 1, after_pending=True)
                 num_new += len(drafts)
                 num_known += len(drafts)
             if computed + num_new <= request.kv_limit:
@@ -420,17 +431,26 @@ class Scheduler:
             preempted, spec_token_ids=spec,
         )  # fmt: skip
 
-    def _drafts(self, request: Request, room: int) -> list[int]:
+    def _drafts(self, request: Request, room: int, after_pending: bool = False) -> list[int]:
         """The drafts a decoding request takes this step (``room``: the budget left after its
         token): none below its ``min_tokens`` (its end tokens are suppressed there), and no
-        more than would run past its ``max_tokens`` or the prefill chunk size."""
+        more than would run past its ``max_tokens`` or the prefill chunk size.
+        ``after_pending``: its last token is pending (async scheduling); the proposal from its
+        known tokens guesses that token (dropped) and the drafts after it. A wrong guess costs
+        only the drafts, which the check then rejects. A step of drafts leaves the request's
+        count of tokens unknown until it reports: it is scheduled again after that (its
+        computed tokens run ahead of the known ones until then)."""
         assert self.proposer is not None
-        num_output = len(request.output_token_ids)
+        num_output = len(request.output_token_ids) + after_pending
         if num_output < request.sampling_params.min_tokens:
             return []
         room = min(room, request.max_tokens - num_output - 1)
         if self.long_prefill_token_threshold > 0:
             room = min(room, self.long_prefill_token_threshold - 1)
+        if after_pending:
+            guessed = self.proposer.propose(request, room + 1, extra=1)
+            self.num_guessed_drafts += len(guessed[1:])
+            return guessed[1:]
         drafts = self.proposer.propose(request, room)
         if drafts and request.grammar is not None:  # only what its grammar allows
             del drafts[request.grammar.valid_prefix(drafts) :]

@@ -143,9 +143,11 @@ class InputBatch:
             if cached.new_block_ids:
                 self._append_blocks(state, cached.new_block_ids)
         for req_id, drafts in so.spec_token_ids.items():
-            # the step's inputs after the request's last token (record_spec overwrites them)
+            # the step's inputs after the request's last token, pending or not (record_spec
+            # overwrites them)
             state = requests[req_id]
-            self.token_table[state.row, state.num_tokens : state.num_tokens + len(drafts)] = drafts
+            start = state.num_tokens + state.num_pending
+            self.token_table[state.row, start : start + len(drafts)] = drafts
 
     def _append_blocks(self, state: CachedRequestState, block_ids: list[int]) -> None:
         if block_ids:

@@ -925,13 +925,18 @@ class ModelRunner:
         return host, event
 
     def _patch_pending(
-        self, reqs: list[CachedRequestState], positions: np.ndarray, ids: torch.Tensor
+        self,
+        reqs: list[CachedRequestState],
+        positions: np.ndarray,
+        ids: torch.Tensor,
+        first: np.ndarray | None = None,
     ) -> None:
         """Fill the input ids (``ids``, on the device, one per token of the step) of decodes
         whose input token is still pending, from the last launched step's sampled ids. Row
-        ``i < len(reqs)`` is request ``i``'s first token, at ``positions[i]``: its input is
-        pending when the host has the request's tokens only up to that position (then it is
-        the last token that step sampled: one of a multi-step's passes, the one before)."""
+        ``first[i]`` (default ``i``) is request ``i``'s first token, at ``positions[i]``: its
+        input is pending when the host has the request's tokens only up to that position (then
+        it is the last token that step sampled: one of a multi-step's passes, the one before;
+        drafts may follow it)."""
         last = self._last_sampled
         if last is None:
             return
@@ -941,12 +946,16 @@ class ModelRunner:
         if not len(dst):
             return
         last_reqs = self._last_sampled_reqs
-        if len(dst) == n and len(last_reqs) >= n and last_reqs[:n] == reqs:
-            ids[:n].copy_(last[:n])  # the usual decode batch: same requests, same order
-            return
+        if first is not None and first[n - 1] != n - 1:
+            rows = first[dst]  # (some request has several tokens: drafts)
+        else:
+            rows = dst  # row i: request i's first token
+            if len(dst) == n and len(last_reqs) >= n and last_reqs[:n] == reqs:
+                ids[:n].copy_(last[:n])  # the usual decode batch: same requests, same order
+                return
         index = {s.req_id: j for j, s in enumerate(last_reqs)}
         src = [index[reqs[i].req_id] for i in dst.tolist()]
-        where = self.staging.to_device(dst, torch.long)
+        where = self.staging.to_device(rows, torch.long)
         which = self.staging.to_device(src, torch.long)
         ids.index_copy_(0, where, last.index_select(0, which))
 
@@ -1075,8 +1084,8 @@ class ModelRunner:
         """A step of decodes and drafts through the decode graphs, every token a row of its
         own (``_prepare_inputs``' split): hidden states, the requests that sample (the ones
         without drafts). The graphs write every row's K/V in a layer before any row attends,
-        so a draft's row sees the drafts before it. No token is pending (speculative decoding
-        runs without async scheduling): every input is in the token table."""
+        so a draft's row sees the drafts before it. A request's pending token (async
+        scheduling) is patched in from the step before's samples."""
         bs = self.block_size
         counts = np.asarray(num_new, dtype=np.int64)
         starts = np.fromiter((s.num_computed_tokens for s in reqs), dtype=np.int64, count=len(reqs))
@@ -1090,12 +1099,16 @@ class ModelRunner:
         if self.lora is not None:
             names = [s.lora_name for s in reqs] if self.batch.num_lora else []
             self.lora.set_batch(names, counts, self.staging)
+        patch = None
+        if any(s.num_pending for s in reqs):  # (async scheduling: a decode's input)
+            patch = lambda ids: self._patch_pending(reqs, starts, ids, first)  # noqa: E731
         hidden = graphs.run(
             input_ids=self.batch.token_table[rows, pos],
             positions=pos,
             block_tables=block_table[rows, : int(pos.max()) // bs + 1],
             slot_block=block_table[rows, pos // bs],
             slot_offset=pos % bs,
+            patch=patch,
             host=lambda a: self.staging.host(a, torch.int64),
             switch_on=self._lora_active(),
         )
@@ -1181,9 +1194,8 @@ class ModelRunner:
             self.lora.set_batch(names, counts, self.staging)
         ids = stage(input_ids, torch.int64)
         if any(s.num_pending for s in reqs):
-            # a pending request runs a one-token decode: its token index is its row (decodes
-            # come first)
-            self._patch_pending(reqs, starts, ids)
+            # a pending request runs a decode (with drafts after it, under async scheduling)
+            self._patch_pending(reqs, starts, ids, cu[:-1])
         return ids, stage(pos, torch.int64), metadata, sample_rows
 
     def _sampling_metadata(
