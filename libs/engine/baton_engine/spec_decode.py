@@ -40,7 +40,8 @@ class NgramProposer:
 
     def propose(self, request: Request, max_drafts: int, extra: int = 0) -> list[int]:
         """At most ``min(k + extra, max_drafts)`` draft tokens to follow ``request``'s tokens
-        (``extra``: the first guess the request's pending tokens)."""
+        (``extra``: how many of the first ones guess its pending tokens, for the caller to
+        drop)."""
         limit = min(self.k + extra, max_drafts)
         if limit <= 0:
             return []
