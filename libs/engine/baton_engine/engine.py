@@ -195,8 +195,8 @@ class LLMEngine:
         if detok is not None:  # (None: detokenize=False)
             at_stop = out.finished and out.finish_reason == "stop"
             if len(new_ids) > 1 and detok.stops:
-                # A step's several tokens (speculative decoding): token by token, to end at
-                # the one that completes a stop string, as the gateway does.
+                # A step's several tokens (speculative decoding, multi-step scheduling): token
+                # by token, to end at the one that completes a stop string, as the gateway does.
                 parts = []
                 for i, token_id in enumerate(new_ids):
                     last = i == len(new_ids) - 1
