@@ -24,9 +24,10 @@ from baton_engine.sampling_params import SamplingParams
 
 def test_every_kind_of_request_gives_the_tokens_of_single_steps(default_model_dir: Path) -> None:
     """The async-scheduling workload (stop token mid-way, max_tokens 1, seeded top-p sampling,
-    a repetition penalty, logprobs, min_tokens, EOS) and plain greedy requests of several
-    lengths: the requests that read their tokens on the host run single steps while they are
-    there, the rest then multi-steps; with async scheduling and without."""
+    a repetition penalty, logprobs, min_tokens, EOS), plain greedy requests of several
+    lengths and a long seeded sampled one: the requests that read their tokens on the host
+    run single steps while they are there, the rest then multi-steps; with async scheduling
+    and without."""
     reference = make_core(default_model_dir, False)
     probe_params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     reference.add_request("probe", [*SYSTEM, 10], probe_params)
@@ -44,6 +45,11 @@ def test_every_kind_of_request_gives_the_tokens_of_single_steps(default_model_di
         ([*SYSTEM, 70], replace(reshaped, logit_bias={probe[2]: 4.0, probe[5]: -3.0})),
         ([*SYSTEM, 71], replace(reshaped, allowed_token_ids=probe[:6])),
     ]
+    # seeded sampling through runs: each pass draws with the seed of its token's index (top-k:
+    # the inverse CDF's draw in the tail of ~1e-7 tokens would flip with the last bits of
+    # logits that differ between batches)
+    params = SamplingParams(temperature=0.9, top_k=50, seed=5, max_tokens=30)
+    batch.append(([*SYSTEM, 72], params))
     # the probe's prompt with probe[k] banned right after probe[k - 1], late (when the requests
     # that read their tokens on the host are done): bad words read the output on the host,
     # which a pass of a run, or a step run ahead, would not have

@@ -2,9 +2,9 @@
 without drafts (while drafts are proposed and kept), through chunked prompts, a token budget
 that cuts drafts, preemptions and prefix-cache hits on blocks that held rejected drafts, with
 penalties, bad words, logprobs (each kept draft's), stop strings and structured output;
-sampled requests run with drafts; requests it must not touch (seeded, prompt logprobs) are
-served as without it; and ``LLM(speculative_config=...)`` as in vLLM, on the CPU's default
-kernels."""
+sampled requests run with drafts, seeded ones with the tokens they get without; requests it
+must not touch (prompt logprobs) are served as without it; and ``LLM(speculative_config=...)``
+as in vLLM, on the CPU's default kernels."""
 
 from __future__ import annotations
 
@@ -29,8 +29,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
 
 
 def batch_of_kinds(probe: list[int]) -> list[tuple[list[int], SamplingParams]]:
-    """Greedy requests of several lengths and kinds, with the kinds speculation leaves alone
-    among them."""
+    """Greedy requests of several lengths and kinds, a seeded sampled one, and the kind
+    speculation leaves alone."""
     stop = next(t for t in probe[8:] if t not in probe[:8])
     return [
         (LOOP, GREEDY),
@@ -42,7 +42,8 @@ def batch_of_kinds(probe: list[int]) -> list[tuple[list[int], SamplingParams]]:
         (LOOP[2:], replace(GREEDY, logit_bias={probe[3]: 2.0})),  # greedy through the sampler
         (LOOP[9:], replace(GREEDY, logprobs=3)),  # (each kept draft's)
         ([*SYSTEM, *LOOP[:20]], replace(GREEDY, prompt_logprobs=2)),  # (no drafts)
-        (LOOP, SamplingParams(temperature=1.0, seed=7, max_tokens=20)),  # (no drafts: seeded)
+        # (drafted: each token drawn with the seed of its index, the tokens of no drafts)
+        (LOOP, SamplingParams(temperature=0.7, top_k=50, seed=7, max_tokens=20)),
         # penalties and bad words: each draft's row penalized by the output and drafts before it
         (LOOP[4:], replace(GREEDY, repetition_penalty=1.3)),
         (LOOP[6:], replace(GREEDY, frequency_penalty=0.4, presence_penalty=0.3)),
@@ -128,8 +129,13 @@ def test_preemptions_and_prefix_hits_keep_the_tokens(
     """A pool too small for the batch: requests are preempted and recomputed (with async
     scheduling too, drafts then following pending tokens); then the same batch again,
     whose prompts hit the blocks the first run left in the prefix cache (blocks that held
-    rejected drafts included): the tokens of a run without drafts, both times."""
+    rejected drafts included): the tokens of a run without drafts, both times (seeded
+    sampled requests among them: a resumed one draws each token by its index)."""
     batch = [(LOOP[i:], replace(GREEDY, max_tokens=48)) for i in range(6)]
+    seeded = [
+        (p, replace(sp, temperature=0.6, top_k=50, seed=i)) for i, (p, sp) in enumerate(batch[1::2])
+    ]
+    batch[1::2] = seeded
     small = {"num_gpu_blocks_override": 24}
     reference = make_core(default_model_dir, False, **small)
     add_all(reference, batch, "a")
@@ -147,8 +153,8 @@ def test_preemptions_and_prefix_hits_keep_the_tokens(
 
 def test_sampled_requests_run_with_drafts(default_model_dir: Path) -> None:
     """Temperature, top-k, top-p, min-p and a penalty with drafts: each request gets its max_tokens,
-    near-greedy sampling keeps most drafts, and a seeded request (never drafted) gets the
-    tokens it gets without speculation."""
+    near-greedy sampling keeps most drafts, and a seeded request gets the tokens it gets
+    without speculation."""
     core = make_core(default_model_dir, False, speculative_config=SPEC)
     kinds = [
         SamplingParams(temperature=0.3, max_tokens=40, ignore_eos=True),

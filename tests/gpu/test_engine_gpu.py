@@ -468,7 +468,8 @@ def test_speculative_decoding_gives_the_greedy_tokens(tmp_path: Path) -> None:
     """n-gram drafts on the GPU's defaults (a step's decodes and drafts replay the decode
     graphs, a row a token), and with async scheduling (drafts after a pending token, taken on
     the device): the greedy tokens of a run without drafts, for prompts that repeat
-    themselves (drafts are proposed) with a seeded sampled request beside them."""
+    themselves (drafts are proposed), and a seeded sampled request's tokens (each drawn with
+    the seed of its index, drafted or not)."""
     from baton_engine.sampling_params import SamplingParams
 
     (tmp_path / "config.json").write_text(json.dumps(CONFIG))

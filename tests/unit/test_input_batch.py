@@ -35,7 +35,7 @@ def new_request(req_id: str, prompt: list[int], output: tuple[int, ...] = ()) ->
 
 
 def make_batch() -> InputBatch:
-    return InputBatch(4, MAX_MODEL_LEN, 4, torch.device("cpu"), vocab_size=32)
+    return InputBatch(4, MAX_MODEL_LEN, 4, torch.device("cpu"))
 
 
 def launched(state: CachedRequestState) -> CachedRequestState:

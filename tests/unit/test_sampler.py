@@ -14,10 +14,23 @@ from baton_engine.sampler import (
     apply_penalties,
     apply_top_k_top_p,
     ban_bad_words,
+    draw,
+    draw_seed,
 )
 from baton_engine.sampling_params import SamplingParams
 
 VOCAB = 1000
+# the CPU's draws (inverse CDF) and a GPU's (exponential race)
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+        ],
+    ),
+]
 
 
 @pytest.fixture(autouse=True)
@@ -35,7 +48,7 @@ def _meta(
     *,
     prompts: Sequence[Sequence[int]] | None = None,
     outputs: Sequence[Sequence[int]] | None = None,
-    generators: dict[int, torch.Generator] | None = None,
+    seeds: dict[int, int] | None = None,
     suppressed: Sequence[Sequence[int]] | None = None,
 ) -> SamplingMetadata:
     empty: list[list[int]] = [[] for _ in params]
@@ -43,7 +56,7 @@ def _meta(
         params,
         empty if prompts is None else prompts,
         empty if outputs is None else outputs,
-        generators or {},
+        seeds or {},
         suppressed,
     )
 
@@ -106,7 +119,6 @@ _TARGET = SamplingParams(temperature=0.9, top_p=0.95, top_k=200, seed=42)
 
 def _run_seeded(batch: int, target_row: int, order_seed: int | None, steps: int = 20) -> list[int]:
     """Run ``steps`` steps with the target request at ``target_row``; return its tokens."""
-    target_gen = torch.Generator().manual_seed(42)
     others = [
         SamplingParams(temperature=1.0),
         SamplingParams(temperature=0.0),
@@ -116,18 +128,13 @@ def _run_seeded(batch: int, target_row: int, order_seed: int | None, steps: int 
         SamplingParams(temperature=0.8, presence_penalty=0.5),
         SamplingParams(temperature=1.1),
     ][: batch - 1]
-    other_gens = {
-        i: torch.Generator().manual_seed(p.seed) for i, p in enumerate(others) if p.seed is not None
-    }
     tokens: list[int] = []
     rng = torch.Generator().manual_seed(order_seed or 0)
     for step in range(steps):
         params = list(others)
-        gens = dict(other_gens)
         params.insert(target_row, _TARGET)
-        # Rows after the insertion point move down by one.
-        gens = {(i + 1 if i >= target_row else i): g for i, g in gens.items()}
-        gens[target_row] = target_gen
+        # each seeded row draws with its seed and its token's index
+        seeds = {i: draw_seed(p.seed, step) for i, p in enumerate(params) if p.seed is not None}
         # The target's logits are the same at each step in every scenario; others are noise.
         rows = [
             _logits(1, scale=1.0, seed=1000 + step)[0]
@@ -144,7 +151,7 @@ def _run_seeded(batch: int, target_row: int, order_seed: int | None, steps: int 
         meta = _meta(
             [params[i] for i in perm],
             outputs=[outputs[i] for i in perm],
-            generators={inv[i]: g for i, g in gens.items()},
+            seeds={inv[i]: seed for i, seed in seeds.items()},
         )
         out = _sample(torch.stack([rows[i] for i in perm]), meta)
         tokens.append(int(out[inv[target_row]]))
@@ -160,6 +167,28 @@ def test_seeded_row_independent_of_batch() -> None:
     # The target's logits are flat enough that the seed matters: not just the argmax each step.
     argmaxes = [int(_logits(1, scale=1.0, seed=1000 + s).argmax()) for s in range(20)]
     assert alone != argmaxes
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_seeded_draws_follow_the_seed_and_index_alone(device: str) -> None:
+    """A seeded request's draw for its token ``i`` depends on its seed and ``i`` alone (a run
+    resumed at token ``i``, by another worker or after a preemption, draws what an unbroken
+    one does), and its draws over its tokens sample the distribution (the seeds spread)."""
+    probs = torch.tensor([[0.5, 0.3, 0.2]], device=device).repeat(3000, 1)
+    for seed in (0, 7, 2**40 + 3, -5):
+        seeds = {i: draw_seed(seed, i) for i in range(3000)}
+        assert all(0 <= s < 2**63 for s in seeds.values())
+        tokens = draw(probs.clone(), seeds)
+        # a resumed run: the same tokens from index 1000 on, in rows of its own
+        resumed = draw(probs[1000:].clone(), {i - 1000: s for i, s in seeds.items() if i >= 1000})
+        assert torch.equal(resumed, tokens[1000:])
+        freq = torch.bincount(tokens.cpu(), minlength=3).double() / 3000
+        # (the binomial's standard deviation is below 0.01 at n 3000)
+        assert torch.allclose(freq, torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64), atol=0.04)
+    # seeds differ between tokens and between requests, in their low 32 bits too (all that
+    # the CPU's generator keeps)
+    keys = {draw_seed(seed, i) for seed in range(50) for i in range(200)}
+    assert len({key & 0xFFFFFFFF for key in keys}) == 50 * 200
 
 
 # 3. logprobs -----------------------------------------------------------------------------------
@@ -456,19 +485,7 @@ def test_temperature_frequencies_match_softmax(temperature: float) -> None:
 # 8. constraints that leave no token ------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "device",
-    [
-        "cpu",
-        pytest.param(
-            "cuda",
-            marks=[
-                pytest.mark.gpu,
-                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-            ],
-        ),
-    ],
-)
+@pytest.mark.parametrize("device", DEVICES)
 def test_a_row_with_every_token_masked_still_gets_a_token_id(device: str) -> None:
     """Constraints can contradict each other (allowed_token_ids all banned, a grammar that
     allows none of them): the row's token is then meaningless, but it must be a token id, not

@@ -14,6 +14,7 @@ from baton_engine.core.scheduler import Scheduler
 from baton_engine.errors import InvalidRequestError
 from baton_engine.kv_cache import KVCacheManager
 from baton_engine.request import Request
+from baton_engine.sampler import draw, draw_seed
 from baton_engine.sampling_params import SamplingParams
 from baton_engine.spec_decode import NgramProposer, draft_rows, kept_tokens, propose_ngram, verify
 
@@ -113,6 +114,26 @@ def test_greedy_rows_among_sampled_ones_stay_greedy() -> None:
     assert tokens[1] == [2, 2]
 
 
+def test_seeded_rows_keep_the_tokens_they_draw_without_drafts() -> None:
+    """A seeded request's rows draw with the seeds of their tokens' indices: the drafts it
+    keeps and the token after them are the tokens it samples without drafts, one at a time,
+    whichever drafts are proposed (each one right, then one wrong)."""
+    gen = torch.Generator().manual_seed(3)
+    probs = torch.softmax(torch.randn(4, 50, generator=gen), dim=1)  # positions 5..8
+    seeds = {j: draw_seed(99, 5 + j) for j in range(4)}
+    alone = [int(draw(probs[j : j + 1].clone(), {0: seeds[j]})) for j in range(4)]
+    _, rows = draft_rows([3])
+    for right in range(4):
+        drafts = alone[:3]
+        if right < 3:
+            drafts[right] = (drafts[right] + 1) % 50
+        accept, target = verify(
+            torch.tensor(drafts), torch.from_numpy(rows), None, probs.clone(), None, seeds
+        )
+        (tokens,) = kept_tokens([drafts], accept.tolist(), target.tolist())
+        assert tokens == alone[: right + 1]
+
+
 # --- the scheduler ------------------------------------------------------------------------------
 
 
@@ -173,7 +194,7 @@ def test_drafts_fit_the_token_budget_and_stop_at_a_stop_token() -> None:
     assert sched.kv.num_free_blocks == sched.kv.pool.num_blocks
 
 
-def test_no_drafts_for_prompt_logprobs_seeds_or_below_min_tokens() -> None:
+def test_no_drafts_for_prompt_logprobs_or_below_min_tokens() -> None:
     sched = spec_scheduler(prompt_lookup_min=1, prompt_lookup_max=1, disable_by_batch_size=3)
     kinds = {
         "plain": SamplingParams(max_tokens=9, temperature=0.8),
@@ -196,8 +217,8 @@ def test_no_drafts_for_prompt_logprobs_seeds_or_below_min_tokens() -> None:
     sched.update_from_output(so, ModelRunnerOutput(dict.fromkeys(kinds, 3)))
     so = sched.schedule()
     # (a penalty's rows read their histories; logprobs are each row's; stop strings are
-    # matched above the engine, token by token)
-    assert set(so.spec_token_ids) == {"plain", "penalty", "logprobs", "stop_str"}
+    # matched above the engine, token by token; a seed draws each token by its index)
+    assert set(so.spec_token_ids) == {"plain", "penalty", "logprobs", "stop_str", "seeded"}
 
 
 # --- the configuration --------------------------------------------------------------------------

@@ -111,8 +111,8 @@ class Request:
     # Speculative decoding may schedule drafts after its last token, several tokens coming out
     # of one step: no prompt logprobs (its logprobs, penalties, bad words and grammar's masks are
     # each draft's row's; its stop strings are matched token by token above the engine, which
-    # ends it), and unseeded unless greedy (a seeded request draws one number a token, which
-    # drafts would change).
+    # ends it). A seeded request's draws are seeded by its tokens' indices: drafts leave its
+    # tokens as they are.
     speculative: bool = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -135,10 +135,7 @@ class Request:
             and not sp.bad_words_token_ids
         )
         self.speculative = (
-            not self.prefill_only
-            and self.pooling is None
-            and sp.prompt_logprobs is None
-            and (sp.seed is None or sp.is_greedy)
+            not self.prefill_only and self.pooling is None and sp.prompt_logprobs is None
         )
 
     @property

@@ -14,9 +14,11 @@ One call of :class:`Sampler` on ``[B, V]`` logits does, in this order:
 6. random rows: temperature, top-k, top-p, min-p, then one draw from ``softmax``. On CPUs by
    the inverse CDF (one uniform per row, the cumulative sum in float64); elsewhere by the
    exponential race ``argmax(probs / q)`` with ``q ~ Exp(1)``, which needs no CDF search but a
-   random number per token (on CPUs that cost ~5 ms a step for 16 x 49,152). Rows with a
-   per-request generator (seeded requests) draw from it alone, so a seeded request's tokens do
-   not depend on the rest of the batch or on its row.
+   random number per token (on CPUs that cost ~5 ms a step for 16 x 49,152). A seeded
+   request's row draws from a generator seeded by its seed and the index of the token drawn
+   (``draw_seed``), so its tokens depend on neither the rest of the batch, nor its row, nor
+   how its run went: a preemption, a prefill worker sampling its first token, drafts checked
+   a step (speculative decoding draws at each position as sampling without them would).
 
 A row whose every token ends up ``-inf`` (everything suppressed) has no valid distribution;
 callers must not suppress a whole vocabulary.
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -47,6 +50,7 @@ __all__ = [
     "apply_top_k_top_p",
     "compute_logprobs",
     "draw",
+    "draw_seed",
     "suppress_tokens",
 ]
 
@@ -62,8 +66,7 @@ class SamplingMetadata:
     Tensors are ``[B]`` and should live on the logits' device (they are moved if not). Disabled
     values: temperature 0 (greedy), top_k 0, top_p 1.0, min_p 0.0, penalties 1.0/0.0/0.0. The
     optional tensors are ``None`` when no row uses the feature, which skips its work entirely.
-    ``generators`` maps a row to its request's own generator (seeded requests only); every
-    non-greedy step of that row advances it by one draw (``skip_draws`` says how much).
+    ``seeds`` maps a row of a seeded request to the seed of its draw (``draw_seed``).
     """
 
     temperature: torch.Tensor
@@ -72,7 +75,7 @@ class SamplingMetadata:
     top_k: torch.Tensor | None
     top_p: torch.Tensor | None
     min_p: torch.Tensor | None
-    generators: dict[int, torch.Generator]
+    seeds: dict[int, int]
     max_num_logprobs: int | None
     no_penalties: bool
     presence_penalties: torch.Tensor
@@ -98,7 +101,7 @@ class SamplingMetadata:
         params: Sequence[SamplingParams],
         prompt_token_ids: Sequence[Sequence[int]],
         output_token_ids: Sequence[Sequence[int]],
-        generators: Mapping[int, torch.Generator],
+        seeds: Mapping[int, int],
         suppressed_token_ids: Sequence[Sequence[int]] | None = None,
         *,
         grammar_bitmask: torch.Tensor | None = None,
@@ -108,9 +111,9 @@ class SamplingMetadata:
         """Build the metadata of one step from each row's params and token history.
 
         Greedy rows (``SamplingParams.is_greedy``: temperature ~0 or top_k 1) get temperature 0,
-        and their generators are dropped, since argmax never draws. ``suppressed_token_ids``
+        and their seeds are dropped, since argmax never draws. ``suppressed_token_ids``
         defaults to nothing suppressed. Raises ``ValueError`` if a per-row list's length differs
-        from ``len(params)`` or a generator's row is out of range.
+        from ``len(params)`` or a seed's row is out of range.
         """
         num_rows = len(params)
         suppressed: Sequence[Sequence[int]] = (
@@ -123,8 +126,8 @@ class SamplingMetadata:
         ):
             if len(rows) != num_rows:
                 raise ValueError(f"{name} has {len(rows)} rows for {num_rows} params")
-        if any(not 0 <= row < num_rows for row in generators):
-            raise ValueError(f"generator rows {sorted(generators)} out of range for {num_rows}")
+        if any(not 0 <= row < num_rows for row in seeds):
+            raise ValueError(f"seeded rows {sorted(seeds)} out of range for {num_rows}")
 
         greedy = [p.is_greedy for p in params]
 
@@ -152,7 +155,7 @@ class SamplingMetadata:
             ),
             top_p=floats(top_p) if any(p < 1.0 for p in top_p) else None,
             min_p=floats(min_p) if any(p > 0.0 for p in min_p) else None,
-            generators={row: g for row, g in generators.items() if not greedy[row]},
+            seeds={row: seed for row, seed in seeds.items() if not greedy[row]},
             max_num_logprobs=max(logprobs) if logprobs else None,
             no_penalties=no_penalties,
             presence_penalties=floats([p.presence_penalty for p in params]),
@@ -460,41 +463,57 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill_(probs < threshold, _NEG_INF)
 
 
-def skip_draws(
-    generator: torch.Generator, num_tokens: int, vocab_size: int, device: torch.device
-) -> None:
-    """Advance a seeded request's generator past what sampling ``num_tokens`` tokens on
-    ``device`` drew from it (tokens sampled ahead of a preemption, or by a prefill worker), so
-    that its next token is the one an uninterrupted run would sample."""
-    if device.type == "cpu":
-        one = torch.empty(1, dtype=torch.float64)
-        for _ in range(num_tokens):
-            one.uniform_(generator=generator)  # as _inverse_cdf draws a seeded row's
-        return
-    scratch = torch.empty(vocab_size, device=device)
-    for _ in range(num_tokens):
-        scratch.exponential_(generator=generator)
+_MASK64 = (1 << 64) - 1
 
 
-def draw(probs: torch.Tensor, generators: Mapping[int, torch.Generator]) -> torch.Tensor:
-    """One token per row from ``probs`` (rows need not sum to 1)."""
+def _mix64(z: int) -> int:
+    """splitmix64's finalizer: a bijection of 64-bit integers that spreads every input bit."""
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def draw_seed(seed: int, index: int) -> int:
+    """The seed of a seeded request's draw of its output token ``index`` (0 for the first):
+    a hash of both, so that each token's draw depends on them alone (63 bits, as
+    ``torch.Generator.manual_seed`` takes; its CPU generator keeps the low 32, mixed as well)."""
+    return _mix64((_mix64(seed & _MASK64) + (index + 1) * 0x9E3779B97F4A7C15) & _MASK64) >> 1
+
+
+_thread = threading.local()  # engines in two threads of a process reseed their own
+
+
+def _draw_generator(device: torch.device) -> torch.Generator:
+    """The generator seeded rows draw from on ``device``, seeded afresh before each draw."""
+    generators: dict[torch.device, torch.Generator] = _thread.__dict__.setdefault("gens", {})
+    generator = generators.get(device)
+    if generator is None:
+        generator = generators[device] = torch.Generator(device=device)
+    return generator
+
+
+def draw(probs: torch.Tensor, seeds: Mapping[int, int]) -> torch.Tensor:
+    """One token per row from ``probs`` (rows need not sum to 1); the rows in ``seeds`` draw
+    with their seed (``draw_seed``), the others from the default generator."""
     if probs.device.type == "cpu":
-        return _inverse_cdf(probs, generators)
-    return _exponential_race(probs, generators)
+        return _inverse_cdf(probs, seeds)
+    return _exponential_race(probs, seeds)
 
 
-def _inverse_cdf(probs: torch.Tensor, generators: Mapping[int, torch.Generator]) -> torch.Tensor:
+def _inverse_cdf(probs: torch.Tensor, seeds: Mapping[int, int]) -> torch.Tensor:
     """Draw one token per row: the first whose cumulative probability exceeds ``u`` times the
     row's total, with one uniform ``u`` per row (float64). Unseeded rows share one batched draw
-    from the default RNG; seeded rows then draw theirs from their own generator.
+    from the default RNG; seeded rows then draw theirs with their own seed.
 
     A row whose constraints left no token (all NaN after the softmax) finds none: it gets the
     last token id, a meaningless but valid one (the vocabulary size would fail the step)."""
     u = torch.empty(probs.size(0), dtype=torch.float64)
-    if len(generators) < probs.size(0):
+    if len(seeds) < probs.size(0):
         u.uniform_()
-    for row, generator in generators.items():
-        u[row : row + 1].uniform_(generator=generator)
+    if seeds:
+        generator = _draw_generator(probs.device)
+        for row, seed in seeds.items():
+            u[row : row + 1].uniform_(generator=generator.manual_seed(seed))
     cdf = probs.to(torch.float64).cumsum_(dim=1)
     total = cdf[:, -1:]
     # Below the total (u * total may round up to it), so the token found has a probability.
@@ -502,19 +521,19 @@ def _inverse_cdf(probs: torch.Tensor, generators: Mapping[int, torch.Generator])
     return torch.searchsorted(cdf, x, right=True).squeeze(1).clamp_(max=probs.size(1) - 1)
 
 
-def _exponential_race(
-    probs: torch.Tensor, generators: Mapping[int, torch.Generator]
-) -> torch.Tensor:
+def _exponential_race(probs: torch.Tensor, seeds: Mapping[int, int]) -> torch.Tensor:
     """Draw one token per row from ``probs``: ``argmax(probs / q)`` with ``q ~ Exp(1)``.
 
     Unseeded rows share one batched draw from the default RNG; seeded rows then overwrite their
-    row with draws from their own generator, so their tokens depend only on that generator.
+    row with draws seeded by their own seed, so their tokens depend only on it.
     """
     q = torch.empty_like(probs)
-    if len(generators) < probs.size(0):
+    if len(seeds) < probs.size(0):
         q.exponential_()
-    for row, generator in generators.items():
-        q[row].exponential_(generator=generator)
+    if seeds:
+        generator = _draw_generator(probs.device)
+        for row, seed in seeds.items():
+            q[row].exponential_(generator=generator.manual_seed(seed))
     return probs.div_(q).argmax(dim=1)
 
 
@@ -564,7 +583,7 @@ class Sampler:
         if metadata.all_greedy:
             return fused.argmax(logits)
         greedy, greedy_rows, probs = _distribution(logits, metadata)
-        sampled = draw(probs, metadata.generators)
+        sampled = draw(probs, metadata.seeds)
         if greedy is None:
             return sampled
         return torch.where(greedy_rows, greedy, sampled)

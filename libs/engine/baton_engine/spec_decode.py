@@ -7,11 +7,14 @@ model agrees with, then one token more:
 
 - greedy rows keep draft ``j`` while it is the argmax at its position; the token after the
   kept ones is the argmax there (the tokens greedy decoding gives without drafts);
-- sampled rows keep draft ``j`` with probability ``p_j(draft_j)`` (the proposal is certain, so
-  this is the rejection sampling of Leviathan et al. and Chen et al., 2023, with ``q`` one-hot);
-  a rejected position samples from ``p_j`` without the draft, renormalized, and when every
-  draft is kept the token after them is sampled from ``p`` at the last position. Each kept
-  token is thus distributed as ``p``: exactly what sampling without drafts gives.
+- sampled rows draw a token at every position, as sampling without drafts would draw it
+  there, and keep draft ``j`` while it is the token drawn at its position; the token after
+  the kept ones is the one drawn there. A draft is thus kept with probability ``p_j(draft_j)``
+  and a rejected position gives a token of ``p_j`` without the draft, renormalized: the
+  rejection sampling of Leviathan et al. and Chen et al., 2023, with a certain proposal (``q``
+  one-hot). Each kept token is distributed as ``p``, and a seeded request, whose draws are
+  seeded by its tokens' indices (``sampler.draw_seed``), gets the very tokens it gets without
+  drafts.
 
 The KV written at rejected positions is garbage the next steps overwrite: the scheduler moves
 the request's computed tokens back to the kept ones.
@@ -19,7 +22,7 @@ the request's computed tokens back to the kept ones.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
@@ -112,26 +115,22 @@ def verify(
     greedy_ids: torch.Tensor | None,
     probs: torch.Tensor | None,
     greedy_rows: torch.Tensor | None = None,
+    seeds: Mapping[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Check the drafts ``drafts`` (``[D]``) at their rows ``rows`` (``[D]``, see
     ``draft_rows``) of a step's ``R`` verified positions: whether each is accepted (``[D]``
     bool) and the token each position gives if the drafts before it are all it keeps
     (``[R]``). ``greedy_ids`` is each row's argmax, ``probs`` (``[R, V]``, modified) each
     row's sampling distribution, None when every row is greedy; with both, ``greedy_rows``
-    (``[R]`` bool) marks the greedy rows."""
+    (``[R]`` bool) marks the greedy rows. ``seeds``: the seeded rows' draws' seeds."""
     if probs is None:
         assert greedy_ids is not None
-        return greedy_ids[rows] == drafts, greedy_ids
-    draft_p = probs[rows, drafts]
-    accept = torch.rand(draft_p.shape, device=probs.device) < draft_p
-    # a rejected position samples from p without its draft (p - q with q one-hot at the
-    # draft, clipped at 0, renormalized); the last position (no draft) from p itself
-    probs[rows, drafts] = 0.0
-    target = draw(probs, {})
-    if greedy_rows is not None and greedy_ids is not None:
-        accept = torch.where(greedy_rows[rows], greedy_ids[rows] == drafts, accept)
-        target = torch.where(greedy_rows, greedy_ids, target)
-    return accept, target
+        target = greedy_ids
+    else:
+        target = draw(probs, seeds or {})
+        if greedy_rows is not None and greedy_ids is not None:
+            target = torch.where(greedy_rows, greedy_ids, target)
+    return target[rows] == drafts, target
 
 
 def kept_tokens(

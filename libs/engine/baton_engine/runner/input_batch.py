@@ -14,7 +14,6 @@ import torch
 
 from baton_engine.core.outputs import SchedulerOutput
 from baton_engine.pooling_params import PoolingParams
-from baton_engine.sampler import skip_draws
 from baton_engine.sampling_params import SamplingParams
 
 
@@ -26,7 +25,9 @@ class CachedRequestState:
     row: int  # its row of the block table
     num_blocks: int
     num_computed_tokens: int
-    generator: torch.Generator | None
+    # its seed if it samples with one (not greedy): each token's draw is seeded by it and the
+    # token's index (sampler.draw_seed), whoever sampled the tokens before
+    seed: int | None
     # prompt + output tokens on the host, in its row of the token table (the output tokens are
     # kept there only: InputBatch.output_token_ids)
     num_tokens: int = 0
@@ -85,10 +86,8 @@ class InputBatch:
         max_model_len: int,
         block_size: int,
         device: torch.device,
-        vocab_size: int,
     ) -> None:
         self.device = device
-        self.vocab_size = vocab_size  # width of one row of the sampler's draws
         # row -> block ids / token ids; rows are handed out and returned as requests come and go
         max_blocks_per_req = -(max_model_len // -block_size)
         self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int64)
@@ -111,13 +110,6 @@ class InputBatch:
         for new in so.scheduled_new_reqs:
             self._remove(new.req_id)  # resumed after preemption: rebuilt from full data
             sp = new.sampling_params
-            generator = None
-            if sp.seed is not None and not sp.is_greedy:
-                generator = torch.Generator(device=self.device).manual_seed(sp.seed)
-                # Tokens sampled before (ahead of a preemption, or by a prefill worker) each
-                # drew from this seed: skip those draws so the next token is the one an
-                # uninterrupted run would sample.
-                skip_draws(generator, len(new.output_token_ids), self.vocab_size, self.device)
             num_prompt = len(new.prompt_token_ids)
             state = CachedRequestState(
                 req_id=new.req_id,
@@ -126,7 +118,7 @@ class InputBatch:
                 row=self._free_rows.pop(),
                 num_blocks=0,
                 num_computed_tokens=new.num_computed_tokens,
-                generator=generator,
+                seed=None if sp.is_greedy else sp.seed,
                 num_tokens=num_prompt + len(new.output_token_ids),
                 pooling=new.pooling,
                 lora_name=new.lora_name,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import os
@@ -30,7 +31,13 @@ from baton_engine.pooling_params import PoolerConfig
 from baton_engine.runner.cuda_graphs import DEFAULT_CAPTURE_SIZES, DecodeGraphs, PieceGraphs
 from baton_engine.runner.input_batch import CachedRequestState, InputBatch
 from baton_engine.runner.staging import InputStaging
-from baton_engine.sampler import LogprobsTensors, Sampler, SamplingMetadata, compute_logprobs
+from baton_engine.sampler import (
+    LogprobsTensors,
+    Sampler,
+    SamplingMetadata,
+    compute_logprobs,
+    draw_seed,
+)
 from baton_engine.sampling_params import SamplingParams
 from baton_engine.spec_decode import draft_rows, kept_tokens, verify
 from baton_kernels import fused
@@ -97,6 +104,16 @@ def _host_free(state: CachedRequestState) -> bool:
     """Sampling needs none of the request's own tokens on the host: no penalties, no logprobs,
     no bad words, past ``min_tokens`` (counting only tokens already reported)."""
     return state.host_free and state.num_output_tokens >= state.sampling_params.min_tokens
+
+
+def _seeded(reqs: Sequence[CachedRequestState]) -> list[tuple[int, int, int]]:
+    """The seeded requests among ``reqs`` (sampling at random): each one's index in ``reqs``,
+    its seed and the index of the output token it samples next (its pending ones counted)."""
+    return [
+        (i, s.seed, s.num_output_tokens + s.num_pending)
+        for i, s in enumerate(reqs)
+        if s.seed is not None
+    ]
 
 
 def _plain_greedy(state: CachedRequestState) -> bool:
@@ -220,9 +237,7 @@ class ModelRunner:
         self.pieces: PieceGraphs | None = None  # other steps, piecewise from CUDA graphs
         logger.info("attention backend: %s", self.backend.name)
         self.sampler = Sampler()
-        self.batch = InputBatch(
-            max_num_seqs, max_model_len, block_size, self.device, model_config.num_outputs
-        )
+        self.batch = InputBatch(max_num_seqs, max_model_len, block_size, self.device)
         # Step inputs, reused every step (CPU; copied to the device when there is one).
         self._input_ids = np.zeros(max_num_batched_tokens, dtype=np.int64)
         self._positions = np.zeros(max_num_batched_tokens, dtype=np.int64)
@@ -697,8 +712,6 @@ class ModelRunner:
                 self.batch, [], no_ids, {}, prompt_logprobs, self.check_ranks, spec=spec
             )
         sampled_reqs = reqs if len(sample_rows) == len(reqs) else [reqs[i] for i in sample_rows]
-        for state in sampled_reqs:
-            state.num_pending += 1
         logprobs: dict[str, TokenLogprobs] = {}
         if not self.batch.num_not_plain_greedy or all(_plain_greedy(s) for s in sampled_reqs):
             # Nothing to process or report: the argmax alone (what the sampler would return).
@@ -717,6 +730,8 @@ class ModelRunner:
                         logprobs=out.logprobs.logprobs[j, :n].tolist(),
                         rank=int(out.logprobs.ranks[j]),
                     )
+        for state in sampled_reqs:
+            state.num_pending += 1
         if self.tp_size > 1:  # every rank continues from rank 0's tokens
             distributed.broadcast(token_ids)
         self._last_sampled = token_ids
@@ -756,6 +771,7 @@ class ModelRunner:
         rows = np.concatenate([np.arange(starts[i], starts[i + 1]) for i in which])
         logits = self.model.compute_logits(hidden[self.staging.to_device(rows, torch.long)])
         probs = greedy_rows = None
+        seeds: dict[int, int] = {}  # a seeded random row draws with its token's index's seed
         if all(_plain_greedy(s) for s in states):
             greedy_ids: torch.Tensor | None = fused.argmax(logits)
         else:
@@ -764,6 +780,10 @@ class ModelRunner:
             outputs: list[list[int]] = []  # each row's output so far: the drafts before it too
             for state, ahead in zip(states, drafts, strict=True):
                 sp = state.sampling_params
+                if state.seed is not None:
+                    index = state.num_output_tokens + state.num_pending
+                    for j in range(len(ahead) + 1):
+                        seeds[len(params) + j] = draw_seed(state.seed, index + j)
                 params += [sp] * (len(ahead) + 1)
                 if state.host_free:  # (nothing reads the tokens)
                     prompts += [[]] * (len(ahead) + 1)
@@ -777,16 +797,17 @@ class ModelRunner:
                 params,
                 prompts,
                 outputs,
-                {},
+                seeds,
                 grammar_bitmask=masks[0] if masks else None,
                 grammar_rows=masks[1] if masks else (),
                 device=self.device,
             )
             greedy_ids, probs, greedy_rows = self.sampler.distribution(logits, metadata)
+            seeds = metadata.seeds
         _, rows_of_drafts = draft_rows([len(d) for d in drafts])
         draft_ids = torch.tensor([t for d in drafts for t in d], dtype=torch.long).to(self.device)
         draft_index = torch.from_numpy(rows_of_drafts).to(self.device)
-        accept, target = verify(draft_ids, draft_index, greedy_ids, probs, greedy_rows)
+        accept, target = verify(draft_ids, draft_index, greedy_ids, probs, greedy_rows, seeds)
         outcome = torch.cat([accept.long(), target])
         if self.tp_size > 1:  # every rank keeps rank 0's tokens
             distributed.broadcast(outcome)
@@ -869,11 +890,15 @@ class ModelRunner:
             graphs = None  # (eager passes)
         greedy = not self.batch.num_not_plain_greedy or all(_plain_greedy(s) for s in reqs)
         metadata = None if greedy else self._sampling_metadata(reqs)
+        seeded = _seeded(reqs) if metadata is not None else []
         passes: list[torch.Tensor] = []
         for j in range(num_steps):
             if j:
                 for state in reqs:
                     state.num_computed_tokens += 1
+                if metadata is not None and seeded:  # (each pass draws the next token)
+                    seeds = {i: draw_seed(seed, n + j) for i, seed, n in seeded}
+                    metadata = dataclasses.replace(metadata, seeds=seeds)
             if graphs is not None:
                 hidden, sample_rows = self._run_decode_graph(
                     graphs, reqs, order, gathered, span=num_steps - j, later_pass=j > 0
@@ -1226,7 +1251,7 @@ class ModelRunner:
             [s.sampling_params for s in reqs],
             prompt_token_ids=[s.prompt_token_ids for s in reqs],
             output_token_ids=[self.batch.output_token_ids(s) for s in reqs],
-            generators={i: s.generator for i, s in enumerate(reqs) if s.generator is not None},
+            seeds={i: draw_seed(seed, n) for i, seed, n in _seeded(reqs)},
             suppressed_token_ids=suppressed,
             grammar_bitmask=bitmask if rows else None,
             grammar_rows=rows,
