@@ -9,7 +9,7 @@ run: a step's wall time) tells what a step of 1 + K rows costs next to a step of
 whatever the acceptance.
 
     python benchmarks/device/spec_probe.py --shape qwen --batch 1 --num-prompts 4 --k 0,2,4
-    python benchmarks/device/spec_probe.py --shape qwen --batch 1 --num-prompts 4 --async-drafts
+    python benchmarks/device/spec_probe.py --shape qwen --batch 1 --num-prompts 4 --sync-drafts
     python benchmarks/device/spec_probe.py --shape tiny --device cpu --batch 1 --num-prompts 2 \
         --prompt-len 32 --output-len 24 --k 0,2                    # a smoke run on CPU
 """
@@ -35,7 +35,7 @@ def main() -> None:
     p.add_argument("--sync", action="store_true", help="no async scheduling without drafts too")
     p.add_argument("--eager-drafts", action="store_true", help="steps with drafts without graphs")
     p.add_argument(
-        "--async-drafts", action="store_true", help="async scheduling with drafts too (K > 0)"
+        "--sync-drafts", action="store_true", help="no async scheduling with drafts (K > 0)"
     )
     args = p.parse_args()
     if args.eager_drafts:
@@ -60,8 +60,8 @@ def main() -> None:
                 "prompt_lookup_max": args.lookup_max,
             }
         sync = {"async_scheduling": False} if args.sync else {}
-        if args.async_drafts and k:
-            sync = {"async_scheduling": True}
+        if args.sync_drafts and k:
+            sync = {"async_scheduling": False}
         core, mc, params = probe_engine(args, speculative_config=spec, **sync)
         prompts = random_prompts(args.num_prompts, args.prompt_len, mc.vocab_size)
         # warm-up: the same shapes' kernels and graphs, two short requests

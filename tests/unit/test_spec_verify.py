@@ -247,10 +247,12 @@ def test_vllms_speculative_config_forms() -> None:
             parse(bad)  # type: ignore[arg-type]
 
 
-def test_speculation_turns_async_scheduling_off_unless_asked_for() -> None:
+def test_speculation_keeps_async_scheduling_as_without_it() -> None:
     spec = '{"method": "ngram", "num_speculative_tokens": 2}'
-    assert EngineConfig(device="cuda").resolved_async_scheduling()
-    assert not EngineConfig(device="cuda", speculative_config=spec).resolved_async_scheduling()
+    assert EngineConfig(device="cuda", speculative_config=spec).resolved_async_scheduling()
+    assert not EngineConfig(device="cpu", speculative_config=spec).resolved_async_scheduling()
+    off = EngineConfig(device="cuda", speculative_config=spec, async_scheduling=False)
+    assert not off.resolved_async_scheduling()
     asked = EngineConfig(speculative_config=spec, async_scheduling=True)
     asked.validate()
     assert asked.resolved_async_scheduling()

@@ -670,13 +670,13 @@ class EngineConfig:
     speculative_config: str | dict[str, Any] | None = None
 
     def resolved_async_scheduling(self) -> bool:
-        """As asked; by default on for GPUs, off for CPUs, and off with speculative decoding
-        (whose drafts come from the tokens of the step before: with async scheduling, a
-        request's drafts follow a guess of its pending token, and a step with drafts is not
-        run ahead of)."""
+        """As asked; by default on for GPUs, off for CPUs. With speculative decoding too: a
+        request whose last token is still on the device drafts after a guess of it, and a step
+        with drafts is not run ahead of (on an H100, Qwen2.5-0.5B's shape at batch 1 with n-gram
+        drafts ran 1,127-1,237 tok/s so, against 939-1,009 without async scheduling)."""
         if self.async_scheduling is not None:
             return self.async_scheduling
-        return self.device.startswith("cuda") and self.speculative_config is None
+        return self.device.startswith("cuda")
 
     def speculative(self) -> SpeculativeConfig | None:
         return SpeculativeConfig.parse(self.speculative_config)
