@@ -4,8 +4,10 @@
         [--device cuda]
 
 For each row count: ``Sampler`` on float32 logits, all greedy, all at temperature 1 and at
-temperature 1 with top-p 0.9; the top-p cut alone; one token per row from the probabilities,
-by the exponential race (GPUs) and by the inverse CDF (CPUs). Median milliseconds. The random
+temperature 1 with top-p 0.9; the top-p cut alone; one token per row from the probabilities
+(the inverse CDF on CPUs, the exponential race on GPUs), unseeded and every row seeded, and
+``Sampler`` at temperature 1 with every row seeded; on GPUs each by the Triton kernel and by
+torch's ops (``sampler.RACE_KERNEL``). Median milliseconds. The random
 logits (``randn * 3``) are a flat case: a 0.9 nucleus holds ~2,000 of 49,152 tokens.
 
 ``--real`` adds the top-p cut alone on the default model's own logits: 16 chat prompts decoded
@@ -86,13 +88,33 @@ def time_rows(
             (name, median_ms(lambda cut=cut: cut(logits.clone(), None, top_p), iters, device))
         )
     probs = logits.softmax(dim=1)
-    for name, draw in (
-        ("draw, exponential race", sampler_module._exponential_race),
-        ("draw, inverse CDF", sampler_module._inverse_cdf),
-    ):
-        if device == "cpu" or draw is sampler_module._exponential_race:
-            out.append((name, median_ms(lambda d=draw: d(probs.clone(), {}), iters, device)))
+    seeds = {i: sampler_module.draw_seed(i, 0) for i in range(rows)}  # every row seeded
+    # GPUs: the Triton kernel, then torch's exponential_, division and argmax (RACE_KERNEL)
+    for suffix, kernel in ((" [kernel]", True), (" [torch]", False)):
+        if device == "cpu" and not kernel:
+            continue
+        sampler_module.RACE_KERNEL = kernel
+        seeded = SamplingMetadata.from_params(
+            [SamplingParams(temperature=1.0, seed=1)] * rows,
+            [[]] * rows,
+            [[]] * rows,
+            seeds,
+            device=device,
+        )
+        for name, fn in (
+            ("draw", lambda: draw(probs.clone(), {})),
+            ("draw, rows seeded", lambda: draw(probs.clone(), seeds)),
+            ("Sampler, T 1, rows seeded", lambda md=seeded: sampler(logits, md)),
+        ):
+            out.append((name + (suffix if device != "cpu" else ""), median_ms(fn, iters, device)))
+    sampler_module.RACE_KERNEL = True
     return out
+
+
+def draw(probs: torch.Tensor, seeds: dict[int, int]) -> torch.Tensor:
+    """The sampler's draw on ``probs``' device: the exponential race on GPUs, the inverse CDF
+    on CPUs."""
+    return sampler_module.draw(probs, seeds)
 
 
 def real_logits() -> list[torch.Tensor]:

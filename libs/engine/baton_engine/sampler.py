@@ -13,10 +13,10 @@ One call of :class:`Sampler` on ``[B, V]`` logits does, in this order:
 5. greedy rows take the argmax; when every row is greedy the step ends here;
 6. random rows: temperature, top-k, top-p, min-p, then one draw from ``softmax``. On CPUs by
    the inverse CDF (one uniform per row, the cumulative sum in float64); elsewhere by the
-   exponential race ``argmax(probs / q)`` with ``q ~ Exp(1)``, which needs no CDF search but a
-   random number per token (on CPUs that cost ~5 ms a step for 16 x 49,152). A seeded
-   request's row draws from a generator seeded by its seed and the index of the token drawn
-   (``draw_seed``), so its tokens depend on neither the rest of the batch, nor its row, nor
+   exponential race ``argmax(probs / q)`` with ``q ~ Exp(1)`` (one Triton kernel on GPUs), which
+   needs no CDF search but a random number per token (on CPUs that cost ~5 ms a step for 16 x
+   49,152). A seeded request's row draws with a seed of its seed and the index of the token
+   drawn (``draw_seed``), so its tokens depend on neither the rest of the batch, nor its row, nor
    how its run went: a preemption, a prefill worker sampling its first token, drafts checked
    a step (speculative decoding draws at each position as sampling without them would).
 
@@ -54,6 +54,9 @@ __all__ = [
     "suppress_tokens",
 ]
 
+# GPUs: draws by the Triton kernel of baton_kernels.triton.sample (False: torch's exponential_,
+# division and argmax, a launch a seeded row; an A/B switch for benchmarks/bench_sampler.py).
+RACE_KERNEL = True
 # Same threshold as SamplingParams.is_greedy: temperatures below it mean argmax.
 _SAMPLING_EPS = 1e-5
 _NEG_INF = float("-inf")
@@ -525,8 +528,17 @@ def _exponential_race(probs: torch.Tensor, seeds: Mapping[int, int]) -> torch.Te
     """Draw one token per row from ``probs``: ``argmax(probs / q)`` with ``q ~ Exp(1)``.
 
     Unseeded rows share one batched draw from the default RNG; seeded rows then overwrite their
-    row with draws seeded by their own seed, so their tokens depend only on it.
+    row with draws seeded by their own seed, so their tokens depend only on it. On a GPU with
+    Triton, one kernel draws every row (``baton_kernels.triton.sample``): unseeded rows with
+    seeds from the default CPU generator, seeded rows with theirs.
     """
+    if RACE_KERNEL and probs.is_cuda and probs.dtype == torch.float32 and _has_triton():
+        from baton_kernels.triton.sample import exponential_race
+
+        row_seeds = torch.randint(0, 1 << 62, (probs.size(0),), dtype=torch.int64)
+        for row, seed in seeds.items():
+            row_seeds[row] = seed
+        return exponential_race(probs, to_device(row_seeds, probs.device))
     q = torch.empty_like(probs)
     if len(seeds) < probs.size(0):
         q.exponential_()
