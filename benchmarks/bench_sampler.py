@@ -101,11 +101,13 @@ def time_rows(
             seeds,
             device=device,
         )
-        for name, fn in (
-            ("draw", lambda: draw(probs.clone(), {})),
+        cases = [
             ("draw, rows seeded", lambda: draw(probs.clone(), seeds)),
             ("Sampler, T 1, rows seeded", lambda md=seeded: sampler(logits, md)),
-        ):
+        ]
+        if not kernel or device == "cpu":  # (rows without seeds: torch's ops on GPUs)
+            cases.insert(0, ("draw", lambda: draw(probs.clone(), {})))
+        for name, fn in cases:
             out.append((name + (suffix if device != "cpu" else ""), median_ms(fn, iters, device)))
     sampler_module.RACE_KERNEL = True
     return out

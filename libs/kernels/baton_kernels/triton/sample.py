@@ -108,6 +108,8 @@ def exponential_race(probs: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
             BLOCK=BLOCK,
             num_warps=4,
         )
+    if splits == 1:
+        return best_token.view(-1).long()
     # the first slice with the best ratio: the lowest token among ties, as torch's argmax
     best = best_ratio.argmax(dim=1, keepdim=True)
     return best_token.gather(1, best).squeeze(1).long()
