@@ -68,7 +68,14 @@ class RotaryEmbedding(torch.nn.Module):
     ) -> None:
         super().__init__()
         self._args = (head_dim, max_positions, theta, scaling)
-        self.register_buffer("cos_sin", self._build(), persistent=False)
+        if torch.get_default_device().type == "meta":
+            # (a model built on "meta" gets its table from ``reset``: arithmetic on meta tensors
+            # runs torch's Python references, whose first use imported torch._dynamo, 1.1 s of
+            # every engine's start on a 2-core CPU)
+            table = torch.empty((max_positions, 2, head_dim))
+        else:
+            table = self._build()
+        self.register_buffer("cos_sin", table, persistent=False)
 
     def reset(self, device: torch.device | str = "cpu") -> None:
         """Recompute the table in float32 (after the module was built on "meta" or cast)."""
