@@ -37,15 +37,14 @@ def test_an_engine_starts_and_runs_without_importing_dynamo(default_model_dir: P
     assert out.stdout.strip().splitlines()[-1] == "False", out.stderr[-2000:]
 
 
-def test_no_init_skips_initialization_and_restores_it() -> None:
+def test_no_init_skips_initialization_on_meta_only_and_restores_it() -> None:
     init = torch.nn.init.kaiming_uniform_
     weight = torch.zeros(4, 4)
+    meta = torch.empty(4, 4, device="meta")
     with pytest.raises(RuntimeError), model_runner._no_init():
-        layer = torch.nn.Linear(4, 4)
-        layer.weight.data.zero_()
-        torch.nn.init.kaiming_uniform_(weight)
-        assert not weight.any()  # skipped
+        assert torch.nn.init.kaiming_uniform_(meta) is meta  # skipped
+        torch.nn.init.kaiming_uniform_(weight)  # (another thread's tensor, say): initialized
+        assert weight.any()
+        assert torch.nn.Linear(4, 4).weight.any()
         raise RuntimeError
     assert torch.nn.init.kaiming_uniform_ is init  # restored, even after an error
-    torch.nn.init.kaiming_uniform_(weight)
-    assert weight.any()

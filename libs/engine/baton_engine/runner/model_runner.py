@@ -113,17 +113,21 @@ _INIT_FUNCTIONS = ("uniform_", "normal_", "kaiming_uniform_", "kaiming_normal_",
 
 @contextlib.contextmanager
 def _no_init() -> Iterator[None]:
-    """Modules built inside skip their parameters' random initialization (as transformers'
-    ``no_init_weights``): on "meta" it draws nothing, but runs torch's Python references,
-    whose first use imported torch._dynamo (1.1 s of an engine's start on a 2-core CPU)."""
+    """Modules built inside on "meta" skip their parameters' random initialization (as
+    transformers' ``no_init_weights``): it draws nothing there, but runs torch's Python
+    references, whose first use imported torch._dynamo (1.1 s of an engine's start on a 2-core
+    CPU). Other tensors (another thread's) are initialized as usual."""
     saved = {name: getattr(torch.nn.init, name) for name in _INIT_FUNCTIONS}
 
-    def skip(tensor: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
-        return tensor
+    def skipping(name: str) -> Callable[..., torch.Tensor]:
+        def init(tensor: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+            return tensor if tensor.is_meta else saved[name](tensor, *args, **kwargs)
+
+        return init
 
     try:
         for name in _INIT_FUNCTIONS:
-            setattr(torch.nn.init, name, skip)
+            setattr(torch.nn.init, name, skipping(name))
         yield
     finally:
         for name, function in saved.items():
