@@ -134,14 +134,16 @@ def _no_init() -> Iterator[None]:
             setattr(torch.nn.init, name, function)
 
 
+def _next_index(state: CachedRequestState) -> int:
+    """The index of the output token ``state`` samples next (its pending ones counted): a
+    seeded request's draw for it uses ``draw_seed(seed, index)``."""
+    return state.num_output_tokens + state.num_pending
+
+
 def _seeded(reqs: Sequence[CachedRequestState]) -> list[tuple[int, int, int]]:
     """The seeded requests among ``reqs`` (sampling at random): each one's index in ``reqs``,
-    its seed and the index of the output token it samples next (its pending ones counted)."""
-    return [
-        (i, s.seed, s.num_output_tokens + s.num_pending)
-        for i, s in enumerate(reqs)
-        if s.seed is not None
-    ]
+    its seed and the index of the output token it samples next."""
+    return [(i, s.seed, _next_index(s)) for i, s in enumerate(reqs) if s.seed is not None]
 
 
 def _plain_greedy(state: CachedRequestState) -> bool:
@@ -809,7 +811,7 @@ class ModelRunner:
             for state, ahead in zip(states, drafts, strict=True):
                 sp = state.sampling_params
                 if state.seed is not None:
-                    index = state.num_output_tokens + state.num_pending
+                    index = _next_index(state)
                     for j in range(len(ahead) + 1):
                         seeds[len(params) + j] = draw_seed(state.seed, index + j)
                 params += [sp] * (len(ahead) + 1)
