@@ -147,20 +147,28 @@ def scrape(base: str) -> tuple[str, dict[MetricKey, float]]:
 @dataclass(frozen=True)
 class Mode:
     base: str  # "aggregated" | "nixl" | "grpc"
-    threads: int | None  # OMP_NUM_THREADS for every process of the stack
+    env: dict[str, str]  # OpenMP settings for every process of the stack
     num_decode: int  # decode workers
     prefill_wait_ms: float | None = None  # --max-remote-prefill-wait-ms
 
 
 def parse_mode(mode: str) -> Mode:
-    """``"nixl+omp1"`` -> the nixl stack with OMP_NUM_THREADS=1; ``"aggregated+dec2"`` -> two
-    aggregated decode workers (replicas behind the gateway); ``"nixl+wait300"`` -> the nixl
-    stack prefilling on the decode worker what would wait over 300 ms for the prefill worker."""
+    """``"nixl+omp1"`` -> the nixl stack with OMP_NUM_THREADS=1 (in every process: ``baton
+    serve`` then splits no cores); ``"nixl+passive"`` -> with OMP_WAIT_POLICY=PASSIVE (idle
+    OpenMP threads sleep instead of spinning); ``"nixl+spin1000"`` -> with GOMP_SPINCOUNT=1000
+    (they spin that long first); ``"aggregated+dec2"`` -> two aggregated decode
+    workers (replicas behind the gateway); ``"nixl+wait300"`` -> the nixl stack prefilling on
+    the decode worker what would wait over 300 ms for the prefill worker."""
     base, *opts = mode.split("+")
-    threads, num_decode, wait_ms = None, 1, None
+    env: dict[str, str] = {}
+    num_decode, wait_ms = 1, None
     for opt in opts:
         if m := re.fullmatch(r"omp(\d+)", opt):
-            threads = int(m.group(1))
+            env["OMP_NUM_THREADS"] = m.group(1)
+        elif opt == "passive":
+            env["OMP_WAIT_POLICY"] = "PASSIVE"
+        elif m := re.fullmatch(r"spin(\d+)", opt):
+            env["GOMP_SPINCOUNT"] = m.group(1)
         elif m := re.fullmatch(r"dec(\d+)", opt):
             num_decode = int(m.group(1))
         elif m := re.fullmatch(r"wait(\d+)", opt):
@@ -169,7 +177,7 @@ def parse_mode(mode: str) -> Mode:
             raise ValueError(f"unknown option {opt!r} in mode {mode!r}")
     if base not in ("aggregated", "nixl", "grpc"):
         raise ValueError(f"unknown mode {mode!r}")
-    return Mode(base, threads, num_decode, wait_ms)
+    return Mode(base, env, num_decode, wait_ms)
 
 
 def parse_modes(p: argparse.ArgumentParser, text: str) -> list[str]:
@@ -203,10 +211,8 @@ def start_stack(mode: str, args: argparse.Namespace, port: int, log: Path) -> su
         cmd += ["--kv-transfer", m.base]
     if m.prefill_wait_ms is not None:
         cmd += ["--max-remote-prefill-wait-ms", str(m.prefill_wait_ms)]
-    env = dict(os.environ)
-    if m.threads is not None:
-        env["OMP_NUM_THREADS"] = str(m.threads)
-    prefix = f"OMP_NUM_THREADS={m.threads} " if m.threads is not None else ""
+    env = {**os.environ, **m.env}
+    prefix = "".join(f"{k}={v} " for k, v in m.env.items())
     print(f"[{mode}] {prefix}baton {' '.join(cmd[3:])}  (log: {log})", flush=True)
     with log.open("w") as f:
         return subprocess.Popen(

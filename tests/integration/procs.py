@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from baton.serve import SHARED_CPU_ENV
+
 READY = re.compile(r"baton (\w+) ready on (\S+?)(?: |$)")
 METRICS = re.compile(r"metrics (http://\S+?/metrics)")
 ENGINE_ARGS = ("--max-model-len", "1024", "--kv-cache-memory", str(64 << 20), "--dtype", "float32")
@@ -63,8 +65,11 @@ def start(
 
 
 def launch(kind: str, argv: Sequence[str], env: dict[str, str] | None = None) -> Service:
-    """Start ``baton KIND ARGV``; ``wait_all`` waits for its ready line."""
+    """Start ``baton KIND ARGV``; ``wait_all`` waits for its ready line. A worker gets the
+    OpenMP settings ``baton serve`` gives workers that share the cores (as tests' do)."""
     full_env = dict(os.environ, PYTHONUNBUFFERED="1", UCX_NET_DEVICES="lo")
+    if kind in ("prefill", "decode"):
+        full_env.update(SHARED_CPU_ENV)
     full_env.update(env or {})
     proc = subprocess.Popen(
         [sys.executable, "-m", "baton.cli", kind, *argv],

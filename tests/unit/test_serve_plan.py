@@ -6,7 +6,16 @@ import argparse
 
 import pytest
 
-from baton.serve import _gpu_counts, _gpu_env, _gpu_ids, _plan, add_parser, share_gpu_memory
+from baton.serve import (
+    SHARED_CPU_ENV,
+    _cpu_env,
+    _gpu_counts,
+    _gpu_env,
+    _gpu_ids,
+    _plan,
+    add_parser,
+    share_gpu_memory,
+)
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -95,6 +104,28 @@ def test_workers_get_one_gpu_each_round_robin() -> None:
     assert all(e["NCCL_NVLS_ENABLE"] == "0" for e in envs)
     assert _gpu_env(gpus, workers, "gateway", [1, 1, 1]) == {}
     assert _gpu_ids(parse("--gpus", "0,1")) == []  # on CPU nothing is pinned
+
+
+def test_cpu_workers_that_share_the_cores_spin_briefly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CPU, several workers (a prefill and a decode worker) get ``SHARED_CPU_ENV``: their
+    OpenMP threads soon stop spinning. A lone worker, the gateway, GPU workers and a user's
+    own OpenMP wait settings are left alone."""
+    for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
+        monkeypatch.delenv(name, raising=False)
+
+    def envs(args: argparse.Namespace) -> dict[str, dict[str, str]]:
+        labels = [label for _, label, _ in _plan(args, "m")]
+        workers = [label for label in labels if label.startswith(("prefill", "decode"))]
+        return {label: _cpu_env(args, workers, label) for label in labels}
+
+    assert SHARED_CPU_ENV["GOMP_SPINCOUNT"] == "1000"
+    assert envs(parse()) == {"kvstore": {}, "prefill": SHARED_CPU_ENV,
+                             "decode": SHARED_CPU_ENV, "gateway": {}}  # fmt: skip
+    assert envs(parse("--mode", "aggregated", "--num-decode", "2"))["decode-1"] == SHARED_CPU_ENV
+    assert envs(parse("--mode", "aggregated")) == {"decode": {}, "gateway": {}}
+    assert not any(envs(parse("--device", "cuda", "--gpus", "0,1")).values())
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    assert not any(envs(parse()).values())
 
 
 def test_tensor_parallel_workers_get_that_many_gpus_and_run_aggregated() -> None:

@@ -337,7 +337,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             print(f"GPU memory: {note} of each GPU's memory", flush=True)
         workers = [label for kind, label, _ in plan if kind in ("prefill", "decode")]
         children = [
-            start_child(kind, label, argv, {**env, **_gpu_env(gpus, workers, label, counts)})
+            start_child(
+                kind,
+                label,
+                argv,
+                {**env, **_gpu_env(gpus, workers, label, counts), **_cpu_env(args, workers, label)},
+            )
             for kind, label, argv in plan
         ]
         for child in children:
@@ -359,6 +364,28 @@ _GPU_ENV = {
     "NVSHMEM_DISABLE_NVLS": "1",
     "UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y",
 }
+
+
+# CPU workers that share the host's cores: torch's OpenMP threads (libgomp) spin
+# GOMP_SPINCOUNT iterations (300,000 by default) after each parallel region before they
+# sleep, so while a prefill and a decode worker are both busy, one's spinning threads hold the
+# cores the other's threads wait for, and steps of a few milliseconds take tens. A thousand
+# keeps most of a lone worker's speed and ends the stall: on two cores, 34 requests at
+# concurrency 8 through a prefill and a decode worker took 6.3 s instead of 18.8-32.7 s, a lone
+# request's ITL 12.9-15.2 against 10.1-14.1 ms (OMP_WAIT_POLICY=PASSIVE: 6.0 s but 18 ms; one
+# thread a worker: 7.2 s, a lone prefill twice as long; benchmarks/RESULTS.md, fiftieth
+# session).
+SHARED_CPU_ENV = {"GOMP_SPINCOUNT": "1000"}
+
+
+def _cpu_env(args: argparse.Namespace, workers: list[str], label: str) -> dict[str, str]:
+    """Worker ``label``'s OpenMP settings on CPU: ``SHARED_CPU_ENV`` where several workers
+    share the cores, unless OMP_WAIT_POLICY or GOMP_SPINCOUNT is set (the user's choice)."""
+    if str(args.device).startswith("cuda") or label not in workers or len(workers) < 2:
+        return {}
+    if {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & os.environ.keys():
+        return {}
+    return dict(SHARED_CPU_ENV)
 
 
 def _gpu_ids(args: argparse.Namespace) -> list[str]:

@@ -48,8 +48,8 @@ def init_group(rank: int, size: int, store: Any, device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
     else:
-        # the ranks share the host's cores
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+        # the ranks share the cores this process may run on
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // size))
     dist.init_process_group(
         "nccl" if device.startswith("cuda") else "gloo",
         store=store,
