@@ -131,12 +131,12 @@ def test_preemptions_and_prefix_hits_keep_the_tokens(
     whose prompts hit the blocks the first run left in the prefix cache (blocks that held
     rejected drafts included): the tokens of a run without drafts, both times (seeded
     sampled requests among them: a resumed one draws each token by its index)."""
-    batch = [(LOOP[i:], replace(GREEDY, max_tokens=48)) for i in range(6)]
+    batch = [(LOOP[i:], replace(GREEDY, max_tokens=32)) for i in range(6)]
     seeded = [
         (p, replace(sp, temperature=0.6, top_k=50, seed=i)) for i, (p, sp) in enumerate(batch[1::2])
     ]
     batch[1::2] = seeded
-    small = {"num_gpu_blocks_override": 24}
+    small = {"num_gpu_blocks_override": 20}
     reference = make_core(default_model_dir, False, **small)
     add_all(reference, batch, "a")
     want = summary(run(reference))
