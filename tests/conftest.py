@@ -49,6 +49,22 @@ def tokenizer(default_model_dir: Path) -> Any:
     return load_tokenizer(default_model_dir)
 
 
+@pytest.fixture(scope="session")
+def hf_model() -> Any:
+    """transformers' own loading of the default GGUF file (an independent dequantization),
+    float32, in eval mode: the reference several tests compare with, loaded once (~12 s).
+    Shared: a test that changes weights changes a copy."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from baton_engine.model_loader import default_model_path
+
+    gguf = default_model_path()
+    return AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32, local_files_only=True
+    ).eval()
+
+
 # --- Redis --------------------------------------------------------------------------------
 # A real redis-server per test (no persistence, loopback only); ``restart()`` brings it back on the
 # same port with empty state, as after a crash. Skipped where redis-server is not installed.

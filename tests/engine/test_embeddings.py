@@ -17,7 +17,6 @@ from baton import LLM, PoolingParams, SamplingParams
 from baton_engine.config import EngineConfig
 from baton_engine.engine import LLMEngine
 from baton_engine.errors import InvalidRequestError
-from baton_engine.model_loader import default_model_path
 
 TEXTS = [
     "The capital of France is Paris.",
@@ -40,18 +39,13 @@ def llm(default_model_dir: Path) -> LLM:
 
 
 @pytest.fixture(scope="module")
-def hf_hidden(tokenizer: Any) -> list[torch.Tensor]:
+def hf_hidden(tokenizer: Any, hf_model: Any) -> list[torch.Tensor]:
     """transformers' final hidden states (after the last norm) of each text's tokens
     (``[tokens, hidden]``), from its own GGUF loading."""
-    from transformers import AutoModelForCausalLM
-
-    gguf = default_model_path()
-    model = AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
-    ).eval()
     with torch.inference_mode():
         return [
-            model.model(torch.tensor([tokenizer(t).input_ids])).last_hidden_state[0] for t in TEXTS
+            hf_model.model(torch.tensor([tokenizer(t).input_ids])).last_hidden_state[0]
+            for t in TEXTS
         ]
 
 

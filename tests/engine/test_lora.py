@@ -22,7 +22,6 @@ from safetensors.torch import save_file
 
 from baton import LLM, LoRARequest, SamplingParams
 from baton_engine.errors import InvalidRequestError, NotFoundError
-from baton_engine.model_loader import default_model_path
 
 NUM_NEW_TOKENS = 12
 PROMPTS = [
@@ -65,21 +64,15 @@ def merged_scale(request: LoRARequest) -> tuple[float, dict[str, torch.Tensor]]:
 
 @pytest.fixture(scope="module")
 def reference(
-    tokenizer: Any, adapters: dict[str, LoRARequest]
+    tokenizer: Any, adapters: dict[str, LoRARequest], hf_model: Any
 ) -> dict[str | None, list[list[int]]]:
-    """transformers' greedy tokens for each prompt, with each adapter merged into the
-    weights (None: the base model)."""
-    from transformers import AutoModelForCausalLM
-
-    gguf = default_model_path()
-    base = AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
-    ).eval()
+    """transformers' greedy tokens for each prompt, with each adapter merged into a copy of
+    the weights (None: the base model)."""
     out: dict[str | None, list[list[int]]] = {}
     for name in (None, *adapters):
-        model = base
+        model = hf_model
         if name is not None:
-            model = copy.deepcopy(base)
+            model = copy.deepcopy(hf_model)
             scale, tensors = merged_scale(adapters[name])
             params = dict(model.named_parameters())
             with torch.no_grad():

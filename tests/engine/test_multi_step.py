@@ -122,11 +122,11 @@ def test_aborts_and_preemption_give_the_tokens_of_single_steps(default_model_dir
     """Requests aborted between runs and a pool too small for every request at once (runs
     stop while blocks are short; requests are preempted and recomputed): the tokens equal one
     pass a step's."""
-    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     results = []
     for steps in (1, 4):
         core = make_core(
-            default_model_dir, True, num_gpu_blocks_override=24, num_scheduler_steps=steps
+            default_model_dir, True, num_gpu_blocks_override=18, num_scheduler_steps=steps
         )
         for i in range(6):
             core.add_request(f"c{i}", [40 + i, 41, 42] * 12, params)
@@ -135,6 +135,7 @@ def test_aborts_and_preemption_give_the_tokens_of_single_steps(default_model_dir
         assert (core.scheduler.num_multi_steps > 0) == (steps > 1)
     assert results[1] == results[0]
     abort = {"b1": 3, "b3": 9}
+    params = replace(params, max_tokens=16)
     aborted: list[dict[str, list[EngineCoreOutput]]] = []
     for steps in (1, 4):
         core = make_core(default_model_dir, True, num_scheduler_steps=steps)

@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from baton import LLM, SamplingParams
-from baton_engine.model_loader import default_model_path
 
 NUM_NEW_TOKENS = 32
 
@@ -63,13 +62,8 @@ def prompts(tokenizer: Any) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def reference(prompts: list[list[int]]) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    gguf = default_model_path()
-    model = AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
-    ).eval()
+def reference(prompts: list[list[int]], hf_model: Any) -> list[list[int]]:
+    model = hf_model
     outs = []
     # A plain greedy loop: generate() would stop at EOS or, with min_new_tokens, suppress it,
     # while the engine runs with ignore_eos (keep going, suppress nothing).

@@ -9,6 +9,7 @@ import re
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -68,12 +69,8 @@ def test_unpermute_inverts_llama_cpp_permutation() -> None:
         np.testing.assert_array_equal(gguf_convert.unpermute_qk(permuted, n_head), w)
 
 
-def test_weights_match_transformers_gguf_loading(converted: Path) -> None:
-    from transformers import AutoModelForCausalLM
-
-    ref = AutoModelForCausalLM.from_pretrained(
-        str(GGUF.parent), gguf_file=GGUF.name, dtype=torch.float32, local_files_only=True
-    ).state_dict()
+def test_weights_match_transformers_gguf_loading(converted: Path, hf_model: Any) -> None:
+    ref = hf_model.state_dict()
     ours = dict(iter_weights(converted))
     assert len(ours) == 272
     for name, tensor in ours.items():
