@@ -369,7 +369,7 @@ _GPU_ENV = {
 # CPU workers that share the host's cores: torch's OpenMP threads (libgomp) spin
 # GOMP_SPINCOUNT iterations (300,000 by default) after each parallel region before they
 # sleep, so while a prefill and a decode worker are both busy, one's spinning threads hold the
-# cores the other's threads wait for, and steps of a few milliseconds take tens. A thousand
+# cores the other's threads wait for (under load, a mean ITL of 180-390 ms against 29). A thousand
 # keeps most of a lone worker's speed and ends the stall: on two cores, 34 requests at
 # concurrency 8 through a prefill and a decode worker took 6.3 s instead of 18.8-32.7 s, a lone
 # request's ITL 12.9-15.2 against 10.1-14.1 ms (OMP_WAIT_POLICY=PASSIVE: 6.0 s but 18 ms; one
