@@ -314,9 +314,9 @@ def test_lone_request_decodes_through_fused_gemv_layers(
 
 def test_a_mixture_of_experts_on_the_gpus_defaults_matches_reference(tmp_path: Path) -> None:
     """A Qwen3-MoE shape (16 experts, 2 a token) on the GPU's defaults: its decode steps are
-    captured in CUDA graphs, whose static-shape experts (dense for 19 requests, gathered for
-    one: ``models/moe.py``) give the eager reference's greedy tokens; its prompt steps run
-    eagerly (no piecewise graphs), their experts one by one as routed."""
+    captured in CUDA graphs and its prompt steps in pieces, the experts the Triton grouped
+    GEMMs (``baton_kernels.triton.moe``), and they give the eager reference's greedy tokens
+    (the torch backend: the experts one by one as routed)."""
     moe = CONFIG | {
         "architectures": ["Qwen3MoeForCausalLM"],
         "model_type": "qwen3_moe",
@@ -332,7 +332,8 @@ def test_a_mixture_of_experts_on_the_gpus_defaults_matches_reference(tmp_path: P
     assert got == want
     graphs = core.runner.graphs
     assert graphs is not None and graphs.num_steps.get(24, 0) > 0
-    assert core.runner.pieces is None and not core.runner.model.folded_norms
+    assert core.runner.pieces is not None and core.runner.pieces.replays[False] > 0
+    assert not core.runner.model.folded_norms  # (plain layers only)
     from baton_engine.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)

@@ -11,7 +11,11 @@ parallelism each rank holds every expert's share of ``I`` (gate/up by rows, down
 as for a dense MLP, and the layer's all-reduce sums the partial outputs; the router and the
 shared expert's gate are replicated.
 
-Three ways to run the experts, with the same result (``experts_sorted`` is the reference):
+On a GPU with the fused kernels on (``SparseMoE.fused``: the Triton backend), every step runs
+the experts as grouped GEMMs over the token-expert pairs (``baton_kernels.triton.moe``): each
+chosen expert's weights read once, no host work, so decode steps and prompt-step pieces are
+captured in CUDA graphs. Elsewhere (the CPU, the torch reference backend), three ways to run
+the experts, with the same result (``experts_sorted`` is the reference):
 - ``experts_sorted``: the token-expert pairs sorted by expert, one GEMM pair an expert that
   has tokens. It reads the routing on the host (how many tokens each expert has), so it cannot
   be captured in a CUDA graph; it runs every step but the captured decode steps.
@@ -19,11 +23,9 @@ Three ways to run the experts, with the same result (``experts_sorted`` is the r
   reads only the experts chosen, twice (the copy).
 - ``experts_dense``: every expert on every token, weighted by a routing matrix that is zero
   where a token did not choose the expert: three launches, every expert's weights read once.
-The last two are what a decode step captured in a CUDA graph runs (static shapes, no host
+The last two are what a captured decode step runs without the Triton experts (static shapes, no host
 work): the gather while the pairs are at most half the experts (``2 T k <= E``: it moves fewer
-bytes), the dense form beyond, where a decode step reads most experts' weights anyway. (Not yet
-measured on a GPU; a fused MoE kernel, which reads each chosen expert once, is the better
-form for both.)
+bytes), the dense form beyond, where a decode step reads most experts' weights anyway.
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ from baton_engine.config import ModelConfig
 from baton_kernels import fused
 
 Activation = Callable[[torch.Tensor], torch.Tensor]
+# GPUs with the fused kernels on run the experts as Triton's grouped GEMMs
+# (``baton_kernels.triton.moe``) at every step; False: the three forms below.
+TRITON_EXPERTS = True
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -216,7 +221,11 @@ class SparseMoE(nn.Module):
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
         act = fused.silu_and_mul if self.fused else silu_and_mul
         experts = self.experts
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        if self.fused and x.is_cuda and TRITON_EXPERTS:
+            from baton_kernels.triton.moe import fused_experts
+
+            out = fused_experts(x, ids, weights, experts.gate_up_proj, experts.down_proj, act)
+        elif torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             few = 2 * ids.numel() <= experts.num_experts
             run = experts_gathered if few else experts_dense
             out = run(x, ids, weights, experts.gate_up_proj, experts.down_proj, act)

@@ -24,7 +24,7 @@ from baton_engine.core.outputs import (
     TokenLogprobs,
 )
 from baton_engine.lora import LoRALimits, LoRAManager
-from baton_engine.models import LlamaForCausalLM
+from baton_engine.models import LlamaForCausalLM, moe
 from baton_engine.models.llama import shard_config
 from baton_engine.models.moe import Experts
 from baton_engine.pooling_params import PoolerConfig
@@ -510,11 +510,15 @@ class ModelRunner:
     def enable_piece_graphs(self, capture: bool) -> bool:
         """Run the steps that decode graphs do not take (prompt chunks, mixed batches) through
         ``PieceGraphs``, captured now when ``capture``: before the KV cache is sized, so that
-        their memory is counted as in use. Not for a mixture of experts: on these steps its
-        experts run one by one, as the routing says (``moe.experts_sorted``), which a graph
-        cannot follow. Returns whether the pieces are on."""
+        their memory is counted as in use. Not for a mixture of experts whose experts run one
+        by one, as the routing says (``moe.experts_sorted``), which a graph cannot follow; with
+        the Triton experts (``moe.TRITON_EXPERTS``, the fused kernels on) it is. Returns
+        whether the pieces are on."""
         cfg = self.model_config
-        if cfg.is_moe:
+        if cfg.is_moe and not (
+            moe.TRITON_EXPERTS
+            and all(m.fused for m in self.model.modules() if isinstance(m, moe.SparseMoE))
+        ):
             return False
         q_size = cfg.num_heads * cfg.head_dim
         self.pieces = PieceGraphs(

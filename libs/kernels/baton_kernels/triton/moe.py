@@ -1,0 +1,298 @@
+# Triton kernels (untyped decorator, pointer and stride arguments) are exempt; launchers are typed.
+# mypy: allow-untyped-defs, allow-incomplete-defs, allow-untyped-decorators
+"""A mixture of experts' MLP as grouped GEMMs over the token-expert pairs (the approach of vLLM's
+``fused_moe``), with static shapes and no host work, so that CUDA graphs hold it at any batch.
+
+A step of ``T`` tokens routed to ``k`` experts each has ``P = T k`` pairs (pair ``p`` is token
+``p // k``'s ``p % k``-th choice). ``align_pairs`` (one program) groups the pairs by expert into
+blocks of ``BLOCK_M`` rows: each block holds pairs of one expert only, an expert's last block is
+partly filled, and each block records its expert (-1: past the last block) and how many of its
+rows are pairs. ``expert_gemm`` then runs one program per (block, column block): it reads the
+block's rows of the input (the token's row for the first projection, the pair's own row for the
+second) and its expert's weight tile, so each chosen expert's weights are read once a column
+block whatever the number of its tokens, and an expert no token chose is never read. Its output
+is one row a pair, optionally scaled by the pair's routing weight.
+
+``fused_experts`` chains them: gate/up projection, SiLU-and-multiply, down projection scaled by
+the routing weights, and each token's ``k`` rows summed (in the order of its choices). The
+number of blocks launched is the most the routing can need, ``cdiv(P, BLOCK_M) + min(E, P)``;
+programs of blocks past the last return at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from baton_kernels.triton.common import (
+    SUPPORTED_DTYPES,
+    cdiv,
+    dot_precision,
+    next_pow2,
+    upcast_in_kernel,
+)
+from baton_kernels.triton.launch import launcher
+
+ALIGN_TILE = 4096  # pairs x experts compared at once by align_pairs (its chunk's rows: this / E)
+# Tiles by the mean pairs an expert gets: (most mean rows, BLOCK_M, BLOCK_N, BLOCK_K, warps,
+# stages); the last entry takes every larger mean.
+GEMM_CONFIGS: list[tuple[float, int, int, int, int, int]] = [
+    (16, 16, 64, 128, 4, 4),
+    (48, 32, 64, 64, 4, 4),
+    (float("inf"), 64, 128, 64, 8, 3),
+]
+
+
+class Alignment(NamedTuple):
+    """The pairs grouped by expert (``align_pairs``)."""
+
+    pairs: torch.Tensor  # [blocks * block_m] int32: the pair in each block's row
+    block_expert: torch.Tensor  # [blocks] int32: each block's expert, -1 past the last block
+    block_rows: torch.Tensor  # [blocks] int32: how many of a block's rows hold pairs
+    block_m: int
+
+
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
+def _align_kernel(
+    ids_ptr,  # [P] the expert of each pair
+    pairs_ptr,  # [blocks * BLOCK_M]
+    block_expert_ptr,  # [blocks]
+    block_rows_ptr,  # [blocks]
+    num_pairs,
+    num_blocks,
+    E_P2: tl.constexpr,  # the experts, padded to a power of two
+    BLOCK_M: tl.constexpr,
+    CHUNK: tl.constexpr,  # pairs compared with every expert at once
+    B_CHUNK: tl.constexpr,  # blocks compared with every expert at once
+):
+    e = tl.arange(0, E_P2)
+    counts = tl.zeros((E_P2,), dtype=tl.int32)
+    for c0 in range(0, num_pairs, CHUNK):
+        p = c0 + tl.arange(0, CHUNK)
+        expert = tl.load(ids_ptr + p, mask=p < num_pairs, other=-1).to(tl.int32)
+        counts += tl.sum((expert[:, None] == e[None, :]).to(tl.int32), axis=0)
+    blocks = (counts + BLOCK_M - 1) // BLOCK_M
+    block_end = tl.cumsum(blocks, axis=0)
+    block_start = block_end - blocks
+    # each pair's row: its expert's first row + the pairs of that expert before it
+    seen = block_start * BLOCK_M
+    for c0 in range(0, num_pairs, CHUNK):
+        p = c0 + tl.arange(0, CHUNK)
+        expert = tl.load(ids_ptr + p, mask=p < num_pairs, other=-1).to(tl.int32)
+        hit = (expert[:, None] == e[None, :]).to(tl.int32)  # [CHUNK, E_P2], one hit a pair
+        before = tl.cumsum(hit, axis=0) - hit
+        row = tl.sum(hit * (before + seen[None, :]), axis=1)
+        tl.store(pairs_ptr + row, p, mask=p < num_pairs)
+        seen += tl.sum(hit, axis=0)
+    for b0 in range(0, num_blocks, B_CHUNK):
+        b = b0 + tl.arange(0, B_CHUNK)
+        # [B_CHUNK, E_P2]: the block's expert, if any
+        inside = (block_start[None, :] <= b[:, None]) & (b[:, None] < block_end[None, :])
+        inside = inside.to(tl.int32)
+        owner = tl.sum(inside * (e[None, :] + 1), axis=1) - 1
+        left = tl.sum(inside * (counts[None, :] - (b[:, None] - block_start[None, :]) * BLOCK_M),
+                      axis=1)  # fmt: skip
+        ok = b < num_blocks
+        tl.store(block_expert_ptr + b, owner, mask=ok)
+        tl.store(block_rows_ptr + b, tl.minimum(left, BLOCK_M), mask=ok)
+
+
+def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """The most blocks ``num_pairs`` pairs can fill: every expert's last block may be partial."""
+    return cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
+
+
+def align_pairs(ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
+    """Group the pairs of ``ids`` (``[T, k]``, each below ``num_experts``) by expert in blocks
+    of ``block_m`` rows (the module's docstring). Pairs of one expert keep their order."""
+    if ids.dim() != 2 or ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"ids must be [tokens, top_k] integers: {tuple(ids.shape)} {ids.dtype}")
+    if block_m < 16 or block_m & (block_m - 1):
+        raise ValueError(f"block_m must be a power of two >= 16: {block_m}")
+    flat = ids.reshape(-1)
+    num_pairs = flat.numel()
+    blocks = max_blocks(num_pairs, num_experts, block_m)
+    pairs = torch.empty(blocks * block_m, dtype=torch.int32, device=ids.device)
+    block_expert = torch.empty(blocks, dtype=torch.int32, device=ids.device)
+    block_rows = torch.empty(blocks, dtype=torch.int32, device=ids.device)
+    if blocks:
+        e_p2 = next_pow2(num_experts)
+        launcher(_align_kernel)(
+            (1,),
+            flat,
+            pairs,
+            block_expert,
+            block_rows,
+            num_pairs,
+            blocks,
+            E_P2=e_p2,
+            BLOCK_M=block_m,
+            CHUNK=max(1, min(ALIGN_TILE // e_p2, next_pow2(num_pairs))),
+            B_CHUNK=max(1, min(ALIGN_TILE // e_p2, next_pow2(blocks))),
+            num_warps=4,
+        )
+    return Alignment(pairs, block_expert, block_rows, block_m)
+
+
+@triton.jit
+def _expert_gemm_kernel(
+    a_ptr,  # [rows, K]: a token's row (GATHER) or a pair's
+    w_ptr,  # [E, N, K]
+    out_ptr,  # [P, N]: a pair's row
+    pairs_ptr,
+    block_expert_ptr,
+    block_rows_ptr,
+    route_ptr,  # [P] each pair's routing weight (ROUTE)
+    N,
+    K,
+    s_a,
+    s_we,
+    s_wn,
+    s_o,
+    TOP_K: tl.constexpr,
+    GATHER: tl.constexpr,  # a's rows are tokens: pair p reads row p // TOP_K
+    ROUTE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    UPCAST: tl.constexpr,  # the interpreter: no 16-bit float math
+):
+    block = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + block)
+    if expert < 0:
+        return
+    r = tl.arange(0, BLOCK_M)
+    r_ok = r < tl.load(block_rows_ptr + block)
+    pair = tl.load(pairs_ptr + block * BLOCK_M + r, mask=r_ok, other=0)
+    row = pair // TOP_K if GATHER else pair
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    w_base = w_ptr + expert.to(tl.int64) * s_we + n[None, :].to(tl.int64) * s_wn
+    a_base = a_ptr + row[:, None].to(tl.int64) * s_a
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < K
+        a = tl.load(a_base + k[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_base + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            w = w.to(tl.float32)
+        acc += tl.dot(a, w, input_precision=DOT_PREC)
+    if ROUTE:
+        acc *= tl.load(route_ptr + pair, mask=r_ok, other=0.0).to(tl.float32)[:, None]
+    ok = r_ok[:, None] & n_ok[None, :]
+    tl.store(out_ptr + pair[:, None].to(tl.int64) * s_o + n[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=ok)  # fmt: skip
+
+
+def gemm_config(num_pairs: int, num_experts: int) -> tuple[int, int, int, int, int]:
+    """``(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)`` for ``num_pairs`` pairs over
+    ``num_experts`` experts (``GEMM_CONFIGS``, by the mean pairs an expert gets)."""
+    mean = num_pairs / max(num_experts, 1)
+    _, *tile = next((c for c in GEMM_CONFIGS if mean <= c[0]), GEMM_CONFIGS[-1])
+    block_m, block_n, block_k, warps, stages = tile
+    return block_m, block_n, block_k, warps, stages
+
+
+def expert_gemm(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    align: Alignment,
+    num_pairs: int,
+    top_k: int | None = None,
+    route: torch.Tensor | None = None,
+    config: tuple[int, int, int, int, int] | None = None,
+) -> torch.Tensor:
+    """``out[p] = a[row(p)] @ w[expert(p)].T`` (times ``route[p]`` when given) for each of the
+    ``num_pairs`` pairs of ``align``: ``[P, N]`` for ``w`` ``[E, N, K]``. ``row(p)`` is
+    ``p // top_k`` (``a`` holds the tokens' rows) or, without ``top_k``, ``p`` (a pair's own).
+    Float32 accumulation, one rounding to ``a``'s dtype."""
+    if a.dim() != 2 or w.dim() != 3 or a.stride(1) != 1 or w.stride(2) != 1:
+        raise ValueError(f"a must be [rows, K] and w [E, N, K], rows dense: {a.shape}, {w.shape}")
+    num_experts, n_out, k_in = w.shape
+    if a.shape[1] != k_in or a.dtype != w.dtype or a.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"a {tuple(a.shape)} {a.dtype} does not fit w {tuple(w.shape)} {w.dtype}")
+    if a.shape[0] * (top_k or 1) != num_pairs:
+        raise ValueError(f"a has {a.shape[0]} rows for {num_pairs} pairs (top_k {top_k})")
+    if route is not None and route.shape != (num_pairs,):
+        raise ValueError(f"route must be [{num_pairs}]: {tuple(route.shape)}")
+    out = torch.empty((num_pairs, n_out), dtype=a.dtype, device=a.device)
+    if num_pairs == 0 or n_out == 0:
+        return out
+    block_m, block_n, block_k, warps, stages = config or gemm_config(num_pairs, num_experts)
+    if block_m != align.block_m:
+        raise ValueError(f"align's blocks have {align.block_m} rows, the GEMM's {block_m}")
+    launcher(_expert_gemm_kernel)(
+        (align.block_expert.numel(), cdiv(n_out, block_n)),
+        a,
+        w,
+        out,
+        align.pairs,
+        align.block_expert,
+        align.block_rows,
+        route if route is not None else out,
+        n_out,
+        k_in,
+        a.stride(0),
+        w.stride(0),
+        w.stride(1),
+        out.stride(0),
+        TOP_K=top_k or 1,
+        GATHER=top_k is not None,
+        ROUTE=route is not None,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=min(block_k, max(16, next_pow2(k_in))),
+        DOT_PREC=dot_precision(a.dtype),
+        UPCAST=upcast_in_kernel(a),
+        num_warps=warps,
+        num_stages=stages,
+    )
+    return out
+
+
+def fused_experts(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    act: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """The experts' weighted sum for each token of ``x`` ``[T, H]`` routed to ``ids`` with
+    ``weights`` (``[T, k]``): ``[T, H]``, for stacked ``gate_up`` ``[E, 2I, H]`` and ``down``
+    ``[E, H, I]``; ``act`` maps ``[P, 2I]`` to ``[P, I]`` (SiLU-and-multiply)."""
+    num_tokens, top_k = ids.shape
+    if x.dim() != 2 or x.shape[0] != num_tokens or weights.shape != ids.shape:
+        raise ValueError(f"x {tuple(x.shape)}, ids {tuple(ids.shape)} and weights "
+                         f"{tuple(weights.shape)} do not match")  # fmt: skip
+    num_pairs, num_experts = num_tokens * top_k, gate_up.shape[0]
+    config = gemm_config(num_pairs, num_experts)
+    align = align_pairs(ids, num_experts, config[0])
+    hidden = act(expert_gemm(x, gate_up, align, num_pairs, top_k=top_k, config=config))
+    out = expert_gemm(hidden, down, align, num_pairs, route=weights.reshape(-1), config=config)
+    return out.view(num_tokens, top_k, -1).sum(dim=1)
+
+
+def ref_fused_experts(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    act: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """``fused_experts`` in plain PyTorch, a pair at a time, in float32."""
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for t in range(ids.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            h = act((x[t].float() @ gate_up[e].float().t())[None])[0]
+            out[t] += float(weights[t, j]) * (h @ down[e].float().t())
+    return out.to(x.dtype)

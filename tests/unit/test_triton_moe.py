@@ -1,0 +1,147 @@
+"""The fused mixture-of-experts kernels (``baton_kernels.triton.moe``): the pairs' grouping by
+expert, and the experts' weighted sum against its plain-PyTorch reference and against the
+engine's sorted form. Without a GPU they run under Triton's interpreter at small shapes
+(TRITON_INTERPRET is set before any kernel module is imported)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+
+from baton_engine.models.moe import experts_sorted, route, silu_and_mul
+from baton_kernels.triton.moe import (
+    align_pairs,
+    expert_gemm,
+    fused_experts,
+    max_blocks,
+    ref_fused_experts,
+)
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+# (atol, rtol): the kernel rounds the projection and each pair's output once; the reference not
+TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (3e-2, 3e-2), torch.float16: (4e-3, 4e-3)}
+
+
+def _routed(
+    num_tokens: int, experts: int, top_k: int, seed: int = 0, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(num_tokens, experts, generator=g).to(dtype)
+    weights, ids = route(logits, top_k, renormalize=True)
+    return weights.to(DEVICE), ids.to(DEVICE)
+
+
+def _experts(
+    experts: int, hidden: int, inter: int, dtype: torch.dtype, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed + 100)
+    gate_up = (torch.randn(experts, 2 * inter, hidden, generator=g) * 0.2).to(dtype)
+    down = (torch.randn(experts, hidden, inter, generator=g) * 0.2).to(dtype)
+    return gate_up.to(DEVICE), down.to(DEVICE)
+
+
+@pytest.mark.parametrize(("num_tokens", "experts", "top_k", "block_m"), [
+    (1, 8, 2, 16), (7, 6, 3, 16), (40, 8, 2, 16), (70, 60, 8, 32), (300, 5, 1, 64),
+])  # fmt: skip
+def test_pairs_are_grouped_by_expert_in_blocks(
+    num_tokens: int, experts: int, top_k: int, block_m: int
+) -> None:
+    """Every pair lands in exactly one block row, each block holds one expert's pairs in
+    their order, an expert's blocks are full but its last, and no block follows the last."""
+    _, ids = _routed(num_tokens, experts, top_k, seed=num_tokens)
+    align = align_pairs(ids, experts, block_m)
+    num_pairs = ids.numel()
+    blocks = max_blocks(num_pairs, experts, block_m)
+    assert align.block_expert.shape == (blocks,) and align.pairs.shape == (blocks * block_m,)
+    flat = ids.reshape(-1).tolist()
+    owners, rows = align.block_expert.tolist(), align.block_rows.tolist()
+    pairs = align.pairs.view(blocks, block_m).tolist()
+    used = [b for b in range(blocks) if owners[b] >= 0]
+    assert used == list(range(len(used)))  # the blocks in use come first
+    assert all(rows[b] == 0 for b in range(len(used), blocks))
+    assert [owners[b] for b in used] == sorted(owners[b] for b in used)
+    for expert in range(experts):
+        mine = [p for b in used if owners[b] == expert for p in pairs[b][: rows[b]]]
+        assert mine == [p for p, e in enumerate(flat) if e == expert]
+        expert_rows = [rows[b] for b in used if owners[b] == expert]
+        assert all(r == block_m for r in expert_rows[:-1]) and all(r > 0 for r in expert_rows)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("num_tokens", "experts", "top_k", "hidden", "inter"), [
+    (1, 8, 2, 64, 48), (5, 6, 1, 64, 40), (33, 8, 4, 96, 48), (90, 16, 2, 32, 24),
+])  # fmt: skip
+def test_fused_experts_match_the_reference(
+    dtype: torch.dtype, num_tokens: int, experts: int, top_k: int, hidden: int, inter: int
+) -> None:
+    weights, ids = _routed(num_tokens, experts, top_k, seed=num_tokens, dtype=dtype)
+    gate_up, down = _experts(experts, hidden, inter, dtype, seed=num_tokens)
+    x = torch.randn(num_tokens, hidden, generator=torch.Generator().manual_seed(1)).to(dtype)
+    x = x.to(DEVICE)
+    got = fused_experts(x, ids, weights, gate_up, down, silu_and_mul)
+    want = ref_fused_experts(x, ids, weights, gate_up, down, silu_and_mul)
+    assert want.abs().max() > 0.5  # (not a sum of nothing)
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
+    # and what the engine's eager form (one GEMM pair an expert) gives
+    sorted_form = experts_sorted(x, ids, weights, gate_up, down)
+    torch.testing.assert_close(got, sorted_form, atol=2 * atol, rtol=2 * rtol)
+
+
+def test_experts_no_pair_chose_are_never_read() -> None:
+    """NaN in every expert but the two chosen: the output stays finite and exact."""
+    experts, hidden, inter = 8, 64, 32
+    gate_up, down = _experts(experts, hidden, inter, torch.float32)
+    ids = torch.tensor([[2, 5], [5, 2], [2, 5]], device=DEVICE)
+    weights = torch.tensor([[0.7, 0.3], [0.6, 0.4], [0.5, 0.5]], device=DEVICE)
+    x = torch.randn(3, hidden, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    want = ref_fused_experts(x, ids, weights, gate_up, down, silu_and_mul)
+    for e in range(experts):
+        if e not in (2, 5):
+            gate_up[e] = float("nan")
+            down[e] = float("nan")
+    got = fused_experts(x, ids, weights, gate_up, down, silu_and_mul)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_each_pair_gets_its_own_row_scaled_by_its_weight() -> None:
+    """``expert_gemm`` alone: pair p's row is ``a[p // k] @ w[expert].T`` times its weight,
+    whatever block it was grouped into."""
+    experts, k_in, n_out, top_k = 4, 48, 40, 2
+    _, ids = _routed(9, experts, top_k, seed=4)
+    w = torch.randn(experts, n_out, k_in, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    a = torch.randn(9, k_in, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    route_w = torch.rand(18, generator=torch.Generator().manual_seed(7)).to(DEVICE) + 0.5
+    align = align_pairs(ids, experts, 16)
+    got = expert_gemm(a, w, align, 18, top_k=top_k, route=route_w, config=(16, 32, 16, 4, 2))
+    flat = ids.reshape(-1)
+    want = torch.stack([route_w[p] * (a[p // top_k] @ w[flat[p]].t()) for p in range(18)])
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    mine = expert_gemm(got, w[:, :, :n_out], align, 18, config=(16, 32, 16, 4, 2))
+    want_own = torch.stack([got[p] @ w[flat[p], :, :n_out].t() for p in range(18)])
+    torch.testing.assert_close(mine, want_own, atol=1e-4, rtol=1e-5)
+
+
+def test_bad_shapes_are_refused() -> None:
+    gate_up, down = _experts(4, 32, 16, torch.float32)
+    weights, ids = _routed(3, 4, 2)
+    x = torch.randn(3, 32, device=DEVICE)
+    with pytest.raises(ValueError, match="do not match"):
+        fused_experts(x[:2], ids, weights, gate_up, down, silu_and_mul)
+    with pytest.raises(ValueError, match="does not fit"):
+        fused_experts(x[:, :16], ids, weights, gate_up, down, silu_and_mul)
+    with pytest.raises(ValueError, match="integers"):
+        align_pairs(ids.float(), 4, 16)
+    with pytest.raises(ValueError, match="power of two"):
+        align_pairs(ids, 4, 24)
+    align = align_pairs(ids, 4, 16)
+    with pytest.raises(ValueError, match="blocks have 16 rows"):
+        expert_gemm(x, gate_up, align, 6, top_k=2, config=(32, 32, 32, 4, 2))
