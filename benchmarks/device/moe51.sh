@@ -23,9 +23,9 @@ if [ "$PART" = kernels ]; then
 else
   old="import baton_engine.models.moe as m; m.TRITON_EXPERTS = False"
   for b in 1 64; do
-    ab_variant "moe-b$b-triton" "" --shapes qwen3moe --batches $b --num-prompts $((b * 4)) \
+    ab_variant "moe-b$b-triton" "" --shapes qwen3moe --batches $b --num-prompts $((b * 2)) \
         --output-len 128
-    ab_variant "moe-b$b-before" "$old" --shapes qwen3moe --batches $b --num-prompts $((b * 4)) \
+    ab_variant "moe-b$b-before" "$old" --shapes qwen3moe --batches $b --num-prompts $((b * 2)) \
         --output-len 128
   done
 fi
