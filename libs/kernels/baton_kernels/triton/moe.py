@@ -4,10 +4,12 @@
 ``fused_moe``), with static shapes and no host work, so that CUDA graphs hold it at any batch.
 
 A step of ``T`` tokens routed to ``k`` experts each has ``P = T k`` pairs (pair ``p`` is token
-``p // k``'s ``p % k``-th choice). ``align_pairs`` (one program) groups the pairs by expert into
+``p // k``'s ``p % k``-th choice). ``align_pairs`` groups the pairs by expert into
 blocks of ``BLOCK_M`` rows: each block holds pairs of one expert only, an expert's last block is
 partly filled, and each block records its expert (-1: past the last block) and how many of its
-rows are pairs. ``expert_gemm`` then runs one program per (block, column block): it reads the
+rows are pairs. Beyond ``ALIGN_PAIRS`` pairs it takes two launches of several programs: each
+program counts its share of the pairs by expert, then places them after the counts of the
+programs before it. ``expert_gemm`` then runs one program per (block, column block): it reads the
 block's rows of the input (the token's row for the first projection, the pair's own row for the
 second) and its expert's weight tile, so each chosen expert's weights are read once a column
 block whatever the number of its tokens, and an expert no token chose is never read. Its output
@@ -38,6 +40,7 @@ from baton_kernels.triton.common import (
 from baton_kernels.triton.launch import launcher
 
 ALIGN_TILE = 4096  # pairs x experts compared at once by align_pairs (its chunk's rows: this / E)
+ALIGN_PAIRS = 256  # pairs a program of align_pairs places (at most; more pairs, more programs)
 # Tiles by the mean pairs an expert gets: (most mean rows, BLOCK_M, BLOCK_N, BLOCK_K, warps,
 # stages); the last entry takes every larger mean.
 GEMM_CONFIGS: list[tuple[float, int, int, int, int, int]] = [
@@ -56,40 +59,77 @@ class Alignment(NamedTuple):
     block_m: int
 
 
-@triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
+@triton.jit
+def _expert_hits(ids_ptr, p, num_pairs, E_P2: tl.constexpr):
+    """``[len(p), E_P2]`` int32: 1 where pair ``p`` chose the expert of the column."""
+    expert = tl.load(ids_ptr + p, mask=p < num_pairs, other=-1).to(tl.int32)
+    return (expert[:, None] == tl.arange(0, E_P2)[None, :]).to(tl.int32)
+
+
+@triton.jit(do_not_specialize=["num_pairs", "per_program"])
+def _count_kernel(
+    ids_ptr,
+    counts_ptr,  # [programs, E_P2]: each program's pairs of each expert
+    num_pairs,
+    per_program,
+    E_P2: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    g = tl.program_id(0)
+    counts = tl.zeros((E_P2,), dtype=tl.int32)
+    for c0 in range(0, per_program, CHUNK):
+        p = g * per_program + c0 + tl.arange(0, CHUNK)
+        counts += tl.sum(_expert_hits(ids_ptr, p, num_pairs, E_P2), axis=0)
+    tl.store(counts_ptr + g * E_P2 + tl.arange(0, E_P2), counts)
+
+
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks", "per_program", "blocks_per_program"])
 def _align_kernel(
     ids_ptr,  # [P] the expert of each pair
+    counts_ptr,  # [programs, E_P2] (COUNTED)
     pairs_ptr,  # [blocks * BLOCK_M]
     block_expert_ptr,  # [blocks]
     block_rows_ptr,  # [blocks]
     num_pairs,
     num_blocks,
+    per_program,  # pairs a program places (a multiple of CHUNK)
+    blocks_per_program,  # blocks a program describes (a multiple of B_CHUNK)
     E_P2: tl.constexpr,  # the experts, padded to a power of two
     BLOCK_M: tl.constexpr,
     CHUNK: tl.constexpr,  # pairs compared with every expert at once
     B_CHUNK: tl.constexpr,  # blocks compared with every expert at once
+    G_CHUNK: tl.constexpr,  # rows of counts_ptr summed at once
+    COUNTED: tl.constexpr,  # _count_kernel counted each program's pairs (else: one program)
 ):
+    g = tl.program_id(0)
     e = tl.arange(0, E_P2)
-    counts = tl.zeros((E_P2,), dtype=tl.int32)
-    for c0 in range(0, num_pairs, CHUNK):
-        p = c0 + tl.arange(0, CHUNK)
-        expert = tl.load(ids_ptr + p, mask=p < num_pairs, other=-1).to(tl.int32)
-        counts += tl.sum((expert[:, None] == e[None, :]).to(tl.int32), axis=0)
+    first = g * per_program
+    counts = tl.zeros((E_P2,), dtype=tl.int32)  # every pair's
+    earlier = tl.zeros((E_P2,), dtype=tl.int32)  # the earlier programs' pairs'
+    if COUNTED:
+        for r0 in range(0, tl.num_programs(0), G_CHUNK):
+            r = r0 + tl.arange(0, G_CHUNK)
+            rows = tl.load(counts_ptr + r[:, None] * E_P2 + e[None, :],
+                           mask=(r < tl.num_programs(0))[:, None], other=0)  # fmt: skip
+            counts += tl.sum(rows, axis=0)
+            earlier += tl.sum(tl.where((r < g)[:, None], rows, 0), axis=0)
+    else:
+        for c0 in range(0, num_pairs, CHUNK):
+            counts += tl.sum(_expert_hits(ids_ptr, c0 + tl.arange(0, CHUNK), num_pairs, E_P2), 0)
     blocks = (counts + BLOCK_M - 1) // BLOCK_M
     block_end = tl.cumsum(blocks, axis=0)
     block_start = block_end - blocks
     # each pair's row: its expert's first row + the pairs of that expert before it
-    seen = block_start * BLOCK_M
-    for c0 in range(0, num_pairs, CHUNK):
-        p = c0 + tl.arange(0, CHUNK)
-        expert = tl.load(ids_ptr + p, mask=p < num_pairs, other=-1).to(tl.int32)
-        hit = (expert[:, None] == e[None, :]).to(tl.int32)  # [CHUNK, E_P2], one hit a pair
+    seen = block_start * BLOCK_M + earlier
+    for c0 in range(0, per_program, CHUNK):
+        p = first + c0 + tl.arange(0, CHUNK)
+        hit = _expert_hits(ids_ptr, p, num_pairs, E_P2)  # [CHUNK, E_P2], one hit a pair
         before = tl.cumsum(hit, axis=0) - hit
         row = tl.sum(hit * (before + seen[None, :]), axis=1)
         tl.store(pairs_ptr + row, p, mask=p < num_pairs)
         seen += tl.sum(hit, axis=0)
-    for b0 in range(0, num_blocks, B_CHUNK):
-        b = b0 + tl.arange(0, B_CHUNK)
+    for b0 in range(0, blocks_per_program, B_CHUNK):
+        b = g * blocks_per_program + b0 + tl.arange(0, B_CHUNK)
         # [B_CHUNK, E_P2]: the block's expert, if any
         inside = (block_start[None, :] <= b[:, None]) & (b[:, None] < block_end[None, :])
         inside = inside.to(tl.int32)
@@ -121,18 +161,35 @@ def align_pairs(ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
     block_rows = torch.empty(blocks, dtype=torch.int32, device=ids.device)
     if blocks:
         e_p2 = next_pow2(num_experts)
+        chunk = max(1, min(ALIGN_TILE // e_p2, next_pow2(num_pairs)))
+        b_chunk = max(1, min(ALIGN_TILE // e_p2, next_pow2(blocks)))
+        programs = cdiv(num_pairs, ALIGN_PAIRS)
+        per_program = cdiv(cdiv(num_pairs, programs), chunk) * chunk
+        programs = cdiv(num_pairs, per_program)
+        counts = pairs  # (unread with one program)
+        if programs > 1:
+            counts = torch.empty((programs, e_p2), dtype=torch.int32, device=ids.device)
+            launcher(_count_kernel)(
+                (programs,), flat, counts, num_pairs, per_program, E_P2=e_p2, CHUNK=chunk,
+                num_warps=4,
+            )  # fmt: skip
         launcher(_align_kernel)(
-            (1,),
+            (programs,),
             flat,
+            counts,
             pairs,
             block_expert,
             block_rows,
             num_pairs,
             blocks,
+            per_program,
+            cdiv(cdiv(blocks, programs), b_chunk) * b_chunk,
             E_P2=e_p2,
             BLOCK_M=block_m,
-            CHUNK=max(1, min(ALIGN_TILE // e_p2, next_pow2(num_pairs))),
-            B_CHUNK=max(1, min(ALIGN_TILE // e_p2, next_pow2(blocks))),
+            CHUNK=chunk,
+            B_CHUNK=b_chunk,
+            G_CHUNK=max(1, min(ALIGN_TILE // e_p2, next_pow2(programs))),
+            COUNTED=programs > 1,
             num_warps=4,
         )
     return Alignment(pairs, block_expert, block_rows, block_m)
