@@ -19,7 +19,7 @@ if [ "$PART" = kernels ] || [ "$PART" = all ]; then
       tests/gpu/test_engine_gpu.py -k "mixture_of_experts" 2>&1 | tail -4
   echo "engine test ended $(date +%T)"
   timeout 150 python3 benchmarks/bench_moe_gpu.py --tokens ${TOKENS-1,8,64,256,1024,8192} \
-      --tiles ${TILES-16/32/128/4/4,16/64/64/4/4,32/64/128/4/4,64/128/64/8/3,128/128/64/8/3}
+      --tiles "${TILES-16/32/128/4/4,16/64/64/4/4,32/64/128/4/4,64/128/64/8/3,128/128/64/8/3}"
   echo "layer bench ended $(date +%T)"
 fi
 if [ "$PART" = engine ] || [ "$PART" = all ]; then
