@@ -87,6 +87,7 @@ def run(
     num_scheduler_steps: int = 1,
     weight_scale: float = 1.0,
     num_speculative_tokens: int = 0,
+    triton_experts: bool = False,
 ) -> tuple[dict[str, list[int]], EngineCore]:
     spec = {"method": "ngram", "num_speculative_tokens": num_speculative_tokens,
             "prompt_lookup_min": 1}  # fmt: skip
@@ -107,6 +108,8 @@ def run(
         randomize_norms(core)
     if fused:
         core.runner.model.use_fused_kernels()
+    if triton_experts:
+        assert core.runner.model.use_triton_experts()
     if fold:
         assert core.runner.model.fold_norms(prompts=fold_prompts)
     if graphs:
@@ -284,6 +287,42 @@ def test_prompt_steps_run_piecewise_through_padded_buffers(tmp_path: Path, fused
     # 105 prompt tokens and the decodes mixed in: three full steps, the last (18 tokens)
     # padded to 32
     assert pieces.num_steps.get(32, 0) >= 4
+
+
+def test_a_mixture_of_experts_runs_the_triton_experts_in_graphs_and_pieces(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a GPU runs for a mixture of experts: decode steps through the padded graph buffers,
+    every other step through ``PieceGraphs`` (padding rows routed too), the experts as Triton's
+    grouped GEMMs (``use_triton_experts``; under the interpreter here). Its greedy tokens equal
+    the reference backend's, whose experts run one by one as routed."""
+    moe = TINY_LLAMA | {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "moe_intermediate_size": 32,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": True,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(moe))
+    from baton_kernels.triton import moe as kernels
+
+    calls: list[int] = []
+    fused_experts = kernels.fused_experts
+    monkeypatch.setattr(kernels, "fused_experts",
+                        lambda x, *a: calls.append(x.shape[0]) or fused_experts(x, *a))  # fmt: skip
+    want, _ = run(tmp_path, "torch", graphs=False, max_num_batched_tokens=32)
+    assert not calls
+    got, core = run(
+        tmp_path, "triton", graphs=True, fused=True, pieces=True, triton_experts=True,
+        max_num_batched_tokens=32,
+    )  # fmt: skip
+    assert got == want
+    pieces, graphs = core.runner.pieces, core.runner.graphs
+    assert pieces is not None and pieces.num_steps.get(32, 0) >= 4
+    assert graphs is not None and graphs.num_steps.get(8, 0) >= 4
+    # every layer of every step: padded prompt steps (32 rows) and decode steps (8)
+    assert {32, 8} <= set(calls)
 
 
 def test_steps_beyond_the_largest_piece_size_run_eagerly(

@@ -694,6 +694,15 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, RMSNorm | MLP | SparseMoE):
                 module.fused = True
 
+    def use_triton_experts(self) -> bool:
+        """Run a mixture of experts' experts as Triton's grouped GEMMs at every step
+        (``baton_kernels.triton.moe``: static shapes, so CUDA graphs hold them). Returns
+        whether the model has experts."""
+        layers = [m for m in self.modules() if isinstance(m, SparseMoE)]
+        for layer in layers:
+            layer.triton_experts = True
+        return bool(layers)
+
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The token embeddings (times Granite's ``embedding_multiplier``, or Gemma's
         sqrt(hidden) rounded to the model's dtype)."""

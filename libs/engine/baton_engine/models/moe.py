@@ -11,10 +11,10 @@ parallelism each rank holds every expert's share of ``I`` (gate/up by rows, down
 as for a dense MLP, and the layer's all-reduce sums the partial outputs; the router and the
 shared expert's gate are replicated.
 
-On a GPU with the fused kernels on (``SparseMoE.fused``: the Triton backend), every step runs
-the experts as grouped GEMMs over the token-expert pairs (``baton_kernels.triton.moe``): each
-chosen expert's weights read once, no host work, so decode steps and prompt-step pieces are
-captured in CUDA graphs. Elsewhere (the CPU, the torch reference backend), three ways to run
+On a GPU with the Triton backend (``SparseMoE.triton_experts``), every step runs the experts
+as grouped GEMMs over the token-expert pairs (``baton_kernels.triton.moe``): each chosen
+expert's weights read once, no host work, so decode steps and prompt-step pieces are captured
+in CUDA graphs. Elsewhere (the CPU, the torch reference backend), three ways to run
 the experts, with the same result (``experts_sorted`` is the reference):
 - ``experts_sorted``: the token-expert pairs sorted by expert, one GEMM pair an expert that
   has tokens. It reads the routing on the host (how many tokens each expert has), so it cannot
@@ -42,7 +42,8 @@ from baton_kernels import fused
 
 Activation = Callable[[torch.Tensor], torch.Tensor]
 # GPUs with the fused kernels on run the experts as Triton's grouped GEMMs
-# (``baton_kernels.triton.moe``) at every step; False: the three forms below.
+# (``baton_kernels.triton.moe``, ``SparseMoE.triton_experts``) at every step; False: the three
+# forms below (an A/B switch for benchmarks/device/moe51.sh).
 TRITON_EXPERTS = True
 
 
@@ -206,6 +207,7 @@ class SparseMoE(nn.Module):
     """A mixture of experts in place of a decoder layer's MLP (the module docstring)."""
 
     fused = False  # SiLU-and-multiply as a fused kernel (set by use_fused_kernels)
+    triton_experts = False  # the experts as Triton's grouped GEMMs (use_triton_experts)
 
     def __init__(self, cfg: ModelConfig, shared_expert: nn.Module | None = None) -> None:
         super().__init__()
@@ -221,7 +223,7 @@ class SparseMoE(nn.Module):
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
         act = fused.silu_and_mul if self.fused else silu_and_mul
         experts = self.experts
-        if self.fused and x.is_cuda and TRITON_EXPERTS:
+        if self.triton_experts:
             from baton_kernels.triton.moe import fused_experts
 
             out = fused_experts(x, ids, weights, experts.gate_up_proj, experts.down_proj, act)

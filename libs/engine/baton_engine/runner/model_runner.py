@@ -305,6 +305,8 @@ class ModelRunner:
         self.model.eval()
         if self.backend.name != "torch" and fused.available(self.device):
             self.model.use_fused_kernels()  # (the torch backend is the reference: torch ops)
+            if self.device.type == "cuda" and moe.TRITON_EXPERTS:
+                self.model.use_triton_experts()
             hidden = model_config.hidden_size
             if (
                 lora is None
@@ -512,13 +514,10 @@ class ModelRunner:
         ``PieceGraphs``, captured now when ``capture``: before the KV cache is sized, so that
         their memory is counted as in use. Not for a mixture of experts whose experts run one
         by one, as the routing says (``moe.experts_sorted``), which a graph cannot follow; with
-        the Triton experts (``moe.TRITON_EXPERTS``, the fused kernels on) it is. Returns
-        whether the pieces are on."""
+        the Triton experts (``use_triton_experts``) it is. Returns whether the pieces are on."""
         cfg = self.model_config
-        if cfg.is_moe and not (
-            moe.TRITON_EXPERTS
-            and all(m.fused for m in self.model.modules() if isinstance(m, moe.SparseMoE))
-        ):
+        layers = [m for m in self.model.modules() if isinstance(m, moe.SparseMoE)]
+        if not all(m.triton_experts for m in layers):
             return False
         q_size = cfg.num_heads * cfg.head_dim
         self.pieces = PieceGraphs(
