@@ -14,8 +14,8 @@ shared expert's gate are replicated.
 On a GPU with the Triton backend (``SparseMoE.triton_experts``), every step runs the experts
 as grouped GEMMs over the token-expert pairs (``baton_kernels.triton.moe``): each chosen
 expert's weights read once, no host work, so decode steps and prompt-step pieces are captured
-in CUDA graphs. Elsewhere (the CPU, the torch reference backend), three ways to run
-the experts, with the same result (``experts_sorted`` is the reference):
+in CUDA graphs. Elsewhere (the CPU, the torch reference backend), three ways to run the
+experts, with the same result (``experts_sorted`` is the reference):
 - ``experts_sorted``: the token-expert pairs sorted by expert, one GEMM pair an expert that
   has tokens. It reads the routing on the host (how many tokens each expert has), so it cannot
   be captured in a CUDA graph; it runs every step but the captured decode steps.
@@ -23,9 +23,10 @@ the experts, with the same result (``experts_sorted`` is the reference):
   reads only the experts chosen, twice (the copy).
 - ``experts_dense``: every expert on every token, weighted by a routing matrix that is zero
   where a token did not choose the expert: three launches, every expert's weights read once.
-The last two are what a captured decode step runs without the Triton experts (static shapes, no host
-work): the gather while the pairs are at most half the experts (``2 T k <= E``: it moves fewer
-bytes), the dense form beyond, where a decode step reads most experts' weights anyway.
+The last two are what a captured decode step runs without the Triton experts (static shapes,
+no host work): the gather while the pairs are at most half the experts (``2 T k <= E``: it
+moves fewer bytes), the dense form beyond, where a decode step reads most experts' weights
+anyway.
 """
 
 from __future__ import annotations
