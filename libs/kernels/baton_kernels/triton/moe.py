@@ -66,6 +66,17 @@ def _expert_hits(ids_ptr, p, num_pairs, E_P2: tl.constexpr):
     return (expert[:, None] == tl.arange(0, E_P2)[None, :]).to(tl.int32)
 
 
+@triton.jit
+def _count_share(ids_ptr, first, per_program, num_pairs, E_P2: tl.constexpr, CHUNK: tl.constexpr):
+    """``[E_P2]``: the pairs ``first .. first + per_program`` (those below ``num_pairs``) of
+    each expert."""
+    counts = tl.zeros((E_P2,), dtype=tl.int32)
+    for c0 in range(0, per_program, CHUNK):
+        counts += tl.sum(_expert_hits(ids_ptr, first + c0 + tl.arange(0, CHUNK), num_pairs, E_P2),
+                         axis=0)  # fmt: skip
+    return counts
+
+
 @triton.jit(do_not_specialize=["num_pairs", "per_program"])
 def _count_kernel(
     ids_ptr,
@@ -76,10 +87,7 @@ def _count_kernel(
     CHUNK: tl.constexpr,
 ):
     g = tl.program_id(0)
-    counts = tl.zeros((E_P2,), dtype=tl.int32)
-    for c0 in range(0, per_program, CHUNK):
-        p = g * per_program + c0 + tl.arange(0, CHUNK)
-        counts += tl.sum(_expert_hits(ids_ptr, p, num_pairs, E_P2), axis=0)
+    counts = _count_share(ids_ptr, g * per_program, per_program, num_pairs, E_P2, CHUNK)
     tl.store(counts_ptr + g * E_P2 + tl.arange(0, E_P2), counts)
 
 
@@ -104,18 +112,17 @@ def _align_kernel(
     g = tl.program_id(0)
     e = tl.arange(0, E_P2)
     first = g * per_program
-    counts = tl.zeros((E_P2,), dtype=tl.int32)  # every pair's
-    earlier = tl.zeros((E_P2,), dtype=tl.int32)  # the earlier programs' pairs'
+    earlier = tl.zeros((E_P2,), dtype=tl.int32)  # the earlier programs' pairs of each expert
     if COUNTED:
+        counts = tl.zeros((E_P2,), dtype=tl.int32)  # every pair's
         for r0 in range(0, tl.num_programs(0), G_CHUNK):
             r = r0 + tl.arange(0, G_CHUNK)
             rows = tl.load(counts_ptr + r[:, None] * E_P2 + e[None, :],
                            mask=(r < tl.num_programs(0))[:, None], other=0)  # fmt: skip
             counts += tl.sum(rows, axis=0)
             earlier += tl.sum(tl.where((r < g)[:, None], rows, 0), axis=0)
-    else:
-        for c0 in range(0, num_pairs, CHUNK):
-            counts += tl.sum(_expert_hits(ids_ptr, c0 + tl.arange(0, CHUNK), num_pairs, E_P2), 0)
+    else:  # (one program: its share is every pair)
+        counts = _count_share(ids_ptr, 0, per_program, num_pairs, E_P2, CHUNK)
     blocks = (counts + BLOCK_M - 1) // BLOCK_M
     block_end = tl.cumsum(blocks, axis=0)
     block_start = block_end - blocks
