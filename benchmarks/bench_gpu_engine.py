@@ -85,7 +85,8 @@ def engine(model: Path, args: argparse.Namespace, **kw: Any) -> EngineCore:
         block_size=getattr(args, "block_size", None) or EngineConfig.block_size,
         # alone in its process, the server's default; else room for what an earlier engine in
         # this process may not have freed
-        gpu_memory_utilization=0.9 if args.only_config else 0.6,
+        gpu_memory_utilization=getattr(args, "gpu_memory_utilization", None)
+        or (0.9 if args.only_config else 0.6),
         num_scheduler_steps=getattr(args, "num_scheduler_steps", 1),
         seed=0,
     )
@@ -499,6 +500,11 @@ def main() -> int:
     )
     p.add_argument(
         "--num-scheduler-steps", type=int, default=1, help="the engine's (multi-step scheduling)"
+    )
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        help="the engine's (default: 0.9 alone in a process, else 0.6)",
     )
     p.add_argument("--no-hf", action="store_true", help="skip the transformers comparison")
     p.add_argument("--temperature", type=float, default=0.0, help="Baton's sampling (0: greedy)")

@@ -6,7 +6,10 @@ import json
 import sys
 from pathlib import Path
 
-for r in json.loads(Path(sys.argv[1]).read_text())["throughput"]:
+results = json.loads(Path(sys.argv[1]).read_text())
+for section, error in results.get("errors", {}).items():
+    print(f"{sys.argv[2]:8} {section} failed: {error}")
+for r in results["throughput"]:
     if r["engine"] != "baton":
         continue
     graph = r["graph_replay_ms"]

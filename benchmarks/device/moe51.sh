@@ -31,7 +31,8 @@ if [ "$PART" = engine ] || [ "$PART" = all ]; then
       patch=""
       [ $v = before ] && patch=$old
       timeout "${RUN_S:-300}" bash -c 'ab_variant "$@"' _ "moe-b$b-$v" "$patch" \
-          --shapes qwen3moe --batches "$b" --num-prompts $((b * 2)) --output-len 128
+          --shapes qwen3moe --batches "$b" --num-prompts $((b * 2)) --output-len 128 \
+          --gpu-memory-utilization 0.9
     done
   done
 fi

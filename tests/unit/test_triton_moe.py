@@ -20,6 +20,7 @@ pytest.importorskip("triton")
 
 from baton_engine.models.moe import experts_sorted, route, silu_and_mul
 from baton_kernels.triton.moe import (
+    GEMM_CONFIGS,
     align_pairs,
     expert_gemm,
     fused_experts,
@@ -94,9 +95,12 @@ def test_fused_experts_match_the_reference(
     assert want.abs().max() > 0.5  # (not a sum of nothing)
     atol, rtol = TOL[dtype]
     torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
-    # and what the engine's eager form (one GEMM pair an expert) gives
+    # and what the engine's eager form (one GEMM pair an expert) gives, which rounds the
+    # intermediate to the dtype before the activation (and cuBLAS may reduce in bf16): the two
+    # differ by the dtype's rounding at the output's scale, a wrong expert or weight by more
     sorted_form = experts_sorted(x, ids, weights, gate_up, down)
-    torch.testing.assert_close(got, sorted_form, atol=2 * atol, rtol=2 * rtol)
+    scale = max(want.abs().max().item(), 1.0)
+    torch.testing.assert_close(got, sorted_form, atol=2 * atol * scale, rtol=2 * rtol)
 
 
 def test_experts_no_pair_chose_are_never_read() -> None:
@@ -160,4 +164,6 @@ def test_the_kernels_compile_for_hopper() -> None:
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
                           timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.count("shared") == 17
+    # the alignment's 9 (3 numbers of experts), each tile in bf16 for both projections, the
+    # first in f32 for both
+    assert done.stdout.count("shared") == 9 + 2 * len(GEMM_CONFIGS) + 2
