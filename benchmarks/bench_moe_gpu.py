@@ -4,6 +4,8 @@ an expert's intermediate 768; bf16) by tokens, in each of the engine's forms (is
 - ``fused``: ``baton_kernels.triton.moe.fused_experts`` (its ``GEMM_CONFIGS`` tile), and with
   each tile of ``--tiles`` (``BM/BN/BK/warps/stages``) for the token counts they fit;
 - ``align``: its grouping of the pairs alone (``align_pairs``);
+- ``router``: the routing from the router's logits, ``route_top_k``'s one launch, and
+  ``route ...`` the engine's torch form (softmax, topk, renormalization: five launches);
 - ``gathered`` / ``dense``: the static-shape forms captured decode steps ran before it;
 - ``sorted``: the eager form (one GEMM pair an expert; reads the routing on the host).
 
@@ -34,7 +36,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--tokens", default="1,8,64,256,1024,8192")
     p.add_argument("--tiles", default="", help="comma-separated BM/BN/BK/warps/stages")
-    p.add_argument("--forms", default="fused,align,gathered,dense,sorted")
+    p.add_argument("--forms", default="fused,align,router,gathered,dense,sorted")
     args = p.parse_args()
     tiles: list[Tile] = []
     for t in filter(None, args.tiles.split(",")):
@@ -83,6 +85,9 @@ def bench(
     if "align" in forms:
         block_m = kmoe.gemm_config(n * K, E)[0]
         row("align", lambda: kmoe.align_pairs(ids, E, block_m))
+    if "router" in forms:
+        row("router", lambda: kmoe.route_top_k(logits, K, True))
+        row("route (torch)", lambda: moe.route(logits, K, True))
     static = {"gathered": moe.experts_gathered, "dense": moe.experts_dense}
     for name, form in static.items():
         # (the gather copies an expert a pair; the dense form computes every expert a token)

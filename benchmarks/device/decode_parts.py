@@ -126,6 +126,8 @@ def main() -> int:
     p = probe_args(__doc__)
     args = p.parse_args()
     core, mc, params = probe_engine(args)
+    print(f"decode graphs: {core.runner.graphs is not None}; prompt pieces: "
+          f"{core.runner.pieces is not None}")  # fmt: skip
     warm_up(core, mc, params)
     probe = Probe()
     install(probe, core)
@@ -135,6 +137,7 @@ def main() -> int:
     while core.has_unfinished_requests():
         core.step()
     torch.cuda.synchronize()
+    print(f"decode steps by graph size: {dict(core.runner.graphs.num_steps)}")
     rows = defaultdict(list)
     for e in probe.steps:
         parts = [a.elapsed_time(b) for a, b in itertools.pairwise(e)]

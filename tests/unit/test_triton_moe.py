@@ -1,7 +1,8 @@
-"""The fused mixture-of-experts kernels (``baton_kernels.triton.moe``): the pairs' grouping by
-expert, and the experts' weighted sum against its plain-PyTorch reference and against the
-engine's sorted form. Without a GPU they run under Triton's interpreter at small shapes
-(TRITON_INTERPRET is set before any kernel module is imported)."""
+"""The fused mixture-of-experts kernels (``baton_kernels.triton.moe``): the router's top-k
+against the engine's ``route``, the pairs' grouping by expert, and the experts' weighted sum
+against its plain-PyTorch reference and against the engine's sorted form. Without a GPU they
+run under Triton's interpreter at small shapes (TRITON_INTERPRET is set before any kernel
+module is imported)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from baton_kernels.triton.moe import (
     fused_experts,
     max_blocks,
     ref_fused_experts,
+    route_top_k,
 )
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -49,6 +51,50 @@ def _experts(
     gate_up = (torch.randn(experts, 2 * inter, hidden, generator=g) * 0.2).to(dtype)
     down = (torch.randn(experts, hidden, inter, generator=g) * 0.2).to(dtype)
     return gate_up.to(DEVICE), down.to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("num_tokens", "experts", "top_k", "renormalize"), [
+    (1, 8, 2, True), (5, 60, 4, False), (33, 128, 8, True), (3, 6, 6, True), (2, 300, 3, False),
+])  # fmt: skip
+def test_the_router_picks_what_route_picks(
+    dtype: torch.dtype, num_tokens: int, experts: int, top_k: int, renormalize: bool
+) -> None:
+    """``route_top_k``'s one launch chooses experts of the probabilities ``route`` chooses, in
+    the same order, with the same weights (softmax in float32, renormalized or not), from a
+    strided view. (Logits in 16 bits tie often: which of equal experts comes first is
+    ``topk``'s choice, the lower id the kernel's.)"""
+    g = torch.Generator().manual_seed(experts)
+    wide = torch.randn(num_tokens, experts + 3, generator=g).to(dtype).to(DEVICE)
+    logits = wide[:, 1 : experts + 1]  # (rows strided wider than they are long)
+    want_w, want_ids = route(logits, top_k, renormalize)
+    got_w, got_ids = route_top_k(logits, top_k, renormalize)
+    assert got_ids.dtype == torch.int64 and got_w.dtype == dtype
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    assert probs.gather(1, got_ids).tolist() == probs.gather(1, want_ids).tolist()
+    assert all(len(set(row)) == top_k for row in got_ids.tolist())
+    if dtype == torch.float32:  # (no ties)
+        assert got_ids.tolist() == want_ids.tolist()
+    atol, rtol = {torch.float32: (1e-6, 1e-5)}.get(dtype, TOL[dtype])
+    torch.testing.assert_close(got_w, want_w, atol=atol, rtol=rtol)
+    if renormalize:
+        torch.testing.assert_close(got_w.float().sum(-1), torch.ones(num_tokens, device=DEVICE),
+                                   atol=2e-2, rtol=0)  # fmt: skip
+
+
+def test_the_router_breaks_ties_toward_the_lower_id_and_refuses_bad_input() -> None:
+    logits = torch.tensor([[0.0, 2.0, 2.0, 1.0, 2.0]], device=DEVICE)
+    weights, ids = route_top_k(logits, 3, renormalize=True)
+    assert ids.tolist() == [[1, 2, 4]]
+    torch.testing.assert_close(weights, torch.full((1, 3), 1 / 3, device=DEVICE))
+    with pytest.raises(ValueError, match="cannot choose 6"):
+        route_top_k(logits, 6, renormalize=True)
+    with pytest.raises(ValueError, match="cannot choose"):
+        route_top_k(logits[0], 2, renormalize=True)
+    with pytest.raises(ValueError, match="unsupported dtype"):
+        route_top_k(logits.double(), 2, renormalize=True)
+    empty_w, empty_ids = route_top_k(logits[:0], 2, renormalize=False)
+    assert empty_w.shape == empty_ids.shape == (0, 2)
 
 
 @pytest.mark.parametrize(("num_tokens", "experts", "top_k", "block_m"), [
@@ -164,6 +210,6 @@ def test_the_kernels_compile_for_hopper() -> None:
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
                           timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
-    # the alignment's 9 (3 numbers of experts), each tile in bf16 for both projections, the
-    # first in f32 for both
-    assert done.stdout.count("shared") == 9 + 2 * len(GEMM_CONFIGS) + 2
+    # the router's 2, the alignment's 9 (3 numbers of experts), each tile in bf16 for both
+    # projections, the first in f32 for both
+    assert done.stdout.count("shared") == 2 + 9 + 2 * len(GEMM_CONFIGS) + 2

@@ -221,19 +221,22 @@ class SparseMoE(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
         act = fused.silu_and_mul if self.fused else silu_and_mul
         experts = self.experts
+        logits = self.gate(x)
         if self.triton_experts:
-            from baton_kernels.triton.moe import fused_experts
+            from baton_kernels.triton.moe import fused_experts, route_top_k
 
+            weights, ids = route_top_k(logits, self.top_k, self.renormalize)
             out = fused_experts(x, ids, weights, experts.gate_up_proj, experts.down_proj, act)
-        elif torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            few = 2 * ids.numel() <= experts.num_experts
-            run = experts_gathered if few else experts_dense
-            out = run(x, ids, weights, experts.gate_up_proj, experts.down_proj, act)
         else:
-            out = experts.sorted(x, ids, weights, act)
+            weights, ids = route(logits, self.top_k, self.renormalize)
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                few = 2 * ids.numel() <= experts.num_experts
+                run = experts_gathered if few else experts_dense
+                out = run(x, ids, weights, experts.gate_up_proj, experts.down_proj, act)
+            else:
+                out = experts.sorted(x, ids, weights, act)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             shared = self.shared_expert(x)
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * shared

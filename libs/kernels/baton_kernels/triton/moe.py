@@ -151,6 +151,65 @@ def _align_kernel(
         tl.store(block_rows_ptr + b, tl.minimum(left, BLOCK_M), mask=ok)
 
 
+@triton.jit(do_not_specialize=["num_experts"])
+def _route_kernel(
+    logits_ptr,
+    weights_ptr,
+    ids_ptr,
+    num_experts,
+    stride_t,
+    TOP_K: tl.constexpr,
+    K_P2: tl.constexpr,
+    E_P2: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, E_P2)
+    x = tl.load(logits_ptr + t * stride_t + cols, mask=cols < num_experts, other=float("-inf"))
+    x = x.to(tl.float32)
+    e = tl.exp(x - tl.max(x, axis=0))
+    probs = e / tl.sum(e, axis=0)
+    probs = tl.where(cols < num_experts, probs, -1.0)  # (below every probability)
+    slots = tl.arange(0, K_P2)
+    chosen = tl.zeros([K_P2], dtype=tl.float32)
+    chosen_ids = tl.zeros([K_P2], dtype=tl.int32)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(probs, axis=0)
+        at = tl.min(tl.where(probs == best, cols, E_P2), axis=0)  # (the first of equals)
+        chosen = tl.where(slots == j, best, chosen)
+        chosen_ids = tl.where(slots == j, at, chosen_ids)
+        probs = tl.where(cols == at, -2.0, probs)
+    if RENORMALIZE:
+        chosen = chosen / tl.sum(tl.where(slots < TOP_K, chosen, 0.0), axis=0)
+    tl.store(weights_ptr + t * TOP_K + slots, chosen, mask=slots < TOP_K)
+    tl.store(ids_ptr + t * TOP_K + slots, chosen_ids.to(tl.int64), mask=slots < TOP_K)
+
+
+def route_top_k(
+    logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router's choice for each token from its logits ``[T, E]``, in one launch:
+    ``(weights, ids)``, both ``[T, top_k]``, the ``top_k`` largest softmax probabilities
+    (computed in float32, as transformers) in decreasing order, renormalized to sum to 1 when
+    ``renormalize``, in the logits' dtype; ids int64. Equal probabilities go to the lower id.
+    The engine's ``baton_engine.models.moe.route`` is its plain-PyTorch form."""
+    if logits.dim() != 2 or not 0 < top_k <= logits.shape[1]:
+        raise ValueError(f"cannot choose {top_k} of logits {tuple(logits.shape)}")
+    if logits.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"unsupported dtype {logits.dtype}")
+    num_tokens, num_experts = logits.shape
+    weights = torch.empty((num_tokens, top_k), dtype=logits.dtype, device=logits.device)
+    ids = torch.empty((num_tokens, top_k), dtype=torch.int64, device=logits.device)
+    if num_tokens:
+        logits = logits if logits.stride(1) == 1 else logits.contiguous()
+        launcher(_route_kernel)(
+            (num_tokens,), logits, weights, ids, num_experts, logits.stride(0), TOP_K=top_k,
+            K_P2=next_pow2(top_k), E_P2=next_pow2(num_experts), RENORMALIZE=renormalize,
+            num_warps=1 if num_experts <= 256 else 4,
+        )  # fmt: skip
+    return weights, ids
+
+
 def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
     """The most blocks ``num_pairs`` pairs can fill: every expert's last block may be partial."""
     return cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
