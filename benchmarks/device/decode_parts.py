@@ -80,12 +80,12 @@ def install(probe: Probe, core: Any) -> None:
     runner.model.compute_logits = compute_logits
     launch = mr.ModelRunner.launch
 
-    def launched(self: Any, so: Any) -> Any:
+    def launched(self: Any, so: Any, *rest: Any) -> Any:
         one_each = so.total_num_scheduled_tokens == len(so.num_scheduled_tokens) > 0
         probe.active = one_each
         probe.marks = []
         probe.mark()
-        handle = launch(self, so)
+        handle = launch(self, so, *rest)
         probe.mark()
         if one_each and len(probe.marks) == 5:
             probe.steps.append(probe.marks)
