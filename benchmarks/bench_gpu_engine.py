@@ -320,7 +320,7 @@ class FullStepRecorder:
         vars(graphs).pop("run", None)  # the class's own again
         inputs = {k: v for k, v in self.last.items() if k not in ("patch", "host")}
         size = graphs.padded_size(len(inputs["input_ids"]))
-        graph = graphs._graphs.get(size) if size is not None else None
+        graph = graphs._graphs.get((False, size)) if size is not None else None  # (LoRA off)
         if graph is None:
             return None
         graphs.run(**inputs)  # the step's inputs into the buffers, and one replay

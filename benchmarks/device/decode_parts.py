@@ -154,9 +154,9 @@ def main() -> int:
 
     graphs = core.runner.graphs
     size = graphs.padded_size(args.batch)
-    graph = graphs._graphs[size]
+    graph = graphs._graphs[False, size]  # (LoRA off)
     replay = getattr(graph, "_probe_replay", graph.replay)
-    hidden = graphs._outputs[size]
+    hidden = graphs._outputs[False, size]
     model = core.runner.model
 
     @torch.inference_mode()

@@ -84,7 +84,7 @@ def main() -> int:
     graphs = runner.graphs
     if graphs is not None and len(graphs._graphs) > 1:
         # Does launching a graph wait while a launch of the same graph is still running?
-        sizes = sorted(graphs._graphs)[-2:]
+        sizes = sorted(graphs._graphs)[-2:]  # ((LoRA on, size) keys)
         ga, gb = graphs._graphs[sizes[-1]], graphs._graphs[sizes[0]]
         probe: dict[str, list[float]] = {}
         for _ in range(20):

@@ -88,8 +88,8 @@ def main() -> None:
         print(f"cpu: max |diff| of the halves' hidden states {(got - want).abs().max():.2e}")
         return
     one = recorder.replay_seconds() * 1e3  # also fills the buffers with that step's inputs
-    graphs._graphs[b].replay()
-    want = graphs._outputs[b].clone()
+    graphs._graphs[False, b].replay()
+    want = graphs._outputs[False, b].clone()
     main_stream, side = torch.cuda.Stream(), torch.cuda.Stream()
     rows = []
     kept = []  # each graph alive to the end, with its own pool
