@@ -26,8 +26,10 @@ from baton_kernels.triton import fused_ops
 from baton_kernels.triton.fused_ops import (
     fused_add_rms_norm,
     gelu_tanh_and_mul,
+    head_rms_norm_,
     ref_fused_add_rms_norm,
     ref_gelu_tanh_and_mul,
+    ref_head_rms_norm,
     ref_rms_norm,
     ref_rotary_embedding,
     ref_silu_and_mul,
@@ -474,6 +476,50 @@ def test_fused_add_rms_norm_rejects_misuse() -> None:
         fused_add_rms_norm(x, residual, weight, EPS, out=torch.empty_like(x[:, :32]))
     with pytest.raises(ValueError):
         rms_norm(x, weight.half(), EPS)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("num_tokens", "q_heads", "kv_heads", "head_dim"), [
+    (1, 14, 2, 64), (5, 32, 4, 128), (17, 4, 4, 80), (3, 40, 8, 64),
+])  # fmt: skip
+def test_head_rms_norm_in_place_on_the_projection(
+    num_tokens: int, q_heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> None:
+    """Qwen3's q/k norms in one launch on the strided q and k views of a qkv projection's
+    output: each head normed as the model's ``RMSNorm`` modules norm it, v untouched."""
+    torch.manual_seed(head_dim + q_heads)
+    q_size, kv_size = q_heads * head_dim, kv_heads * head_dim
+    qkv = randn(num_tokens, q_size + 2 * kv_size, dtype=dtype) * 3
+    q, k, v = torch.split(qkv, [q_size, kv_size, kv_size], dim=-1)
+    q = q.view(num_tokens, q_heads, head_dim)
+    k = k.view(num_tokens, kv_heads, head_dim)
+    q_w = (1 + 0.3 * torch.randn(head_dim, device=DEVICE)).to(dtype)
+    k_w = (1 + 0.3 * torch.randn(head_dim, device=DEVICE)).to(dtype)
+    v0 = v.clone()
+    want_q, want_k = ref_head_rms_norm(q, k, q_w, k_w, EPS)
+    model_q, model_k = model_norm(q_w, q.clone()), model_norm(k_w, k.clone())
+    head_rms_norm_(q, k, q_w, k_w, EPS)
+    assert torch.equal(v, v0)
+    assert_close(q, want_q, dtype)
+    assert_close(k, want_k, dtype)
+    assert_close(q, model_q, dtype)
+    assert_close(k, model_k, dtype)
+
+
+def test_head_rms_norm_rejects_misuse() -> None:
+    q = randn(2, 4, 64, dtype=torch.bfloat16)
+    k = randn(2, 2, 64, dtype=torch.bfloat16)
+    w = torch.ones(64, dtype=torch.bfloat16, device=DEVICE)
+    with pytest.raises(ValueError, match="contiguous heads"):
+        head_rms_norm_(q.transpose(1, 2), k, w, w, EPS)
+    with pytest.raises(ValueError, match="weight"):
+        head_rms_norm_(q, k, w[:32], w, EPS)
+    with pytest.raises(ValueError, match="weight"):
+        head_rms_norm_(q, k, w, w.float(), EPS)
+    with pytest.raises(ValueError, match="do not match"):
+        head_rms_norm_(q, k[:1], w, w, EPS)
+    with pytest.raises(ValueError, match="dtype"):
+        head_rms_norm_(q.double(), k.double(), w.double(), w.double(), EPS)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

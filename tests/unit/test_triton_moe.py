@@ -28,6 +28,7 @@ from baton_kernels.triton.moe import (
     max_blocks,
     ref_fused_experts,
     route_top_k,
+    sum_pairs,
 )
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -80,6 +81,25 @@ def test_the_router_picks_what_route_picks(
     if renormalize:
         torch.testing.assert_close(got_w.float().sum(-1), torch.ones(num_tokens, device=DEVICE),
                                    atol=2e-2, rtol=0)  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("num_tokens", "top_k", "hidden"), [(1, 8, 2048), (5, 3, 40), (9, 1, 1500)]
+)
+def test_each_tokens_pairs_are_summed(
+    dtype: torch.dtype, num_tokens: int, top_k: int, hidden: int
+) -> None:
+    """``sum_pairs`` gives torch's ``x.sum(dim=1)`` (float32 accumulation, one rounding)."""
+    g = torch.Generator().manual_seed(hidden)
+    x = torch.randn(num_tokens, top_k, hidden, generator=g).to(dtype).to(DEVICE)
+    want = x.sum(dim=1)
+    got = sum_pairs(x)
+    assert got.dtype == dtype and got.shape == want.shape
+    atol, rtol = {torch.float32: (1e-5, 1e-5)}.get(dtype, (1e-2, 8e-3))
+    torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
+    with pytest.raises(ValueError, match="contiguous"):
+        sum_pairs(x[:, :, : hidden - 1])
 
 
 def test_the_router_breaks_ties_toward_the_lower_id_and_refuses_bad_input() -> None:
@@ -210,6 +230,6 @@ def test_the_kernels_compile_for_hopper() -> None:
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
                           timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
-    # the router's 2, the alignment's 9 (3 numbers of experts), each tile in bf16 for both
-    # projections, the first in f32 for both
-    assert done.stdout.count("shared") == 2 + 9 + 2 * len(GEMM_CONFIGS) + 2
+    # the router's 2, the sum's 1, the alignment's 9 (3 numbers of experts), each tile in bf16
+    # for both projections, the first in f32 for both
+    assert done.stdout.count("shared") == 2 + 1 + 9 + 2 * len(GEMM_CONFIGS) + 2

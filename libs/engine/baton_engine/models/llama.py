@@ -100,7 +100,12 @@ class Attention(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+            if self.q_norm.fused and q.is_cuda:  # one launch, in place (no copies of q, k)
+                from baton_kernels.triton.fused_ops import head_rms_norm_
+
+                head_rms_norm_(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+            else:
+                q, k = self.q_norm(q), self.k_norm(k)
         if isinstance(rope, FusedRope) and getattr(backend, "fuses_rope", False):
             # rotation and cache write in one launch (TritonAttentionBackend.forward_rope)
             out = backend.forward_rope(  # type: ignore[attr-defined]

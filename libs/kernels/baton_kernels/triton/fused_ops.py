@@ -687,6 +687,101 @@ def ref_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     return torch.nn.functional.rms_norm(x, weight.shape, weight, eps)
 
 
+@triton.jit
+def _norm_heads(x_ptr, w_ptr, t, head_block, num_heads, head_dim, eps, s_t, s_h,
+                BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+    """RMSNorm of token ``t``'s heads ``head_block * BLOCK_H`` on, each over its own
+    ``head_dim`` values, in place."""
+    offs_h = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_h < num_heads)[:, None] & (offs_d < head_dim)[None, :]
+    ptrs = x_ptr + t * s_t + offs_h[:, None] * s_h + offs_d[None, :]
+    x = tl.load(ptrs, mask=mask, other=0.0)
+    xf = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(xf * xf, axis=1) / head_dim + eps)
+    w = tl.load(w_ptr + offs_d, mask=offs_d < head_dim, other=0.0).to(tl.float32)
+    tl.store(ptrs, (xf * rstd[:, None] * w[None, :]).to(x.dtype), mask=mask)
+
+
+@triton.jit
+def _head_rms_norm_kernel(
+    q_ptr,
+    k_ptr,
+    q_w_ptr,
+    k_w_ptr,
+    num_q_heads,
+    num_k_heads,
+    head_dim,
+    eps,
+    s_qt,
+    s_qh,
+    s_kt,
+    s_kh,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """Program (t, j): token t's query heads block j, or key heads block j - #query blocks."""
+    pdl_begin(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1)
+    q_blocks = tl.cdiv(num_q_heads, BLOCK_H)
+    if j < q_blocks:
+        _norm_heads(q_ptr, q_w_ptr, t, j, num_q_heads, head_dim, eps, s_qt, s_qh,
+                    BLOCK_H, BLOCK_D)  # fmt: skip
+    else:
+        _norm_heads(k_ptr, k_w_ptr, t, j - q_blocks, num_k_heads, head_dim, eps, s_kt, s_kh,
+                    BLOCK_H, BLOCK_D)  # fmt: skip
+
+
+def head_rms_norm_(
+    query: torch.Tensor,  # [num_tokens, num_q_heads, head_dim], head_dim contiguous
+    key: torch.Tensor,  # [num_tokens, num_k_heads, head_dim]
+    q_weight: torch.Tensor,  # [head_dim], the query's dtype
+    k_weight: torch.Tensor,  # [head_dim]
+    eps: float,
+) -> None:
+    """Qwen3's q/k norms in one launch, in place: each head of ``query`` and ``key`` (strided
+    views of the projection's output are fine) becomes its RMSNorm over ``head_dim`` times the
+    weight, with float32 statistics, as ``F.rms_norm`` gives."""
+    for name, x, w in (("query", query, q_weight), ("key", key, k_weight)):
+        if x.dim() != 3 or x.stride(2) != 1:
+            raise ValueError(
+                f"head_rms_norm_: {name} must be [tokens, heads, head_dim] with contiguous "
+                f"heads: {tuple(x.shape)} strides {x.stride()}"
+            )
+        if x.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"head_rms_norm_: unsupported dtype {x.dtype}")
+        if w.shape != (x.shape[2],) or w.dtype != x.dtype or w.device != x.device:
+            raise ValueError(f"head_rms_norm_: {name} weight is {tuple(w.shape)} {w.dtype}, "
+                             f"expected ({x.shape[2]},) {x.dtype}")  # fmt: skip
+    if key.shape[0] != query.shape[0] or key.shape[2] != query.shape[2]:
+        raise ValueError(f"head_rms_norm_: query {tuple(query.shape)} and key "
+                         f"{tuple(key.shape)} do not match")  # fmt: skip
+    num_tokens, num_q_heads, head_dim = query.shape
+    num_k_heads = key.shape[1]
+    if num_tokens == 0:
+        return
+    block_d = next_pow2(head_dim)
+    block_h = max(1, min(next_pow2(max(num_q_heads, num_k_heads)), 4096 // block_d))
+    blocks = cdiv(num_q_heads, block_h) + cdiv(num_k_heads, block_h)
+    launcher(_head_rms_norm_kernel)(
+        (num_tokens, blocks), query, key, q_weight, k_weight, num_q_heads, num_k_heads,
+        head_dim, float(eps), query.stride(0), query.stride(1), key.stride(0), key.stride(1),
+        BLOCK_H=block_h, BLOCK_D=block_d, num_warps=_num_warps(block_h * block_d),
+        **pdl_launch(query.device),
+    )  # fmt: skip
+
+
+def ref_head_rms_norm(
+    query: torch.Tensor, key: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The model's torch code path: ``(q_norm(query), k_norm(key))``, new tensors."""
+    norm = torch.nn.functional.rms_norm
+    return norm(query, q_weight.shape, q_weight, eps), norm(key, k_weight.shape, k_weight, eps)
+
+
 # --------------------------------------------------------------------------------------------
 # argmax over the vocabulary
 
