@@ -407,6 +407,50 @@ def test_one_request_decode_runs_the_fused_gemv_layers(
     assert all(len(t) == 8 for t in tokens["torch"].values())
 
 
+def test_a_lone_request_of_a_mixture_of_experts_runs_the_gemv_attention(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Qwen3-MoE decode step of one request on a GPU's path (``use_gemv_decode``): the
+    attention's projections as GEMVs (the first norm inside qkv, the residual add inside o),
+    the q/k norms, then the second norm and the Triton experts added to the stream. Its greedy
+    tokens equal the reference backend's."""
+    from baton_engine.models.llama import DecoderLayer
+    from baton_kernels.triton import gemv
+
+    monkeypatch.setattr(gemv, "choose_launch", lambda n, k: ((32, 2048, 4, 2), 0))
+    moe = TINY_LLAMA | {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "moe_intermediate_size": 32,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": True,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(moe))
+    layers: list[int] = []
+    forward_gemv = DecoderLayer.forward_gemv
+    monkeypatch.setattr(DecoderLayer, "forward_gemv",
+                        lambda self, *a: layers.append(1) or forward_gemv(self, *a))  # fmt: skip
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    tokens: dict[str, list[int]] = {}
+    for backend in ("torch", "triton"):
+        core = make_core(tmp_path, backend, async_scheduling=False, max_num_seqs=4)
+        if backend == "triton":
+            model = core.runner.model
+            model.use_fused_kernels()
+            assert model.use_triton_experts() and model.use_gemv_decode(rows=1)
+            assert core.runner.enable_decode_graphs(capture=False)
+        core.add_request("lone", [5, 17, 33, 2, 91, 40, 7], params)
+        got = tokens[backend] = []
+        while core.has_unfinished_requests():
+            for out in core.step():
+                got.extend(out.new_token_ids)
+        core.check_invariants()
+    assert tokens["triton"] == tokens["torch"] and len(tokens["torch"]) == 6
+    # 5 decode steps of every layer
+    assert len(layers) == 5 * TINY_LLAMA["num_hidden_layers"]
+
+
 def _staggered_run(
     model_dir: Path, reuse: bool, monkeypatch: pytest.MonkeyPatch
 ) -> tuple[dict[str, list[int]], int, int]:

@@ -315,8 +315,9 @@ def test_lone_request_decodes_through_fused_gemv_layers(
 def test_a_mixture_of_experts_on_the_gpus_defaults_matches_reference(tmp_path: Path) -> None:
     """A Qwen3-MoE shape (16 experts, 2 a token) on the GPU's defaults: its decode steps are
     captured in CUDA graphs and its prompt steps in pieces, the experts the Triton grouped
-    GEMMs (``baton_kernels.triton.moe``), and they give the eager reference's greedy tokens
-    (the torch backend: the experts one by one as routed)."""
+    GEMMs (``baton_kernels.triton.moe``), a lone request's attention projections GEMVs, and
+    they give the eager reference's greedy tokens (the torch backend: the experts one by one
+    as routed)."""
     moe = CONFIG | {
         "architectures": ["Qwen3MoeForCausalLM"],
         "model_type": "qwen3_moe",
@@ -340,6 +341,7 @@ def test_a_mixture_of_experts_on_the_gpus_defaults_matches_reference(tmp_path: P
     core.add_request("lone", [(7 * j) % 4000 + 1 for j in range(50)], params)
     lone = _drain(core)["lone"]  # decode steps of one request: the size-1 graph
     assert graphs.num_steps.get(1, 0) >= 20
+    assert core.runner.model.gemv_rows == 1  # (its layers' attention projections as GEMVs)
     del core
     _release_memory()
     ref = _core(tmp_path, max_model_len=1024, max_num_seqs=24, attention_backend="torch",

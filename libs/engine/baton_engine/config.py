@@ -189,6 +189,12 @@ class ModelConfig:
             and not self.is_moe
         )
 
+    @property
+    def gemv_layers(self) -> bool:
+        """Whether every layer has Llama's two norms and SiLU, with or without q/k norms and
+        experts: what ``DecoderLayer.forward_gemv`` computes."""
+        return self.hidden_act == "silu" and not self.sandwich_norms
+
     def is_moe_layer(self, layer: int) -> bool:
         """Whether layer ``layer``'s MLP is sparse (transformers' rule)."""
         return (

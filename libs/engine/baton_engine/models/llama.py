@@ -215,6 +215,9 @@ class DecoderLayer(nn.Module):
         projection, and the residual adds inside o_proj and down_proj, which update
         ``stream`` (the residual stream, normed by neither) in place.
 
+        A mixture of experts' layer runs its attention's projections as GEMVs, then the norm
+        and the experts' own kernels, and adds their output to ``stream``.
+
         With ``gemv_mlp`` off only the attention's projections are GEMVs; the MLP's long
         reads stay with cuBLAS: its norm and SiLU-and-multiply run as their own kernels, and
         down_proj adds into ``stream`` in its GEMM (``addmm_``), 7 launches a layer (6 with the
@@ -226,7 +229,7 @@ class DecoderLayer(nn.Module):
         new K/V itself.)"""
         from baton_kernels.triton.gemv import dot_launch, gemv
 
-        attn, mlp = self.self_attn, self.dense_mlp
+        attn = self.self_attn
         norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
         qkv = gemv(
             stream,
@@ -237,6 +240,9 @@ class DecoderLayer(nn.Module):
         )
         out = attn.attend(rope, qkv, kv_cache, metadata, backend)
         gemv(out, attn.o_proj.weight, residual=stream, out=stream)
+        if isinstance(self.mlp, SparseMoE):  # (the experts' kernels, after a norm of its own)
+            return stream.add_(self.mlp(norm2.add_forward(stream, None)[0]))
+        mlp = self.dense_mlp
         if not self.gemv_mlp:
             if self.folded_norms and self.gemv_down:
                 # SiLU-and-multiply, with the folded norm's 1/rms, inside the down projection,
@@ -640,13 +646,14 @@ class LlamaForCausalLM(nn.Module):
         (Triton GEMV kernels with the norms, SiLU and residual adds inside: 5 launches a layer
         instead of 8; with ``mlp`` off, the attention's projections only, and with ``down``
         the down projection too once the norms are folded, ``fold_norms``). Needs the fused
-        kernels on (``use_fused_kernels``) and Llama's layers (``ModelConfig.plain_layers``);
-        returns whether the path is on."""
+        kernels on (``use_fused_kernels``) and Llama's two norms and SiLU
+        (``ModelConfig.gemv_layers``: q/k norms and experts too); returns whether the path is
+        on."""
         from baton_kernels.triton.gemv import MAX_ROWS
 
         ok = (
             self.fused_rope
-            and self.config.plain_layers
+            and self.config.gemv_layers
             and self.tp_size == 1  # (the residual adds inside the GEMVs precede no all-reduce)
             and 0 < rows <= MAX_ROWS
         )

@@ -319,7 +319,9 @@ class ModelRunner:
                 logger.info(
                     "decode steps of up to %d requests run %s as fused GEMV kernels",
                     GEMV_ROWS,
-                    "the layers" if hidden <= GEMV_MAX_HIDDEN else "the attention projections",
+                    "the layers"
+                    if hidden <= GEMV_MAX_HIDDEN and not model_config.is_moe
+                    else "the attention projections",
                 )
         self.kv_pool: torch.Tensor | None = None
         self.kv_caches: list[KVCacheView] = []
