@@ -35,6 +35,15 @@ TINY_LLAMA = {
     "eos_token_id": 0,
     "torch_dtype": "float32",
 }
+# (8 experts of 32, 2 a token, q/k norms)
+TINY_QWEN3_MOE = TINY_LLAMA | {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "moe_intermediate_size": 32,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "norm_topk_prob": True,
+}
 
 
 def make_core(
@@ -296,15 +305,7 @@ def test_a_mixture_of_experts_runs_the_triton_experts_in_graphs_and_pieces(
     every other step through ``PieceGraphs`` (padding rows routed too), the experts as Triton's
     grouped GEMMs (``use_triton_experts``; under the interpreter here). Its greedy tokens equal
     the reference backend's, whose experts run one by one as routed."""
-    moe = TINY_LLAMA | {
-        "architectures": ["Qwen3MoeForCausalLM"],
-        "model_type": "qwen3_moe",
-        "moe_intermediate_size": 32,
-        "num_experts": 8,
-        "num_experts_per_tok": 2,
-        "norm_topk_prob": True,
-    }
-    (tmp_path / "config.json").write_text(json.dumps(moe))
+    (tmp_path / "config.json").write_text(json.dumps(TINY_QWEN3_MOE))
     from baton_kernels.triton import moe as kernels
 
     calls: list[int] = []
@@ -418,15 +419,7 @@ def test_a_lone_request_of_a_mixture_of_experts_runs_the_gemv_attention(
     from baton_kernels.triton import gemv
 
     monkeypatch.setattr(gemv, "choose_launch", lambda n, k: ((32, 2048, 4, 2), 0))
-    moe = TINY_LLAMA | {
-        "architectures": ["Qwen3MoeForCausalLM"],
-        "model_type": "qwen3_moe",
-        "moe_intermediate_size": 32,
-        "num_experts": 8,
-        "num_experts_per_tok": 2,
-        "norm_topk_prob": True,
-    }
-    (tmp_path / "config.json").write_text(json.dumps(moe))
+    (tmp_path / "config.json").write_text(json.dumps(TINY_QWEN3_MOE))
     layers: list[int] = []
     forward_gemv = DecoderLayer.forward_gemv
     monkeypatch.setattr(DecoderLayer, "forward_gemv",

@@ -177,6 +177,7 @@ def _route_kernel(
     for j in tl.static_range(TOP_K):
         best = tl.max(probs, axis=0)
         at = tl.min(tl.where(probs == best, cols, E_P2), axis=0)  # (the first of equals)
+        at = tl.minimum(at, num_experts - 1)  # (NaN logits match nothing: an id in range still)
         chosen = tl.where(slots == j, best, chosen)
         chosen_ids = tl.where(slots == j, at, chosen_ids)
         probs = tl.where(cols == at, -2.0, probs)
