@@ -408,18 +408,21 @@ def test_one_request_decode_runs_the_fused_gemv_layers(
     assert all(len(t) == 8 for t in tokens["torch"].values())
 
 
-def test_a_lone_request_of_a_mixture_of_experts_runs_the_gemv_attention(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3"])
+def test_a_lone_request_with_qk_norms_runs_the_gemv_layers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, arch: str
 ) -> None:
-    """A Qwen3-MoE decode step of one request on a GPU's path (``use_gemv_decode``): the
+    """A Qwen3(-MoE) decode step of one request on a GPU's path (``use_gemv_decode``): the
     attention's projections as GEMVs (the first norm inside qkv, the residual add inside o),
-    the q/k norms, then the second norm and the Triton experts added to the stream. Its greedy
-    tokens equal the reference backend's."""
+    the q/k norms, then the MLP as GEMVs, or the second norm and the Triton experts added to
+    the stream. Its greedy tokens equal the reference backend's."""
     from baton_engine.models.llama import DecoderLayer
     from baton_kernels.triton import gemv
 
     monkeypatch.setattr(gemv, "choose_launch", lambda n, k: ((32, 2048, 4, 2), 0))
-    (tmp_path / "config.json").write_text(json.dumps(TINY_QWEN3_MOE))
+    qwen3 = TINY_LLAMA | {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}
+    config = TINY_QWEN3_MOE if arch == "qwen3_moe" else qwen3
+    (tmp_path / "config.json").write_text(json.dumps(config))
     layers: list[int] = []
     forward_gemv = DecoderLayer.forward_gemv
     monkeypatch.setattr(DecoderLayer, "forward_gemv",
@@ -431,7 +434,8 @@ def test_a_lone_request_of_a_mixture_of_experts_runs_the_gemv_attention(
         if backend == "triton":
             model = core.runner.model
             model.use_fused_kernels()
-            assert model.use_triton_experts() and model.use_gemv_decode(rows=1)
+            assert model.use_triton_experts() == (arch == "qwen3_moe")
+            assert model.use_gemv_decode(rows=1)
             assert core.runner.enable_decode_graphs(capture=False)
         core.add_request("lone", [5, 17, 33, 2, 91, 40, 7], params)
         got = tokens[backend] = []

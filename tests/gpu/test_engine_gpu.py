@@ -312,6 +312,35 @@ def test_lone_request_decodes_through_fused_gemv_layers(
     assert results[1] == results[0] and all(len(t) == 40 for t in results[0].values())
 
 
+def _defaults_and_a_lone_request_match_reference(model_dir: Path) -> Any:
+    """The 19 requests of ``_run`` on the GPU's defaults give the eager reference's greedy
+    tokens, through decode graphs and prompt pieces; then a lone request's decode steps (the
+    size-1 graph, its layers' attention projections as GEMVs) give the reference's too.
+    Returns the GPU's engine's model."""
+    from baton_engine.sampling_params import SamplingParams
+
+    want = _run(model_dir, "torch", enforce_eager=True, async_scheduling=False)[0]
+    _release_memory()
+    got, core = _run(model_dir, "triton", enforce_eager=False)
+    assert got == want
+    graphs = core.runner.graphs
+    assert graphs is not None and graphs.num_steps.get(24, 0) > 0
+    assert core.runner.pieces is not None and core.runner.pieces.replays[False] > 0
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    core.add_request("lone", [(7 * j) % 4000 + 1 for j in range(50)], params)
+    lone = _drain(core)["lone"]  # decode steps of one request: the size-1 graph
+    assert graphs.num_steps.get(1, 0) >= 20
+    assert core.runner.model.gemv_rows == 1
+    model = core.runner.model
+    del core
+    _release_memory()
+    ref = _core(model_dir, max_model_len=1024, max_num_seqs=24, attention_backend="torch",
+                enforce_eager=True, async_scheduling=False)  # fmt: skip
+    ref.add_request("lone", [(7 * j) % 4000 + 1 for j in range(50)], params)
+    assert _drain(ref)["lone"] == lone
+    return model
+
+
 def test_a_mixture_of_experts_on_the_gpus_defaults_matches_reference(tmp_path: Path) -> None:
     """A Qwen3-MoE shape (16 experts, 2 a token) on the GPU's defaults: its decode steps are
     captured in CUDA graphs and its prompt steps in pieces, the experts the Triton grouped
@@ -327,27 +356,19 @@ def test_a_mixture_of_experts_on_the_gpus_defaults_matches_reference(tmp_path: P
         "norm_topk_prob": True,
     }
     (tmp_path / "config.json").write_text(json.dumps(moe))
-    want = _run(tmp_path, "torch", enforce_eager=True, async_scheduling=False)[0]
-    _release_memory()
-    got, core = _run(tmp_path, "triton", enforce_eager=False)
-    assert got == want
-    graphs = core.runner.graphs
-    assert graphs is not None and graphs.num_steps.get(24, 0) > 0
-    assert core.runner.pieces is not None and core.runner.pieces.replays[False] > 0
-    assert not core.runner.model.folded_norms  # (plain layers only)
-    from baton_engine.sampling_params import SamplingParams
+    model = _defaults_and_a_lone_request_match_reference(tmp_path)
+    assert not model.folded_norms  # (plain layers only)
 
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    core.add_request("lone", [(7 * j) % 4000 + 1 for j in range(50)], params)
-    lone = _drain(core)["lone"]  # decode steps of one request: the size-1 graph
-    assert graphs.num_steps.get(1, 0) >= 20
-    assert core.runner.model.gemv_rows == 1  # (its layers' attention projections as GEMVs)
-    del core
-    _release_memory()
-    ref = _core(tmp_path, max_model_len=1024, max_num_seqs=24, attention_backend="torch",
-                enforce_eager=True, async_scheduling=False)  # fmt: skip
-    ref.add_request("lone", [(7 * j) % 4000 + 1 for j in range(50)], params)
-    assert _drain(ref)["lone"] == lone
+
+def test_qwen3_on_the_gpus_defaults_matches_reference(tmp_path: Path) -> None:
+    """Qwen3's q/k norms (one in-place Triton launch, ``fused_ops.head_rms_norm_``) on the
+    GPU's defaults, in decode graphs, prompt pieces and a lone request's GEMV layers: the
+    eager reference's greedy tokens (torch's ``F.rms_norm`` per head)."""
+    qwen3 = CONFIG | {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+                      "head_dim": 64}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(qwen3))
+    model = _defaults_and_a_lone_request_match_reference(tmp_path)
+    assert model.config.qk_norm and not model.folded_norms
 
 
 def test_granite_on_the_gpus_defaults_matches_reference(tmp_path: Path) -> None:
