@@ -481,6 +481,7 @@ def test_fused_add_rms_norm_rejects_misuse() -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("num_tokens", "q_heads", "kv_heads", "head_dim"), [
     (1, 14, 2, 64), (5, 32, 4, 128), (17, 4, 4, 80), (3, 40, 8, 64),
+    (2, 4, 1, 256),  # (Gemma 3's heads: its q/k norms' (1 + weight) is summed at load time)
 ])  # fmt: skip
 def test_head_rms_norm_in_place_on_the_projection(
     num_tokens: int, q_heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype
