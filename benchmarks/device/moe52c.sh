@@ -1,10 +1,9 @@
 # Fifty-second session, third part (not run: device time ran out): the GPU tests of what the
 # session built (the MoE and q/k-norm kernels in CUDA mode; the engine's MoE and Qwen3 tests on
 # the GPU's defaults, a lone request's GEMV layers included; Gemma 3's, whose q/k norms take
-# the new kernel too), then a lone request of a mixture
-# of experts with its layers' attention projections as GEMVs (use_gemv_decode now takes q/k
-# norms and experts) against cuBLAS's (GEMV_ROWS = 0), Qwen3-30B-A3B at batch 1, each in a
-# fresh process. TESTS=0 skips the tests.
+# the new kernel too), then a lone request of a mixture of experts with its layers' attention
+# projections as GEMVs (use_gemv_decode now takes q/k norms and experts) against cuBLAS's
+# (GEMV_ROWS = 0), Qwen3-30B-A3B at batch 1, each in a fresh process. TESTS=0 skips the tests.
 #     bash benchmarks/device/moe52c.sh        (carry .whl)
 source benchmarks/device/setup.sh || exit 1
 source benchmarks/device/ab_variant.sh
