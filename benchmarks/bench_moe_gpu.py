@@ -3,7 +3,8 @@ an expert's intermediate 768; bf16) by tokens, in each of the engine's forms (is
 
 - ``fused``: ``baton_kernels.triton.moe.fused_experts`` (its ``GEMM_CONFIGS`` tile), and with
   each tile of ``--tiles`` (``BM/BN/BK/warps/stages``) for the token counts they fit;
-- ``align``: its grouping of the pairs alone (``align_pairs``);
+- ``align``: its grouping of the pairs alone (``align_pairs``), and where one program does it
+  (up to ``ALIGN_ONE`` pairs) the several programs' form too;
 - ``router``: the routing from the router's logits, ``route_top_k``'s one launch, and
   ``route ...`` the engine's torch form (softmax, topk, renormalization: five launches);
 - ``gathered`` / ``dense``: the static-shape forms captured decode steps ran before it;
@@ -85,6 +86,11 @@ def bench(
     if "align" in forms:
         block_m = kmoe.gemm_config(n * K, E)[0]
         row("align", lambda: kmoe.align_pairs(ids, E, block_m))
+        one = kmoe.ALIGN_ONE
+        if n * K <= one:  # (and the several programs' form the one program replaced there)
+            kmoe.ALIGN_ONE = 0
+            row("align (programs)", lambda: kmoe.align_pairs(ids, E, block_m))
+            kmoe.ALIGN_ONE = one
     if "router" in forms:
         row("router", lambda: kmoe.route_top_k(logits, K, True))
         row("route (torch)", lambda: moe.route(logits, K, True))

@@ -6,9 +6,10 @@ rejects, and reports each variant's shared memory against the SM's 227 KB.
     python benchmarks/moe_kernels_sm90.py
 
 One line per variant: the router's top-k for 8 of 128 and 2 of 8 experts, the sum of a
-token's 8 rows, the pair alignment's kernels for 8, 128 and 512 experts (one program and
-several), the grouped GEMM for each tile of ``GEMM_CONFIGS`` in bf16 (both projections) and its
-first tile in float32 (what the GPU tests run). Exits non-zero if any fails or does not fit.
+token's 8 rows, the pair alignment's kernels for 8, 128 and 512 experts (one program with
+atomic cursors, one without, and several), the grouped GEMM for each tile of
+``GEMM_CONFIGS`` in bf16 (both projections) and its first tile in float32 (what the GPU
+tests run). Exits non-zero if any fails or does not fit.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ TARGET = GPUTarget("cuda", 90, 32)
 MAX_SHARED = 232_448  # bytes of shared memory a program may take on sm_90
 ALIGN = {"ids_ptr": "*i64", "counts_ptr": "*i32", "pairs_ptr": "*i32",
          "block_expert_ptr": "*i32", "block_rows_ptr": "*i32", "num_pairs": "i32",
-         "num_blocks": "i32", "per_program": "i32", "blocks_per_program": "i32"}  # fmt: skip
+         "num_blocks": "i32", "per_program": "i32", "blocks_per_program": "i32",
+         "cursor_ptr": "*i32"}  # fmt: skip
 COUNT = {"ids_ptr": "*i64", "counts_ptr": "*i32", "num_pairs": "i32", "per_program": "i32"}
 SUM = {"x_ptr": "*bf16", "out_ptr": "*bf16", "H": "i32"}
 ROUTE = {"logits_ptr": "*bf16", "weights_ptr": "*bf16", "ids_ptr": "*i64",
@@ -78,6 +80,8 @@ def main() -> int:
             consts = {"E_P2": e_p2, "BLOCK_M": 16, "CHUNK": chunk, "B_CHUNK": chunk,
                       "G_CHUNK": chunk, "COUNTED": counted}  # fmt: skip
             ok &= build(moe._align_kernel, ALIGN, consts, num_warps=4)
+        consts = {"E_P2": e_p2, "BLOCK_M": 16, "CHUNK": moe.ALIGN_CHUNK, "B_CHUNK": chunk}
+        ok &= build(moe._align_one_kernel, ALIGN, consts, num_warps=4)
     for dtype in ("bf16", "fp32"):
         tiles = moe.GEMM_CONFIGS if dtype == "bf16" else moe.GEMM_CONFIGS[:1]
         sig = {"a_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", "out_ptr": f"*{dtype}",

@@ -7,13 +7,16 @@ A step of ``T`` tokens routed to ``k`` experts each has ``P = T k`` pairs (pair 
 ``p // k``'s ``p % k``-th choice). ``align_pairs`` groups the pairs by expert into
 blocks of ``BLOCK_M`` rows: each block holds pairs of one expert only, an expert's last block is
 partly filled, and each block records its expert (-1: past the last block) and how many of its
-rows are pairs. Beyond ``ALIGN_PAIRS`` pairs it takes two launches of several programs: each
-program counts its share of the pairs by expert, then places them after the counts of the
-programs before it. ``expert_gemm`` then runs one program per (block, column block): it reads the
-block's rows of the input (the token's row for the first projection, the pair's own row for the
-second) and its expert's weight tile, so each chosen expert's weights are read once a column
-block whatever the number of its tokens, and an expert no token chose is never read. Its output
-is one row a pair, optionally scaled by the pair's routing weight.
+rows are pairs. Up to ``ALIGN_ONE`` pairs it is one launch of one program: a histogram counts
+the pairs by expert, and each pair takes its row from its expert's cursor (an atomic add: the
+order of an expert's rows is the hardware's, which no output depends on, since each row of the
+GEMMs is computed alone). Beyond, it takes two launches of several programs: each program
+counts its share of the pairs by expert, then places them after the counts of the programs
+before it, in their order. ``expert_gemm`` then runs one program per (block, column block):
+it reads the block's rows of the input (the token's row for the first projection, the pair's
+own row for the second) and its expert's weight tile, so each chosen expert's weights are read
+once a column block whatever the number of its tokens, and an expert no token chose is never
+read. Its output is one row a pair, optionally scaled by the pair's routing weight.
 
 ``route_top_k`` makes the choices from the router's logits (softmax, top k, renormalization) in
 one launch. ``fused_experts`` chains the rest: gate/up projection, SiLU-and-multiply, down
@@ -41,7 +44,9 @@ from baton_kernels.triton.common import (
 from baton_kernels.triton.launch import launcher
 
 ALIGN_TILE = 4096  # pairs x experts compared at once by align_pairs (its chunk's rows: this / E)
-ALIGN_PAIRS = 256  # pairs a program of align_pairs places (at most; more pairs, more programs)
+ALIGN_ONE = 4096  # at most this many pairs: align_pairs in one launch of one program
+ALIGN_CHUNK = 1024  # pairs that one program counts or places at once
+ALIGN_PAIRS = 256  # beyond ALIGN_ONE: the pairs a program places (more pairs, more programs)
 # Tiles by the mean pairs an expert gets: (most mean rows, BLOCK_M, BLOCK_N, BLOCK_K, warps,
 # stages); the last entry takes every larger mean. Measured on an H100 at Qwen3-30B-A3B's layer
 # (benchmarks/RESULTS.md, 2026-12-06): the tiles tried are within 2% of each other up to a mean
@@ -95,6 +100,65 @@ def _count_kernel(
     tl.store(counts_ptr + g * E_P2 + tl.arange(0, E_P2), counts)
 
 
+@triton.jit
+def _describe_blocks(
+    block_expert_ptr, block_rows_ptr, counts, block_start, block_end, first, how_many,
+    num_blocks, E_P2: tl.constexpr, BLOCK_M: tl.constexpr, B_CHUNK: tl.constexpr,
+):  # fmt: skip
+    """Each block's expert (-1 past the last) and rows in use, blocks ``first ..
+    first + how_many`` (those below ``num_blocks``), from the experts' pair ``counts`` and
+    their first and past-the-last blocks."""
+    e = tl.arange(0, E_P2)
+    for b0 in range(0, how_many, B_CHUNK):
+        b = first + b0 + tl.arange(0, B_CHUNK)
+        # [B_CHUNK, E_P2]: the block's expert, if any
+        inside = (block_start[None, :] <= b[:, None]) & (b[:, None] < block_end[None, :])
+        inside = inside.to(tl.int32)
+        owner = tl.sum(inside * (e[None, :] + 1), axis=1) - 1
+        left = tl.sum(inside * (counts[None, :] - (b[:, None] - block_start[None, :]) * BLOCK_M),
+                      axis=1)  # fmt: skip
+        ok = b < num_blocks
+        tl.store(block_expert_ptr + b, owner, mask=ok)
+        tl.store(block_rows_ptr + b, tl.minimum(left, BLOCK_M), mask=ok)
+
+
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
+def _align_one_kernel(
+    ids_ptr,  # [P] the expert of each pair
+    cursor_ptr,  # [E_P2] scratch: each expert's next free row
+    pairs_ptr,
+    block_expert_ptr,
+    block_rows_ptr,
+    num_pairs,
+    num_blocks,
+    E_P2: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    CHUNK: tl.constexpr,  # pairs counted or placed at once
+    B_CHUNK: tl.constexpr,
+):
+    e = tl.arange(0, E_P2)
+    counts = tl.zeros((E_P2,), dtype=tl.int32)
+    for c0 in range(0, num_pairs, CHUNK):
+        p = c0 + tl.arange(0, CHUNK)
+        counts += tl.histogram(tl.load(ids_ptr + p, mask=p < num_pairs, other=0).to(tl.int32),
+                               E_P2)  # fmt: skip
+    # (the loads past the last pair counted as expert 0's)
+    counts -= tl.where(e == 0, tl.cdiv(num_pairs, CHUNK) * CHUNK - num_pairs, 0)
+    blocks = (counts + BLOCK_M - 1) // BLOCK_M
+    block_end = tl.cumsum(blocks, axis=0)
+    block_start = block_end - blocks
+    tl.store(cursor_ptr + e, block_start * BLOCK_M)
+    tl.debug_barrier()  # (every thread's cursors stored before any is taken)
+    for c0 in range(0, num_pairs, CHUNK):
+        p = c0 + tl.arange(0, CHUNK)
+        ok = p < num_pairs
+        expert = tl.load(ids_ptr + p, mask=ok, other=0).to(tl.int32)
+        row = tl.atomic_add(cursor_ptr + expert, 1, mask=ok, sem="relaxed", scope="cta")
+        tl.store(pairs_ptr + row, p, mask=ok)
+    _describe_blocks(block_expert_ptr, block_rows_ptr, counts, block_start, block_end, 0,
+                     num_blocks, num_blocks, E_P2, BLOCK_M, B_CHUNK)  # fmt: skip
+
+
 @triton.jit(do_not_specialize=["num_pairs", "num_blocks", "per_program", "blocks_per_program"])
 def _align_kernel(
     ids_ptr,  # [P] the expert of each pair
@@ -139,17 +203,9 @@ def _align_kernel(
         row = tl.sum(hit * (before + seen[None, :]), axis=1)
         tl.store(pairs_ptr + row, p, mask=p < num_pairs)
         seen += tl.sum(hit, axis=0)
-    for b0 in range(0, blocks_per_program, B_CHUNK):
-        b = g * blocks_per_program + b0 + tl.arange(0, B_CHUNK)
-        # [B_CHUNK, E_P2]: the block's expert, if any
-        inside = (block_start[None, :] <= b[:, None]) & (b[:, None] < block_end[None, :])
-        inside = inside.to(tl.int32)
-        owner = tl.sum(inside * (e[None, :] + 1), axis=1) - 1
-        left = tl.sum(inside * (counts[None, :] - (b[:, None] - block_start[None, :]) * BLOCK_M),
-                      axis=1)  # fmt: skip
-        ok = b < num_blocks
-        tl.store(block_expert_ptr + b, owner, mask=ok)
-        tl.store(block_rows_ptr + b, tl.minimum(left, BLOCK_M), mask=ok)
+    _describe_blocks(block_expert_ptr, block_rows_ptr, counts, block_start, block_end,
+                     g * blocks_per_program, blocks_per_program, num_blocks, E_P2, BLOCK_M,
+                     B_CHUNK)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["num_experts"])
@@ -219,7 +275,8 @@ def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
 
 def align_pairs(ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
     """Group the pairs of ``ids`` (``[T, k]``, each below ``num_experts``) by expert in blocks
-    of ``block_m`` rows (the module's docstring). Pairs of one expert keep their order."""
+    of ``block_m`` rows (the module's docstring). Pairs of one expert keep their order beyond
+    ``ALIGN_ONE`` pairs only."""
     if ids.dim() != 2 or ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"ids must be [tokens, top_k] integers: {tuple(ids.shape)} {ids.dtype}")
     if block_m < 16 or block_m & (block_m - 1):
@@ -230,7 +287,15 @@ def align_pairs(ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
     pairs = torch.empty(blocks * block_m, dtype=torch.int32, device=ids.device)
     block_expert = torch.empty(blocks, dtype=torch.int32, device=ids.device)
     block_rows = torch.empty(blocks, dtype=torch.int32, device=ids.device)
-    if blocks:
+    if blocks and num_pairs <= ALIGN_ONE:
+        e_p2 = next_pow2(num_experts)
+        launcher(_align_one_kernel)(
+            (1,), flat, torch.empty(e_p2, dtype=torch.int32, device=ids.device), pairs,
+            block_expert, block_rows, num_pairs, blocks, E_P2=e_p2, BLOCK_M=block_m,
+            CHUNK=min(ALIGN_CHUNK, next_pow2(num_pairs)),
+            B_CHUNK=max(1, min(ALIGN_TILE // e_p2, next_pow2(blocks))), num_warps=4,
+        )  # fmt: skip
+    elif blocks:
         e_p2 = next_pow2(num_experts)
         chunk = max(1, min(ALIGN_TILE // e_p2, next_pow2(num_pairs)))
         b_chunk = max(1, min(ALIGN_TILE // e_p2, next_pow2(blocks)))
