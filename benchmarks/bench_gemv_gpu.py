@@ -38,10 +38,15 @@ from baton_kernels.triton.gemv import choose_launch, gemv, ref_gemv  # noqa: E40
 DEV = torch.device("cpu" if SMOKE else "cuda")
 DT = torch.float32 if os.environ.get("GEMV_FP32") else torch.bfloat16
 L2_BYTES = 50 << (0 if SMOKE else 20)
-# name -> (hidden, q+2kv, intermediate, layers, qkv bias)
-MODELS = {"llama": (4096, 6144, 14336, 32, False), "qwen": (896, 1152, 4864, 24, True)}
+# name -> (hidden, q+2kv, intermediate, layers, qkv bias); intermediate 0: the attention's
+# projections only (a mixture of experts: its experts have their own kernels)
+MODELS = {"llama": (4096, 6144, 14336, 32, False), "qwen": (896, 1152, 4864, 24, True),
+          "qwen3moe": (2048, 5120, 0, 48, False)}  # fmt: skip
+Q_WIDTH = {"qwen3moe": 4096}  # o_proj's input where the query heads are not the hidden size
 if SMOKE:
-    MODELS = {"llama": (64, 96, 160, 2, False), "qwen": (32, 48, 96, 2, True)}
+    MODELS = {"llama": (64, 96, 160, 2, False), "qwen": (32, 48, 96, 2, True),
+              "qwen3moe": (32, 80, 0, 2, False)}  # fmt: skip
+    Q_WIDTH = {"qwen3moe": 64}
 
 
 def graph_us(fn: Callable[[], object], reps: int = 20, outputs: list[Any] | None = None) -> float:
@@ -84,9 +89,11 @@ def shapes(model: str) -> list[tuple[str, int, int, str]]:
     (``LlamaDecoderLayer.forward_gemv`` with ``gemv_down``): gate_up without a prologue, the
     down projection scaling gate and up by the residual stream's 1/rms."""
     h, qkv, inter, _, _ = MODELS[model]
+    attention = [(f"{model} qkv", qkv, h, "norm"), (f"{model} o", h, Q_WIDTH.get(model, h), "res")]
+    if not inter:
+        return attention
     return [
-        (f"{model} qkv", qkv, h, "norm"),
-        (f"{model} o", h, h, "res"),
+        *attention,
         (f"{model} gate_up", 2 * inter, h, "plain" if FOLDED else "norm"),
         (f"{model} down", h, inter, "silu_norm+res" if FOLDED else "silu+res"),
     ]
@@ -388,7 +395,7 @@ def main() -> int:
         )
         for name, n, k, _ in shapes(model):
             found[f"{n},{k}"] = best[name]
-        if not args.no_stacks:
+        if not args.no_stacks and MODELS[model][2]:
             stacks(model, args.rows, best)
     if args.best_json:
         args.best_json.write_text(json.dumps(found))
@@ -400,7 +407,8 @@ def main() -> int:
         )
         picks = {tuple(map(int, key.split(","))): tuple(v) for key, v in picked.items()}
         for model in args.models.split(","):
-            folded_stack(model, picks)  # type: ignore[arg-type]
+            if MODELS[model][2]:  # (a dense MLP's layers)
+                folded_stack(model, picks)  # type: ignore[arg-type]
     return 0
 
 

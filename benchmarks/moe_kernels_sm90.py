@@ -6,10 +6,10 @@ rejects, and reports each variant's shared memory against the SM's 227 KB.
     python benchmarks/moe_kernels_sm90.py
 
 One line per variant: the router's top-k for 8 of 128 and 2 of 8 experts, the sum of a
-token's 8 rows, the pair alignment's kernels for 8, 128 and 512 experts (one program with
-atomic cursors, one without, and several), the grouped GEMM for each tile of
-``GEMM_CONFIGS`` in bf16 (both projections) and its first tile in float32 (what the GPU
-tests run). Exits non-zero if any fails or does not fit.
+token's 8 rows (alone and added to a residual), the pair alignment's kernels for 8, 128 and
+512 experts (one program with atomic cursors, one without, and several), the grouped GEMM for
+each tile of ``GEMM_CONFIGS`` in bf16 (both projections) and its first tile in float32 (what
+the GPU tests run). Exits non-zero if any fails or does not fit.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ ALIGN = {"ids_ptr": "*i64", "counts_ptr": "*i32", "pairs_ptr": "*i32",
          "num_blocks": "i32", "per_program": "i32", "blocks_per_program": "i32",
          "cursor_ptr": "*i32"}  # fmt: skip
 COUNT = {"ids_ptr": "*i64", "counts_ptr": "*i32", "num_pairs": "i32", "per_program": "i32"}
-SUM = {"x_ptr": "*bf16", "out_ptr": "*bf16", "H": "i32"}
+SUM = {"x_ptr": "*bf16", "res_ptr": "*bf16", "out_ptr": "*bf16", "H": "i32"}
 ROUTE = {"logits_ptr": "*bf16", "weights_ptr": "*bf16", "ids_ptr": "*i64",
          "num_experts": "i32", "stride_t": "i32"}  # fmt: skip
 GEMM_INTS = ("N", "K", "s_a", "s_we", "s_wn", "s_o")
@@ -72,7 +72,9 @@ def main() -> int:
     for top_k, e_p2 in ((8, 128), (2, 8)):
         consts = {"TOP_K": top_k, "K_P2": top_k, "E_P2": e_p2, "RENORMALIZE": True}
         ok &= build(moe._route_kernel, ROUTE, consts, num_warps=1)
-    ok &= build(moe._sum_pairs_kernel, SUM, {"TOP_K": 8, "BLOCK": 1024}, num_warps=4)
+    for res in (False, True):
+        consts = {"TOP_K": 8, "HAS_RES": res, "BLOCK": 1024}
+        ok &= build(moe._sum_pairs_kernel, SUM, consts, num_warps=4)
     for e_p2 in (8, 128, 512):
         chunk = moe.ALIGN_TILE // e_p2 if e_p2 > 8 else 16
         ok &= build(moe._count_kernel, COUNT, {"E_P2": e_p2, "CHUNK": chunk}, num_warps=4)

@@ -414,12 +414,18 @@ def test_a_lone_request_with_qk_norms_runs_the_gemv_layers(
 ) -> None:
     """A Qwen3(-MoE) decode step of one request on a GPU's path (``use_gemv_decode``): the
     attention's projections as GEMVs (the first norm inside qkv, the residual add inside o),
-    the q/k norms, then the MLP as GEMVs, or the second norm and the Triton experts added to
-    the stream. Its greedy tokens equal the reference backend's."""
+    the q/k norms, then the MLP as GEMVs, or the second norm, the router as a GEMV and the
+    Triton experts, whose sum's kernel adds them to the stream. Its greedy tokens equal the
+    reference backend's."""
     from baton_engine.models.llama import DecoderLayer
-    from baton_kernels.triton import gemv
+    from baton_kernels.triton import gemv, moe
 
     monkeypatch.setattr(gemv, "choose_launch", lambda n, k: ((32, 2048, 4, 2), 0))
+    added: list[int] = []  # the experts' sums added to the stream in their kernel
+    sum_pairs = moe.sum_pairs
+    monkeypatch.setattr(moe, "sum_pairs", lambda x, residual=None, out=None: (
+        added.append(x.shape[0]) if residual is not None else None) or sum_pairs(
+        x, residual, out))  # fmt: skip
     qwen3 = TINY_LLAMA | {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}
     config = TINY_QWEN3_MOE if arch == "qwen3_moe" else qwen3
     (tmp_path / "config.json").write_text(json.dumps(config))
@@ -446,6 +452,7 @@ def test_a_lone_request_with_qk_norms_runs_the_gemv_layers(
     assert tokens["triton"] == tokens["torch"] and len(tokens["torch"]) == 6
     # 5 decode steps of every layer
     assert len(layers) == 5 * TINY_LLAMA["num_hidden_layers"]
+    assert added == ([1] * len(layers) if arch == "qwen3_moe" else [])
 
 
 def _staggered_run(

@@ -101,6 +101,13 @@ def test_each_tokens_pairs_are_summed(
     torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
     with pytest.raises(ValueError, match="contiguous"):
         sum_pairs(x[:, :, : hidden - 1])
+    # added to a residual in place: what adding the (rounded) sum to it gives
+    stream = torch.randn(num_tokens, hidden, generator=g).to(dtype).to(DEVICE)
+    want_stream = stream + got
+    assert sum_pairs(x, residual=stream, out=stream) is stream
+    torch.testing.assert_close(stream, want_stream, atol=atol, rtol=rtol)
+    with pytest.raises(ValueError, match="residual must be"):
+        sum_pairs(x, residual=stream[:, :-1])
 
 
 def test_the_router_breaks_ties_toward_the_lower_id_and_refuses_bad_input() -> None:
@@ -239,6 +246,6 @@ def test_the_kernels_compile_for_hopper() -> None:
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
                           timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
-    # the router's 2, the sum's 1, the alignment's 12 (3 numbers of experts), each tile in
+    # the router's 2, the sum's 2, the alignment's 12 (3 numbers of experts), each tile in
     # bf16 for both projections, the first in f32 for both
-    assert done.stdout.count("shared") == 2 + 1 + 12 + 2 * len(GEMM_CONFIGS) + 2
+    assert done.stdout.count("shared") == 2 + 2 + 12 + 2 * len(GEMM_CONFIGS) + 2

@@ -216,7 +216,8 @@ class DecoderLayer(nn.Module):
         ``stream`` (the residual stream, normed by neither) in place.
 
         A mixture of experts' layer runs its attention's projections as GEMVs, then the norm
-        and the experts' own kernels, and adds their output to ``stream``.
+        and the experts' own kernels (``SparseMoE.add_rows``: the router a GEMV too), whose
+        last adds their output to ``stream``.
 
         With ``gemv_mlp`` off only the attention's projections are GEMVs; the MLP's long
         reads stay with cuBLAS: its norm and SiLU-and-multiply run as their own kernels, and
@@ -241,7 +242,7 @@ class DecoderLayer(nn.Module):
         out = attn.attend(rope, qkv, kv_cache, metadata, backend)
         gemv(out, attn.o_proj.weight, residual=stream, out=stream)
         if isinstance(self.mlp, SparseMoE):  # (the experts' kernels, after a norm of its own)
-            return stream.add_(self.mlp(norm2.add_forward(stream, None)[0]))
+            return self.mlp.add_rows(norm2.add_forward(stream, None)[0], stream)
         mlp = self.dense_mlp
         if not self.gemv_mlp:
             if self.folded_norms and self.gemv_down:

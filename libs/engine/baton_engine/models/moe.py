@@ -241,3 +241,20 @@ class SparseMoE(nn.Module):
             shared = self.shared_expert(x)
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * shared
         return out
+
+    def add_rows(self, x: torch.Tensor, stream: torch.Tensor) -> torch.Tensor:
+        """``stream.add_(self(x))`` for the few rows of a lone request's decode step (the
+        layer's GEMV path, ``DecoderLayer.forward_gemv``, one rank): with the Triton experts
+        and no shared expert, the router's logits as a GEMV (cuBLAS's GEMM took ~5 us a layer
+        at one row on an H100) and the experts' sum added to ``stream`` by the sum's kernel
+        (no add launch), with the same roundings."""
+        if not self.triton_experts or self.shared_expert is not None:
+            return stream.add_(self(x))
+        from baton_kernels.triton.gemv import gemv
+        from baton_kernels.triton.moe import fused_experts, route_top_k
+
+        weights, ids = route_top_k(gemv(x, self.gate.weight), self.top_k, self.renormalize)
+        act = fused.silu_and_mul if self.fused else silu_and_mul
+        experts = self.experts
+        return fused_experts(x, ids, weights, experts.gate_up_proj, experts.down_proj, act,
+                             residual=stream, out=stream)  # fmt: skip

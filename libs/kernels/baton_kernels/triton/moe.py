@@ -457,10 +457,13 @@ def fused_experts(
     gate_up: torch.Tensor,
     down: torch.Tensor,
     act: Callable[[torch.Tensor], torch.Tensor],
+    residual: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The experts' weighted sum for each token of ``x`` ``[T, H]`` routed to ``ids`` with
     ``weights`` (``[T, k]``): ``[T, H]``, for stacked ``gate_up`` ``[E, 2I, H]`` and ``down``
-    ``[E, H, I]``; ``act`` maps ``[P, 2I]`` to ``[P, I]`` (SiLU-and-multiply)."""
+    ``[E, H, I]``; ``act`` maps ``[P, 2I]`` to ``[P, I]`` (SiLU-and-multiply). ``residual``
+    and ``out``: added to the residual in the last kernel (``sum_pairs``)."""
     num_tokens, top_k = ids.shape
     if x.dim() != 2 or x.shape[0] != num_tokens or weights.shape != ids.shape:
         raise ValueError(f"x {tuple(x.shape)}, ids {tuple(ids.shape)} and weights "
@@ -469,34 +472,49 @@ def fused_experts(
     config = gemm_config(num_pairs, num_experts)
     align = align_pairs(ids, num_experts, config[0])
     hidden = act(expert_gemm(x, gate_up, align, num_pairs, top_k=top_k, config=config))
-    out = expert_gemm(hidden, down, align, num_pairs, route=weights.reshape(-1), config=config)
-    return sum_pairs(out.view(num_tokens, top_k, -1))
+    pairs = expert_gemm(hidden, down, align, num_pairs, route=weights.reshape(-1), config=config)
+    return sum_pairs(pairs.view(num_tokens, top_k, -1), residual, out)
 
 
 @triton.jit
-def _sum_pairs_kernel(x_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+def _sum_pairs_kernel(
+    x_ptr, res_ptr, out_ptr, H, TOP_K: tl.constexpr, HAS_RES: tl.constexpr, BLOCK: tl.constexpr
+):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < H
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for j in tl.static_range(TOP_K):
         acc += tl.load(x_ptr + (t * TOP_K + j) * H + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RES:  # (the sum rounded first: what adding the rounded sum to the residual gives)
+        acc = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
+        acc += tl.load(res_ptr + t * H + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def sum_pairs(x: torch.Tensor) -> torch.Tensor:
+def sum_pairs(
+    x: torch.Tensor, residual: torch.Tensor | None = None, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """Each token's rows summed, ``x`` ``[T, k, H]`` (contiguous) to ``[T, H]``: in float32,
     in the order of its choices, rounded once (as torch's ``x.sum(dim=1)``), in one launch
-    (torch's reduction took ~5.6 us a layer at one token on an H100, RESULTS)."""
+    (torch's reduction took ~5.6 us a layer at one token on an H100, RESULTS). With
+    ``residual`` (``[T, H]``, contiguous; ``out`` may be it, updated in place) the rounded sum
+    is added to it, as ``residual + x.sum(dim=1)`` rounds."""
     num_tokens, top_k, hidden = x.shape
     if not x.is_contiguous():
         raise ValueError(f"sum_pairs: x must be contiguous: strides {x.stride()}")
-    out = torch.empty((num_tokens, hidden), dtype=x.dtype, device=x.device)
+    for t, what in ((residual, "residual"), (out, "out")):
+        if t is not None and (t.shape != (num_tokens, hidden) or not t.is_contiguous()
+                              or t.dtype != x.dtype):  # fmt: skip
+            raise ValueError(f"sum_pairs: {what} must be a contiguous [{num_tokens}, {hidden}] "
+                             f"{x.dtype} tensor")  # fmt: skip
+    if out is None:
+        out = torch.empty((num_tokens, hidden), dtype=x.dtype, device=x.device)
     if num_tokens and hidden:
         block = min(1024, next_pow2(hidden))
         launcher(_sum_pairs_kernel)(
-            (num_tokens, cdiv(hidden, block)), x, out, hidden, TOP_K=top_k, BLOCK=block,
-            num_warps=4,
+            (num_tokens, cdiv(hidden, block)), x, residual if residual is not None else x, out,
+            hidden, TOP_K=top_k, HAS_RES=residual is not None, BLOCK=block, num_warps=4,
         )  # fmt: skip
     return out
 
