@@ -9,7 +9,8 @@ One line per variant: the router's top-k for 8 of 128 and 2 of 8 experts, the su
 token's 8 rows (alone and added to a residual), the pair alignment's kernels for 8, 128 and
 512 experts (one program with atomic cursors, one without, and several), the grouped GEMM for
 each tile of ``GEMM_CONFIGS`` in bf16 (both projections) and its first tile in float32 (what
-the GPU tests run). Exits non-zero if any fails or does not fit.
+the GPU tests run), the GEMV a pair at ``GEMV_CONFIG`` (both projections). Exits non-zero
+if any fails or does not fit.
 """
 
 from __future__ import annotations
@@ -98,6 +99,13 @@ def main() -> int:
                 }  # fmt: skip
                 ok &= build(moe._expert_gemm_kernel, sig, consts, num_warps=warps,
                             num_stages=stages)  # fmt: skip
+    sig = {"a_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "ids_ptr": "*i64",
+           "route_ptr": "*bf16"} | dict.fromkeys(GEMM_INTS, "i32")  # fmt: skip
+    block_n, block_k, warps, stages = moe.GEMV_CONFIG
+    for gather in (True, False):
+        consts = {"TOP_K": 8, "GATHER": gather, "ROUTE": not gather, "SILU_MUL": not gather,
+                  "BLOCK_N": block_n, "BLOCK_K": block_k}  # fmt: skip
+        ok &= build(moe._expert_gemv_kernel, sig, consts, num_warps=warps, num_stages=stages)
     return 0 if ok else 1
 
 

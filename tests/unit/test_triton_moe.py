@@ -25,6 +25,7 @@ from baton_kernels.triton.moe import (
     GEMM_CONFIGS,
     align_pairs,
     expert_gemm,
+    expert_gemv,
     fused_experts,
     max_blocks,
     ref_fused_experts,
@@ -158,17 +159,31 @@ def test_pairs_are_grouped_by_expert_in_blocks(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize(("num_tokens", "experts", "top_k", "hidden", "inter"), [
-    (1, 8, 2, 64, 48), (5, 6, 1, 64, 40), (33, 8, 4, 96, 48), (150, 16, 2, 32, 24),
+@pytest.mark.parametrize(("num_tokens", "experts", "top_k", "hidden", "inter", "form"), [
+    (1, 8, 2, 64, 48, "grouped"), (5, 6, 1, 64, 40, "grouped"), (33, 8, 4, 96, 48, "grouped"),
+    (150, 16, 2, 32, 24, "grouped"),
+    (1, 8, 2, 64, 48, "gemv"), (5, 6, 1, 64, 40, "gemv"), (4, 16, 8, 64, 48, "gemv"),
 ])  # fmt: skip
 def test_fused_experts_match_the_reference(
-    dtype: torch.dtype, num_tokens: int, experts: int, top_k: int, hidden: int, inter: int
+    dtype: torch.dtype,
+    num_tokens: int,
+    experts: int,
+    top_k: int,
+    hidden: int,
+    inter: int,
+    form: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """Both forms at every size: the grouped GEMMs over aligned blocks (given the activation)
+    and the GEMVs a pair (a lone request's: SiLU-and-multiply inside the down projection)."""
+    from baton_kernels.triton import moe
+
+    monkeypatch.setattr(moe, "GEMV_TOKENS", 10**6 if form == "gemv" else 0)
     weights, ids = _routed(num_tokens, experts, top_k, seed=num_tokens, dtype=dtype)
     gate_up, down = _experts(experts, hidden, inter, dtype, seed=num_tokens)
     x = torch.randn(num_tokens, hidden, generator=torch.Generator().manual_seed(1)).to(dtype)
     x = x.to(DEVICE)
-    got = fused_experts(x, ids, weights, gate_up, down, silu_and_mul)
+    got = fused_experts(x, ids, weights, gate_up, down, None if form == "gemv" else silu_and_mul)
     want = ref_fused_experts(x, ids, weights, gate_up, down, silu_and_mul)
     assert want.abs().max() > 0.5  # (not a sum of nothing)
     # The kernels round the projection to the dtype before the activation, as the model in
@@ -220,6 +235,46 @@ def test_each_pair_gets_its_own_row_scaled_by_its_weight() -> None:
     torch.testing.assert_close(mine, want_own, atol=1e-4, rtol=1e-5)
 
 
+def test_a_few_pairs_run_as_gemvs_without_alignment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``expert_gemv`` alone: pair p's row is ``a[p // k] @ w[expert].T`` (times its weight),
+    and with ``silu_mul`` its own row's SiLU(gate) * up, rounded, times its expert's down
+    weight; ``fused_experts`` up to ``GEMV_TOKENS`` tokens never aligns the pairs, and two
+    pairs of one expert each get their own row."""
+    from baton_kernels.triton import moe
+
+    experts, k_in, n_out, top_k = 4, 48, 40, 3
+    ids = torch.tensor([[2, 0, 3], [3, 2, 1]], device=DEVICE)  # (experts 2 and 3 twice)
+    w = torch.randn(experts, n_out, k_in, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    a = torch.randn(2, k_in, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    route_w = torch.rand(6, generator=torch.Generator().manual_seed(7)).to(DEVICE) + 0.5
+    got = expert_gemv(a, w, ids, top_k=top_k, route=route_w, config=(16, 16, 4, 2))
+    flat = ids.reshape(-1)
+    want = torch.stack([route_w[p] * (a[p // top_k] @ w[flat[p]].t()) for p in range(6)])
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    gu = torch.randn(6, 2 * n_out, generator=torch.Generator().manual_seed(8)).to(DEVICE)
+    down = w[:, :, :n_out].contiguous()
+    mine = expert_gemv(gu, down, ids, silu_mul=True)
+    act = silu_and_mul(gu)
+    want_own = torch.stack([act[p] @ down[flat[p]].t() for p in range(6)])
+    torch.testing.assert_close(mine, want_own, atol=1e-4, rtol=1e-5)
+    with pytest.raises(ValueError, match="does not fit"):
+        expert_gemv(gu[:, :-1], down, ids, silu_mul=True)
+    with pytest.raises(ValueError, match="rows for 6 pairs"):
+        expert_gemv(a, w, ids)
+    with pytest.raises(ValueError, match="route must be"):
+        expert_gemv(a, w, ids, top_k=top_k, route=route_w[:5])
+
+    def no_alignment(*args: object) -> None:
+        raise AssertionError("aligned")
+
+    monkeypatch.setattr(moe, "align_pairs", no_alignment)
+    gate_up, down = _experts(experts, 32, 16, torch.float32)
+    x = torch.randn(2, 32, generator=torch.Generator().manual_seed(9)).to(DEVICE)
+    got = fused_experts(x, ids, route_w.view(2, 3), gate_up, down)
+    want = ref_fused_experts(x, ids, route_w.view(2, 3), gate_up, down, silu_and_mul)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 def test_bad_shapes_are_refused() -> None:
     gate_up, down = _experts(4, 32, 16, torch.float32)
     weights, ids = _routed(3, 4, 2)
@@ -247,5 +302,5 @@ def test_the_kernels_compile_for_hopper() -> None:
                           timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     # the router's 2, the sum's 2, the alignment's 12 (3 numbers of experts), each tile in
-    # bf16 for both projections, the first in f32 for both
-    assert done.stdout.count("shared") == 2 + 2 + 12 + 2 * len(GEMM_CONFIGS) + 2
+    # bf16 for both projections, the first in f32 for both, the GEMV's 2 (both projections)
+    assert done.stdout.count("shared") == 2 + 2 + 12 + 2 * len(GEMM_CONFIGS) + 2 + 2

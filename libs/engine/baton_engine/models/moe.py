@@ -228,7 +228,8 @@ class SparseMoE(nn.Module):
             from baton_kernels.triton.moe import fused_experts, route_top_k
 
             weights, ids = route_top_k(logits, self.top_k, self.renormalize)
-            out = fused_experts(x, ids, weights, experts.gate_up_proj, experts.down_proj, act)
+            out = fused_experts(x, ids, weights, experts.gate_up_proj, experts.down_proj,
+                                None if self.fused else act)  # fmt: skip
         else:
             weights, ids = route(logits, self.top_k, self.renormalize)
             if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
@@ -254,7 +255,7 @@ class SparseMoE(nn.Module):
         from baton_kernels.triton.moe import fused_experts, route_top_k
 
         weights, ids = route_top_k(gemv(x, self.gate.weight), self.top_k, self.renormalize)
-        act = fused.silu_and_mul if self.fused else silu_and_mul
         experts = self.experts
-        return fused_experts(x, ids, weights, experts.gate_up_proj, experts.down_proj, act,
-                             residual=stream, out=stream)  # fmt: skip
+        return fused_experts(x, ids, weights, experts.gate_up_proj, experts.down_proj,
+                             None if self.fused else silu_and_mul, residual=stream,
+                             out=stream)  # fmt: skip

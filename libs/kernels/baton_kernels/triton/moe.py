@@ -18,6 +18,12 @@ own row for the second) and its expert's weight tile, so each chosen expert's we
 once a column block whatever the number of its tokens, and an expert no token chose is never
 read. Its output is one row a pair, optionally scaled by the pair's routing weight.
 
+Up to ``GEMV_TOKENS`` tokens (a lone request's decode step) the pairs are too few for blocks:
+``expert_gemv`` runs one program per (pair, column block), which reads its pair's expert from
+the routing itself (no alignment), and the down projection computes SiLU-and-multiply of its
+input as it loads it (no activation launch). An expert two pairs chose is read twice, once a
+pair, mostly from the L2.
+
 ``route_top_k`` makes the choices from the router's logits (softmax, top k, renormalization) in
 one launch. ``fused_experts`` chains the rest: gate/up projection, SiLU-and-multiply, down
 projection scaled by the routing weights, and each token's ``k`` rows summed (``sum_pairs``, in
@@ -41,8 +47,11 @@ from baton_kernels.triton.common import (
     next_pow2,
     upcast_in_kernel,
 )
+from baton_kernels.triton.gemv import _silu_mul
 from baton_kernels.triton.launch import launcher
 
+GEMV_TOKENS = 4  # at most this many tokens: the experts as GEMVs a pair, no alignment
+GEMV_CONFIG = (16, 256, 4, 3)  # expert_gemv's (BLOCK_N, BLOCK_K, warps, stages)
 ALIGN_TILE = 4096  # pairs x experts compared at once by align_pairs (its chunk's rows: this / E)
 ALIGN_ONE = 4096  # at most this many pairs: align_pairs in one launch of one program
 ALIGN_CHUNK = 1024  # pairs that one program counts or places at once
@@ -450,29 +459,127 @@ def expert_gemm(
     return out
 
 
+@triton.jit
+def _expert_gemv_kernel(
+    a_ptr,  # [rows, K] (or [rows, 2K]: gate, up with SILU_MUL)
+    w_ptr,  # [E, N, K]
+    out_ptr,  # [P, N]
+    ids_ptr,  # [P] each pair's expert
+    route_ptr,  # [P] (ROUTE)
+    N,
+    K,
+    s_a,
+    s_we,
+    s_wn,
+    s_o,
+    TOP_K: tl.constexpr,
+    GATHER: tl.constexpr,
+    ROUTE: tl.constexpr,
+    SILU_MUL: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Program (p, j): pair p's columns block j, on the CUDA cores: the products summed lane
+    by lane over K, across the lanes once at the end."""
+    p = tl.program_id(0)
+    expert = tl.load(ids_ptr + p).to(tl.int64)
+    row = p // TOP_K if GATHER else p
+    a_row = a_ptr + row.to(tl.int64) * s_a
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    w_rows = w_ptr + expert * s_we + n[:, None].to(tl.int64) * s_wn
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < K
+        w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        a = tl.load(a_row + k, mask=k_ok, other=0.0)
+        if SILU_MUL:  # (rounded as the activation's own kernel stores it)
+            a = _silu_mul(a, tl.load(a_row + K + k, mask=k_ok, other=0.0), 1.0, 2)
+        acc += w.to(tl.float32) * a.to(tl.float32)[None, :]
+    y = tl.sum(acc, axis=1)
+    if ROUTE:
+        y *= tl.load(route_ptr + p).to(tl.float32)
+    tl.store(out_ptr + p.to(tl.int64) * s_o + n, y.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+def expert_gemv(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    ids: torch.Tensor,
+    top_k: int | None = None,
+    route: torch.Tensor | None = None,
+    silu_mul: bool = False,
+    config: tuple[int, int, int, int] | None = None,
+) -> torch.Tensor:
+    """``expert_gemm``'s result for a few pairs without their alignment: ``out[p] =
+    a'[row(p)] @ w[ids[p]].T`` (times ``route[p]`` when given) for each pair ``p`` of ``ids``
+    (``[P]``, or ``[T, k]`` flattened), ``[P, N]`` for ``w`` ``[E, N, K]``; ``row(p)`` as
+    there. ``a'`` is ``a``, or with ``silu_mul`` SiLU(gate) * up of ``a`` ``[rows, 2K]``'s
+    halves, rounded to its dtype (as ``fused_ops.silu_and_mul`` stores it). Float32
+    accumulation, one rounding to ``a``'s dtype. ``config``: ``(BLOCK_N, BLOCK_K, warps,
+    stages)``, default ``GEMV_CONFIG``."""
+    flat = ids.reshape(-1)
+    num_pairs = flat.numel()
+    if a.dim() != 2 or w.dim() != 3 or a.stride(1) != 1 or w.stride(2) != 1:
+        raise ValueError(f"a must be [rows, K] and w [E, N, K], rows dense: {a.shape}, {w.shape}")
+    _, n_out, k_in = w.shape
+    if a.shape[1] != (2 if silu_mul else 1) * k_in or a.dtype != w.dtype:
+        raise ValueError(f"a {tuple(a.shape)} {a.dtype} does not fit w {tuple(w.shape)} {w.dtype}")
+    if a.dtype not in SUPPORTED_DTYPES or flat.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"unsupported dtypes: a {a.dtype}, ids {flat.dtype}")
+    if a.shape[0] * (top_k or 1) != num_pairs:
+        raise ValueError(f"a has {a.shape[0]} rows for {num_pairs} pairs (top_k {top_k})")
+    if route is not None and route.shape != (num_pairs,):
+        raise ValueError(f"route must be [{num_pairs}]: {tuple(route.shape)}")
+    out = torch.empty((num_pairs, n_out), dtype=a.dtype, device=a.device)
+    if num_pairs == 0 or n_out == 0:
+        return out
+    block_n, block_k, warps, stages = config or GEMV_CONFIG
+    launcher(_expert_gemv_kernel)(
+        (num_pairs, cdiv(n_out, block_n)), a, w, out, flat, route if route is not None else out,
+        n_out, k_in, a.stride(0), w.stride(0), w.stride(1), out.stride(0), TOP_K=top_k or 1,
+        GATHER=top_k is not None, ROUTE=route is not None, SILU_MUL=silu_mul, BLOCK_N=block_n,
+        BLOCK_K=min(block_k, max(16, next_pow2(k_in))), num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return out
+
+
 def fused_experts(
     x: torch.Tensor,
     ids: torch.Tensor,
     weights: torch.Tensor,
     gate_up: torch.Tensor,
     down: torch.Tensor,
-    act: Callable[[torch.Tensor], torch.Tensor],
+    act: Callable[[torch.Tensor], torch.Tensor] | None = None,
     residual: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The experts' weighted sum for each token of ``x`` ``[T, H]`` routed to ``ids`` with
     ``weights`` (``[T, k]``): ``[T, H]``, for stacked ``gate_up`` ``[E, 2I, H]`` and ``down``
-    ``[E, H, I]``; ``act`` maps ``[P, 2I]`` to ``[P, I]`` (SiLU-and-multiply). ``residual``
-    and ``out``: added to the residual in the last kernel (``sum_pairs``)."""
+    ``[E, H, I]``; ``act`` maps ``[P, 2I]`` to ``[P, I]``; ``None``: SiLU-and-multiply by
+    these kernels (``fused.silu_and_mul``'s, or inside the down projection's loads up to
+    ``GEMV_TOKENS`` tokens). ``residual`` and ``out``: added to the residual in the last
+    kernel (``sum_pairs``)."""
     num_tokens, top_k = ids.shape
     if x.dim() != 2 or x.shape[0] != num_tokens or weights.shape != ids.shape:
         raise ValueError(f"x {tuple(x.shape)}, ids {tuple(ids.shape)} and weights "
                          f"{tuple(weights.shape)} do not match")  # fmt: skip
     num_pairs, num_experts = num_tokens * top_k, gate_up.shape[0]
-    config = gemm_config(num_pairs, num_experts)
-    align = align_pairs(ids, num_experts, config[0])
-    hidden = act(expert_gemm(x, gate_up, align, num_pairs, top_k=top_k, config=config))
-    pairs = expert_gemm(hidden, down, align, num_pairs, route=weights.reshape(-1), config=config)
+    route = weights.reshape(-1)
+    if num_tokens <= GEMV_TOKENS:
+        hidden = expert_gemv(x, gate_up, ids, top_k=top_k)
+        if act is not None:
+            hidden = act(hidden)
+        pairs = expert_gemv(hidden, down, ids, route=route, silu_mul=act is None)
+    else:
+        from baton_kernels.fused import silu_and_mul
+
+        config = gemm_config(num_pairs, num_experts)
+        align = align_pairs(ids, num_experts, config[0])
+        hidden = expert_gemm(x, gate_up, align, num_pairs, top_k=top_k, config=config)
+        hidden = (act or silu_and_mul)(hidden)
+        pairs = expert_gemm(hidden, down, align, num_pairs, route=route, config=config)
     return sum_pairs(pairs.view(num_tokens, top_k, -1), residual, out)
 
 
