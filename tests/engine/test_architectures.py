@@ -10,9 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import ARCHITECTURES, build_gemma3_vision_language, build_model
+from tiny_models import ARCHITECTURES, TINY, build_gemma3_vision_language, build_model
 
 from baton import LLM, SamplingParams
+
+TINY_HEAD = TINY["hidden_size"] // TINY["num_attention_heads"]
 
 
 def hf_greedy(model: torch.nn.Module, prompts: list[list[int]], n: int) -> list[list[int]]:
@@ -40,6 +42,34 @@ def test_architecture_matches_transformers(
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     got = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert [g.outputs[0].token_ids for g in got] == want
+
+
+def test_longrope_takes_the_factors_of_the_context_served(
+    default_model_dir: Path, tmp_path: Path
+) -> None:
+    """Phi-3's LongRoPE (its original context 32 here): an engine serving at most 32 tokens
+    rotates with the short factors, one serving more with the long ones (as vLLM); each
+    generates what transformers does for the sequences it serves: short ones under the
+    first, a prompt longer than 32 under the second. The two sets give different tokens."""
+    half = TINY_HEAD // 2
+    scaling = {"type": "longrope", "short_factor": [1.0 + 0.05 * i for i in range(half)],
+               "long_factor": [1.0 + 3.0 * i for i in range(half)]}  # fmt: skip
+    model = build_model("phi3", default_model_dir, tmp_path, rope_scaling=scaling,
+                        original_max_position_embeddings=32)  # fmt: skip
+    short, long = [[10 + i for i in range(n)] for n in (5, 18)], [[7 + 3 * i for i in range(40)]]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    got = {}
+    for max_model_len, prompts in ((32, short), (128, long + short)):
+        llm = LLM(str(tmp_path), dtype="float32", max_model_len=max_model_len,
+                  kv_cache_memory=16 << 20)  # fmt: skip
+        try:
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            got[max_model_len] = [list(o.outputs[0].token_ids) for o in outs]
+        finally:
+            llm.shutdown()
+    assert got[32] == hf_greedy(model, short, 12)
+    assert got[128][:1] == hf_greedy(model, long, 12)
+    assert got[128][1:] != got[32]  # (the short prompts under the long factors)
 
 
 def test_the_language_model_of_gemma3_vision_language(

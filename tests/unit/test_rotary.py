@@ -3,6 +3,7 @@ included), and the positions served follow the scaling as vLLM derives them."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -46,6 +47,45 @@ def test_tables_equal_transformers(scaling: dict[str, Any] | None, positions: in
     cos, sin = hf(torch.zeros(1, dtype=torch.float32), at)
     torch.testing.assert_close(ours[at[0], 0], cos[0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(ours[at[0], 1], sin[0], atol=1e-5, rtol=1e-5)
+
+
+def _longrope(head_dim: int) -> dict[str, Any]:
+    half = head_dim // 2
+    return {"type": "longrope", "short_factor": [1.0 + 0.01 * i for i in range(half)],
+            "long_factor": [1.0 + 0.5 * i for i in range(half)]}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("max_model_len", "at"), [(1024, [0, 1, 17, 1000, 1023]), (6000, [0, 17, 1000, 3000, 5999])]
+)
+def test_longrope_tables_equal_transformers(max_model_len: int, at: list[int]) -> None:
+    """Phi-3's LongRoPE (its original context 1,024 here, 4,096 served): an engine serving at
+    most the original context takes the short factors, one serving more the long ones, each
+    as transformers rotates a sequence of that length (its attention factor from 4,096 /
+    1,024 in both)."""
+    from transformers import Phi3Config
+    from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
+
+    cfg = SHAPE | {"rope_scaling": _longrope(128), "original_max_position_embeddings": 1024,
+                   "rope_theta": 10000.0}  # fmt: skip
+    mc = ModelConfig.from_hf_dict(cfg | {"architectures": ["Phi3ForCausalLM"]})
+    assert mc.max_position_embeddings == 4096
+    ours = RotaryEmbedding(mc.head_dim, max_model_len, mc.rope_theta, mc.rope_scaling).cos_sin
+    hf = Phi3RotaryEmbedding(Phi3Config(**cfg))
+    positions = torch.tensor([at])
+    cos, sin = hf(torch.zeros(1, dtype=torch.float32), positions)
+    torch.testing.assert_close(ours[positions[0], 0], cos[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours[positions[0], 1], sin[0], atol=1e-5, rtol=1e-5)
+    assert abs(cos[0, 0, 0].item() - (1 + math.log(4) / math.log(1024)) ** 0.5) < 1e-6
+
+
+def test_longrope_needs_a_factor_a_frequency() -> None:
+    scaling = _longrope(128) | {"rope_type": "longrope", "factor": 4.0,
+                                "original_max_position_embeddings": 1024}  # fmt: skip
+    scaling["long_factor"] = scaling["long_factor"][:-1]
+    with pytest.raises(ValueError, match="longrope's long_factor must list 64 factors"):
+        RotaryEmbedding(128, 2048, 10000.0, scaling)
+    RotaryEmbedding(128, 1024, 10000.0, scaling)  # (the short factors are whole)
 
 
 def test_an_unsupported_scaling_is_named() -> None:

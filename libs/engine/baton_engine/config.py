@@ -242,8 +242,10 @@ class ModelConfig:
         if partial != 1.0:
             raise ValueError(f"partial_rotary_factor {partial} is not supported (only 1.0)")
         rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type == "su":  # (LongRoPE's first name, in early Phi-3 configs)
+            rope_type = rope["rope_type"] = "longrope"
         positions = int(cfg.get("max_position_embeddings", 2048))
-        if rope_type in ("llama3", "yarn"):  # (transformers' defaults; Phi-3's key first)
+        if rope_type in ("llama3", "yarn", "longrope"):  # (transformers' defaults; Phi-3's first)
             original = cfg.get("original_max_position_embeddings")
             rope["original_max_position_embeddings"] = int(
                 original or rope.get("original_max_position_embeddings") or positions

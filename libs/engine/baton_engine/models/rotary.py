@@ -1,6 +1,14 @@
 """Rotary position embeddings (Hugging Face's rotate-half layout), with the static scalings of
-transformers' ``rope_type``: ``llama3``, ``linear`` and ``yarn`` (whose attention factor scales
-the cos/sin table, so that every path that reads the table applies it)."""
+transformers' ``rope_type``: ``llama3``, ``linear``, ``yarn`` and ``longrope`` (whose attention
+factors scale the cos/sin table, so that every path that reads the table applies them).
+
+``longrope`` (Phi-3's 128k models, Phi-3.5) has two sets of per-frequency factors: transformers
+takes the short set while a sequence fits the original context and the long set beyond (and
+recomputes the whole cache when a sequence crosses it). As vLLM, one set serves every sequence
+of an engine: the long set where ``max_model_len`` exceeds the original context, else the short
+set. Every sequence then matches transformers where the engine serves only the original
+context, and a prompt longer than it where the engine serves more; a shorter prompt on such an
+engine gets the long set's rotations, where transformers would use the short set's."""
 
 from __future__ import annotations
 
@@ -56,6 +64,32 @@ def _yarn_inv_freq(
     return blended, float(attention)
 
 
+def _longrope_inv_freq(
+    scaling: dict[str, Any], head_dim: int, theta: float, max_positions: int
+) -> tuple[torch.Tensor, float]:
+    """LongRoPE's frequencies (the long or the short factors: the module docstring) and its
+    attention factor, as transformers computes them (``short_mscale`` / ``long_mscale``, as
+    vLLM reads them, override the attention factor)."""
+    original = int(scaling["original_max_position_embeddings"])
+    long = max_positions > original
+    name = "long_factor" if long else "short_factor"
+    ext = scaling.get(name)
+    if not isinstance(ext, list) or len(ext) != head_dim // 2:
+        raise ValueError(
+            f"longrope's {name} must list {head_dim // 2} factors (half the head size), "
+            f"not {ext!r}"
+        )
+    factor = float(scaling["factor"])
+    attention = scaling.get("long_mscale" if long else "short_mscale")
+    if attention is None:
+        attention = scaling.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+    shape = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (torch.tensor(ext, dtype=torch.float32) * theta**shape)
+    return inv_freq, float(attention)
+
+
 class RotaryEmbedding(torch.nn.Module):
     cos_sin: torch.Tensor  # [max_positions, 2, head_dim], float32
 
@@ -96,9 +130,12 @@ class RotaryEmbedding(torch.nn.Module):
             inv_freq = inv_freq / float(scaling["factor"])
         elif rope_type == "yarn":
             inv_freq, attention = _yarn_inv_freq(inv_freq, scaling, head_dim, theta)
+        elif rope_type == "longrope":
+            inv_freq, attention = _longrope_inv_freq(scaling, head_dim, theta, max_positions)
         else:
             raise ValueError(
-                f"unsupported rope scaling {rope_type!r} (supported: llama3, linear, yarn)"
+                f"unsupported rope scaling {rope_type!r} (supported: llama3, linear, yarn, "
+                "longrope)"
             )
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)
