@@ -76,8 +76,7 @@ def _longrope_inv_freq(
     ext = scaling.get(name)
     if not isinstance(ext, list) or len(ext) != head_dim // 2:
         raise ValueError(
-            f"longrope's {name} must list {head_dim // 2} factors (half the head size), "
-            f"not {ext!r}"
+            f"longrope's {name} must list {head_dim // 2} factors (half the head size), not {ext!r}"
         )
     factor = float(scaling["factor"])
     attention = scaling.get("long_mscale" if long else "short_mscale")
