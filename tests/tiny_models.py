@@ -45,6 +45,7 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     },
     "qwen3": {"head_dim": 32},
     "phi3": {},  # q/k/v and gate/up fused in the checkpoint
+    "phi3-partial-rotary": {"partial_rotary_factor": 0.5},  # (Phi-4-mini's kind: 3/4 there)
     "granite": {  # multipliers of the embeddings, residual adds, attention scale and logits
         "embedding_multiplier": 3.0,
         "residual_multiplier": 0.5,

@@ -250,6 +250,8 @@ def test_lora_needs_enable_lora(default_model_dir: Path, adapters: dict[str, LoR
     [  # Phi-3's q/k/v and gate/up fused (PEFT adapts them as one); Granite's residual multiplier
         ("phi3", {"qkv_proj": (64, 128), "o_proj": (64, 64), "gate_up_proj": (64, 256),
                   "down_proj": (128, 64)}),
+        # half of each head turned: the q and k rows of its adapters reordered as the model's
+        ("phi3-partial-rotary", {"qkv_proj": (64, 128), "o_proj": (64, 64)}),
         ("granite", {"q_proj": (64, 64), "o_proj": (64, 64), "down_proj": (128, 64)}),
         # Gemma 2's outputs normed before the residual adds, its scores and logits capped (its
         # heads of 256)
@@ -260,8 +262,8 @@ def test_adapters_on_other_architectures(
     arch: str, shapes: dict[str, tuple[int, int]], default_model_dir: Path, tmp_path: Path
 ) -> None:
     """An adapter generates what transformers does with it merged into the weights: on Phi-3's
-    fused projections, on Granite's, whose outputs the residual multiplier scales, and on Gemma
-    2's, whose outputs are normed."""
+    fused projections (and with a partial rotation), on Granite's, whose outputs the residual
+    multiplier scales, and on Gemma 2's, whose outputs are normed."""
     from lora_adapters import merged_greedy
     from tiny_models import build_model
 

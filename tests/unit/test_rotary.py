@@ -93,9 +93,44 @@ def test_an_unsupported_scaling_is_named() -> None:
         RotaryEmbedding(64, 16, 10000.0, {"rope_type": "dynamic", "factor": 2.0})
 
 
-def test_a_partial_rotation_is_refused() -> None:
-    """(Phi-4-mini's kind: a rotation of part of each head, which the kernels do not do.)"""
-    nested = {"rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 0.75}}
-    for where in ({"partial_rotary_factor": 0.75}, nested):
-        with pytest.raises(ValueError, match=r"partial_rotary_factor 0\.75 is not supported"):
+@pytest.mark.parametrize("longrope", [False, True])
+def test_a_partial_rotation_turns_the_reordered_dimensions(longrope: bool) -> None:
+    """Phi-4-mini's kind (96 of a head's 128 dimensions turned, LongRoPE or not): the table
+    applied to q with each head's dimensions in ``partial_rotation_order`` gives transformers'
+    partial rotation in that order: the other dimensions pass unchanged (unscaled by
+    LongRoPE's attention factor)."""
+    from transformers import Phi3Config
+    from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding, apply_rotary_pos_emb
+
+    from baton_engine.models.rotary import partial_rotation_order, reorder_heads
+
+    cfg = SHAPE | {"partial_rotary_factor": 0.75, "rope_theta": 10000.0}
+    if longrope:
+        cfg |= {"rope_scaling": _longrope(96), "original_max_position_embeddings": 1024}
+    mc = ModelConfig.from_hf_dict(cfg | {"architectures": ["Phi3ForCausalLM"]})
+    assert (mc.head_dim, mc.rotary_dim) == (128, 96)
+    rotary = RotaryEmbedding(mc.head_dim, 3000, mc.rope_theta, mc.rope_scaling, mc.rotary_dim)
+    order = partial_rotation_order(128, 96)
+    assert sorted(order.tolist()) == list(range(128))
+    at = torch.tensor([0, 5, 700, 2999])
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(4, 32, generator=g), torch.randn(4 * 128, 32, generator=g)  # 4 heads
+    q = (x @ w.t()).view(4, 4, 128)  # [T, heads, D]
+    hf = Phi3RotaryEmbedding(Phi3Config(**cfg))
+    cos, sin = hf(q, at[None])
+    want, _ = apply_rotary_pos_emb(q.transpose(0, 1)[None], q.transpose(0, 1)[None], cos, sin)
+    want = want[0].transpose(0, 1)  # [T, heads, D]
+    # the projection's rows loaded in the order: each head's dimensions reordered
+    ours = (x @ reorder_heads(w, order).t()).view(4, 4, 128)
+    torch.testing.assert_close(ours, q[..., order])
+    got = rotary(at, torch.float32).apply(ours)
+    torch.testing.assert_close(got, want[..., order], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(want[..., 96:], q[..., 96:])  # (unturned)
+
+
+def test_a_partial_rotation_needs_an_even_number_of_dimensions() -> None:
+    nested = {"rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 0.2}}
+    for where in ({"partial_rotary_factor": 0.2}, nested):  # (25 of 128)
+        with pytest.raises(ValueError, match=r"partial_rotary_factor 0\.2 turns 25 of a head's"):
             ModelConfig.from_hf_dict(SHAPE | where)
+    assert ModelConfig.from_hf_dict(SHAPE | {"partial_rotary_factor": 1.0}).rotary_dim == 0

@@ -107,6 +107,9 @@ class ModelConfig:
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None
+    # The dimensions of each head the rotation turns (Phi-4-mini's 3/4: partial_rotary_factor);
+    # 0: all of them. The others pass unturned (``rotary.partial_rotation_order``).
+    rotary_dim: int = 0
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2: bias on q/k/v projections
@@ -239,8 +242,13 @@ class ModelConfig:
         rope_theta = float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0)
         rope.pop("rope_theta", None)
         partial = float(rope.pop("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
-        if partial != 1.0:
-            raise ValueError(f"partial_rotary_factor {partial} is not supported (only 1.0)")
+        head_dim = int(cfg.get("head_dim") or hidden // num_heads)
+        rotary_dim = int(head_dim * partial)  # (as transformers rounds it)
+        if not 0 < partial <= 1 or rotary_dim < 2 or rotary_dim % 2:
+            raise ValueError(
+                f"partial_rotary_factor {partial} turns {rotary_dim} of a head's {head_dim} "
+                "dimensions: it needs an even number, at least 2"
+            )
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type == "su":  # (LongRoPE's first name, in early Phi-3 configs)
             rope_type = rope["rope_type"] = "longrope"
@@ -272,7 +280,8 @@ class ModelConfig:
             num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
-            head_dim=int(cfg.get("head_dim") or hidden // num_heads),
+            head_dim=head_dim,
+            rotary_dim=rotary_dim if rotary_dim < head_dim else 0,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
             rope_theta=rope_theta,
             rope_scaling=rope if rope_type != "default" else None,

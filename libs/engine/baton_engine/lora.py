@@ -47,6 +47,7 @@ from baton_engine.config import ModelConfig
 from baton_engine.errors import InvalidRequestError, ModelLoadError
 from baton_engine.model_files import cached_snapshot, is_repo_id
 from baton_engine.models.llama import ROW_PARALLEL, shard_config
+from baton_engine.models.rotary import partial_rotation_order, reorder_heads
 
 if TYPE_CHECKING:
     from baton_engine.runner.staging import InputStaging
@@ -227,6 +228,8 @@ def load_adapter(request: LoRARequest, cfg: ModelConfig, max_rank: int) -> LoRAA
             )
         if part in ("o_proj", "down_proj"):  # (Granite scales what these add to the stream)
             b = b * cfg.residual_multiplier
+        if part in ("q_proj", "k_proj") and cfg.rotary_dim:  # (as loading reorders the model's)
+            b = reorder_heads(b, partial_rotation_order(cfg.head_dim, cfg.rotary_dim))
         weights[layer, part] = (a.float(), b.float() * scale)
     return LoRAAdapter(name, request.lora_path, rank, weights)  # (the path as named)
 

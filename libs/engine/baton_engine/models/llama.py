@@ -26,7 +26,13 @@ from torch import nn
 
 from baton_engine.config import ModelConfig
 from baton_engine.models.moe import SparseMoE
-from baton_engine.models.rotary import FusedRope, RopeTables, RotaryEmbedding
+from baton_engine.models.rotary import (
+    FusedRope,
+    RopeTables,
+    RotaryEmbedding,
+    partial_rotation_order,
+    reorder_heads,
+)
 from baton_kernels import fused
 from baton_kernels.attention import AttentionBackend, AttentionMetadata, KVCacheView
 from baton_kernels.cpu_linear import PackedLinear
@@ -406,6 +412,8 @@ _STACKED_PARTS = {
 
 # One expert's weight (Mixtral's names, renamed to Qwen's by _EXPERT_RENAMES): layer, expert,
 # part.
+# the tensors whose rows are q or k heads' dimensions (reordered for a partial rotation)
+_TURNED = re.compile(r"self_attn\.(q_proj|k_proj|q_norm|k_norm)\.(weight|bias)$")
 _EXPERT = re.compile(r"layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _MIXTRAL_PARTS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 # Granite-MoE's names: its experts stacked already, as transformers >= 5 stacks them
@@ -470,12 +478,20 @@ class LlamaForCausalLM(nn.Module):
         self.tp_rank, self.tp_size = tp_rank, tp_size
         cfg = shard_config(cfg, tp_size)
         self.config = cfg
-        self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        self.rotary = RotaryEmbedding(
+            cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, cfg.rotary_dim
+        )
         # Gemma 3's local layers: their own theta, unscaled (Attention.rope_index)
         self.rotary_local = (
-            RotaryEmbedding(cfg.head_dim, max_positions, cfg.local_rope_theta)
+            RotaryEmbedding(
+                cfg.head_dim, max_positions, cfg.local_rope_theta, rotary_dim=cfg.rotary_dim
+            )
             if cfg.local_rope_theta is not None
             else None
+        )
+        # a partial rotation's order of each q and k head's dimensions (rotary's docstring)
+        self.rotation_order = (
+            partial_rotation_order(cfg.head_dim, cfg.rotary_dim) if cfg.rotary_dim else None
         )
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList([DecoderLayer(cfg, i) for i in range(cfg.num_layers)])
@@ -761,6 +777,8 @@ class LlamaForCausalLM(nn.Module):
                 tensor = self._tp_slice_stacked(name, tensor)
             else:
                 tensor = self._tp_slice(name, tensor)
+            if self.rotation_order is not None and _TURNED.search(name):
+                tensor = reorder_heads(tensor, self.rotation_order)
             if name.endswith(_RESIDUAL_OUTPUTS) and self.config.residual_multiplier != 1.0:
                 # Granite scales what these add to the residual stream: in the weights, once
                 tensor = tensor * self.config.residual_multiplier

@@ -8,7 +8,14 @@ recomputes the whole cache when a sequence crosses it). As vLLM, one set serves 
 of an engine: the long set where ``max_model_len`` exceeds the original context, else the short
 set. Every sequence then matches transformers where the engine serves only the original
 context, and a prompt longer than it where the engine serves more; a shorter prompt on such an
-engine gets the long set's rotations, where transformers would use the short set's."""
+engine gets the long set's rotations, where transformers would use the short set's.
+
+A partial rotation (Phi-4-mini: 96 of a head's 128 dimensions) turns pairs ``(i, i + R/2)`` of
+the first ``R`` dimensions and leaves the rest; the kernels turn pairs ``(i, i + D/2)`` of the
+whole head. Loading the weights reorders each q and k head's dimensions
+(``partial_rotation_order``: the turned pairs to ``(i, i + D/2)``, the others between), which
+changes no dot product of q and k, and the table turns the others by angle 0 (cos 1, sin 0, no
+attention factor), so every kernel computes the partial rotation unchanged."""
 
 from __future__ import annotations
 
@@ -89,6 +96,25 @@ def _longrope_inv_freq(
     return inv_freq, float(attention)
 
 
+def partial_rotation_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
+    """For a rotation of a head's first ``rotary_dim`` dimensions, the order in which loading
+    puts each q and k head's dimensions (``order[j]``: the checkpoint's dimension at ``j``):
+    the turned pairs ``(i, i + R/2)`` at ``(i, i + D/2)``, the unturned dimensions in the
+    slots between, half after each half of the pairs."""
+    half, turned = head_dim // 2, rotary_dim // 2
+    rest = list(range(rotary_dim, head_dim))
+    order = [*range(turned), *rest[: half - turned], *range(turned, rotary_dim),
+             *rest[half - turned :]]  # fmt: skip
+    return torch.tensor(order, device="cpu")  # (on the host, also where models are built on meta)
+
+
+def reorder_heads(tensor: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """``tensor`` (``[heads * D, ...]``: a projection's rows, a bias, or one head's norm
+    weight ``[D]``) with each head's ``D`` rows in ``order``."""
+    heads = tensor.view(-1, order.numel(), *tensor.shape[1:])
+    return heads[:, order.to(tensor.device)].reshape(tensor.shape)
+
+
 class RotaryEmbedding(torch.nn.Module):
     cos_sin: torch.Tensor  # [max_positions, 2, head_dim], float32
 
@@ -98,9 +124,12 @@ class RotaryEmbedding(torch.nn.Module):
         max_positions: int,
         theta: float,
         scaling: dict[str, Any] | None = None,
+        rotary_dim: int = 0,
     ) -> None:
+        """``rotary_dim``: the dimensions of each head turned (0: all), in the order
+        ``partial_rotation_order`` loads them."""
         super().__init__()
-        self._args = (head_dim, max_positions, theta, scaling)
+        self._args = (head_dim, max_positions, theta, scaling, rotary_dim or head_dim)
         if torch.get_default_device().type == "meta":
             # (a model built on "meta" gets its table from ``reset``: arithmetic on meta tensors
             # runs torch's Python references, whose first use imported torch._dynamo, 1.1 s of
@@ -115,7 +144,7 @@ class RotaryEmbedding(torch.nn.Module):
         self.cos_sin = self._build().to(device)
 
     def _build(self) -> torch.Tensor:
-        head_dim, max_positions, theta, scaling = self._args
+        full_dim, max_positions, theta, scaling, head_dim = self._args
         inv_freq = 1.0 / (
             theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
         )
@@ -137,9 +166,17 @@ class RotaryEmbedding(torch.nn.Module):
                 "longrope)"
             )
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        if head_dim < full_dim:  # (a partial rotation: the other pairs turn by angle 0)
+            still = freqs.new_zeros(max_positions, (full_dim - head_dim) // 2)
+            freqs = torch.cat([freqs, still], dim=1)
         emb = torch.cat([freqs, freqs], dim=-1)
         table = torch.stack([emb.cos(), emb.sin()], dim=1)
-        return table if attention == 1.0 else table * attention
+        if attention != 1.0:
+            table *= attention
+            if head_dim < full_dim:  # (unturned: cos 1, sin 0, unscaled)
+                table[:, :, head_dim // 2 : full_dim // 2] = torch.tensor([[1.0], [0.0]])
+                table[:, :, (full_dim + head_dim) // 2 :] = torch.tensor([[1.0], [0.0]])
+        return table
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTables:
         """The tables for one step's ``positions``, computed once and shared by every layer."""
