@@ -153,6 +153,12 @@ class ModelConfig:
     # The language model of a vision-language checkpoint (its weights named under
     # ``language_model``; the vision tower's are not loaded)
     text_of_multimodal: bool = False
+    # An FP8 checkpoint (``quantization_config``: transformers' "fp8", compressed-tensors'
+    # float 8-bit, ModelOpt's FP8): its weights are dequantized on load to the model's dtype
+    # (``model_loader.dequantized_fp8``); ``fp8_block``: the block of rows and columns one
+    # scale covers (None: per tensor or per output channel).
+    fp8_weights: bool = False
+    fp8_block: tuple[int, int] | None = None
     # A mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE): the MLP of its sparse layers
     # (``is_moe_layer``) is ``num_experts`` experts of ``moe_intermediate_size``, each token
     # routed to ``num_experts_per_tok`` of them (softmax, top k, renormalized if
@@ -225,6 +231,7 @@ class ModelConfig:
                 f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"
             )
         multimodal = archs[0] in _TEXT_CONFIG_DEFAULTS
+        fp8 = _fp8_fields(cfg.get("quantization_config"))
         if multimodal:
             cfg = _language_model_config(archs[0], cfg)
         num_heads = int(cfg["num_attention_heads"])
@@ -316,7 +323,7 @@ class ModelConfig:
             ),
             logits_scaling=float(cfg.get("logits_scaling", 1.0)),
         )
-        return cls(**(fields | moe | gemma), text_of_multimodal=multimodal)
+        return cls(**(fields | moe | gemma | fp8), text_of_multimodal=multimodal)
 
     @classmethod
     def from_path(cls, model_dir: Path, overrides: dict[str, Any] | None = None) -> ModelConfig:
@@ -407,6 +414,43 @@ def _sliding_layers(
 
 
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+
+
+def _fp8_fields(quant: Any) -> dict[str, Any]:
+    """The ``ModelConfig`` fields of a checkpoint's ``quantization_config``: FP8 weights
+    (transformers' "fp8", by blocks; compressed-tensors' float 8-bit, by tensor, channel or
+    block; ModelOpt's FP8, by tensor) are dequantized on load; any other method is refused by
+    name."""
+    if not quant:
+        return {}
+    if not isinstance(quant, dict):
+        raise ModelLoadError(f"quantization_config must be an object: {quant!r}")
+    method = str(quant.get("quant_method", "")).lower()
+    block: Any = None
+    if method == "fp8":
+        block = quant.get("weight_block_size")
+    elif method == "compressed-tensors":
+        groups = list((quant.get("config_groups") or {}).values())
+        weights = [g.get("weights") or {} for g in groups]
+        kinds = {(w.get("type"), w.get("num_bits")) for w in weights}
+        if not groups or kinds != {("float", 8)}:
+            raise ModelLoadError(
+                f"compressed-tensors weights {sorted(map(str, kinds))} are not supported "
+                "(only float 8-bit: FP8)"
+            )
+        blocks = {tuple(w.get("block_structure") or ()) for w in weights}
+        block = next(iter(blocks)) or None if len(blocks) == 1 else "several"
+    elif not (method == "modelopt" and str(quant.get("quant_algo", "")).upper() == "FP8"):
+        raise ModelLoadError(
+            f"quantization method {method or quant!r} is not supported: Baton serves "
+            "unquantized weights and FP8 checkpoints (fp8, compressed-tensors FP8, ModelOpt "
+            "FP8), whose weights it dequantizes on load"
+        )
+    if block is not None and (
+        not isinstance(block, list | tuple) or len(block) != 2 or min(map(int, block)) < 1
+    ):
+        raise ModelLoadError(f"FP8 weight blocks {block!r} are not supported (two sizes)")
+    return {"fp8_weights": True, "fp8_block": tuple(int(b) for b in block) if block else None}
 
 
 def _hidden_act(arch: str, cfg: dict[str, Any]) -> str:

@@ -35,6 +35,7 @@ __all__ = [
     "converted_model_dir",
     "default_cache_dir",
     "default_model_path",
+    "dequantized_fp8",
     "iter_weights",
     "load_model_tokenizer",
     "load_tokenizer",
@@ -67,3 +68,63 @@ def iter_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
             except Exception as e:
                 raise ModelLoadError(f"cannot read tensor {name!r} from {file}: {e}") from e
             yield name, tensor
+
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+# what an FP8 checkpoint holds beside its weights' scales: the activations' and the KV cache's
+# static scales (the activations and the KV cache here stay in the model's dtype)
+_UNUSED_SCALES = (".input_scale", ".k_scale", ".v_scale", ".kv_scale")
+
+
+def dequantized_fp8(
+    weights: Iterator[tuple[str, torch.Tensor]], block: tuple[int, int] | None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """An FP8 checkpoint's tensors with each FP8 weight ``X.weight`` times its scale, in
+    float32 (the model's parameters then take their dtype): ``X.weight_scale_inv``
+    (transformers' "fp8": one a ``block`` of rows and columns) or ``X.weight_scale``
+    (compressed-tensors and ModelOpt: one a tensor, an output channel or a ``block``). The
+    activations' and the KV cache's scales are dropped; other tensors pass unchanged. A
+    weight and its scale may come in either order; one without the other is an error."""
+    waiting: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in weights:
+        if name.endswith(_UNUSED_SCALES):
+            continue
+        if name.endswith((".weight_scale_inv", ".weight_scale")):
+            key, part = name.rsplit(".", 1)[0], "scale"
+        elif tensor.dtype in FP8_DTYPES and name.endswith(".weight"):
+            key, part = name.removesuffix(".weight"), "weight"
+        else:
+            yield name, tensor
+            continue
+        pair = waiting.setdefault(key, {})
+        pair[part] = tensor
+        if len(pair) == 2:
+            del waiting[key]
+            yield f"{key}.weight", _dequantize(key, pair["weight"], pair["scale"], block)
+    if waiting:
+        key, pair = next(iter(waiting.items()))
+        raise ValueError(f"FP8 checkpoint: {key} has a {next(iter(pair))} but no "
+                         f"{'scale' if 'weight' in pair else 'FP8 weight'}")  # fmt: skip
+
+
+def _dequantize(
+    key: str, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None
+) -> torch.Tensor:
+    """``weight`` (FP8, ``[N, K]``) times ``scale``, in float32."""
+    w, s = weight.float(), scale.float()
+    if w.dim() != 2:
+        raise ValueError(f"FP8 checkpoint: {key}.weight has shape {tuple(w.shape)} (not [N, K])")
+    rows, cols = w.shape
+    if s.numel() == 1:  # (one a tensor)
+        return w * s.reshape(())
+    if s.numel() == rows and s.dim() <= 2 and s.shape[0] == rows:  # (one an output channel)
+        return w * s.reshape(rows, 1)
+    if block is not None and s.dim() == 2:
+        b_rows, b_cols = block
+        if tuple(s.shape) == (-(rows // -b_rows), -(cols // -b_cols)):
+            s = s.repeat_interleave(b_rows, 0)[:rows].repeat_interleave(b_cols, 1)[:, :cols]
+            return w * s
+    raise ValueError(
+        f"FP8 checkpoint: {key}'s scale of shape {tuple(scale.shape)} does not fit its weight "
+        f"{tuple(weight.shape)} (blocks {block})"
+    )

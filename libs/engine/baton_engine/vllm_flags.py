@@ -137,8 +137,8 @@ ENGINE_FLAGS: tuple[VllmFlag, ...] = (
     VllmFlag("limit_mm_per_prompt", _TEXT_ONLY),
     VllmFlag(
         "quantization",
-        "Baton serves unquantized weights (bfloat16, float16 or float32; a GGUF's weights are "
-        "dequantized on load)",
+        "Baton serves unquantized weights (bfloat16, float16 or float32; a GGUF's weights and "
+        "an FP8 checkpoint's, named by its config, are dequantized on load: no flag needed)",
         accepts=_one_of(None, "None", "none"),
     ),
     VllmFlag(

@@ -27,7 +27,7 @@ from baton_engine.kv_cache import KVCacheManager
 from baton_engine.kv_cache.block_pool import KVCacheEvent
 from baton_engine.lora import LoRALimits, LoRARequest, lora_requests
 from baton_engine.model_files import load_named_tokenizer, load_tokenizer
-from baton_engine.model_loader import iter_weights, resolve_model
+from baton_engine.model_loader import dequantized_fp8, iter_weights, resolve_model
 from baton_engine.models.llama import shard_config
 from baton_engine.pooling_params import PoolerConfig, PoolingParams
 from baton_engine.request import Request, RequestStatus
@@ -145,7 +145,10 @@ def build_runner(config: EngineConfig, tp_rank: int = 0) -> RunnerSetup:
         runner.load_dummy_weights(config.seed)
     else:
         try:
-            runner.load_weights(iter_weights(model_dir))
+            weights = iter_weights(model_dir)
+            if mc.fp8_weights:
+                weights = dequantized_fp8(weights, mc.fp8_block)
+            runner.load_weights(weights)
         except ValueError as e:
             raise ModelLoadError(f"cannot load weights from {model_dir}: {e}") from e
     runner.finalize_weights()

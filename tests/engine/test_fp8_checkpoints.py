@@ -1,0 +1,155 @@
+"""FP8 checkpoints (transformers' "fp8" by blocks, compressed-tensors' by output channel,
+ModelOpt's by tensor) load with their weights dequantized, and generate what transformers does
+with those dequantized weights; other quantization methods, and an FP8 weight without its
+scale, are clear errors. The checkpoints are a tiny model's weights quantized here."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from tiny_models import build_model
+
+from baton import LLM, SamplingParams
+from baton_engine.errors import ModelLoadError
+
+FP8_MAX = 448.0  # float8_e4m3fn's largest value
+LINEAR = re.compile(r"layers\.\d+\.(self_attn|mlp)\.\w+_proj\.weight$")
+BLOCK = (32, 16)
+CONFIGS: dict[str, dict[str, Any]] = {
+    "fp8": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+            "weight_block_size": list(BLOCK)},
+    "compressed-tensors": {
+        "quant_method": "compressed-tensors", "format": "float-quantized",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+            "num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True}}},
+        "ignore": ["lm_head"],
+    },
+    "modelopt": {"quant_method": "modelopt", "quant_algo": "FP8"},
+}  # fmt: skip
+
+
+def _quantize(w: torch.Tensor, method: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w`` as FP8 and its scale (by blocks, output channels or the whole tensor)."""
+    rows, cols = w.shape
+    if method == "fp8":
+        br, bc = BLOCK
+        blocks = w.abs().reshape(rows // br, br, cols // bc, bc).amax(dim=(1, 3))
+        scale = blocks.clamp(min=1e-8) / FP8_MAX
+        full = scale.repeat_interleave(br, 0).repeat_interleave(bc, 1)
+    elif method == "compressed-tensors":
+        scale = w.abs().amax(dim=1, keepdim=True).clamp(min=1e-8) / FP8_MAX
+        full = scale
+    else:
+        scale = w.abs().amax().clamp(min=1e-8) / FP8_MAX
+        full = scale
+    return (w / full).to(torch.float8_e4m3fn), scale.float()
+
+
+def _fp8_folder(
+    method: str, model: torch.nn.Module, src: Path, out: Path
+) -> dict[str, torch.Tensor]:
+    """``src`` (a saved tiny model) as an FP8 checkpoint in ``out``; returns the dequantized
+    weights, which are also loaded into ``model`` (transformers' reference)."""
+    out.mkdir()
+    for f in src.iterdir():
+        if f.suffix != ".safetensors":
+            (out / f.name).write_bytes(f.read_bytes())
+    config = json.loads((src / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps(config | {"quantization_config": CONFIGS[method]}))
+    tensors: dict[str, torch.Tensor] = {}
+    dequantized: dict[str, torch.Tensor] = {}
+    scale_name = "weight_scale_inv" if method == "fp8" else "weight_scale"
+    for name, t in load_file(str(src / "model.safetensors")).items():
+        if not LINEAR.search(name):
+            tensors[name] = t
+            continue
+        w8, scale = _quantize(t.float(), method)
+        key = name.removesuffix(".weight")
+        tensors[name], tensors[f"{key}.{scale_name}"] = w8, scale
+        if method == "modelopt":
+            tensors[f"{key}.input_scale"] = torch.tensor(0.05)  # (static: unused here)
+        full = scale
+        if method == "fp8":
+            full = scale.repeat_interleave(BLOCK[0], 0).repeat_interleave(BLOCK[1], 1)
+        dequantized[name] = w8.float() * full
+    save_file(tensors, str(out / "model.safetensors"))
+    model.load_state_dict(dequantized, strict=False)
+    return dequantized
+
+
+def _greedy(model: Any, prompts: list[list[int]]) -> list[list[int]]:
+    want = []
+    with torch.inference_mode():
+        for p in prompts:
+            ids = torch.tensor([p])
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10,
+                                 do_sample=False, eos_token_id=None, pad_token_id=0)  # fmt: skip
+            want.append(out[0, len(p) :].tolist())
+    return want
+
+
+@pytest.mark.parametrize("method", sorted(CONFIGS))
+def test_an_fp8_checkpoint_generates_its_dequantized_model(
+    method: str, default_model_dir: Path, tmp_path: Path
+) -> None:
+    model = build_model("llama", default_model_dir, tmp_path / "model")
+    dequantized = _fp8_folder(method, model, tmp_path / "model", tmp_path / "fp8")
+    assert len(dequantized) == 2 * 7  # (two layers' seven projections)
+    prompts = [[10 + i for i in range(n)] for n in (5, 23)]
+    want = _greedy(model, prompts)
+    llm = LLM(str(tmp_path / "fp8"), dtype="float32", max_model_len=128, kv_cache_memory=16 << 20)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+        got = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        assert [list(g.outputs[0].token_ids) for g in got] == want
+    finally:
+        llm.shutdown()
+
+
+def test_other_quantizations_and_a_missing_scale_are_refused(
+    default_model_dir: Path, tmp_path: Path
+) -> None:
+    model = build_model("llama", default_model_dir, tmp_path / "model")
+    _fp8_folder("fp8", model, tmp_path / "model", tmp_path / "fp8")
+    config_path = tmp_path / "fp8" / "config.json"
+    config = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps(config | {"quantization_config": {"quant_method": "awq"}}))
+    with pytest.raises(ModelLoadError, match="quantization method 'awq' is not supported"):
+        LLM(str(tmp_path / "fp8"), dtype="float32", kv_cache_memory=16 << 20)
+    int4 = CONFIGS["compressed-tensors"] | {"config_groups": {"group_0": {"weights": {
+        "num_bits": 4, "type": "int", "strategy": "group"}}}}  # fmt: skip
+    config_path.write_text(json.dumps(config | {"quantization_config": int4}))
+    with pytest.raises(ModelLoadError, match="only float 8-bit"):
+        LLM(str(tmp_path / "fp8"), dtype="float32", kv_cache_memory=16 << 20)
+    config_path.write_text(json.dumps(config))
+    weights_path = tmp_path / "fp8" / "model.safetensors"
+    tensors = load_file(str(weights_path))
+    del tensors["model.layers.1.mlp.down_proj.weight_scale_inv"]
+    save_file(tensors, str(weights_path))
+    with pytest.raises(
+        ModelLoadError, match=r"layers\.1\.mlp\.down_proj has a weight but no scale"
+    ):
+        LLM(str(tmp_path / "fp8"), dtype="float32", kv_cache_memory=16 << 20)
+
+
+def test_a_weight_and_its_scale_pair_in_either_order() -> None:
+    from baton_engine.model_loader import dequantized_fp8
+
+    w8 = torch.tensor([[1.0, -2.0], [4.0, 0.5]]).to(torch.float8_e4m3fn)
+    scale = torch.tensor([[0.5], [2.0]])  # (one an output channel)
+    want = torch.tensor([[0.5, -1.0], [8.0, 1.0]])
+    norm = ("n.weight", torch.ones(2))
+    for items in ([("p.weight", w8), ("p.weight_scale", scale), norm],
+                  [("p.weight_scale", scale), norm, ("p.input_scale", torch.tensor(1.0)),
+                   ("p.weight", w8)]):  # fmt: skip
+        got = dict(dequantized_fp8(iter(items), None))
+        assert set(got) == {"p.weight", "n.weight"}
+        torch.testing.assert_close(got["p.weight"], want)
+    with pytest.raises(ValueError, match="scale of shape \\(3, 1\\) does not fit"):
+        list(dequantized_fp8(iter([("p.weight", w8), ("p.weight_scale", torch.ones(3, 1))]), None))
