@@ -118,6 +118,15 @@ def build_runner(config: EngineConfig, tp_rank: int = 0) -> RunnerSetup:
     if config.disable_sliding_window:  # (full attention, up to the window: _max_model_len)
         mc = dataclasses.replace(mc, sliding_window=None)
     dtype = resolve_dtype(config, mc)
+    scaling = mc.rope_scaling or {}
+    if scaling.get("rope_type") == "longrope":  # (one set of factors an engine: rotary.py)
+        original = int(scaling["original_max_position_embeddings"])
+        logger.info(
+            "LongRoPE: the %s factors (max_model_len %d, the original context %d)",
+            "long" if max_model_len > original else "short", max_model_len, original,
+        )  # fmt: skip
+    if mc.fp8_weights:
+        logger.info("FP8 checkpoint: its weights are dequantized to %s on load", dtype)
     torch.manual_seed(config.seed)
     tp_size = config.tensor_parallel_size
     device = distributed.device_for(config.device, tp_rank, tp_size)

@@ -393,6 +393,27 @@ def _expert_gemm_kernel(
              acc.to(out_ptr.dtype.element_ty), mask=ok)  # fmt: skip
 
 
+def _pairs_out(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    num_pairs: int,
+    top_k: int | None,
+    route: torch.Tensor | None,
+    a_width: int,
+) -> torch.Tensor:
+    """The ``[P, N]`` output of ``expert_gemm`` or ``expert_gemv`` for ``w`` ``[E, N, K]``,
+    once their inputs are checked (``a``: ``[rows, a_width]``)."""
+    if a.dim() != 2 or w.dim() != 3 or a.stride(1) != 1 or w.stride(2) != 1:
+        raise ValueError(f"a must be [rows, K] and w [E, N, K], rows dense: {a.shape}, {w.shape}")
+    if a.shape[1] != a_width or a.dtype != w.dtype or a.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"a {tuple(a.shape)} {a.dtype} does not fit w {tuple(w.shape)} {w.dtype}")
+    if a.shape[0] * (top_k or 1) != num_pairs:
+        raise ValueError(f"a has {a.shape[0]} rows for {num_pairs} pairs (top_k {top_k})")
+    if route is not None and route.shape != (num_pairs,):
+        raise ValueError(f"route must be [{num_pairs}]: {tuple(route.shape)}")
+    return torch.empty((num_pairs, w.shape[1]), dtype=a.dtype, device=a.device)
+
+
 def gemm_config(num_pairs: int, num_experts: int) -> tuple[int, int, int, int, int]:
     """``(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)`` for ``num_pairs`` pairs over
     ``num_experts`` experts (``GEMM_CONFIGS``, by the mean pairs an expert gets)."""
@@ -415,16 +436,8 @@ def expert_gemm(
     ``num_pairs`` pairs of ``align``: ``[P, N]`` for ``w`` ``[E, N, K]``. ``row(p)`` is
     ``p // top_k`` (``a`` holds the tokens' rows) or, without ``top_k``, ``p`` (a pair's own).
     Float32 accumulation, one rounding to ``a``'s dtype."""
-    if a.dim() != 2 or w.dim() != 3 or a.stride(1) != 1 or w.stride(2) != 1:
-        raise ValueError(f"a must be [rows, K] and w [E, N, K], rows dense: {a.shape}, {w.shape}")
+    out = _pairs_out(a, w, num_pairs, top_k, route, w.shape[-1])
     num_experts, n_out, k_in = w.shape
-    if a.shape[1] != k_in or a.dtype != w.dtype or a.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"a {tuple(a.shape)} {a.dtype} does not fit w {tuple(w.shape)} {w.dtype}")
-    if a.shape[0] * (top_k or 1) != num_pairs:
-        raise ValueError(f"a has {a.shape[0]} rows for {num_pairs} pairs (top_k {top_k})")
-    if route is not None and route.shape != (num_pairs,):
-        raise ValueError(f"route must be [{num_pairs}]: {tuple(route.shape)}")
-    out = torch.empty((num_pairs, n_out), dtype=a.dtype, device=a.device)
     if num_pairs == 0 or n_out == 0:
         return out
     block_m, block_n, block_k, warps, stages = config or gemm_config(num_pairs, num_experts)
@@ -520,19 +533,11 @@ def expert_gemv(
     accumulation, one rounding to ``a``'s dtype. ``config``: ``(BLOCK_N, BLOCK_K, warps,
     stages)``, default ``GEMV_CONFIG``."""
     flat = ids.reshape(-1)
+    if flat.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"ids must be integers: {flat.dtype}")
     num_pairs = flat.numel()
-    if a.dim() != 2 or w.dim() != 3 or a.stride(1) != 1 or w.stride(2) != 1:
-        raise ValueError(f"a must be [rows, K] and w [E, N, K], rows dense: {a.shape}, {w.shape}")
+    out = _pairs_out(a, w, num_pairs, top_k, route, (2 if silu_mul else 1) * w.shape[-1])
     _, n_out, k_in = w.shape
-    if a.shape[1] != (2 if silu_mul else 1) * k_in or a.dtype != w.dtype:
-        raise ValueError(f"a {tuple(a.shape)} {a.dtype} does not fit w {tuple(w.shape)} {w.dtype}")
-    if a.dtype not in SUPPORTED_DTYPES or flat.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"unsupported dtypes: a {a.dtype}, ids {flat.dtype}")
-    if a.shape[0] * (top_k or 1) != num_pairs:
-        raise ValueError(f"a has {a.shape[0]} rows for {num_pairs} pairs (top_k {top_k})")
-    if route is not None and route.shape != (num_pairs,):
-        raise ValueError(f"route must be [{num_pairs}]: {tuple(route.shape)}")
-    out = torch.empty((num_pairs, n_out), dtype=a.dtype, device=a.device)
     if num_pairs == 0 or n_out == 0:
         return out
     block_n, block_k, warps, stages = config or GEMV_CONFIG
