@@ -151,5 +151,12 @@ def test_a_weight_and_its_scale_pair_in_either_order() -> None:
         got = dict(dequantized_fp8(iter(items), None))
         assert set(got) == {"p.weight", "n.weight"}
         torch.testing.assert_close(got["p.weight"], want)
+    # blocks of 2 x 2 over a weight of 3 x 5: the last row and column of blocks partial
+    wide = torch.arange(1.0, 16.0).view(3, 5).to(torch.float8_e4m3fn)
+    blocks = torch.tensor([[1.0, 2.0, 4.0], [0.5, 0.25, 8.0]])
+    (got,) = dequantized_fp8(iter([("q.weight", wide), ("q.weight_scale_inv", blocks)]), (2, 2))
+    per_element = blocks.repeat_interleave(2, 0)[:3].repeat_interleave(2, 1)[:, :5]
+    torch.testing.assert_close(got[1], wide.float() * per_element)
+    assert got[1][2, 4] == 15.0 * 8.0
     with pytest.raises(ValueError, match="scale of shape \\(3, 1\\) does not fit"):
         list(dequantized_fp8(iter([("p.weight", w8), ("p.weight_scale", torch.ones(3, 1))]), None))
