@@ -6,8 +6,10 @@ initialised by transformers itself (nothing is downloaded); the tokenizer is the
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from tiny_models import ARCHITECTURES, TINY, build_gemma3_vision_language, build_model
@@ -70,6 +72,78 @@ def test_longrope_takes_the_factors_of_the_context_served(
     assert got[32] == hf_greedy(model, short, 12)
     assert got[128][:1] == hf_greedy(model, long, 12)
     assert got[128][1:] != got[32]  # (the short prompts under the long factors)
+
+
+def _phi3_gguf(model: torch.nn.Module, path: Path) -> None:
+    """``model`` (a tiny ``Phi3ForCausalLM``) written as llama.cpp writes Phi-3: fused q/k/v
+    and gate/up, LongRoPE's factors as tensors, the default model's tokenizer."""
+    import gguf
+
+    from baton_engine.model_loader import default_model_path
+
+    cfg = model.config
+    writer = gguf.GGUFWriter(str(path), "phi3")
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    writer.add_rope_dimension_count(int(TINY_HEAD * cfg.partial_rotary_factor))
+    writer.add_rope_scaling_orig_ctx_len(cfg.original_max_position_embeddings)
+    for field in gguf.GGUFReader(str(default_model_path())).fields.values():
+        if field.name.startswith("tokenizer."):
+            kind = field.types[0]
+            value = field.contents()
+            if kind == gguf.GGUFValueType.ARRAY:
+                writer.add_array(field.name, value)
+            elif kind == gguf.GGUFValueType.STRING:
+                writer.add_string(field.name, value)
+            else:
+                writer.add_uint32(field.name, int(value))
+    names = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output",
+             "input_layernorm": "attn_norm", "self_attn.qkv_proj": "attn_qkv",
+             "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
+             "mlp.gate_up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}  # fmt: skip
+    for name, tensor in model.state_dict().items():
+        stem = name.removesuffix(".weight")
+        layer = re.match(r"model\.layers\.(\d+)\.(.+)", stem)
+        gguf_name = f"blk.{layer[1]}.{names[layer[2]]}" if layer else names[stem]
+        writer.add_tensor(f"{gguf_name}.weight", tensor.float().numpy())
+    for which in ("long", "short"):
+        factors = np.array(cfg.rope_parameters[f"{which}_factor"], dtype=np.float32)
+        writer.add_tensor(f"rope_factors_{which}.weight", factors)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_a_phi3_gguf_generates_what_its_model_does(default_model_dir: Path, tmp_path: Path) -> None:
+    """A Phi-3 GGUF (Phi-4-mini's kind: half of each head turned, LongRoPE) converts to the
+    model transformers runs: fused projections, the factors and the rotation from the file."""
+    from baton_engine.model_loader import resolve_model
+
+    half = int(TINY_HEAD * 0.5) // 2
+    scaling = {"type": "longrope", "short_factor": [1.0 + 0.05 * i for i in range(half)],
+               "long_factor": [1.0 + 3.0 * i for i in range(half)]}  # fmt: skip
+    model = build_model("phi3-partial-rotary", default_model_dir, tmp_path / "hf",
+                        rope_scaling=scaling, original_max_position_embeddings=32)  # fmt: skip
+    _phi3_gguf(model, tmp_path / "phi3.gguf")
+    folder = resolve_model(str(tmp_path / "phi3.gguf"), cache_dir=tmp_path / "cache")
+    config = json.loads((folder / "config.json").read_text())
+    assert config["partial_rotary_factor"] == 0.5
+    assert config["rope_scaling"]["long_factor"] == scaling["long_factor"]
+    prompts = [[7 + 3 * i for i in range(n)] for n in (40, 57)]  # (beyond 32: the long factors)
+    llm = LLM(str(folder), dtype="float32", max_model_len=128, kv_cache_memory=16 << 20)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+        got = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        assert [list(g.outputs[0].token_ids) for g in got] == hf_greedy(model, prompts, 12)
+    finally:
+        llm.shutdown()
 
 
 def test_the_language_model_of_gemma3_vision_language(

@@ -3,8 +3,11 @@
 The folder holds ``config.json``, ``model.safetensors`` (float32, Hugging Face tensor names and
 layouts) and the tokenizer files written by ``transformers`` (``tokenizer.json``,
 ``tokenizer_config.json`` and the chat template). Supported GGUF architectures: ``llama``,
-``qwen2`` and ``qwen3``. Callers should use :func:`baton_engine.model_loader.resolve_model`,
-which caches the result; this module only does the conversion.
+``qwen2``, ``qwen3`` and ``phi3`` (Phi-3, Phi-3.5, Phi-4, Phi-4-mini: its fused q/k/v and
+gate/up kept fused, as Hugging Face's checkpoints hold them; its LongRoPE factors, partial
+rotation and sliding window from the metadata). Callers should use
+:func:`baton_engine.model_loader.resolve_model`, which caches the result; this module only does
+the conversion.
 """
 
 from __future__ import annotations
@@ -25,6 +28,14 @@ _ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "llama"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "phi3": ("Phi3ForCausalLM", "phi3"),
+}
+# Phi-3's fused projections: its ``ffn_up`` holds gate and up (Llama's holds up alone)
+_PHI3_BLOCK = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+# LongRoPE's factors, held as tensors (read into the config, not into the weights)
+_ROPE_FACTORS = {
+    "rope_factors_long.weight": "long_factor",
+    "rope_factors_short.weight": "short_factor",
 }
 
 _TOP_LEVEL = {
@@ -51,8 +62,8 @@ _BLOCK = {
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
-def hf_tensor_name(gguf_name: str) -> str:
-    """Map a GGUF tensor name to its Hugging Face Llama/Qwen name.
+def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str:
+    """Map a GGUF tensor name of architecture ``arch`` to its Hugging Face name.
 
     Raises ModelLoadError for a tensor this converter does not know (for example Llama 3.1's
     ``rope_freqs.weight``), since dropping it silently would give a different model.
@@ -60,9 +71,10 @@ def hf_tensor_name(gguf_name: str) -> str:
     if gguf_name in _TOP_LEVEL:
         return _TOP_LEVEL[gguf_name]
     m = _BLOCK_RE.fullmatch(gguf_name)
-    if m is None or m.group(2) not in _BLOCK:
+    block = _BLOCK | _PHI3_BLOCK if arch == "phi3" else _BLOCK
+    if m is None or m.group(2) not in block:
         raise ModelLoadError(f"unsupported GGUF tensor {gguf_name!r}")
-    return f"model.layers.{m.group(1)}.{_BLOCK[m.group(2)]}.{m.group(3)}"
+    return f"model.layers.{m.group(1)}.{block[m.group(2)]}.{m.group(3)}"
 
 
 def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -132,6 +144,13 @@ def build_hf_config(reader: Any, has_output: bool) -> dict[str, Any]:
         "attention_bias": arch == "qwen2",
         "torch_dtype": "bfloat16",
     }
+    head_dim = cfg["head_dim"]
+    rotated = int(_field(reader, f"{arch}.rope.dimension_count", head_dim))
+    if rotated != head_dim:  # (Phi-4-mini: 3/4 of each head)
+        cfg["partial_rotary_factor"] = rotated / head_dim
+    window = _field(reader, f"{arch}.attention.sliding_window")
+    if window:
+        cfg["sliding_window"] = int(window)
     for hf_key, gguf_key in (
         ("bos_token_id", "tokenizer.ggml.bos_token_id"),
         ("eos_token_id", "tokenizer.ggml.eos_token_id"),
@@ -160,11 +179,15 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         arch = cfg["model_type"]
         heads = {"attn_q": cfg["num_attention_heads"], "attn_k": cfg["num_key_value_heads"]}
         state: dict[str, torch.Tensor] = {}
+        factors: dict[str, list[float]] = {}
         for t in reader.tensors:
-            hf_name = hf_tensor_name(t.name)
             # The reader's t.shape is GGUF order (innermost first); dequantize returns numpy
             # order, i.e. the Hugging Face (out_features, in_features) layout.
             w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+            if t.name in _ROPE_FACTORS and arch == "phi3":
+                factors[_ROPE_FACTORS[t.name]] = [float(f) for f in w.reshape(-1)]
+                continue
+            hf_name = hf_tensor_name(t.name, arch)
             expected = tuple(int(d) for d in reversed(t.shape))
             if w.shape != expected:
                 w = w.reshape(expected)
@@ -174,6 +197,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
             # F32 tensors come back as read-only views of the file's memory map: copy those.
             w = np.ascontiguousarray(w) if w.flags.writeable else w.copy()
             state[hf_name] = torch.from_numpy(w)
+        if factors:
+            cfg["rope_scaling"] = _longrope_scaling(reader, arch, factors)
         chat_template = _field(reader, "tokenizer.chat_template")
         del reader
     except ModelLoadError:
@@ -184,6 +209,21 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     _save_tokenizer(gguf_path, out_dir, chat_template)
+
+
+def _longrope_scaling(reader: Any, arch: str, factors: dict[str, list[float]]) -> dict[str, Any]:
+    """Phi-3's ``rope_scaling`` (LongRoPE) from its factor tensors and rope metadata."""
+    if set(factors) != {"long_factor", "short_factor"}:
+        raise ModelLoadError(f"GGUF holds {sorted(factors)} of LongRoPE's two factor tensors")
+    scaling: dict[str, Any] = {"rope_type": "longrope", **factors}
+    original = _field(reader, f"{arch}.rope.scaling.original_context_length")
+    if original is None:
+        raise ModelLoadError(f"GGUF metadata lacks {arch}.rope.scaling.original_context_length")
+    scaling["original_max_position_embeddings"] = int(original)
+    attention = _field(reader, f"{arch}.rope.scaling.attn_factor")
+    if attention is not None:
+        scaling["attention_factor"] = _f32(attention)
+    return scaling
 
 
 def _save_tokenizer(gguf_path: Path, out_dir: Path, chat_template: str | None) -> None:
