@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -74,69 +75,89 @@ def test_longrope_takes_the_factors_of_the_context_served(
     assert got[128][1:] != got[32]  # (the short prompts under the long factors)
 
 
-def _phi3_gguf(model: torch.nn.Module, path: Path) -> None:
-    """``model`` (a tiny ``Phi3ForCausalLM``) written as llama.cpp writes Phi-3: fused q/k/v
-    and gate/up, LongRoPE's factors as tensors, the default model's tokenizer."""
+# Hugging Face module names -> llama.cpp's tensor names, and each architecture's own
+GGUF_NAMES = {
+    "model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output",
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.qkv_proj": "attn_qkv", "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.gate_up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}  # fmt: skip
+GEMMA2_NAMES = {"post_attention_layernorm": "post_attention_norm",
+                "pre_feedforward_layernorm": "ffn_norm",
+                "post_feedforward_layernorm": "post_ffw_norm"}  # fmt: skip
+
+
+def _write_gguf(model: torch.nn.Module, path: Path, arch: str) -> None:
+    """``model`` (a tiny Phi-3 or Gemma) written as llama.cpp writes it: Phi-3's fused
+    projections and LongRoPE factor tensors, Gemma's norm weights plus one; the default
+    model's tokenizer."""
     import gguf
 
     from baton_engine.model_loader import default_model_path
 
     cfg = model.config
-    writer = gguf.GGUFWriter(str(path), "phi3")
+    writer = gguf.GGUFWriter(str(path), arch)
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
     writer.add_feed_forward_length(cfg.intermediate_size)
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_head_count(cfg.num_attention_heads)
     writer.add_head_count_kv(cfg.num_key_value_heads)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    writer.add_key_length(head_dim)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    writer.add_rope_dimension_count(int(TINY_HEAD * cfg.partial_rotary_factor))
-    writer.add_rope_scaling_orig_ctx_len(cfg.original_max_position_embeddings)
+    rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)
+    writer.add_rope_freq_base(rope["rope_theta"])
+    if arch == "phi3":
+        writer.add_rope_dimension_count(int(head_dim * cfg.partial_rotary_factor))
+        writer.add_rope_scaling_orig_ctx_len(cfg.original_max_position_embeddings)
+    if arch in ("gemma2", "gemma3"):
+        writer.add_sliding_window(cfg.sliding_window)
+    if arch == "gemma2":
+        writer.add_float32("gemma2.attn_logit_softcapping", cfg.attn_logit_softcapping)
+        writer.add_float32("gemma2.final_logit_softcapping", cfg.final_logit_softcapping)
+    if rope.get("rope_type") == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["factor"])
     for field in gguf.GGUFReader(str(default_model_path())).fields.values():
         if field.name.startswith("tokenizer."):
-            kind = field.types[0]
-            value = field.contents()
+            kind, value = field.types[0], field.contents()
             if kind == gguf.GGUFValueType.ARRAY:
                 writer.add_array(field.name, value)
             elif kind == gguf.GGUFValueType.STRING:
                 writer.add_string(field.name, value)
             else:
                 writer.add_uint32(field.name, int(value))
-    names = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output",
-             "input_layernorm": "attn_norm", "self_attn.qkv_proj": "attn_qkv",
-             "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
-             "mlp.gate_up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}  # fmt: skip
+    names = GGUF_NAMES | (GEMMA2_NAMES if arch in ("gemma2", "gemma3") else {})
     for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
         stem = name.removesuffix(".weight")
         layer = re.match(r"model\.layers\.(\d+)\.(.+)", stem)
         gguf_name = f"blk.{layer[1]}.{names[layer[2]]}" if layer else names[stem]
-        writer.add_tensor(f"{gguf_name}.weight", tensor.float().numpy())
-    for which in ("long", "short"):
-        factors = np.array(cfg.rope_parameters[f"{which}_factor"], dtype=np.float32)
-        writer.add_tensor(f"rope_factors_{which}.weight", factors)
+        w = tensor.float()
+        if arch.startswith("gemma") and name.endswith("norm.weight"):
+            w = w + 1.0
+        writer.add_tensor(f"{gguf_name}.weight", w.numpy())
+    if arch == "phi3":
+        for which in ("long", "short"):
+            factors = np.array(cfg.rope_parameters[f"{which}_factor"], dtype=np.float32)
+            writer.add_tensor(f"rope_factors_{which}.weight", factors)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
 
 
-def test_a_phi3_gguf_generates_what_its_model_does(default_model_dir: Path, tmp_path: Path) -> None:
-    """A Phi-3 GGUF (Phi-4-mini's kind: half of each head turned, LongRoPE) converts to the
-    model transformers runs: fused projections, the factors and the rotation from the file."""
+def _gguf_greedy(model: Any, arch: str, prompts: list[list[int]], tmp_path: Path) -> None:
+    """``model`` as a GGUF, converted and served, generates what transformers does."""
     from baton_engine.model_loader import resolve_model
 
-    half = int(TINY_HEAD * 0.5) // 2
-    scaling = {"type": "longrope", "short_factor": [1.0 + 0.05 * i for i in range(half)],
-               "long_factor": [1.0 + 3.0 * i for i in range(half)]}  # fmt: skip
-    model = build_model("phi3-partial-rotary", default_model_dir, tmp_path / "hf",
-                        rope_scaling=scaling, original_max_position_embeddings=32)  # fmt: skip
-    _phi3_gguf(model, tmp_path / "phi3.gguf")
-    folder = resolve_model(str(tmp_path / "phi3.gguf"), cache_dir=tmp_path / "cache")
-    config = json.loads((folder / "config.json").read_text())
-    assert config["partial_rotary_factor"] == 0.5
-    assert config["rope_scaling"]["long_factor"] == scaling["long_factor"]
-    prompts = [[7 + 3 * i for i in range(n)] for n in (40, 57)]  # (beyond 32: the long factors)
+    _write_gguf(model, tmp_path / f"{arch}.gguf", arch)
+    folder = resolve_model(str(tmp_path / f"{arch}.gguf"), cache_dir=tmp_path / "cache")
     llm = LLM(str(folder), dtype="float32", max_model_len=128, kv_cache_memory=16 << 20)
     try:
         params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -144,6 +165,45 @@ def test_a_phi3_gguf_generates_what_its_model_does(default_model_dir: Path, tmp_
         assert [list(g.outputs[0].token_ids) for g in got] == hf_greedy(model, prompts, 12)
     finally:
         llm.shutdown()
+
+
+def test_a_phi3_gguf_generates_what_its_model_does(default_model_dir: Path, tmp_path: Path) -> None:
+    """A Phi-3 GGUF (Phi-4-mini's kind: half of each head turned, LongRoPE) converts to the
+    model transformers runs: fused projections, the factors and the rotation from the file."""
+    from baton_engine.gguf_convert import convert_gguf
+
+    half = int(TINY_HEAD * 0.5) // 2
+    scaling = {"type": "longrope", "short_factor": [1.0 + 0.05 * i for i in range(half)],
+               "long_factor": [1.0 + 3.0 * i for i in range(half)]}  # fmt: skip
+    model = build_model("phi3-partial-rotary", default_model_dir, tmp_path / "hf",
+                        rope_scaling=scaling, original_max_position_embeddings=32)  # fmt: skip
+    # (prompts beyond 32 tokens: transformers takes the long factors, as this engine does)
+    _gguf_greedy(model, "phi3", [[7 + 3 * i for i in range(n)] for n in (40, 57)], tmp_path)
+    (tmp_path / "out").mkdir()
+    convert_gguf(tmp_path / "phi3.gguf", tmp_path / "out")
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["partial_rotary_factor"] == 0.5
+    assert config["rope_scaling"]["long_factor"] == scaling["long_factor"]
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_a_gemma_gguf_generates_what_its_model_does(
+    arch: str, default_model_dir: Path, tmp_path: Path
+) -> None:
+    """Gemma GGUFs as llama.cpp writes them (norms plus one; Gemma 2's caps and window in the
+    metadata; Gemma 3's q/k norms, its global layers' scaled rope, one global layer in six):
+    served as transformers runs the model. Queries scaled by 1/sqrt(head size), as every
+    Gemma but the 27B (the file does not say: llama.cpp's rule)."""
+    overrides: dict[str, Any] = {}
+    if arch == "gemma2":
+        overrides = {"query_pre_attn_scalar": 256}  # (its head size)
+    if arch == "gemma3":
+        rope = {"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e5},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}  # fmt: skip
+        overrides = {"query_pre_attn_scalar": 64, "num_hidden_layers": 6, "layer_types": None,
+                     "rope_parameters": rope}  # fmt: skip
+    model = build_model(arch, default_model_dir, tmp_path / "hf", **overrides)
+    _gguf_greedy(model, arch, [[10 + i for i in range(n)] for n in (5, 40)], tmp_path)
 
 
 def test_the_language_model_of_gemma3_vision_language(

@@ -3,11 +3,13 @@
 The folder holds ``config.json``, ``model.safetensors`` (float32, Hugging Face tensor names and
 layouts) and the tokenizer files written by ``transformers`` (``tokenizer.json``,
 ``tokenizer_config.json`` and the chat template). Supported GGUF architectures: ``llama``,
-``qwen2``, ``qwen3`` and ``phi3`` (Phi-3, Phi-3.5, Phi-4, Phi-4-mini: its fused q/k/v and
+``qwen2``, ``qwen3``, ``phi3`` (Phi-3, Phi-3.5, Phi-4, Phi-4-mini: its fused q/k/v and
 gate/up kept fused, as Hugging Face's checkpoints hold them; its LongRoPE factors, partial
-rotation and sliding window from the metadata). Callers should use
-:func:`baton_engine.model_loader.resolve_model`, which caches the result; this module only does
-the conversion.
+rotation and sliding window from the metadata), ``gemma2`` and ``gemma3`` (whose norm weights
+llama.cpp stores plus one: Hugging Face's are the weights minus one; transformers, which builds
+the tokenizer, reads no Gemma 1 GGUF). Callers
+should use :func:`baton_engine.model_loader.resolve_model`, which caches the result; this
+module only does the conversion.
 """
 
 from __future__ import annotations
@@ -29,7 +31,18 @@ _ARCHITECTURES = {
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
     "phi3": ("Phi3ForCausalLM", "phi3"),
+    "gemma2": ("Gemma2ForCausalLM", "gemma2"),
+    "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
 }
+# Gemma 2 and 3's four norms a layer: llama.cpp's ffn_norm is the one before the MLP
+_GEMMA2_BLOCK = {
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+# the number of layers of Gemma 2 and 3's 27B, which scale queries by 1/sqrt(hidden / heads)
+# where the others scale by 1/sqrt(head_dim) (llama.cpp's rule: the file does not say)
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 # Phi-3's fused projections: its ``ffn_up`` holds gate and up (Llama's holds up alone)
 _PHI3_BLOCK = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 # LongRoPE's factors, held as tensors (read into the config, not into the weights)
@@ -71,7 +84,8 @@ def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str:
     if gguf_name in _TOP_LEVEL:
         return _TOP_LEVEL[gguf_name]
     m = _BLOCK_RE.fullmatch(gguf_name)
-    block = _BLOCK | _PHI3_BLOCK if arch == "phi3" else _BLOCK
+    block = {"phi3": _BLOCK | _PHI3_BLOCK, "gemma2": _BLOCK | _GEMMA2_BLOCK,
+             "gemma3_text": _BLOCK | _GEMMA2_BLOCK}.get(arch, _BLOCK)  # fmt: skip
     if m is None or m.group(2) not in block:
         raise ModelLoadError(f"unsupported GGUF tensor {gguf_name!r}")
     return f"model.layers.{m.group(1)}.{block[m.group(2)]}.{m.group(3)}"
@@ -151,6 +165,8 @@ def build_hf_config(reader: Any, has_output: bool) -> dict[str, Any]:
     window = _field(reader, f"{arch}.attention.sliding_window")
     if window:
         cfg["sliding_window"] = int(window)
+    if arch.startswith("gemma"):
+        cfg.update(_gemma_config(reader, arch, cfg))
     for hf_key, gguf_key in (
         ("bos_token_id", "tokenizer.ggml.bos_token_id"),
         ("eos_token_id", "tokenizer.ggml.eos_token_id"),
@@ -194,6 +210,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
             stem = t.name.split(".")[2] if t.name.startswith("blk.") else ""
             if arch == "llama" and stem in heads:
                 w = unpermute_qk(w, heads[stem])
+            if arch.startswith("gemma") and hf_name.endswith("norm.weight"):
+                w = w - 1.0  # (llama.cpp's Gemma norms hold 1 + weight)
             # F32 tensors come back as read-only views of the file's memory map: copy those.
             w = np.ascontiguousarray(w) if w.flags.writeable else w.copy()
             state[hf_name] = torch.from_numpy(w)
@@ -209,6 +227,24 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     _save_tokenizer(gguf_path, out_dir, chat_template)
+
+
+def _gemma_config(reader: Any, arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 2 and 3's keys of the Hugging Face config: the activation, the query scale, the
+    caps and the rope scaling."""
+    out: dict[str, Any] = {"hidden_activation": "gelu_pytorch_tanh"}
+    layers = cfg["num_hidden_layers"]
+    big = layers == _GEMMA_27B_LAYERS[arch]
+    heads = cfg["num_attention_heads"]
+    out["query_pre_attn_scalar"] = cfg["hidden_size"] // heads if big else cfg["head_dim"]
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        value = _field(reader, f"{arch}.{key}")
+        if value is not None:
+            out[key] = _f32(value)
+    if str(_field(reader, f"{arch}.rope.scaling.type", "")) == "linear":
+        factor = _f32(_field(reader, f"{arch}.rope.scaling.factor", 1.0))
+        out["rope_scaling"] = {"rope_type": "linear", "factor": factor}
+    return out
 
 
 def _longrope_scaling(reader: Any, arch: str, factors: dict[str, list[float]]) -> dict[str, Any]:
