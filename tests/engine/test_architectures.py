@@ -116,6 +116,8 @@ def _write_gguf(model: torch.nn.Module, path: Path, arch: str) -> None:
         writer.add_rope_scaling_orig_ctx_len(cfg.original_max_position_embeddings)
     if arch in ("gemma2", "gemma3"):
         writer.add_sliding_window(cfg.sliding_window)
+    if arch == "gemma3":  # (newer llama.cpp files: a flag a layer)
+        writer.add_sliding_window_pattern([t == "sliding_attention" for t in cfg.layer_types])
     if arch == "gemma2":
         writer.add_float32("gemma2.attn_logit_softcapping", cfg.attn_logit_softcapping)
         writer.add_float32("gemma2.final_logit_softcapping", cfg.final_logit_softcapping)
@@ -191,7 +193,7 @@ def test_a_gemma_gguf_generates_what_its_model_does(
     arch: str, default_model_dir: Path, tmp_path: Path
 ) -> None:
     """Gemma GGUFs as llama.cpp writes them (norms plus one; Gemma 2's caps and window in the
-    metadata; Gemma 3's q/k norms, its global layers' scaled rope, one global layer in six):
+    metadata; Gemma 3's q/k norms, its global layers' scaled rope, which layers slide):
     served as transformers runs the model. Queries scaled by 1/sqrt(head size), as every
     Gemma but the 27B (the file does not say: llama.cpp's rule)."""
     overrides: dict[str, Any] = {}
@@ -200,8 +202,9 @@ def test_a_gemma_gguf_generates_what_its_model_does(
     if arch == "gemma3":
         rope = {"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e5},
                 "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}  # fmt: skip
-        overrides = {"query_pre_attn_scalar": 64, "num_hidden_layers": 6, "layer_types": None,
-                     "rope_parameters": rope}  # fmt: skip
+        kinds = ["sliding_attention", "full_attention", "sliding_attention"]
+        overrides = {"query_pre_attn_scalar": 64, "num_hidden_layers": 3, "rope_parameters": rope,
+                     "layer_types": kinds}  # fmt: skip
     model = build_model(arch, default_model_dir, tmp_path / "hf", **overrides)
     _gguf_greedy(model, arch, [[10 + i for i in range(n)] for n in (5, 40)], tmp_path)
 

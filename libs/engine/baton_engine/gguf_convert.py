@@ -231,7 +231,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
 
 def _gemma_config(reader: Any, arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     """Gemma 2 and 3's keys of the Hugging Face config: the activation, the query scale, the
-    caps and the rope scaling."""
+    caps, the sliding layers (where the file names them) and the rope scaling."""
     out: dict[str, Any] = {"hidden_activation": "gelu_pytorch_tanh"}
     layers = cfg["num_hidden_layers"]
     big = layers == _GEMMA_27B_LAYERS[arch]
@@ -241,6 +241,11 @@ def _gemma_config(reader: Any, arch: str, cfg: dict[str, Any]) -> dict[str, Any]
         value = _field(reader, f"{arch}.{key}")
         if value is not None:
             out[key] = _f32(value)
+    pattern = _field(reader, f"{arch}.attention.sliding_window_pattern")
+    if isinstance(pattern, list):  # (a flag a layer: it slides)
+        out["layer_types"] = ["sliding_attention" if p else "full_attention" for p in pattern]
+    elif pattern:  # (one layer in `pattern` global, the last of each run)
+        out["sliding_window_pattern"] = int(pattern)
     if str(_field(reader, f"{arch}.rope.scaling.type", "")) == "linear":
         factor = _f32(_field(reader, f"{arch}.rope.scaling.factor", 1.0))
         out["rope_scaling"] = {"rope_type": "linear", "factor": factor}
