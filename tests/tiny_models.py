@@ -246,3 +246,17 @@ def helper_dies_mid_step(model_dir: Path, **engine_args: Any) -> tuple[str, floa
         llm.shutdown()
         shutdown_s = time.monotonic() - start
     return error, failed_at - killed_at[0], shutdown_s
+
+
+def hf_greedy(model: torch.nn.Module, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """transformers' greedy tokens (``n`` of them, past any eos) of each prompt."""
+    want = []
+    with torch.inference_mode():
+        for p in prompts:
+            ids = torch.tensor([p])
+            out = model.generate(  # type: ignore[operator]
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                eos_token_id=None, pad_token_id=0,
+            )  # fmt: skip
+            want.append(out[0, len(p) :].tolist())
+    return want

@@ -13,25 +13,17 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from tiny_models import ARCHITECTURES, TINY, build_gemma3_vision_language, build_model
+from tiny_models import (
+    ARCHITECTURES,
+    TINY,
+    build_gemma3_vision_language,
+    build_model,
+    hf_greedy,
+)
 
 from baton import LLM, SamplingParams
 
 TINY_HEAD = TINY["hidden_size"] // TINY["num_attention_heads"]
-
-
-def hf_greedy(model: torch.nn.Module, prompts: list[list[int]], n: int) -> list[list[int]]:
-    """transformers' greedy tokens (``n`` of them, past any eos) of each prompt."""
-    want = []
-    with torch.inference_mode():
-        for p in prompts:
-            ids = torch.tensor([p])
-            out = model.generate(  # type: ignore[operator]
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-                eos_token_id=None, pad_token_id=0,
-            )  # fmt: skip
-            want.append(out[0, len(p) :].tolist())
-    return want
 
 
 @pytest.mark.parametrize("name", sorted(ARCHITECTURES))

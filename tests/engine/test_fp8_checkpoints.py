@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tiny_models import build_model
+from tiny_models import build_model, hf_greedy
 
 from baton import LLM, SamplingParams
 from baton_engine.errors import ModelLoadError
@@ -83,17 +83,6 @@ def _fp8_folder(
     return dequantized
 
 
-def _greedy(model: Any, prompts: list[list[int]]) -> list[list[int]]:
-    want = []
-    with torch.inference_mode():
-        for p in prompts:
-            ids = torch.tensor([p])
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10,
-                                 do_sample=False, eos_token_id=None, pad_token_id=0)  # fmt: skip
-            want.append(out[0, len(p) :].tolist())
-    return want
-
-
 @pytest.mark.parametrize("method", sorted(CONFIGS))
 def test_an_fp8_checkpoint_generates_its_dequantized_model(
     method: str, default_model_dir: Path, tmp_path: Path
@@ -102,7 +91,7 @@ def test_an_fp8_checkpoint_generates_its_dequantized_model(
     dequantized = _fp8_folder(method, model, tmp_path / "model", tmp_path / "fp8")
     assert len(dequantized) == 2 * 7  # (two layers' seven projections)
     prompts = [[10 + i for i in range(n)] for n in (5, 23)]
-    want = _greedy(model, prompts)
+    want = hf_greedy(model, prompts, 10)
     llm = LLM(str(tmp_path / "fp8"), dtype="float32", max_model_len=128, kv_cache_memory=16 << 20)
     try:
         params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)

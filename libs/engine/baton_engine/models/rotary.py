@@ -144,10 +144,9 @@ class RotaryEmbedding(torch.nn.Module):
         self.cos_sin = self._build().to(device)
 
     def _build(self) -> torch.Tensor:
-        full_dim, max_positions, theta, scaling, head_dim = self._args
-        inv_freq = 1.0 / (
-            theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
-        )
+        head_dim, max_positions, theta, scaling, turned = self._args
+        # (the frequencies of the turned dimensions, all of a head's but for a partial rotation)
+        inv_freq = 1.0 / (theta ** (torch.arange(0, turned, 2, dtype=torch.int64).float() / turned))
         rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type"))
         attention = 1.0
         if scaling is None or rope_type in (None, "default"):
@@ -157,25 +156,25 @@ class RotaryEmbedding(torch.nn.Module):
         elif rope_type == "linear":
             inv_freq = inv_freq / float(scaling["factor"])
         elif rope_type == "yarn":
-            inv_freq, attention = _yarn_inv_freq(inv_freq, scaling, head_dim, theta)
+            inv_freq, attention = _yarn_inv_freq(inv_freq, scaling, turned, theta)
         elif rope_type == "longrope":
-            inv_freq, attention = _longrope_inv_freq(scaling, head_dim, theta, max_positions)
+            inv_freq, attention = _longrope_inv_freq(scaling, turned, theta, max_positions)
         else:
             raise ValueError(
                 f"unsupported rope scaling {rope_type!r} (supported: llama3, linear, yarn, "
                 "longrope)"
             )
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-        if head_dim < full_dim:  # (a partial rotation: the other pairs turn by angle 0)
-            still = freqs.new_zeros(max_positions, (full_dim - head_dim) // 2)
+        if turned < head_dim:  # (a partial rotation: the other pairs turn by angle 0)
+            still = freqs.new_zeros(max_positions, (head_dim - turned) // 2)
             freqs = torch.cat([freqs, still], dim=1)
         emb = torch.cat([freqs, freqs], dim=-1)
         table = torch.stack([emb.cos(), emb.sin()], dim=1)
         if attention != 1.0:
             table *= attention
-            if head_dim < full_dim:  # (unturned: cos 1, sin 0, unscaled)
-                table[:, :, head_dim // 2 : full_dim // 2] = torch.tensor([[1.0], [0.0]])
-                table[:, :, (full_dim + head_dim) // 2 :] = torch.tensor([[1.0], [0.0]])
+            if turned < head_dim:  # (unturned: cos 1, sin 0, unscaled)
+                table[:, :, turned // 2 : head_dim // 2] = torch.tensor([[1.0], [0.0]])
+                table[:, :, (head_dim + turned) // 2 :] = torch.tensor([[1.0], [0.0]])
         return table
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTables:
