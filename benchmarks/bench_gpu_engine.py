@@ -83,6 +83,7 @@ def engine(model: Path, args: argparse.Namespace, **kw: Any) -> EngineCore:
         max_num_seqs=args.num_prompts,
         max_num_batched_tokens=getattr(args, "max_num_batched_tokens", None),
         block_size=getattr(args, "block_size", None) or EngineConfig.block_size,
+        kv_cache_dtype=getattr(args, "kv_cache_dtype", None) or "auto",
         # alone in its process, the server's default; else room for what an earlier engine in
         # this process may not have freed
         gpu_memory_utilization=getattr(args, "gpu_memory_utilization", None)
@@ -353,6 +354,8 @@ def run_isolated(name: str, max_seqs: int, async_mode: bool, args: argparse.Name
             cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
         if args.block_size is not None:
             cmd += ["--block-size", str(args.block_size)]
+        if args.kv_cache_dtype != "auto":
+            cmd += ["--kv-cache-dtype", args.kv_cache_dtype]
         subprocess.run(cmd, check=True)
         child = json.loads(out.read_text())
     RESULTS["throughput"] += child["throughput"]
@@ -495,6 +498,7 @@ def main() -> int:
         "--max-num-batched-tokens", type=int, help="the step budget (default: the engine's)"
     )
     p.add_argument("--block-size", type=int, help="tokens per KV block (default: the engine's, 16)")
+    p.add_argument("--kv-cache-dtype", default="auto", help="the engine's (auto, fp8, fp8_e5m2)")
     p.add_argument(
         "--compare-sync", default="", help="batches (as --batches) to run without async too"
     )

@@ -18,5 +18,6 @@ for r in results["throughput"]:
         f"  step ms {r['median_decode_step_ms']:.3f}"
         f"  graph ms {'-' if graph is None else f'{graph:.3f}'}"
         f"  prompt s {r.get('prompt_steps_s', 0):.3f}  decode s {r.get('decode_steps_s', 0):.3f}"
+        + (f"  blocks {r['num_blocks']}" if r.get("num_blocks") else "")
         + (f"  {sys.argv[3]}" if len(sys.argv) > 3 and sys.argv[3] else "")
     )

@@ -148,17 +148,19 @@ def test_a_helper_rank_that_dies_inside_a_collective_fails_the_engine_fast(
     assert shutdown_s < 40
 
 
+# (an FP8 cache: its blocks move between the ranks as bytes, which gloo takes)
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 def test_a_split_decode_engine_continues_from_a_whole_prefill_engines_kv(
-    default_model_dir: Path, tmp_path: Path
+    default_model_dir: Path, tmp_path: Path, kv_cache_dtype: str
 ) -> None:
     """Disaggregation into a tensor-parallel engine: the prefill engine (one rank) holds the
     prompts' whole KV; the decode engine (two ranks) loads it, each rank keeping its heads
     (``load_kv_blocks``), and generates the same greedy tokens as one engine doing both."""
     build_model("llama", default_model_dir, tmp_path)
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-    want = greedy_tokens(tmp_path, PROMPTS, 10, kv_cache_memory=1 << 24)
-    engine = {"model": str(tmp_path), "dtype": "float32", "max_model_len": 512}
-    engine["kv_cache_memory"] = 1 << 24
+    cache = {"kv_cache_memory": 1 << 24, "kv_cache_dtype": kv_cache_dtype}
+    want = greedy_tokens(tmp_path, PROMPTS, 10, **cache)
+    engine = {"model": str(tmp_path), "dtype": "float32", "max_model_len": 512, **cache}
     prefill = EngineCore(EngineConfig(**engine))  # type: ignore[arg-type]
     decode = EngineCore(EngineConfig(**engine, tensor_parallel_size=2))  # type: ignore[arg-type]
     try:
@@ -206,8 +208,9 @@ def _disaggregate(
     return [[first[f"r{i}"], *got[f"r{i}"]] for i in range(len(PROMPTS))]
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 def test_a_whole_decode_engine_continues_from_a_split_prefill_engines_export(
-    default_model_dir: Path, tmp_path: Path
+    default_model_dir: Path, tmp_path: Path, kv_cache_dtype: str
 ) -> None:
     """A prefill engine split across two ranks gathers each prompt's heads from its ranks into
     whole blocks (``enable_kv_export``); an engine of one rank loads those and generates the
@@ -215,14 +218,15 @@ def test_a_whole_decode_engine_continues_from_a_split_prefill_engines_export(
     (kept in the prefix cache), the export rows when the pull is done."""
     build_model("llama", default_model_dir, tmp_path)
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-    want = greedy_tokens(tmp_path, PROMPTS, 10, kv_cache_memory=1 << 24)
-    engine = {"model": str(tmp_path), "dtype": "float32", "max_model_len": 512}
-    engine["kv_cache_memory"] = 1 << 24
+    cache = {"kv_cache_memory": 1 << 24, "kv_cache_dtype": kv_cache_dtype}
+    want = greedy_tokens(tmp_path, PROMPTS, 10, **cache)
+    engine = {"model": str(tmp_path), "dtype": "float32", "max_model_len": 512, **cache}
     prefill = EngineCore(EngineConfig(**engine, tensor_parallel_size=2))  # type: ignore[arg-type]
     decode = EngineCore(EngineConfig(**engine))  # type: ignore[arg-type]
     try:
         export = prefill.enable_kv_export(64)
         assert export.shape[1:] == decode.kv_pool.shape[1:]  # whole blocks: all the heads
+        assert export.dtype == decode.kv_pool.dtype
         assert prefill.kv_pool.shape[-2] * 2 == export.shape[-2]
 
         def released_once_gathered() -> None:  # to the prefix cache

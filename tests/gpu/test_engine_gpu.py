@@ -66,7 +66,11 @@ def _release_memory() -> None:
 
 
 def _run(
-    model_dir: Path, backend: str, enforce_eager: bool, async_scheduling: bool | None = None
+    model_dir: Path,
+    backend: str,
+    enforce_eager: bool,
+    async_scheduling: bool | None = None,
+    **overrides: object,
 ) -> tuple[dict[str, list[int]], Any]:
     from baton_engine.sampling_params import SamplingParams
 
@@ -77,6 +81,7 @@ def _run(
         attention_backend=backend,
         enforce_eager=enforce_eager,
         async_scheduling=async_scheduling,
+        **overrides,
     )
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     g = torch.Generator().manual_seed(0)
@@ -107,6 +112,30 @@ def test_graph_decode_matches_reference(tmp_path: Path, caplog: pytest.LogCaptur
     total = torch.cuda.get_device_properties(0).total_memory
     pool_bytes = core.kv_pool.numel() * core.kv_pool.element_size()
     assert 0 < pool_bytes < 0.3 * total
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e5m2"])
+def test_an_8bit_cache_on_the_gpus_defaults_matches_reference(
+    kv_cache_dtype: str, tmp_path: Path
+) -> None:
+    """``--kv-cache-dtype fp8``: the Triton kernels (the rotary kernel's and the decode
+    kernel's cache writes, both attentions' reads) through CUDA graphs give the greedy tokens
+    of the reference backend over the same 8-bit cache, whose pool holds 8-bit floats."""
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    want, ref = _run(
+        tmp_path, "torch", enforce_eager=True, async_scheduling=False,
+        kv_cache_dtype=kv_cache_dtype,
+    )  # fmt: skip
+    assert ref.kv_pool.element_size() == 1
+    del ref
+    _release_memory()
+    got, core = _run(tmp_path, "triton", enforce_eager=False, kv_cache_dtype=kv_cache_dtype)
+    assert got == want
+    assert core.runner.graphs is not None and core.runner.graphs.num_steps.get(24, 0) > 0
+    assert (
+        core.kv_pool.dtype
+        == {"fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[kv_cache_dtype]
+    )
 
 
 def test_embeddings_match_reference(tmp_path: Path) -> None:

@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from baton_kernels.attention import AttentionMetadata, KVCacheView, create_attention_backend
+from baton_kernels.attention.base import FP8_KV_DTYPES, to_cache_dtype
+from baton_kernels.attention.torch_backend import as_cached
 
 DTYPES = [torch.float32, torch.bfloat16]
 HEAD_SIZES = [64, 128, 256]  # (256: Gemma 2 and 3)
@@ -52,12 +54,14 @@ def build_step(
     head_dim: int,
     num_heads: int,
     num_kv_heads: int,
+    kv_dtype: torch.dtype | None = None,
 ) -> tuple[AttentionMetadata, KVCacheView, list[torch.Tensor], list[torch.Tensor]]:
     """seq_specs: (num_cached, num_new) per request, decodes (num_new == 1) first. Fills the
-    cache with the cached tokens' K/V at random blocks; returns metadata and each request's
-    full K and V (cached + new) for the reference."""
+    cache (of ``kv_dtype``, default ``dtype``) with the cached tokens' K/V at random blocks;
+    returns metadata and each request's full K and V (cached + new) for the reference."""
     gen = torch.Generator().manual_seed(0)
-    pool = torch.zeros(num_blocks, NUM_LAYERS, 2, block_size, num_kv_heads, head_dim, dtype=dtype)
+    shape = (num_blocks, NUM_LAYERS, 2, block_size, num_kv_heads, head_dim)
+    pool = torch.zeros(shape, dtype=kv_dtype or dtype)
     cache = KVCacheView(pool[:, 1])
     free = list(range(num_blocks))
     random.Random(0).shuffle(free)
@@ -72,8 +76,9 @@ def build_step(
         v = torch.randn(total, num_kv_heads, head_dim, generator=gen).to(dtype)
         for t in range(total):
             if t < cached:
-                cache.key[blocks[t // block_size], t % block_size] = k[t]
-                cache.value[blocks[t // block_size], t % block_size] = v[t]
+                slot = blocks[t // block_size], t % block_size
+                cache.key[slot] = to_cache_dtype(k[t], pool.dtype)
+                cache.value[slot] = to_cache_dtype(v[t], pool.dtype)
             else:
                 slot_block.append(blocks[t // block_size])
                 slot_offset.append(t % block_size)
@@ -190,19 +195,27 @@ def check_backend(
     specs: list[tuple[int, int]] | None = None,
     window: int = 0,
     softcap: float = 0.0,
+    kv_dtype: torch.dtype | None = None,
 ) -> None:
+    """The backend's output against ``ref_attention`` over each request's K/V as the cache
+    holds them (rounded to an 8-bit ``kv_dtype``), and the new K/V in their slots."""
     # decodes (various lengths), fresh prefills of equal length (batched), fresh of another
     # length, and chunks with cached context
     if specs is None:
         specs = [(0, 1), (7, 1), (40, 1), (130, 1), (0, 9), (0, 9), (0, 5), (12, 6), (33, 17)]
-    md, cache, ks, vs = build_step(specs, block_size, 128, dtype, head_dim, num_heads, num_kv_heads)
+    md, cache, ks, vs = build_step(
+        specs, block_size, 128, dtype, head_dim, num_heads, num_kv_heads, kv_dtype
+    )
+    cached = cache.kv.dtype
+    ks = [as_cached(k, cached) for k in ks]  # (unchanged but for an 8-bit cache)
+    vs = [as_cached(v, cached) for v in vs]
     gen = torch.Generator().manual_seed(1)
     q = torch.randn(md.num_tokens, num_heads, head_dim, generator=gen)
     q = (q * 4 if softcap else q).to(dtype)  # (scores of several units: the cap bends them)
     new_k = torch.cat([k[c:] for k, (c, _) in zip(ks, specs, strict=True)])
     new_v = torch.cat([v[c:] for v, (c, _) in zip(vs, specs, strict=True)])
     scale = head_dim**-0.5
-    out = create_attention_backend(backend).forward(
+    out = create_attention_backend(backend, kv_dtype=kv_dtype).forward(
         q, new_k, new_v, cache, md, scale, window=window, softcap=softcap
     )
     rtol, atol = TOL[dtype]
@@ -211,8 +224,40 @@ def check_backend(
         want = ref_attention(q[s:e], ks[i], vs[i], scale, window, softcap)
         torch.testing.assert_close(out[s:e].float(), want, rtol=rtol, atol=atol)
     # and the new tokens' K/V landed in their slots
-    torch.testing.assert_close(cache.key[md.slot_block, md.slot_offset], new_k)
-    torch.testing.assert_close(cache.value[md.slot_block, md.slot_offset], new_v)
+    slots = md.slot_block, md.slot_offset
+    assert torch.equal(cache.key[slots].to(dtype), as_cached(new_k, cached))
+    assert torch.equal(cache.value[slots].to(dtype), as_cached(new_v, cached))
+
+
+@pytest.mark.parametrize("kv_dtype", FP8_KV_DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("window", "softcap"), [(0, 0.0), (21, 2.5)])
+def test_reference_backend_with_an_8bit_cache(
+    kv_dtype: torch.dtype, dtype: torch.dtype, window: int, softcap: float
+) -> None:
+    """``--kv-cache-dtype fp8`` / ``fp8_e5m2``: the new K/V are stored rounded to the 8-bit
+    float, and every query (decodes, fresh prompts, chunks after cached context) attends to
+    the K/V as the cache holds them, in the model's dtype."""
+    specs = [(0, 1), (7, 1), (40, 1), (130, 1), (0, 30), (0, 30), (0, 5), (12, 6), (90, 40)]
+    check_backend("torch", dtype, 64, 16, 6, 2, specs, window, softcap, kv_dtype)
+
+
+def test_an_8bit_cache_saturates_what_it_cannot_hold() -> None:
+    """Values beyond the 8-bit float's range are stored as its largest finite value (torch's
+    cast alone would store NaN in e4m3), as vLLM's FP8 cache writes saturate."""
+    x = torch.tensor([1000.0, -1e6, 3.0, 448.0, 7e4], dtype=torch.bfloat16)
+    e4m3 = to_cache_dtype(x, torch.float8_e4m3fn).float()
+    assert e4m3.tolist() == [448.0, -448.0, 3.0, 448.0, 448.0]
+    e5m2 = to_cache_dtype(x, torch.float8_e5m2).float()
+    assert e5m2.tolist() == [1024.0, -57344.0, 3.0, 448.0, 57344.0]
+
+
+def test_the_cpu_kernel_reads_no_8bit_cache() -> None:
+    """The C++ kernels read 16/32-bit caches only: "auto" picks the reference for an FP8 cache
+    on a CPU, and naming the cpu backend is a clear error."""
+    assert create_attention_backend("auto", "cpu", kv_dtype=torch.float8_e4m3fn).name == "torch"
+    with pytest.raises(ValueError, match=r"does not read a KV cache of torch\.float8_e4m3fn"):
+        create_attention_backend("cpu", "cpu", dtype=torch.bfloat16, kv_dtype=torch.float8_e4m3fn)
 
 
 def test_unknown_backend_is_a_clear_error() -> None:

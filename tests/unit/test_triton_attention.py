@@ -31,6 +31,7 @@ from baton_kernels.attention import (
     available_backends,
     create_attention_backend,
 )
+from baton_kernels.attention.base import FP8_KV_DTYPES
 from baton_kernels.attention.triton_backend import TritonAttentionBackend
 from baton_kernels.triton.common import softcapped
 from baton_kernels.triton.decode_attention import (
@@ -84,13 +85,14 @@ class PagedBatch:
         head_dim: int,
         dtype: torch.dtype,
         seed: int = 0,
+        kv_dtype: torch.dtype | None = None,  # the pool's (default ``dtype``)
     ) -> None:
         torch.manual_seed(seed)
         rng = random.Random(seed)
         blocks_per_req = [-(s // -block_size) for s in seq_lens]
         num_blocks = sum(blocks_per_req) + 4
         shape = (num_blocks, NUM_LAYERS, 2, block_size, num_kv_heads, head_dim)
-        self.pool = torch.randn(shape, device=DEVICE).to(dtype)
+        self.pool = torch.randn(shape, device=DEVICE).to(kv_dtype or dtype)
         self.cache = KVCacheView(self.pool[:, 1])
         free = list(range(num_blocks))
         rng.shuffle(free)
@@ -107,21 +109,31 @@ class PagedBatch:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
-def test_write_kv_cache_matches_reference(dtype: torch.dtype, block_size: int) -> None:
+@pytest.mark.parametrize("kv_dtype", [None, *FP8_KV_DTYPES])
+def test_write_kv_cache_matches_reference(
+    dtype: torch.dtype, block_size: int, kv_dtype: torch.dtype | None
+) -> None:
+    """The new K/V in their slots, nothing else touched; into an 8-bit cache (``kv_dtype``)
+    what ``to_cache_dtype`` stores, bit for bit: rounded to nearest (even), and saturated
+    beyond the 8-bit float's range."""
     torch.manual_seed(0)
     num_blocks, num_kv_heads, head_dim, num_tokens = 12, 2, 64, 23
-    pool = torch.randn(num_blocks, NUM_LAYERS, 2, block_size, num_kv_heads, head_dim).to(dtype)
-    pool = pool.to(DEVICE)
+    shape = (num_blocks, NUM_LAYERS, 2, block_size, num_kv_heads, head_dim)
+    pool = torch.randn(shape).to(kv_dtype or dtype).to(DEVICE)
     want = pool.clone()
     key = random_heads(num_tokens, num_kv_heads, head_dim, dtype)
     value = random_heads(num_tokens, num_kv_heads, head_dim, dtype)
+    if kv_dtype is not None:  # beyond e4m3's 448 (and e5m2's 57,344)
+        key[0, 0, :4] = torch.tensor([1000.0, -6e4, 6e4, 0.3])
     slots = torch.randperm(num_blocks * block_size)[:num_tokens]
     slot_block = (slots // block_size).to(DEVICE)
     slot_block[5] = -1  # a padding token: written nowhere
     slot_offset = (slots % block_size).to(DEVICE)
     write_kv_cache(key, value, KVCacheView(pool[:, 1]), slot_block, slot_offset)
     ref_write_kv_cache(key, value, KVCacheView(want[:, 1]), slot_block, slot_offset)
-    torch.testing.assert_close(pool, want, atol=0, rtol=0)  # other layers untouched too
+    # (as bytes: an 8-bit float's -0.0 and 0.0 differ; other layers untouched too)
+    assert torch.equal(pool.view(torch.uint8), want.view(torch.uint8))
+    assert not pool.float().isnan().any()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -540,10 +552,14 @@ def make_step(
     num_kv_heads: int,
     head_dim: int,
     dtype: torch.dtype,
+    kv_dtype: torch.dtype | None = None,
 ) -> tuple[AttentionMetadata, PagedBatch]:
-    """A step over requests of (cached, new) tokens; the batch's cache holds every token's K/V,
-    new ones included, as it should after the step."""
-    batch = PagedBatch([c + n for c, n in specs], block_size, num_kv_heads, head_dim, dtype)
+    """A step over requests of (cached, new) tokens; the batch's cache (of ``kv_dtype``,
+    default ``dtype``) holds every token's K/V, new ones included, as it should after the
+    step."""
+    batch = PagedBatch(
+        [c + n for c, n in specs], block_size, num_kv_heads, head_dim, dtype, kv_dtype=kv_dtype
+    )
     slot_block, slot_offset, qsl = [], [], [0]
     for i, (cached, new) in enumerate(specs):
         for pos in range(cached, cached + new):
@@ -989,3 +1005,70 @@ def test_warmup_launches_the_variants_of_a_window_and_softcap(
     assert torch.equal(pool, before)
     flags = (window > 0, softcap > 0)
     assert seen == {("_decode_kernel", *flags), ("_paged_attention_kernel", *flags)}
+
+
+# --- 8-bit caches (--kv-cache-dtype fp8 / fp8_e5m2) ---------------------------------------------
+
+
+@pytest.mark.parametrize("kv_dtype", FP8_KV_DTYPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("window", "softcap"), BACKEND_OPTIONS)
+def test_triton_backend_with_an_8bit_cache_matches_the_reference_backend(
+    kv_dtype: torch.dtype, dtype: torch.dtype, window: int, softcap: float
+) -> None:
+    """A mixed step (decodes, a fresh prompt, a chunk after cached context) over an 8-bit cache:
+    the Triton backend stores the new K/V rounded as the reference backend does
+    (``to_cache_dtype``, bit for bit), and every query attends to the K/V as the cache holds
+    them."""
+    specs = [(4, 1), (300, 1), (0, 12), (33, 9)]
+    md, batch = make_step(specs, 16, 1, 64, dtype, kv_dtype)
+    new_k = random_heads(md.num_tokens, 1, 64, dtype)
+    new_v = random_heads(md.num_tokens, 1, 64, dtype)
+    query = random_heads(md.num_tokens, 7, 64, dtype)
+    want_pool = batch.pool.clone()
+    want_cache = KVCacheView(want_pool[:, 1])
+    ref_write_kv_cache(new_k, new_v, want_cache, md.slot_block, md.slot_offset)
+    out = TritonAttentionBackend().forward(
+        query, new_k, new_v, batch.cache, md, 0.125, window=window, softcap=softcap
+    )
+    assert torch.equal(batch.pool.view(torch.uint8), want_pool.view(torch.uint8))
+    want = ref_paged_attention(
+        query, want_cache, md.query_start_loc, md.seq_lens, md.block_tables, 0.125, window, softcap
+    )
+    assert_close(out, want, dtype)
+
+
+@pytest.mark.parametrize("kv_dtype", FP8_KV_DTYPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("decode_only", [False, True])
+def test_forward_rope_into_an_8bit_cache(
+    kv_dtype: torch.dtype, dtype: torch.dtype, decode_only: bool
+) -> None:
+    """``forward_rope`` over an 8-bit cache: the rotary kernel's write (a mixed step) and the
+    decode kernel's own (a decode-only step) store the rotated K and the V rounded to it, as
+    the reference backend does after the rotation, and the attention reads them back."""
+    from baton_engine.models.rotary import RotaryEmbedding
+
+    specs = [(4, 1), (300, 1), (0, 1), (130, 1)] if decode_only else [(4, 1), (0, 12), (33, 9)]
+    md, batch = make_step(specs, 16, 2, 64, dtype, kv_dtype)
+    query = random_heads(md.num_tokens, 8, 64, dtype)
+    new_k = random_heads(md.num_tokens, 2, 64, dtype)
+    new_v = random_heads(md.num_tokens, 2, 64, dtype)
+    positions = torch.tensor([c + i for c, n in specs for i in range(n)], device=DEVICE)
+    cos_sin = RotaryEmbedding(64, 512, 10000.0, None).to(DEVICE).cos_sin
+    want_q, want_k = ref_rotary_embedding(query.clone(), new_k.clone(), positions, cos_sin)
+    want_pool = batch.pool.clone()
+    want_cache = KVCacheView(want_pool[:, 1])
+    ref_write_kv_cache(want_k, new_v, want_cache, md.slot_block, md.slot_offset)
+    out = TritonAttentionBackend().forward_rope(
+        query, new_k, new_v, batch.cache, md, 0.125, positions, cos_sin
+    )
+    # (the kernels' rotation rounds once, the reference's rounds its products to the dtype:
+    # K a few of the dtype's steps apart, so its 8-bit value a step apart, up to 1/4 of it
+    # with e5m2's 2 mantissa bits)
+    atol = TOL[dtype][0] + 1e-3
+    torch.testing.assert_close(batch.pool.float(), want_pool.float(), atol=atol, rtol=0.26)
+    want = ref_paged_attention(
+        want_q, batch.cache, md.query_start_loc, md.seq_lens, md.block_tables, 0.125
+    )
+    assert_close(out, want, dtype)

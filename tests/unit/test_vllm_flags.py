@@ -68,7 +68,7 @@ def test_a_vllm_command_line_parses_and_maps_onto_batons_flags() -> None:
     assert args.cuda_graph_sizes == [1, 2, 4, 8]
     for flag in ("--trust-remote-code", "--swap-space", "--download-dir", "--cuda-graph-sizes"):
         assert flag in said
-    assert "--kv-cache-dtype" not in said  # (vLLM's default value: nothing to say)
+    assert "--kv-cache-dtype" not in said  # (an engine flag of Baton's)
     kwargs = engine_kwargs_from_args(args)  # only Baton's engine arguments
     assert kwargs["max_model_len"] == 4096 and kwargs["gpu_memory_utilization"] == 0.9
     assert not {f.name for f in ENGINE_FLAGS} & set(kwargs)
@@ -103,7 +103,8 @@ def test_a_length_that_does_not_read_is_refused(
     ("argv", "message"),
     [
         (["--quantization", "fp8"], "--quantization 'fp8' is not supported: Baton serves "),
-        (["--kv-cache-dtype", "fp8"], "FP8 KV is not supported"),
+        (["--kv-cache-dtype", "fp8_inc"], "kv_cache_dtype 'fp8_inc' is not supported"),
+        (["--calculate-kv-scales"], "unit scale"),
         (["--pipeline-parallel-size", "2"], "--tensor-parallel-size only"),
         (["--data-parallel-size", "2"], "--num-decode"),
         (["--distributed-executor-backend", "ray"], "Ray is not supported"),
@@ -170,6 +171,16 @@ def test_speculative_config_reaches_the_workers_engines() -> None:
     assert argv == ["--speculative-config", spec]
     worker = EngineConfig(**engine_kwargs_from_args(parse("decode", *argv)))
     assert worker.speculative() == SpeculativeConfig(3, 4, 4)
+
+
+def test_kv_cache_dtype_reaches_the_workers_engines() -> None:
+    """``baton serve --kv-cache-dtype fp8`` hands it to each worker's command line."""
+    from baton.serve import engine_argv
+    from baton_engine.config import EngineConfig
+
+    argv = engine_argv(parse("serve", "--kv-cache-dtype", "fp8"))
+    assert argv == ["--kv-cache-dtype", "fp8"]
+    assert EngineConfig(**engine_kwargs_from_args(parse("decode", *argv))).kv_cache_dtype == "fp8"
 
 
 def test_vllms_api_key_variable(monkeypatch: pytest.MonkeyPatch) -> None:

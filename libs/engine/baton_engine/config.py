@@ -13,6 +13,8 @@ from baton_engine.sampling_params import MAX_LOGPROBS
 # vLLM's: "fcfs" serves requests in arrival order; "priority" by each request's priority (lower
 # first), ties in arrival order.
 SCHEDULING_POLICIES = ("fcfs", "priority")
+# vLLM's --kv-cache-dtype values Baton serves (engine_core.resolve_kv_cache_dtype)
+KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
 # vLLM's --runner: "generate" serves only generation, "pooling" only embeddings; "auto" (Baton's
 # default) both, from any model.
 RUNNERS = ("auto", "generate", "pooling")
@@ -679,6 +681,10 @@ class EngineConfig:
     enable_kv_events: bool = False  # record block stored/removed events (for the kvstore)
     dtype: str = "auto"  # "auto": bfloat16 for the model's 16-bit dtypes (float32 on CPUs
     # without AVX512, where bf16 matmuls are slow), else its dtype
+    # vLLM's --kv-cache-dtype: "auto" (the model's dtype) | "fp8" / "fp8_e4m3" | "fp8_e5m2"
+    # (K/V stored as 8-bit floats, unit scale: twice the tokens in the same memory) |
+    # "bfloat16" (a bfloat16 model's: as "auto")
+    kv_cache_dtype: str = "auto"
     kv_cache_memory: int | None = None  # bytes for the KV pool on CPU; None: 1 GiB
     num_gpu_blocks_override: int | None = None  # exact number of KV blocks (tests)
     gpu_memory_utilization: float = 0.9
@@ -822,6 +828,11 @@ class EngineConfig:
                 raise InvalidRequestError(f"{name} must be at least 1")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise InvalidRequestError("max_model_len must be at least 1")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise InvalidRequestError(
+                f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported (supported: "
+                f"{', '.join(KV_CACHE_DTYPES)})"
+            )
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise InvalidRequestError(
                 f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "

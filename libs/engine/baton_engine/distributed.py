@@ -70,18 +70,24 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
 
 def broadcast(x: torch.Tensor) -> torch.Tensor:
     """Rank 0's ``x`` on every rank, in place; returns it."""
-    dist.broadcast(x, src=0, group=_group)
+    dist.broadcast(_moved(x), src=0, group=_group)
     return x
 
 
 def gather(x: torch.Tensor) -> list[torch.Tensor] | None:
     """Every rank's ``x`` (same shape everywhere), in rank order, on rank 0; None elsewhere."""
     if dist.get_rank(_group) != 0:
-        dist.gather(x, dst=0, group=_group)
+        dist.gather(_moved(x), dst=0, group=_group)
         return None
     parts = [torch.empty_like(x) for _ in range(dist.get_world_size(_group))]
-    dist.gather(x, gather_list=parts, dst=0, group=_group)
+    dist.gather(_moved(x), gather_list=[_moved(p) for p in parts], dst=0, group=_group)
     return parts
+
+
+def _moved(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as a collective moves it: an 8-bit float (an FP8 KV cache's blocks) as its bytes,
+    which gloo does not take as floats; any other tensor as it is."""
+    return x.view(torch.uint8) if x.is_floating_point() and x.element_size() == 1 else x
 
 
 def all_min(value: int, device: str) -> int:

@@ -3,7 +3,7 @@ unchanged, though here they change nothing, or nothing as long as they keep a va
 serves.
 
 Each :class:`VllmFlag` says what Baton does instead. A flag given a value Baton cannot honour
-(``--quantization fp8``, ``--pipeline-parallel-size 2``, ``--kv-cache-dtype fp8``...) is a clear
+(``--quantization fp8``, ``--pipeline-parallel-size 2``, ``--calculate-kv-scales``...) is a clear
 error at start-up, never silently dropped; one given a value that changes nothing here
 (``--trust-remote-code``, ``--swap-space 16``...) is logged once with the reason. The flags
 Baton implements keep their own definitions (``arg_utils``, the gateway's command line);
@@ -142,12 +142,12 @@ ENGINE_FLAGS: tuple[VllmFlag, ...] = (
         accepts=_one_of(None, "None", "none"),
     ),
     VllmFlag(
-        "kv_cache_dtype",
-        "the KV cache holds the model's dtype ('auto'); FP8 KV is not supported",
-        "auto",
-        accepts=_one_of("auto"),
+        "calculate_kv_scales",
+        "an 8-bit KV cache (--kv-cache-dtype fp8) stores K and V at unit scale",
+        False,
+        bool,
+        _one_of(False),
     ),
-    VllmFlag("calculate_kv_scales", "the KV cache is not quantized", False, bool, _one_of(False)),
     VllmFlag(
         "pipeline_parallel_size",
         "Baton splits a model across GPUs with --tensor-parallel-size only",

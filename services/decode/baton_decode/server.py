@@ -482,7 +482,7 @@ def engine_compat_hash(core: EngineCore) -> bytes:
     mc = core.model_config
     return compat_hash(
         model=f"{mc.architecture}/{mc.num_layers}x{mc.hidden_size}/{mc.vocab_size}",
-        dtype=str(core.dtype),
+        dtype=str(core.runner.kv_dtype),  # (what the blocks hold: the model's, or FP8)
         block_size=core.config.block_size,
         layout=f"block-major/{core.whole_block_shape}",
     )

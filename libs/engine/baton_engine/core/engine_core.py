@@ -34,6 +34,7 @@ from baton_engine.request import Request, RequestStatus
 from baton_engine.runner.model_runner import ModelRunner, StepHandle
 from baton_engine.sampling_params import SamplingParams
 from baton_engine.structured_output import Grammar, StructuredOutputManager
+from baton_kernels.attention.base import copy_blocks_
 
 logger = logging.getLogger(__name__)
 # What an embedding request samples after its prompt (the argmax, dropped): a plain greedy
@@ -96,6 +97,21 @@ def resolve_dtype(config: EngineConfig, model_config: ModelConfig) -> torch.dtyp
     return native
 
 
+def resolve_kv_cache_dtype(config: EngineConfig, dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's dtype for a model run in ``dtype`` (``EngineConfig.kv_cache_dtype``)."""
+    name = config.kv_cache_dtype
+    if name == "auto":
+        return dtype
+    if name == "bfloat16":
+        if dtype != torch.bfloat16:
+            raise InvalidRequestError(
+                f"kv_cache_dtype bfloat16 needs a bfloat16 model, this one runs in {dtype} "
+                "(use --kv-cache-dtype auto, or --dtype bfloat16)"
+            )
+        return dtype
+    return torch.float8_e5m2 if name == "fp8_e5m2" else torch.float8_e4m3fn
+
+
 @dataclass
 class RunnerSetup:
     runner: ModelRunner
@@ -127,6 +143,9 @@ def build_runner(config: EngineConfig, tp_rank: int = 0) -> RunnerSetup:
         )  # fmt: skip
     if mc.fp8_weights:
         logger.info("FP8 checkpoint: its weights are dequantized to %s on load", dtype)
+    kv_dtype = resolve_kv_cache_dtype(config, dtype)
+    if kv_dtype != dtype:
+        logger.info("KV cache: %s (K and V rounded to it, unit scale)", kv_dtype)
     torch.manual_seed(config.seed)
     tp_size = config.tensor_parallel_size
     device = distributed.device_for(config.device, tp_rank, tp_size)
@@ -147,6 +166,7 @@ def build_runner(config: EngineConfig, tp_rank: int = 0) -> RunnerSetup:
             tp_size=tp_size,
             num_scheduler_steps=config.num_scheduler_steps,
             lora=lora_limits(config),
+            kv_cache_dtype=kv_dtype,
         )
     except ValueError as e:  # a model that does not split tensor_parallel_size ways
         raise InvalidRequestError(str(e)) from e
@@ -722,7 +742,9 @@ class EngineCore:
                     f"max_model_len={self.max_model_len} ({needed} blocks)"
                 )
             pool = torch.empty(
-                (num_blocks, *self.whole_block_shape), dtype=self.dtype, device=self.runner.device
+                (num_blocks, *self.whole_block_shape),
+                dtype=self.runner.kv_dtype,
+                device=self.runner.device,
             )
             self._export = _KVExport(pool)
         return self._export.pool
@@ -754,7 +776,7 @@ class EngineCore:
                 parts = distributed.gather(self.runner.read_kv_blocks(block_ids))
                 assert parts is not None
                 index = torch.tensor(rows, dtype=torch.long, device=export.pool.device)
-                export.pool.index_copy_(0, index, torch.cat(parts, dim=4))
+                copy_blocks_(export.pool, index, torch.cat(parts, dim=4))
                 self.runner.synchronize()  # peers read the rows once we answer
         return outputs
 
@@ -790,7 +812,7 @@ class EngineCore:
         return {
             "block_size": config.block_size,
             "num_gpu_blocks": self.kv.pool.num_blocks,
-            "cache_dtype": "auto",
+            "cache_dtype": config.kv_cache_dtype,
             "enable_prefix_caching": config.enable_prefix_caching,
             "gpu_memory_utilization": config.gpu_memory_utilization,
             "kv_cache_size_tokens": self.kv.pool.num_blocks * config.block_size,

@@ -42,6 +42,7 @@ from baton_engine.sampling_params import SamplingParams
 from baton_engine.spec_decode import draft_rows, kept_tokens, verify
 from baton_kernels import fused
 from baton_kernels.attention import AttentionMetadata, KVCacheView, create_attention_backend
+from baton_kernels.attention.base import copy_blocks_, to_cache_dtype
 from baton_kernels.cpu_linear import pack_linears
 from baton_kernels.cpu_ops import load_cpu_ops
 
@@ -235,12 +236,15 @@ class ModelRunner:
         tp_size: int = 1,
         num_scheduler_steps: int = 1,
         lora: LoRALimits | None = None,
+        kv_cache_dtype: torch.dtype | None = None,
     ) -> None:
         """``model_config`` is the whole model's; with ``tp_size`` > 1 the runner holds rank
         ``tp_rank``'s shard (``model_config`` then becomes the shard's shape: its heads, its
         share of the MLP) and must run in that rank's process of the group
         (``baton_engine.distributed``). ``lora``: serve LoRA adapters within those limits
-        (``self.lora``, once the weights are final); the fused decode paths are then off."""
+        (``self.lora``, once the weights are final); the fused decode paths are then off.
+        ``kv_cache_dtype``: the KV cache's (None: ``dtype``; an 8-bit float stores K and V
+        rounded to it, ``attention.base.FP8_KV_DTYPES``)."""
         self.lora_limits = lora
         self.lora: LoRAManager | None = None
         self.pooler = PoolerConfig()  # how embeddings pool (EngineCore sets it)
@@ -252,11 +256,16 @@ class ModelRunner:
         # then poll and call it, since a collective waiting for a dead rank never completes.
         self.check_ranks: Callable[[], None] | None = None
         self.dtype = dtype
+        self.kv_dtype = kv_cache_dtype or dtype
         self.device = torch.device(device)
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.backend = create_attention_backend(
-            attention_backend, self.device.type, dtype=dtype, head_dim=model_config.head_dim
+            attention_backend,
+            self.device.type,
+            dtype=dtype,
+            head_dim=model_config.head_dim,
+            kv_dtype=self.kv_dtype,
         )
         if self.device.type == "cuda":
             # cuDNN's SDPA recompiles for every new KV length (the torch backend's varlen case).
@@ -403,7 +412,7 @@ class ModelRunner:
 
     def kv_bytes_per_block(self) -> int:
         cfg = self.model_config
-        elem = torch.tensor([], dtype=self.dtype).element_size()
+        elem = torch.tensor([], dtype=self.kv_dtype).element_size()
         return cfg.num_layers * 2 * self.block_size * cfg.num_kv_heads * cfg.head_dim * elem
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
@@ -412,7 +421,7 @@ class ModelRunner:
         cfg = self.model_config
         self.kv_pool = torch.zeros(
             (num_blocks, cfg.num_layers, 2, self.block_size, cfg.num_kv_heads, cfg.head_dim),
-            dtype=self.dtype,
+            dtype=self.kv_dtype,
             device=self.device,
         )
         self.kv_caches = [KVCacheView(self.kv_pool[:, layer]) for layer in range(cfg.num_layers)]
@@ -426,7 +435,7 @@ class ModelRunner:
         heads = self.model_config.num_kv_heads
         mine = blocks.narrow(4, self.tp_rank * heads, heads)
         ids = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
-        self.kv_pool.index_copy_(0, ids, mine.to(self.kv_pool.dtype))
+        copy_blocks_(self.kv_pool, ids, to_cache_dtype(mine, self.kv_pool.dtype))
 
     @torch.inference_mode()
     def read_kv_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
@@ -455,6 +464,7 @@ class ModelRunner:
                     window=window,
                     softcap=softcap,
                     max_seq_len=-(self.max_model_len // -bs) * bs,  # (the graphs' decode length)
+                    dtype=self.dtype,
                 )
         if self.device.type == "cuda":
             hidden = torch.zeros(
@@ -578,7 +588,7 @@ class ModelRunner:
         blocks_per_seq = -(seq_len // -bs)
         pool = torch.zeros(
             (len(lens) * blocks_per_seq, cfg.num_layers, 2, bs, cfg.num_kv_heads, cfg.head_dim),
-            dtype=self.dtype,
+            dtype=self.kv_dtype,
             device=self.device,
         )
         caches = [KVCacheView(pool[:, layer]) for layer in range(cfg.num_layers)]

@@ -25,6 +25,34 @@ from typing import NamedTuple, Protocol
 
 import torch
 
+# 8-bit caches (vLLM's ``--kv-cache-dtype fp8`` / ``fp8_e4m3``, ``fp8_e5m2``): K and V are
+# stored rounded to the 8-bit float (unit scale: vLLM's default without calibrated scales),
+# saturated at its largest finite value, and read back as the model's dtype.
+FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def cache_max(dtype: torch.dtype) -> float:
+    """The largest finite value an 8-bit cache of ``dtype`` holds (what writes saturate at);
+    0.0 for a 16- or 32-bit cache (no saturation)."""
+    return float(torch.finfo(dtype).max) if dtype in FP8_KV_DTYPES else 0.0
+
+
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` as a cache of ``dtype`` stores it: an 8-bit float's values saturated (torch's cast
+    would make NaN of what it cannot hold)."""
+    if dtype in FP8_KV_DTYPES and x.dtype != dtype:
+        top = cache_max(dtype)
+        return x.clamp(-top, top).to(dtype)
+    return x.to(dtype)
+
+
+def copy_blocks_(pool: torch.Tensor, index: torch.Tensor, blocks: torch.Tensor) -> None:
+    """``pool[index] = blocks`` along dim 0 (``index_copy_``), as bytes for an 8-bit pool (torch
+    has no ``index_copy_`` of 8-bit floats on CPUs)."""
+    if pool.dtype in FP8_KV_DTYPES:
+        pool, blocks = pool.view(torch.uint8), blocks.view(torch.uint8)
+    pool.index_copy_(0, index, blocks)
+
 
 class KVCacheView(NamedTuple):
     """One layer's paged cache: a strided view ``[num_blocks, 2, block_size, num_kv_heads,

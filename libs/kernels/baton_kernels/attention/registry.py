@@ -7,8 +7,9 @@
     flashinfer  FlashInfer paged prefill (CUDA, when ``flashinfer`` imports)
 
 "auto" picks triton on CUDA and cpu on CPU, falling back to torch where the pick cannot run the
-dtype or head size; ``BATON_ATTENTION_BACKEND`` replaces "auto" with a name, and an explicit name
-in the config wins over both.
+dtype, head size or KV cache dtype (an 8-bit cache: torch and triton read one);
+``BATON_ATTENTION_BACKEND`` replaces "auto" with a name, and an explicit name in the config wins
+over both.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from baton_kernels.attention.base import AttentionBackend
+from baton_kernels.attention.base import FP8_KV_DTYPES, AttentionBackend
 
 logger = logging.getLogger(__name__)
 
@@ -38,9 +39,14 @@ class BackendSpec:
     head_sizes: tuple[int, ...] | None = None  # None: any
     requires: str | None = None  # a module that must import
     interpreted_on_cpu: bool = False  # also runs on CPU under TRITON_INTERPRET=1 (tests)
+    kv_dtypes: tuple[torch.dtype, ...] = ()  # caches it reads besides the model's dtype
 
     def why_unsupported(
-        self, device: str, dtype: torch.dtype | None, head_dim: int | None
+        self,
+        device: str,
+        dtype: torch.dtype | None,
+        head_dim: int | None,
+        kv_dtype: torch.dtype | None = None,
     ) -> str | None:
         """None when this backend can run the combination; else the reason."""
         devices = self.devices
@@ -52,6 +58,8 @@ class BackendSpec:
             return f"it does not support {dtype}"
         if head_dim is not None and self.head_sizes is not None and head_dim not in self.head_sizes:
             return f"it supports head sizes {list(self.head_sizes)}, not {head_dim}"
+        if kv_dtype is not None and kv_dtype != dtype and kv_dtype not in self.kv_dtypes:
+            return f"it does not read a KV cache of {kv_dtype}"
         if self.requires is not None:
             try:
                 importlib.import_module(self.requires)
@@ -72,9 +80,10 @@ def register_backend(
     head_sizes: tuple[int, ...] | None = None,
     requires: str | None = None,
     interpreted_on_cpu: bool = False,
+    kv_dtypes: tuple[torch.dtype, ...] = (),
 ) -> None:
     _REGISTRY[name] = BackendSpec(
-        name, factory, devices, dtypes, head_sizes, requires, interpreted_on_cpu
+        name, factory, devices, dtypes, head_sizes, requires, interpreted_on_cpu, kv_dtypes
     )
 
 
@@ -90,32 +99,36 @@ def create_attention_backend(
     *,
     dtype: torch.dtype | None = None,
     head_dim: int | None = None,
+    kv_dtype: torch.dtype | None = None,
 ) -> AttentionBackend:
     """The backend called ``name`` (or the one "auto" picks) for a model of ``dtype`` and
-    ``head_dim`` on ``device`` ("cpu" / "cuda"). An unknown name, or a backend that cannot run
-    this combination, is a ValueError that says why."""
+    ``head_dim`` on ``device`` ("cpu" / "cuda"), its KV cache of ``kv_dtype`` (None: the
+    model's). An unknown name, or a backend that cannot run this combination, is a ValueError
+    that says why."""
     _load_builtin()
     if name == "auto":
-        name = os.environ.get(ENV_VAR) or _auto(device, dtype, head_dim)
+        name = os.environ.get(ENV_VAR) or _auto(device, dtype, head_dim, kv_dtype)
     spec = _REGISTRY.get(name)
     if spec is None:
         raise ValueError(
             f"unknown attention backend {name!r}; valid: {['auto', *sorted(_REGISTRY)]}"
         )
-    reason = spec.why_unsupported(device, dtype, head_dim)
+    reason = spec.why_unsupported(device, dtype, head_dim, kv_dtype)
     if reason is not None:
         raise ValueError(f"attention backend {name!r} cannot be used: {reason}")
     return spec.factory()
 
 
-def _auto(device: str, dtype: torch.dtype | None, head_dim: int | None) -> str:
+def _auto(
+    device: str, dtype: torch.dtype | None, head_dim: int | None, kv_dtype: torch.dtype | None
+) -> str:
     if device == "cuda" and torch.cuda.is_available():
-        reason = _REGISTRY["triton"].why_unsupported(device, dtype, head_dim)
+        reason = _REGISTRY["triton"].why_unsupported(device, dtype, head_dim, kv_dtype)
         if reason is None:
             return "triton"
         logger.warning("attention backend triton unavailable (%s); using torch", reason)
         return "torch"
-    if device == "cpu":
+    if device == "cpu" and _REGISTRY["cpu"].why_unsupported(device, dtype, None, kv_dtype) is None:
         from baton_kernels.cpu_ops import load_cpu_ops
 
         if load_cpu_ops() is not None:
@@ -128,7 +141,7 @@ def _load_builtin() -> None:
         return
     from baton_kernels.attention.torch_backend import TorchAttentionBackend
 
-    register_backend("torch", TorchAttentionBackend)
+    register_backend("torch", TorchAttentionBackend, kv_dtypes=FP8_KV_DTYPES)
     register_backend("cpu", _create_cpu_backend, devices=("cpu",))
     register_backend(
         "triton",
@@ -136,6 +149,7 @@ def _load_builtin() -> None:
         devices=("cuda",),
         requires="triton",
         interpreted_on_cpu=True,
+        kv_dtypes=FP8_KV_DTYPES,
     )
     register_backend(
         "flash_attn",

@@ -5,7 +5,9 @@ additive mask, treating the query heads that share a KV head as that head's quer
 chunks with no cached context attend to their own fresh K/V without reading the cache, and runs
 of such chunks of equal length are batched into one call; chunks with context run one at a time.
 A sliding window becomes part of the mask; a softcap computes the same attention by hand (SDPA
-has no softcap), in float32.
+has no softcap), in float32. An 8-bit cache is written rounded (``to_cache_dtype``) and its
+blocks read back as the query's dtype; a fresh chunk attends to its K/V rounded so too, as the
+Triton kernels (which read every key from the cache) do.
 """
 
 from __future__ import annotations
@@ -13,22 +15,37 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from baton_kernels.attention.base import AttentionMetadata, KVCacheView
+from baton_kernels.attention.base import (
+    FP8_KV_DTYPES,
+    AttentionMetadata,
+    KVCacheView,
+    to_cache_dtype,
+)
 
 
 def write_kv_cache(
     key: torch.Tensor, value: torch.Tensor, kv_cache: KVCacheView, metadata: AttentionMetadata
 ) -> None:
-    kv_cache.kv[metadata.slot_block, 0, metadata.slot_offset] = key
-    kv_cache.kv[metadata.slot_block, 1, metadata.slot_offset] = value
+    dtype = kv_cache.kv.dtype
+    kv_cache.kv[metadata.slot_block, 0, metadata.slot_offset] = to_cache_dtype(key, dtype)
+    kv_cache.kv[metadata.slot_block, 1, metadata.slot_offset] = to_cache_dtype(value, dtype)
 
 
-def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+def as_cached(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` as a cache of ``dtype`` gives it back: rounded to it, in ``x``'s dtype."""
+    return to_cache_dtype(x, dtype).to(x.dtype)
+
+
+def gather_blocks(
+    cache: torch.Tensor, block_tables: torch.Tensor, dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """``[num_reqs, num_blocks * block_size, num_kv_heads, dim]`` from a ``[num_reqs,
-    num_blocks]`` table, one contiguous copy."""
+    num_blocks]`` table, one contiguous copy (as ``dtype``, if given)."""
     num_reqs, num_blocks = block_tables.shape
     _, block_size, num_kv_heads, dim = cache.shape
     rows = cache.index_select(0, block_tables.flatten())
+    if dtype is not None:
+        rows = rows.to(dtype)
     return rows.view(num_reqs, num_blocks * block_size, num_kv_heads, dim)
 
 
@@ -107,8 +124,11 @@ class TorchAttentionBackend:
             while j < md.num_reqs and md.seq_lens[j] == query_len == md.query_len(j):
                 j += 1
             end = md.query_start_loc[j]
+            k, v = key[start:end], value[start:end]
+            if kv_cache.kv.dtype in FP8_KV_DTYPES:  # what the cache holds, as every path reads
+                k, v = as_cached(k, kv_cache.kv.dtype), as_cached(v, kv_cache.kv.dtype)
             out[start:end] = self._prefill_fresh(
-                query[start:end], key[start:end], value[start:end], j - i, scale, window, softcap
+                query[start:end], k, v, j - i, scale, window, softcap
             )
             i = j
         return out
@@ -130,8 +150,8 @@ class TorchAttentionBackend:
         nd, num_heads, dim = query.shape
         num_kv_heads = kv_cache.kv.shape[3]
         tables = md.block_tables[:nd, : md.max_decode_blocks]
-        k = gather_blocks(kv_cache.key, tables).transpose(1, 2)  # [nd, kvh, len, d]
-        v = gather_blocks(kv_cache.value, tables).transpose(1, 2)
+        k = gather_blocks(kv_cache.key, tables, query.dtype).transpose(1, 2)  # [nd, kvh, len, d]
+        v = gather_blocks(kv_cache.value, tables, query.dtype).transpose(1, 2)
         # The query heads sharing a KV head become that head's query rows.
         q = query.view(nd, num_kv_heads, num_heads // num_kv_heads, dim)
         bias = md.decode_bias
@@ -188,8 +208,8 @@ class TorchAttentionBackend:
         query_len, seq_len = query.shape[0], md.seq_lens[i]
         num_blocks = -(seq_len // -kv_cache.block_size)
         table = md.block_tables[i : i + 1, :num_blocks]
-        k = gather_blocks(kv_cache.key, table)[:, :seq_len].transpose(1, 2)
-        v = gather_blocks(kv_cache.value, table)[:, :seq_len].transpose(1, 2)
+        k = gather_blocks(kv_cache.key, table, query.dtype)[:, :seq_len].transpose(1, 2)
+        v = gather_blocks(kv_cache.value, table, query.dtype)[:, :seq_len].transpose(1, 2)
         # Query row r sits at position seq_len - query_len + r and sees keys up to it.
         mask = causal_mask(query_len, seq_len, window, query.device)
         out = attention(query.transpose(0, 1).unsqueeze(0), k, v, mask, scale, softcap)

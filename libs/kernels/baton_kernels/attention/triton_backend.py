@@ -168,6 +168,7 @@ class TritonAttentionBackend:
         window: int = 0,
         softcap: float = 0.0,
         max_seq_len: int | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         """Compile every kernel variant a step can launch (two per decode split count and
         launch, with and without the rotation; the prefill kernel, the cache write) now, so
@@ -175,14 +176,15 @@ class TritonAttentionBackend:
         one. Writes nothing into the cache. The variants are those of a layer with this
         ``window`` and ``softcap`` (whether each is > 0, and the split counts that a decode of
         at most ``max_seq_len`` keys, or of the window's, can take): call it once per set of
-        options the model's layers use."""
+        options the model's layers use. ``dtype``: the model's (default: the cache's)."""
         kv = kv_cache.kv
         dev, head_dim = kv.device, kv.shape[-1]
-        query = torch.randn((1, num_heads, head_dim), dtype=kv.dtype, device=dev)
+        dtype = dtype or kv.dtype
+        query = torch.randn((1, num_heads, head_dim), dtype=dtype, device=dev)
         out = torch.empty_like(query)
         table = torch.zeros((1, 1), dtype=torch.int64, device=dev)
         one = torch.ones(1, dtype=torch.int64, device=dev)
-        key = torch.randn((1, kv.shape[3], head_dim), dtype=kv.dtype, device=dev)
+        key = torch.randn((1, kv.shape[3], head_dim), dtype=dtype, device=dev)
         cos_sin = torch.ones((1, 2, head_dim), device=dev)
         skip = torch.full_like(one, -1)  # slot -1: no K/V written
         keys = [n for n in (window, max_seq_len) if n]  # (a window splits the keys it reads)

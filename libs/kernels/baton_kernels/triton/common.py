@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from baton_kernels.attention.base import KVCacheView
+from baton_kernels.attention.base import FP8_KV_DTYPES, KVCacheView
 
 LOG2E = math.log2(math.e)
 _TWO_LOG2E: tl.constexpr = tl.constexpr(2 * LOG2E)
@@ -116,7 +116,7 @@ def check_kv_cache(kv_cache: KVCacheView, query: torch.Tensor) -> None:
     kv = kv_cache.kv
     if kv.dim() != 5 or kv.shape[1] != 2:
         raise ValueError(f"expected a [num_blocks, 2, block_size, kv_heads, dim] view: {kv.shape}")
-    if kv.dtype != query.dtype:
+    if kv.dtype != query.dtype and kv.dtype not in FP8_KV_DTYPES:
         raise ValueError(f"cache dtype {kv.dtype} differs from query dtype {query.dtype}")
     if query.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"unsupported dtype {query.dtype}")
@@ -174,7 +174,8 @@ def load_kv_tile(
     UPCAST: tl.constexpr,
 ):
     """K transposed ``[BLOCK_D, TILE_N]`` and V ``[TILE_N, BLOCK_D]`` at the given positions;
-    masked-off positions and padded dims read as 0."""
+    masked-off positions and padded dims read as 0. In the cache's dtype (float32 with
+    ``UPCAST``): the caller casts an 8-bit cache's to its query's."""
     if MASK_POS:
         block = tl.load(table_ptr + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
     else:
@@ -197,6 +198,34 @@ def load_kv_tile(
         k = k.to(tl.float32)
         v = v.to(tl.float32)
     return k, v
+
+
+@triton.jit
+def cache_value(x, kv_ptr, KV_MAX: tl.constexpr):
+    """``x`` as the cache at ``kv_ptr`` stores it: in its dtype; for an 8-bit cache
+    (``KV_MAX``: its largest finite value, ``attention.base.cache_max``; 0 for none)
+    saturated there and rounded to nearest, ties to even, as torch's cast rounds.
+
+    The rounding is done here, in float32, so that the cast after it is exact: Triton's
+    interpreter (the CPU tests) truncates where a cast should round up across a power of two
+    (0.49 became 0.25 instead of 0.5). Adding and subtracting ``c`` = 1.5 * 2^(k + 23) rounds
+    a magnitude below 2^(k + m) to a multiple of 2^k (the float32 add rounds to nearest
+    even): k is the 8-bit float's step at the value's binade (m mantissa bits; below its
+    smallest normal binade, the subnormals', a fixed step)."""
+    if KV_MAX > 0:
+        f = tl.minimum(tl.maximum(x.to(tl.float32), -KV_MAX), KV_MAX)
+        bits = f.to(tl.int32, bitcast=True)
+        binade = ((bits >> 23) & 0xFF) - 127
+        # (a branch taken at compile time: KV_MAX is a constexpr)
+        if KV_MAX == 448.0:  # noqa: SIM108  e4m3fn: 3 mantissa bits, normal from 2^-6
+            step = tl.maximum(binade, -6) - 3
+        else:  # e5m2: 2 mantissa bits, normal from 2^-14
+            step = tl.maximum(binade, -14) - 2
+        c = (((step + 150) << 23) | 0x400000).to(tl.float32, bitcast=True)
+        rounded = ((tl.abs(f) + c) - c).to(tl.int32, bitcast=True)
+        # the sign put back as a bit (-0.0 stays -0.0: Triton's negation is 0 - x)
+        x = (rounded | (bits & -0x80000000)).to(tl.float32, bitcast=True)
+    return x.to(kv_ptr.dtype.element_ty)
 
 
 @triton.jit

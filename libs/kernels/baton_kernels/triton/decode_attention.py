@@ -44,11 +44,12 @@ import torch
 import triton
 import triton.language as tl
 
-from baton_kernels.attention.base import KVCacheView
+from baton_kernels.attention.base import KVCacheView, cache_max
 from baton_kernels.triton.common import (
     LOG2E,
     block_d,
     bulk_prefetch_ok,
+    cache_value,
     cdiv,
     check_kv_cache,
     check_window_softcap,
@@ -230,6 +231,7 @@ def _decode_kernel(
     PREFETCH: tl.constexpr,  # keys read into the L2 before the wait (0: none)
     ROW_BYTES: tl.constexpr,  # bytes of one key's row of one KV head
     EARLY: tl.constexpr,  # the step's inputs read before the PDL wait
+    KV_MAX: tl.constexpr,  # ROPE: cache_value's saturation (an 8-bit cache's)
     PDL: tl.constexpr,
 ):
     # Under PDL this launch may start while the kernel before it (the qkv projection) still
@@ -299,8 +301,8 @@ def _decode_kernel(
                     kv_ptr + slot_block * s_cb + slot * s_cs + rows[:, None] * s_ch
                     + offs_d[None, :] * s_cd
                 )  # fmt: skip
-                tl.store(dst, k_new, mask=mask)
-                tl.store(dst + s_ckv, v_new, mask=mask)
+                tl.store(dst, cache_value(k_new, kv_ptr, KV_MAX), mask=mask)
+                tl.store(dst + s_ckv, cache_value(v_new, kv_ptr, KV_MAX), mask=mask)
             tl.debug_barrier()  # the stores are seen by this program's loads of its tiles
     else:
         if PDL and EARLY:
@@ -322,6 +324,7 @@ def _decode_kernel(
             kv_ptr, table_ptr, pos, pos < end, kv_head, offs_d,
             s_cb, s_ckv, s_cs, s_ch, s_cd, BLOCK_SIZE, HEAD_DIM, BLOCK_D, False, UPCAST,
         )  # fmt: skip
+        k, v = k.to(q.dtype), v.to(q.dtype)  # (an 8-bit cache's)
         s = tile_scores(q, k, qk_scale, cap, SOFTCAP, DOT_PREC)
         m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, DOT_PREC)
     if full_end < end:
@@ -331,6 +334,7 @@ def _decode_kernel(
             kv_ptr, table_ptr, pos, pos_ok, kv_head, offs_d,
             s_cb, s_ckv, s_cs, s_ch, s_cd, BLOCK_SIZE, HEAD_DIM, BLOCK_D, True, UPCAST,
         )  # fmt: skip
+        k, v = k.to(q.dtype), v.to(q.dtype)  # (an 8-bit cache's)
         s = tile_scores(q, k, qk_scale, cap, SOFTCAP, DOT_PREC)
         s = tl.where(pos_ok[None, :], s, float("-inf"))
         m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, DOT_PREC)
@@ -685,6 +689,7 @@ def decode_attention(
         PREFETCH=prefetch,
         ROW_BYTES=row_bytes,
         EARLY=EARLY_INPUTS and num_splits > 1,
+        KV_MAX=cache_max(kv.dtype),
         num_warps=num_warps,
         num_stages=num_stages,
         **pdl,

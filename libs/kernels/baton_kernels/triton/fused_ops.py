@@ -23,14 +23,17 @@ import torch
 import triton
 import triton.language as tl
 
+from baton_kernels.attention.base import cache_max
 from baton_kernels.triton.common import (
     SUPPORTED_DTYPES,
+    cache_value,
     cdiv,
     next_pow2,
     pdl_begin,
     pdl_launch,
     zeroed_counters,
 )
+from baton_kernels.triton.kv_write import check_cache_dtype
 from baton_kernels.triton.launch import launcher
 
 POSITION_DTYPES = (torch.int32, torch.int64)
@@ -176,6 +179,7 @@ def _rotary_kernel(
     NORM: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BLOCK_HID: tl.constexpr,
+    KV_MAX: tl.constexpr,  # WRITE_KV: cache_value's saturation (an 8-bit cache's)
     PDL: tl.constexpr,
 ):
     """Program (i, j): tokens ``i * BLOCK_T`` on, their query heads block j, or key heads
@@ -224,8 +228,8 @@ def _rotary_kernel(
                 kv_ptr + block[:, None, None] * s_kvb + offset[:, None, None] * s_kvs
                 + offs_h[None, :, None] * s_kvh + offs_d[None, None, :] * s_kvd
             )  # fmt: skip
-            tl.store(dst, k1, mask=mask)
-            tl.store(dst + HALF * s_kvd, k2, mask=mask)
+            tl.store(dst, cache_value(k1, kv_ptr, KV_MAX), mask=mask)
+            tl.store(dst + HALF * s_kvd, cache_value(k2, kv_ptr, KV_MAX), mask=mask)
             src = (
                 v_ptr + t[:, None, None] * s_vt + offs_h[None, :, None] * s_vh
                 + offs_d[None, None, :] * s_vd
@@ -236,8 +240,8 @@ def _rotary_kernel(
                 v_bias = k_bias + num_k_heads * 2 * HALF
                 v1 = _normed(v1, rstd, v_bias, offs_h, offs_d, mask, HALF, HAS_BIAS)
                 v2 = _normed(v2, rstd, v_bias, offs_h, offs_d + HALF, mask, HALF, HAS_BIAS)
-            tl.store(dst + s_kvkv, v1, mask=mask)
-            tl.store(dst + s_kvkv + HALF * s_kvd, v2, mask=mask)
+            tl.store(dst + s_kvkv, cache_value(v1, kv_ptr, KV_MAX), mask=mask)
+            tl.store(dst + s_kvkv + HALF * s_kvd, cache_value(v2, kv_ptr, KV_MAX), mask=mask)
 
 
 def _check_rotary(
@@ -312,8 +316,7 @@ def rotary_embedding_and_write_kv_(
         raise ValueError(f"value {tuple(value.shape)} {value.dtype} does not match key")
     if kv.dim() != 5 or kv.shape[1] != 2 or tuple(kv.shape[3:]) != (num_k_heads, head_dim):
         raise ValueError(f"cache must be [blocks, 2, block_size, {num_k_heads}, {head_dim}]")
-    if kv.dtype != key.dtype:
-        raise ValueError(f"cache dtype {kv.dtype} differs from K/V {key.dtype}")
+    check_cache_dtype(kv.dtype, key.dtype)
     if slot_block.shape != (num_tokens,) or slot_offset.shape != (num_tokens,):
         raise ValueError(f"slot_block and slot_offset must be [{num_tokens}]")
     norm = None
@@ -394,6 +397,7 @@ def _launch_rotary(
         NORM=norm is not None,
         HAS_BIAS=bias is not None,
         BLOCK_HID=next_pow2(hidden),
+        KV_MAX=cache_max(kv.dtype) if write is not None else 0.0,
         num_warps=_num_warps(per_token * block_t),
         **pdl,
     )

@@ -3,7 +3,8 @@
 """Write new tokens' K/V into the paged cache through the slot mapping.
 
 Token ``t`` goes to ``cache[slot_block[t], :, slot_offset[t]]``; a negative ``slot_block`` marks a
-padding token (CUDA-graph batches are padded) and is skipped.
+padding token (CUDA-graph batches are padded) and is skipped. An 8-bit cache gets the values
+rounded to it, saturated (``attention.base.to_cache_dtype``).
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from baton_kernels.attention.base import KVCacheView
-from baton_kernels.triton.common import block_d, cdiv, next_pow2
+from baton_kernels.attention.base import FP8_KV_DTYPES, KVCacheView, cache_max, to_cache_dtype
+from baton_kernels.triton.common import block_d, cache_value, cdiv, next_pow2
 from baton_kernels.triton.launch import launcher
 
 
@@ -39,6 +40,7 @@ def _write_kv_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    KV_MAX: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     block = tl.load(slot_block_ptr + t).to(tl.int64)
@@ -51,8 +53,8 @@ def _write_kv_kernel(
     src_k = key_ptr + t * s_kt + offs_h[:, None] * s_kh + offs_d[None, :] * s_kd
     src_v = value_ptr + t * s_vt + offs_h[:, None] * s_vh + offs_d[None, :] * s_vd
     dst = kv_ptr + block * s_cb + offset * s_cs + offs_h[:, None] * s_ch + offs_d[None, :] * s_cd
-    tl.store(dst, tl.load(src_k, mask=mask), mask=mask)
-    tl.store(dst + s_ckv, tl.load(src_v, mask=mask), mask=mask)
+    tl.store(dst, cache_value(tl.load(src_k, mask=mask), kv_ptr, KV_MAX), mask=mask)
+    tl.store(dst + s_ckv, cache_value(tl.load(src_v, mask=mask), kv_ptr, KV_MAX), mask=mask)
 
 
 def write_kv_cache(
@@ -66,8 +68,7 @@ def write_kv_cache(
     if num_tokens == 0:
         return
     kv = kv_cache.kv
-    if kv.dtype != key.dtype or kv.dtype != value.dtype:
-        raise ValueError(f"cache dtype {kv.dtype} differs from K/V {key.dtype}/{value.dtype}")
+    check_cache_dtype(kv.dtype, key.dtype, value.dtype)
     bd = block_d(head_dim)
     block_h = min(next_pow2(num_kv_heads), max(1, 4096 // bd))
     grid = (num_tokens, cdiv(num_kv_heads, block_h))
@@ -89,8 +90,16 @@ def write_kv_cache(
         HEAD_DIM=head_dim,
         BLOCK_H=block_h,
         BLOCK_D=bd,
+        KV_MAX=cache_max(kv.dtype),
         num_warps=1 if block_h * bd <= 512 else 4,
     )
+
+
+def check_cache_dtype(cache: torch.dtype, *tensors: torch.dtype) -> None:
+    """A ValueError unless a cache of dtype ``cache`` holds tensors of these dtypes: the same,
+    or any of them in an 8-bit cache."""
+    if cache not in FP8_KV_DTYPES and any(t != cache for t in tensors):
+        raise ValueError(f"cache dtype {cache} differs from K/V {'/'.join(map(str, tensors))}")
 
 
 def ref_write_kv_cache(
@@ -101,5 +110,6 @@ def ref_write_kv_cache(
     slot_offset: torch.Tensor,
 ) -> None:
     keep = slot_block >= 0
-    kv_cache.kv[slot_block[keep], 0, slot_offset[keep]] = key[keep]
-    kv_cache.kv[slot_block[keep], 1, slot_offset[keep]] = value[keep]
+    dtype = kv_cache.kv.dtype
+    kv_cache.kv[slot_block[keep], 0, slot_offset[keep]] = to_cache_dtype(key[keep], dtype)
+    kv_cache.kv[slot_block[keep], 1, slot_offset[keep]] = to_cache_dtype(value[keep], dtype)

@@ -185,6 +185,7 @@ def _paged_attention_kernel(
                 kv_ptr, table_ptr, pos, pos < kv_end, kv_head, offs_d,
                 s_cb, s_ckv, s_cs, s_ch, s_cd, BLOCK_SIZE, HEAD_DIM, BLOCK_D, False, UPCAST,
             )  # fmt: skip
+            k, v = k.to(q.dtype), v.to(q.dtype)  # (an 8-bit cache's)
             s = tile_scores(q, k, qk_scale, cap, SOFTCAP, DOT_PREC)
             s = tl.where(pos[None, :] > q_pos[:, None] - window, s, float("-inf"))
             m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, DOT_PREC)
@@ -194,6 +195,7 @@ def _paged_attention_kernel(
             kv_ptr, table_ptr, pos, pos < kv_end, kv_head, offs_d,
             s_cb, s_ckv, s_cs, s_ch, s_cd, BLOCK_SIZE, HEAD_DIM, BLOCK_D, False, UPCAST,
         )  # fmt: skip
+        k, v = k.to(q.dtype), v.to(q.dtype)  # (an 8-bit cache's)
         s = tile_scores(q, k, qk_scale, cap, SOFTCAP, DOT_PREC)
         m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, DOT_PREC)
     for start in range(unmasked_end, kv_end, TILE_N):
@@ -203,6 +205,7 @@ def _paged_attention_kernel(
             kv_ptr, table_ptr, pos, pos_ok, kv_head, offs_d,
             s_cb, s_ckv, s_cs, s_ch, s_cd, BLOCK_SIZE, HEAD_DIM, BLOCK_D, True, UPCAST,
         )  # fmt: skip
+        k, v = k.to(q.dtype), v.to(q.dtype)  # (an 8-bit cache's)
         s = tile_scores(q, k, qk_scale, cap, SOFTCAP, DOT_PREC)
         visible = pos_ok[None, :] & (pos[None, :] <= q_pos[:, None])
         if WINDOWED:
