@@ -13,12 +13,12 @@ export PYTHONUNBUFFERED=1
 echo "started $(date +%T)"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 if [ "${PART:-tests}" = tests ]; then
-  timeout 240 python3 -m pytest -q -p no:warnings -p no:cacheprovider \
+  timeout 240 python3 -m pytest -q -p no:cacheprovider \
       tests/unit/test_triton_attention.py tests/unit/test_triton_fused_ops.py \
       -k "8bit or write_kv or decode_attention_matches_reference or triton_backend \
           or rotates_and_writes or rotary" 2>&1 | tail -4
   echo "kernel tests ended $(date +%T)"
-  timeout 300 python3 -m pytest -q -p no:warnings -p no:cacheprovider tests/gpu/test_engine_gpu.py \
+  timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_engine_gpu.py \
       -k "8bit or graph_decode_matches_reference or lone_request" 2>&1 | tail -4
   echo "tests ended $(date +%T)"
   exit 0

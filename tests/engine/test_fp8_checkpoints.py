@@ -1,7 +1,8 @@
 """FP8 checkpoints (transformers' "fp8" by blocks, compressed-tensors' by output channel,
 ModelOpt's by tensor) load with their weights dequantized, and generate what transformers does
-with those dequantized weights; other quantization methods, and an FP8 weight without its
-scale, are clear errors. The checkpoints are a tiny model's weights quantized here."""
+with those dequantized weights; their KV cache scales serve an 8-bit KV cache; other
+quantization methods, and an FP8 weight without its scale, are clear errors. The checkpoints
+are a tiny model's weights quantized here."""
 
 from __future__ import annotations
 
@@ -149,3 +150,63 @@ def test_a_weight_and_its_scale_pair_in_either_order() -> None:
     assert got[1][2, 4] == 15.0 * 8.0
     with pytest.raises(ValueError, match="scale of shape \\(3, 1\\) does not fit"):
         list(dequantized_fp8(iter([("p.weight", w8), ("p.weight_scale", torch.ones(3, 1))]), None))
+
+
+KV_SCALE_NAMES = {  # how checkpoints name a layer's KV cache scales (vLLM reads each)
+    "compressed-tensors": ("self_attn.k_scale", "self_attn.v_scale"),
+    "modelopt": ("self_attn.k_proj.k_scale", "self_attn.v_proj.v_scale"),
+    "output_scale": ("self_attn.k_proj.output_scale", "self_attn.v_proj.output_scale"),
+    "kv_scale": ("self_attn.kv_scale",),  # (deprecated: one for both)
+}
+
+
+@pytest.mark.parametrize("names", sorted(KV_SCALE_NAMES))
+def test_an_fp8_checkpoints_kv_cache_scales_serve_an_8bit_cache(
+    names: str, default_model_dir: Path, tmp_path: Path
+) -> None:
+    """A checkpoint whose K and V are 1024 times the model's (k_proj and v_proj scaled up,
+    q_proj and o_proj down: the same model, exactly, powers of two) beyond e4m3's 448, with
+    KV cache scales of 1024 in each layer: an FP8 cache divides K and V by them, so it holds
+    the bytes the unscaled model's cache holds at unit scale, and the tokens are the same."""
+    model = build_model("llama", default_model_dir, tmp_path / "model")
+    _fp8_folder("modelopt", model, tmp_path / "model", tmp_path / "plain")
+    scaled_src = tmp_path / "scaled-src"
+    scaled_src.mkdir()
+    for f in (tmp_path / "model").iterdir():
+        if f.suffix != ".safetensors":
+            (scaled_src / f.name).write_bytes(f.read_bytes())
+    factors = {"k_proj": 1024.0, "v_proj": 1024.0, "q_proj": 1 / 1024, "o_proj": 1 / 1024}
+    tensors = load_file(str(tmp_path / "model" / "model.safetensors"))
+    for name in tensors:
+        proj = name.split(".")[-2]
+        if name.endswith(".weight") and proj in factors:
+            tensors[name] = tensors[name] * factors[proj]
+    save_file(tensors, str(scaled_src / "model.safetensors"))
+    _fp8_folder("modelopt", model, scaled_src, tmp_path / "scaled")
+    weights = tmp_path / "scaled" / "model.safetensors"
+    tensors = load_file(str(weights))
+    for layer in range(2):
+        for name in KV_SCALE_NAMES[names]:
+            tensors[f"model.layers.{layer}.{name}"] = torch.tensor(1024.0)
+    save_file(tensors, str(weights))
+
+    prompts = [[10 + i for i in range(n)] for n in (5, 23)]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    runs = []
+    for folder in ("plain", "scaled"):
+        llm = LLM(
+            str(tmp_path / folder), dtype="float32", max_model_len=128,
+            kv_cache_memory=16 << 20, kv_cache_dtype="fp8",
+        )  # fmt: skip
+        try:
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            runner = llm.engine.core.runner
+            scales = [(c.k_scale, c.v_scale) for c in runner.kv_caches]
+            pool = llm.engine.core.kv_pool.clone()
+            runs.append(([list(o.outputs[0].token_ids) for o in outs], scales, pool))
+        finally:
+            llm.shutdown()
+    (plain, plain_scales, plain_pool), (scaled, scaled_scales, scaled_pool) = runs
+    assert plain_scales == [(1.0, 1.0)] * 2 and scaled_scales == [(1024.0, 1024.0)] * 2
+    assert torch.equal(scaled_pool.view(torch.uint8), plain_pool.view(torch.uint8))
+    assert scaled == plain

@@ -55,14 +55,16 @@ def build_step(
     num_heads: int,
     num_kv_heads: int,
     kv_dtype: torch.dtype | None = None,
+    scales: tuple[float, float] = (1.0, 1.0),
 ) -> tuple[AttentionMetadata, KVCacheView, list[torch.Tensor], list[torch.Tensor]]:
     """seq_specs: (num_cached, num_new) per request, decodes (num_new == 1) first. Fills the
-    cache (of ``kv_dtype``, default ``dtype``) with the cached tokens' K/V at random blocks;
-    returns metadata and each request's full K and V (cached + new) for the reference."""
+    cache (of ``kv_dtype``, default ``dtype``; an 8-bit one's K and V ``scales``) with the
+    cached tokens' K/V at random blocks; returns metadata and each request's full K and V
+    (cached + new) for the reference."""
     gen = torch.Generator().manual_seed(0)
     shape = (num_blocks, NUM_LAYERS, 2, block_size, num_kv_heads, head_dim)
     pool = torch.zeros(shape, dtype=kv_dtype or dtype)
-    cache = KVCacheView(pool[:, 1])
+    cache = KVCacheView(pool[:, 1], *scales)
     free = list(range(num_blocks))
     random.Random(0).shuffle(free)
     max_blocks = max(-(-(c + n) // block_size) for c, n in seq_specs)
@@ -77,8 +79,8 @@ def build_step(
         for t in range(total):
             if t < cached:
                 slot = blocks[t // block_size], t % block_size
-                cache.key[slot] = to_cache_dtype(k[t], pool.dtype)
-                cache.value[slot] = to_cache_dtype(v[t], pool.dtype)
+                cache.key[slot] = to_cache_dtype(k[t], pool.dtype, scales[0])
+                cache.value[slot] = to_cache_dtype(v[t], pool.dtype, scales[1])
             else:
                 slot_block.append(blocks[t // block_size])
                 slot_offset.append(t % block_size)
@@ -196,19 +198,21 @@ def check_backend(
     window: int = 0,
     softcap: float = 0.0,
     kv_dtype: torch.dtype | None = None,
+    scales: tuple[float, float] = (1.0, 1.0),
 ) -> None:
     """The backend's output against ``ref_attention`` over each request's K/V as the cache
-    holds them (rounded to an 8-bit ``kv_dtype``), and the new K/V in their slots."""
+    holds them (rounded to an 8-bit ``kv_dtype``, with its ``scales``), and the new K/V in
+    their slots."""
     # decodes (various lengths), fresh prefills of equal length (batched), fresh of another
     # length, and chunks with cached context
     if specs is None:
         specs = [(0, 1), (7, 1), (40, 1), (130, 1), (0, 9), (0, 9), (0, 5), (12, 6), (33, 17)]
     md, cache, ks, vs = build_step(
-        specs, block_size, 128, dtype, head_dim, num_heads, num_kv_heads, kv_dtype
+        specs, block_size, 128, dtype, head_dim, num_heads, num_kv_heads, kv_dtype, scales
     )
     cached = cache.kv.dtype
-    ks = [as_cached(k, cached) for k in ks]  # (unchanged but for an 8-bit cache)
-    vs = [as_cached(v, cached) for v in vs]
+    ks = [as_cached(k, cached, scales[0]) for k in ks]  # (unchanged but for an 8-bit cache)
+    vs = [as_cached(v, cached, scales[1]) for v in vs]
     gen = torch.Generator().manual_seed(1)
     q = torch.randn(md.num_tokens, num_heads, head_dim, generator=gen)
     q = (q * 4 if softcap else q).to(dtype)  # (scores of several units: the cap bends them)
@@ -225,21 +229,27 @@ def check_backend(
         torch.testing.assert_close(out[s:e].float(), want, rtol=rtol, atol=atol)
     # and the new tokens' K/V landed in their slots
     slots = md.slot_block, md.slot_offset
-    assert torch.equal(cache.key[slots].to(dtype), as_cached(new_k, cached))
-    assert torch.equal(cache.value[slots].to(dtype), as_cached(new_v, cached))
+    assert torch.equal(cache.key[slots], to_cache_dtype(new_k, cached, scales[0]))
+    assert torch.equal(cache.value[slots], to_cache_dtype(new_v, cached, scales[1]))
 
 
 @pytest.mark.parametrize("kv_dtype", FP8_KV_DTYPES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("window", "softcap"), [(0, 0.0), (21, 2.5)])
+@pytest.mark.parametrize("scales", [(1.0, 1.0), (3.0, 0.1)])
 def test_reference_backend_with_an_8bit_cache(
-    kv_dtype: torch.dtype, dtype: torch.dtype, window: int, softcap: float
+    kv_dtype: torch.dtype,
+    dtype: torch.dtype,
+    window: int,
+    softcap: float,
+    scales: tuple[float, float],
 ) -> None:
-    """``--kv-cache-dtype fp8`` / ``fp8_e5m2``: the new K/V are stored rounded to the 8-bit
-    float, and every query (decodes, fresh prompts, chunks after cached context) attends to
-    the K/V as the cache holds them, in the model's dtype."""
+    """``--kv-cache-dtype fp8`` / ``fp8_e5m2``: the new K/V are stored divided by the layer's
+    scales, rounded to the 8-bit float, and every query (decodes, fresh prompts, chunks after
+    cached context) attends to the K/V as the cache holds them, times the scales, in the
+    model's dtype."""
     specs = [(0, 1), (7, 1), (40, 1), (130, 1), (0, 30), (0, 30), (0, 5), (12, 6), (90, 40)]
-    check_backend("torch", dtype, 64, 16, 6, 2, specs, window, softcap, kv_dtype)
+    check_backend("torch", dtype, 64, 16, 6, 2, specs, window, softcap, kv_dtype, scales)
 
 
 def test_an_8bit_cache_saturates_what_it_cannot_hold() -> None:

@@ -109,13 +109,20 @@ class PagedBatch:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
-@pytest.mark.parametrize("kv_dtype", [None, *FP8_KV_DTYPES])
+@pytest.mark.parametrize(
+    ("kv_dtype", "scales"),
+    [
+        (None, (1.0, 1.0)),
+        *[(t, (1.0, 1.0)) for t in FP8_KV_DTYPES],
+        (FP8_KV_DTYPES[0], (2.0, 0.25)),
+    ],
+)
 def test_write_kv_cache_matches_reference(
-    dtype: torch.dtype, block_size: int, kv_dtype: torch.dtype | None
+    dtype: torch.dtype, block_size: int, kv_dtype: torch.dtype | None, scales: tuple[float, float]
 ) -> None:
     """The new K/V in their slots, nothing else touched; into an 8-bit cache (``kv_dtype``)
-    what ``to_cache_dtype`` stores, bit for bit: rounded to nearest (even), and saturated
-    beyond the 8-bit float's range."""
+    what ``to_cache_dtype`` stores, bit for bit: divided by the layer's scales, rounded to
+    nearest (even), and saturated beyond the 8-bit float's range."""
     torch.manual_seed(0)
     num_blocks, num_kv_heads, head_dim, num_tokens = 12, 2, 64, 23
     shape = (num_blocks, NUM_LAYERS, 2, block_size, num_kv_heads, head_dim)
@@ -129,8 +136,8 @@ def test_write_kv_cache_matches_reference(
     slot_block = (slots // block_size).to(DEVICE)
     slot_block[5] = -1  # a padding token: written nowhere
     slot_offset = (slots % block_size).to(DEVICE)
-    write_kv_cache(key, value, KVCacheView(pool[:, 1]), slot_block, slot_offset)
-    ref_write_kv_cache(key, value, KVCacheView(want[:, 1]), slot_block, slot_offset)
+    write_kv_cache(key, value, KVCacheView(pool[:, 1], *scales), slot_block, slot_offset)
+    ref_write_kv_cache(key, value, KVCacheView(want[:, 1], *scales), slot_block, slot_offset)
     # (as bytes: an 8-bit float's -0.0 and 0.0 differ; other layers untouched too)
     assert torch.equal(pool.view(torch.uint8), want.view(torch.uint8))
     assert not pool.float().isnan().any()
@@ -1010,26 +1017,36 @@ def test_warmup_launches_the_variants_of_a_window_and_softcap(
 # --- 8-bit caches (--kv-cache-dtype fp8 / fp8_e5m2) ---------------------------------------------
 
 
+# (power-of-two scales: K and V divided by them exactly, so the writes equal torch's bit for bit)
+SCALES = [(1.0, 1.0), (4.0, 0.5)]
+
+
 @pytest.mark.parametrize("kv_dtype", FP8_KV_DTYPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("window", "softcap"), BACKEND_OPTIONS)
+@pytest.mark.parametrize("scales", SCALES)
 def test_triton_backend_with_an_8bit_cache_matches_the_reference_backend(
-    kv_dtype: torch.dtype, dtype: torch.dtype, window: int, softcap: float
+    kv_dtype: torch.dtype,
+    dtype: torch.dtype,
+    window: int,
+    softcap: float,
+    scales: tuple[float, float],
 ) -> None:
     """A mixed step (decodes, a fresh prompt, a chunk after cached context) over an 8-bit cache:
-    the Triton backend stores the new K/V rounded as the reference backend does
-    (``to_cache_dtype``, bit for bit), and every query attends to the K/V as the cache holds
-    them."""
+    the Triton backend stores the new K/V divided by the layer's scales and rounded as the
+    reference backend does (``to_cache_dtype``, bit for bit), and every query attends to the
+    K/V as the cache holds them, times the scales."""
     specs = [(4, 1), (300, 1), (0, 12), (33, 9)]
     md, batch = make_step(specs, 16, 1, 64, dtype, kv_dtype)
+    cache = KVCacheView(batch.cache.kv, *scales)
     new_k = random_heads(md.num_tokens, 1, 64, dtype)
     new_v = random_heads(md.num_tokens, 1, 64, dtype)
     query = random_heads(md.num_tokens, 7, 64, dtype)
     want_pool = batch.pool.clone()
-    want_cache = KVCacheView(want_pool[:, 1])
+    want_cache = KVCacheView(want_pool[:, 1], *scales)
     ref_write_kv_cache(new_k, new_v, want_cache, md.slot_block, md.slot_offset)
     out = TritonAttentionBackend().forward(
-        query, new_k, new_v, batch.cache, md, 0.125, window=window, softcap=softcap
+        query, new_k, new_v, cache, md, 0.125, window=window, softcap=softcap
     )
     assert torch.equal(batch.pool.view(torch.uint8), want_pool.view(torch.uint8))
     want = ref_paged_attention(
@@ -1041,12 +1058,14 @@ def test_triton_backend_with_an_8bit_cache_matches_the_reference_backend(
 @pytest.mark.parametrize("kv_dtype", FP8_KV_DTYPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("decode_only", [False, True])
+@pytest.mark.parametrize("scales", SCALES)
 def test_forward_rope_into_an_8bit_cache(
-    kv_dtype: torch.dtype, dtype: torch.dtype, decode_only: bool
+    kv_dtype: torch.dtype, dtype: torch.dtype, decode_only: bool, scales: tuple[float, float]
 ) -> None:
     """``forward_rope`` over an 8-bit cache: the rotary kernel's write (a mixed step) and the
-    decode kernel's own (a decode-only step) store the rotated K and the V rounded to it, as
-    the reference backend does after the rotation, and the attention reads them back."""
+    decode kernel's own (a decode-only step) store the rotated K and the V divided by the
+    layer's scales and rounded, as the reference backend does after the rotation, and the
+    attention reads them back times the scales."""
     from baton_engine.models.rotary import RotaryEmbedding
 
     specs = [(4, 1), (300, 1), (0, 1), (130, 1)] if decode_only else [(4, 1), (0, 12), (33, 9)]
@@ -1057,18 +1076,24 @@ def test_forward_rope_into_an_8bit_cache(
     positions = torch.tensor([c + i for c, n in specs for i in range(n)], device=DEVICE)
     cos_sin = RotaryEmbedding(64, 512, 10000.0, None).to(DEVICE).cos_sin
     want_q, want_k = ref_rotary_embedding(query.clone(), new_k.clone(), positions, cos_sin)
+    cache = KVCacheView(batch.cache.kv, *scales)
     want_pool = batch.pool.clone()
-    want_cache = KVCacheView(want_pool[:, 1])
+    want_cache = KVCacheView(want_pool[:, 1], *scales)
     ref_write_kv_cache(want_k, new_v, want_cache, md.slot_block, md.slot_offset)
     out = TritonAttentionBackend().forward_rope(
-        query, new_k, new_v, batch.cache, md, 0.125, positions, cos_sin
+        query, new_k, new_v, cache, md, 0.125, positions, cos_sin
     )
     # (the kernels' rotation rounds once, the reference's rounds its products to the dtype:
     # K a few of the dtype's steps apart, so its 8-bit value a step apart, up to 1/4 of it
     # with e5m2's 2 mantissa bits)
     atol = TOL[dtype][0] + 1e-3
-    torch.testing.assert_close(batch.pool.float(), want_pool.float(), atol=atol, rtol=0.26)
+    for got, want_kv, scale in ((cache.key, want_cache.key, scales[0]),
+                                (cache.value, want_cache.value, scales[1])):  # fmt: skip
+        torch.testing.assert_close(
+            got.float() * scale, want_kv.float() * scale, atol=atol, rtol=0.26
+        )
+    assert torch.equal(batch.pool[:, [0, 2]], want_pool[:, [0, 2]])  # other layers untouched
     want = ref_paged_attention(
-        want_q, batch.cache, md.query_start_loc, md.seq_lens, md.block_tables, 0.125
+        want_q, cache, md.query_start_loc, md.seq_lens, md.block_tables, 0.125
     )
     assert_close(out, want, dtype)

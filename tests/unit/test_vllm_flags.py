@@ -104,7 +104,7 @@ def test_a_length_that_does_not_read_is_refused(
     [
         (["--quantization", "fp8"], "--quantization 'fp8' is not supported: Baton serves "),
         (["--kv-cache-dtype", "fp8_inc"], "kv_cache_dtype 'fp8_inc' is not supported"),
-        (["--calculate-kv-scales"], "unit scale"),
+        (["--calculate-kv-scales"], "by an FP8 checkpoint's scales, else by 1"),
         (["--pipeline-parallel-size", "2"], "--tensor-parallel-size only"),
         (["--data-parallel-size", "2"], "--num-decode"),
         (["--distributed-executor-backend", "ray"], "Ray is not supported"),

@@ -22,8 +22,8 @@ _HELP = {
     "enable_prefix_caching": "reuse KV blocks across requests with equal prefixes",
     "dtype": "auto | bfloat16 | float32 | float16",
     "kv_cache_dtype": "auto (the model's dtype) | fp8 / fp8_e4m3 | fp8_e5m2 (K and V stored as "
-    "8-bit floats, unit scale: twice the tokens in the same memory) | bfloat16 (a bfloat16 "
-    "model's, as auto)",
+    "8-bit floats, divided by an FP8 checkpoint's KV scales, else by 1: twice the tokens in the "
+    "same memory) | bfloat16 (a bfloat16 model's, as auto)",
     "kv_cache_memory": "bytes for the KV cache on CPU (default 2 GiB)",
     "num_gpu_blocks_override": "exact number of KV blocks",
     "gpu_memory_utilization": "share of the GPU's total memory this engine takes for weights, "

@@ -682,7 +682,8 @@ class EngineConfig:
     dtype: str = "auto"  # "auto": bfloat16 for the model's 16-bit dtypes (float32 on CPUs
     # without AVX512, where bf16 matmuls are slow), else its dtype
     # vLLM's --kv-cache-dtype: "auto" (the model's dtype) | "fp8" / "fp8_e4m3" | "fp8_e5m2"
-    # (K/V stored as 8-bit floats, unit scale: twice the tokens in the same memory) |
+    # (K/V stored as 8-bit floats, divided by an FP8 checkpoint's scales, else by 1: twice
+    # the tokens in the same memory) |
     # "bfloat16" (a bfloat16 model's: as "auto")
     kv_cache_dtype: str = "auto"
     kv_cache_memory: int | None = None  # bytes for the KV pool on CPU; None: 1 GiB

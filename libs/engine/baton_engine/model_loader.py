@@ -11,6 +11,7 @@ Finding models and loading tokenizers live in the torch-free :mod:`baton_engine.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -73,7 +74,14 @@ def iter_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 # what an FP8 checkpoint holds beside its weights' scales: the activations' and the KV cache's
 # static scales (the activations and the KV cache here stay in the model's dtype)
-_UNUSED_SCALES = (".input_scale", ".k_scale", ".v_scale", ".kv_scale")
+_UNUSED_SCALES = (".input_scale", ".output_scale")
+# The KV cache's scales of a layer, as vLLM reads them: compressed-tensors' (``self_attn.k_scale``,
+# older ``self_attn.k_proj.output_scale``), ModelOpt's (``self_attn.k_proj.k_scale``) and the
+# deprecated one for both (``self_attn.kv_scale``); yielded as ``...self_attn.k_scale`` and
+# ``...self_attn.v_scale`` (used with an 8-bit KV cache: ``Attention.k_scale``).
+_KV_SCALES = re.compile(
+    r"(.*\.self_attn)\.(?:(k|v|kv)_scale|([kv])_proj\.(?:[kv]_scale|output_scale))$"
+)
 
 
 def dequantized_fp8(
@@ -83,10 +91,17 @@ def dequantized_fp8(
     float32 (the model's parameters then take their dtype): ``X.weight_scale_inv``
     (transformers' "fp8": one a ``block`` of rows and columns) or ``X.weight_scale``
     (compressed-tensors and ModelOpt: one a tensor, an output channel or a ``block``). The
-    activations' and the KV cache's scales are dropped; other tensors pass unchanged. A
-    weight and its scale may come in either order; one without the other is an error."""
+    activations' scales are dropped, the KV cache's renamed (``_KV_SCALES``); other tensors
+    pass unchanged. A weight and its scale may come in either order; one without the other is
+    an error."""
     waiting: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in weights:
+        kv_scale = _KV_SCALES.match(name)
+        if kv_scale is not None:
+            attn, which, proj = kv_scale.groups()
+            for part in ("k", "v") if which == "kv" else (which or proj,):
+                yield f"{attn}.{part}_scale", tensor
+            continue
         if name.endswith(_UNUSED_SCALES):
             continue
         if name.endswith((".weight_scale_inv", ".weight_scale")):

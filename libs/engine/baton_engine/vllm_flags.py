@@ -143,7 +143,8 @@ ENGINE_FLAGS: tuple[VllmFlag, ...] = (
     ),
     VllmFlag(
         "calculate_kv_scales",
-        "an 8-bit KV cache (--kv-cache-dtype fp8) stores K and V at unit scale",
+        "an 8-bit KV cache (--kv-cache-dtype fp8) divides K and V by an FP8 checkpoint's "
+        "scales, else by 1",
         False,
         bool,
         _one_of(False),

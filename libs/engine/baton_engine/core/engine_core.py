@@ -144,8 +144,6 @@ def build_runner(config: EngineConfig, tp_rank: int = 0) -> RunnerSetup:
     if mc.fp8_weights:
         logger.info("FP8 checkpoint: its weights are dequantized to %s on load", dtype)
     kv_dtype = resolve_kv_cache_dtype(config, dtype)
-    if kv_dtype != dtype:
-        logger.info("KV cache: %s (K and V rounded to it, unit scale)", kv_dtype)
     torch.manual_seed(config.seed)
     tp_size = config.tensor_parallel_size
     device = distributed.device_for(config.device, tp_rank, tp_size)
@@ -181,6 +179,12 @@ def build_runner(config: EngineConfig, tp_rank: int = 0) -> RunnerSetup:
         except ValueError as e:
             raise ModelLoadError(f"cannot load weights from {model_dir}: {e}") from e
     runner.finalize_weights()
+    calibrated = any(scales != (1.0, 1.0) for scales in runner.model.kv_scales())
+    if kv_dtype != dtype:
+        logger.info("KV cache: %s, K and V divided by %s", kv_dtype,
+                    "the checkpoint's scales" if calibrated else "1 (unit scale)")  # fmt: skip
+    elif calibrated:
+        logger.info("the checkpoint's KV cache scales serve an 8-bit cache (--kv-cache-dtype fp8)")
     if config.runner != "generate":
         runner.pooler = PoolerConfig.resolve(config.pooler_config, model_dir, len(mc.labels))
     eager = config.enforce_eager

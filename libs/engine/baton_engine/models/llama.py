@@ -87,6 +87,8 @@ class Attention(nn.Module):
         self.softcap = cfg.attn_logit_softcapping
         # which of the model's ropes rotates this layer (Gemma 3's local layers: the second)
         self.rope_index = int(cfg.local_rope_theta is not None and cfg.is_sliding_layer(index))
+        # an 8-bit KV cache's scales of K and V (an FP8 checkpoint's calibrated ones, else 1)
+        self.k_scale = self.v_scale = 1.0
 
     def attend(
         self,
@@ -415,6 +417,8 @@ _STACKED_PARTS = {
 # the tensors whose rows are q or k heads' dimensions (reordered for a partial rotation)
 _TURNED = re.compile(r"self_attn\.(q_proj|k_proj|q_norm|k_norm)\.(weight|bias)$")
 _EXPERT = re.compile(r"layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+# an FP8 checkpoint's KV cache scales of a layer (model_loader.dequantized_fp8 names them so)
+_KV_SCALE = re.compile(r"layers\.(\d+)\.self_attn\.([kv])_scale$")
 _MIXTRAL_PARTS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 # Granite-MoE's names: its experts stacked already, as transformers >= 5 stacks them
 _GRANITE_MOE = {
@@ -710,6 +714,11 @@ class LlamaForCausalLM(nn.Module):
         self.folded_prompts = prompts
         return True
 
+    def kv_scales(self) -> list[tuple[float, float]]:
+        """Each layer's KV cache scales (K, V): an FP8 checkpoint's calibrated ones, else 1."""
+        attentions = [cast(DecoderLayer, layer).self_attn for layer in self.layers]
+        return [(attn.k_scale, attn.v_scale) for attn in attentions]
+
     def attention_options(self) -> list[tuple[int, float]]:
         """The layers' distinct ``(window, softcap)`` (kernel variants to compile ahead)."""
         attentions = [cast(DecoderLayer, layer).self_attn for layer in self.layers]
@@ -767,6 +776,15 @@ class LlamaForCausalLM(nn.Module):
             if name.endswith("norm.weight") and self.config.norm_weight_offset:
                 # Gemma's norms scale by (1 + weight): the sum, once, in float32
                 tensor = tensor.float() + self.config.norm_weight_offset
+            kv_scale = _KV_SCALE.match(name)
+            if kv_scale is not None:  # (FP8 checkpoints: model_loader.dequantized_fp8)
+                layer, part = kv_scale.groups()
+                if tensor.numel() != 1:
+                    raise ValueError(f"{hf_name!r}: one KV cache scale a layer is read, not "
+                                     f"{tuple(tensor.shape)}")  # fmt: skip
+                attn = cast(DecoderLayer, self.layers[int(layer)]).self_attn
+                setattr(attn, f"{part}_scale", float(tensor.float().item()))
+                continue
             if name == "score.weight" and self.config.is_classifier:
                 name = "lm_head.weight"  # (transformers' name for a classifier's head)
             if "rotary_emb" in name or (

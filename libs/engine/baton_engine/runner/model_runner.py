@@ -42,7 +42,7 @@ from baton_engine.sampling_params import SamplingParams
 from baton_engine.spec_decode import draft_rows, kept_tokens, verify
 from baton_kernels import fused
 from baton_kernels.attention import AttentionMetadata, KVCacheView, create_attention_backend
-from baton_kernels.attention.base import copy_blocks_, to_cache_dtype
+from baton_kernels.attention.base import FP8_KV_DTYPES, copy_blocks_, to_cache_dtype
 from baton_kernels.cpu_linear import pack_linears
 from baton_kernels.cpu_ops import load_cpu_ops
 
@@ -424,7 +424,12 @@ class ModelRunner:
             dtype=self.kv_dtype,
             device=self.device,
         )
-        self.kv_caches = [KVCacheView(self.kv_pool[:, layer]) for layer in range(cfg.num_layers)]
+        # an 8-bit cache's K and V scales: the checkpoint's (FP8), else 1 (vLLM's defaults)
+        scales = self.model.kv_scales() if self.kv_dtype in FP8_KV_DTYPES else None
+        self.kv_caches = [
+            KVCacheView(self.kv_pool[:, layer], *(scales[layer] if scales else (1.0, 1.0)))
+            for layer in range(cfg.num_layers)
+        ]
 
     @torch.inference_mode()
     def load_kv_blocks(self, block_ids: Sequence[int], blocks: torch.Tensor) -> None:

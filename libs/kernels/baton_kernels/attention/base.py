@@ -26,8 +26,9 @@ from typing import NamedTuple, Protocol
 import torch
 
 # 8-bit caches (vLLM's ``--kv-cache-dtype fp8`` / ``fp8_e4m3``, ``fp8_e5m2``): K and V are
-# stored rounded to the 8-bit float (unit scale: vLLM's default without calibrated scales),
-# saturated at its largest finite value, and read back as the model's dtype.
+# stored divided by their layer's scale (``KVCacheView.k_scale`` / ``v_scale``: a checkpoint's
+# calibrated ones, else 1, as vLLM), rounded to the 8-bit float, saturated at its largest finite
+# value, and read back as the model's dtype times the scale.
 FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
@@ -37,12 +38,22 @@ def cache_max(dtype: torch.dtype) -> float:
     return float(torch.finfo(dtype).max) if dtype in FP8_KV_DTYPES else 0.0
 
 
-def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``x`` as a cache of ``dtype`` stores it: an 8-bit float's values saturated (torch's cast
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """``x`` as a cache of ``dtype`` stores it: for an 8-bit float, ``x / scale`` (in float32,
+    as ``x`` times the float32 of ``1 / scale``, as the kernels do) saturated (torch's cast
     would make NaN of what it cannot hold)."""
     if dtype in FP8_KV_DTYPES and x.dtype != dtype:
         top = cache_max(dtype)
+        if scale != 1.0:
+            x = x.float() * (1.0 / scale)
         return x.clamp(-top, top).to(dtype)
+    return x.to(dtype)
+
+
+def from_cache(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """What a cache's ``x`` holds, in ``dtype``: times ``scale`` for an 8-bit float."""
+    if x.dtype in FP8_KV_DTYPES and scale != 1.0:
+        return (x.float() * scale).to(dtype)
     return x.to(dtype)
 
 
@@ -56,9 +67,12 @@ def copy_blocks_(pool: torch.Tensor, index: torch.Tensor, blocks: torch.Tensor) 
 
 class KVCacheView(NamedTuple):
     """One layer's paged cache: a strided view ``[num_blocks, 2, block_size, num_kv_heads,
-    head_dim]`` into the shared block-major pool (index 0 of dim 1 is K, 1 is V)."""
+    head_dim]`` into the shared block-major pool (index 0 of dim 1 is K, 1 is V); an 8-bit
+    cache's K and V are stored divided by ``k_scale`` and ``v_scale``."""
 
     kv: torch.Tensor
+    k_scale: float = 1.0
+    v_scale: float = 1.0
 
     @property
     def key(self) -> torch.Tensor:  # [num_blocks, block_size, num_kv_heads, head_dim]

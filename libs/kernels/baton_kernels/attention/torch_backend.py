@@ -19,6 +19,7 @@ from baton_kernels.attention.base import (
     FP8_KV_DTYPES,
     AttentionMetadata,
     KVCacheView,
+    from_cache,
     to_cache_dtype,
 )
 
@@ -26,26 +27,29 @@ from baton_kernels.attention.base import (
 def write_kv_cache(
     key: torch.Tensor, value: torch.Tensor, kv_cache: KVCacheView, metadata: AttentionMetadata
 ) -> None:
-    dtype = kv_cache.kv.dtype
-    kv_cache.kv[metadata.slot_block, 0, metadata.slot_offset] = to_cache_dtype(key, dtype)
-    kv_cache.kv[metadata.slot_block, 1, metadata.slot_offset] = to_cache_dtype(value, dtype)
+    dtype, slots = kv_cache.kv.dtype, (metadata.slot_block, metadata.slot_offset)
+    kv_cache.key[slots] = to_cache_dtype(key, dtype, kv_cache.k_scale)
+    kv_cache.value[slots] = to_cache_dtype(value, dtype, kv_cache.v_scale)
 
 
-def as_cached(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``x`` as a cache of ``dtype`` gives it back: rounded to it, in ``x``'s dtype."""
-    return to_cache_dtype(x, dtype).to(x.dtype)
+def as_cached(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """``x`` as a cache of ``dtype`` (and ``scale``) gives it back, in ``x``'s dtype."""
+    return from_cache(to_cache_dtype(x, dtype, scale), x.dtype, scale)
 
 
 def gather_blocks(
-    cache: torch.Tensor, block_tables: torch.Tensor, dtype: torch.dtype | None = None
+    cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    dtype: torch.dtype | None = None,
+    scale: float = 1.0,
 ) -> torch.Tensor:
     """``[num_reqs, num_blocks * block_size, num_kv_heads, dim]`` from a ``[num_reqs,
-    num_blocks]`` table, one contiguous copy (as ``dtype``, if given)."""
+    num_blocks]`` table, one contiguous copy (as ``dtype``, if given: ``from_cache``)."""
     num_reqs, num_blocks = block_tables.shape
     _, block_size, num_kv_heads, dim = cache.shape
     rows = cache.index_select(0, block_tables.flatten())
     if dtype is not None:
-        rows = rows.to(dtype)
+        rows = from_cache(rows, dtype, scale)
     return rows.view(num_reqs, num_blocks * block_size, num_kv_heads, dim)
 
 
@@ -125,8 +129,10 @@ class TorchAttentionBackend:
                 j += 1
             end = md.query_start_loc[j]
             k, v = key[start:end], value[start:end]
-            if kv_cache.kv.dtype in FP8_KV_DTYPES:  # what the cache holds, as every path reads
-                k, v = as_cached(k, kv_cache.kv.dtype), as_cached(v, kv_cache.kv.dtype)
+            cached = kv_cache.kv.dtype
+            if cached in FP8_KV_DTYPES:  # what the cache holds, as every path reads
+                k = as_cached(k, cached, kv_cache.k_scale)
+                v = as_cached(v, cached, kv_cache.v_scale)
             out[start:end] = self._prefill_fresh(
                 query[start:end], k, v, j - i, scale, window, softcap
             )
@@ -150,8 +156,9 @@ class TorchAttentionBackend:
         nd, num_heads, dim = query.shape
         num_kv_heads = kv_cache.kv.shape[3]
         tables = md.block_tables[:nd, : md.max_decode_blocks]
-        k = gather_blocks(kv_cache.key, tables, query.dtype).transpose(1, 2)  # [nd, kvh, len, d]
-        v = gather_blocks(kv_cache.value, tables, query.dtype).transpose(1, 2)
+        k = gather_blocks(kv_cache.key, tables, query.dtype, kv_cache.k_scale)
+        v = gather_blocks(kv_cache.value, tables, query.dtype, kv_cache.v_scale)
+        k, v = k.transpose(1, 2), v.transpose(1, 2)  # [nd, kvh, len, d]
         # The query heads sharing a KV head become that head's query rows.
         q = query.view(nd, num_kv_heads, num_heads // num_kv_heads, dim)
         bias = md.decode_bias
@@ -208,8 +215,9 @@ class TorchAttentionBackend:
         query_len, seq_len = query.shape[0], md.seq_lens[i]
         num_blocks = -(seq_len // -kv_cache.block_size)
         table = md.block_tables[i : i + 1, :num_blocks]
-        k = gather_blocks(kv_cache.key, table, query.dtype)[:, :seq_len].transpose(1, 2)
-        v = gather_blocks(kv_cache.value, table, query.dtype)[:, :seq_len].transpose(1, 2)
+        k = gather_blocks(kv_cache.key, table, query.dtype, kv_cache.k_scale)
+        v = gather_blocks(kv_cache.value, table, query.dtype, kv_cache.v_scale)
+        k, v = k[:, :seq_len].transpose(1, 2), v[:, :seq_len].transpose(1, 2)
         # Query row r sits at position seq_len - query_len + r and sees keys up to it.
         mask = causal_mask(query_len, seq_len, window, query.device)
         out = attention(query.transpose(0, 1).unsqueeze(0), k, v, mask, scale, softcap)

@@ -110,6 +110,7 @@ class TritonAttentionBackend:
             norm_of=None if norm is None else norm.stream,
             eps=0.0 if norm is None else norm.eps,
             bias=None if norm is None else norm.bias,
+            k_scale=kv_cache.k_scale, v_scale=kv_cache.v_scale,
         )  # fmt: skip
         return self._attend(query, kv_cache, metadata, scale, window=window, softcap=softcap)
 

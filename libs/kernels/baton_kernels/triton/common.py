@@ -201,10 +201,11 @@ def load_kv_tile(
 
 
 @triton.jit
-def cache_value(x, kv_ptr, KV_MAX: tl.constexpr):
+def cache_value(x, kv_ptr, inv_scale, KV_MAX: tl.constexpr):
     """``x`` as the cache at ``kv_ptr`` stores it: in its dtype; for an 8-bit cache
-    (``KV_MAX``: its largest finite value, ``attention.base.cache_max``; 0 for none)
-    saturated there and rounded to nearest, ties to even, as torch's cast rounds.
+    (``KV_MAX``: its largest finite value, ``attention.base.cache_max``; 0 for none) times
+    ``inv_scale`` (1 / the layer's scale), saturated and rounded to nearest, ties to even,
+    as ``attention.base.to_cache_dtype`` (torch's cast) does.
 
     The rounding is done here, in float32, so that the cast after it is exact: Triton's
     interpreter (the CPU tests) truncates where a cast should round up across a power of two
@@ -213,7 +214,7 @@ def cache_value(x, kv_ptr, KV_MAX: tl.constexpr):
     even): k is the 8-bit float's step at the value's binade (m mantissa bits; below its
     smallest normal binade, the subnormals', a fixed step)."""
     if KV_MAX > 0:
-        f = tl.minimum(tl.maximum(x.to(tl.float32), -KV_MAX), KV_MAX)
+        f = tl.minimum(tl.maximum(x.to(tl.float32) * inv_scale, -KV_MAX), KV_MAX)
         bits = f.to(tl.int32, bitcast=True)
         binade = ((bits >> 23) & 0xFF) - 127
         # (a branch taken at compile time: KV_MAX is a constexpr)

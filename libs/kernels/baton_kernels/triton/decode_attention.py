@@ -209,6 +209,9 @@ def _decode_kernel(
     vb_ptr,
     window,  # WINDOWED: keys the query sees (its own included)
     cap,  # SOFTCAP: the softcap * log2(e)
+    k_inv,  # ROPE: 1 / the layer's K and V scales (an 8-bit cache's)
+    v_inv,
+    v_scale,  # the output times the V scale (the K scale is in qk_scale)
     ROPE: tl.constexpr,
     NORM: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -301,8 +304,8 @@ def _decode_kernel(
                     kv_ptr + slot_block * s_cb + slot * s_cs + rows[:, None] * s_ch
                     + offs_d[None, :] * s_cd
                 )  # fmt: skip
-                tl.store(dst, cache_value(k_new, kv_ptr, KV_MAX), mask=mask)
-                tl.store(dst + s_ckv, cache_value(v_new, kv_ptr, KV_MAX), mask=mask)
+                tl.store(dst, cache_value(k_new, kv_ptr, k_inv, KV_MAX), mask=mask)
+                tl.store(dst + s_ckv, cache_value(v_new, kv_ptr, v_inv, KV_MAX), mask=mask)
             tl.debug_barrier()  # the stores are seen by this program's loads of its tiles
     else:
         if PDL and EARLY:
@@ -339,7 +342,7 @@ def _decode_kernel(
         s = tl.where(pos_ok[None, :], s, float("-inf"))
         m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, DOT_PREC)
 
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    out = acc * (v_scale / tl.where(l_i > 0, l_i, 1.0))[:, None]
     if NUM_SPLITS == 1:
         tl.store(
             out_ptr + b * s_ot + head[:, None] * s_oh + offs_d[None, :] * s_od,
@@ -658,7 +661,7 @@ def decode_attention(
         seq_lens,
         block_tables,
         counters,
-        scale * LOG2E,
+        scale * kv_cache.k_scale * LOG2E,
         *query.stride(),
         *out.stride(),
         *kv.stride(),
@@ -667,6 +670,9 @@ def decode_attention(
         *norm_args,
         window,
         softcap * LOG2E,
+        1.0 / kv_cache.k_scale,
+        1.0 / kv_cache.v_scale,
+        kv_cache.v_scale,
         ROPE=rope is not None,
         NORM=norm is not None,
         HAS_BIAS=norm is not None and norm.bias is not None,
@@ -757,16 +763,17 @@ def ref_decode_attention(
     window: int = 0,
     softcap: float = 0.0,
 ) -> torch.Tensor:  # [num_decodes, num_heads, head_dim] fp32
-    """One request at a time in fp32 over its last ``window`` keys (all with 0), the scores
-    capped by ``softcap`` (none with 0)."""
+    """One request at a time in fp32 over its last ``window`` keys (all with 0; times the
+    cache's scales), the scores capped by ``softcap`` (none with 0)."""
     out = torch.empty(query.shape, dtype=torch.float32, device=query.device)
     block_size = kv_cache.block_size
     group = query.shape[1] // kv_cache.kv.shape[3]
     for i, seq_len in enumerate(seq_lens):
         blocks = block_tables[i, : math.ceil(seq_len / block_size)]
         first = max(seq_len - window, 0) if window > 0 else 0
-        k = kv_cache.key[blocks].flatten(0, 1)[first:seq_len].float().repeat_interleave(group, 1)
-        v = kv_cache.value[blocks].flatten(0, 1)[first:seq_len].float().repeat_interleave(group, 1)
+        k = kv_cache.key[blocks].flatten(0, 1)[first:seq_len].float() * kv_cache.k_scale
+        v = kv_cache.value[blocks].flatten(0, 1)[first:seq_len].float() * kv_cache.v_scale
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
         scores = torch.einsum("hd,khd->hk", query[i].float(), k) * scale
         if softcap > 0:
             scores = softcap * torch.tanh(scores / softcap)

@@ -170,6 +170,8 @@ def _rotary_kernel(
     hidden,
     eps,
     bias_ptr,  # HAS_BIAS: [num_q_heads + 2 * num_k_heads, 2 * HALF], q then k then v
+    k_inv,  # WRITE_KV: 1 / the layer's K and V scales (an 8-bit cache's)
+    v_inv,
     HALF: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     BLOCK_HQ: tl.constexpr,
@@ -228,8 +230,8 @@ def _rotary_kernel(
                 kv_ptr + block[:, None, None] * s_kvb + offset[:, None, None] * s_kvs
                 + offs_h[None, :, None] * s_kvh + offs_d[None, None, :] * s_kvd
             )  # fmt: skip
-            tl.store(dst, cache_value(k1, kv_ptr, KV_MAX), mask=mask)
-            tl.store(dst + HALF * s_kvd, cache_value(k2, kv_ptr, KV_MAX), mask=mask)
+            tl.store(dst, cache_value(k1, kv_ptr, k_inv, KV_MAX), mask=mask)
+            tl.store(dst + HALF * s_kvd, cache_value(k2, kv_ptr, k_inv, KV_MAX), mask=mask)
             src = (
                 v_ptr + t[:, None, None] * s_vt + offs_h[None, :, None] * s_vh
                 + offs_d[None, None, :] * s_vd
@@ -240,8 +242,8 @@ def _rotary_kernel(
                 v_bias = k_bias + num_k_heads * 2 * HALF
                 v1 = _normed(v1, rstd, v_bias, offs_h, offs_d, mask, HALF, HAS_BIAS)
                 v2 = _normed(v2, rstd, v_bias, offs_h, offs_d + HALF, mask, HALF, HAS_BIAS)
-            tl.store(dst + s_kvkv, cache_value(v1, kv_ptr, KV_MAX), mask=mask)
-            tl.store(dst + s_kvkv + HALF * s_kvd, cache_value(v2, kv_ptr, KV_MAX), mask=mask)
+            tl.store(dst + s_kvkv, cache_value(v1, kv_ptr, v_inv, KV_MAX), mask=mask)
+            tl.store(dst + s_kvkv + HALF * s_kvd, cache_value(v2, kv_ptr, v_inv, KV_MAX), mask=mask)
 
 
 def _check_rotary(
@@ -300,9 +302,12 @@ def rotary_embedding_and_write_kv_(
     norm_of: torch.Tensor | None = None,
     eps: float = 0.0,
     bias: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """``rotary_embedding_`` and then ``kv_write.write_kv_cache`` of the rotated keys and the
     values, in one launch: a decode step of a small model is bound by its kernel count.
+    ``k_scale`` / ``v_scale``: the layer's (``KVCacheView``'s), for an 8-bit cache.
 
     With ``norm_of`` ``[num_tokens, hidden]`` (its rows dense), q, k and v are the output of a
     projection with an RMSNorm's weight folded in (``LlamaForCausalLM.fold_norms``), taken
@@ -331,7 +336,8 @@ def rotary_embedding_and_write_kv_(
         norm = (norm_of, eps, bias)
     elif bias is not None:
         raise ValueError("a bias is applied only with norm_of (a folded projection's q/k/v)")
-    _launch_rotary(query, key, positions, cos_sin, (value, kv, slot_block, slot_offset), norm)
+    write = (value, kv, slot_block, slot_offset, k_scale, v_scale)
+    _launch_rotary(query, key, positions, cos_sin, write, norm)
 
 
 def _launch_rotary(
@@ -339,7 +345,7 @@ def _launch_rotary(
     key: torch.Tensor,
     positions: torch.Tensor,
     cos_sin: torch.Tensor,
-    write: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    write: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, float] | None,
     norm: tuple[torch.Tensor, float, torch.Tensor | None] | None = None,
 ) -> None:
     num_tokens, num_q_heads, head_dim = query.shape
@@ -357,11 +363,12 @@ def _launch_rotary(
     pdl = pdl_launch(query.device)
     v_strides: tuple[int, ...]
     kv_strides: tuple[int, ...]
-    if write is None:  # unused pointers and strides
+    if write is None:  # unused pointers, strides and scales
         value, kv, slot_block, slot_offset = key, key, positions, positions
+        k_scale = v_scale = 1.0
         v_strides, kv_strides = (0, 0, 0), (0, 0, 0, 0, 0)
     else:
-        value, kv, slot_block, slot_offset = write
+        value, kv, slot_block, slot_offset, k_scale, v_scale = write
         v_strides, kv_strides = value.stride(), kv.stride()
     norm_of, eps, bias = norm if norm is not None else (query, 0.0, None)
     hidden = norm_of.shape[1] if norm is not None else 1
@@ -388,6 +395,8 @@ def _launch_rotary(
         hidden,
         eps,
         bias if bias is not None else query,
+        1.0 / k_scale,
+        1.0 / v_scale,
         HALF=half,
         BLOCK_HALF=block_half,
         BLOCK_HQ=block_hq,

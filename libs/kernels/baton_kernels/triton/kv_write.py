@@ -37,6 +37,8 @@ def _write_kv_kernel(
     s_cs,
     s_ch,
     s_cd,
+    k_inv,  # 1 / the layer's K and V scales (an 8-bit cache's)
+    v_inv,
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -53,8 +55,9 @@ def _write_kv_kernel(
     src_k = key_ptr + t * s_kt + offs_h[:, None] * s_kh + offs_d[None, :] * s_kd
     src_v = value_ptr + t * s_vt + offs_h[:, None] * s_vh + offs_d[None, :] * s_vd
     dst = kv_ptr + block * s_cb + offset * s_cs + offs_h[:, None] * s_ch + offs_d[None, :] * s_cd
-    tl.store(dst, cache_value(tl.load(src_k, mask=mask), kv_ptr, KV_MAX), mask=mask)
-    tl.store(dst + s_ckv, cache_value(tl.load(src_v, mask=mask), kv_ptr, KV_MAX), mask=mask)
+    tl.store(dst, cache_value(tl.load(src_k, mask=mask), kv_ptr, k_inv, KV_MAX), mask=mask)
+    v = cache_value(tl.load(src_v, mask=mask), kv_ptr, v_inv, KV_MAX)
+    tl.store(dst + s_ckv, v, mask=mask)
 
 
 def write_kv_cache(
@@ -87,6 +90,8 @@ def write_kv_cache(
         kv.stride(2),
         kv.stride(3),
         kv.stride(4),
+        1.0 / kv_cache.k_scale,
+        1.0 / kv_cache.v_scale,
         HEAD_DIM=head_dim,
         BLOCK_H=block_h,
         BLOCK_D=bd,
@@ -110,6 +115,6 @@ def ref_write_kv_cache(
     slot_offset: torch.Tensor,
 ) -> None:
     keep = slot_block >= 0
-    dtype = kv_cache.kv.dtype
-    kv_cache.kv[slot_block[keep], 0, slot_offset[keep]] = to_cache_dtype(key[keep], dtype)
-    kv_cache.kv[slot_block[keep], 1, slot_offset[keep]] = to_cache_dtype(value[keep], dtype)
+    dtype, slots = kv_cache.kv.dtype, (slot_block[keep], slot_offset[keep])
+    kv_cache.key[slots] = to_cache_dtype(key[keep], dtype, kv_cache.k_scale)
+    kv_cache.value[slots] = to_cache_dtype(value[keep], dtype, kv_cache.v_scale)

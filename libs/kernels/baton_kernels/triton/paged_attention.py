@@ -122,6 +122,7 @@ def _paged_attention_kernel(
     s_tb,
     window,  # WINDOWED: keys each row sees (its own included)
     cap,  # SOFTCAP: the softcap * log2(e)
+    v_scale,  # the output times the V scale (an 8-bit cache's; the K scale is in qk_scale)
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -213,7 +214,7 @@ def _paged_attention_kernel(
         s = tl.where(visible, s, float("-inf"))
         m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, DOT_PREC)
 
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    out = acc * (v_scale / tl.where(l_i > 0, l_i, 1.0))[:, None]
     tl.store(
         out_ptr + q_row[:, None] * s_ot + head[:, None] * s_oh + offs_d[None, :] * s_od,
         out.to(out_ptr.dtype.element_ty),
@@ -270,13 +271,14 @@ def paged_attention(
         seq_lens,
         block_tables,
         num_reqs,
-        scale * LOG2E,
+        scale * kv_cache.k_scale * LOG2E,
         *query.stride(),
         *out.stride(),
         *kv.stride(),
         block_tables.stride(0),
         window,
         softcap * LOG2E,
+        kv_cache.v_scale,
         GROUP=group,
         HEAD_DIM=head_dim,
         BLOCK_D=bd,
@@ -304,8 +306,8 @@ def ref_paged_attention(
     window: int = 0,
     softcap: float = 0.0,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim] fp32, rows outside the batch are zero
-    """One request at a time in fp32: gather its keys from the block table, cap the scores
-    (``softcap``), mask (causal, and ``window``), softmax."""
+    """One request at a time in fp32: gather its keys from the block table (times the cache's
+    scales), cap the scores (``softcap``), mask (causal, and ``window``), softmax."""
     out = torch.zeros(query.shape, dtype=torch.float32, device=query.device)
     block_size = kv_cache.block_size
     group = query.shape[1] // kv_cache.kv.shape[3]
@@ -315,8 +317,9 @@ def ref_paged_attention(
         if q_len == 0:
             continue
         blocks = block_tables[i, : math.ceil(seq_len / block_size)]
-        k = kv_cache.key[blocks].flatten(0, 1)[:seq_len].float()  # [seq_len, kv_heads, dim]
-        v = kv_cache.value[blocks].flatten(0, 1)[:seq_len].float()
+        # [seq_len, kv_heads, dim], what the cache holds (times an 8-bit cache's scales)
+        k = kv_cache.key[blocks].flatten(0, 1)[:seq_len].float() * kv_cache.k_scale
+        v = kv_cache.value[blocks].flatten(0, 1)[:seq_len].float() * kv_cache.v_scale
         k = k.repeat_interleave(group, dim=1)
         v = v.repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", query[start:end].float(), k) * scale
