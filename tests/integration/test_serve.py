@@ -90,13 +90,16 @@ def test_dead_worker_is_restarted_and_dead_gateway_stops_serve(serve_launcher: A
 
 
 def _tiny_model_text(
-    arch: str, prompt_len: int, tokenizer_dir: Path, out: Path
+    arch: str, prompt_len: int, tokenizer_dir: Path, out: Path, kv_cache_dtype: str = "auto"
 ) -> tuple[list[int], str]:
     """A tiny ``arch`` model saved in ``out``, a prompt of ``prompt_len`` token ids, and the
-    offline engine's greedy text for it (10 tokens, float32)."""
+    offline engine's greedy text for it (10 tokens, float32, this KV cache)."""
     build_model(arch, tokenizer_dir, out)
     prompt = [10 + i for i in range(prompt_len)]
-    llm = LLM(str(out), dtype="float32", max_model_len=512, kv_cache_memory=1 << 24)
+    llm = LLM(
+        str(out), dtype="float32", max_model_len=512, kv_cache_memory=1 << 24,
+        kv_cache_dtype=kv_cache_dtype,
+    )  # fmt: skip
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     return prompt, llm.generate([{"prompt_token_ids": prompt}], params)[0].outputs[0].text
 
@@ -176,8 +179,10 @@ def test_a_dead_helper_rank_stops_its_worker_and_serve_restarts_it(
         ("grpc", ["-tp", "2"], {"prefill": 2, "decode": 2}),
         ("nixl", ["--prefill-tensor-parallel-size", "2"], {"prefill": 2, "decode": 1}),
         ("nixl", ["-tp", "2", "--prefill-tensor-parallel-size", "1"], {"prefill": 1, "decode": 2}),
+        # an FP8 KV cache: its blocks gathered, pulled over NIXL and split, as bytes
+        ("nixl", ["-tp", "2", "--kv-cache-dtype", "fp8"], {"prefill": 2, "decode": 2}),
     ],
-    ids=["grpc-2to2", "nixl-2to1", "nixl-1to2"],
+    ids=["grpc-2to2", "nixl-2to1", "nixl-1to2", "nixl-2to2-fp8"],
 )
 def test_disaggregated_with_tensor_parallel_workers(
     transfer: str,
@@ -192,7 +197,8 @@ def test_disaggregated_with_tensor_parallel_workers(
     pulls whole blocks and gives each rank its heads; the greedy text equals the offline
     engine's. The model is a mixture of experts (with a shared expert and a dense layer): its
     experts split across the ranks too."""
-    prompt, want = _tiny_model_text("qwen2_moe", 53, default_model_dir, tmp_path)
+    kv_cache_dtype = "fp8" if "fp8" in tp_args else "auto"
+    prompt, want = _tiny_model_text("qwen2_moe", 53, default_model_dir, tmp_path, kv_cache_dtype)
     server = serve_launcher.start(
         [str(tmp_path), *tp_args, "--mode", "disaggregated", "--dtype", "float32",
          "--remote-prefill-threshold", "0", "--kv-transfer", transfer]

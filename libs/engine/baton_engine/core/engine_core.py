@@ -203,7 +203,7 @@ def build_runner(config: EngineConfig, tp_rank: int = 0) -> RunnerSetup:
         "KV cache: %d blocks, %d tokens (%s, %.1f s to load%s)",
         num_blocks,
         num_blocks * config.block_size,
-        dtype,
+        dtype if kv_dtype == dtype else f"{dtype}, the cache {kv_dtype}",
         time.perf_counter() - start,
         f"; each of {tp_size} ranks holds 1/{tp_size} of the heads" if tp_size > 1 else "",
     )
