@@ -342,7 +342,8 @@ def _decode_kernel(
         s = tl.where(pos_ok[None, :], s, float("-inf"))
         m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, DOT_PREC)
 
-    out = acc * (v_scale / tl.where(l_i > 0, l_i, 1.0))[:, None]
+    # (times the V scale after the division: with a scale of 1, what it was without scales)
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None] * v_scale
     if NUM_SPLITS == 1:
         tl.store(
             out_ptr + b * s_ot + head[:, None] * s_oh + offs_d[None, :] * s_od,

@@ -214,7 +214,8 @@ def _paged_attention_kernel(
         s = tl.where(visible, s, float("-inf"))
         m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, DOT_PREC)
 
-    out = acc * (v_scale / tl.where(l_i > 0, l_i, 1.0))[:, None]
+    # (times the V scale after the division: with a scale of 1, what it was without scales)
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None] * v_scale
     tl.store(
         out_ptr + q_row[:, None] * s_ot + head[:, None] * s_oh + offs_d[None, :] * s_od,
         out.to(out_ptr.dtype.element_ty),
