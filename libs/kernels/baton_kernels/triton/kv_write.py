@@ -4,7 +4,8 @@
 
 Token ``t`` goes to ``cache[slot_block[t], :, slot_offset[t]]``; a negative ``slot_block`` marks a
 padding token (CUDA-graph batches are padded) and is skipped. An 8-bit cache gets the values
-rounded to it, saturated (``attention.base.to_cache_dtype``).
+divided by the layer's scales (``KVCacheView.k_scale`` / ``v_scale``), saturated and rounded
+to it (``attention.base.to_cache_dtype``).
 """
 
 from __future__ import annotations
