@@ -84,6 +84,7 @@ def engine(model: Path, args: argparse.Namespace, **kw: Any) -> EngineCore:
         max_num_batched_tokens=getattr(args, "max_num_batched_tokens", None),
         block_size=getattr(args, "block_size", None) or EngineConfig.block_size,
         kv_cache_dtype=getattr(args, "kv_cache_dtype", None) or "auto",
+        quantization=getattr(args, "quantization", None),
         # alone in its process, the server's default; else room for what an earlier engine in
         # this process may not have freed
         gpu_memory_utilization=getattr(args, "gpu_memory_utilization", None)
@@ -356,6 +357,8 @@ def run_isolated(name: str, max_seqs: int, async_mode: bool, args: argparse.Name
             cmd += ["--block-size", str(args.block_size)]
         if args.kv_cache_dtype != "auto":
             cmd += ["--kv-cache-dtype", args.kv_cache_dtype]
+        if args.quantization is not None:
+            cmd += ["--quantization", args.quantization]
         subprocess.run(cmd, check=True)
         child = json.loads(out.read_text())
     RESULTS["throughput"] += child["throughput"]
@@ -499,6 +502,7 @@ def main() -> int:
     )
     p.add_argument("--block-size", type=int, help="tokens per KV block (default: the engine's, 16)")
     p.add_argument("--kv-cache-dtype", default="auto", help="the engine's (auto, fp8, fp8_e5m2)")
+    p.add_argument("--quantization", default=None, help="the engine's (fp8: FP8 layers, W8A8)")
     p.add_argument(
         "--compare-sync", default="", help="batches (as --batches) to run without async too"
     )

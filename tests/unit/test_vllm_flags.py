@@ -102,7 +102,7 @@ def test_a_length_that_does_not_read_is_refused(
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--quantization", "fp8"], "--quantization 'fp8' is not supported: Baton serves "),
+        (["--quantization", "awq"], "quantization 'awq' is not supported: Baton serves fp8"),
         (["--kv-cache-dtype", "fp8_inc"], "kv_cache_dtype 'fp8_inc' is not supported"),
         (["--calculate-kv-scales"], "by an FP8 checkpoint's scales, else by 1"),
         (["--pipeline-parallel-size", "2"], "--tensor-parallel-size only"),
@@ -173,14 +173,15 @@ def test_speculative_config_reaches_the_workers_engines() -> None:
     assert worker.speculative() == SpeculativeConfig(3, 4, 4)
 
 
-def test_kv_cache_dtype_reaches_the_workers_engines() -> None:
-    """``baton serve --kv-cache-dtype fp8`` hands it to each worker's command line."""
+def test_kv_cache_dtype_and_quantization_reach_the_workers_engines() -> None:
+    """``baton serve --kv-cache-dtype fp8 -q fp8`` hands both to each worker's command line."""
     from baton.serve import engine_argv
     from baton_engine.config import EngineConfig
 
-    argv = engine_argv(parse("serve", "--kv-cache-dtype", "fp8"))
-    assert argv == ["--kv-cache-dtype", "fp8"]
-    assert EngineConfig(**engine_kwargs_from_args(parse("decode", *argv))).kv_cache_dtype == "fp8"
+    argv = engine_argv(parse("serve", "--kv-cache-dtype", "fp8", "-q", "fp8"))
+    assert argv == ["--kv-cache-dtype", "fp8", "--quantization", "fp8"]
+    worker = EngineConfig(**engine_kwargs_from_args(parse("decode", *argv)))
+    assert worker.kv_cache_dtype == "fp8" and worker.quantization == "fp8"
 
 
 def test_vllms_api_key_variable(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -240,13 +241,10 @@ def test_llm_takes_vllms_arguments(caplog: pytest.LogCaptureFixture) -> None:
     )
     with caplog.at_level(logging.INFO, logger="baton_engine.vllm_flags"):
         left = take_engine_args(given)
-    assert left == {"enforce_eager": True, "max_model_len": 64}
+    assert left == {"enforce_eager": True, "quantization": None, "max_model_len": 64}
     assert "trust_remote_code has no effect in Baton" in caplog.text
     assert "enable_expert_parallel has no effect in Baton" in caplog.text
     assert "disable_log_stats" not in caplog.text  # (LLM's default in vLLM too)
-    for bad, message in (
-        ({"quantization": "awq"}, "quantization 'awq' is not supported"),
-        ({"pipeline_parallel_size": 2}, "pipeline_parallel_size 2"),
-    ):
+    for bad, message in (({"pipeline_parallel_size": 2}, "pipeline_parallel_size 2"),):
         with pytest.raises(InvalidRequestError, match=message):
             take_engine_args(bad)

@@ -24,6 +24,10 @@ _HELP = {
     "kv_cache_dtype": "auto (the model's dtype) | fp8 / fp8_e4m3 | fp8_e5m2 (K and V stored as "
     "8-bit floats, divided by an FP8 checkpoint's KV scales, else by 1: twice the tokens in the "
     "same memory) | bfloat16 (a bfloat16 model's, as auto)",
+    "quantization": "fp8: the layers' projections run FP8 GEMMs (W8A8: weights FP8 with a "
+    "scale an output channel, quantized on load unless the checkpoint's are; activations "
+    "quantized per token; GPUs of compute capability >= 8.9, elsewhere torch's slower CPU "
+    "product); default: the checkpoint's (an FP8 checkpoint's FP8 on such GPUs)",
     "kv_cache_memory": "bytes for the KV cache on CPU (default 2 GiB)",
     "num_gpu_blocks_override": "exact number of KV blocks",
     "gpu_memory_utilization": "share of the GPU's total memory this engine takes for weights, "
@@ -74,7 +78,11 @@ _HELP = {
 
 
 # vLLM's short forms and older names
-_ALIASES = {"tensor_parallel_size": ("-tp",), "pooler_config": ("--override-pooler-config",)}
+_ALIASES = {
+    "tensor_parallel_size": ("-tp",),
+    "quantization": ("-q",),
+    "pooler_config": ("--override-pooler-config",),
+}
 
 
 def human_readable_int(value: str) -> int:
@@ -100,6 +108,7 @@ _TYPES: dict[str, Any] = {  # (None defaults: ints)
     "hf_overrides": str,
     "speculative_config": str,
     "tokenizer": str,
+    "quantization": str,
     "max_model_len": human_readable_int,  # (vLLM's: 32k, 32K)
     "max_num_batched_tokens": human_readable_int,
 }

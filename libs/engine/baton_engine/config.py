@@ -15,6 +15,9 @@ from baton_engine.sampling_params import MAX_LOGPROBS
 SCHEDULING_POLICIES = ("fcfs", "priority")
 # vLLM's --kv-cache-dtype values Baton serves (engine_core.resolve_kv_cache_dtype)
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
+# vLLM's --quantization values Baton serves: fp8 (W8A8: baton_kernels.fp8_linear), and an FP8
+# checkpoint's own method names, which vLLM takes for it (engine_core.use_fp8_linears)
+QUANTIZATIONS = ("fp8", "compressed-tensors", "modelopt")
 # vLLM's --runner: "generate" serves only generation, "pooling" only embeddings; "auto" (Baton's
 # default) both, from any model.
 RUNNERS = ("auto", "generate", "pooling")
@@ -686,6 +689,11 @@ class EngineConfig:
     # the tokens in the same memory) |
     # "bfloat16" (a bfloat16 model's: as "auto")
     kv_cache_dtype: str = "auto"
+    # vLLM's --quantization: None (a checkpoint's own: an FP8 checkpoint's FP8 layers on GPUs
+    # with FP8 GEMMs, else its weights dequantized) | "fp8" (the projections' weights FP8, a
+    # scale an output channel, quantized on load unless the checkpoint's are; activations
+    # quantized per token: baton_kernels.fp8_linear)
+    quantization: str | None = None
     kv_cache_memory: int | None = None  # bytes for the KV pool on CPU; None: 1 GiB
     num_gpu_blocks_override: int | None = None  # exact number of KV blocks (tests)
     gpu_memory_utilization: float = 0.9
@@ -829,6 +837,12 @@ class EngineConfig:
                 raise InvalidRequestError(f"{name} must be at least 1")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise InvalidRequestError("max_model_len must be at least 1")
+        if self.quantization not in (None, *QUANTIZATIONS):
+            raise InvalidRequestError(
+                f"quantization {self.quantization!r} is not supported: Baton serves fp8 (FP8 "
+                "weights, a scale an output channel, activations quantized per token) and "
+                "unquantized weights (a GGUF's are dequantized on load)"
+            )
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise InvalidRequestError(
                 f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported (supported: "

@@ -12,7 +12,7 @@ Finding models and loading tokenizers live in the torch-free :mod:`baton_engine.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -85,7 +85,9 @@ _KV_SCALES = re.compile(
 
 
 def dequantized_fp8(
-    weights: Iterator[tuple[str, torch.Tensor]], block: tuple[int, int] | None
+    weights: Iterator[tuple[str, torch.Tensor]],
+    block: tuple[int, int] | None,
+    keep: Callable[[str], bool] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """An FP8 checkpoint's tensors with each FP8 weight ``X.weight`` times its scale, in
     float32 (the model's parameters then take their dtype): ``X.weight_scale_inv``
@@ -93,7 +95,11 @@ def dequantized_fp8(
     (compressed-tensors and ModelOpt: one a tensor, an output channel or a ``block``). The
     activations' scales are dropped, the KV cache's renamed (``_KV_SCALES``); other tensors
     pass unchanged. A weight and its scale may come in either order; one without the other is
-    an error."""
+    an error.
+
+    ``keep``: the ``X`` whose weights stay FP8 (the model's FP8 layers,
+    ``fp8_linear.Fp8Linear``) where their scale is one a tensor or an output channel: yielded
+    as they are, followed by ``X.weight_scale``, one float32 scale a row ``[N]``."""
     waiting: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in weights:
         kv_scale = _KV_SCALES.match(name)
@@ -115,7 +121,19 @@ def dequantized_fp8(
         pair[part] = tensor
         if len(pair) == 2:
             del waiting[key]
-            yield f"{key}.weight", _dequantize(key, pair["weight"], pair["scale"], block)
+            w8, scale = pair["weight"], pair["scale"]
+            rows = w8.shape[0] if w8.dim() == 2 else -1
+            if (
+                keep is not None
+                and keep(key)
+                and w8.dtype == torch.float8_e4m3fn
+                and scale.numel() in (1, rows)
+                and (scale.numel() == 1 or scale.shape[0] == rows)
+            ):
+                yield f"{key}.weight", w8
+                yield f"{key}.weight_scale", scale.float().reshape(-1).expand(rows).clone()
+            else:
+                yield f"{key}.weight", _dequantize(key, w8, scale, block)
     if waiting:
         key, pair = next(iter(waiting.items()))
         raise ValueError(f"FP8 checkpoint: {key} has a {next(iter(pair))} but no "

@@ -480,11 +480,15 @@ def engine_compat_hash(core: EngineCore) -> bytes:
     (``EngineCore.enable_kv_export``), and a split decode worker stages the blocks it pulls and
     gives each rank its heads. So the sizes do not enter, and any pair of them works."""
     mc = core.model_config
+    # FP8 layers compute other K/V than the model's own weights (the key only where they are
+    # on: the hashes of unquantized workers stay as they were)
+    weights = {"weights": "fp8"} if core.runner.model.fp8_linears else {}
     return compat_hash(
         model=f"{mc.architecture}/{mc.num_layers}x{mc.hidden_size}/{mc.vocab_size}",
         dtype=str(core.runner.kv_dtype),  # (what the blocks hold: the model's, or FP8)
         block_size=core.config.block_size,
         layout=f"block-major/{core.whole_block_shape}",
+        **weights,
     )
 
 

@@ -28,13 +28,14 @@ from baton_engine.kv_cache.block_pool import KVCacheEvent
 from baton_engine.lora import LoRALimits, LoRARequest, lora_requests
 from baton_engine.model_files import load_named_tokenizer, load_tokenizer
 from baton_engine.model_loader import dequantized_fp8, iter_weights, resolve_model
-from baton_engine.models.llama import shard_config
+from baton_engine.models.llama import FP8_LINEAR, shard_config
 from baton_engine.pooling_params import PoolerConfig, PoolingParams
 from baton_engine.request import Request, RequestStatus
 from baton_engine.runner.model_runner import ModelRunner, StepHandle
 from baton_engine.sampling_params import SamplingParams
 from baton_engine.structured_output import Grammar, StructuredOutputManager
 from baton_kernels.attention.base import copy_blocks_
+from baton_kernels.fp8_linear import fp8_gemm_supported
 
 logger = logging.getLogger(__name__)
 # What an embedding request samples after its prompt (the argmax, dropped): a plain greedy
@@ -112,6 +113,28 @@ def resolve_kv_cache_dtype(config: EngineConfig, dtype: torch.dtype) -> torch.dt
     return torch.float8_e5m2 if name == "fp8_e5m2" else torch.float8_e4m3fn
 
 
+def _fp8_layer(key: str) -> bool:
+    """Whether a checkpoint's ``key.weight`` is one of the model's FP8 layers' weights."""
+    return FP8_LINEAR.search(key) is not None
+
+
+def use_fp8_linears(config: EngineConfig, mc: ModelConfig, device: str) -> bool:
+    """Whether the model's projections are FP8 layers (W8A8, ``Fp8Linear``): with
+    ``--quantization fp8`` (or an FP8 checkpoint's own method name), or by default for an FP8
+    checkpoint scaled by tensor or output channel on a GPU with FP8 GEMMs (as vLLM does);
+    elsewhere an FP8 checkpoint's weights are dequantized (a CPU's bf16 kernels are faster
+    than its FP8 product)."""
+    method = config.quantization
+    if method not in (None, "fp8") and not mc.fp8_weights:
+        raise InvalidRequestError(
+            f"quantization {method!r} names an FP8 checkpoint's method, and this model's "
+            "weights are not FP8 (--quantization fp8 quantizes them on load)"
+        )
+    if method is not None:
+        return True
+    return mc.fp8_weights and mc.fp8_block is None and fp8_gemm_supported(torch.device(device))
+
+
 @dataclass
 class RunnerSetup:
     runner: ModelRunner
@@ -141,12 +164,20 @@ def build_runner(config: EngineConfig, tp_rank: int = 0) -> RunnerSetup:
             "LongRoPE: the %s factors (max_model_len %d, the original context %d)",
             "long" if max_model_len > original else "short", max_model_len, original,
         )  # fmt: skip
-    if mc.fp8_weights:
-        logger.info("FP8 checkpoint: its weights are dequantized to %s on load", dtype)
     kv_dtype = resolve_kv_cache_dtype(config, dtype)
     torch.manual_seed(config.seed)
     tp_size = config.tensor_parallel_size
     device = distributed.device_for(config.device, tp_rank, tp_size)
+    fp8_linears = use_fp8_linears(config, mc, device)
+    if fp8_linears:
+        logger.info(
+            "FP8 layers (W8A8): the projections' weights %s, a scale an output channel; "
+            "activations quantized per token",
+            "as the checkpoint's" if mc.fp8_weights and mc.fp8_block is None
+            else "quantized on load",
+        )  # fmt: skip
+    elif mc.fp8_weights:
+        logger.info("FP8 checkpoint: its weights are dequantized to %s on load", dtype)
     free_at_start = None
     if device.startswith("cuda"):  # before the model: what other processes leave us
         free_at_start = _check_gpu_share(config, torch.device(device))
@@ -165,6 +196,7 @@ def build_runner(config: EngineConfig, tp_rank: int = 0) -> RunnerSetup:
             num_scheduler_steps=config.num_scheduler_steps,
             lora=lora_limits(config),
             kv_cache_dtype=kv_dtype,
+            fp8_linears=fp8_linears,
         )
     except ValueError as e:  # a model that does not split tensor_parallel_size ways
         raise InvalidRequestError(str(e)) from e
@@ -174,7 +206,8 @@ def build_runner(config: EngineConfig, tp_rank: int = 0) -> RunnerSetup:
         try:
             weights = iter_weights(model_dir)
             if mc.fp8_weights:
-                weights = dequantized_fp8(weights, mc.fp8_block)
+                keep = _fp8_layer if fp8_linears else None
+                weights = dequantized_fp8(weights, mc.fp8_block, keep)
             runner.load_weights(weights)
         except ValueError as e:
             raise ModelLoadError(f"cannot load weights from {model_dir}: {e}") from e

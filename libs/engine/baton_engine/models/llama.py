@@ -36,6 +36,7 @@ from baton_engine.models.rotary import (
 from baton_kernels import fused
 from baton_kernels.attention import AttentionBackend, AttentionMetadata, KVCacheView
 from baton_kernels.cpu_linear import PackedLinear
+from baton_kernels.fp8_linear import FP8_DTYPE, Fp8Linear
 
 if TYPE_CHECKING:
     from baton_kernels.triton.decode_attention import DecodeNorm
@@ -393,6 +394,7 @@ _STACKED = {
 
 # the projections whose outputs are added to the residual stream
 _RESIDUAL_OUTPUTS = ("o_proj.weight", "down_proj.weight", "experts.down_proj")
+_RESIDUAL_SCALES = ("o_proj.weight_scale", "down_proj.weight_scale")  # (an FP8 layer's)
 
 # A vision-language checkpoint's language model (transformers < 5 and >= 5 name it so), and
 # the rest of it
@@ -415,10 +417,17 @@ _STACKED_PARTS = {
 # One expert's weight (Mixtral's names, renamed to Qwen's by _EXPERT_RENAMES): layer, expert,
 # part.
 # the tensors whose rows are q or k heads' dimensions (reordered for a partial rotation)
-_TURNED = re.compile(r"self_attn\.(q_proj|k_proj|q_norm|k_norm)\.(weight|bias)$")
+_TURNED = re.compile(r"self_attn\.(q_proj|k_proj|q_norm|k_norm)\.(weight|bias|weight_scale)$")
 _EXPERT = re.compile(r"layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 # an FP8 checkpoint's KV cache scales of a layer (model_loader.dequantized_fp8 names them so)
 _KV_SCALE = re.compile(r"layers\.(\d+)\.self_attn\.([kv])_scale$")
+# The checkpoint's projections that are FP8 layers with W8A8 (``use_fp8_linears``): the
+# attention's and the dense MLPs' (a mixture of experts' shared expert's too), not the
+# experts', the router or the LM head.
+FP8_LINEAR = re.compile(
+    r"(?:^|\.)layers\.\d+\.(?:self_attn\.(?:q|k|v|o|qkv)_proj"
+    r"|mlp\.(?:shared_expert\.)?(?:gate|up|down|gate_up)_proj)$"
+)
 _MIXTRAL_PARTS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 # Granite-MoE's names: its experts stacked already, as transformers >= 5 stacks them
 _GRANITE_MOE = {
@@ -508,6 +517,7 @@ class LlamaForCausalLM(nn.Module):
         self.gemv_rows = 0  # decode steps of at most this many rows run forward_gemv
         self.folded_norms = False  # decode steps run forward_folded (fold_norms)
         self.folded_prompts = False  # and the other steps' pieces are folded too (fold_norms)
+        self.fp8_linears = False  # the projections are FP8 layers (use_fp8_linears)
         self.tie_weights()
 
     def reset_rotary(self, device: torch.device | str) -> None:
@@ -654,8 +664,9 @@ class LlamaForCausalLM(nn.Module):
             or not cfg.plain_layers
             or cfg.attn_logit_softcapping
             or self.tp_size > 1
+            or self.fp8_linears
         ):
-            return False  # (the C++ loop has no all-reduce, experts or softcap)
+            return False  # (the C++ loop has no all-reduce, experts, softcap or FP8 layers)
         layers = CpuDecodeLayers(ops, self.config, self.rotary)
         if not all(layers.add_layer(cast(DecoderLayer, layer)) for layer in self.layers):
             return False
@@ -676,6 +687,7 @@ class LlamaForCausalLM(nn.Module):
             self.fused_rope
             and self.config.gemv_layers
             and self.tp_size == 1  # (the residual adds inside the GEMVs precede no all-reduce)
+            and not self.fp8_linears
             and 0 < rows <= MAX_ROWS
         )
         self.gemv_rows = rows if ok else 0
@@ -697,7 +709,12 @@ class LlamaForCausalLM(nn.Module):
         its interpreter).
         Call after the weights are loaded; a second call folds what the norms hold then (ones,
         unless they were changed). Returns whether the path is on."""
-        if not self.fused_rope or not self.config.plain_layers or self.tp_size > 1:
+        if (
+            not self.fused_rope
+            or not self.config.plain_layers
+            or self.tp_size > 1
+            or self.fp8_linears
+        ):
             return False
         with torch.no_grad():
             for layer in self.layers:
@@ -713,6 +730,22 @@ class LlamaForCausalLM(nn.Module):
         self.folded_norms = True
         self.folded_prompts = prompts
         return True
+
+    def use_fp8_linears(self) -> int:
+        """Make the layers' projections FP8 layers (``Fp8Linear``, W8A8; ``FP8_LINEAR`` names
+        them in a checkpoint): the attention's qkv and o, the dense MLPs' gate/up and down.
+        Call before the weights are loaded (the new layers are empty, on the old ones'
+        device). The decode paths that read the weights themselves (GEMV layers, folded
+        norms, one-call CPU decode) are then off. Returns how many layers were replaced."""
+        replaced = 0
+        for module in list(self.modules()):
+            for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+                linear = getattr(module, name, None)
+                if isinstance(module, Attention | MLP) and isinstance(linear, nn.Linear):
+                    setattr(module, name, Fp8Linear.like(linear))
+                    replaced += 1
+        self.fp8_linears = replaced > 0
+        return replaced
 
     def kv_scales(self) -> list[tuple[float, float]]:
         """Each layer's KV cache scales (K, V): an FP8 checkpoint's calibrated ones, else 1."""
@@ -797,8 +830,12 @@ class LlamaForCausalLM(nn.Module):
                 tensor = self._tp_slice(name, tensor)
             if self.rotation_order is not None and _TURNED.search(name):
                 tensor = reorder_heads(tensor, self.rotation_order)
-            if name.endswith(_RESIDUAL_OUTPUTS) and self.config.residual_multiplier != 1.0:
-                # Granite scales what these add to the residual stream: in the weights, once
+            if self.config.residual_multiplier != 1.0 and (
+                (name.endswith(_RESIDUAL_OUTPUTS) and tensor.dtype != FP8_DTYPE)
+                or name.endswith(_RESIDUAL_SCALES)
+            ):
+                # Granite scales what these add to the residual stream: in the weights (an
+                # FP8 weight's scales), once
                 tensor = tensor * self.config.residual_multiplier
             expert = _EXPERT.match(name)
             if expert is not None:
@@ -817,11 +854,18 @@ class LlamaForCausalLM(nn.Module):
             param = params.get(name)
             if param is None:
                 raise ValueError(f"checkpoint tensor {hf_name!r} has no place in the model")
-            with torch.no_grad():
-                if shard is None:
-                    param.copy_(tensor)
-                else:
-                    param.narrow(0, *_shard_range(self.config, param, name, shard)).copy_(tensor)
+            if tensor.dtype == FP8_DTYPE and param.dtype != FP8_DTYPE:
+                raise ValueError(f"checkpoint tensor {hf_name!r} is FP8, its parameter "
+                                 f"{param.dtype}")  # fmt: skip
+            rows = _shard_range(self.config, param, name, shard) if shard is not None else None
+            if param.dtype == FP8_DTYPE and tensor.dtype != FP8_DTYPE:
+                # a higher-precision weight into an FP8 layer: quantized, a scale a row
+                fp8 = cast(Fp8Linear, self.get_submodule(name.removesuffix(".weight")))
+                fp8.load_rows_(tensor, rows[0] if rows is not None else 0)
+                loaded.add(f"{name}_scale")
+            else:
+                with torch.no_grad():
+                    (param if rows is None else param.narrow(0, *rows)).copy_(tensor)
             loaded.add(name)
         # a stacked parameter is loaded once every expert's pieces are
         loaded.update(

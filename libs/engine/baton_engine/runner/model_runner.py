@@ -45,6 +45,7 @@ from baton_kernels.attention import AttentionMetadata, KVCacheView, create_atten
 from baton_kernels.attention.base import FP8_KV_DTYPES, copy_blocks_, to_cache_dtype
 from baton_kernels.cpu_linear import pack_linears
 from baton_kernels.cpu_ops import load_cpu_ops
+from baton_kernels.fp8_linear import FP8_DTYPE, Fp8Linear
 
 logger = logging.getLogger(__name__)
 # A step's grammar bitmask, made when asked for (EngineCore fills it on the host).
@@ -237,6 +238,7 @@ class ModelRunner:
         num_scheduler_steps: int = 1,
         lora: LoRALimits | None = None,
         kv_cache_dtype: torch.dtype | None = None,
+        fp8_linears: bool = False,
     ) -> None:
         """``model_config`` is the whole model's; with ``tp_size`` > 1 the runner holds rank
         ``tp_rank``'s shard (``model_config`` then becomes the shard's shape: its heads, its
@@ -244,7 +246,8 @@ class ModelRunner:
         (``baton_engine.distributed``). ``lora``: serve LoRA adapters within those limits
         (``self.lora``, once the weights are final); the fused decode paths are then off.
         ``kv_cache_dtype``: the KV cache's (None: ``dtype``; an 8-bit float stores K and V
-        rounded to it, ``attention.base.FP8_KV_DTYPES``)."""
+        rounded to it, ``attention.base.FP8_KV_DTYPES``). ``fp8_linears``: the projections
+        are FP8 layers (W8A8, ``LlamaForCausalLM.use_fp8_linears``)."""
         self.lora_limits = lora
         self.lora: LoRAManager | None = None
         self.pooler = PoolerConfig()  # how embeddings pool (EngineCore sets it)
@@ -308,7 +311,10 @@ class ModelRunner:
             self.model.set_reduce(distributed.all_reduce)
         # in the model's dtype before any memory is taken (float32 first would need twice the
         # bytes: more than an H200 holds for a rank of Llama-3.1-70B at TP 2)
-        self.model.to(dtype).to_empty(device=self.device)
+        self.model.to(dtype)
+        if fp8_linears:  # (after the cast to dtype, which would make them 16-bit again)
+            self.model.use_fp8_linears()
+        self.model.to_empty(device=self.device)
         self.model.tie_weights()
         self.model.reset_rotary(self.device)
         self.model.eval()
@@ -353,9 +359,13 @@ class ModelRunner:
             for name, param in self.model.named_parameters():
                 if "norm" in name:
                     param.fill_(1.0)
-                else:
+                elif param.dtype != FP8_DTYPE and not name.endswith(".weight_scale"):
                     noise = torch.randn(param.shape, generator=gen, device=self.device)
                     param.copy_(noise.mul_(0.02))
+            for module in self.model.modules():
+                if isinstance(module, Fp8Linear):  # (drawn as the others, then quantized)
+                    noise = torch.randn(module.weight.shape, generator=gen, device=self.device)
+                    module.load_rows_(noise.mul_(0.02))
 
     def finalize_weights(self) -> None:
         """After loading: pack linear weights for the CPU's GEMM kernels (CPU, bf16; the LM
