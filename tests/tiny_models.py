@@ -260,3 +260,18 @@ def hf_greedy(model: torch.nn.Module, prompts: list[list[int]], n: int) -> list[
             )  # fmt: skip
             want.append(out[0, len(p) :].tolist())
     return want
+
+
+def forced_logprobs(llm: Any, forced: list[list[int]]) -> list[list[float]]:
+    """The logprob ``llm`` gives each token of each sequence of ``forced`` after its first
+    (teacher-forced: the sequences scored as prompts, through prompt logprobs)."""
+    from baton import SamplingParams
+
+    scored = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    outs = llm.generate([{"prompt_token_ids": f} for f in forced], scored, use_tqdm=False)
+    logprobs = []
+    for out, ids in zip(outs, forced, strict=True):
+        plp = out.prompt_logprobs
+        assert plp is not None
+        logprobs.append([plp[i][ids[i]].logprob for i in range(1, len(ids))])
+    return logprobs

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from test_fp8_checkpoints import _fp8_folder
-from tiny_models import build_model, hf_greedy
+from tiny_models import build_model, forced_logprobs, greedy_tokens, hf_greedy
 
 from baton import LLM, SamplingParams
 from baton_engine.errors import InvalidRequestError
@@ -42,13 +42,7 @@ def run(model_dir: Path, forced: list[list[int]] | None = None, **settings: Any)
         tokenizer = llm.get_tokenizer()
         if forced is None:
             forced = [tokenizer(p).input_ids + t for p, t in zip(PROMPTS, tokens, strict=True)]
-        scored = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
-        outs = llm.generate([{"prompt_token_ids": f} for f in forced], scored, use_tqdm=False)
-        logprobs = []
-        for out, ids in zip(outs, forced, strict=True):
-            plp = out.prompt_logprobs
-            assert plp is not None
-            logprobs.append([plp[i][ids[i]].logprob for i in range(1, len(ids))])  # type: ignore[index]
+        logprobs = forced_logprobs(llm, forced)
         weight_bytes = sum(m.weight.numel() * m.weight.element_size() for m in fp8_layers(llm))
         return tokens, forced, logprobs, len(fp8_layers(llm)), weight_bytes
     finally:
@@ -77,20 +71,41 @@ def test_quantization_fp8_quantizes_the_projections_and_generates_close_to_the_m
     assert [t[:2] for t in tokens] == [t[:2] for t in want_tokens]
 
 
-def _w8a8(module: torch.nn.Linear, w8: torch.Tensor, scale: torch.Tensor) -> None:
+def _w8a8(module: torch.nn.Linear, w8: torch.Tensor, scale: torch.Tensor, slices: int = 1) -> None:
     """Make ``module`` (transformers') compute W8A8 with the checkpoint's FP8 weight ``w8`` and
     ``scale`` (one, or one a row): each row of the input times ``448 / max|row|``, rounded to
-    FP8, both products' scales applied to the float32 product."""
+    FP8, both products' scales applied to the float32 product. ``slices``: the input's columns
+    in that many slices, each quantized and multiplied on its own, the products summed (a
+    row-parallel projection split across ranks)."""
     w = w8.float() * scale.float().reshape(-1, 1)
 
     def forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        s = x.abs().amax(dim=-1, keepdim=True).float() * (1.0 / 448.0)
-        s = s.clamp(min=1.0 / (448.0 * 512))
-        q = (x.float() * (1.0 / s)).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
-        out = (q.float() * s) @ w.t()
+        out = torch.zeros(*x.shape[:-1], w.shape[0])
+        for xs, ws in zip(x.chunk(slices, -1), w.chunk(slices, -1), strict=True):
+            s = xs.abs().amax(dim=-1, keepdim=True).float() * (1.0 / 448.0)
+            s = s.clamp(min=1.0 / (448.0 * 512))
+            q = (xs.float() * (1.0 / s)).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+            out += (q.float() * s) @ ws.t()
         return (out if self.bias is None else out + self.bias).to(x.dtype)
 
     module.forward = types.MethodType(forward, module)  # type: ignore[method-assign]
+
+
+def _fp8_reference(
+    default_model_dir: Path, tmp_path: Path, method: str, slices: int = 1
+) -> tuple[dict[str, torch.Tensor], list[list[int]], list[list[int]]]:
+    """An FP8 checkpoint of the tiny Llama in ``tmp_path / "fp8"``, its tensors, two prompts,
+    and transformers' greedy tokens for them with each projection W8A8 from the checkpoint's
+    weights (o_proj and down_proj in ``slices``)."""
+    model = build_model("llama", default_model_dir, tmp_path / "model")
+    _fp8_folder(method, model, tmp_path / "model", tmp_path / "fp8")
+    checkpoint = load_file(str(tmp_path / "fp8" / "model.safetensors"))
+    for name, module in model.named_modules():
+        if name.endswith("_proj") and f"{name}.weight_scale" in checkpoint:
+            split = slices if name.endswith(("o_proj", "down_proj")) else 1
+            _w8a8(module, checkpoint[f"{name}.weight"], checkpoint[f"{name}.weight_scale"], split)
+    prompts = [[10 + i for i in range(n)] for n in (5, 23)]
+    return checkpoint, prompts, hf_greedy(model, prompts, 10)
 
 
 @pytest.mark.parametrize("method", ["compressed-tensors", "modelopt"])
@@ -101,14 +116,7 @@ def test_an_fp8_checkpoints_weights_are_served_as_they_are(
     (compressed-tensors) or by tensor (ModelOpt) keeps its FP8 bytes: the fused qkv and gate/up
     layers hold the parts' bytes and each part's scales on its rows; the engine's greedy tokens
     are transformers' with each projection computed W8A8 from those weights."""
-    model = build_model("llama", default_model_dir, tmp_path / "model")
-    _fp8_folder(method, model, tmp_path / "model", tmp_path / "fp8")
-    checkpoint = load_file(str(tmp_path / "fp8" / "model.safetensors"))
-    for name, module in model.named_modules():
-        if name.endswith("_proj") and f"{name}.weight_scale" in checkpoint:
-            _w8a8(module, checkpoint[f"{name}.weight"], checkpoint[f"{name}.weight_scale"])
-    prompts = [[10 + i for i in range(n)] for n in (5, 23)]
-    want = hf_greedy(model, prompts, 10)
+    checkpoint, prompts, want = _fp8_reference(default_model_dir, tmp_path, method)
     llm = LLM(str(tmp_path / "fp8"), quantization="fp8", **SMALL)
     try:
         qkv = llm.engine.core.runner.model.layers[1].self_attn.qkv_proj
@@ -124,6 +132,17 @@ def test_an_fp8_checkpoints_weights_are_served_as_they_are(
         assert [list(g.outputs[0].token_ids) for g in got] == want
     finally:
         llm.shutdown()
+
+
+def test_two_ranks_quantize_their_own_slices(default_model_dir: Path, tmp_path: Path) -> None:
+    """Split two ways (as vLLM splits FP8 layers): each rank's qkv and gate/up rows are the
+    checkpoint's FP8 rows, with their scales; o_proj and down_proj take each rank's columns
+    with the rows' whole scales, and each rank quantizes its own slice of their input. The
+    tokens are transformers' W8A8 with those two products computed a slice at a time."""
+    _, prompts, want = _fp8_reference(default_model_dir, tmp_path, "compressed-tensors", 2)
+    got = greedy_tokens(tmp_path / "fp8", prompts, 10, kv_cache_memory=1 << 24,
+                        tensor_parallel_size=2, quantization="fp8")  # fmt: skip
+    assert got == want
 
 
 def test_a_block_scaled_checkpoint_is_requantized_by_rows(

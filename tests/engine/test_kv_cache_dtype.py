@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from tiny_models import forced_logprobs
 
 from baton import LLM, SamplingParams
 from baton_engine.errors import InvalidRequestError
@@ -33,13 +34,7 @@ def run(model_dir: Path, kv_cache_dtype: str, forced: list[list[int]] | None = N
         tokenizer = llm.get_tokenizer()
         if forced is None:  # the prompts and this engine's own continuations
             forced = [tokenizer(p).input_ids + t for p, t in zip(PROMPTS, tokens, strict=True)]
-        scored = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
-        outs = llm.generate([{"prompt_token_ids": f} for f in forced], scored, use_tqdm=False)
-        logprobs = []
-        for out, ids in zip(outs, forced, strict=True):
-            plp = out.prompt_logprobs
-            assert plp is not None
-            logprobs.append([plp[i][ids[i]].logprob for i in range(1, len(ids))])  # type: ignore[index]
+        logprobs = forced_logprobs(llm, forced)
         core = llm.engine.core
         pool = core.kv_pool
         return tokens, forced, logprobs, pool.dtype, pool.shape[0], core.cache_config_info()

@@ -74,25 +74,27 @@ def test_a_rows_largest_value_is_the_formats_largest_and_the_error_is_a_rounding
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("lead", [(2, 3), (3,)])  # (on a GPU: the FP8 GEMM, the few-row kernel)
 def test_the_fp8_product_is_the_dequantized_operands_product(
-    dtype: torch.dtype, bias: bool
+    dtype: torch.dtype, bias: bool, lead: tuple[int, ...]
 ) -> None:
-    x = _rand(2, 3, 64, dtype=dtype)  # (leading dims kept)
+    x = _rand(*lead, 64, dtype=dtype)  # (leading dims kept)
+    rows = x.numel() // 64
     layer = Fp8Linear(64, 48, bias, dtype, DEVICE)
     layer.load_rows_(_rand(48, 64, seed=1) * 0.05)
     if layer.bias is not None:
         layer.bias.data.copy_(_rand(48, seed=2).to(dtype))
     got = layer(x)
-    assert got.shape == (2, 3, 48) and got.dtype == dtype
+    assert got.shape == (*lead, 48) and got.dtype == dtype
     # the reference: both operands dequantized, multiplied in float32
-    q, scale = ref_quantize_rows(x.reshape(6, 64))
+    q, scale = ref_quantize_rows(x.reshape(rows, 64))
     w = layer.weight.float() * layer.weight_scale.unsqueeze(1)
     want = (q.float() * scale.unsqueeze(1)) @ w.t()
     if layer.bias is not None:
         want += layer.bias.float()
     # float32 sums in another order (CPU), or a bfloat16 output (GPU)
     atol, rtol = (1e-5, 1e-5) if dtype == torch.float32 and not x.is_cuda else (2e-2, 1e-2)
-    torch.testing.assert_close(got.float().reshape(6, 48), want, atol=atol, rtol=rtol)
+    torch.testing.assert_close(got.float().reshape(rows, 48), want, atol=atol, rtol=rtol)
     ref = ref_fp8_linear(x, layer.weight, layer.weight_scale, layer.bias)
     torch.testing.assert_close(got.float(), ref.float(), atol=atol, rtol=rtol)
     # against the unquantized product: within FP8's rounding of both operands
@@ -132,18 +134,19 @@ def test_rows_quantized_in_pieces_equal_the_whole() -> None:
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("n", "k", "bias"), [(37, 100, True), (48, 600, False)])
+@pytest.mark.parametrize("dot", [None, (16, 64, 4, 2), (32, 128, 4, 3)])
 def test_the_few_rows_kernel_is_the_dequantized_operands_product(
-    rows: int, dtype: torch.dtype, n: int, k: int, bias: bool
+    rows: int, dtype: torch.dtype, n: int, k: int, bias: bool, dot: tuple[int, ...] | None
 ) -> None:
-    """The GEMV of a few FP8 rows (a decode step's) by an FP8 weight: the dequantized
-    operands' float32 product, within the order of the sums (neither N nor K a multiple of
-    the kernel's blocks in the first shape)."""
+    """The GEMV of a few FP8 rows (a decode step's) by an FP8 weight, on the CUDA cores or
+    the tensor cores (``dot``): the dequantized operands' float32 product, within the order of
+    the sums (neither N nor K a multiple of the kernel's blocks in the first shape)."""
     layer = Fp8Linear(k, n, bias, dtype, DEVICE)
     layer.load_rows_(_rand(n, k, seed=1) * 0.05)
     if layer.bias is not None:
         layer.bias.data.copy_(_rand(n, seed=2).to(dtype))
     q, scale = quantize_rows(_rand(rows, k, dtype=dtype))
-    got = fp8_gemv(q, scale, layer.weight, layer.weight_scale, layer.bias, dtype)
+    got = fp8_gemv(q, scale, layer.weight, layer.weight_scale, layer.bias, dtype, dot)  # type: ignore[arg-type]
     w = layer.weight.float() * layer.weight_scale.unsqueeze(1)
     want = (q.float() * scale.unsqueeze(1)) @ w.t()
     if layer.bias is not None:

@@ -84,6 +84,13 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 GEMV_MAX_ROWS = 4
+# fp8_gemv's default launch on the tensor cores (columns per program, K per iteration, warps,
+# stages); None: the CUDA-core kernel. The best of a sweep over Llama-3.1-8B's projections at 1
+# row on an H100 (fp8gemv55.py, graph-timed: 88.9 us for the four against 98.2 on the CUDA
+# cores, 154.1 for bf16 cuBLAS); batch-1 decode through the engine: Llama's shape 233.1 tok/s
+# against 201.5 on the CUDA cores (178.3 in bf16), Qwen2.5-0.5B's 825.2 against 744.3
+# (benchmarks/RESULTS.md)
+GEMV_DOT: tuple[int, int, int, int] | None = (32, 1024, 4, 3)
 
 
 @triton.jit
@@ -101,10 +108,16 @@ def _fp8_gemv_kernel(
     s_wn,
     s_om,
     HAS_BIAS: tl.constexpr,
+    DOT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
+    """One program a block of ``BLOCK_N`` output columns, over the whole of K. On the CUDA
+    cores the products are summed lane by lane over the K loop and across the lanes once at
+    the end; on the tensor cores (``DOT``) the rows are padded to ``BLOCK_M`` (16, the
+    smallest tile) and each K slice is one FP8 dot, whose weight loads Triton's software
+    pipeline keeps in flight (``num_stages``)."""
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -113,15 +126,33 @@ def _fp8_gemv_kernel(
     n_ok = offs_n < N
     q_rows = q_ptr + offs_m[:, None] * s_qm
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * s_wn
-    # lane by lane over the K loop, across the lanes once at the end
-    acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
+    if DOT:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + offs_k
         k_ok = kk < K
         w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         q = tl.load(q_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        acc += q.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
-    y = tl.sum(acc, axis=2)
+        if DOT:
+            acc = tl.dot(q, tl.trans(w), acc)
+        else:
+            acc += q.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+    if DOT:  # noqa: SIM108  (a branch taken at compile time: the shapes differ)
+        y = acc
+    else:
+        y = tl.sum(acc, axis=2)
+    _fp8_gemv_store(y, q_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, offs_m, offs_n, m_ok, n_ok,
+                    s_om, HAS_BIAS)  # fmt: skip
+
+
+@triton.jit
+def _fp8_gemv_store(
+    y, q_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, offs_m, offs_n, m_ok, n_ok, s_om,
+    HAS_BIAS: tl.constexpr,
+):  # fmt: skip
+    """The float32 sums ``y`` ``[BLOCK_M, BLOCK_N]`` times both scales, plus the bias, stored."""
     y *= tl.load(q_scale_ptr + offs_m, mask=m_ok, other=0.0)[:, None]
     y *= tl.load(w_scale_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
     if HAS_BIAS:
@@ -140,34 +171,27 @@ def fp8_gemv(
     weight_scale: torch.Tensor,
     bias: torch.Tensor | None,
     out_dtype: torch.dtype,
+    dot: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
     """``(q * q_scale) @ (weight * weight_scale).T (+ bias)`` for ``q`` ``[M, K]`` FP8 rows
-    (``quantize_rows``), M at most ``GEMV_MAX_ROWS``, reading ``weight`` ``[N, K]`` once."""
+    (``quantize_rows``), M at most ``GEMV_MAX_ROWS``, reading ``weight`` ``[N, K]`` once.
+    ``dot``: on the tensor cores (``_fp8_gemv_dot_kernel``) with this (columns per program, K
+    per iteration, warps, stages); default ``GEMV_DOT`` (None: the CUDA cores)."""
     rows, k = q.shape
     n = weight.shape[0]
     assert 1 <= rows <= GEMV_MAX_ROWS and weight.shape[1] == k and weight.stride(1) == 1
     out = torch.empty(rows, n, dtype=out_dtype, device=q.device)
-    block_m = next_pow2(rows)
-    block_n = 16
-    block_k = min(512 if block_m <= 2 else 256, max(16, next_pow2(k)))
+    dot = dot or GEMV_DOT
+    if dot is not None:
+        block_m, (block_n, block_k, num_warps, num_stages) = 16, dot
+        block_k = min(block_k, max(32, next_pow2(k)))
+    else:
+        block_m, block_n, num_warps, num_stages = next_pow2(rows), 16, 4, 1
+        block_k = min(512 if block_m <= 2 else 256, max(16, next_pow2(k)))
     launcher(_fp8_gemv_kernel)(
-        (triton.cdiv(n, block_n),),
-        q,
-        q_scale,
-        weight,
-        weight_scale,
-        bias,
-        out,
-        rows,
-        n,
-        k,
-        q.stride(0),
-        weight.stride(0),
-        out.stride(0),
-        HAS_BIAS=bias is not None,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
-        num_warps=4,
-    )
+        (triton.cdiv(n, block_n),), q, q_scale, weight, weight_scale, bias, out, rows, n, k,
+        q.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
+        DOT=dot is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
     return out
