@@ -262,13 +262,15 @@ def hf_greedy(model: torch.nn.Module, prompts: list[list[int]], n: int) -> list[
     return want
 
 
-def forced_logprobs(llm: Any, forced: list[list[int]]) -> list[list[float]]:
+def forced_logprobs(llm: Any, forced: list[list[int]], lora: Any = None) -> list[list[float]]:
     """The logprob ``llm`` gives each token of each sequence of ``forced`` after its first
-    (teacher-forced: the sequences scored as prompts, through prompt logprobs)."""
+    (teacher-forced: the sequences scored as prompts, through prompt logprobs), with the LoRA
+    adapter ``lora`` if given."""
     from baton import SamplingParams
 
     scored = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
-    outs = llm.generate([{"prompt_token_ids": f} for f in forced], scored, use_tqdm=False)
+    prompts = [{"prompt_token_ids": f} for f in forced]
+    outs = llm.generate(prompts, scored, lora_request=lora, use_tqdm=False)
     logprobs = []
     for out, ids in zip(outs, forced, strict=True):
         plp = out.prompt_logprobs

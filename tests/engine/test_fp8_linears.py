@@ -190,3 +190,40 @@ def test_dummy_weights_and_other_methods(default_model_dir: Path, tmp_path: Path
         assert len(fp8_layers(llm)) == 2 * 4
     finally:
         llm.shutdown()
+
+
+def test_lora_adapters_apply_over_fp8_layers(default_model_dir: Path, tmp_path: Path) -> None:
+    """An adapter on every projection over FP8 layers (its deltas in the model's dtype, from
+    each projection's unquantized input): the float32 model with the adapter scores its own
+    continuations within 0.3 nats a token of the FP8 one with it (measured 0.20), and less
+    than half as far as the FP8 model without it (0.64)."""
+    from lora_adapters import SHAPES, write_adapter
+
+    from baton import LoRARequest
+
+    folder = write_adapter(tmp_path / "every", rank=8, alpha=16, targets=tuple(SHAPES), seed=1)
+    every = LoRARequest("every", 1, str(folder))
+    lora = {"enable_lora": True, "max_loras": 2, "max_lora_rank": 8}
+    greedy = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
+    scores: dict[tuple[str | None, bool], list[list[float]]] = {}
+    forced: list[list[int]] = []
+    for quantization in (None, "fp8"):
+        llm = LLM(str(default_model_dir), quantization=quantization, **SMALL, **lora)
+        try:
+            if not forced:
+                outs = llm.generate(PROMPTS, greedy, lora_request=every, use_tqdm=False)
+                tokenizer = llm.get_tokenizer()
+                forced = [tokenizer(p).input_ids + list(o.outputs[0].token_ids)
+                          for p, o in zip(PROMPTS, outs, strict=True)]  # fmt: skip
+            for adapter in (every, None):
+                scores[quantization, adapter is not None] = forced_logprobs(llm, forced, adapter)
+        finally:
+            llm.shutdown()
+
+    def gap(a: list[list[float]], b: list[list[float]]) -> float:
+        gaps = [abs(x - y) for u, v in zip(a, b, strict=True) for x, y in zip(u, v, strict=True)]
+        return sum(gaps) / len(gaps)
+
+    want = scores[None, True]
+    assert gap(scores["fp8", True], want) < 0.3
+    assert gap(scores["fp8", True], want) < 0.5 * gap(scores["fp8", False], want)
