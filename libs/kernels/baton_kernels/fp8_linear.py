@@ -5,10 +5,12 @@ multiplies the two 8-bit matrices, applying both scales to the float32 accumulat
 ``out[m, n] = s[m] * w_scale[n] * sum_k q[m, k] w8[n, k]`` (+ bias).
 
 On GPUs of compute capability 8.9 and above (Ada, Hopper: FP8 tensor cores) the product is one
-FP8 GEMM (half a bf16 GEMM's weight bytes, twice its peak FLOP/s) and the quantization one
-Triton launch (``triton/quant.py``). Elsewhere torch's CPU ``_scaled_mm`` computes the same
-product exactly in float32 (correct, but ~15x slower than a bf16 GEMM on the development CPU:
-FP8 on a CPU saves memory, not time).
+FP8 GEMM (half a bf16 GEMM's weight bytes, twice its peak FLOP/s), or for at most
+``GEMV_ROWS`` rows (a few requests' decode step) a Triton GEMV of the FP8 rows on the tensor
+cores (``triton/quant.py``: the GEMM's 64-row tiles read the weight far below the memory's
+bandwidth), and the quantization one Triton launch. Elsewhere torch's CPU ``_scaled_mm``
+computes the same product exactly in float32 (correct, but ~18x slower than a bf16 GEMM on the
+development CPU: FP8 on a CPU saves memory, not time).
 
 One scale a row holds an FP8 checkpoint's own quantization exactly, whether it has one scale a
 tensor or one an output channel (a fused qkv or gate/up projection gets each part's scale on
