@@ -134,9 +134,9 @@ def test_rows_quantized_in_pieces_equal_the_whole() -> None:
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("n", "k", "bias"), [(37, 100, True), (48, 600, False)])
-@pytest.mark.parametrize("dot", [None, (16, 64, 4, 2), (32, 128, 4, 3)])
+@pytest.mark.parametrize("dot", [None, (16, 64, 4, 2), (32, 128, 4, 3), "default"])
 def test_the_few_rows_kernel_is_the_dequantized_operands_product(
-    rows: int, dtype: torch.dtype, n: int, k: int, bias: bool, dot: tuple[int, ...] | None
+    rows: int, dtype: torch.dtype, n: int, k: int, bias: bool, dot: tuple[int, ...] | str | None
 ) -> None:
     """The GEMV of a few FP8 rows (a decode step's) by an FP8 weight, on the CUDA cores or
     the tensor cores (``dot``): the dequantized operands' float32 product, within the order of

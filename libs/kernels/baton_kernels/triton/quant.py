@@ -171,27 +171,28 @@ def fp8_gemv(
     weight_scale: torch.Tensor,
     bias: torch.Tensor | None,
     out_dtype: torch.dtype,
-    dot: tuple[int, int, int, int] | None = None,
+    dot: tuple[int, int, int, int] | str | None = "default",
 ) -> torch.Tensor:
     """``(q * q_scale) @ (weight * weight_scale).T (+ bias)`` for ``q`` ``[M, K]`` FP8 rows
     (``quantize_rows``), M at most ``GEMV_MAX_ROWS``, reading ``weight`` ``[N, K]`` once.
-    ``dot``: on the tensor cores (``_fp8_gemv_dot_kernel``) with this (columns per program, K
-    per iteration, warps, stages); default ``GEMV_DOT`` (None: the CUDA cores)."""
+    ``dot``: on the tensor cores (``_fp8_gemv_kernel``'s ``DOT``) with this (columns per
+    program, K per iteration, warps, stages); "default": ``GEMV_DOT``'s; None: the CUDA
+    cores."""
     rows, k = q.shape
     n = weight.shape[0]
     assert 1 <= rows <= GEMV_MAX_ROWS and weight.shape[1] == k and weight.stride(1) == 1
     out = torch.empty(rows, n, dtype=out_dtype, device=q.device)
-    dot = dot or GEMV_DOT
-    if dot is not None:
-        block_m, (block_n, block_k, num_warps, num_stages) = 16, dot
+    launch = GEMV_DOT if dot == "default" else dot
+    if isinstance(launch, tuple):
+        block_m, (block_n, block_k, num_warps, num_stages) = 16, launch
         block_k = min(block_k, max(32, next_pow2(k)))
-    else:
-        block_m, block_n, num_warps, num_stages = next_pow2(rows), 16, 4, 1
+    else:  # (Triton's default stages on NVIDIA GPUs, as the CUDA-core launch was measured)
+        block_m, block_n, num_warps, num_stages = next_pow2(rows), 16, 4, 3
         block_k = min(512 if block_m <= 2 else 256, max(16, next_pow2(k)))
     launcher(_fp8_gemv_kernel)(
         (triton.cdiv(n, block_n),), q, q_scale, weight, weight_scale, bias, out, rows, n, k,
         q.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
-        DOT=dot is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        DOT=isinstance(launch, tuple), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out
