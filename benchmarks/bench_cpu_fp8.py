@@ -1,6 +1,6 @@
 """FP8 on the CPU: the default model's offline decode throughput with the model's own KV cache
-and layers, with an FP8 KV cache (``--kv-cache-dtype fp8``: the torch attention backend, the
-C++ kernels reading 16/32-bit caches only), and with FP8 layers (``--quantization fp8``:
+and layers, with an FP8 KV cache (``--kv-cache-dtype fp8``: the C++ attention kernels widen
+its values as they read them), and with FP8 layers (``--quantization fp8``:
 torch's CPU ``_scaled_mm``). Each variant one engine in this process, after a short warm-up.
 
     python benchmarks/bench_cpu_fp8.py [--dtype bfloat16] [--num-prompts 16] [--output-len 64]

@@ -7,11 +7,13 @@ against what they replace, in one process.
   down 1536->576, and the LM head 576->49152), each with its own weight (so they stream from
   memory as in the engine), oneDNN's packed GEMM vs the AVX512-BF16 kernel, per row count.
 - attention: ``paged_decode_attention`` over 30 layers of a block-major pool, 16 requests at
-  context 130-250; once reading each layer from memory, once the same layer again (in cache).
+  context 130-250; once reading each layer from memory, once the same layer again (in cache);
+  a bf16 pool, then an FP8 one (e4m3, ``--kv-cache-dtype fp8``: the rows widened as read).
 - prompt attention: one layer's attention (with the K/V write) for 16 fresh 128-token prompts
   and for a 512-token chunk after 1,536 cached tokens, the reference backend (gather + SDPA)
   vs the CPU backend's in-place ``paged_attention``; the chunk again with a sliding window of
-  256 and with a softcap of 50 (the reference masks, or computes by hand in float32).
+  256 and with a softcap of 50 (the reference masks, or computes by hand in float32); the chunk
+  over an FP8 cache.
 - argmax: 16 rows of 49,152 float32 logits, torch vs the C++ kernel.
 """
 
@@ -84,7 +86,7 @@ def bench_attention() -> None:
     lens = [130 + 8 * i for i in range(reqs)]
     per_req = [-(-n // block) for n in lens]
     total = sum(per_req) + 8
-    pool = torch.randn(total, LAYERS, 2, block, kv_heads, dim, generator=gen).to(torch.bfloat16)
+    pool16 = torch.randn(total, LAYERS, 2, block, kv_heads, dim, generator=gen).to(torch.bfloat16)
     order = torch.randperm(total, generator=gen)
     tables = torch.zeros(reqs, max(per_req), dtype=torch.int64)
     used = 0
@@ -95,33 +97,39 @@ def bench_attention() -> None:
     seq_lens = torch.tensor(lens, dtype=torch.int64)
     scale = dim**-0.5
 
-    def all_layers() -> None:
-        for layer in range(LAYERS):
-            ops.paged_decode_attention(
-                q, pool[:, layer, 0], pool[:, layer, 1], tables, seq_lens, scale
-            )
+    for pool in (pool16, pool16.to(torch.float8_e4m3fn)):
 
-    def one_layer() -> None:
-        ops.paged_decode_attention(q, pool[:, 0, 0], pool[:, 0, 1], tables, seq_lens, scale)
+        def all_layers(pool: torch.Tensor = pool) -> None:
+            for layer in range(LAYERS):
+                ops.paged_decode_attention(
+                    q, pool[:, layer, 0], pool[:, layer, 1], tables, seq_lens, scale
+                )
 
-    from_memory = per_call(all_layers, 20) / LAYERS
-    in_cache = per_call(one_layer, 300)
-    print(
-        f"attention: 16 requests at context 130-250, 9 query / 3 KV heads: "
-        f"{from_memory * 1e6:.1f} us per layer from memory, {in_cache * 1e6:.1f} us in cache"
-    )
+        def one_layer(pool: torch.Tensor = pool) -> None:
+            ops.paged_decode_attention(q, pool[:, 0, 0], pool[:, 0, 1], tables, seq_lens, scale)
+
+        from_memory = per_call(all_layers, 20) / LAYERS
+        in_cache = per_call(one_layer, 300)
+        print(
+            f"attention: 16 requests at context 130-250, 9 query / 3 KV heads, {pool.dtype} "
+            f"cache: {from_memory * 1e6:.1f} us per layer from memory, {in_cache * 1e6:.1f} us "
+            "in cache"
+        )
 
 
 def bench_prompt_attention() -> None:
-    for label, cached, new, reqs, window, softcap in (
-        ("16 x 128 fresh", 0, 128, 16, 0, 0.0),
-        ("512 after 1536", 1536, 512, 1, 0, 0.0),
-        ("512 after 1536", 1536, 512, 1, 256, 0.0),
-        ("512 after 1536", 1536, 512, 1, 0, 50.0),
+    fp8 = torch.float8_e4m3fn
+    for label, cached, new, reqs, window, softcap, kv_dtype in (
+        ("16 x 128 fresh", 0, 128, 16, 0, 0.0, None),
+        ("512 after 1536", 1536, 512, 1, 0, 0.0, None),
+        ("512 after 1536", 1536, 512, 1, 256, 0.0, None),
+        ("512 after 1536", 1536, 512, 1, 0, 50.0, None),
+        ("512 after 1536", 1536, 512, 1, 0, 0.0, fp8),
     ):
-        times = time_prompt_attention(cached, new, reqs, window, softcap)
+        times = time_prompt_attention(cached, new, reqs, window, softcap, kv_dtype)
         options = f", window {window}" if window else ""
         options += f", softcap {softcap:g}" if softcap else ""
+        options += f", {kv_dtype} cache" if kv_dtype else ""
         print(
             f"prompt attention, {label} tokens{options}, 9 query / 3 KV heads: reference "
             f"{times['torch'] * 1e3:.2f} ms, in place {times['cpu'] * 1e3:.2f} ms per layer"
@@ -129,18 +137,23 @@ def bench_prompt_attention() -> None:
 
 
 def time_prompt_attention(
-    cached: int, new: int, reqs: int, window: int = 0, softcap: float = 0.0
+    cached: int,
+    new: int,
+    reqs: int,
+    window: int = 0,
+    softcap: float = 0.0,
+    kv_dtype: torch.dtype | None = None,
 ) -> dict[str, float]:
     """Seconds per call of each backend's forward for ``reqs`` chunks of ``new`` tokens after
     ``cached`` cached ones (one layer, bf16, the default model's heads), with the attention
-    options ``window`` and ``softcap``."""
+    options ``window`` and ``softcap``, over a cache of ``kv_dtype`` (None: bf16)."""
     from baton_kernels.attention import AttentionMetadata, KVCacheView, create_attention_backend
 
     gen = torch.Generator().manual_seed(0)
     block, kv_heads, heads, dim = 16, 3, 9, 64
     per_req = -(-(cached + new) // block)
     pool = torch.randn(reqs * per_req + 1, 2, block, kv_heads, dim, generator=gen)
-    cache = KVCacheView(pool.to(torch.bfloat16))
+    cache = KVCacheView(pool.to(kv_dtype or torch.bfloat16))
     tables = torch.arange(1, reqs * per_req + 1).view(reqs, per_req)
     pos = torch.arange(cached, cached + new)
     md = AttentionMetadata(
@@ -159,7 +172,7 @@ def time_prompt_attention(
     kv = torch.randn(reqs * new, 2, kv_heads, dim, generator=gen).to(torch.bfloat16)
     times = {}
     for name in ("torch", "cpu"):
-        backend = create_attention_backend(name)
+        backend = create_attention_backend(name, kv_dtype=kv_dtype)
         times[name] = per_call(
             lambda b=backend: b.forward(
                 q, kv[:, 0], kv[:, 1], cache, md, dim**-0.5, window=window, softcap=softcap

@@ -233,23 +233,42 @@ def check_backend(
     assert torch.equal(cache.value[slots], to_cache_dtype(new_v, cached, scales[1]))
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("kv_dtype", FP8_KV_DTYPES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("window", "softcap"), [(0, 0.0), (21, 2.5)])
 @pytest.mark.parametrize("scales", [(1.0, 1.0), (3.0, 0.1)])
-def test_reference_backend_with_an_8bit_cache(
+def test_backend_with_an_8bit_cache(
+    backend: str,
     kv_dtype: torch.dtype,
     dtype: torch.dtype,
     window: int,
     softcap: float,
     scales: tuple[float, float],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """``--kv-cache-dtype fp8`` / ``fp8_e5m2``: the new K/V are stored divided by the layer's
-    scales, rounded to the 8-bit float, and every query (decodes, fresh prompts, chunks after
-    cached context) attends to the K/V as the cache holds them, times the scales, in the
-    model's dtype."""
+    scales, rounded to the 8-bit float (bit for bit the reference's rounding), and every query
+    (decodes, fresh prompts, chunks after cached context) attends to the K/V as the cache holds
+    them, times the scales. The CPU backend runs its kernels (decodes always, prompts in bf16
+    where the tiles run)."""
+    if backend == "cpu":
+        refuse_reference(monkeypatch, prompts=dtype == torch.bfloat16)
     specs = [(0, 1), (7, 1), (40, 1), (130, 1), (0, 30), (0, 30), (0, 5), (12, 6), (90, 40)]
-    check_backend("torch", dtype, 64, 16, 6, 2, specs, window, softcap, kv_dtype, scales)
+    check_backend(backend, dtype, 64, 16, 6, 2, specs, window, softcap, kv_dtype, scales)
+
+
+@pytest.mark.parametrize("kv_dtype", FP8_KV_DTYPES)
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(2, 2), (8, 2), (7, 1), (10, 2)])
+def test_cpu_backend_with_an_8bit_cache_for_each_gqa_group(
+    kv_dtype: torch.dtype, num_heads: int, num_kv_heads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The C++ kernels' compiled group sizes and their general one, over an 8-bit cache."""
+    refuse_reference(monkeypatch, prompts=True)
+    check_backend(
+        "cpu", torch.bfloat16, 64, 16, num_heads, num_kv_heads, kv_dtype=kv_dtype,
+        scales=(0.5, 2.0),
+    )  # fmt: skip
 
 
 def test_an_8bit_cache_saturates_what_it_cannot_hold() -> None:
@@ -262,12 +281,73 @@ def test_an_8bit_cache_saturates_what_it_cannot_hold() -> None:
     assert e5m2.tolist() == [1024.0, -57344.0, 3.0, 448.0, 57344.0]
 
 
-def test_the_cpu_kernel_reads_no_8bit_cache() -> None:
-    """The C++ kernels read 16/32-bit caches only: "auto" picks the reference for an FP8 cache
-    on a CPU, and naming the cpu backend is a clear error."""
-    assert create_attention_backend("auto", "cpu", kv_dtype=torch.float8_e4m3fn).name == "torch"
-    with pytest.raises(ValueError, match=r"does not read a KV cache of torch\.float8_e4m3fn"):
-        create_attention_backend("cpu", "cpu", dtype=torch.bfloat16, kv_dtype=torch.float8_e4m3fn)
+def test_auto_picks_the_cpu_kernels_for_an_8bit_cache() -> None:
+    for kv_dtype in FP8_KV_DTYPES:
+        backend = create_attention_backend("auto", "cpu", dtype=torch.bfloat16, kv_dtype=kv_dtype)
+        assert backend.name == "cpu"
+
+
+@pytest.mark.parametrize("kv_dtype", FP8_KV_DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("scale", [1.0, 0.37])
+def test_cpu_8bit_cache_writes_round_as_the_reference(
+    kv_dtype: torch.dtype, dtype: torch.dtype, scale: float
+) -> None:
+    """``write_kv_cache_`` into an 8-bit cache stores bit for bit what the reference stores:
+    values past the format's range saturate, ties round to even, subnormals and signed zeros
+    keep their value, each of K and V divided by its own scale."""
+    from baton_kernels.cpu_ops import load_cpu_ops
+
+    ops = load_cpu_ops()
+    assert ops is not None
+    top = torch.finfo(kv_dtype).max
+    tiny = torch.finfo(kv_dtype).smallest_normal
+    special = [0.0, -0.0, top, -top, 2 * top, -1e9, tiny, tiny / 8, tiny / 3, -tiny / 5, 1e-30]
+    step = 0.125 if kv_dtype == torch.float8_e4m3fn else 0.25  # (between 1 and 2)
+    ties = 1.0 + (torch.arange(8) * 2 + 1) * step / 2  # halfway between two values
+    gen = torch.Generator().manual_seed(3)
+    noise = torch.randn(5 * 2 * 64 - len(special) - len(ties), generator=gen) * 40
+    rows = torch.cat([torch.tensor(special), ties, noise]).view(5, 2, 64).to(dtype)
+    key, value = rows, -rows.flip(0)
+    kv = torch.zeros(3, 2, 4, 2, 64, dtype=kv_dtype)
+    blocks, offsets = torch.tensor([2, 0, 2, 1, 0]), torch.tensor([3, 0, 1, 2, 1])
+    ops.write_kv_cache_(key, value, kv, blocks, offsets, scale, 2 * scale)
+    bits = kv.view(torch.uint8)
+    want_k = to_cache_dtype(key, kv_dtype, scale).view(torch.uint8)
+    want_v = to_cache_dtype(value, kv_dtype, 2 * scale).view(torch.uint8)
+    assert torch.equal(bits[blocks, 0, offsets], want_k)
+    assert torch.equal(bits[blocks, 1, offsets], want_v)
+
+
+@pytest.mark.parametrize("kv_dtype", FP8_KV_DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cpu_kernels_read_every_8bit_value_exactly(
+    kv_dtype: torch.dtype, dtype: torch.dtype
+) -> None:
+    """A sequence of one token attends to its V alone: the output is the cache's value times
+    V's scale, for each of the 256 bytes (subnormals, zeros, the largest values; e4m3's NaN
+    and e5m2's infinities and NaNs stay so), in the decode kernel and the prompt rows."""
+    from baton_kernels.cpu_ops import load_cpu_ops
+
+    ops = load_cpu_ops()
+    assert ops is not None
+    kv = torch.arange(256, dtype=torch.int64).to(torch.uint8).view(1, 1, 1, 4, 64)
+    kv = kv.expand(2, 2, 16, 4, 64).contiguous().view(kv_dtype)  # every row: all 256 bytes
+    kv[:, 0] = to_cache_dtype(torch.full((2, 16, 4, 64), 0.5), kv_dtype)  # (finite keys)
+    q = torch.randn(3, 8, 64, generator=torch.Generator().manual_seed(4)).to(dtype)
+    tables = torch.tensor([[1], [0], [1]])
+    v_scale = 4.0  # (a power of 2: the product is exact in either dtype)
+    want = (kv[1, 1, 0].float() * v_scale).repeat_interleave(2, dim=0)  # [8 heads, 64]
+    decode = ops.paged_decode_attention(
+        q, kv[:, 0], kv[:, 1], tables, torch.tensor([1, 1, 1]), 0.125, 0, 0.0, 3.0, v_scale
+    )
+    prompt = ops.paged_attention(
+        q, kv[:, 0], kv[:, 1], tables, torch.tensor([1, 1, 1]), torch.tensor([0, 1, 2, 3]),
+        0.125, 0, 0.0, 3.0, v_scale,
+    )  # fmt: skip
+    for out in (decode, prompt):
+        for row in out:
+            torch.testing.assert_close(row.float(), want, rtol=0, atol=0, equal_nan=True)
 
 
 def test_unknown_backend_is_a_clear_error() -> None:

@@ -1,7 +1,8 @@
 """The CPU engine runs a decode-only step's layers in one C++ call (csrc/decode_layers_cpu.cpp,
 ``CpuDecodeLayers``): the hidden states must equal the Python layer loop's bit for bit, for the
-default model, for a model with a qkv bias (Qwen2) and for one with sliding windows (Mistral),
-and the path must stay off where its kernels do not apply."""
+default model (with its own KV cache and with FP8 ones), for a model with a qkv bias (Qwen2) and
+for one with sliding windows (Mistral), and the path must stay off where its kernels do not
+apply."""
 
 from __future__ import annotations
 
@@ -120,6 +121,22 @@ def test_sliding_window_model_equals_the_python_layers(
     assert run_comparing_paths(core) >= 10
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e5m2"])
+def test_8bit_kv_cache_decode_steps_equal_the_python_layers(
+    default_model_dir: Path, kv_cache_dtype: str
+) -> None:
+    """An FP8 KV cache: the one call writes and reads it with each layer's K and V scales (not
+    1 here, as a checkpoint's calibrated ones) as the Python layers' kernels do."""
+    core = engine(default_model_dir, kv_cache_dtype=kv_cache_dtype)
+    runner = core.runner
+    assert runner.backend.name == "cpu"
+    runner.kv_caches = [
+        cache._replace(k_scale=0.5 + i / 10, v_scale=2.0 - i / 20)
+        for i, cache in enumerate(runner.kv_caches)
+    ]
+    assert run_comparing_paths(core) >= 10
+
+
 def test_off_where_its_kernels_do_not_apply(default_model_dir: Path) -> None:
     assert engine(default_model_dir, dtype="float32").runner.model.cpu_decode_layers is None
     reference = engine(default_model_dir, attention_backend="torch")
@@ -134,4 +151,9 @@ def test_bad_input_is_a_clear_error() -> None:
         ops.decode_layers(
             hidden, idx, torch.zeros(8, 2, 64), [hidden], [torch.zeros(1, 2, 16, 1, 64)],
             idx, idx, idx.view(2, 1), idx, 1, 1, 64, 128, 1e-5, 0.125, [],
+        )  # fmt: skip
+    with pytest.raises(RuntimeError, match="kv_scales: K's and V's per layer or none"):
+        ops.decode_layers(
+            hidden, idx, torch.zeros(8, 2, 64), [hidden] * 7, [torch.zeros(1, 2, 16, 1, 64)],
+            idx, idx, idx.view(2, 1), idx, 1, 1, 64, 128, 1e-5, 0.125, [], [1.0],
         )  # fmt: skip

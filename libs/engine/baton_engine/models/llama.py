@@ -364,6 +364,8 @@ class CpuDecodeLayers:
         md: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(hidden, residual)`` after the last layer, before the final norm."""
+        # an 8-bit cache's K and V scales per layer (the kernels ignore them otherwise)
+        kv_scales = [s for cache in kv_caches for s in (cache.k_scale, cache.v_scale)]
         hidden, residual = self.ops.decode_layers(
             hidden,
             positions,
@@ -378,6 +380,7 @@ class CpuDecodeLayers:
             self.eps,
             self.scale,
             self.windows if any(self.windows) else [],
+            kv_scales if any(s != 1.0 for s in kv_scales) else [],
         )
         return hidden, residual
 

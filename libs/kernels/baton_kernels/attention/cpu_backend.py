@@ -15,7 +15,11 @@ A sliding window and a softcap run in the kernels too: decodes read only the win
 the tiles skip the key tiles before it, where the reference masks a full-length gather, and
 computes a softcap by hand in float32. That 512-token chunk with a window of 256: ~1.5 ms against
 ~21; with a softcap of 50, ~12 against ~90. Where the kernels don't apply, the reference gets
-both options."""
+both options.
+
+An 8-bit cache (``--kv-cache-dtype fp8`` / ``fp8_e5m2``) is written and read by the same kernels:
+writes divide by the layer's scale, saturate and round as the reference; reads widen the 8-bit
+values to bf16 / float32 exactly, K's scale folded into the scores' and V's into the output."""
 
 from __future__ import annotations
 
@@ -23,7 +27,7 @@ from typing import Any
 
 import torch
 
-from baton_kernels.attention.base import AttentionMetadata, KVCacheView
+from baton_kernels.attention.base import FP8_KV_DTYPES, AttentionMetadata, KVCacheView
 from baton_kernels.attention.torch_backend import TorchAttentionBackend
 
 KERNEL_HEAD_SIZES = (64, 128, 256)  # (256: Gemma 2 and 3)
@@ -45,6 +49,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         return (
             query.device.type == "cpu"
             and query.dtype in (torch.float32, torch.bfloat16)
+            and (kv.dtype == query.dtype or kv.dtype in FP8_KV_DTYPES)
             and self.decodes_in_place(query.shape[1], kv.shape[3], query.shape[2])
         )
 
@@ -81,6 +86,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
             scale,
             window,
             softcap,
+            kv_cache.k_scale,
+            kv_cache.v_scale,
         )
         return out
 
@@ -88,9 +95,12 @@ class CpuAttentionBackend(TorchAttentionBackend):
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: KVCacheView, md: AttentionMetadata
     ) -> None:
         kv = kv_cache.kv
+        # the rows as they are, or rounded into an 8-bit cache
+        narrowed = kv.dtype in FP8_KV_DTYPES and key.dtype in (torch.float32, torch.bfloat16)
         if (
             key.device.type != "cpu"
-            or key.dtype != kv.dtype
+            or not (key.dtype == kv.dtype or narrowed)
+            or value.dtype != key.dtype
             or key.stride(2) != 1
             or key.stride(1) != key.shape[2]
             or value.stride(2) != 1
@@ -100,7 +110,9 @@ class CpuAttentionBackend(TorchAttentionBackend):
         ):
             super()._write_kv(key, value, kv_cache, md)
             return
-        self.ops.write_kv_cache_(key, value, kv, md.slot_block, md.slot_offset)
+        self.ops.write_kv_cache_(
+            key, value, kv, md.slot_block, md.slot_offset, kv_cache.k_scale, kv_cache.v_scale
+        )
 
     def _decode(
         self,
@@ -123,5 +135,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
             scale,
             window,
             softcap,
+            kv_cache.k_scale,
+            kv_cache.v_scale,
         )
         return out

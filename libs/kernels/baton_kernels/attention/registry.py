@@ -142,7 +142,7 @@ def _load_builtin() -> None:
     from baton_kernels.attention.torch_backend import TorchAttentionBackend
 
     register_backend("torch", TorchAttentionBackend, kv_dtypes=FP8_KV_DTYPES)
-    register_backend("cpu", _create_cpu_backend, devices=("cpu",))
+    register_backend("cpu", _create_cpu_backend, devices=("cpu",), kv_dtypes=FP8_KV_DTYPES)
     register_backend(
         "triton",
         _create_triton_backend,

@@ -24,25 +24,33 @@ int64_t parallel_threads(int64_t n) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto nogil = py::call_guard<py::gil_scoped_release>();
-  // window and softcap default to off, so callers that predate them keep their meaning.
+  // window, softcap and the 8-bit caches' scales default to off, so callers that predate them
+  // keep their meaning.
   m.def("paged_decode_attention", &paged_decode_attention, nogil, py::arg("query"),
         py::arg("kc"), py::arg("vc"), py::arg("tables"), py::arg("seq_lens"), py::arg("scale"),
-        py::arg("window") = 0, py::arg("softcap") = 0.0,
-        "query [R, H, D], caches [blocks, block_size, KVH, D], tables [R, max_blocks] int64, "
-        "seq_lens [R] int64, scale, window (0: off), softcap (0: off) -> [R, H, D]: each row "
-        "over the last `window` tokens of its sequence, scores capped by softcap * tanh(s / "
+        py::arg("window") = 0, py::arg("softcap") = 0.0, py::arg("k_scale") = 1.0,
+        py::arg("v_scale") = 1.0,
+        "query [R, H, D], caches [blocks, block_size, KVH, D] (the query's dtype, or e4m3fn / "
+        "e5m2 holding K / k_scale and V / v_scale), tables [R, max_blocks] int64, seq_lens [R] "
+        "int64, scale, window (0: off), softcap (0: off), k_scale, v_scale -> [R, H, D]: each "
+        "row over the last `window` tokens of its sequence, scores capped by softcap * tanh(s / "
         "softcap)");
   m.def("paged_attention", &paged_attention, nogil, py::arg("query"), py::arg("kc"),
         py::arg("vc"), py::arg("tables"), py::arg("seq_lens"), py::arg("query_start_loc"),
         py::arg("scale"), py::arg("window") = 0, py::arg("softcap") = 0.0,
+        py::arg("k_scale") = 1.0, py::arg("v_scale") = 1.0,
         "query [T, H, D] (each request's new tokens in order), caches [blocks, block_size, KVH, "
-        "D], tables [R, max_blocks] int64, seq_lens [R] int64 (cached + new), query_start_loc "
-        "[R + 1] int64, scale, window (0: off), softcap (0: off) -> [T, H, D]: causal attention "
-        "over each request's cached and new tokens, the token at position p over p - window < j "
-        "<= p only, scores capped by softcap * tanh(s / softcap)");
-  m.def("write_kv_cache_", &write_kv_cache_, nogil,
+        "D] (as paged_decode_attention's), tables [R, max_blocks] int64, seq_lens [R] int64 "
+        "(cached + new), query_start_loc [R + 1] int64, scale, window (0: off), softcap (0: "
+        "off), k_scale, v_scale -> [T, H, D]: causal attention over each request's cached and "
+        "new tokens, the token at position p over p - window < j <= p only, scores capped by "
+        "softcap * tanh(s / softcap)");
+  m.def("write_kv_cache_", &write_kv_cache_, nogil, py::arg("key"), py::arg("value"),
+        py::arg("kv"), py::arg("slot_block"), py::arg("slot_offset"), py::arg("k_scale") = 1.0,
+        py::arg("v_scale") = 1.0,
         "key, value [T, KVH, D] into kv [blocks, 2, block_size, KVH, D] at (slot_block, "
-        "slot_offset) [T] int64");
+        "slot_offset) [T] int64; an 8-bit kv (e4m3fn, e5m2) stores K / k_scale and V / v_scale, "
+        "saturated and rounded to nearest even");
   m.def("fused_add_rms_norm", &fused_add_rms_norm, nogil,
         "x [T, H], residual [T, H] or None (updated in place to x + residual), weight [H], eps "
         "-> (normed, residual)");
@@ -58,12 +66,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_bf16_vnni", &linear_bf16_vnni, nogil,
         "x [M, K] bf16, packed weight [ceil(N/16), ceil(K/2), 16, 2] bf16, bias [N] or None, N, "
         "out_float32 -> x W^T + b [M, N] (bf16, or float32)");
-  m.def("decode_layers", &decode_layers, nogil,
+  m.def("decode_layers", &decode_layers, nogil, py::arg("hidden"), py::arg("positions"),
+        py::arg("cos_sin"), py::arg("weights"), py::arg("kvs"), py::arg("slot_block"),
+        py::arg("slot_offset"), py::arg("tables"), py::arg("seq_lens"), py::arg("num_heads"),
+        py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("intermediate"), py::arg("eps"),
+        py::arg("scale"), py::arg("windows"), py::arg("kv_scales") = std::vector<double>{},
         "hidden [T, H], positions [T], cos_sin, weights (7 per layer: input norm, packed qkv, "
         "qkv bias or empty, packed o, post norm, packed gate_up, packed down), kv views per "
         "layer, slot_block, slot_offset, block tables, seq lens, num_heads, num_kv_heads, "
-        "head_dim, intermediate, eps, scale, windows (per layer, 0: none; or empty) -> "
-        "(hidden, residual) after the last layer");
+        "head_dim, intermediate, eps, scale, windows (per layer, 0: none; or empty), kv_scales "
+        "(K's and V's per layer of 8-bit caches; or empty) -> (hidden, residual) after the last "
+        "layer");
   m.def("parallel_threads", &parallel_threads, nogil,
         "n -> how many intra-op threads a parallel_for over n items ran on");
 }

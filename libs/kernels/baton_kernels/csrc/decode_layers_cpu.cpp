@@ -19,9 +19,10 @@ int64_t packed_n(const torch::Tensor& packed) { return packed.size(0) * packed.s
 }  // namespace
 
 // hidden [T, H] (the embedding output), one token per request; kvs: each layer's cache view
-// [blocks, 2, block_size, KVH, D]; windows: each layer's sliding window (0: none), or empty for
-// none. Returns (hidden, residual) after the last layer, before the final norm, as the Python
-// loop does.
+// [blocks, 2, block_size, KVH, D], of the model's dtype or an 8-bit float; windows: each layer's
+// sliding window (0: none), or empty for none; kv_scales: each layer's K and V scales of an
+// 8-bit cache (2 per layer), or empty for 1. Returns (hidden, residual) after the last layer,
+// before the final norm, as the Python loop does.
 std::vector<torch::Tensor> decode_layers(torch::Tensor hidden, torch::Tensor positions,
                                          torch::Tensor cos_sin, std::vector<torch::Tensor> weights,
                                          std::vector<torch::Tensor> kvs, torch::Tensor slot_block,
@@ -29,11 +30,15 @@ std::vector<torch::Tensor> decode_layers(torch::Tensor hidden, torch::Tensor pos
                                          torch::Tensor lens, int64_t num_heads,
                                          int64_t num_kv_heads, int64_t head_dim,
                                          int64_t intermediate, double eps, double scale,
-                                         std::vector<int64_t> windows) {
+                                         std::vector<int64_t> windows,
+                                         std::vector<double> kv_scales) {
   TORCH_CHECK(weights.size() == kvs.size() * kPerLayer, "expected ", kPerLayer,
               " weight tensors per layer, got ", weights.size(), " for ", kvs.size(), " layers");
   TORCH_CHECK(windows.empty() || windows.size() == kvs.size(),
               "windows: one per layer (0: none) or none at all, got ", windows.size(), " for ",
+              kvs.size(), " layers");
+  TORCH_CHECK(kv_scales.empty() || kv_scales.size() == 2 * kvs.size(),
+              "kv_scales: K's and V's per layer or none at all, got ", kv_scales.size(), " for ",
               kvs.size(), " layers");
   TORCH_CHECK(hidden.dim() == 2, "hidden must be [T, H]");
   const int64_t t = hidden.size(0), h = hidden.size(1);
@@ -53,12 +58,14 @@ std::vector<torch::Tensor> decode_layers(torch::Tensor hidden, torch::Tensor pos
     auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({t, num_kv_heads, head_dim});
     rotary_embedding_(q, k, positions, cos_sin);
     const torch::Tensor& kv = kvs[layer];
-    write_kv_cache_(k, v, kv, slot_block, slot_offset);
+    const double k_scale = kv_scales.empty() ? 1.0 : kv_scales[2 * layer];
+    const double v_scale = kv_scales.empty() ? 1.0 : kv_scales[2 * layer + 1];
+    write_kv_cache_(k, v, kv, slot_block, slot_offset, k_scale, v_scale);
     // Each layer's sliding window (Mistral-7B-v0.1, Qwen2's local layers); no softcap: a model
     // with one must not take this loop.
     const int64_t window = windows.empty() ? 0 : windows[layer];
     auto attn = paged_decode_attention(q, kv.select(1, 0), kv.select(1, 1), tables, lens, scale,
-                                       window, /*softcap=*/0.0);
+                                       window, /*softcap=*/0.0, k_scale, v_scale);
     auto o = linear_bf16_vnni(attn.view({t, q_size}), w[3], c10::nullopt, h, false);
     auto normed2 = fused_add_rms_norm(o, residual, w[4], eps);
     auto gate_up = linear_bf16_vnni(normed2[0], w[5], c10::nullopt, 2 * intermediate, false);

@@ -6,7 +6,9 @@
 // scores the GQA group's query heads against that head's rows and accumulates in float32. A
 // softcap bends the scores in a pass of its own before the softmax, taken only when set, so
 // that attention without one runs the same code as before it existed. Tasks run on torch's
-// intra-op thread pool (at::parallel_for). The reference is
+// intra-op thread pool (at::parallel_for). The cache is of the query's dtype or an 8-bit float
+// (fp8_kv.h: rows widened exactly as they are read, K's scale in the scores' scale, V's on the
+// output; writes saturate and round as torch's cast). The reference is
 // baton_kernels.attention.torch_backend (gather + SDPA); tests compare the two.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
@@ -23,6 +25,7 @@
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+#include "fp8_kv.h"
 #include "vec_math.h"
 
 namespace {
@@ -55,6 +58,10 @@ inline void load_row(const c10::BFloat16* src, float* dst, int64_t dim) {
   const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
   uint32_t* d = reinterpret_cast<uint32_t*>(dst);
   for (int64_t i = 0; i < dim; ++i) d[i] = static_cast<uint32_t>(s[i]) << 16;
+}
+template <typename T, std::enable_if_t<kIsFp8<T>, int> = 0>
+inline void load_row(const T* src, float* dst, int64_t dim) {
+  fp8_row_to_f32(src, dst, dim);
 }
 inline void store_row(const float* src, float* dst, int64_t dim) { std::memcpy(dst, src, dim * 4); }
 inline void store_row(const float* src, c10::BFloat16* dst, int64_t dim) {
@@ -107,15 +114,16 @@ inline void cap_rows_(float* scores, int64_t rows, int64_t stride, int64_t len, 
 }
 
 // GT: the query heads per KV head when known at compile time (0: read from the shapes); a
-// constant lets the group's accumulators stay in registers.
-template <typename scalar_t, int64_t D, int64_t GT>
+// constant lets the group's accumulators stay in registers. cache_t: the cache's type, the
+// query's or an 8-bit float; `scale` includes K's scale, `v_scale` multiplies the output.
+template <typename scalar_t, typename cache_t, int64_t D, int64_t GT>
 void kernel(const torch::Tensor& query, const torch::Tensor& kc, const torch::Tensor& vc,
-            const Rows& rows, float scale, float softcap, torch::Tensor& out) {
+            const Rows& rows, float scale, float softcap, float v_scale, torch::Tensor& out) {
   const int64_t R = rows.count, H = query.size(1), KVH = kc.size(2), BS = kc.size(1);
   const int64_t G = GT ? GT : H / KVH;
   const auto* q = query.data_ptr<scalar_t>();
-  const auto* k = kc.data_ptr<scalar_t>();
-  const auto* v = vc.data_ptr<scalar_t>();
+  const auto* k = static_cast<const cache_t*>(kc.data_ptr());
+  const auto* v = static_cast<const cache_t*>(vc.data_ptr());
   auto* o = out.data_ptr<scalar_t>();
   const int64_t* ln = rows.len;
   const int64_t ks0 = kc.stride(0), ks1 = kc.stride(1), ks2 = kc.stride(2);
@@ -142,8 +150,8 @@ void kernel(const torch::Tensor& query, const torch::Tensor& kc, const torch::Te
           const int64_t b = tab[t / BS];
           if (t % BS == 0 && t / BS + 1 < nb) {
             const int64_t nxt = tab[t / BS + 1];
-            prefetch_block(k + nxt * ks0 + h * ks2, ks1, BS, D * sizeof(scalar_t));
-            prefetch_block(v + nxt * vs0 + h * vs2, vs1, BS, D * sizeof(scalar_t));
+            prefetch_block(k + nxt * ks0 + h * ks2, ks1, BS, D * sizeof(cache_t));
+            prefetch_block(v + nxt * vs0 + h * vs2, vs1, BS, D * sizeof(cache_t));
           }
           load_row(k + b * ks0 + (t % BS) * ks1 + h * ks2, row, D);
           for (int64_t g = 0; g < G; ++g) {
@@ -162,8 +170,10 @@ void kernel(const torch::Tensor& query, const torch::Tensor& kc, const torch::Te
             for (int64_t d = 0; d < D; ++d) acc[g][d] += p * row[d];
           }
         }
-        for (int64_t g = 0; g < G; ++g)
+        for (int64_t g = 0; g < G; ++g) {
+          for (int64_t d = 0; d < D; ++d) acc[g][d] *= v_scale;
           store_row(acc[g], o + rows.at(r) * os0 + (h * G + g) * os1, D);
+        }
       }
     }
   });
@@ -196,21 +206,46 @@ inline __m512 bf16_to_f32(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
+// Reads 32 values of a cache of cache_t as bf16 or float32: a bf16 cache's as they are, an 8-bit
+// one's widened (exactly; Fp8ToBf16).
+template <typename cache_t>
+struct CacheReader {
+  using elem_t = std::conditional_t<kIsFp8<cache_t>, uint8_t, uint16_t>;
+  std::conditional_t<kIsFp8<cache_t>, Fp8ToBf16<cache_t>, char> widen{};
+  __m512i bf16x32(const elem_t* p) const {
+    if constexpr (kIsFp8<cache_t>) return widen(p);
+    else return _mm512_loadu_si512(p);
+  }
+  void f32x32(const elem_t* p, __m512* out) const {
+    if constexpr (kIsFp8<cache_t>) {
+      const __m512i w = widen(p);
+      out[0] = bf16_low_f32(w);
+      out[1] = bf16_high_f32(w);
+    } else {
+      out[0] = bf16_to_f32(p);
+      out[1] = bf16_to_f32(p + 16);
+    }
+  }
+};
+
 // bf16 with AVX512-BF16 (the same task split and results, up to float evaluation order, as
-// `kernel`): q.k as VDPBF16PS on the bf16 rows themselves (no conversion of K), 16 tokens at a
-// time, whose 16-lane partial sums one reduction tree turns into 16 scores; p.v in float32.
-// Block table lookups happen once per block (row addresses without a division per token, ~10%
-// of the kernel's time in cache); K rows are prefetched one and two chunks ahead.
-template <int64_t D, int64_t GT>
+// `kernel`): q.k as VDPBF16PS on the bf16 rows themselves (no conversion of K; an 8-bit
+// cache's rows widened to bf16 in registers), 16 tokens at a time, whose 16-lane partial sums
+// one reduction tree turns into 16 scores; p.v in float32. Block table lookups happen once per
+// block (row addresses without a division per token, ~10% of the kernel's time in cache); K
+// rows are prefetched one and two chunks ahead. cache_t: c10::BFloat16 or an 8-bit float.
+template <typename cache_t, int64_t D, int64_t GT>
 void kernel_bf16(const torch::Tensor& query, const torch::Tensor& kc, const torch::Tensor& vc,
-                 const Rows& rows, float scale, float softcap, torch::Tensor& out) {
+                 const Rows& rows, float scale, float softcap, float v_scale,
+                 torch::Tensor& out) {
+  using elem_t = typename CacheReader<cache_t>::elem_t;
   constexpr int64_t QV = D / 32;  // zmm of bf16 per row
   constexpr int64_t DV = D / 16;  // zmm of float32 per row
   const int64_t R = rows.count, H = query.size(1), KVH = kc.size(2), BS = kc.size(1);
   const int64_t G = GT ? GT : H / KVH;
   const auto* q = reinterpret_cast<const uint16_t*>(query.data_ptr());
-  const auto* k = reinterpret_cast<const uint16_t*>(kc.data_ptr());
-  const auto* v = reinterpret_cast<const uint16_t*>(vc.data_ptr());
+  const auto* k = reinterpret_cast<const elem_t*>(kc.data_ptr());
+  const auto* v = reinterpret_cast<const elem_t*>(vc.data_ptr());
   auto* o = reinterpret_cast<uint16_t*>(out.data_ptr());
   const int64_t* ln = rows.len;
   const int64_t ks0 = kc.stride(0), ks1 = kc.stride(1), ks2 = kc.stride(2);
@@ -218,14 +253,14 @@ void kernel_bf16(const torch::Tensor& query, const torch::Tensor& kc, const torc
   const int64_t qs0 = query.stride(0), qs1 = query.stride(1);
   const int64_t os0 = out.stride(0), os1 = out.stride(1);
   // Prefetch one head's row into L1 (to_l1) or L2.
-  auto prefetch_row = [](const uint16_t* row_ptr, bool to_l1) {
+  auto prefetch_row = [](const elem_t* row_ptr, bool to_l1) {
     const char* p = reinterpret_cast<const char*>(row_ptr);
-    for (int64_t off = 0; off < D * 2; off += 64) {
+    for (int64_t off = 0; off < D * static_cast<int64_t>(sizeof(elem_t)); off += 64) {
       if (to_l1) _mm_prefetch(p + off, _MM_HINT_T0);
       else _mm_prefetch(p + off, _MM_HINT_T1);
     }
   };
-  auto prefetch_rows = [&](const uint16_t* const* rows, int64_t n, bool to_l1) {
+  auto prefetch_rows = [&](const elem_t* const* rows, int64_t n, bool to_l1) {
     for (int64_t i = 0; i < n; ++i) prefetch_row(rows[i], to_l1);
   };
   // Tasks are (request, KV head) pairs; threads split them by context length, not by count:
@@ -237,7 +272,8 @@ void kernel_bf16(const torch::Tensor& query, const torch::Tensor& kc, const torc
     const int64_t begin = std::lower_bound(start.begin(), start.end() - 1, lo) - start.begin();
     const int64_t end = std::lower_bound(start.begin(), start.end() - 1, hi) - start.begin();
     std::vector<float> scores;  // [G, L rounded up to 16]
-    std::vector<const uint16_t*> krows, vrows;
+    std::vector<const elem_t*> krows, vrows;
+    const CacheReader<cache_t> cache;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t r = task / KVH, h = task % KVH;
       const int64_t t_lo = rows.from(r), L = ln[r] - t_lo, LP = (L + 15) / 16 * 16;
@@ -250,8 +286,8 @@ void kernel_bf16(const torch::Tensor& query, const torch::Tensor& kc, const torc
       for (int64_t t = t_lo; t < ln[r];) {
         const int64_t off = t % BS, n = std::min(BS - off, ln[r] - t);
         const int64_t blk = tab[t / BS];
-        const uint16_t* kb = k + blk * ks0 + off * ks1 + h * ks2;
-        const uint16_t* vb = v + blk * vs0 + off * vs1 + h * vs2;
+        const elem_t* kb = k + blk * ks0 + off * ks1 + h * ks2;
+        const elem_t* vb = v + blk * vs0 + off * vs1 + h * vs2;
         for (int64_t i = 0; i < n; ++i) {
           krows[t - t_lo + i] = kb + i * ks1;
           vrows[t - t_lo + i] = vb + i * vs1;
@@ -264,7 +300,7 @@ void kernel_bf16(const torch::Tensor& query, const torch::Tensor& kc, const torc
         const int64_t hi2 = std::min<int64_t>(ln[r2], rows.from(r2) + 32);
         for (int64_t t = rows.from(r2); t < hi2;) {
           const int64_t off = t % BS, n = std::min(BS - off, hi2 - t);
-          const uint16_t* kb = k + rows.table(r2)[t / BS] * ks0 + off * ks1 + h2 * ks2;
+          const elem_t* kb = k + rows.table(r2)[t / BS] * ks0 + off * ks1 + h2 * ks2;
           for (int64_t i = 0; i < n; ++i) prefetch_row(kb + i * ks1, false);
           t += n;
         }
@@ -290,7 +326,7 @@ void kernel_bf16(const torch::Tensor& query, const torch::Tensor& kc, const torc
             if (i < n) {
               __m512 a = _mm512_setzero_ps();
               for (int64_t j = 0; j < QV; ++j) {
-                const __m512bh kj = (__m512bh)_mm512_loadu_si512(krows[t0 + i] + j * 32);
+                const __m512bh kj = (__m512bh)cache.bf16x32(krows[t0 + i] + j * 32);
                 a = _mm512_dpbf16_ps(a, qv[g][j], kj);
               }
               part[i] = a;
@@ -308,18 +344,19 @@ void kernel_bf16(const torch::Tensor& query, const torch::Tensor& kc, const torc
       for (int64_t g = 0; g < G; ++g)
         for (int64_t j = 0; j < DV; ++j) acc[g][j] = _mm512_setzero_ps();
       for (int64_t t = 0; t < L; ++t) {
-        const uint16_t* vrow = vrows[t];
+        const elem_t* vrow = vrows[t];
         __m512 vf[DV];
-        for (int64_t j = 0; j < DV; ++j) vf[j] = bf16_to_f32(vrow + j * 16);
+        for (int64_t j = 0; j < DV; j += 2) cache.f32x32(vrow + j * 16, vf + j);
         for (int64_t g = 0; g < G; ++g) {
           const __m512 p = _mm512_set1_ps(scores[g * LP + t]);
           for (int64_t j = 0; j < DV; ++j) acc[g][j] = _mm512_fmadd_ps(p, vf[j], acc[g][j]);
         }
       }
+      const __m512 vs = _mm512_set1_ps(v_scale);
       for (int64_t g = 0; g < G; ++g) {
         uint16_t* orow = o + rows.at(r) * os0 + (h * G + g) * os1;
         for (int64_t j = 0; j < DV; ++j) {
-          const __m256i packed = (__m256i)_mm512_cvtneps_pbh(acc[g][j]);
+          const __m256i packed = (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[g][j], vs));
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(orow + j * 16), packed);
         }
       }
@@ -328,32 +365,37 @@ void kernel_bf16(const torch::Tensor& query, const torch::Tensor& kc, const torc
 }
 #endif  // __AVX512BF16__
 
-// The group sizes of common models (SmolLM2 3, Llama-3 4, Qwen2.5 7, ...) as constants.
-template <typename scalar_t, int64_t D>
+// Calls f(std::integral_constant<int64_t, G>{}) with the GQA group size as a constant where it
+// is a common model's (SmolLM2 3, Llama-3 4, Qwen2.5 7, ...), else G = 0 (read from the shapes).
+template <typename F>
+void with_group(int64_t group, F&& f) {
+  switch (group) {
+    case 1: return f(std::integral_constant<int64_t, 1>{});
+    case 2: return f(std::integral_constant<int64_t, 2>{});
+    case 3: return f(std::integral_constant<int64_t, 3>{});
+    case 4: return f(std::integral_constant<int64_t, 4>{});
+    case 7: return f(std::integral_constant<int64_t, 7>{});
+    case 8: return f(std::integral_constant<int64_t, 8>{});
+    default: return f(std::integral_constant<int64_t, 0>{});
+  }
+}
+
+// bf16 queries run the AVX512-BF16 kernel where the CPU has it, the others the plain one.
+template <typename scalar_t, typename cache_t, int64_t D>
 void dispatch_group(const torch::Tensor& query, const torch::Tensor& kc, const torch::Tensor& vc,
-                    const Rows& rows, float scale, float softcap, torch::Tensor& out) {
+                    const Rows& rows, float scale, float softcap, float v_scale,
+                    torch::Tensor& out) {
+  with_group(query.size(1) / kc.size(2), [&](auto group) {
+    constexpr int64_t G = decltype(group)::value;
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
-  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-    switch (query.size(1) / kc.size(2)) {
-      case 1: return kernel_bf16<D, 1>(query, kc, vc, rows, scale, softcap, out);
-      case 2: return kernel_bf16<D, 2>(query, kc, vc, rows, scale, softcap, out);
-      case 3: return kernel_bf16<D, 3>(query, kc, vc, rows, scale, softcap, out);
-      case 4: return kernel_bf16<D, 4>(query, kc, vc, rows, scale, softcap, out);
-      case 7: return kernel_bf16<D, 7>(query, kc, vc, rows, scale, softcap, out);
-      case 8: return kernel_bf16<D, 8>(query, kc, vc, rows, scale, softcap, out);
-      default: return kernel_bf16<D, 0>(query, kc, vc, rows, scale, softcap, out);
-    }
-  }
+    if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+      kernel_bf16<cache_t, D, G>(query, kc, vc, rows, scale, softcap, v_scale, out);
+    } else
 #endif
-  switch (query.size(1) / kc.size(2)) {
-    case 1: return kernel<scalar_t, D, 1>(query, kc, vc, rows, scale, softcap, out);
-    case 2: return kernel<scalar_t, D, 2>(query, kc, vc, rows, scale, softcap, out);
-    case 3: return kernel<scalar_t, D, 3>(query, kc, vc, rows, scale, softcap, out);
-    case 4: return kernel<scalar_t, D, 4>(query, kc, vc, rows, scale, softcap, out);
-    case 7: return kernel<scalar_t, D, 7>(query, kc, vc, rows, scale, softcap, out);
-    case 8: return kernel<scalar_t, D, 8>(query, kc, vc, rows, scale, softcap, out);
-    default: return kernel<scalar_t, D, 0>(query, kc, vc, rows, scale, softcap, out);
-  }
+    {
+      kernel<scalar_t, cache_t, D, G>(query, kc, vc, rows, scale, softcap, v_scale, out);
+    }
+  });
 }
 }  // namespace
 
@@ -368,7 +410,9 @@ void check(const torch::Tensor& query, const torch::Tensor& kc, const torch::Ten
               "query heads must be a multiple (at most 16x) of KV heads");
   TORCH_CHECK(query.stride(2) == 1 && kc.stride(3) == 1 && vc.stride(3) == 1,
               "the head dimension must be contiguous");
-  TORCH_CHECK(query.scalar_type() == kc.scalar_type() && kc.scalar_type() == vc.scalar_type());
+  TORCH_CHECK(kc.scalar_type() == vc.scalar_type() &&
+                  (query.scalar_type() == kc.scalar_type() || is_fp8(kc.scalar_type())),
+              "the caches must be of the query's dtype or both of an 8-bit float");
   TORCH_CHECK(query.scalar_type() == torch::kBFloat16 || query.scalar_type() == torch::kFloat,
               "float32 or bfloat16 only");
   // Every block a row reads must be in the cache: the tokens each request's rows reach (from
@@ -392,19 +436,32 @@ void check(const torch::Tensor& query, const torch::Tensor& kc, const torch::Ten
 }
 
 // The per-row kernel for `rows` into `out`.
+// `s` includes K's scale; `v_scale` multiplies the output (both 1 but for an 8-bit cache).
 void attend(const torch::Tensor& query, const torch::Tensor& kc, const torch::Tensor& vc,
-            const Rows& rows, float s, float cap, torch::Tensor& out) {
+            const Rows& rows, float s, float cap, float v_scale, torch::Tensor& out) {
   // (256: Gemma 2 and 3's heads but Gemma 3 27B's)
   const int64_t d = query.size(2);
-  if (query.scalar_type() == torch::kBFloat16) {
-    if (d == 64) dispatch_group<c10::BFloat16, 64>(query, kc, vc, rows, s, cap, out);
-    else if (d == 128) dispatch_group<c10::BFloat16, 128>(query, kc, vc, rows, s, cap, out);
-    else dispatch_group<c10::BFloat16, 256>(query, kc, vc, rows, s, cap, out);
-  } else {
-    if (d == 64) dispatch_group<float, 64>(query, kc, vc, rows, s, cap, out);
-    else if (d == 128) dispatch_group<float, 128>(query, kc, vc, rows, s, cap, out);
-    else dispatch_group<float, 256>(query, kc, vc, rows, s, cap, out);
-  }
+  auto by_dim = [&](auto scalar, auto cache) {
+    using S = decltype(scalar);
+    using C = decltype(cache);
+    if (d == 64) dispatch_group<S, C, 64>(query, kc, vc, rows, s, cap, v_scale, out);
+    else if (d == 128) dispatch_group<S, C, 128>(query, kc, vc, rows, s, cap, v_scale, out);
+    else dispatch_group<S, C, 256>(query, kc, vc, rows, s, cap, v_scale, out);
+  };
+  if (query.scalar_type() == torch::kBFloat16)
+    visit_cache<c10::BFloat16>(kc.scalar_type(), [&](auto c) { by_dim(c10::BFloat16{}, c); });
+  else
+    visit_cache<float>(kc.scalar_type(), [&](auto c) { by_dim(float{}, c); });
+}
+
+// The scores' scale and the output's: K's and V's scales apply to an 8-bit cache only (the
+// reference's reading, attention.base.from_cache).
+std::pair<float, float> scales(const torch::Tensor& kc, double scale, double k_scale,
+                               double v_scale) {
+  TORCH_CHECK(k_scale > 0.0 && v_scale > 0.0, "the KV cache's scales must be > 0, got ",
+              k_scale, " and ", v_scale);
+  if (!is_fp8(kc.scalar_type())) return {static_cast<float>(scale), 1.f};
+  return {static_cast<float>(scale * k_scale), static_cast<float>(v_scale)};
 }
 
 void check_options(int64_t window, double softcap) {
@@ -425,8 +482,10 @@ constexpr int64_t kMinPromptTile = 8;
 
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor kc, torch::Tensor vc,
                                      torch::Tensor tables, torch::Tensor lens, double scale,
-                                     int64_t window, double softcap) {
+                                     int64_t window, double softcap, double k_scale,
+                                     double v_scale) {
   check_options(window, softcap);
+  const auto [s, vs] = scales(kc, scale, k_scale, v_scale);
   auto t = int64_list(tables, "tables");
   auto l = int64_list(lens, "seq_lens");
   const int64_t R = query.size(0);
@@ -445,15 +504,16 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor kc, torc
                   first.empty() ? nullptr : first.data()};
   check(query, kc, vc, t, rows);
   auto out = torch::empty_like(query);
-  attend(query, kc, vc, rows, static_cast<float>(scale), static_cast<float>(softcap), out);
+  attend(query, kc, vc, rows, s, static_cast<float>(softcap), vs, out);
   return out;
 }
 
 torch::Tensor paged_attention(torch::Tensor query, torch::Tensor kc, torch::Tensor vc,
                               torch::Tensor tables, torch::Tensor seq_lens,
                               torch::Tensor query_start_loc, double scale, int64_t window,
-                              double softcap) {
+                              double softcap, double k_scale, double v_scale) {
   check_options(window, softcap);
+  const auto [s, vs] = scales(kc, scale, k_scale, v_scale);
   auto t = int64_list(tables, "tables");
   auto sl = int64_list(seq_lens, "seq_lens");
   auto qs = int64_list(query_start_loc, "query_start_loc");
@@ -486,7 +546,7 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor kc, torch::Tens
         Rows{tab, t.size(1), T, req.data(), len.data(), nullptr,
              first.empty() ? nullptr : first.data()});
   auto out = torch::empty_like(query);
-  const float s = static_cast<float>(scale), cap = static_cast<float>(softcap);
+  const float cap = static_cast<float>(softcap);
   // Prompt chunks in tiles where the CPU can; the other rows one at a time.
   std::vector<PromptChunk> chunks;
   std::vector<int64_t> rest;
@@ -500,7 +560,7 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor kc, torch::Tens
     }
   }
   if (!chunks.empty())
-    prefill_attention(query, kc, vc, tab, t.size(1), chunks, s, window, cap, out);
+    prefill_attention(query, kc, vc, tab, t.size(1), chunks, s, window, cap, vs, out);
   if (!rest.empty()) {
     std::vector<int64_t> rest_req, rest_len, rest_first;
     for (int64_t r : rest) {
@@ -511,22 +571,39 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor kc, torch::Tens
     const auto count = static_cast<int64_t>(rest.size());
     const Rows rest_rows{tab, t.size(1), count, rest_req.data(), rest_len.data(), rest.data(),
                          rest_first.empty() ? nullptr : rest_first.data()};
-    attend(query, kc, vc, rest_rows, s, cap, out);
+    attend(query, kc, vc, rest_rows, s, cap, vs, out);
   }
   return out;
 }
 
+namespace {
+// `n` values into an 8-bit cache: divided by the scale (times `inv`), saturated, rounded.
+template <typename src_t, typename cache_t>
+void store_fp8(const src_t* src, cache_t* dst, int64_t n, float inv) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = to_fp8<cache_t>(static_cast<float>(src[i]), inv);
+}
+}  // namespace
+
 // Writes each new token's K and V rows into the paged cache at (slot_block, slot_offset): one
-// row copy each, where the reference's two index_put calls cost ~16 us apiece in a decode step.
-// The reference is baton_kernels.attention.torch_backend.write_kv_cache.
+// row copy each, where the reference's two index_put calls cost ~16 us apiece in a decode step;
+// into an 8-bit cache, each value divided by its scale (k_scale, v_scale), saturated at the
+// format's largest value and rounded to nearest even. The reference is
+// baton_kernels.attention.torch_backend.write_kv_cache.
 void write_kv_cache_(torch::Tensor key, torch::Tensor value, torch::Tensor kv,
-                     torch::Tensor slot_block, torch::Tensor slot_offset) {
+                     torch::Tensor slot_block, torch::Tensor slot_offset, double k_scale,
+                     double v_scale) {
   TORCH_CHECK(key.dim() == 3 && value.dim() == 3 && kv.dim() == 5, "bad ranks");
   TORCH_CHECK(key.sizes() == value.sizes(), "key and value differ in shape");
   TORCH_CHECK(kv.size(1) == 2 && kv.size(3) == key.size(1) && kv.size(4) == key.size(2),
               "the cache's heads or head size differ from the new rows'");
-  TORCH_CHECK(key.scalar_type() == kv.scalar_type() && value.scalar_type() == kv.scalar_type(),
+  const bool fp8 = is_fp8(kv.scalar_type());
+  const auto src = key.scalar_type();
+  TORCH_CHECK(value.scalar_type() == src &&
+                  (src == kv.scalar_type() ||
+                   (fp8 && (src == torch::kFloat || src == torch::kBFloat16))),
               "the new rows' dtype differs from the cache's");
+  TORCH_CHECK(!fp8 || (k_scale > 0.0 && v_scale > 0.0), "the KV cache's scales must be > 0, got ",
+              k_scale, " and ", v_scale);
   TORCH_CHECK(key.stride(2) == 1 && key.stride(1) == key.size(2) && value.stride(2) == 1 &&
                   value.stride(1) == value.size(2) && kv.stride(4) == 1 &&
                   kv.stride(3) == kv.size(4),
@@ -548,8 +625,31 @@ void write_kv_cache_(torch::Tensor key, torch::Tensor value, torch::Tensor kv,
   const char* kp = static_cast<const char*>(key.data_ptr());
   const char* vp = static_cast<const char*>(value.data_ptr());
   char* cp = static_cast<char*>(kv.data_ptr());
-  const int64_t ks0 = key.stride(0) * es, vs0 = value.stride(0) * es;
   const int64_t c0 = kv.stride(0) * es, c1 = kv.stride(1) * es, c2 = kv.stride(2) * es;
+  if (fp8) {
+    const int64_t n = key.size(1) * key.size(2), ses = key.element_size();
+    const int64_t ks0 = key.stride(0) * ses, vs0 = value.stride(0) * ses;
+    // (the float32 of 1 / scale, as the reference multiplies)
+    const float ik = static_cast<float>(1.0 / k_scale), iv = static_cast<float>(1.0 / v_scale);
+    auto rows = [&](auto in, auto cache) {
+      using S = decltype(in);
+      using C = decltype(cache);
+      for (int64_t t = 0; t < T; ++t) {
+        char* dst = cp + sb[t] * c0 + so[t] * c2;
+        store_fp8(reinterpret_cast<const S*>(kp + t * ks0), reinterpret_cast<C*>(dst), n, ik);
+        store_fp8(reinterpret_cast<const S*>(vp + t * vs0), reinterpret_cast<C*>(dst + c1), n,
+                  iv);
+      }
+    };
+    auto by_src = [&](auto cache) {
+      if (src == torch::kBFloat16) rows(c10::BFloat16{}, cache);
+      else rows(float{}, cache);
+    };
+    if (kv.scalar_type() == torch::kFloat8_e4m3fn) by_src(c10::Float8_e4m3fn{});
+    else by_src(c10::Float8_e5m2{});
+    return;
+  }
+  const int64_t ks0 = key.stride(0) * es, vs0 = value.stride(0) * es;
   for (int64_t t = 0; t < T; ++t) {
     char* dst = cp + sb[t] * c0 + so[t] * c2;
     std::memcpy(dst, kp + t * ks0, row_bytes);

@@ -11,7 +11,9 @@
 // wholly outside every row's window); each row's mask then drops the keys before its own
 // window as well as those past its position. Whether either option is on is a template
 // argument: without them, the window is a constant 0 that folds away, and attention compiles to
-// the code it was before they existed. paged_attention (paged_attention_cpu.cpp)
+// the code it was before they existed. An 8-bit cache's rows are widened to bf16 (exactly) as
+// they are packed, its K scale is in `scale` and its V scale multiplies the output.
+// paged_attention (paged_attention_cpu.cpp)
 // sends it the prompt chunks of a batch; the reference is baton_kernels.attention.torch_backend.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
@@ -24,6 +26,7 @@
 #include <vector>
 
 #include "cpu_ops.h"
+#include "fp8_kv.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
@@ -96,10 +99,12 @@ inline int64_t first_key(int64_t pos, int64_t window) {
 }
 
 // Options: a window or a softcap is on (false: neither, whatever `window` and `softcap` say).
-template <int64_t D, bool Options>
+// cache_t: c10::BFloat16 or an 8-bit float.
+template <typename cache_t, int64_t D, bool Options>
 void run(const torch::Tensor& query, const torch::Tensor& kc, const torch::Tensor& vc,
          const int64_t* tables, int64_t mb, const std::vector<PromptChunk>& chunks, float scale,
-         int64_t window_arg, float softcap, torch::Tensor& out) {
+         int64_t window_arg, float softcap, float v_scale, torch::Tensor& out) {
+  using elem_t = std::conditional_t<kIsFp8<cache_t>, cache_t, uint16_t>;
   const int64_t window = Options ? window_arg : 0;
   const bool cap = Options && softcap > 0.f;
   static const std::array<QkTile, kMaxRows> qk =
@@ -108,8 +113,8 @@ void run(const torch::Tensor& query, const torch::Tensor& kc, const torch::Tenso
   const int64_t H = query.size(1), KVH = kc.size(2), BS = kc.size(1), G = H / KVH;
   const int64_t QT = std::max<int64_t>(1, kMaxRows / G);  // query tokens per tile
   const auto* q = reinterpret_cast<const uint16_t*>(query.data_ptr());
-  const auto* k = reinterpret_cast<const uint16_t*>(kc.data_ptr());
-  const auto* v = reinterpret_cast<const uint16_t*>(vc.data_ptr());
+  const auto* k = reinterpret_cast<const elem_t*>(kc.data_ptr());
+  const auto* v = reinterpret_cast<const elem_t*>(vc.data_ptr());
   auto* o = reinterpret_cast<uint16_t*>(out.data_ptr());
   const int64_t ks0 = kc.stride(0), ks1 = kc.stride(1), ks2 = kc.stride(2);
   const int64_t vs0 = vc.stride(0), vs1 = vc.stride(1), vs2 = vc.stride(2);
@@ -137,6 +142,7 @@ void run(const torch::Tensor& query, const torch::Tensor& kc, const torch::Tenso
     alignas(64) float acc[kMaxRows][D];
     alignas(64) uint16_t p16[kMaxRows][kStepKeys];
     alignas(64) float run_max[kMaxRows], run_sum[kMaxRows], tile_max[kMaxRows];
+    alignas(64) uint16_t wide[4][D];  // an 8-bit cache's K and V rows of a pair, as bf16
     const int32_t* qrow[kMaxRows];
     for (int64_t u = begin; u < std::min(end, n_units); ++u) {
       const Unit& unit = units[u];
@@ -156,10 +162,19 @@ void run(const torch::Tensor& query, const torch::Tensor& kc, const torch::Tenso
           const uint16_t* vr[2];
           for (int64_t j = 0; j < 2; ++j) {
             const int64_t t = kt * kKeys + i + j;
-            const bool valid = t < c.seq_len;
-            const int64_t blk = valid ? tab[t / BS] : 0, off = valid ? t % BS : 0;
-            kr[j] = valid ? k + blk * ks0 + off * ks1 + h * ks2 : nullptr;
-            vr[j] = valid ? v + blk * vs0 + off * vs1 + h * vs2 : nullptr;
+            kr[j] = vr[j] = nullptr;
+            if (t >= c.seq_len) continue;
+            const elem_t* kt_row = k + tab[t / BS] * ks0 + (t % BS) * ks1 + h * ks2;
+            const elem_t* vt_row = v + tab[t / BS] * vs0 + (t % BS) * vs1 + h * vs2;
+            if constexpr (kIsFp8<cache_t>) {
+              fp8_row_to_bf16(kt_row, wide[2 * j], D);
+              fp8_row_to_bf16(vt_row, wide[2 * j + 1], D);
+              kr[j] = wide[2 * j];
+              vr[j] = wide[2 * j + 1];
+            } else {
+              kr[j] = kt_row;
+              vr[j] = vt_row;
+            }
           }
           for (int64_t j = 0; j < 2; ++j)
             for (int64_t p = 0; p < D / 2; ++p) {
@@ -255,7 +270,7 @@ void run(const torch::Tensor& query, const torch::Tensor& kc, const torch::Tenso
         }
         for (int m = 0; m < M; ++m) {
           uint16_t* orow = o + (c.start + t + m / G) * os0 + (h * G + m % G) * os1;
-          const __m512 inv = _mm512_set1_ps(1.f / run_sum[m]);
+          const __m512 inv = _mm512_set1_ps(v_scale / run_sum[m]);
           for (int64_t d0 = 0; d0 < D; d0 += 16)
             _mm256_storeu_si256(
                 reinterpret_cast<__m256i*>(orow + d0),
@@ -274,18 +289,21 @@ bool prefill_attention_available(const torch::Tensor& query, const torch::Tensor
 void prefill_attention(const torch::Tensor& query, const torch::Tensor& kc,
                        const torch::Tensor& vc, const int64_t* tables, int64_t mb,
                        const std::vector<PromptChunk>& chunks, float scale, int64_t window,
-                       float softcap, torch::Tensor& out) {
+                       float softcap, float v_scale, torch::Tensor& out) {
   const bool options = window > 0 || softcap > 0.f;
-  if (query.size(2) == 64) {
-    if (options) run<64, true>(query, kc, vc, tables, mb, chunks, scale, window, softcap, out);
-    else run<64, false>(query, kc, vc, tables, mb, chunks, scale, window, softcap, out);
-  } else if (query.size(2) == 128) {
-    if (options) run<128, true>(query, kc, vc, tables, mb, chunks, scale, window, softcap, out);
-    else run<128, false>(query, kc, vc, tables, mb, chunks, scale, window, softcap, out);
-  } else {
-    if (options) run<256, true>(query, kc, vc, tables, mb, chunks, scale, window, softcap, out);
-    else run<256, false>(query, kc, vc, tables, mb, chunks, scale, window, softcap, out);
-  }
+  auto with = [&](auto cache, auto dim) {
+    using C = decltype(cache);
+    constexpr int64_t D = decltype(dim)::value;
+    if (options) run<C, D, true>(query, kc, vc, tables, mb, chunks, scale, window, softcap,
+                                 v_scale, out);
+    else run<C, D, false>(query, kc, vc, tables, mb, chunks, scale, window, softcap, v_scale,
+                          out);
+  };
+  visit_cache<c10::BFloat16>(kc.scalar_type(), [&](auto cache) {
+    if (query.size(2) == 64) with(cache, std::integral_constant<int64_t, 64>{});
+    else if (query.size(2) == 128) with(cache, std::integral_constant<int64_t, 128>{});
+    else with(cache, std::integral_constant<int64_t, 256>{});
+  });
 }
 
 #else  // no AVX512-BF16: paged_attention keeps every row on its per-row kernel
@@ -294,7 +312,7 @@ bool prefill_attention_available(const torch::Tensor&, const torch::Tensor&) { r
 
 void prefill_attention(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
                        const int64_t*, int64_t, const std::vector<PromptChunk>&, float, int64_t,
-                       float, torch::Tensor&) {
+                       float, float, torch::Tensor&) {
   TORCH_CHECK(false, "prefill_attention needs AVX512-BF16");
 }
 
