@@ -5,7 +5,8 @@ against what they replace, in one process.
 
 - linear: one step's 121 linear layers (30 x qkv 576->960, o 576->576, gate_up 576->3072,
   down 1536->576, and the LM head 576->49152), each with its own weight (so they stream from
-  memory as in the engine), oneDNN's packed GEMM vs the AVX512-BF16 kernel, per row count.
+  memory as in the engine), oneDNN's packed GEMM vs the AVX512-BF16 kernel, and on AMX CPUs
+  that kernel's tile path (the same packed weight), per row count.
 - attention: ``paged_decode_attention`` over 30 layers of a block-major pool, 16 requests at
   context 130-250; once reading each layer from memory, once the same layer again (in cache);
   a bf16 pool, then an FP8 one (e4m3, ``--kv-cache-dtype fp8``: the rows widened as read).
@@ -46,14 +47,17 @@ def bench_linear(rows: list[int]) -> None:
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(o, i, generator=gen).mul(0.02) for _ in range(LAYERS) for i, o in SHAPES]
     weights.append(torch.randn(49152, 576, generator=gen).mul(0.02))
-    kernels = ["onednn"] + (["vnni"] if vnni_ops() is not None else [])
+    ops = vnni_ops()
+    kernels = ["onednn"] + (["vnni"] if ops is not None else [])
+    kernels += ["amx"] if ops is not None and ops.amx_gemm_available() else []
     layers: dict[str, list[PackedLinear]] = {}
     for kernel in kernels:
         layers[kernel] = []
         for w in weights:
             linear = nn.Linear(w.shape[1], w.shape[0], bias=False).to(torch.bfloat16)
             linear.weight.data.copy_(w)
-            layers[kernel].append(PackedLinear(linear, kernel=kernel))
+            packing = "vnni" if kernel == "amx" else kernel  # (one packed layout for both)
+            layers[kernel].append(PackedLinear(linear, kernel=packing))
     nbytes = sum(w.numel() * 2 for w in weights)
     print(f"linear: one decode step's {len(weights)} layers ({nbytes / 1e6:.0f} MB of weights)")
     print("| rows | " + " | ".join(f"{k} ms" for k in kernels) + " | GFLOP/s | GB/s |")
@@ -68,8 +72,11 @@ def bench_linear(rows: list[int]) -> None:
                     for layer in layers[kernel]:
                         layer(xs[layer.in_features])
 
+                amx = ops.use_amx_gemm(kernel == "amx") if ops is not None else False
                 times.append(per_call(step, 5 if m < 128 else 2))
-            best = times[-1]
+                if ops is not None:
+                    ops.use_amx_gemm(amx)
+            best = min(times)
             print(
                 f"| {m} | " + " | ".join(f"{t * 1e3:.1f}" for t in times) + f" | "
                 f"{m * nbytes / best / 1e9:.0f} | {nbytes / best / 1e9:.1f} |"

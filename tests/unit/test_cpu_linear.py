@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -44,16 +46,31 @@ def test_pack_vnni_layout() -> None:
     assert packed[1, :, 4:].abs().sum() == 0  # rows 20..31 are padding
 
 
+@pytest.fixture(params=[False, pytest.param(True, id="amx")], ids=["avx512", "amx"])
+def amx(request: pytest.FixtureRequest) -> Iterator[bool]:
+    """The GEMM with its AMX path off, then on (skipped on CPUs without AMX)."""
+    ops = vnni_ops()
+    if ops is None:
+        pytest.skip("no AVX512-BF16 GEMM on this CPU")
+    if request.param and not ops.amx_gemm_available():
+        pytest.skip("no AMX on this CPU")
+    before = ops.use_amx_gemm(request.param)
+    yield request.param
+    ops.use_amx_gemm(before)
+
+
 @needs_vnni
 @pytest.mark.parametrize("rows", [1, 5, 12, 13, 16, 40, 200])
 @pytest.mark.parametrize(("k", "n"), [(96, 160), (577, 50), (64, 33), (3, 17)])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("out_float32", [False, True])
 def test_vnni_gemm_matches_reference(
-    rows: int, k: int, n: int, bias: bool, out_float32: bool
+    rows: int, k: int, n: int, bias: bool, out_float32: bool, amx: bool
 ) -> None:
     """Every tile shape (1-12 rows in one tile, 8-row tiles, 128-row panels), odd K, N that is
-    not a multiple of 16, column ranges split across threads; bf16 or float32 output."""
+    not a multiple of 16, column ranges split across threads; bf16 or float32 output. With AMX
+    (K a multiple of 32: 96 and 64), tiles of 16 rows and fewer, a last partial tile of a
+    longer x (40, 200 rows), 1-4 column blocks a tile."""
     gen = torch.Generator().manual_seed(rows * 1000 + k + n)
     w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
     x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
@@ -70,10 +87,10 @@ def test_vnni_gemm_matches_reference(
 
 
 @needs_vnni
-def test_vnni_gemm_reads_rows_of_a_strided_view() -> None:
+def test_vnni_gemm_reads_rows_of_a_strided_view(amx: bool) -> None:
     """The engine passes slices of wider tensors (a fused projection's output) as x."""
     gen = torch.Generator().manual_seed(1)
-    wide = torch.randn(9, 200, generator=gen).to(torch.bfloat16)
+    wide = torch.randn(21, 200, generator=gen).to(torch.bfloat16)  # (AMX: 16 + a tail of 5)
     x = wide[:, 40:136]  # row stride 200, K 96
     w = torch.randn(48, 96, generator=gen).to(torch.bfloat16)
     out = vnni_ops().linear_bf16_vnni(x, pack_vnni(w), None, 48, False)

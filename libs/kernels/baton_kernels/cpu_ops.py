@@ -4,10 +4,12 @@ and ninja; ~1 min on 2 cores) and cached per machine under ``~/.cache/torch_exte
 server's startup or test waits for the compiler.
 
 ``load_cpu_ops()`` returns None when they cannot be built (or ``BATON_DISABLE_CPU_KERNELS=1``);
-callers then use the PyTorch reference. The build is specialised for this CPU (-march=native), so
-the module name carries a digest of the CPU's flags: a cache shared with another CPU model
-rebuilds instead of loading instructions this one lacks. The digest covers the sources' folder
-too, so two checkouts on one machine keep a build each instead of rebuilding the other's.
+callers then use the PyTorch reference. ``BATON_DISABLE_AMX=1`` keeps the bf16 GEMM off the AMX
+tiles of CPUs that have them (its AVX512-BF16 path then runs every product). The build is
+specialised for this CPU (-march=native), so the module name carries a digest of the CPU's
+flags: a cache shared with another CPU model rebuilds instead of loading instructions this one
+lacks. The digest covers the sources' folder too, so two checkouts on one machine keep a build
+each instead of rebuilding the other's.
 
 torch serialises builds with a lock file that a process killed mid-build leaves behind, after
 which every later load waits for it forever. Baton's processes take an ``flock`` (released by
@@ -77,7 +79,10 @@ def load_cpu_ops() -> Any | None:
     except Exception as e:  # no compiler or ninja: fall back, do not fail the engine
         logger.warning("CPU kernels unavailable (%s); using the PyTorch reference", e)
         return None
-    logger.info("CPU kernels ready (%.1f s)", time.perf_counter() - start)
+    amx = ops.amx_gemm_available() and os.environ.get("BATON_DISABLE_AMX") != "1"
+    ops.use_amx_gemm(amx)
+    tiles = "; bf16 GEMMs on AMX tiles" if amx else ""
+    logger.info("CPU kernels ready (%.1f s)%s", time.perf_counter() - start, tiles)
     return ops
 
 

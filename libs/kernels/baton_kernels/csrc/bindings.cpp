@@ -63,6 +63,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x [B, V] float32 or bf16 -> [B] int64: torch.argmax(x, dim=1) (first of ties, NaN wins)");
   m.def("bf16_gemm_available", &bf16_gemm_available,
         "whether linear_bf16_vnni was built (the CPU has AVX512-BF16)");
+  m.def("amx_gemm_available", &amx_gemm_available,
+        "whether linear_bf16_vnni runs on AMX tiles where K is a multiple of 32 (an AMX CPU)");
+  m.def("use_amx_gemm", &use_amx_gemm, py::arg("enabled"),
+        "turns linear_bf16_vnni's AMX path on or off (on by default); returns the previous "
+        "setting");
   m.def("linear_bf16_vnni", &linear_bf16_vnni, nogil,
         "x [M, K] bf16, packed weight [ceil(N/16), ceil(K/2), 16, 2] bf16, bias [N] or None, N, "
         "out_float32 -> x W^T + b [M, N] (bf16, or float32)");

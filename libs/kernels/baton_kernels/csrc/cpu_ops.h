@@ -48,6 +48,10 @@ torch::Tensor silu_and_mul(torch::Tensor x);
 torch::Tensor gelu_tanh_and_mul(torch::Tensor x);
 torch::Tensor argmax_rows(torch::Tensor x);
 bool bf16_gemm_available();
+// Whether linear_bf16_vnni can run on AMX tiles (built for an AMX CPU, the OS allows them), and
+// a switch for it (returns the previous setting; on by default; K must be a multiple of 32).
+bool amx_gemm_available();
+bool use_amx_gemm(bool enabled);
 torch::Tensor linear_bf16_vnni(torch::Tensor x, torch::Tensor packed,
                                c10::optional<torch::Tensor> bias, int64_t n, bool out_float32);
 std::vector<torch::Tensor> decode_layers(torch::Tensor hidden, torch::Tensor positions,
