@@ -1,8 +1,9 @@
 # Every GPU test (pytest -m gpu) on the H200 with Baton's Triton launch cache on (FAST=0: off),
 # in parallel groups so that Triton's compiles use the host's cores: the engine's and the launch
-# cache's tests in one process, disaggregation and tensor parallel in another, LoRA, mixtures of
-# experts and structured output in a third, the Triton unit tests (compiled here) and the FP8
-# layers' in a fourth, the attention kernels' cases in three. Then what launches cost the host (launch_cost.py --launches-only) and
+# cache's tests in one process, disaggregation and tensor parallel (skipped on one GPU) then
+# LoRA, mixtures of experts and structured output in another, the attention kernels' cases in
+# three. (A seventh group beside them, 2026-12-06 on an H100, failed 20 of the engine's tests
+# at once: the engines of 7 processes do not fit one GPU's memory; alone they passed.) Then what launches cost the host (launch_cost.py --launches-only) and
 # Qwen 256 at K=4 in fresh processes, cache on and off, ROUNDS rounds (default 2; 0: none).
 #     bash benchmarks/device/gpu_tests.sh        (carry .whl)
 source benchmarks/device/setup.sh || exit 1
@@ -20,10 +21,8 @@ group() {
   echo "rc $?" >> "$logs/$name.log"
 }
 group engine tests/gpu/test_engine_gpu.py tests/gpu/test_triton_launch_gpu.py &
-group disagg tests/gpu/test_disagg_gpu.py tests/gpu/test_tensor_parallel_gpu.py &
-group extra tests/gpu/test_lora_gpu.py tests/gpu/test_moe_gpu.py \
-    tests/gpu/test_structured_output_gpu.py &
-group units tests/unit/test_triton_*.py tests/unit/test_fp8_linear.py tests/unit/test_sampler.py &
+group disagg tests/gpu/test_disagg_gpu.py tests/gpu/test_tensor_parallel_gpu.py \
+    tests/gpu/test_lora_gpu.py tests/gpu/test_moe_gpu.py tests/gpu/test_structured_output_gpu.py &
 for f in "$logs"/attention.*; do
   mapfile -t cases < "$f"
   group "$(basename "$f")" "${cases[@]}" &

@@ -17,6 +17,8 @@ HEAD_SIZES = [64, 128, 256]  # (256: Gemma 2 and 3)
 BLOCK_SIZES = [4, 16]
 NUM_LAYERS = 3  # the pool is block-major over layers; the test uses the middle one
 BACKENDS = ["torch", "cpu"]  # "cpu" is the C++ decode kernel; CI builds it (gcc, ninja)
+# and "cpu-tiles": the CPU backend with prompts in its tiles on AMX CPUs too (they take SDPA)
+WITH_TILES = [*BACKENDS, "cpu-tiles"]
 TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 2e-2)}
 
 
@@ -116,7 +118,7 @@ def build_step(
     return md, cache, ks, vs
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", WITH_TILES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", HEAD_SIZES)
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
@@ -127,7 +129,7 @@ def test_backend_matches_reference(
     check_backend(backend, dtype, head_dim, block_size, num_heads, num_kv_heads)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", WITH_TILES)
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(2, 2), (8, 2), (7, 1), (10, 2)])
 def test_backend_matches_reference_for_each_gqa_group(
     backend: str, num_heads: int, num_kv_heads: int
@@ -137,7 +139,7 @@ def test_backend_matches_reference_for_each_gqa_group(
     check_backend(backend, torch.bfloat16, 64, 16, num_heads, num_kv_heads)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", WITH_TILES)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_prompt_only_batch_with_long_cached_prefixes(backend: str, dtype: torch.dtype) -> None:
     """No decodes: fresh prompts and chunks after long cached prefixes (chunked prefill, a
@@ -172,8 +174,9 @@ def test_sliding_window_and_softcap(
 
 def refuse_reference(monkeypatch: pytest.MonkeyPatch, prompts: bool) -> None:
     """Makes the reference backend's decode (and with ``prompts``, all of its attention) an
-    error, so that a CPU backend test passes through the C++ kernels only."""
-    from baton_kernels.attention import torch_backend
+    error, so that a CPU backend test passes through the C++ kernels only (prompts in the tiles
+    on AMX CPUs too, where they would take SDPA)."""
+    from baton_kernels.attention import cpu_backend, torch_backend
     from baton_kernels.cpu_ops import load_cpu_ops
 
     ops = load_cpu_ops()
@@ -185,6 +188,7 @@ def refuse_reference(monkeypatch: pytest.MonkeyPatch, prompts: bool) -> None:
     monkeypatch.setattr(torch_backend.TorchAttentionBackend, "_decode", refuse)
     if prompts and ops.bf16_gemm_available():  # (the tiles: AVX512-BF16 CPUs only)
         monkeypatch.setattr(torch_backend, "attention", refuse)
+        monkeypatch.setattr(cpu_backend, "SDPA_PROMPTS_ON_AMX", False)
 
 
 def check_backend(
@@ -219,9 +223,10 @@ def check_backend(
     new_k = torch.cat([k[c:] for k, (c, _) in zip(ks, specs, strict=True)])
     new_v = torch.cat([v[c:] for v, (c, _) in zip(vs, specs, strict=True)])
     scale = head_dim**-0.5
-    out = create_attention_backend(backend, kv_dtype=kv_dtype).forward(
-        q, new_k, new_v, cache, md, scale, window=window, softcap=softcap
-    )
+    attn = create_attention_backend(backend.removesuffix("-tiles"), kv_dtype=kv_dtype)
+    if backend == "cpu-tiles":
+        attn.sdpa_prompts = False  # type: ignore[attr-defined]
+    out = attn.forward(q, new_k, new_v, cache, md, scale, window=window, softcap=softcap)
     rtol, atol = TOL[dtype]
     for i in range(md.num_reqs):
         s, e = md.query_start_loc[i], md.query_start_loc[i + 1]
@@ -348,6 +353,38 @@ def test_cpu_kernels_read_every_8bit_value_exactly(
     for out in (decode, prompt):
         for row in out:
             torch.testing.assert_close(row.float(), want, rtol=0, atol=0, equal_nan=True)
+
+
+def test_on_amx_cpus_prompts_take_sdpa_unless_a_window_or_softcap(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where the CPU has AMX, the CPU backend sends prompts without a window or softcap to the
+    reference's SDPA (oneDNN on the tiles: faster than the tiles' VDPBF16PS there) and keeps
+    decodes in the C++ kernel; with a window or softcap the whole batch stays in the kernels."""
+    from baton_kernels.attention import torch_backend
+    from baton_kernels.cpu_ops import load_cpu_ops
+
+    ops = load_cpu_ops()
+    assert ops is not None
+    backend = create_attention_backend("cpu")
+    assert backend.sdpa_prompts == bool(ops.amx_gemm_available())  # type: ignore[attr-defined]
+    if not ops.amx_gemm_available():
+        pytest.skip("no AMX on this CPU")
+    sdpa_calls = 0
+    sdpa = torch_backend.attention
+
+    def counting(*args: object, **kwargs: object) -> torch.Tensor:
+        nonlocal sdpa_calls
+        sdpa_calls += 1
+        return sdpa(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(torch_backend, "attention", counting)
+    specs = [(0, 1), (7, 1), (40, 1), (0, 9), (0, 9), (12, 6)]
+    check_backend("cpu", torch.bfloat16, 64, 16, 6, 2, specs)
+    assert sdpa_calls == 2  # the two fresh 9-token prompts batched, the chunk; no decode
+    sdpa_calls = 0
+    check_backend("cpu", torch.bfloat16, 64, 16, 6, 2, specs, window=8)
+    assert sdpa_calls == 0
 
 
 def test_unknown_backend_is_a_clear_error() -> None:
