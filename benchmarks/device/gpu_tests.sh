@@ -2,8 +2,8 @@
 # in parallel groups so that Triton's compiles use the host's cores: the engine's and the launch
 # cache's tests in one process, disaggregation and tensor parallel (skipped on one GPU) then
 # LoRA, mixtures of experts and structured output in another, the attention kernels' cases in
-# three. (A seventh group beside them, 2026-12-06 on an H100, failed 20 of the engine's tests
-# at once: the engines of 7 processes do not fit one GPU's memory; alone they passed.) Then what launches cost the host (launch_cost.py --launches-only) and
+# three. (With a seventh group beside them, 2026-12-06 on an H100, 20 of the engine's 23 tests
+# failed within a minute, their messages cut from the output; run alone, its first 14 passed.) Then what launches cost the host (launch_cost.py --launches-only) and
 # Qwen 256 at K=4 in fresh processes, cache on and off, ROUNDS rounds (default 2; 0: none).
 #     bash benchmarks/device/gpu_tests.sh        (carry .whl)
 source benchmarks/device/setup.sh || exit 1
