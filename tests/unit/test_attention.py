@@ -355,12 +355,14 @@ def test_cpu_kernels_read_every_8bit_value_exactly(
             torch.testing.assert_close(row.float(), want, rtol=0, atol=0, equal_nan=True)
 
 
+@pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn])
 def test_on_amx_cpus_prompts_take_sdpa_unless_a_window_or_softcap(
-    monkeypatch: pytest.MonkeyPatch,
+    kv_dtype: torch.dtype | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Where the CPU has AMX, the CPU backend sends prompts without a window or softcap to the
     reference's SDPA (oneDNN on the tiles: faster than the tiles' VDPBF16PS there) and keeps
-    decodes in the C++ kernel; with a window or softcap the whole batch stays in the kernels."""
+    decodes in the C++ kernel; with a window or softcap the whole batch stays in the kernels.
+    Over the model's cache and an FP8 one (scaled), the results are the reference's."""
     from baton_kernels.attention import torch_backend
     from baton_kernels.cpu_ops import load_cpu_ops
 
@@ -380,10 +382,11 @@ def test_on_amx_cpus_prompts_take_sdpa_unless_a_window_or_softcap(
 
     monkeypatch.setattr(torch_backend, "attention", counting)
     specs = [(0, 1), (7, 1), (40, 1), (0, 9), (0, 9), (12, 6)]
-    check_backend("cpu", torch.bfloat16, 64, 16, 6, 2, specs)
+    scales = (0.5, 2.0) if kv_dtype else (1.0, 1.0)
+    check_backend("cpu", torch.bfloat16, 64, 16, 6, 2, specs, 0, 0.0, kv_dtype, scales)
     assert sdpa_calls == 2  # the two fresh 9-token prompts batched, the chunk; no decode
     sdpa_calls = 0
-    check_backend("cpu", torch.bfloat16, 64, 16, 6, 2, specs, window=8)
+    check_backend("cpu", torch.bfloat16, 64, 16, 6, 2, specs, 8, 0.0, kv_dtype, scales)
     assert sdpa_calls == 0
 
 
