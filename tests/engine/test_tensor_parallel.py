@@ -62,6 +62,34 @@ def test_two_ranks_keep_the_drafts_rank_0_keeps(default_model_dir: Path, tmp_pat
     assert got == want
 
 
+def test_two_ranks_move_their_heads_through_the_host_tier(default_model_dir: Path, tmp_path):
+    """--kv-offloading-size split two ways: each rank saves and loads its heads of the blocks
+    the scheduler moves; the prefix found in the tier gives the tokens of one process whose
+    pool kept it."""
+    build_model("llama", default_model_dir, tmp_path)
+    first, second = [10 + i % 97 for i in range(300)], [200 + i % 89 for i in range(300)]
+
+    def run(**engine_args: object) -> tuple[list[list[int]], int]:
+        llm = LLM(str(tmp_path), dtype="float32", max_model_len=320, **engine_args)
+        try:
+            greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+            outs = [
+                llm.generate([{"prompt_token_ids": p}], greedy, use_tqdm=False)[0]
+                for p in (first, second, first)
+            ]
+            assert outs[2].num_cached_tokens == 288  # (all but the last token's block)
+            return [list(o.outputs[0].token_ids) for o in outs], llm.engine.core.kv.num_host_hits
+        finally:
+            llm.shutdown()
+
+    want, _ = run(num_gpu_blocks_override=64)
+    got, host_hits = run(
+        num_gpu_blocks_override=24, kv_offloading_size=0.01, tensor_parallel_size=2
+    )
+    assert host_hits > 100
+    assert got == want
+
+
 def test_a_model_that_does_not_split_evenly_is_refused(default_model_dir: Path, tmp_path: Path):
     build_model("llama", default_model_dir, tmp_path)  # 4 attention heads, 2 KV heads
     with pytest.raises(InvalidRequestError, match="does not divide the model's attention heads"):

@@ -21,6 +21,7 @@ from baton_engine.kv_cache import (
 )
 from baton_engine.kv_cache.block_pool import KVCacheEvent
 from baton_engine.kv_cache.hashing import prefix_root
+from baton_engine.kv_cache.host_cache import KVCopy
 from baton_engine.request import Request
 from baton_engine.sampling_params import SamplingParams
 
@@ -643,3 +644,179 @@ def test_invariant_checks_catch_a_leak_and_a_bad_ref_count(full: bool) -> None:
     block.ref_cnt -= 1
     kv.free(request)
     kv.check_invariants(full)
+
+
+# --- the host tier (--kv-offloading-size) -------------------------------------------------------
+
+
+def make_tiered(num_blocks: int, num_host_blocks: int, block_size: int = 4) -> KVCacheManager:
+    return KVCacheManager(num_blocks, block_size, num_host_blocks=num_host_blocks)
+
+
+def test_host_tier_saves_evicted_blocks_and_loads_them_back() -> None:
+    kv = make_tiered(num_blocks=4, num_host_blocks=8)
+    a = make_request("a", tokens(13))  # 3 full blocks and 1 token
+    admit(kv, a)
+    assert kv.take_copies() == []  # nothing evicted yet
+    a_blocks = kv.get_block_ids("a")
+    kv.forget(a)
+    b = make_request("b", tokens(15, start=100))
+    admit(kv, b)  # takes all 4 blocks: the free queue's head first, a's tail first
+    # a's three cached blocks go to the tier as they are taken (its partial block has no hash)
+    saves = kv.take_copies()
+    assert saves == [KVCopy(True, a_blocks[2], 0), KVCopy(True, a_blocks[1], 1),
+                     KVCopy(True, a_blocks[0], 2)]  # fmt: skip
+    kv.forget(b)
+    again = make_request("a2", tokens(13))
+    prefix = kv.match_prefix(again)
+    assert prefix.blocks == [] and prefix.host_slots == (2, 1, 0)
+    assert prefix.num_cached_tokens == 12
+    new_ids = kv.allocate_slots(again, 1, prefix)
+    assert new_ids is not None and len(new_ids) == 4
+    copies = kv.take_copies()
+    # b's three cached blocks are saved as they are taken, then a's come back into the first
+    # three new blocks, in prefix order
+    assert [c.to_host for c in copies] == [True, True, True, False, False, False]
+    loads = [(c.block_id, c.slot) for c in copies[3:]]
+    assert loads == list(zip(new_ids[:3], (2, 1, 0), strict=True))
+    # the loaded blocks are cached in the pool again: the next request hits them there
+    again.num_computed_tokens = 13
+    third = make_request("a3", tokens(13))
+    assert kv.match_prefix(third).block_ids == new_ids[:3]
+    kv.record_prefix_lookup(13, prefix)
+    assert (kv.num_prefix_queries, kv.num_prefix_hits) == (13, 0)
+    assert (kv.num_host_queries, kv.num_host_hits) == (13, 12)
+    kv.check_invariants()
+
+
+def test_host_tier_hits_continue_a_pool_prefix() -> None:
+    """A prefix whose head the pool still caches runs on into the tier's blocks."""
+    kv = make_tiered(num_blocks=5, num_host_blocks=8)
+    a = make_request("a", tokens(17))  # 4 full blocks and 1 token: all 5 blocks
+    admit(kv, a)
+    a_blocks = kv.get_block_ids("a")
+    kv.forget(a)  # freed tail first: a's last blocks are evicted first
+    b = make_request("b", tokens(8, start=100))
+    admit(kv, b)  # takes a's partial block and its 4th
+    kv.forget(b)
+    assert kv.take_copies() == [KVCopy(True, a_blocks[3], 0)]
+    prefix = kv.match_prefix(make_request("a2", tokens(17)))
+    assert prefix.block_ids == a_blocks[:3] and prefix.host_slots == (0,)
+    assert prefix.num_cached_tokens == 16
+
+
+def test_host_tier_copies_a_block_once_and_evicts_least_recently_used() -> None:
+    """Each request takes the whole pool (a full block and a partial one), so each evicts
+    the one before it."""
+    kv = make_tiered(num_blocks=2, num_host_blocks=2, block_size=4)
+    assert kv.host is not None
+
+    def cycle(name: str, start: int) -> list[KVCopy]:
+        request = make_request(name, tokens(5, start=start))
+        admit(kv, request)
+        kv.forget(request)
+        return kv.take_copies()
+
+    def held(start: int) -> int | None:
+        return kv.host._slots.get(hash_block_tokens(None, tokens(4, start=start)).hash_value)
+
+    assert cycle("x", 0) == []
+    assert cycle("y", 100) == [KVCopy(True, 0, 0)]  # x's full block, in block 0
+    assert cycle("z", 200) == [KVCopy(True, 1, 1)]  # y's
+    # x again: from slot 0 (now the tier's most recent); z's block is saved over y's, the
+    # least recently used, before x's is loaded into the block z's leaves
+    assert cycle("x2", 0) == [KVCopy(True, 0, 1), KVCopy(False, 1, 0)]
+    assert (held(0), held(100), held(200)) == (0, None, 1)
+    assert cycle("w", 300) == []  # x's block is evicted again: the tier holds it already
+    assert cycle("v", 400) == [KVCopy(True, 0, 1)]  # w's, over z's (x's was used since)
+    assert (held(0), held(200), held(300)) == (0, None, 1)
+    kv.check_invariants()
+
+
+def test_host_tier_never_overwrites_a_slot_it_is_loading_from() -> None:
+    """An allocation that loads from the tier and evicts pool blocks the tier has no free
+    slot for: the slots being loaded are not taken (the eviction's save is dropped)."""
+    kv = make_tiered(num_blocks=3, num_host_blocks=2, block_size=4)
+    a = make_request("a", tokens(9))  # 2 full blocks and 1 token: the whole pool
+    admit(kv, a)
+    kv.forget(a)
+    b = make_request("b", tokens(9, start=100))
+    admit(kv, b)  # a's 2 full blocks fill the tier's 2 slots
+    kv.forget(b)
+    assert sorted(c.slot for c in kv.take_copies()) == [0, 1]
+    again = make_request("a2", tokens(9))
+    prefix = kv.match_prefix(again)
+    assert prefix.host_slots == (1, 0)
+    assert kv.allocate_slots(again, 1, prefix) is not None
+    # b's 2 cached blocks are evicted, but both slots are being loaded: no save
+    copies = kv.take_copies()
+    assert [c.to_host for c in copies] == [False, False]
+    assert len(kv.host) == 2 and kv.host.lookup(hash_request_tokens(tokens(9), 4)[0]) == 1
+
+
+def test_host_tier_refuses_a_colliding_digest_and_resets() -> None:
+    kv = make_tiered(num_blocks=2, num_host_blocks=4)
+    real = hash_block_tokens(None, tokens(4))
+    forged = BlockHash(real.hash_value, tuple(tokens(4, start=50)))
+    assert kv.host is not None and kv.host.store(real) == 0
+    assert kv.host.lookup(forged) is None and kv.host.lookup(real) == 0
+    assert kv.host.store(real) is None  # held already
+    assert kv.reset_prefix_cache() and len(kv.host) == 0 and kv.host.lookup(real) is None
+    kv.check_invariants()
+    with pytest.raises(ValueError, match="prefix caching"):
+        KVCacheManager(4, 4, enable_caching=False, num_host_blocks=4)
+
+
+class _SimulatedDevice:
+    """What each pool block and host slot holds (the digest of the block whose KV it is),
+    moved by a step's copies as the runner moves bytes, and written by the forward pass."""
+
+    def __init__(self) -> None:
+        self.pool: dict[int, bytes | None] = {}
+        self.host: dict[int, bytes | None] = {}
+
+    def run(self, copies: Sequence[KVCopy]) -> None:
+        for to_host, block_id, slot in copies:
+            if to_host:
+                self.host[slot] = self.pool.get(block_id)
+            else:
+                self.pool[block_id] = self.host.get(slot)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_host_tier_randomized_every_hit_holds_its_tokens_kv(seed: int) -> None:
+    """Random requests over shared prefixes, a small pool and a smaller tier: after each
+    step's copies run in order, every block of a request's cached prefix (pool or tier hit)
+    holds the KV of exactly its tokens."""
+    rng = random.Random(seed)
+    block_size = 4
+    kv = make_tiered(num_blocks=24, num_host_blocks=10, block_size=block_size)
+    device = _SimulatedDevice()
+    stems = [tokens(rng.randrange(8, 40), start=1000 * i) for i in range(6)]
+    live: list[Request] = []
+    num_host_hits = 0
+    for step in range(400):
+        if live and (rng.random() < 0.5 or len(live) > 3):
+            kv.forget(live.pop(rng.randrange(len(live))))
+            continue
+        stem = rng.choice(stems)
+        request = make_request(f"r{step}", stem + tokens(rng.randrange(1, 12), start=10**6 + step))
+        prefix = kv.match_prefix(request)
+        num_new = request.num_tokens - prefix.num_cached_tokens
+        if kv.allocate_slots(request, num_new, prefix) is None:
+            kv.take_copies()  # (a failed allocation queues nothing)
+            continue
+        device.run(kv.take_copies())
+        table = kv.get_block_ids(request.req_id)
+        hashes = kv.block_hashes(request)
+        num_cached = prefix.num_cached_tokens // block_size
+        for i in range(num_cached):
+            assert device.pool[table[i]] == hashes[i].hash_value, (step, i)
+        num_host_hits += len(prefix.host_slots)
+        for i in range(num_cached, len(table)):  # the forward pass writes the rest
+            full = i < len(hashes)
+            device.pool[table[i]] = hashes[i].hash_value if full else None
+        request.num_computed_tokens = request.num_tokens
+        live.append(request)
+        kv.check_invariants()
+    assert num_host_hits > 20

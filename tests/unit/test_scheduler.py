@@ -477,6 +477,52 @@ def test_first_scheduled_marks_each_request_once() -> None:
 # --- prefix caching -----------------------------------------------------------------------------
 
 
+def test_host_tier_hits_reach_the_step_as_copies_and_shorten_a_remote_load() -> None:
+    """With a host tier, a prefix the pool evicted is admitted as computed: the step carries
+    the saves (as the pool evicts) and then the loads into the new blocks; a request whose
+    prompt KV is remote pulls only the blocks after the tier's."""
+    scheduler = Scheduler(
+        KVCacheManager(5, 16, num_host_blocks=16),  # one prompt's blocks
+        max_num_seqs=4, max_num_batched_tokens=512, max_model_len=80,
+    )  # fmt: skip
+    run = Run()
+    first, second = list(range(1000, 1070)), list(range(2000, 2070))  # 4 full blocks and 6
+    for req_id, prompt in (("a", first), ("b", second)):
+        scheduler.add_request(make_request(req_id, prompt, max_tokens=1))
+        so = step(scheduler, run)
+    assert [c.to_host for c in so.kv_copies] == [True] * 4  # b evicted a's full blocks
+    scheduler.add_request(make_request("a2", [*first, 7], max_tokens=1))
+    so = step(scheduler, run)
+    (new,) = so.scheduled_new_reqs
+    assert new.num_computed_tokens == 64 and dict(so.num_scheduled_tokens) == {"a2": 7}
+    loads = [c for c in so.kv_copies if not c.to_host]
+    assert [c.block_id for c in loads] == new.block_ids[:4]
+    assert [c.to_host for c in so.kv_copies] == [True] * 4 + [False] * 4  # (b's, then a's)
+    assert scheduler.kv.num_host_hits == 64
+
+    remote = Request(  # b's prefix, in the tier now
+        req_id="remote",
+        prompt_token_ids=[*second[:64], *range(3000, 3010)],
+        sampling_params=SamplingParams(max_tokens=3),
+        max_tokens=3,
+        output_token_ids=[SAMPLED_TOKEN],
+        remote_kv="kv handle",
+    )
+    scheduler.add_request(remote)
+    so = step(scheduler, run)
+    (load,) = scheduler.take_kv_loads()
+    found = remote.num_cached_tokens // 16
+    assert found == 4 and load.first_block == found
+    table = scheduler.kv.get_block_ids("remote")
+    assert load.local_block_ids == table[found:]
+    assert [(c.to_host, c.block_id) for c in so.kv_copies if not c.to_host] == [
+        (False, b) for b in table[:found]
+    ]
+    scheduler.finish_kv_load("remote", True)
+    step(scheduler, run)
+    scheduler.check_invariants()
+
+
 def _shared_prefix_requests() -> tuple[Request, Request]:
     prefix = list(range(1000, 1048))
     return (

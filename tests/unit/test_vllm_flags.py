@@ -184,6 +184,19 @@ def test_kv_cache_dtype_and_quantization_reach_the_workers_engines() -> None:
     assert worker.kv_cache_dtype == "fp8" and worker.quantization == "fp8"
 
 
+def test_kv_offloading_reaches_the_workers_engines() -> None:
+    """``baton serve --kv-offloading-size 2.5`` (GiB, as vLLM's) hands it to each worker;
+    ``--kv-offloading-backend lmcache`` stops serve before it starts."""
+    from baton.serve import engine_argv
+    from baton_engine.config import EngineConfig
+
+    argv = engine_argv(parse("serve", "--kv-offloading-size", "2.5"))
+    assert argv == ["--kv-offloading-size", "2.5"]
+    worker = EngineConfig(**engine_kwargs_from_args(parse("decode", *argv)))
+    assert worker.kv_offloading_size == 2.5 and worker.kv_offloading_backend == "native"
+    assert baton_main(["serve", "--kv-offloading-backend", "lmcache"]) == 2
+
+
 def test_vllms_api_key_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     """``VLLM_API_KEY`` sets the key as in vLLM, when ``BATON_API_KEY`` does not."""
     monkeypatch.delenv("BATON_API_KEY", raising=False)

@@ -31,8 +31,9 @@ def test_token_buckets_are_vllms() -> None:
 @pytest.mark.parametrize("prefix", ["baton", "vllm"])
 def test_metrics_under_either_prefix(prefix: str) -> None:
     metrics = WorkerMetrics("m", metric_names=prefix, max_model_len=512)
-    metrics.record_stats(EngineStats(2, 1, 0.25, 10, 4, 0, 30, 7))
-    metrics.record_stats(EngineStats(1, 0, 0.5, 12, 4, 1, 40, 9))
+    metrics.record_stats(EngineStats(2, 1, 0.25, 10, 4, 0, 30, 7, num_host_queries=10))
+    host = {"num_host_queries": 22, "num_host_hits": 6}  # (the host KV tier's)
+    metrics.record_stats(EngineStats(1, 0, 0.5, 12, 4, 1, 40, 9, **host))
     metrics.record_finished("stop", num_prompt_tokens=30, num_generated=7)
     metrics.record_finished("length", num_prompt_tokens=3, num_generated=1)
     metrics.record_finished("abort", num_prompt_tokens=99, num_generated=99)  # not counted
@@ -41,6 +42,8 @@ def test_metrics_under_either_prefix(prefix: str) -> None:
     assert got[(f"{prefix}:num_requests_running", m)] == 1
     assert got[(f"{prefix}:kv_cache_usage_perc", m)] == 0.5
     assert got[(f"{prefix}:generation_tokens_total", m)] == 9
+    assert got[(f"{prefix}:external_prefix_cache_queries_total", m)] == 22
+    assert got[(f"{prefix}:external_prefix_cache_hits_total", m)] == 6
     assert got[(f"{prefix}:request_prompt_tokens_count", m)] == 2
     assert got[(f"{prefix}:request_prompt_tokens_sum", m)] == 33
     assert got[(f"{prefix}:request_generation_tokens_sum", m)] == 8
@@ -88,6 +91,21 @@ def test_the_log_line_of_a_window_with_drafts(caplog: pytest.LogCaptureFixture) 
         "tokens, Per-position acceptance rate: 1.000, 0.500, 0.000, Avg Draft acceptance "
         "rate: 50.0%"
     ]
+
+
+def test_the_log_line_names_the_host_tiers_hit_rate(caplog: pytest.LogCaptureFixture) -> None:
+    """With a host KV tier, vLLM's line with a KV connector: the external hit rate too."""
+    start = EngineStats(1, 0, 0.1, 0, 0, 0, 5, 9)
+    log = StatsLogger(start, interval_s=1.0)
+    with caplog.at_level("INFO", logger="baton_decode.metrics"):
+        log.maybe_log(start, now=0.0)
+        log.maybe_log(EngineStats(1, 0, 0.1, 100, 40, 0, 105, 9), now=1.0)
+        tier = {"num_host_queries": 100, "num_host_hits": 25}
+        log.maybe_log(EngineStats(1, 0, 0.1, 200, 40, 0, 205, 9, **tier), now=2.0)
+    lines = [r.getMessage() for r in caplog.records if "Prefix cache" in r.getMessage()]
+    assert len(lines) == 2
+    assert lines[0].endswith("Prefix cache hit rate: 40.0%")
+    assert lines[1].endswith("Prefix cache hit rate: 20.0%, External prefix cache hit rate: 25.0%")
 
 
 def test_inter_token_latency_under_both_of_vllms_names() -> None:

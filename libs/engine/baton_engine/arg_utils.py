@@ -30,6 +30,10 @@ _HELP = {
     "product); default: the checkpoint's (an FP8 checkpoint's FP8 on such GPUs)",
     "kv_cache_memory": "bytes for the KV cache on CPU (default 2 GiB)",
     "num_gpu_blocks_override": "exact number of KV blocks",
+    "kv_offloading_size": "GiB of host memory (summed over tensor-parallel ranks) for a second "
+    "tier of the prefix cache: blocks the KV cache evicts are copied there and back on a later "
+    "hit, instead of being computed again (vLLM's; default: none)",
+    "kv_offloading_backend": "native (Baton's own host tier; vLLM's lmcache is not supported)",
     "gpu_memory_utilization": "share of the GPU's total memory this engine takes for weights, "
     "activations and KV cache (processes sharing a GPU each take their own share)",
     "load_format": "auto | dummy (random weights, for benchmarks)",
@@ -111,6 +115,7 @@ _TYPES: dict[str, Any] = {  # (None defaults: ints)
     "quantization": str,
     "max_model_len": human_readable_int,  # (vLLM's: 32k, 32K)
     "max_num_batched_tokens": human_readable_int,
+    "kv_offloading_size": float,
 }
 _CHOICES = {"scheduling_policy": SCHEDULING_POLICIES, "runner": RUNNERS}
 

@@ -696,6 +696,11 @@ class EngineConfig:
     quantization: str | None = None
     kv_cache_memory: int | None = None  # bytes for the KV pool on CPU; None: 1 GiB
     num_gpu_blocks_override: int | None = None  # exact number of KV blocks (tests)
+    # vLLM's --kv-offloading-size: GiB of host memory (pinned on GPUs) for a second tier of the
+    # prefix cache, summed over tensor-parallel ranks: blocks the pool evicts are kept there
+    # and copied back on a later hit (kv_cache.host_cache); None or 0: no tier
+    kv_offloading_size: float | None = None
+    kv_offloading_backend: str = "native"  # vLLM's; only its "native" (Baton's own tier)
     gpu_memory_utilization: float = 0.9
     load_format: str = "auto"  # "auto" | "dummy"
     attention_backend: str = "auto"  # "auto" | "cpu" | "triton" | "torch" (reference) | ...
@@ -842,6 +847,18 @@ class EngineConfig:
                 f"quantization {self.quantization!r} is not supported: Baton serves fp8 (FP8 "
                 "weights, a scale an output channel, activations quantized per token) and "
                 "unquantized weights (a GGUF's are dequantized on load)"
+            )
+        if self.kv_offloading_size is not None and self.kv_offloading_size < 0:
+            raise InvalidRequestError("kv_offloading_size must be at least 0 (GiB)")
+        if self.kv_offloading_backend != "native":
+            raise InvalidRequestError(
+                f"kv_offloading_backend {self.kv_offloading_backend!r} is not supported: "
+                "Baton keeps offloaded KV blocks in its own host tier ('native')"
+            )
+        if self.kv_offloading_size and not self.enable_prefix_caching:
+            raise InvalidRequestError(
+                "kv_offloading_size needs prefix caching: the host tier keeps the blocks the "
+                "prefix cache evicts"
             )
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise InvalidRequestError(

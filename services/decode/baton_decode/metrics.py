@@ -97,6 +97,13 @@ class WorkerMetrics:
         self.prefix_cache_hits = counter(
             "prefix_cache_hits", "Prompt tokens found in the prefix cache"
         ).labels(m)
+        # the host KV tier (--kv-offloading-size), as vLLM's KV connectors' external_* series
+        self.external_prefix_cache_queries = counter(
+            "external_prefix_cache_queries", "Prompt tokens looked up in the host KV tier"
+        ).labels(m)
+        self.external_prefix_cache_hits = counter(
+            "external_prefix_cache_hits", "Prompt tokens found in the host KV tier"
+        ).labels(m)
         self.num_preemptions = counter("num_preemptions", "Preemptions (recompute)").labels(m)
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens received").labels(m)
         self.generation_tokens = counter("generation_tokens", "Tokens generated").labels(m)
@@ -238,6 +245,12 @@ class WorkerMetrics:
         for counter, now, before in (
             (self.prefix_cache_queries, stats.num_prefix_queries, last.num_prefix_queries),
             (self.prefix_cache_hits, stats.num_prefix_hits, last.num_prefix_hits),
+            (
+                self.external_prefix_cache_queries,
+                stats.num_host_queries,
+                last.num_host_queries,
+            ),
+            (self.external_prefix_cache_hits, stats.num_host_hits, last.num_host_hits),
             (self.num_preemptions, stats.num_preemptions, last.num_preemptions),
             (self.prompt_tokens, stats.num_prompt_tokens, last.num_prompt_tokens),
             (self.generation_tokens, stats.num_generated_tokens, last.num_generated_tokens),
@@ -360,17 +373,23 @@ class StatsLogger:
         if busy or moved:
             queries = stats.num_prefix_queries
             hit_rate = stats.num_prefix_hits / queries if queries else 0.0
-            logger.info(
+            line = (
                 "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
                 "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, "
-                "Prefix cache hit rate: %.1f%%",
+                "Prefix cache hit rate: %.1f%%"
+            )
+            args = [
                 (stats.num_prompt_tokens - last.num_prompt_tokens) / elapsed,
                 (stats.num_generated_tokens - last.num_generated_tokens) / elapsed,
                 stats.num_running,
                 stats.num_waiting,
                 100 * stats.kv_cache_usage,
                 100 * hit_rate,
-            )
+            ]
+            if stats.num_host_queries:  # a host KV tier (vLLM's line with a KV connector)
+                line += ", External prefix cache hit rate: %.1f%%"
+                args.append(100 * stats.num_host_hits / stats.num_host_queries)
+            logger.info(line, *args)
         num_drafts = stats.num_spec_drafts - last.num_spec_drafts
         if num_drafts:
             _log_drafts(stats, last, num_drafts)

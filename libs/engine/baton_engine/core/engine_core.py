@@ -81,6 +81,9 @@ class EngineStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_accepted_per_pos: tuple[int, ...] = ()
+    # the host KV tier (vLLM's external prefix cache): tokens looked up, and found there
+    num_host_queries: int = 0
+    num_host_hits: int = 0
 
 
 def resolve_dtype(config: EngineConfig, model_config: ModelConfig) -> torch.dtype:
@@ -143,6 +146,7 @@ class RunnerSetup:
     model_config: ModelConfig  # the whole model's (the runner holds its shard's)
     max_model_len: int
     dtype: torch.dtype
+    num_host_blocks: int = 0  # of the host KV tier (--kv-offloading-size)
 
 
 def build_runner(config: EngineConfig, tp_rank: int = 0) -> RunnerSetup:
@@ -225,6 +229,16 @@ def build_runner(config: EngineConfig, tp_rank: int = 0) -> RunnerSetup:
         logger.info("prompt steps run eagerly: the experts they run depend on the routing")
     num_blocks = _num_kv_blocks(config, runner, max_model_len, free_at_start)
     runner.initialize_kv_cache(num_blocks)
+    num_host_blocks = _num_host_blocks(config, runner)
+    if num_host_blocks:
+        runner.initialize_host_kv_cache(num_host_blocks)
+        logger.info(
+            "KV offloading: a host tier of %d blocks, %d tokens (%.1f GiB%s)",
+            num_host_blocks,
+            num_host_blocks * config.block_size,
+            num_host_blocks * runner.kv_bytes_per_block() * tp_size / 2**30,
+            ", pinned" if runner.device.type == "cuda" else "",
+        )
     if runner.device.type == "cuda":
         runner.warmup_kernels()
         spec = config.speculative()
@@ -240,7 +254,24 @@ def build_runner(config: EngineConfig, tp_rank: int = 0) -> RunnerSetup:
         time.perf_counter() - start,
         f"; each of {tp_size} ranks holds 1/{tp_size} of the heads" if tp_size > 1 else "",
     )
-    return RunnerSetup(runner, num_blocks, model_dir, mc, max_model_len, dtype)
+    return RunnerSetup(runner, num_blocks, model_dir, mc, max_model_len, dtype, num_host_blocks)
+
+
+def _num_host_blocks(config: EngineConfig, runner: ModelRunner) -> int:
+    """Blocks of the host tier that ``kv_offloading_size`` GiB hold, summed over the ranks
+    (vLLM's reading: each rank holds its heads of every block); 0 without one."""
+    size = config.kv_offloading_size
+    if not size:
+        return 0
+    per_block = runner.kv_bytes_per_block() * config.tensor_parallel_size
+    num_blocks = int(size * 2**30) // per_block
+    if num_blocks < 1:
+        raise InvalidRequestError(
+            f"kv_offloading_size {size} GiB holds no KV block ({per_block} bytes each)"
+        )
+    if config.tensor_parallel_size > 1:
+        num_blocks = distributed.all_min(num_blocks, str(runner.device))
+    return num_blocks
 
 
 def _max_model_len(config: EngineConfig, mc: ModelConfig) -> int:
@@ -420,6 +451,7 @@ class EngineCore:
             config.block_size,
             config.enable_prefix_caching,
             enable_kv_events=config.enable_kv_events,
+            num_host_blocks=setup.num_host_blocks,
         )
         self.scheduler = Scheduler(
             self.kv,
@@ -853,6 +885,8 @@ class EngineCore:
             "enable_prefix_caching": config.enable_prefix_caching,
             "gpu_memory_utilization": config.gpu_memory_utilization,
             "kv_cache_size_tokens": self.kv.pool.num_blocks * config.block_size,
+            # the host tier's blocks (--kv-offloading-size; vLLM's name for blocks in host memory)
+            "num_cpu_blocks": self.kv.host.num_slots if self.kv.host is not None else 0,
         }
 
     @property
@@ -1011,6 +1045,8 @@ class EngineCore:
             kv_cache_usage=self.kv.usage(),
             num_prefix_queries=self.kv.num_prefix_queries,
             num_prefix_hits=self.kv.num_prefix_hits,
+            num_host_queries=self.kv.num_host_queries,
+            num_host_hits=self.kv.num_host_hits,
             num_preemptions=self.scheduler.num_preemptions,
             num_prompt_tokens=self.num_prompt_tokens,
             num_generated_tokens=self.num_generated_tokens,

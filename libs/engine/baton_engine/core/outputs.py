@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -11,6 +11,8 @@ from baton_engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     import torch
+
+    from baton_engine.kv_cache.host_cache import KVCopy
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,9 @@ class SchedulerOutput:
     # Speculative decoding: req_id -> the draft tokens scheduled after its last token (its
     # ``num_scheduled_tokens`` counts them); the runner checks them (spec_decode)
     spec_token_ids: Mapping[str, list[int]] = field(default_factory=dict)
+    # The host KV tier (--kv-offloading-size): blocks to move between the pool and the tier
+    # before this step's forward pass, in this order (kv_cache.host_cache)
+    kv_copies: Sequence[KVCopy] = ()
 
     @property
     def is_empty(self) -> bool:

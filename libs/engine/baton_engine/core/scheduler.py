@@ -486,6 +486,7 @@ class Scheduler:
             preempted_req_ids=frozenset(preempted),
             num_steps=num_steps,
             spec_token_ids=spec_token_ids or {},
+            kv_copies=self.kv.take_copies(),
         )
 
     # --- multi-step scheduling -----------------------------------------------------------------
@@ -566,7 +567,7 @@ class Scheduler:
         if self.kv.allocate_slots(request, num_load, prefix, cache=False) is None:
             return False
         self.waiting.popleft()
-        self.kv.record_prefix_lookup(request.num_prompt_tokens, num_cached)
+        self.kv.record_prefix_lookup(request.num_prompt_tokens, prefix)
         request.num_cached_tokens = num_cached
         self.first_scheduled.append((request.req_id, time.monotonic()))
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
@@ -581,7 +582,7 @@ class Scheduler:
     def _admit(self, request: Request, prefix: PrefixMatch | None) -> None:
         num_cached = prefix.num_cached_tokens if prefix is not None else 0
         if prefix is not None:
-            self.kv.record_prefix_lookup(request.num_tokens, num_cached)
+            self.kv.record_prefix_lookup(request.num_tokens, prefix)
         if request.num_cached_tokens < 0:  # its first admission
             request.num_cached_tokens = num_cached
             self.first_scheduled.append((request.req_id, time.monotonic()))

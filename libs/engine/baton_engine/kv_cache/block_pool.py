@@ -14,11 +14,13 @@ Contract:
 - A free block keeps its hash and stays findable by it until it is taken for new data; taking it
   evicts it from the index. A cache hit on a free block takes it out of the free queue.
 - Block tables are append-only; blocks are shared by reference counting, never copied.
+- ``on_evict``, if set, sees each cached block (the one the index names for its hash) just
+  before it is taken for new data: the host tier saves it then (``host_cache``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
 
@@ -65,6 +67,7 @@ class BlockPool:
         # hash digest -> the block that holds it
         self._cached: dict[bytes, KVCacheBlock] = {}
         self._events: list[KVCacheEvent] = []
+        self.on_evict: Callable[[KVCacheBlock], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -100,6 +103,11 @@ class BlockPool:
         for _ in range(num_blocks):
             assert block is not None
             if block.block_hash is not None:
+                if (
+                    self.on_evict is not None
+                    and self._cached.get(block.block_hash.hash_value) is block
+                ):
+                    self.on_evict(block)
                 self._evict(block)
             block.ref_cnt = 1
             block.prev_free = None

@@ -1,7 +1,10 @@
 """KVCacheManager: the scheduler's only window onto the KV cache.
 
 It hands out small result types (``PrefixMatch``, lists of new block ids) and keeps block tables
-and block hashes per request; the scheduler never touches blocks directly.
+and block hashes per request; the scheduler never touches blocks directly. With a host tier
+(``num_host_blocks``, vLLM's ``--kv-offloading-size``) a prefix runs on from the pool's blocks
+into the tier's, and the moves between them are queued as ``KVCopy`` entries for the step
+(``take_copies``; see ``host_cache``).
 """
 
 from __future__ import annotations
@@ -10,13 +13,15 @@ from dataclasses import dataclass
 
 from baton_engine.kv_cache.block_pool import BlockPool, KVCacheBlock, KVCacheEvent
 from baton_engine.kv_cache.hashing import BlockHash, hash_block_tokens, prefix_root
+from baton_engine.kv_cache.host_cache import HostBlockCache, KVCopy
 from baton_engine.request import Request
 
 
 @dataclass(frozen=True)
 class PrefixMatch:
-    num_cached_tokens: int
-    blocks: list[KVCacheBlock]
+    num_cached_tokens: int  # of the pool's blocks and the host tier's after them
+    blocks: list[KVCacheBlock]  # the pool's
+    host_slots: tuple[int, ...] = ()  # the host tier's, copied into new blocks on allocation
 
     @property
     def block_ids(self) -> list[int]:
@@ -34,7 +39,9 @@ class KVCacheManager:
         block_size: int,
         enable_caching: bool = True,
         enable_kv_events: bool = False,
+        num_host_blocks: int = 0,
     ) -> None:
+        """``num_host_blocks``: slots of the host tier (0: none); it needs prefix caching."""
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching, enable_kv_events)
@@ -43,7 +50,17 @@ class KVCacheManager:
         self._num_cached_blocks: dict[str, int] = {}  # req_id -> leading table blocks indexed
         self._held: dict[str, list[KVCacheBlock]] = {}  # req_id -> blocks of a prefilled prompt
         self.num_prefix_queries = 0  # tokens looked up in the prefix cache
-        self.num_prefix_hits = 0  # of those, tokens found
+        self.num_prefix_hits = 0  # of those, tokens found in the pool
+        self.num_host_queries = 0  # tokens looked up with a host tier (vLLM's "external")
+        self.num_host_hits = 0  # of those, tokens found in the tier
+        self.host: HostBlockCache | None = None
+        self._copies: list[KVCopy] = []  # for the next step, in the order they must run
+        self._protected: tuple[int, ...] = ()  # host slots the allocation under way loads
+        if num_host_blocks:
+            if not enable_caching:
+                raise ValueError("a host KV tier needs prefix caching")
+            self.host = HostBlockCache(num_host_blocks)
+            self.pool.on_evict = self._save
 
     @property
     def num_free_blocks(self) -> int:
@@ -74,18 +91,29 @@ class KVCacheManager:
         if not self.enable_caching:
             return PrefixMatch(0, [])
         max_blocks = (request.num_tokens - 1) // self.block_size
+        hashes = self.block_hashes(request)[:max_blocks]
         blocks: list[KVCacheBlock] = []
-        for block_hash in self.block_hashes(request)[:max_blocks]:
+        for block_hash in hashes:
             block = self.pool.get_cached_block(block_hash)
             if block is None:
                 break
             blocks.append(block)
-        return PrefixMatch(len(blocks) * self.block_size, blocks)
+        slots: list[int] = []
+        if self.host is not None:
+            for block_hash in hashes[len(blocks) :]:
+                slot = self.host.lookup(block_hash)
+                if slot is None:
+                    break
+                slots.append(slot)
+        return PrefixMatch((len(blocks) + len(slots)) * self.block_size, blocks, tuple(slots))
 
-    def record_prefix_lookup(self, num_tokens: int, num_cached_tokens: int) -> None:
+    def record_prefix_lookup(self, num_tokens: int, prefix: PrefixMatch) -> None:
         """Count one admitted request's prefix lookup (not the retries of a blocked one)."""
         self.num_prefix_queries += num_tokens
-        self.num_prefix_hits += num_cached_tokens
+        self.num_prefix_hits += len(prefix.blocks) * self.block_size
+        if self.host is not None:
+            self.num_host_queries += num_tokens
+            self.num_host_hits += len(prefix.host_slots) * self.block_size
 
     def allocate_slots(
         self,
@@ -125,8 +153,17 @@ class KVCacheManager:
                 return None
             self.pool.touch(cached)
             table.extend(cached)
-            new_blocks = self.pool.get_new_blocks(num_new_blocks)
+            slots = prefix.host_slots if prefix is not None else ()
+            self._protected = slots  # (the blocks this takes may be saved over other slots)
+            try:
+                new_blocks = self.pool.get_new_blocks(num_new_blocks)
+            finally:
+                self._protected = ()
             table.extend(new_blocks)
+            # the host tier's blocks of the prefix into the first new blocks, before any
+            # forward pass reads them (a fresh request: its table held only ``cached``)
+            loads = zip(new_blocks, slots, strict=False)
+            self._copies.extend(KVCopy(False, block.block_id, slot) for block, slot in loads)
         if self.enable_caching and cache:
             # Blocks are indexed once their tokens are known and scheduled: the forward pass writes
             # every scheduled token's KV before any attention reads, so a request admitted later in
@@ -141,6 +178,19 @@ class KVCacheManager:
         if not (cached or new_blocks):
             return []
         return [b.block_id for b in cached] + [b.block_id for b in new_blocks]
+
+    def _save(self, block: KVCacheBlock) -> None:
+        """The pool evicts ``block`` (BlockPool.on_evict): its KV to the host tier first."""
+        assert self.host is not None and block.block_hash is not None
+        slot = self.host.store(block.block_hash, self._protected)
+        if slot is not None:
+            self._copies.append(KVCopy(True, block.block_id, slot))
+
+    def take_copies(self) -> list[KVCopy]:
+        """The moves between the pool and the host tier queued since the last call, in the
+        order the device must run them (before the step's forward pass)."""
+        copies, self._copies = self._copies, []
+        return copies
 
     def _limit(self, request: Request, num_blocks: int) -> int:
         """Where the request's computed tokens may end with no call to ``allocate_slots``: in
@@ -208,7 +258,12 @@ class KVCacheManager:
         return self.pool.take_events()
 
     def reset_prefix_cache(self) -> bool:
-        return self.pool.reset_prefix_cache()
+        """Forget every cached block, the host tier's too; only when no block is in use."""
+        if not self.pool.reset_prefix_cache():
+            return False
+        if self.host is not None:
+            self.host.clear()
+        return True
 
     def check_invariants(self, full: bool = True) -> None:
         """Raise AssertionError if the block accounting is inconsistent. ``full=False`` checks
@@ -223,6 +278,8 @@ class KVCacheManager:
             self.pool.check_referenced(refs)
             return
         self.pool.check_invariants()
+        if self.host is not None:
+            self.host.check_invariants()
         for block in self.pool.blocks:
             assert block.ref_cnt == refs.get(block.block_id, 0), (
                 f"{block}: ref count != number of tables holding it ({refs.get(block.block_id, 0)})"

@@ -23,6 +23,7 @@ from baton_engine.core.outputs import (
     SchedulerOutput,
     TokenLogprobs,
 )
+from baton_engine.kv_cache.host_cache import KVCopy
 from baton_engine.lora import LoRALimits, LoRAManager
 from baton_engine.models import LlamaForCausalLM, moe
 from baton_engine.models.llama import shard_config
@@ -339,6 +340,7 @@ class ModelRunner:
                     else "the attention projections",
                 )
         self.kv_pool: torch.Tensor | None = None
+        self.host_kv: torch.Tensor | None = None  # the host tier (initialize_host_kv_cache)
         self.kv_caches: list[KVCacheView] = []
 
     # --- setup ---------------------------------------------------------------------------------
@@ -440,6 +442,27 @@ class ModelRunner:
             KVCacheView(self.kv_pool[:, layer], *(scales[layer] if scales else (1.0, 1.0)))
             for layer in range(cfg.num_layers)
         ]
+
+    def initialize_host_kv_cache(self, num_slots: int) -> None:
+        """The host tier's buffer (``--kv-offloading-size``): ``num_slots`` blocks laid out as
+        the pool's (this rank's heads), pinned on a GPU so that the copies run on the stream
+        without the host waiting (``kv_cache.host_cache``)."""
+        assert self.kv_pool is not None
+        shape = (num_slots, *self.kv_pool.shape[1:])
+        pinned = self.device.type == "cuda"
+        self.host_kv = torch.empty(shape, dtype=self.kv_pool.dtype, pin_memory=pinned)
+
+    def _copy_host_blocks(self, copies: Sequence[KVCopy]) -> None:
+        """A step's moves between the pool and the host tier, in order, queued on the stream
+        before its forward pass (whose kernels then read the loaded blocks and may overwrite
+        the saved ones)."""
+        host, pool = self.host_kv, self.kv_pool
+        assert host is not None and pool is not None, "no host KV tier"
+        for to_host, block_id, slot in copies:
+            if to_host:
+                host[slot].copy_(pool[block_id], non_blocking=True)
+            else:
+                pool[block_id].copy_(host[slot], non_blocking=True)
 
     @torch.inference_mode()
     def load_kv_blocks(self, block_ids: Sequence[int], blocks: torch.Tensor) -> None:
@@ -667,6 +690,8 @@ class ModelRunner:
         the bitmask while the device computes the logits."""
         self.batch.update(so)
         self._num_launches += 1
+        if so.kv_copies:
+            self._copy_host_blocks(so.kv_copies)
         if so.is_empty:
             return StepHandle.ready(ModelRunnerOutput({}))
         self.staging.next_step()
