@@ -575,3 +575,43 @@ def test_speculative_decoding_gives_the_greedy_tokens(tmp_path: Path) -> None:
         _release_memory()
     assert results[2] == results[1] == results[0]
     assert drafts[0] == 0 and drafts[1] > 0 and drafts[2] > 0 and wide > 0
+
+
+def test_the_host_kv_tier_under_the_gpus_defaults(tmp_path: Path) -> None:
+    """--kv-offloading-size with CUDA graphs and async scheduling: a third wave of requests
+    comes back to the first wave's contexts, which the second wave evicted from a small pool,
+    while earlier requests still decode. Their prefixes, copied back from pinned host memory
+    on the stream, give the tokens of a pool that kept them."""
+    from baton_engine.sampling_params import SamplingParams
+
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    g = torch.Generator().manual_seed(1)
+    contexts = [torch.randint(1, 4000, (300,), generator=g).tolist() for _ in range(16)]
+    waves = [
+        [(f"a{i}", contexts[i] + [11, 12]) for i in range(8)],
+        [(f"b{i}", contexts[8 + i] + [11, 12]) for i in range(8)],
+        [(f"c{i}", contexts[i] + [21, 22, 23]) for i in range(8)],
+    ]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    results, hits = [], []
+    for blocks, tier in ((1200, None), (200, 0.05)):
+        core = _core(
+            tmp_path, max_model_len=512, max_num_seqs=16, num_gpu_blocks_override=blocks,
+            kv_offloading_size=tier,
+        )  # fmt: skip
+        tokens: dict[str, list[int]] = {}
+        for wave in waves:
+            for n, (req_id, prompt) in enumerate(wave):
+                core.add_request(req_id, prompt, params)
+                if n % 3 == 2:  # a few steps between arrivals: loads among decodes
+                    for _ in range(2):
+                        for out in core.step():
+                            tokens.setdefault(out.req_id, []).extend(out.new_token_ids)
+            for req_id, more in _drain(core).items():
+                tokens.setdefault(req_id, []).extend(more)
+        results.append(tokens)
+        hits.append((core.kv.num_prefix_hits, core.kv.num_host_hits))
+        del core
+        _release_memory()
+    assert hits[0][1] == 0 and hits[1][1] >= 8 * 288 // 2  # most of wave c's from the tier
+    assert results[1] == results[0]
