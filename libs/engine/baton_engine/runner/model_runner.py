@@ -23,6 +23,7 @@ from baton_engine.core.outputs import (
     SchedulerOutput,
     TokenLogprobs,
 )
+from baton_engine.errors import InvalidRequestError
 from baton_engine.kv_cache.host_cache import KVCopy
 from baton_engine.lora import LoRALimits, LoRAManager
 from baton_engine.models import LlamaForCausalLM, moe
@@ -445,12 +446,13 @@ class ModelRunner:
 
     def initialize_host_kv_cache(self, num_slots: int) -> None:
         """The host tier's buffer (``--kv-offloading-size``): ``num_slots`` blocks laid out as
-        the pool's (this rank's heads), pinned on a GPU so that the copies run on the stream
-        without the host waiting (``kv_cache.host_cache``)."""
+        the pool's (this rank's heads), page-locked on a GPU so that the copies run on the
+        stream without the host waiting (``kv_cache.host_cache``)."""
         assert self.kv_pool is not None
         shape = (num_slots, *self.kv_pool.shape[1:])
-        pinned = self.device.type == "cuda"
-        self.host_kv = torch.empty(shape, dtype=self.kv_pool.dtype, pin_memory=pinned)
+        self.host_kv = torch.empty(shape, dtype=self.kv_pool.dtype)
+        if self.device.type == "cuda":
+            self._host_kv_lock = _PageLocked(self.host_kv)
 
     def _copy_host_blocks(self, copies: Sequence[KVCopy]) -> None:
         """A step's moves between the pool and the host tier, in order, queued on the stream
@@ -1342,6 +1344,27 @@ class ModelRunner:
             grammar_rows=rows,
             device=self.device,
         )
+
+
+class _PageLocked:
+    """A host tensor's own bytes page-locked in place (``cudaHostRegister``), so that copies
+    between it and a GPU run asynchronously on the stream. (torch's pinned allocator rounds each
+    allocation up to a power of two: a 9 GiB tier would lock 16.) Unlocked when this is
+    collected; it holds the tensor, whose memory is freed only after that."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        size = tensor.numel() * tensor.element_size()
+        error = int(torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), size, 0))  # type: ignore[no-untyped-call]
+        if error:
+            raise InvalidRequestError(
+                f"cannot page-lock {size / 2**30:.1f} GiB of host memory for the KV tier (CUDA "
+                f"error {error}): lower kv_offloading_size"
+            )
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # (at interpreter exit CUDA may be gone)
+            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())  # type: ignore[no-untyped-call]
 
 
 def wait_for(event: torch.cuda.Event, check: Callable[[], None] | None) -> None:
