@@ -767,6 +767,33 @@ def test_host_tier_refuses_a_colliding_digest_and_resets() -> None:
         KVCacheManager(4, 4, enable_caching=False, num_host_blocks=4)
 
 
+def test_kv_events_count_the_host_tier_as_the_workers() -> None:
+    """The kvstore's index hears that a block is removed only once neither the pool nor the
+    tier holds it; a resync's snapshot names the tier's blocks too."""
+    kv = KVCacheManager(2, 4, enable_kv_events=True, num_host_blocks=1)
+    x, y, z = (hash_block_tokens(None, tokens(4, start=s)).hash_value for s in (0, 100, 200))
+
+    def cycle(name: str, start: int) -> list[tuple[str, bytes]]:
+        request = make_request(name, tokens(5, start=start))  # takes the whole pool
+        admit(kv, request)
+        kv.forget(request)
+        kv.take_copies()
+        return [(e.kind, e.hash_value) for e in kv.take_events()]
+
+    assert cycle("x", 0) == [("stored", x)]
+    assert cycle("y", 100) == [("stored", y)]  # x's block went to the tier: not removed
+    assert set(kv.cached_hashes()) == {x, y}
+    # z evicts y's block into the tier's one slot, which drops x
+    assert cycle("z", 200) == [("stored", z), ("removed", x)]
+    assert set(kv.cached_hashes()) == {y, z}
+    # y comes back from the tier; z's block, evicted meanwhile, finds the one slot being
+    # loaded from: z is held nowhere now
+    assert cycle("y2", 100) == [("removed", z), ("stored", y)]
+    assert kv.reset_prefix_cache()
+    assert {(e.kind, e.hash_value) for e in kv.take_events()} == {("removed", y)}
+    assert kv.cached_hashes() == []
+
+
 class _SimulatedDevice:
     """What each pool block and host slot holds (the digest of the block whose KV it is),
     moved by a step's copies as the runner moves bytes, and written by the forward pass."""

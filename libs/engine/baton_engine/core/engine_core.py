@@ -906,8 +906,9 @@ class EngineCore:
         return sorted(running), sorted(waiting)
 
     def cached_block_hashes(self) -> list[bytes]:
-        """Every hash the prefix cache holds now (to resync the kvstore's index)."""
-        return self.kv.pool.cached_hashes()
+        """Every hash the prefix cache holds now, in the pool or the host tier (to resync the
+        kvstore's index)."""
+        return self.kv.cached_hashes()
 
     @property
     def kv_pool(self) -> torch.Tensor:

@@ -20,7 +20,7 @@ Contract:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
 
@@ -171,6 +171,10 @@ class BlockPool:
         for block in self.blocks:
             self._evict(block)
         return True
+
+    def cached_digests(self) -> Collection[bytes]:
+        """A live view of the cached digests (for membership tests on the engine's thread)."""
+        return self._cached.keys()
 
     def cached_hashes(self) -> list[bytes]:
         """The digests of every cached block (a snapshot; safe to call from another thread)."""

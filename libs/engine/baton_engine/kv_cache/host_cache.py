@@ -30,10 +30,13 @@ class KVCopy(NamedTuple):
 
 
 class HostBlockCache:
-    def __init__(self, num_slots: int) -> None:
+    def __init__(self, num_slots: int, record_drops: bool = False) -> None:
+        """``record_drops``: keep the digests of the blocks it forgets, for ``take_dropped``
+        (the kvstore's prefix index hears of blocks the worker no longer holds anywhere)."""
         if num_slots < 1:
             raise ValueError("the host KV tier needs at least one slot")
         self.num_slots = num_slots
+        self._dropped: list[bytes] | None = [] if record_drops else None
         # digest -> slot, least recently used first
         self._slots: OrderedDict[bytes, int] = OrderedDict()
         self._held: list[BlockHash | None] = [None] * num_slots  # slot -> the hash it holds
@@ -70,12 +73,30 @@ class HostBlockCache:
             if victim is None:
                 return None
             slot = self._slots.pop(victim)
+            if self._dropped is not None:
+                self._dropped.append(victim)
         self._slots[digest] = slot
         self._held[slot] = block_hash
         return slot
 
+    def __contains__(self, digest: bytes) -> bool:
+        return digest in self._slots
+
+    def digests(self) -> list[bytes]:
+        """The digests of every block held (a snapshot; safe to call from another thread)."""
+        return list(self._slots)
+
+    def take_dropped(self) -> list[bytes]:
+        """The digests forgotten since the last call (with ``record_drops``)."""
+        if self._dropped is None:
+            return []
+        dropped, self._dropped = self._dropped, []
+        return dropped
+
     def clear(self) -> None:
         """Forget every block (``reset_prefix_cache``)."""
+        if self._dropped is not None:
+            self._dropped += self._slots
         self._slots.clear()
         self._held = [None] * self.num_slots
         self._free = list(range(self.num_slots - 1, -1, -1))

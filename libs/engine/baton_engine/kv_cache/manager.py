@@ -59,7 +59,7 @@ class KVCacheManager:
         if num_host_blocks:
             if not enable_caching:
                 raise ValueError("a host KV tier needs prefix caching")
-            self.host = HostBlockCache(num_host_blocks)
+            self.host = HostBlockCache(num_host_blocks, record_drops=enable_kv_events)
             self.pool.on_evict = self._save
 
     @property
@@ -255,7 +255,26 @@ class KVCacheManager:
         return [b.block_id for b in self._tables.get(req_id, [])]
 
     def take_events(self) -> list[KVCacheEvent]:
-        return self.pool.take_events()
+        """What the worker caches changed since the last call, for the kvstore's prefix index:
+        a block is removed once neither the pool nor the host tier holds it (a block the pool
+        evicts into the tier stays)."""
+        events = self.pool.take_events()
+        host = self.host
+        if host is None:
+            return events
+        kept = [e for e in events if e.kind != "removed" or e.hash_value not in host]
+        cached = self.pool.cached_digests()
+        kept += [KVCacheEvent("removed", d) for d in host.take_dropped() if d not in cached]
+        return kept
+
+    def cached_hashes(self) -> list[bytes]:
+        """The digests of every block cached, in the pool or the host tier (a snapshot; safe
+        to call from another thread)."""
+        hashes = self.pool.cached_hashes()
+        if self.host is not None:
+            in_pool = set(hashes)
+            hashes += [d for d in self.host.digests() if d not in in_pool]
+        return hashes
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block, the host tier's too; only when no block is in use."""
