@@ -25,18 +25,18 @@ from typing import Any
 
 
 def run(args: argparse.Namespace, num_blocks: int, offload_gib: float | None) -> dict[str, Any]:
-    from baton import LLM, SamplingParams
+    from baton_engine.config import EngineConfig
+    from baton_engine.core.engine_core import EngineCore
+    from baton_engine.sampling_params import SamplingParams
 
-    kwargs: dict[str, Any] = {}
-    if args.model:
-        kwargs["model"] = args.model
-    llm = LLM(
-        load_format=args.load_format, device=args.device, dtype=args.dtype,
-        max_model_len=args.context + 64, num_gpu_blocks_override=num_blocks,
-        kv_offloading_size=offload_gib, seed=0, **kwargs,
+    core = EngineCore(
+        EngineConfig(
+            model=args.model, load_format=args.load_format, device=args.device, dtype=args.dtype,
+            max_model_len=args.context + 64, num_gpu_blocks_override=num_blocks,
+            kv_offloading_size=offload_gib, seed=0,
+        )
     )  # fmt: skip
     try:
-        core = llm.engine.core
         vocab = core.model_config.vocab_size
         rng = random.Random(0)
         contexts = [[rng.randrange(100, vocab) for _ in range(args.context)]]
@@ -44,11 +44,18 @@ def run(args: argparse.Namespace, num_blocks: int, offload_gib: float | None) ->
                      for _ in range(args.convs)]  # fmt: skip
         question = [[rng.randrange(100, vocab) for _ in range(16)] for _ in range(2)]
         params = SamplingParams(temperature=0.0, max_tokens=1)
+        count = iter(range(1 << 30))
 
         def ask(tokens: list[int]) -> tuple[float, int]:
+            """The request alone: seconds to its (only) token, and the token."""
+            req_id = f"q{next(count)}"
             start = time.perf_counter()
-            out = llm.generate([{"prompt_token_ids": tokens}], params, use_tqdm=False)[0]
-            return time.perf_counter() - start, out.outputs[0].token_ids[0]
+            core.add_request(req_id, tokens, params)
+            got: list[int] = []
+            while core.has_unfinished_requests():
+                for out in core.step():
+                    got += out.new_token_ids
+            return time.perf_counter() - start, got[0]
 
         ask(contexts[0] + question[0])  # warm-up (a context of its own)
         for context in contexts[1:]:
@@ -66,8 +73,16 @@ def run(args: argparse.Namespace, num_blocks: int, offload_gib: float | None) ->
             "prompt": args.context + 16,
         }
     finally:
-        llm.shutdown()
-        gc.collect()
+        core.shutdown()
+
+
+def release(device: str) -> None:
+    """An engine's memory back before the next one sizes its pool."""
+    gc.collect()
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.empty_cache()
 
 
 def main() -> None:
@@ -87,7 +102,10 @@ def main() -> None:
         (f"pool + {args.offload_gib:g} GiB tier", args.blocks, args.offload_gib),
         ("pool holding all", everything, None),
     ]
-    rows = [(name, blocks, run(args, blocks, gib)) for name, blocks, gib in configs]
+    rows = []
+    for name, blocks, gib in configs:
+        rows.append((name, blocks, run(args, blocks, gib)))
+        release(args.device)
     reference = rows[-1][2]["tokens"]
     print(f"{args.convs} conversations of {args.context}-token contexts; round 2, one request "
           f"at a time ({rows[0][2]['prompt']} prompt tokens each):")  # fmt: skip
