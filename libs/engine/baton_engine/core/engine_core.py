@@ -232,13 +232,6 @@ def build_runner(config: EngineConfig, tp_rank: int = 0) -> RunnerSetup:
     num_host_blocks = _num_host_blocks(config, runner)
     if num_host_blocks:
         runner.initialize_host_kv_cache(num_host_blocks)
-        logger.info(
-            "KV offloading: a host tier of %d blocks, %d tokens (%.1f GiB%s)",
-            num_host_blocks,
-            num_host_blocks * config.block_size,
-            num_host_blocks * runner.kv_bytes_per_block() * tp_size / 2**30,
-            ", pinned" if runner.device.type == "cuda" else "",
-        )
     if runner.device.type == "cuda":
         runner.warmup_kernels()
         spec = config.speculative()
@@ -254,6 +247,14 @@ def build_runner(config: EngineConfig, tp_rank: int = 0) -> RunnerSetup:
         time.perf_counter() - start,
         f"; each of {tp_size} ranks holds 1/{tp_size} of the heads" if tp_size > 1 else "",
     )
+    if num_host_blocks:
+        logger.info(
+            "KV offloading: a host tier of %d blocks, %d tokens (%.1f GiB%s)",
+            num_host_blocks,
+            num_host_blocks * config.block_size,
+            num_host_blocks * runner.kv_bytes_per_block() * tp_size / 2**30,
+            ", page-locked" if runner.device.type == "cuda" else "",
+        )
     return RunnerSetup(runner, num_blocks, model_dir, mc, max_model_len, dtype, num_host_blocks)
 
 
