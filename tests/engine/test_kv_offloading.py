@@ -97,3 +97,5 @@ def test_bad_offloading_settings_are_clear_errors(default_model_dir: Path) -> No
         LLM(str(default_model_dir), kv_offloading_size=-1)
     with pytest.raises(InvalidRequestError, match="holds no KV block"):
         LLM(str(default_model_dir), kv_offloading_size=1e-9, max_model_len=256)
+    with pytest.raises(InvalidRequestError, match="more than the host's available memory"):
+        LLM(str(default_model_dir), kv_offloading_size=1 << 20, max_model_len=256)  # 1 PiB

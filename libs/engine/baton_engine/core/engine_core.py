@@ -258,6 +258,19 @@ def build_runner(config: EngineConfig, tp_rank: int = 0) -> RunnerSetup:
     return RunnerSetup(runner, num_blocks, model_dir, mc, max_model_len, dtype, num_host_blocks)
 
 
+def _host_memory_available() -> int | None:
+    """Bytes of host memory available for new allocations (Linux's MemAvailable); None where
+    the system does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def _num_host_blocks(config: EngineConfig, runner: ModelRunner) -> int:
     """Blocks of the host tier that ``kv_offloading_size`` GiB hold, summed over the ranks
     (vLLM's reading: each rank holds its heads of every block); 0 without one."""
@@ -269,6 +282,12 @@ def _num_host_blocks(config: EngineConfig, runner: ModelRunner) -> int:
     if num_blocks < 1:
         raise InvalidRequestError(
             f"kv_offloading_size {size} GiB holds no KV block ({per_block} bytes each)"
+        )
+    available = _host_memory_available()
+    if available is not None and num_blocks * per_block > available:
+        raise InvalidRequestError(
+            f"kv_offloading_size {size} GiB is more than the host's available memory "
+            f"({available / 2**30:.1f} GiB): lower it"
         )
     if config.tensor_parallel_size > 1:
         num_blocks = distributed.all_min(num_blocks, str(runner.device))
