@@ -116,6 +116,52 @@ def decisions(gateway: Service) -> dict[str, float]:
     return out
 
 
+def test_a_prefix_in_the_decode_workers_host_tier_is_prefilled_there() -> None:
+    """--kv-offloading-size on the workers: a conversation whose prompt the decode worker's
+    pool evicted into its host tier is still that worker's in the kvstore's index, so the
+    gateway prefills its next turn there from the tier instead of sending the whole prompt to
+    the prefill worker."""
+    services: list[Service] = []
+    try:
+        kvstore = launch("kvstore", ["--port", "0"])
+        services.append(kvstore)
+        wait_all(services)
+        # ENGINE_ARGS' pool holds 91 blocks: one of the 50-block prompts below, not two
+        worker_args = ["--port", "0", "--kvstore", kvstore.address, "--kv-offloading-size", "0.1"]
+        workers = [launch(kind, [*worker_args, *ENGINE_ARGS]) for kind in ("prefill", "decode")]
+        services += workers
+        wait_all(services)
+        decode = workers[1]
+        gateway = launch(
+            "gateway",
+            ["--port", "0", "--kvstore", kvstore.address, "--remote-prefill-threshold", "64"],
+        )
+        services.append(gateway)
+        wait_all(services)
+
+        def complete(prompt: list[int]) -> None:
+            r = httpx.post(
+                f"{gateway.address}/v1/completions",
+                json={"prompt": prompt, "max_tokens": 2, "temperature": 0},
+                timeout=120,
+            )
+            assert r.status_code == 200, r.text
+
+        first, second = ([base + j % 97 for j in range(800)] for base in (100, 300))
+        complete([*first, 5])
+        complete([*second, 5])  # its blocks push most of first's out of the decode pool
+        assert decisions(gateway) == {"remote": 2.0}
+        time.sleep(1.0)  # the workers' KV events reach the kvstore's index
+        complete([*first, 6])
+        assert decisions(gateway) == {"remote": 2.0, "local_cached": 1.0}
+        metrics = decode.metrics()
+        # second's 51 blocks took the pool's 40 never used and 11 of first's (its tail first):
+        # its 10 full ones came back from the tier
+        assert metrics["baton:external_prefix_cache_hits_total"] == 160, metrics
+    finally:
+        stop(reversed(services))
+
+
 def test_a_negative_prefill_wait_is_refused() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "baton.cli", "gateway", "--max-remote-prefill-wait-ms", "-1"],
