@@ -83,13 +83,7 @@ def test_a_busy_prefill_worker_sheds_prompts_to_the_decode_worker() -> None:
         prompts = [[100 + 7 * i + j for j in range(300)] for i in range(6)]
 
         def complete(prompt: list[int]) -> str:
-            r = httpx.post(
-                f"{gateway.address}/v1/completions",
-                json={"prompt": prompt, "max_tokens": 8, "temperature": 0},
-                timeout=120,
-            )
-            assert r.status_code == 200, r.text
-            return str(r.json()["choices"][0]["text"])
+            return greedy_completion(gateway, prompt, 8)
 
         # One at a time: the prefill worker's queue is empty, so every prompt goes there (and
         # the gateway learns its speed).
@@ -104,6 +98,16 @@ def test_a_busy_prefill_worker_sheds_prompts_to_the_decode_worker() -> None:
         assert counts["remote"] >= 7, counts
     finally:
         stop(reversed(services))
+
+
+def greedy_completion(gateway: Service, prompt: list[int], max_tokens: int) -> str:
+    r = httpx.post(
+        f"{gateway.address}/v1/completions",
+        json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0},
+        timeout=120,
+    )
+    assert r.status_code == 200, r.text
+    return str(r.json()["choices"][0]["text"])
 
 
 def decisions(gateway: Service) -> dict[str, float]:
@@ -140,12 +144,7 @@ def test_a_prefix_in_the_decode_workers_host_tier_is_prefilled_there() -> None:
         wait_all(services)
 
         def complete(prompt: list[int]) -> None:
-            r = httpx.post(
-                f"{gateway.address}/v1/completions",
-                json={"prompt": prompt, "max_tokens": 2, "temperature": 0},
-                timeout=120,
-            )
-            assert r.status_code == 200, r.text
+            greedy_completion(gateway, prompt, 2)
 
         first, second = ([base + j % 97 for j in range(800)] for base in (100, 300))
         complete([*first, 5])
