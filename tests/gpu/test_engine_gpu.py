@@ -615,3 +615,38 @@ def test_the_host_kv_tier_under_the_gpus_defaults(tmp_path: Path) -> None:
         _release_memory()
     assert hits[0][1] == 0 and hits[1][1] >= 8 * 288 // 2  # most of wave c's from the tier
     assert results[1] == results[0]
+
+
+def test_a_draft_model_gives_the_greedy_tokens(tmp_path: Path) -> None:
+    """A draft model on the GPU's defaults (the target's steps of drafts from the decode
+    graphs, the draft's decode passes from its own): the model as its own draft and a 2-layer
+    early exit of it (its dummy weights are the model's first layers': drawn in order from
+    the same seed) give the greedy tokens of a run without drafts, and a seeded sampled
+    request its tokens; the model as its own draft keeps nearly all its drafts."""
+    from baton_engine.sampling_params import SamplingParams
+
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps(CONFIG))
+    (tmp_path / "exit").mkdir()
+    (tmp_path / "exit" / "config.json").write_text(json.dumps({**CONFIG, "num_hidden_layers": 2}))
+    greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    seeded = SamplingParams(temperature=0.9, seed=3, max_tokens=20, ignore_eos=True)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(1, 4000, (8 + 29 * i,), generator=g).tolist() for i in range(10)]
+    results, kept, replays = [], [], []
+    for draft in (None, "model", "exit"):
+        spec = {"model": str(tmp_path / draft), "num_speculative_tokens": 3} if draft else None
+        core = _core(tmp_path / "model", max_model_len=512, max_num_seqs=16,
+                     speculative_config=spec)  # fmt: skip
+        for i, prompt in enumerate(prompts):
+            core.add_request(f"s{i}", prompt, seeded if i == 9 else greedy)
+        results.append(_drain(core))
+        sched = core.scheduler
+        kept.append(sched.num_accepted_tokens / max(1, sched.num_draft_tokens))
+        if draft:
+            replays.append(sum(core.runner.draft.runner.graphs.replays.values()))
+        del core
+        _release_memory()
+    assert results[1] == results[0] and results[2] == results[0]
+    assert kept[1] > 0.8, kept
+    assert min(replays) > 0

@@ -847,3 +847,22 @@ def test_host_tier_randomized_every_hit_holds_its_tokens_kv(seed: int) -> None:
         live.append(request)
         kv.check_invariants()
     assert num_host_hits > 20
+
+
+def test_lookahead_room_after_the_scheduled_tokens() -> None:
+    """``num_lookahead_tokens`` (a draft model's drafts' KV): each allocation leaves that many
+    slots after the scheduled tokens, never past ``max_model_len``, and the request's limit
+    for skipping ``allocate_slots`` keeps that room."""
+    kv = KVCacheManager(10, BLOCK_SIZE, num_lookahead_tokens=3, max_model_len=64)
+    request = make_request("a", tokens(28))
+    assert kv.allocate_slots(request, 28) == [0, 1]  # 31 slots
+    request.num_computed_tokens = 28
+    assert request.kv_limit == 2 * BLOCK_SIZE - 3
+    assert kv.allocate_slots(request, 1) == []  # 32 slots
+    assert kv.allocate_slots(request, 2) == [2]  # 33
+    # near the end of the context: room up to max_model_len only
+    long = make_request("b", tokens(62, start=100))
+    assert kv.allocate_slots(long, 62) == [3, 4, 5, 6]  # 64 slots, not 65
+    long.num_computed_tokens = 62
+    assert kv.allocate_slots(long, 1) == []
+    assert kv.num_free_blocks == 3

@@ -234,9 +234,23 @@ def test_vllms_speculative_config_forms() -> None:
     assert parse({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 2}) == (
         SpeculativeConfig(2, 2, 2)
     )
+    # a draft model: vLLM's method "draft_model", inferred from a model that is no n-gram
+    draft = SpeculativeConfig(3, method="draft_model", model="/models/small")
+    assert parse({"model": "/models/small", "num_speculative_tokens": 3}) == draft
+    assert parse(
+        {"method": "draft_model", "model": "/models/small", "num_speculative_tokens": 3,
+         "draft_tensor_parallel_size": 1}
+    ) == draft  # fmt: skip
     for bad, message in [
-        ({"method": "eagle", "model": "yuhuili/EAGLE-LLaMA3-Instruct-8B"}, "a draft model"),
-        ({"model": "some/draft-model", "num_speculative_tokens": 2}, "a draft model"),
+        ({"method": "eagle", "model": "yuhuili/EAGLE-LLaMA3-Instruct-8B"}, "EAGLE, Medusa"),
+        ({"method": "draft_model", "num_speculative_tokens": 2}, "needs a model"),
+        ({"model": "d", "num_speculative_tokens": 2, "prompt_lookup_max": 3}, "'ngram' only"),
+        ({"model": "d", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2}, "be 1"),
+        (
+            {"method": "ngram", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 1},
+            "a draft model only",
+        ),
+        ({"model": "d"}, "num_speculative_tokens must be"),
         ({"num_speculative_tokens": 2}, "no method"),
         ({"method": "ngram", "num_speculative_tokens": 0}, "at least 1"),
         ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": True}, "whole"),
@@ -258,3 +272,18 @@ def test_speculation_keeps_async_scheduling_as_without_it() -> None:
     assert asked.resolved_async_scheduling()
     with pytest.raises(InvalidRequestError, match="cannot be combined"):
         EngineConfig(speculative_config=spec, num_scheduler_steps=2).validate()
+
+
+def test_a_draft_model_turns_async_scheduling_off() -> None:
+    """Its drafts follow each step's known tokens: off by default on GPUs too, an error when
+    asked for, as is tensor parallelism or a pooling runner."""
+    spec = {"model": "/models/small", "num_speculative_tokens": 2}
+    assert not EngineConfig(device="cuda", speculative_config=spec).resolved_async_scheduling()
+    EngineConfig(device="cuda", speculative_config=spec).validate()
+    for overrides, message in (
+        ({"async_scheduling": True}, "async scheduling"),
+        ({"tensor_parallel_size": 2}, "tensor_parallel_size 1"),
+        ({"runner": "pooling"}, "generation only"),
+    ):
+        with pytest.raises(InvalidRequestError, match=message):
+            EngineConfig(speculative_config=spec, **overrides).validate()  # type: ignore[arg-type]

@@ -110,7 +110,7 @@ def test_a_length_that_does_not_read_is_refused(
         (["--distributed-executor-backend", "ray"], "Ray is not supported"),
         (["--tokenizer-mode", "mistral"], "'mistral' and 'custom' are not supported"),
         (["--max-logprobs", "50"], "at most 20 logprobs per token"),
-        (["--speculative-config", '{"method": "eagle", "model": "x"}'], "n-gram lookup only"),
+        (["--speculative-config", '{"method": "eagle", "model": "x"}'], "EAGLE, Medusa and MTP"),
         (["--speculative-config", '{"method": "ngram"}'], "num_speculative_tokens must be"),
         (
             [
@@ -136,6 +136,14 @@ def test_a_length_that_does_not_read_is_refused(
                 "4",
             ],
             "cannot be combined",
+        ),
+        (
+            [
+                "--speculative-config",
+                '{"model": "/d", "num_speculative_tokens": 2}',
+                *("--mode", "disaggregated"),
+            ],
+            "aggregated mode only",
         ),
         (["--cpu-offload-gb", "8"], "none are offloaded"),
         (["--enable-sleep-mode"], "sleep mode"),
@@ -171,6 +179,18 @@ def test_speculative_config_reaches_the_workers_engines() -> None:
     assert argv == ["--speculative-config", spec]
     worker = EngineConfig(**engine_kwargs_from_args(parse("decode", *argv)))
     assert worker.speculative() == SpeculativeConfig(3, 4, 4)
+
+
+def test_a_draft_model_serves_aggregated() -> None:
+    """``baton serve --speculative-config '{"model": ...}'``: decode workers only, each with
+    the draft (the default mode would prefill prompts where the draft's KV is not made)."""
+    from baton.serve import _plan
+
+    spec = '{"model": "/models/draft", "num_speculative_tokens": 4}'
+    plan = _plan(parse("serve", "--speculative-config", spec), "m")
+    assert [kind for kind, _, _ in plan] == ["decode", "gateway"]
+    decode = plan[0][2]
+    assert decode[decode.index("--speculative-config") + 1] == spec
 
 
 def test_kv_cache_dtype_and_quantization_reach_the_workers_engines() -> None:

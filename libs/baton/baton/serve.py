@@ -310,6 +310,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     check_tls(args)
     check_flags(vars(args), FRONTEND_FLAGS + ENGINE_FLAGS)
     EngineConfig(**engine_kwargs_from_args(args, check=False)).validate()  # (the workers')
+    if args.mode == "disaggregated" and _draft_model(args):
+        raise InvalidRequestError(
+            "a draft model (--speculative-config) serves in aggregated mode only: a decode "
+            "worker would not have the draft's KV of a prompt prefilled elsewhere (leave "
+            "--mode unset or give --mode aggregated)"
+        )
     resolve_model(args.model)  # convert once, before several processes race to
     name = args.served_model_name[0] if args.served_model_name else served_model_name(args.model)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -401,11 +407,20 @@ def resolve_mode(args: argparse.Namespace) -> None:
     """Fill in ``args.mode``: disaggregated, but aggregated with tensor parallelism: ``-tp N``
     on N GPUs is the common case, and a prefill plus a decode worker of N ranks each would
     share them. ``--mode disaggregated`` then splits prefill workers
-    ``--prefill-tensor-parallel-size`` ways (default N) and decode workers N ways."""
+    ``--prefill-tensor-parallel-size`` ways (default N) and decode workers N ways. Aggregated
+    too with a draft model (``--mode disaggregated`` is then an error)."""
     if args.mode is None:
-        args.mode = (
-            "aggregated" if getattr(args, "tensor_parallel_size", 1) > 1 else "disaggregated"
-        )
+        tp = getattr(args, "tensor_parallel_size", 1) > 1
+        args.mode = "aggregated" if tp or _draft_model(args) else "disaggregated"
+
+
+def _draft_model(args: argparse.Namespace) -> bool:
+    """Whether ``--speculative-config`` names a draft model (whose KV a decode worker would
+    not receive with a remotely prefilled prompt's: those workers run aggregated)."""
+    from baton_engine.config import SpeculativeConfig
+
+    spec = SpeculativeConfig.parse(getattr(args, "speculative_config", None))
+    return spec is not None and spec.model is not None
 
 
 def _gpu_counts(args: argparse.Namespace, plan: list[tuple[str, str, list[str]]]) -> list[int]:

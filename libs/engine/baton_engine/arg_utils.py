@@ -72,10 +72,11 @@ _HELP = {
     "max_cpu_loras": "LoRA adapters kept read in host memory (default: max_loras)",
     "max_logprobs": "the most logprobs (and prompt logprobs) per token a request may ask for "
     "(-1: Baton's most, 20)",
-    "speculative_config": "n-gram speculative decoding (prompt lookup), as vLLM's JSON: "
+    "speculative_config": "speculative decoding, as vLLM's JSON: n-gram lookup, "
     '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
-    '"prompt_lookup_min": 2}\' (optional: "disable_by_batch_size": N); greedy requests get '
-    "exactly their tokens, sampled ones their distribution",
+    '"prompt_lookup_min": 2}\', or a draft model of the same vocabulary, '
+    '\'{"model": PATH, "num_speculative_tokens": 4}\' (optional: "disable_by_batch_size": '
+    "N); greedy requests get exactly their tokens, sampled ones their distribution",
     "lora_modules": "LoRA adapters served by name: name=path or vLLM's JSON "
     '\'{"name": ..., "path": ..., "base_model_name": ...}\' (needs --enable-lora)',
 }

@@ -556,36 +556,43 @@ def _labels(cfg: dict[str, Any]) -> tuple[str, ...]:
     return tuple(id2label.get(i, f"LABEL_{i}") for i in range(num_labels))
 
 
-# vLLM's --speculative-config methods that need a second model (or heads) Baton does not run
-_DRAFT_METHODS = ("draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "mtp",
-                  "deepseek_mtp", "ernie_mtp", "qwen3_next_mtp", "suffix")  # fmt: skip
+# vLLM's --speculative-config methods that need heads or layers trained for them (Baton runs
+# n-gram lookup and a separate draft model)
+_HEAD_METHODS = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "deepseek_mtp",
+                 "ernie_mtp", "qwen3_next_mtp", "suffix")  # fmt: skip
+_NGRAM_KEYS = ("prompt_lookup_min", "prompt_lookup_max")
 # Keys of vLLM's speculative config that Baton reads; others are refused, naming them.
 _SPECULATIVE_KEYS = (
     "method",
     "model",
     "num_speculative_tokens",
-    "prompt_lookup_min",
-    "prompt_lookup_max",
+    *_NGRAM_KEYS,
     "disable_by_batch_size",
+    "draft_tensor_parallel_size",
 )
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """n-gram speculative decoding (vLLM's ``--speculative-config '{"method": "ngram", ...}'``,
-    also called prompt lookup): each step, a decoding request whose last ``n`` tokens
-    (``prompt_lookup_min`` <= n <= ``prompt_lookup_max``, the longest that matches) occurred
-    before in its prompt or output proposes the up to ``num_speculative_tokens`` tokens that
-    followed them, and one forward pass checks them all: the tokens the model agrees with are
-    kept, and one more is sampled after them. Greedy requests get exactly their tokens without
-    speculation; sampled ones are drawn from exactly their distribution (rejection sampling).
-    No draft is proposed while ``disable_by_batch_size`` or more requests run."""
+    """Speculative decoding (vLLM's ``--speculative-config``): each step, a decoding request
+    takes up to ``num_speculative_tokens`` draft tokens after its last one, and one forward
+    pass checks them all: the tokens the model agrees with are kept, and one more is sampled
+    after them. Greedy requests get exactly their tokens without speculation; sampled ones are
+    drawn from exactly their distribution (rejection sampling). No draft is proposed while
+    ``disable_by_batch_size`` or more requests run. The drafts come from
+
+    - ``method="ngram"`` (prompt lookup): a request whose last ``n`` tokens
+      (``prompt_lookup_min`` <= n <= ``prompt_lookup_max``, the longest that matches) occurred
+      before in its prompt or output proposes the tokens that followed them;
+    - ``method="draft_model"`` (``model``: a smaller model of the same vocabulary): the draft
+      model's greedy tokens after the request's tokens (``runner.draft``)."""
 
     num_speculative_tokens: int
-    prompt_lookup_min: int
-    prompt_lookup_max: int
+    prompt_lookup_min: int = 5
+    prompt_lookup_max: int = 5
     disable_by_batch_size: int | None = None
     method: str = "ngram"
+    model: str | None = None  # the draft model (method "draft_model")
 
     @classmethod
     def parse(cls, value: str | dict[str, Any] | None) -> SpeculativeConfig | None:
@@ -609,16 +616,39 @@ class SpeculativeConfig:
         method, model = value.get("method"), value.get("model")
         if method is None and model in ("ngram", "[ngram]"):
             method = "ngram"  # vLLM's older form: {"model": "[ngram]"}
-        if method in ("ngram", "[ngram]") and model not in (None, "ngram", "[ngram]"):
+        elif method is None and model is not None:
+            method = "draft_model"  # (vLLM infers it from a model that is no EAGLE or MTP head)
+        if method == "[ngram]":
+            method = "ngram"
+        if method == "ngram" and model not in (None, "ngram", "[ngram]"):
             raise InvalidRequestError("speculative_config: method 'ngram' takes no model")
-        if method != "ngram" and method != "[ngram]":
-            what = (
-                "a draft model" if method in _DRAFT_METHODS or model is not None
-                else "no method" if method is None else f"method {method!r}"
-            )  # fmt: skip
+        if method not in ("ngram", "draft_model"):
+            what = "no method" if method is None else f"method {method!r}"
             raise InvalidRequestError(
                 f"speculative_config: {what} is not supported; Baton speculates by n-gram "
-                'lookup only: {"method": "ngram", "num_speculative_tokens": K}'
+                'lookup, {"method": "ngram", "num_speculative_tokens": K}, or with a draft '
+                'model, {"model": PATH, "num_speculative_tokens": K}'
+                + (" (EAGLE, Medusa and MTP heads are not run)" if method in _HEAD_METHODS else "")
+            )
+        if method == "draft_model":
+            if not isinstance(model, str) or not model:
+                raise InvalidRequestError(
+                    "speculative_config: method 'draft_model' needs a model (a path)"
+                )
+            ngram_keys = sorted(set(_NGRAM_KEYS) & set(value))
+            if ngram_keys:
+                raise InvalidRequestError(
+                    f"speculative_config: {ngram_keys} apply to method 'ngram' only"
+                )
+            draft_tp = value.get("draft_tensor_parallel_size")
+            if draft_tp not in (None, 1):
+                raise InvalidRequestError(
+                    "speculative_config: draft_tensor_parallel_size must be 1 (the draft "
+                    f"model runs whole on one device), got {draft_tp!r}"
+                )
+        elif "draft_tensor_parallel_size" in value:
+            raise InvalidRequestError(
+                "speculative_config: draft_tensor_parallel_size applies to a draft model only"
             )
         k = value.get("num_speculative_tokens")
         lo, hi = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
@@ -645,7 +675,7 @@ class SpeculativeConfig:
             raise InvalidRequestError(
                 f"speculative_config: prompt_lookup_min ({lo}) is above prompt_lookup_max ({hi})"
             )
-        return cls(k, lo, hi, by_batch)
+        return cls(k, lo, hi, by_batch, method, model if method == "draft_model" else None)
 
 
 def large_gpu(total_memory: int, name: str) -> bool:
@@ -758,6 +788,9 @@ class EngineConfig:
         where wrong guesses cost their drafts, 3,710-3,924 against 4,431-4,595)."""
         if self.async_scheduling is not None:
             return self.async_scheduling
+        spec = self.speculative()
+        if spec is not None and spec.model is not None:
+            return False  # (a draft model's drafts follow the step's tokens: see validate)
         return self.device.startswith("cuda")
 
     def speculative(self) -> SpeculativeConfig | None:
@@ -786,6 +819,21 @@ class EngineConfig:
                 f"hf_overrides must be a JSON object (keys of config.json), got {value!r}"
             )
         return value or {}
+
+    def _check_draft_model(self) -> None:
+        """What a draft model (``speculative_config``'s ``model``) does not run with: its
+        drafts are proposed once a step's tokens are known, so no step runs ahead of them."""
+        if self.async_scheduling:
+            raise InvalidRequestError(
+                "a draft model (speculative_config) does not run with async scheduling: its "
+                "drafts follow each step's sampled tokens (leave async_scheduling unset)"
+            )
+        if self.tensor_parallel_size > 1:
+            raise InvalidRequestError(
+                "a draft model (speculative_config) runs with tensor_parallel_size 1 only"
+            )
+        if self.runner == "pooling":
+            raise InvalidRequestError("a draft model (speculative_config) serves generation only")
 
     def _runner_from_task(self) -> None:
         """Set ``runner`` from vLLM's ``task`` / ``convert`` (``InvalidRequestError`` for a
@@ -890,6 +938,9 @@ class EngineConfig:
                 "speculative decoding and multi-step scheduling (num_scheduler_steps > 1) "
                 "cannot be combined"
             )
+        spec = self.speculative()
+        if spec is not None and spec.model is not None:
+            self._check_draft_model()
         if self.load_format not in ("auto", "dummy"):
             raise InvalidRequestError(
                 f"load_format must be 'auto' or 'dummy', got {self.load_format!r}"

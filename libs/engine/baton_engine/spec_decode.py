@@ -1,7 +1,8 @@
-"""n-gram speculative decoding: drafts from a request's own tokens, checked in one forward pass.
+"""Speculative decoding: drafts after a request's last token, checked in one forward pass.
 
 The scheduler asks ``NgramProposer`` for a decoding request's drafts (the tokens that followed
-the latest earlier occurrence of its last few tokens) and schedules them after its last token;
+the latest earlier occurrence of its last few tokens), or ``ModelDrafts`` for those a draft
+model proposed after the request's last step, and schedules them after its last token;
 the runner computes logits at every one of those positions and ``verify`` keeps the drafts the
 model agrees with, then one token more:
 
@@ -22,7 +23,7 @@ the request's computed tokens back to the kept ones.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -69,6 +70,33 @@ class NgramProposer:
             buf[n:total] = output[n - len(prompt) :]
         self._tokens[request.req_id] = (buf, total)
         return buf[:total]
+
+
+class ModelDrafts:
+    """The drafts a draft model proposed for each request after the step that last ran it
+    (``runner.draft``: its greedy tokens after the request's known ones), held until the
+    request's next step takes them (``propose``), or replaced by the next step's."""
+
+    def __init__(self) -> None:
+        self._drafts: dict[str, list[int]] = {}
+
+    def propose(self, request: Request, max_drafts: int, extra: int = 0) -> list[int]:
+        assert not extra, "a draft model's drafts follow known tokens only (no async scheduling)"
+        drafts = self._drafts.pop(request.req_id, [])
+        return drafts[: max(0, max_drafts)]
+
+    def record(self, req_ids: Iterable[str], drafts: Mapping[str, list[int]]) -> None:
+        """After a step: the drafts of its requests ``req_ids`` (those ``drafts`` lacks have
+        none: their tokens changed, or they may not decode)."""
+        for req_id in req_ids:
+            new = drafts.get(req_id)
+            if new:
+                self._drafts[req_id] = new
+            else:
+                self._drafts.pop(req_id, None)
+
+    def forget(self, req_id: str) -> None:
+        self._drafts.pop(req_id, None)
 
 
 def propose_ngram(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from baton_engine import distributed
-from baton_engine.config import EngineConfig, ModelConfig, parse_dtype
+from baton_engine.config import EngineConfig, ModelConfig, SpeculativeConfig, parse_dtype
 from baton_engine.core import gpu_lock
 from baton_engine.core.outputs import EngineCoreOutput, GrammarBitmask, KVLoad, SchedulerOutput
 from baton_engine.core.scheduler import Scheduler
@@ -204,18 +204,11 @@ def build_runner(config: EngineConfig, tp_rank: int = 0) -> RunnerSetup:
         )
     except ValueError as e:  # a model that does not split tensor_parallel_size ways
         raise InvalidRequestError(str(e)) from e
-    if config.load_format == "dummy":
-        runner.load_dummy_weights(config.seed)
-    else:
-        try:
-            weights = iter_weights(model_dir)
-            if mc.fp8_weights:
-                keep = _fp8_layer if fp8_linears else None
-                weights = dequantized_fp8(weights, mc.fp8_block, keep)
-            runner.load_weights(weights)
-        except ValueError as e:
-            raise ModelLoadError(f"cannot load weights from {model_dir}: {e}") from e
+    _load_weights(runner, config, model_dir, mc, fp8_linears)
     runner.finalize_weights()
+    spec = config.speculative()
+    if spec is not None and spec.model is not None:
+        _attach_draft(runner, config, spec, mc, max_model_len, kv_dtype)
     calibrated = any(scales != (1.0, 1.0) for scales in runner.model.kv_scales())
     if kv_dtype != dtype:
         logger.info("KV cache: %s, K and V divided by %s", kv_dtype,
@@ -227,6 +220,8 @@ def build_runner(config: EngineConfig, tp_rank: int = 0) -> RunnerSetup:
     eager = config.enforce_eager
     if runner.device.type == "cuda" and not eager and not runner.enable_piece_graphs(capture=True):
         logger.info("prompt steps run eagerly: the experts they run depend on the routing")
+    if runner.device.type == "cuda" and not eager and runner.draft is not None:
+        runner.draft.runner.enable_piece_graphs(capture=True)
     num_blocks = _num_kv_blocks(config, runner, max_model_len, free_at_start)
     runner.initialize_kv_cache(num_blocks)
     num_host_blocks = _num_host_blocks(config, runner)
@@ -234,7 +229,9 @@ def build_runner(config: EngineConfig, tp_rank: int = 0) -> RunnerSetup:
         runner.initialize_host_kv_cache(num_host_blocks)
     if runner.device.type == "cuda":
         runner.warmup_kernels()
-        spec = config.speculative()
+        if runner.draft is not None:  # (its decode passes from CUDA graphs too)
+            runner.draft.runner.warmup_kernels()
+            runner.draft.runner.enable_decode_graphs(capture=not eager)
         drafts = spec.num_speculative_tokens if spec is not None else 0
         graphs = runner.enable_decode_graphs(capture=not eager, num_speculative_tokens=drafts)
         if not graphs and not eager:
@@ -256,6 +253,73 @@ def build_runner(config: EngineConfig, tp_rank: int = 0) -> RunnerSetup:
             ", page-locked" if runner.device.type == "cuda" else "",
         )
     return RunnerSetup(runner, num_blocks, model_dir, mc, max_model_len, dtype, num_host_blocks)
+
+
+def _load_weights(
+    runner: ModelRunner, config: EngineConfig, model_dir: Path, mc: ModelConfig, fp8: bool
+) -> None:
+    """The checkpoint's weights into ``runner`` (random ones with ``load_format`` "dummy")."""
+    if config.load_format == "dummy":
+        runner.load_dummy_weights(config.seed)
+        return
+    try:
+        weights = iter_weights(model_dir)
+        if mc.fp8_weights:
+            keep = _fp8_layer if fp8 else None
+            weights = dequantized_fp8(weights, mc.fp8_block, keep)
+        runner.load_weights(weights)
+    except ValueError as e:
+        raise ModelLoadError(f"cannot load weights from {model_dir}: {e}") from e
+
+
+def _attach_draft(
+    runner: ModelRunner,
+    config: EngineConfig,
+    spec: SpeculativeConfig,
+    mc: ModelConfig,
+    max_model_len: int,
+    kv_dtype: torch.dtype,
+) -> None:
+    """Load the draft model of ``spec`` beside the target (``runner.draft``): its own runner
+    on the same device, in the same dtypes, its KV in blocks of the same ids."""
+    assert spec.model is not None
+    if config.runner == "pooling":  # (a classifier's, found in its config)
+        raise InvalidRequestError("a draft model (speculative_config) serves generation only")
+    draft_dir = resolve_model(spec.model)
+    dmc = ModelConfig.from_path(draft_dir)
+    if dmc.vocab_size > mc.vocab_size:
+        raise InvalidRequestError(
+            f"the draft model's vocabulary ({dmc.vocab_size} tokens) is larger than the "
+            f"model's ({mc.vocab_size}): a draft must use the model's tokenizer"
+        )
+    if dmc.max_position_embeddings < max_model_len:
+        raise InvalidRequestError(
+            f"the draft model's max_position_embeddings ({dmc.max_position_embeddings}) is "
+            f"below max_model_len ({max_model_len})"
+        )
+    if dmc.is_moe:
+        raise InvalidRequestError("a draft model must be dense (no mixture of experts)")
+    draft = ModelRunner(
+        dmc,
+        dtype=runner.dtype,
+        device=str(runner.device),
+        block_size=runner.block_size,
+        max_model_len=max_model_len,
+        max_num_seqs=runner.max_num_seqs,
+        # (a step's tokens and the token each request sampled: the draft's first pass)
+        max_num_batched_tokens=runner.max_num_batched_tokens + runner.max_num_seqs,
+        attention_backend=config.attention_backend,
+        kv_cache_dtype=kv_dtype,
+    )
+    _load_weights(draft, config, draft_dir, dmc, fp8=False)
+    draft.finalize_weights()
+    runner.attach_draft(draft, spec.num_speculative_tokens)
+    logger.info(
+        "speculative decoding: up to %d drafts a step from the draft model %s (%d layers)",
+        spec.num_speculative_tokens,
+        spec.model,
+        dmc.num_layers,
+    )
 
 
 def _host_memory_available() -> int | None:
@@ -313,6 +377,12 @@ def _max_model_len(config: EngineConfig, mc: ModelConfig) -> int:
             f"{window} tokens, the most served with --disable-sliding-window"
         )
     return config.max_model_len
+
+
+def _lookahead(config: EngineConfig) -> int:
+    """Room each allocation leaves after a request's tokens: a draft model's drafts' KV."""
+    spec = config.speculative()
+    return spec.num_speculative_tokens if spec is not None and spec.model is not None else 0
 
 
 def lora_limits(config: EngineConfig) -> LoRALimits | None:
@@ -472,6 +542,8 @@ class EngineCore:
             config.enable_prefix_caching,
             enable_kv_events=config.enable_kv_events,
             num_host_blocks=setup.num_host_blocks,
+            num_lookahead_tokens=_lookahead(config),
+            max_model_len=self.max_model_len,
         )
         self.scheduler = Scheduler(
             self.kv,

@@ -96,6 +96,9 @@ class ModelRunnerOutput:
     spec_token_ids: Mapping[str, list[int]] = field(default_factory=dict)
     # and of those that asked for logprobs: req_id -> the logprobs of each of those tokens
     spec_logprobs: Mapping[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # A draft model's drafts for the next step (runner.draft): req_id -> its tokens after the
+    # request's known ones
+    draft_token_ids: Mapping[str, list[int]] = field(default_factory=dict)
 
 
 class EngineCoreOutput(NamedTuple):

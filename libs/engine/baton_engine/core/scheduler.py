@@ -73,7 +73,7 @@ from baton_engine.core.outputs import (
 from baton_engine.errors import InvalidRequestError
 from baton_engine.kv_cache import KVCacheManager, PrefixMatch
 from baton_engine.request import Request, RequestStatus
-from baton_engine.spec_decode import NgramProposer
+from baton_engine.spec_decode import ModelDrafts, NgramProposer
 
 # Built per request per step: a NamedTuple's own constructor is a Python function, a third of
 # the cost; tuple.__new__ fills every field (in declaration order) in one C call.
@@ -124,15 +124,15 @@ class Scheduler:
         self.long_prefill_token_threshold = long_prefill_token_threshold
         self.max_loras = max_loras
         self.speculative = speculative
-        self.proposer = (
-            NgramProposer(
+        self.proposer: NgramProposer | ModelDrafts | None = None
+        if speculative is not None and speculative.model is not None:
+            self.proposer = ModelDrafts()  # (filled from the runner's outputs)
+        elif speculative is not None:
+            self.proposer = NgramProposer(
                 speculative.prompt_lookup_min,
                 speculative.prompt_lookup_max,
                 speculative.num_speculative_tokens,
             )
-            if speculative is not None
-            else None
-        )
         # speculative decoding: steps of a request with drafts, drafts scheduled, drafts
         # accepted, and accepted at each draft position (vLLM's spec_decode metrics)
         self.num_spec_drafts = 0
@@ -595,6 +595,8 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
+        if self.proposer is not None:
+            self.proposer.forget(request.req_id)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -615,6 +617,10 @@ class Scheduler:
         logprobs_of = runner_output.logprobs
         spec = runner_output.spec_token_ids
         any_finished = False
+        if isinstance(self.proposer, ModelDrafts):
+            live = self.requests  # (one aborted since the step was scheduled is gone)
+            stepped = [r for r in scheduler_output.num_scheduled_tokens if r in live]
+            self.proposer.record(stepped, runner_output.draft_token_ids)
         for request in self._scheduled.pop(scheduler_output.step_id, ()):
             if spec and request.req_id in spec:
                 drafts = scheduler_output.spec_token_ids[request.req_id]

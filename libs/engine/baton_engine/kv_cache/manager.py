@@ -40,9 +40,15 @@ class KVCacheManager:
         enable_caching: bool = True,
         enable_kv_events: bool = False,
         num_host_blocks: int = 0,
+        num_lookahead_tokens: int = 0,
+        max_model_len: int | None = None,
     ) -> None:
-        """``num_host_blocks``: slots of the host tier (0: none); it needs prefix caching."""
+        """``num_host_blocks``: slots of the host tier (0: none); it needs prefix caching.
+        ``num_lookahead_tokens``: room each allocation leaves after the scheduled tokens, up
+        to ``max_model_len`` (a draft model writes its drafts' KV there, ``runner.draft``)."""
         self.block_size = block_size
+        self.num_lookahead_tokens = num_lookahead_tokens
+        self.max_model_len = max_model_len
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching, enable_kv_events)
         self._tables: dict[str, list[KVCacheBlock]] = {}  # req_id -> block table (append-only)
@@ -132,7 +138,7 @@ class KVCacheManager:
             table = self._tables.get(request.req_id)
             if table is not None:
                 end = request.num_computed_tokens + num_new_tokens
-                if end <= len(table) * self.block_size and (
+                if self._room(end) <= len(table) * self.block_size and (
                     not (self.enable_caching and cache)
                     or min(end, request.num_tokens) // self.block_size
                     <= self._num_cached_blocks.get(request.req_id, 0)
@@ -142,7 +148,7 @@ class KVCacheManager:
         table = self._tables.setdefault(request.req_id, [])
         cached = prefix.blocks if prefix is not None else []
         num_computed = request.num_computed_tokens + (prefix.num_cached_tokens if prefix else 0)
-        num_needed = cdiv(num_computed + num_new_tokens, self.block_size)
+        num_needed = cdiv(self._room(num_computed + num_new_tokens), self.block_size)
         num_new_blocks = max(0, num_needed - len(table) - len(cached))
         new_blocks: list[KVCacheBlock] = []
         if num_new_blocks or cached:  # else the table already has room (most decode steps)
@@ -179,6 +185,14 @@ class KVCacheManager:
             return []
         return [b.block_id for b in cached] + [b.block_id for b in new_blocks]
 
+    def _room(self, end: int) -> int:
+        """The tokens an allocation for tokens up to ``end`` makes room for: the lookahead
+        after them, within ``max_model_len``."""
+        if not self.num_lookahead_tokens:
+            return end
+        room = end + self.num_lookahead_tokens
+        return room if self.max_model_len is None else max(end, min(room, self.max_model_len))
+
     def _save(self, block: KVCacheBlock) -> None:
         """The pool evicts ``block`` (BlockPool.on_evict): its KV to the host tier first."""
         assert self.host is not None and block.block_hash is not None
@@ -200,6 +214,8 @@ class KVCacheManager:
         the block is indexed by the next step's call, which allocates the next block. Before,
         each block cost two calls in such runs, the first in vain."""
         limit = num_blocks * self.block_size
+        if self.num_lookahead_tokens:  # (and the lookahead's room after them)
+            limit = max(0, limit - self.num_lookahead_tokens)
         if self.enable_caching and not request.num_pending_tokens:
             num_indexed = self._num_cached_blocks.get(request.req_id, 0)
             limit = min(limit, (num_indexed + 1) * self.block_size - 1)

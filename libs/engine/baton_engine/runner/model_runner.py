@@ -31,6 +31,7 @@ from baton_engine.models.llama import shard_config
 from baton_engine.models.moe import Experts
 from baton_engine.pooling_params import PoolerConfig
 from baton_engine.runner.cuda_graphs import DEFAULT_CAPTURE_SIZES, DecodeGraphs, PieceGraphs
+from baton_engine.runner.draft import DraftProposer
 from baton_engine.runner.input_batch import CachedRequestState, InputBatch
 from baton_engine.runner.staging import InputStaging
 from baton_engine.sampler import (
@@ -343,6 +344,7 @@ class ModelRunner:
         self.kv_pool: torch.Tensor | None = None
         self.host_kv: torch.Tensor | None = None  # the host tier (initialize_host_kv_cache)
         self.kv_caches: list[KVCacheView] = []
+        self.draft: DraftProposer | None = None  # a draft model's (attach_draft)
 
     # --- setup ---------------------------------------------------------------------------------
 
@@ -423,10 +425,21 @@ class ModelRunner:
         ):
             logger.info("decode steps run the layers in one C++ call")
 
+    def attach_draft(self, draft: ModelRunner, num_speculative_tokens: int) -> None:
+        """Speculative decoding with a draft model (``runner.draft``): ``draft`` is its runner,
+        built as this one (device, dtypes, sizes) and loaded, before the KV cache is sized. It
+        shares this runner's request table; each block holds its KV beside this model's."""
+        draft.batch = self.batch
+        self.draft = DraftProposer(draft, num_speculative_tokens)
+
     def kv_bytes_per_block(self) -> int:
+        """A block's bytes in the pool (and the draft model's pool, with one)."""
         cfg = self.model_config
         elem = torch.tensor([], dtype=self.kv_dtype).element_size()
-        return cfg.num_layers * 2 * self.block_size * cfg.num_kv_heads * cfg.head_dim * elem
+        size = cfg.num_layers * 2 * self.block_size * cfg.num_kv_heads * cfg.head_dim * elem
+        if self.draft is not None:
+            size += self.draft.runner.kv_bytes_per_block()
+        return size
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate the one block-major pool: ``[num_blocks, layers, 2, block_size, kv_heads,
@@ -443,6 +456,8 @@ class ModelRunner:
             KVCacheView(self.kv_pool[:, layer], *(scales[layer] if scales else (1.0, 1.0)))
             for layer in range(cfg.num_layers)
         ]
+        if self.draft is not None:  # (the same block ids)
+            self.draft.runner.initialize_kv_cache(num_blocks)
 
     def initialize_host_kv_cache(self, num_slots: int) -> None:
         """The host tier's buffer (``--kv-offloading-size``): ``num_slots`` blocks laid out as
@@ -453,6 +468,8 @@ class ModelRunner:
         self.host_kv = torch.empty(shape, dtype=self.kv_pool.dtype)
         if self.device.type == "cuda":
             self._host_kv_lock = _PageLocked(self.host_kv)
+        if self.draft is not None:  # (a slot holds the draft's KV of its block too)
+            self.draft.runner.initialize_host_kv_cache(num_slots)
 
     def _copy_host_blocks(self, copies: Sequence[KVCopy]) -> None:
         """A step's moves between the pool and the host tier, in order, queued on the stream
@@ -465,6 +482,8 @@ class ModelRunner:
                 host[slot].copy_(pool[block_id], non_blocking=True)
             else:
                 pool[block_id].copy_(host[slot], non_blocking=True)
+        if self.draft is not None:
+            self.draft.runner._copy_host_blocks(copies)
 
     @torch.inference_mode()
     def load_kv_blocks(self, block_ids: Sequence[int], blocks: torch.Tensor) -> None:
@@ -698,9 +717,17 @@ class ModelRunner:
             return StepHandle.ready(ModelRunnerOutput({}))
         self.staging.next_step()
         try:
-            return self._launch(so, grammar)
+            handle = self._launch(so, grammar)
         finally:
             self.staging.step_launched()
+        if self.draft is not None:  # its drafts once the step's tokens are known
+            states, draft = self.batch.requests, self.draft
+            steps = [(states[r], states[r].num_computed_tokens, n)
+                     for r, n in so.num_scheduled_tokens.items()]  # fmt: skip
+            handle.then(
+                lambda out: dataclasses.replace(out, draft_token_ids=draft.propose(steps, out))
+            )
+        return handle
 
     def _launch(self, so: SchedulerOutput, grammar: GrammarSource | None) -> StepHandle:
         states = self.batch.requests
@@ -1229,17 +1256,25 @@ class ModelRunner:
         return hidden, [i for i, end in enumerate(ends) if end == known[i]]
 
     def _prepare_inputs(
-        self, reqs: list[CachedRequestState], num_new: list[int], split: bool = False
+        self,
+        reqs: list[CachedRequestState],
+        num_new: list[int],
+        split: bool = False,
+        starts: np.ndarray | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         """The step's inputs and attention metadata, and which requests sample (the last chunk
         of a prompt, a decode). ``split``: every token is a one-token query of its own (a
         decode of its request's table up to its position), as a request's drafts are checked:
         the decode kernels then run them (the C++ decode layers on CPUs), the KV of a row's
-        earlier drafts written in each layer before any row attends."""
+        earlier drafts written in each layer before any row attends. ``starts``: each
+        request's first position (default: its computed tokens)."""
         bs = self.block_size
         num_reqs = len(reqs)
         rows = np.fromiter((s.row for s in reqs), dtype=np.int64, count=num_reqs)
-        starts = np.fromiter((s.num_computed_tokens for s in reqs), dtype=np.int64, count=num_reqs)
+        if starts is None:
+            starts = np.fromiter(
+                (s.num_computed_tokens for s in reqs), dtype=np.int64, count=num_reqs
+            )
         counts = np.asarray(num_new, dtype=np.int64)
         ends = starts + counts
         cu = np.zeros(num_reqs + 1, dtype=np.int64)
@@ -1441,14 +1476,28 @@ class StepHandle:
         self._pooled = pooled or {}
         self._spec = spec
         self._output: ModelRunnerOutput | None = None
+        self._then: Callable[[ModelRunnerOutput], ModelRunnerOutput] | None = None
 
     @classmethod
     def ready(cls, output: ModelRunnerOutput) -> StepHandle:
         handle = cls.__new__(cls)
         handle._output = output
+        handle._then = None
         return handle
 
+    def then(self, finish: Callable[[ModelRunnerOutput], ModelRunnerOutput]) -> None:
+        """Have ``result()`` return ``finish`` of the output (called once, after the step's
+        tokens are recorded)."""
+        self._then = finish
+
     def result(self) -> ModelRunnerOutput:
+        output = self._collect()
+        finish, self._then = self._then, None
+        if finish is not None:
+            output = self._output = finish(output)
+        return output
+
+    def _collect(self) -> ModelRunnerOutput:
         if self._output is not None:
             return self._output
         ids, event = self._host
