@@ -59,8 +59,11 @@ def prompts(model_dir: Path, args: argparse.Namespace, vocab: int) -> list[list[
 
         tokenizer = load_tokenizer(model_dir)
         chats = [c for chats in workloads().values() for c in chats]
-        ids = [tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in chats]
-        return [list(p) for p in ids][: args.prompts]
+        texts = [
+            tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False)
+            for c in chats[: args.prompts]
+        ]
+        return [list(tokenizer.encode(t, add_special_tokens=False)) for t in texts]
     rng = random.Random(0)
     return [
         [rng.randrange(100, vocab) for _ in range(args.prompt_len)] for _ in range(args.prompts)
@@ -103,8 +106,13 @@ def run(args: argparse.Namespace, batch: int, spec: dict[str, Any] | None) -> di
             "accepted": sched.num_accepted_tokens - accepted0,
         }
     finally:
+        core.shutdown()
         del core
         gc.collect()
+        if args.device.startswith("cuda"):
+            import torch
+
+            torch.cuda.empty_cache()
 
 
 def main() -> None:
@@ -120,7 +128,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=256, help="random prompts' length")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--max-model-len", type=int, default=1024)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.8)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     args = parser.parse_args()
     from baton_engine.model_files import resolve_model
 
