@@ -22,7 +22,9 @@ full acceptance). The prompts are the chat prompts of ``bench_spec_decode.py`` (
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
+import pstats
 import json
 import random
 import tempfile
@@ -92,13 +94,21 @@ def run(args: argparse.Namespace, batch: int, spec: dict[str, Any] | None) -> di
         sched = core.scheduler
         drafts0, accepted0 = sched.num_draft_tokens, sched.num_accepted_tokens
         tokens: dict[str, list[int]] = {}
+        profiler = cProfile.Profile() if args.profile and spec is not None else None
         start = time.perf_counter()
+        if profiler is not None:
+            profiler.enable()
         for i, prompt in enumerate(todo):
             core.add_request(f"r{i}", prompt, params)
         while core.has_unfinished_requests():
             for out in core.step():
                 tokens.setdefault(out.req_id, []).extend(out.new_token_ids)
         seconds = time.perf_counter() - start
+        if profiler is not None:
+            profiler.disable()
+            stats = pstats.Stats(profiler).strip_dirs()
+            for key in ("cumulative", "tottime"):
+                stats.sort_stats(key).print_stats(args.profile)
         return {
             "seconds": seconds,
             "tokens": tokens,
@@ -129,6 +139,10 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    parser.add_argument(
+        "--profile", type=int, default=0, help="print the top N functions (cProfile) of each run "
+        "with drafts",
+    )
     args = parser.parse_args()
     from baton_engine.model_files import resolve_model
 
