@@ -24,8 +24,8 @@ from __future__ import annotations
 import argparse
 import cProfile
 import gc
-import pstats
 import json
+import pstats
 import random
 import tempfile
 import time
@@ -140,8 +140,10 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     parser.add_argument(
-        "--profile", type=int, default=0, help="print the top N functions (cProfile) of each run "
-        "with drafts",
+        "--profile",
+        type=int,
+        default=0,
+        help="print the top N functions (cProfile) of each run with drafts",
     )
     args = parser.parse_args()
     from baton_engine.model_files import resolve_model

@@ -22,6 +22,7 @@ from test_spec_decode import GREEDY, LOOP, batch_of_kinds
 
 from baton_engine.config import EngineConfig
 from baton_engine.core.engine_core import EngineCore
+from baton_engine.core.outputs import EngineCoreOutput
 from baton_engine.errors import InvalidRequestError
 from baton_engine.sampling_params import SamplingParams
 
@@ -190,6 +191,31 @@ def test_a_draft_runs_to_the_end_of_the_context(
     core = engine(default_model_dir, max_model_len=64, speculative_config=spec(drafts["itself"], 5))
     add_all(core, batch, "a")
     assert summary(run(core)) == want
+
+
+def test_no_drafts_while_the_batch_is_large(default_model_dir: Path) -> None:
+    """``disable_by_batch_size``: while that many requests run, nothing is drafted (the
+    draft does not run); once fewer run, the draft catches up with the tokens it missed and
+    drafts again; the tokens are those without drafts."""
+    batch = [(LOOP[i:], replace(GREEDY, max_tokens=8 + 24 * (i == 0))) for i in range(3)]
+    reference = make_core(default_model_dir, False)
+    add_all(reference, batch, "a")
+    want = summary(run(reference))
+    config = {**spec(str(default_model_dir)), "disable_by_batch_size": 2}
+    core = make_core(default_model_dir, False, speculative_config=config)
+    add_all(core, batch, "a")
+    outputs: dict[str, list[EngineCoreOutput]] = {}
+    steps = 0
+    while core.scheduler.num_draft_tokens == 0:  # (the three run together: no drafts)
+        assert core.has_unfinished_requests()
+        for out in core.step():
+            outputs.setdefault(out.req_id, []).append(out)
+        steps += 1
+    assert steps >= 8 and len(core.scheduler.running) == 1
+    for req_id, outs in run(core).items():
+        outputs.setdefault(req_id, []).extend(outs)
+    assert summary(outputs) == want
+    assert acceptance(core) > 0.8  # (a0's draft caught up with the tokens it missed)
 
 
 def test_a_draft_that_cannot_serve_is_refused(default_model_dir: Path, tmp_path: Path) -> None:

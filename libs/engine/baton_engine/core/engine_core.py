@@ -313,7 +313,7 @@ def _attach_draft(
     )
     _load_weights(draft, config, draft_dir, dmc, fp8=False)
     draft.finalize_weights()
-    runner.attach_draft(draft, spec.num_speculative_tokens)
+    runner.attach_draft(draft, spec.num_speculative_tokens, spec.disable_by_batch_size)
     logger.info(
         "speculative decoding: up to %d drafts a step from the draft model %s (%d layers)",
         spec.num_speculative_tokens,

@@ -41,10 +41,19 @@ StepRequest = tuple[CachedRequestState, int, int]
 
 
 class DraftProposer:
-    def __init__(self, runner: ModelRunner, num_speculative_tokens: int) -> None:
-        """``runner``: the draft model's, sharing the target's ``batch``."""
+    def __init__(
+        self,
+        runner: ModelRunner,
+        num_speculative_tokens: int,
+        disable_by_batch_size: int | None = None,
+    ) -> None:
+        """``runner``: the draft model's, sharing the target's ``batch``. While
+        ``disable_by_batch_size`` or more requests are held, the scheduler takes no drafts:
+        the draft then runs nothing, and catches up with the tokens it missed once fewer
+        are."""
         self.runner = runner
         self.k = num_speculative_tokens
+        self.disable_by_batch_size = disable_by_batch_size
         # req_id -> (its state, the tokens of it the draft's KV holds): a state that is not
         # the batch's (the request was preempted and resumed, or finished) starts over
         self._seen: dict[str, tuple[CachedRequestState, int]] = {}
@@ -58,6 +67,12 @@ class DraftProposer:
         request of the step."""
         runner = self.runner
         live = runner.batch.requests
+        if self.disable_by_batch_size is not None and len(live) >= self.disable_by_batch_size:
+            for state, start, _ in steps:  # (where a new one's KV in the draft's pool ends)
+                seen = self._seen.get(state.req_id)
+                if seen is None or seen[0] is not state:
+                    self._seen[state.req_id] = (state, start)
+            return {}
         max_len = runner.max_model_len
         items: list[tuple[CachedRequestState, int, int, bool]] = []  # (state, from, to, samples)
         for state, start, num_new in steps:

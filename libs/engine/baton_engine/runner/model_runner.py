@@ -425,12 +425,17 @@ class ModelRunner:
         ):
             logger.info("decode steps run the layers in one C++ call")
 
-    def attach_draft(self, draft: ModelRunner, num_speculative_tokens: int) -> None:
+    def attach_draft(
+        self,
+        draft: ModelRunner,
+        num_speculative_tokens: int,
+        disable_by_batch_size: int | None = None,
+    ) -> None:
         """Speculative decoding with a draft model (``runner.draft``): ``draft`` is its runner,
         built as this one (device, dtypes, sizes) and loaded, before the KV cache is sized. It
         shares this runner's request table; each block holds its KV beside this model's."""
         draft.batch = self.batch
-        self.draft = DraftProposer(draft, num_speculative_tokens)
+        self.draft = DraftProposer(draft, num_speculative_tokens, disable_by_batch_size)
 
     def kv_bytes_per_block(self) -> int:
         """A block's bytes in the pool (and the draft model's pool, with one)."""
