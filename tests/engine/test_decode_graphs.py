@@ -503,3 +503,50 @@ def test_steady_decode_reuses_the_last_launch_and_samples_the_same(
     assert none == 0 and reused >= graph_steps - 2
     assert [len(want[f"r{i}"]) for i in (0, 1, 3, 4)] == [16, 8, 12, 6]
     assert 0 < len(want["r2"]) < 40
+
+
+@pytest.mark.parametrize("draft_layers", [2, 1])
+def test_a_draft_models_passes_through_its_graphs_match_reference(
+    tmp_path: Path, draft_layers: int
+) -> None:
+    """A draft model on the GPU's paths: the target checks the drafts through its decode
+    graphs, the draft's first pass runs through its piecewise buffers and its decode passes
+    through its own decode graphs (a request dropping out of them at the last positions of
+    the context, the others' block tables then copied again). The model as its own draft (the
+    same dummy weights) keeps its drafts; a one-layer draft (other weights) keeps few; the
+    greedy tokens equal the reference's."""
+    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    (draft / "config.json").write_text(
+        json.dumps({**TINY_LLAMA, "num_hidden_layers": draft_layers})
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = [[(5 * j) % 250 + 1 for j in range(120)]]  # (runs to max_model_len, 128)
+    prompts += [[(7 * i + j) % 250 + 1 for j in range(3 + 9 * i)] for i in range(5)]
+
+    def drain(core: EngineCore) -> dict[str, list[int]]:
+        for i, prompt in enumerate(prompts):
+            core.add_request(f"r{i}", prompt, params)
+        tokens: dict[str, list[int]] = {}
+        while core.has_unfinished_requests():
+            for out in core.step():
+                tokens.setdefault(out.req_id, []).extend(out.new_token_ids)
+        core.check_invariants()
+        return tokens
+
+    want = drain(make_core(tmp_path, "torch", False))
+    assert len(want["r0"]) == 8  # (cut at max_model_len)
+    spec = {"model": str(draft), "num_speculative_tokens": 3}
+    core = make_core(tmp_path, "triton", False, speculative_config=spec)
+    assert core.runner.enable_decode_graphs(False, 3)
+    assert core.runner.draft is not None
+    drafter = core.runner.draft.runner
+    assert drafter.enable_decode_graphs(False)
+    drafter.enable_piece_graphs(capture=False)
+    assert drain(core) == want
+    sched = core.scheduler
+    kept = sched.num_accepted_tokens / sched.num_draft_tokens
+    assert kept > 0.9 if draft_layers == 2 else kept < 0.9
+    assert drafter.graphs is not None and sum(drafter.graphs.num_steps.values()) > 0
+    assert drafter.pieces is not None and sum(drafter.pieces.num_steps.values()) > 0

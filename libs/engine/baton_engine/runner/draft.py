@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from baton_engine.core.outputs import ModelRunnerOutput
+from baton_engine.runner.cuda_graphs import DecodeGraphs
 from baton_engine.runner.input_batch import CachedRequestState
 from baton_kernels import fused
 
@@ -115,20 +116,38 @@ class DraftProposer:
         positions = np.asarray([s.num_tokens for s in drafters], dtype=np.int64)
         index = np.arange(len(drafters))  # the drafters still drafting, of ``drafters``
         active = [index]
-        for _ in range(self.k - 1):
-            room = positions[index] < max_len  # (a draft at the last position ends it)
-            if not room.all():
-                index = index[room]
-            if not len(index):
-                break
-            keep = None
-            if len(index) < len(active[-1]):  # rows of the previous pass still drafting
-                keep = np.flatnonzero(np.isin(active[-1], index))
-            states = [drafters[i] for i in index]
-            hidden = self._decode(states, positions[index], tokens[-1], keep)
-            tokens.append(fused.argmax(runner.model.compute_logits(hidden)))
-            positions[index] += 1
-            active.append(index)
+        graphs = runner.graphs
+        if graphs is not None and len(drafters) > graphs.max_batch_size:
+            graphs = None
+        if graphs is not None:  # (every decode pass's inputs staged at once)
+            runner.staging.next_step()
+        try:
+            for j in range(self.k - 1):
+                room = positions[index] < max_len  # (a draft at the last position ends it)
+                if not room.all():
+                    index = index[room]
+                if not len(index):
+                    break
+                keep = None
+                if len(index) < len(active[-1]):  # rows of the previous pass still drafting
+                    keep = np.flatnonzero(np.isin(active[-1], index))
+                states = [drafters[i] for i in index]
+                if graphs is None:
+                    hidden = self._forward(
+                        states, positions[index], [1] * len(index), (tokens[-1], keep)
+                    )
+                else:  # (the block tables again only when the rows change)
+                    rows_changed = j == 0 or keep is not None
+                    hidden = self._replay(
+                        graphs, states, positions[index], tokens[-1], keep,
+                        self.k - 1 - j if rows_changed else 0,
+                    )  # fmt: skip
+                tokens.append(fused.argmax(runner.model.compute_logits(hidden)))
+                positions[index] += 1
+                active.append(index)
+        finally:
+            if graphs is not None:
+                runner.staging.step_launched()
         drafts: dict[str, list[int]] = {s.req_id: [] for s in drafters}
         for index, ids in zip(active, tokens, strict=True):
             for i, token in zip(index.tolist(), ids.tolist(), strict=True):
@@ -163,39 +182,37 @@ class DraftProposer:
             runner.staging.step_launched()
         return hidden
 
-    def _decode(
+    def _replay(
         self,
+        graphs: DecodeGraphs,
         reqs: list[CachedRequestState],
         positions: np.ndarray,
         previous: torch.Tensor,
         keep: np.ndarray | None,
+        span: int,
     ) -> torch.Tensor:
-        """A decode pass: each request's previous draft (``previous``, its rows ``keep``) at
-        its position, through the draft's CUDA graphs where it has them."""
+        """A decode pass from the draft's decode graphs: each request's previous draft
+        (``previous``, its rows ``keep``) at its position. ``span`` > 0: copy the block
+        tables, covering this pass and the ``span - 1`` after it; 0: the last copy's serve."""
         runner = self.runner
-        graphs = runner.graphs
-        n = len(reqs)
-        if graphs is None or n > graphs.max_batch_size:
-            return self._forward(reqs, positions, [1] * n, (previous, keep))
         stage = runner.staging
         bs = runner.block_size
-        rows = np.fromiter((s.row for s in reqs), dtype=np.int64, count=n)
+        rows = np.fromiter((s.row for s in reqs), dtype=np.int64, count=len(reqs))
         table = runner.batch.block_table
-        stage.next_step()
-        try:
-            ids = previous if keep is None else previous[stage.to_device(keep, torch.long)]
-            hidden = graphs.run(
-                input_ids=positions,  # (every row patched below)
-                positions=positions,
-                block_tables=table[rows, : int(positions.max()) // bs + 1],
-                slot_block=table[rows, positions // bs],
-                slot_offset=positions % bs,
-                patch=lambda buffer: buffer.copy_(ids),
-                host=lambda a: stage.host(a, torch.int64),
-            )
-        finally:
-            stage.step_launched()
-        return hidden
+        tables = None
+        if span:
+            width = min((int(positions.max()) + span - 1) // bs + 1, table.shape[1])
+            tables = table[rows, :width]
+        ids = previous if keep is None else previous[stage.to_device(keep, torch.long)]
+        return graphs.run(
+            input_ids=positions,  # (every row patched below)
+            positions=positions,
+            block_tables=tables,
+            slot_block=table[rows, positions // bs],
+            slot_offset=positions % bs,
+            patch=lambda buffer: buffer.copy_(ids),
+            host=lambda a: stage.host(a, torch.int64),
+        )
 
     def _prune(self, live: dict[str, CachedRequestState]) -> None:
         if len(self._seen) > 2 * len(live) + 64:
