@@ -149,9 +149,10 @@ class DraftProposer:
             if graphs is not None:
                 runner.staging.step_launched()
         drafts: dict[str, list[int]] = {s.req_id: [] for s in drafters}
-        for index, ids in zip(active, tokens, strict=True):
-            for i, token in zip(index.tolist(), ids.tolist(), strict=True):
-                drafts[drafters[i].req_id].append(token)
+        flat = iter(torch.cat(tokens).tolist())  # (one copy to the host)
+        for index in active:
+            for i in index.tolist():
+                drafts[drafters[i].req_id].append(next(flat))
         return drafts
 
     def _forward(
