@@ -145,6 +145,10 @@ def test_a_length_that_does_not_read_is_refused(
             ],
             "aggregated mode only",
         ),
+        (
+            ["--speculative-config", '{"model": "/no/such/draft", "num_speculative_tokens": 2}'],
+            "/no/such/draft",
+        ),
         (["--cpu-offload-gb", "8"], "none are offloaded"),
         (["--enable-sleep-mode"], "sleep mode"),
         (["--kv-transfer-config", '{"kv_connector": "NixlConnector"}'], "disaggregates"),

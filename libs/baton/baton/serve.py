@@ -288,7 +288,7 @@ def _signal_group(proc: subprocess.Popen[str], sig: signal.Signals) -> None:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     from baton_engine.arg_utils import engine_kwargs_from_args
-    from baton_engine.config import EngineConfig
+    from baton_engine.config import EngineConfig, SpeculativeConfig
     from baton_engine.errors import InvalidRequestError
     from baton_engine.model_files import resolve_model, served_model_name
     from baton_engine.vllm_flags import ENGINE_FLAGS, FRONTEND_FLAGS, check_flags
@@ -317,6 +317,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             "--mode unset or give --mode aggregated)"
         )
     resolve_model(args.model)  # convert once, before several processes race to
+    if _draft_model(args):  # (the draft's too: a path that is not there stops serve here)
+        resolve_model(SpeculativeConfig.parse(args.speculative_config).model)  # type: ignore[union-attr]
     name = args.served_model_name[0] if args.served_model_name else served_model_name(args.model)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     # NIXL/UCX between processes of this machine: the loopback device only.
