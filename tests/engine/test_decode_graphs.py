@@ -127,14 +127,23 @@ def run(
     if pieces:
         core.runner.enable_piece_graphs(capture=False)
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-    for i in range(5):  # 5 decodes: padded to the captured size 8
-        core.add_request(f"r{i}", [(7 * i + j) % 250 + 1 for j in range(3 + 9 * i)], params)
+    prompts = [[(7 * i + j) % 250 + 1 for j in range(3 + 9 * i)] for i in range(5)]
+    return drain(core, prompts, params), core  # (5 decodes: padded to the captured size 8)
+
+
+def drain(
+    core: EngineCore, prompts: list[list[int]], params: SamplingParams
+) -> dict[str, list[int]]:
+    """Add ``prompts`` as ``r0``, ``r1``, ... and step until all are done: each one's tokens;
+    the engine's invariants checked."""
+    for i, prompt in enumerate(prompts):
+        core.add_request(f"r{i}", prompt, params)
     tokens: dict[str, list[int]] = {}
     while core.has_unfinished_requests():
         for out in core.step():
             tokens.setdefault(out.req_id, []).extend(out.new_token_ids)
     core.check_invariants()
-    return tokens, core
+    return tokens
 
 
 def test_padded_decode_path_matches_reference(tmp_path: Path) -> None:
@@ -525,17 +534,7 @@ def test_a_draft_models_passes_through_its_graphs_match_reference(
     prompts = [[(5 * j) % 250 + 1 for j in range(120)]]  # (runs to max_model_len, 128)
     prompts += [[(7 * i + j) % 250 + 1 for j in range(3 + 9 * i)] for i in range(5)]
 
-    def drain(core: EngineCore) -> dict[str, list[int]]:
-        for i, prompt in enumerate(prompts):
-            core.add_request(f"r{i}", prompt, params)
-        tokens: dict[str, list[int]] = {}
-        while core.has_unfinished_requests():
-            for out in core.step():
-                tokens.setdefault(out.req_id, []).extend(out.new_token_ids)
-        core.check_invariants()
-        return tokens
-
-    want = drain(make_core(tmp_path, "torch", False))
+    want = drain(make_core(tmp_path, "torch", False), prompts, params)
     assert len(want["r0"]) == 8  # (cut at max_model_len)
     spec = {"model": str(draft), "num_speculative_tokens": 3}
     core = make_core(tmp_path, "triton", False, speculative_config=spec)
@@ -544,7 +543,7 @@ def test_a_draft_models_passes_through_its_graphs_match_reference(
     drafter = core.runner.draft.runner
     assert drafter.enable_decode_graphs(False)
     drafter.enable_piece_graphs(capture=False)
-    assert drain(core) == want
+    assert drain(core, prompts, params) == want
     sched = core.scheduler
     kept = sched.num_accepted_tokens / sched.num_draft_tokens
     assert kept > 0.9 if draft_layers == 2 else kept < 0.9
