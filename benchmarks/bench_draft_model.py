@@ -3,7 +3,8 @@
 Each configuration is a fresh engine (the same seed): no drafts, then a draft model at each
 ``--k``, at each ``--batch`` (``max_num_seqs``). ``--prompts`` requests, greedy, each asking for
 ``--max-tokens`` tokens (``ignore_eos``), run to the end after a warm-up request; the table
-gives output tokens per second, the speed-up over no drafts at that batch, the share of drafts
+gives output tokens per second, the speed-up over no drafts at that batch, the time of an
+engine step (a step with drafts checks them and runs the draft for the next), the share of drafts
 kept, and whether every request's tokens equal those without drafts.
 
 ``--draft`` is a model folder, or ``exit:N``: the model's own first N layers with its
@@ -100,7 +101,9 @@ def run(args: argparse.Namespace, batch: int, spec: dict[str, Any] | None) -> di
             profiler.enable()
         for i, prompt in enumerate(todo):
             core.add_request(f"r{i}", prompt, params)
+        steps = 0
         while core.has_unfinished_requests():
+            steps += 1
             for out in core.step():
                 tokens.setdefault(out.req_id, []).extend(out.new_token_ids)
         seconds = time.perf_counter() - start
@@ -111,6 +114,7 @@ def run(args: argparse.Namespace, batch: int, spec: dict[str, Any] | None) -> di
                 stats.sort_stats(key).print_stats(args.profile)
         return {
             "seconds": seconds,
+            "steps": steps,
             "tokens": tokens,
             "drafts": sched.num_draft_tokens - drafts0,
             "accepted": sched.num_accepted_tokens - accepted0,
@@ -145,7 +149,17 @@ def main() -> None:
         default=0,
         help="print the top N functions (cProfile) of each run with drafts",
     )
+    parser.add_argument(
+        "--pieces-first-pass",
+        action="store_true",
+        help="the draft's first pass through its piecewise graphs even when a few tokens a "
+        "request would run through its decode graphs",
+    )
     args = parser.parse_args()
+    if args.pieces_first_pass:
+        from baton_engine.runner import draft as draft_module
+
+        draft_module.SPLIT_FIRST_PASS = False
     from baton_engine.model_files import resolve_model
 
     model_dir = resolve_model(args.model)
@@ -161,18 +175,21 @@ def main() -> None:
             draft = args.draft
         print(f"model {args.model or 'default'}, draft {args.draft}, {args.prompts} prompts, "
               f"max_tokens {args.max_tokens}, {args.device} {args.dtype}")  # fmt: skip
-        print(f"{'batch':>5} {'K':>2} {'tok/s':>9} {'x':>6} {'drafts':>7} {'kept':>6} "
-              f"{'same tokens':>12}")  # fmt: skip
+        print(f"{'batch':>5} {'K':>2} {'tok/s':>9} {'x':>6} {'ms/step':>8} {'drafts':>7} "
+              f"{'kept':>6} {'same tokens':>12}")  # fmt: skip
         for batch in (int(b) for b in args.batch.split(",")):
             base = run(args, batch, None)
             base_rate = sum(map(len, base["tokens"].values())) / base["seconds"]
-            print(f"{batch:>5} {0:>2} {base_rate:>9.1f} {1:>6.2f} {'-':>7} {'-':>6} {'-':>12}")
+            base_ms = 1e3 * base["seconds"] / base["steps"]
+            print(f"{batch:>5} {0:>2} {base_rate:>9.1f} {1:>6.2f} {base_ms:>8.3f} {'-':>7} "
+                  f"{'-':>6} {'-':>12}", flush=True)  # fmt: skip
             for k in (int(k) for k in args.k.split(",")):
                 got = run(args, batch, {"model": draft, "num_speculative_tokens": k})
                 rate = sum(map(len, got["tokens"].values())) / got["seconds"]
                 kept = f"{got['accepted'] / got['drafts']:.0%}" if got["drafts"] else "-"
                 same = got["tokens"] == base["tokens"]
-                print(f"{batch:>5} {k:>2} {rate:>9.1f} {rate / base_rate:>6.2f} "
+                ms = 1e3 * got["seconds"] / got["steps"]
+                print(f"{batch:>5} {k:>2} {rate:>9.1f} {rate / base_rate:>6.2f} {ms:>8.3f} "
                       f"{got['drafts']:>7} {kept:>6} {same!s:>12}", flush=True)  # fmt: skip
 
 

@@ -519,8 +519,9 @@ def test_a_draft_models_passes_through_its_graphs_match_reference(
     tmp_path: Path, draft_layers: int
 ) -> None:
     """A draft model on the GPU's paths: the target checks the drafts through its decode
-    graphs, the draft's first pass runs through its piecewise buffers and its decode passes
-    through its own decode graphs (a request dropping out of them at the last positions of
+    graphs, the draft's first pass runs through its piecewise buffers (prompts) or its decode
+    graphs a row a token (a request's kept drafts and the token after them), its decode passes
+    through its decode graphs (a request dropping out of them at the last positions of
     the context, the others' block tables then copied again). The model as its own draft (the
     same dummy weights) keeps its drafts; a one-layer draft (other weights) keeps few; the
     greedy tokens equal the reference's."""
@@ -541,9 +542,10 @@ def test_a_draft_models_passes_through_its_graphs_match_reference(
     assert core.runner.enable_decode_graphs(False, 3)
     assert core.runner.draft is not None
     drafter = core.runner.draft.runner
-    assert drafter.enable_decode_graphs(False)
+    assert drafter.enable_decode_graphs(False, 3)
     drafter.enable_piece_graphs(capture=False)
     assert drain(core, prompts, params) == want
+    assert core.runner.draft.num_split_passes > 0
     sched = core.scheduler
     kept = sched.num_accepted_tokens / sched.num_draft_tokens
     assert kept > 0.9 if draft_layers == 2 else kept < 0.9

@@ -229,10 +229,10 @@ def build_runner(config: EngineConfig, tp_rank: int = 0) -> RunnerSetup:
         runner.initialize_host_kv_cache(num_host_blocks)
     if runner.device.type == "cuda":
         runner.warmup_kernels()
-        if runner.draft is not None:  # (its decode passes from CUDA graphs too)
-            runner.draft.runner.warmup_kernels()
-            runner.draft.runner.enable_decode_graphs(capture=not eager)
         drafts = spec.num_speculative_tokens if spec is not None else 0
+        if runner.draft is not None:  # (its passes from CUDA graphs too: a row a token)
+            runner.draft.runner.warmup_kernels()
+            runner.draft.runner.enable_decode_graphs(not eager, num_speculative_tokens=drafts)
         graphs = runner.enable_decode_graphs(capture=not eager, num_speculative_tokens=drafts)
         if not graphs and not eager:
             logger.info("no CUDA graphs: the %s backend cannot be captured", runner.backend.name)

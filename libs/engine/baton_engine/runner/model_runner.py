@@ -924,8 +924,9 @@ class ModelRunner:
             greedy_ids, probs, greedy_rows = self.sampler.distribution(logits, metadata)
             seeds = metadata.seeds
         _, rows_of_drafts = draft_rows([len(d) for d in drafts])
-        draft_ids = torch.tensor([t for d in drafts for t in d], dtype=torch.long).to(self.device)
-        draft_index = torch.from_numpy(rows_of_drafts).to(self.device)
+        # (staged: a copy from pageable memory would wait for the forward pass)
+        draft_ids = self.staging.to_device([t for d in drafts for t in d], torch.long)
+        draft_index = self.staging.to_device(rows_of_drafts, torch.long)
         accept, target = verify(draft_ids, draft_index, greedy_ids, probs, greedy_rows, seeds)
         outcome = torch.cat([accept.long(), target])
         if self.tp_size > 1:  # every rank keeps rank 0's tokens
@@ -1223,16 +1224,24 @@ class ModelRunner:
         return hidden, sample_rows
 
     def _run_split_graph(
-        self, graphs: DecodeGraphs, reqs: list[CachedRequestState], num_new: list[int]
+        self,
+        graphs: DecodeGraphs,
+        reqs: list[CachedRequestState],
+        num_new: Sequence[int],
+        starts: np.ndarray | None = None,
     ) -> tuple[torch.Tensor, list[int]]:
         """A step of decodes and drafts through the decode graphs, every token a row of its
         own (``_prepare_inputs``' split): hidden states, the requests that sample (the ones
         without drafts). The graphs write every row's K/V in a layer before any row attends,
         so a draft's row sees the drafts before it. A request's pending token (async
-        scheduling) is patched in from the step before's samples."""
+        scheduling) is patched in from the step before's samples. ``starts``: each request's
+        first position (default: its computed tokens)."""
         bs = self.block_size
         counts = np.asarray(num_new, dtype=np.int64)
-        starts = np.fromiter((s.num_computed_tokens for s in reqs), dtype=np.int64, count=len(reqs))
+        if starts is None:
+            starts = np.fromiter(
+                (s.num_computed_tokens for s in reqs), dtype=np.int64, count=len(reqs)
+            )
         rows = np.repeat(
             np.fromiter((s.row for s in reqs), dtype=np.int64, count=len(reqs)), counts
         )
