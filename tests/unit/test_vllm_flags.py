@@ -106,7 +106,8 @@ def test_a_length_that_does_not_read_is_refused(
         (["--kv-cache-dtype", "fp8_inc"], "kv_cache_dtype 'fp8_inc' is not supported"),
         (["--calculate-kv-scales"], "by an FP8 checkpoint's scales, else by 1"),
         (["--pipeline-parallel-size", "2"], "--tensor-parallel-size only"),
-        (["--data-parallel-size", "2"], "--num-decode"),
+        (["-pp", "2"], "--tensor-parallel-size only"),
+        (["--data-parallel-size", "2", "--num-decode", "3"], "both count the decode workers"),
         (["--distributed-executor-backend", "ray"], "Ray is not supported"),
         (["--tokenizer-mode", "mistral"], "'mistral' and 'custom' are not supported"),
         (["--max-logprobs", "50"], "at most 20 logprobs per token"),
@@ -197,6 +198,30 @@ def test_a_draft_model_serves_aggregated() -> None:
     assert decode[decode.index("--speculative-config") + 1] == spec
 
 
+@pytest.mark.parametrize(
+    ("argv", "kinds"),
+    [
+        (["--data-parallel-size", "2"], ["decode", "decode", "gateway"]),
+        (["-dp", "3", "--num-decode", "3"], ["decode", "decode", "decode", "gateway"]),
+        (
+            ["-dp", "2", "--mode", "disaggregated"],
+            ["kvstore", "prefill", "decode", "decode", "gateway"],
+        ),
+    ],
+)
+def test_data_parallel_size_counts_the_decode_workers(argv: list[str], kinds: list[str]) -> None:
+    """vLLM's ``--data-parallel-size N`` (N whole engines behind one API server): N decode
+    workers, aggregated unless ``--mode`` says otherwise, none of them given the flag."""
+    from baton.serve import _plan
+
+    plan = _plan(parse("serve", *argv), "m")
+    assert [kind for kind, _, _ in plan] == kinds
+    for kind, _, worker in plan:
+        assert "--data-parallel-size" not in worker and "-dp" not in worker
+        if kind == "decode":  # (each a whole engine: the flag's 1 parses on a worker)
+            engine_kwargs_from_args(parse("decode", *worker))
+
+
 def test_kv_cache_dtype_and_quantization_reach_the_workers_engines() -> None:
     """``baton serve --kv-cache-dtype fp8 -q fp8`` hands both to each worker's command line."""
     from baton.serve import engine_argv
@@ -282,6 +307,9 @@ def test_llm_takes_vllms_arguments(caplog: pytest.LogCaptureFixture) -> None:
     assert "trust_remote_code has no effect in Baton" in caplog.text
     assert "enable_expert_parallel has no effect in Baton" in caplog.text
     assert "disable_log_stats" not in caplog.text  # (LLM's default in vLLM too)
-    for bad, message in (({"pipeline_parallel_size": 2}, "pipeline_parallel_size 2"),):
+    for bad, message in (
+        ({"pipeline_parallel_size": 2}, "pipeline_parallel_size 2"),
+        ({"data_parallel_size": 2}, "LLM"),  # (one engine; serve runs several)
+    ):
         with pytest.raises(InvalidRequestError, match=message):
             take_engine_args(bad)

@@ -300,6 +300,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                 f"two models: {args.model} and --model {args.model_option} (give one)"
             )
         args.model = args.model_option
+    resolve_mode(args)  # (--data-parallel-size counts the decode workers)
     if args.num_decode < 1 or args.num_prefill < 0:
         raise InvalidRequestError("--num-decode must be at least 1 and --num-prefill at least 0")
     if _prefill_tp(args) < 1:
@@ -410,7 +411,21 @@ def resolve_mode(args: argparse.Namespace) -> None:
     on N GPUs is the common case, and a prefill plus a decode worker of N ranks each would
     share them. ``--mode disaggregated`` then splits prefill workers
     ``--prefill-tensor-parallel-size`` ways (default N) and decode workers N ways. Aggregated
-    too with a draft model (``--mode disaggregated`` is then an error)."""
+    too with a draft model (``--mode disaggregated`` is then an error), and with vLLM's
+    ``--data-parallel-size N``: N engines, each a whole replica, behind the one API server,
+    which here are N decode workers (``--num-decode N``) prefilling their own prompts."""
+    from baton_engine.errors import InvalidRequestError
+
+    dp = getattr(args, "data_parallel_size", None) or 1
+    if dp > 1:
+        if args.num_decode not in (1, dp):
+            raise InvalidRequestError(
+                f"--data-parallel-size {dp} and --num-decode {args.num_decode}: both count "
+                "the decode workers (give one)"
+            )
+        args.num_decode, args.data_parallel_size = dp, 1
+        if args.mode is None:
+            args.mode = "aggregated"
     if args.mode is None:
         tp = getattr(args, "tensor_parallel_size", 1) > 1
         args.mode = "aggregated" if tp or _draft_model(args) else "disaggregated"

@@ -59,6 +59,10 @@ _NO_REMOTE_CODE = (
 )
 _REQUEST_LOGS = "Baton logs no request contents (trace requests with --otlp-endpoint)"
 _DATA_PARALLEL = "one Baton stack runs several engines as --num-decode (and --num-prefill) workers"
+_DATA_PARALLEL_SIZE = (
+    "`baton serve --data-parallel-size N` runs N decode workers (--num-decode N, aggregated "
+    "unless --mode says otherwise); an offline LLM(...) is one engine"
+)
 _PREFILLS = "the scheduler fills each step's token budget with the waiting prompts, in order"
 _TEXT_ONLY = "Baton serves text-only models: prompts carry no images or audio"
 
@@ -149,13 +153,15 @@ ENGINE_FLAGS: tuple[VllmFlag, ...] = (
         1,
         int,
         _one_of(1),
+        aliases=("-pp",),
     ),
     VllmFlag(
         "data_parallel_size",
-        _DATA_PARALLEL,
+        _DATA_PARALLEL_SIZE,
         1,
         int,
         _one_of(1),
+        aliases=("-dp",),
     ),
     VllmFlag(
         "enable_expert_parallel",
