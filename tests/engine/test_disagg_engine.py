@@ -177,3 +177,54 @@ def test_failed_load_recomputes_and_abort_while_loading_frees_late(
     decode.check_invariants()
     assert decode.kv.num_free_blocks == decode.kv.pool.num_blocks
     assert torch.isfinite(decode.kv_pool).all()
+
+
+def _pull(
+    prefill: EngineCore, decode: EngineCore, batch: dict[str, list[int]], params: SamplingParams
+) -> None:
+    """Prefill ``batch`` on ``prefill``, then have ``decode`` pull each prompt's KV."""
+    for req_id, prompt in batch.items():
+        prefill.add_request(req_id, prompt, params, prefill_only=True)
+    prefilled = run(prefill)
+    for req_id, prompt in batch.items():
+        (out,) = prefilled[req_id]
+        decode.add_request(
+            req_id, prompt, params, remote_kv="h", first_token_id=out.new_token_ids[0]
+        )
+    decode.step()
+    for load in decode.take_kv_loads():
+        out = prefilled[load.req_id][0]
+        assert out.kv_block_ids is not None
+        copy_blocks(prefill, decode, load, out.kv_block_ids)
+        decode.finish_kv_load(load.req_id, ok=True)
+        prefill.release_held(load.req_id)
+
+
+def test_a_draft_model_computes_its_own_kv_of_a_pulled_prompt(default_model_dir: Path) -> None:
+    """Disaggregated serving with a draft model: a pull brings the model's KV of a prompt, not
+    the draft's, which the decode engine's draft then computes (from the first pulled
+    position: the later requests find the shared prefix in the decode engine's cache and pull
+    only the rest). The model as its own draft keeps nearly every draft; the tokens are one
+    engine's without drafts."""
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    first = {"d0": [*SYSTEM, 11, 12, 13]}
+    later = {f"d{i}": [*SYSTEM, 20 + i, 30 + i, 40 + i, 50 + i] for i in range(1, 4)}
+    reference = make_core(default_model_dir)
+    for req_id, prompt in {**first, **later}.items():
+        reference.add_request(req_id, prompt, params)
+    expected = {k: tokens(v) for k, v in run(reference).items()}
+    del reference
+
+    prefill = make_core(default_model_dir)
+    spec = {"model": str(default_model_dir), "num_speculative_tokens": 3}
+    decode = make_core(default_model_dir, speculative_config=spec)
+    got: dict[str, list[int]] = {}
+    for batch in (first, later):
+        _pull(prefill, decode, batch, params)
+        for req_id, outs in run(decode).items():
+            got[req_id] = [expected[req_id][0], *tokens(outs)]
+    assert got == expected
+    sched = decode.scheduler
+    assert sched.num_draft_tokens > 50
+    assert sched.num_accepted_tokens / sched.num_draft_tokens > 0.8
+    decode.check_invariants()

@@ -139,14 +139,6 @@ def test_a_length_that_does_not_read_is_refused(
             "cannot be combined",
         ),
         (
-            [
-                "--speculative-config",
-                '{"model": "/d", "num_speculative_tokens": 2}',
-                *("--mode", "disaggregated"),
-            ],
-            "aggregated mode only",
-        ),
-        (
             ["--speculative-config", '{"model": "/no/such/draft", "num_speculative_tokens": 2}'],
             "/no/such/draft",
         ),
@@ -186,16 +178,24 @@ def test_speculative_config_reaches_the_workers_engines() -> None:
     assert worker.speculative() == SpeculativeConfig(3, 4, 4)
 
 
-def test_a_draft_model_serves_aggregated() -> None:
-    """``baton serve --speculative-config '{"model": ...}'``: decode workers only, each with
-    the draft (the default mode would prefill prompts where the draft's KV is not made)."""
+@pytest.mark.parametrize("mode", [None, "aggregated"])
+def test_a_draft_model_runs_on_the_decode_workers(mode: str | None) -> None:
+    """``baton serve --speculative-config '{"model": ...}'``: each decode worker loads the
+    draft (computing its KV of the prompts it pulls); prefill workers, which give a prompt's
+    first token only, load none."""
     from baton.serve import _plan
 
     spec = '{"model": "/models/draft", "num_speculative_tokens": 4}'
-    plan = _plan(parse("serve", "--speculative-config", spec), "m")
-    assert [kind for kind, _, _ in plan] == ["decode", "gateway"]
-    decode = plan[0][2]
-    assert decode[decode.index("--speculative-config") + 1] == spec
+    argv = ["--speculative-config", spec, *(("--mode", mode) if mode else ())]
+    plan = _plan(parse("serve", *argv), "m")
+    kinds = ["kvstore", "prefill", "decode", "gateway"] if mode is None else ["decode", "gateway"]
+    assert [kind for kind, _, _ in plan] == kinds
+    for kind, _, worker in plan:
+        if kind == "decode":
+            assert worker[worker.index("--speculative-config") + 1] == spec
+        elif kind == "prefill":
+            assert "--speculative-config" not in worker
+            engine_kwargs_from_args(parse("prefill", *worker))
 
 
 @pytest.mark.parametrize(

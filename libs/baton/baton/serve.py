@@ -311,12 +311,6 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     check_tls(args)
     check_flags(vars(args), FRONTEND_FLAGS + ENGINE_FLAGS)
     EngineConfig(**engine_kwargs_from_args(args, check=False)).validate()  # (the workers')
-    if args.mode == "disaggregated" and _draft_model(args):
-        raise InvalidRequestError(
-            "a draft model (--speculative-config) serves in aggregated mode only: a decode "
-            "worker would not have the draft's KV of a prompt prefilled elsewhere (leave "
-            "--mode unset or give --mode aggregated)"
-        )
     resolve_model(args.model)  # convert once, before several processes race to
     if _draft_model(args):  # (the draft's too: a path that is not there stops serve here)
         resolve_model(SpeculativeConfig.parse(args.speculative_config).model)  # type: ignore[union-attr]
@@ -411,9 +405,9 @@ def resolve_mode(args: argparse.Namespace) -> None:
     on N GPUs is the common case, and a prefill plus a decode worker of N ranks each would
     share them. ``--mode disaggregated`` then splits prefill workers
     ``--prefill-tensor-parallel-size`` ways (default N) and decode workers N ways. Aggregated
-    too with a draft model (``--mode disaggregated`` is then an error), and with vLLM's
-    ``--data-parallel-size N``: N engines, each a whole replica, behind the one API server,
-    which here are N decode workers (``--num-decode N``) prefilling their own prompts."""
+    too with vLLM's ``--data-parallel-size N``: N engines, each a whole replica, behind the
+    one API server, which here are N decode workers (``--num-decode N``) prefilling their own
+    prompts."""
     from baton_engine.errors import InvalidRequestError
 
     dp = getattr(args, "data_parallel_size", None) or 1
@@ -428,12 +422,20 @@ def resolve_mode(args: argparse.Namespace) -> None:
             args.mode = "aggregated"
     if args.mode is None:
         tp = getattr(args, "tensor_parallel_size", 1) > 1
-        args.mode = "aggregated" if tp or _draft_model(args) else "disaggregated"
+        args.mode = "aggregated" if tp else "disaggregated"
+
+
+def _without(argv: list[str], flag: str) -> list[str]:
+    """``argv`` less ``flag`` and its value."""
+    if flag not in argv:
+        return argv
+    i = argv.index(flag)
+    return argv[:i] + argv[i + 2 :]
 
 
 def _draft_model(args: argparse.Namespace) -> bool:
-    """Whether ``--speculative-config`` names a draft model (whose KV a decode worker would
-    not receive with a remotely prefilled prompt's: those workers run aggregated)."""
+    """Whether ``--speculative-config`` names a draft model (whose path serve resolves before
+    any worker starts)."""
     from baton_engine.config import SpeculativeConfig
 
     spec = SpeculativeConfig.parse(getattr(args, "speculative_config", None))
@@ -534,7 +536,8 @@ def _plan(args: argparse.Namespace, name: str) -> list[tuple[str, str, list[str]
             ]
             if role == "decode":
                 argv += ["--kv-load-failure-policy", args.kv_load_failure_policy]
-            else:
+            else:  # (a prompt's first token only: no drafts, no draft model to load)
+                argv = _without(argv, "--speculative-config")
                 argv += ["--kv-lease-ms", str(args.kv_lease_ms)]
                 argv += ["--tensor-parallel-size", str(_prefill_tp(args))]
             plan.append((role, f"{role}-{i}" if count > 1 else role, argv))

@@ -77,6 +77,9 @@ class Request:
     # prompt's KV lives) first waits for those blocks to be pulled instead of computing them.
     prefill_only: bool = False
     remote_kv: object | None = None
+    # Once its pull succeeded: the first position whose KV came from another worker (a draft
+    # model's KV of those tokens is computed here: the pull brings the model's only).
+    remote_kv_from: int | None = None
     # An embedding request: it ends when its prompt is computed (max_tokens 1; the token the
     # step samples is dropped above the core), reporting the pooled hidden state.
     pooling: PoolingParams | None = None

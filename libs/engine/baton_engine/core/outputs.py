@@ -27,6 +27,8 @@ class NewRequestData:
     num_computed_tokens: int  # before this step (prefix-cache hits included)
     pooling: PoolingParams | None = None  # an embedding request (its token is not kept)
     lora_name: str | None = None  # its LoRA adapter (None: the base model)
+    # the first position whose KV was pulled from another worker (Request.remote_kv_from)
+    remote_kv_from: int | None = None
 
 
 class CachedRequestData(NamedTuple):

@@ -252,6 +252,7 @@ class Scheduler:
             # Back to the head of the queue with its prompt computed and its blocks in place:
             # admission then schedules the rest (the first token) like any other request.
             request.num_computed_tokens = request.num_prompt_tokens
+            request.remote_kv_from = request.num_cached_tokens
             self.kv.cache_blocks(request, request.num_prompt_tokens)
         else:
             self.kv.free(request)
@@ -416,6 +417,7 @@ class Scheduler:
                     num_computed_tokens=request.num_computed_tokens,
                     pooling=request.pooling,
                     lora_name=request.lora_name,
+                    remote_kv_from=request.remote_kv_from,
                 )
             )
             num_scheduled[request.req_id] = num_new

@@ -11,6 +11,9 @@ allocates once for both. After each step, once its tokens are known (no async sc
    known token give that request's first draft (the argmax);
 2. ``num_speculative_tokens - 1`` decode passes each feed the previous draft and give the next.
 
+A prompt prefilled on another worker (disaggregated serving) arrives with the model's KV only:
+the draft's first pass then computes its own KV of the pulled tokens.
+
 The drafts return with the step's output (``ModelRunnerOutput.draft_token_ids``) and the
 scheduler schedules them after the request's last token in its next step, where the target
 checks them (``spec_decode.verify``). The drafts are greedy, as vLLM's: a sampled request's
@@ -77,7 +80,7 @@ class DraftProposer:
             for state, start, _ in steps:  # (where a new one's KV in the draft's pool ends)
                 seen = self._seen.get(state.req_id)
                 if seen is None or seen[0] is not state:
-                    self._seen[state.req_id] = (state, start)
+                    self._seen[state.req_id] = (state, _draft_from(state, start))
             return {}
         max_len = runner.max_model_len
         items: list[tuple[CachedRequestState, int, int, bool]] = []  # (state, from, to, samples)
@@ -89,7 +92,7 @@ class DraftProposer:
             )
             end = min(state.num_tokens if sampled else start + num_new, max_len)
             seen = self._seen.get(state.req_id)
-            begin = seen[1] if seen is not None and seen[0] is state else start
+            begin = seen[1] if seen is not None and seen[0] is state else _draft_from(state, start)
             if end <= begin:
                 continue
             self._seen[state.req_id] = (state, end)
@@ -237,6 +240,15 @@ class DraftProposer:
     def _prune(self, live: dict[str, CachedRequestState]) -> None:
         if len(self._seen) > 2 * len(live) + 64:
             self._seen = {r: seen for r, seen in self._seen.items() if live.get(r) is seen[0]}
+
+
+def _draft_from(state: CachedRequestState, start: int) -> int:
+    """Where the draft's KV of a request new to it ends: its first step's start (the tokens
+    before are cached blocks, whose draft KV was computed with them), or the first position
+    of a prompt's KV pulled from another worker, which brought none of the draft's."""
+    if state.remote_kv_from is None:
+        return start
+    return min(start, state.remote_kv_from)
 
 
 def _passes(

@@ -46,6 +46,7 @@ class CachedRequestState:
     # MEAN / CLS pooling: the float32 sum of its prompt rows so far, or its first row
     pooled_rows: torch.Tensor | None = None
     lora_name: str | None = None  # its LoRA adapter (None: the base model)
+    remote_kv_from: int | None = None  # NewRequestData.remote_kv_from
 
     def __post_init__(self) -> None:
         sp = self.sampling_params
@@ -122,6 +123,7 @@ class InputBatch:
                 num_tokens=num_prompt + len(new.output_token_ids),
                 pooling=new.pooling,
                 lora_name=new.lora_name,
+                remote_kv_from=new.remote_kv_from,
             )
             self.requests[new.req_id] = state
             self._count(state, 1)
