@@ -220,18 +220,20 @@ def test_no_drafts_while_the_batch_is_large(default_model_dir: Path) -> None:
 
 def test_a_draft_that_cannot_serve_is_refused(default_model_dir: Path, tmp_path: Path) -> None:
     """A draft with a larger vocabulary than the model's, or fewer positions than
-    ``max_model_len``; async scheduling or tensor parallelism with a draft: clear errors."""
+    ``max_model_len``; async scheduling, or a draft split otherwise than the model: clear
+    errors."""
     bigger = early_exit(default_model_dir, tmp_path / "vocab", 2, vocab_size=50000)
     shorter = early_exit(default_model_dir, tmp_path / "short", 2, max_position_embeddings=128)
     for draft, message in ((bigger, "vocabulary"), (shorter, "max_position_embeddings")):
         with pytest.raises(InvalidRequestError, match=message):
             make_core(default_model_dir, False, speculative_config=spec(str(draft)))
-    for async_scheduling, tp, message in (
-        (True, 1, "async scheduling"),
-        (False, 2, "tensor_parallel_size 1"),
+    whole = {**spec(str(bigger)), "draft_tensor_parallel_size": 1}
+    for async_scheduling, tp, config, message in (
+        (True, 1, spec(str(bigger)), "async scheduling"),
+        (False, 2, whole, "split as the model is"),
     ):
         with pytest.raises(InvalidRequestError, match=message):
             make_core(
-                default_model_dir, async_scheduling, speculative_config=spec(str(bigger)),
+                default_model_dir, async_scheduling, speculative_config=config,
                 tensor_parallel_size=tp,
             )  # fmt: skip

@@ -62,6 +62,32 @@ def test_two_ranks_keep_the_drafts_rank_0_keeps(default_model_dir: Path, tmp_pat
     assert got == want
 
 
+def test_two_ranks_split_a_draft_model_as_the_model(default_model_dir: Path, tmp_path: Path):
+    """A draft model under tensor parallelism: each rank holds its heads of the draft (and of
+    its KV), and every rank feeds rank 0's drafts to its next pass. The model as its own draft
+    keeps nearly all its drafts; the tokens are one process's without drafts."""
+    build_model("llama", default_model_dir, tmp_path)
+    prompts = [[10 + i % 7 for i in range(n)] for n in (15, 30)]
+    want = greedy_tokens(tmp_path, prompts, 16, kv_cache_memory=1 << 24)
+    spec = {"model": str(tmp_path), "num_speculative_tokens": 3}
+    llm = LLM(
+        str(tmp_path), dtype="float32", max_model_len=512, kv_cache_memory=1 << 24,
+        tensor_parallel_size=2, speculative_config=spec,
+    )  # fmt: skip
+    try:
+        greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
+        assert [list(o.outputs[0].token_ids) for o in outs] == want
+        core = llm.engine.core
+        assert core.runner.draft is not None  # (rank 0's share: 1 of the 2 KV heads)
+        assert core.runner.draft.runner.model_config.num_kv_heads == 1
+        sched = core.scheduler
+        assert sched.num_draft_tokens > 10
+        assert sched.num_accepted_tokens / sched.num_draft_tokens > 0.8
+    finally:
+        llm.shutdown()
+
+
 def test_two_ranks_move_their_heads_through_the_host_tier(default_model_dir: Path, tmp_path):
     """--kv-offloading-size split two ways: each rank saves and loads its heads of the blocks
     the scheduler moves; the prefix found in the tier gives the tokens of one process whose

@@ -4,6 +4,8 @@ that leaves each token distributed as the model's), and vLLM's --speculative-con
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -239,13 +241,13 @@ def test_vllms_speculative_config_forms() -> None:
     assert parse({"model": "/models/small", "num_speculative_tokens": 3}) == draft
     assert parse(
         {"method": "draft_model", "model": "/models/small", "num_speculative_tokens": 3,
-         "draft_tensor_parallel_size": 1}
-    ) == draft  # fmt: skip
+         "draft_tensor_parallel_size": 2}
+    ) == dataclasses.replace(draft, draft_tensor_parallel_size=2)  # fmt: skip
     for bad, message in [
         ({"method": "eagle", "model": "yuhuili/EAGLE-LLaMA3-Instruct-8B"}, "EAGLE, Medusa"),
         ({"method": "draft_model", "num_speculative_tokens": 2}, "needs a model"),
         ({"model": "d", "num_speculative_tokens": 2, "prompt_lookup_max": 3}, "'ngram' only"),
-        ({"model": "d", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2}, "be 1"),
+        ({"model": "d", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 0}, "whole"),
         (
             {"method": "ngram", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 1},
             "a draft model only",
@@ -276,14 +278,17 @@ def test_speculation_keeps_async_scheduling_as_without_it() -> None:
 
 def test_a_draft_model_turns_async_scheduling_off() -> None:
     """Its drafts follow each step's known tokens: off by default on GPUs too, an error when
-    asked for, as is tensor parallelism or a pooling runner."""
+    asked for, as is a pooling runner or a draft split otherwise than the model."""
     spec = {"model": "/models/small", "num_speculative_tokens": 2}
     assert not EngineConfig(device="cuda", speculative_config=spec).resolved_async_scheduling()
     EngineConfig(device="cuda", speculative_config=spec).validate()
+    EngineConfig(speculative_config=spec, tensor_parallel_size=2).validate()
+    split = {**spec, "draft_tensor_parallel_size": 2}
+    EngineConfig(speculative_config=split, tensor_parallel_size=2).validate()
     for overrides, message in (
         ({"async_scheduling": True}, "async scheduling"),
-        ({"tensor_parallel_size": 2}, "tensor_parallel_size 1"),
+        ({"speculative_config": split}, "split as the model is"),
         ({"runner": "pooling"}, "generation only"),
     ):
         with pytest.raises(InvalidRequestError, match=message):
-            EngineConfig(speculative_config=spec, **overrides).validate()  # type: ignore[arg-type]
+            EngineConfig(**{"speculative_config": spec, **overrides}).validate()  # type: ignore[arg-type]

@@ -593,6 +593,8 @@ class SpeculativeConfig:
     disable_by_batch_size: int | None = None
     method: str = "ngram"
     model: str | None = None  # the draft model (method "draft_model")
+    # its split (None: the model's tensor_parallel_size, the only one it runs with)
+    draft_tensor_parallel_size: int | None = None
 
     @classmethod
     def parse(cls, value: str | dict[str, Any] | None) -> SpeculativeConfig | None:
@@ -641,10 +643,12 @@ class SpeculativeConfig:
                     f"speculative_config: {ngram_keys} apply to method 'ngram' only"
                 )
             draft_tp = value.get("draft_tensor_parallel_size")
-            if draft_tp not in (None, 1):
+            if draft_tp is not None and (
+                isinstance(draft_tp, bool) or not isinstance(draft_tp, int) or draft_tp < 1
+            ):
                 raise InvalidRequestError(
-                    "speculative_config: draft_tensor_parallel_size must be 1 (the draft "
-                    f"model runs whole on one device), got {draft_tp!r}"
+                    "speculative_config: draft_tensor_parallel_size must be a whole number of "
+                    f"at least 1, got {draft_tp!r}"
                 )
         elif "draft_tensor_parallel_size" in value:
             raise InvalidRequestError(
@@ -675,7 +679,9 @@ class SpeculativeConfig:
             raise InvalidRequestError(
                 f"speculative_config: prompt_lookup_min ({lo}) is above prompt_lookup_max ({hi})"
             )
-        return cls(k, lo, hi, by_batch, method, model if method == "draft_model" else None)
+        if method != "draft_model":
+            return cls(k, lo, hi, by_batch, method)
+        return cls(k, lo, hi, by_batch, method, model, value.get("draft_tensor_parallel_size"))
 
 
 def large_gpu(total_memory: int, name: str) -> bool:
@@ -822,18 +828,24 @@ class EngineConfig:
 
     def _check_draft_model(self) -> None:
         """What a draft model (``speculative_config``'s ``model``) does not run with: its
-        drafts are proposed once a step's tokens are known, so no step runs ahead of them."""
+        drafts are proposed once a step's tokens are known, so no step runs ahead of them.
+        Under tensor parallelism it is split as the model is (vLLM's
+        ``draft_tensor_parallel_size`` equal to the model's)."""
         if self.async_scheduling:
             raise InvalidRequestError(
                 "a draft model (speculative_config) does not run with async scheduling: its "
                 "drafts follow each step's sampled tokens (leave async_scheduling unset)"
             )
-        if self.tensor_parallel_size > 1:
-            raise InvalidRequestError(
-                "a draft model (speculative_config) runs with tensor_parallel_size 1 only"
-            )
         if self.runner == "pooling":
             raise InvalidRequestError("a draft model (speculative_config) serves generation only")
+        spec = self.speculative()
+        draft_tp = spec.draft_tensor_parallel_size if spec is not None else None
+        if draft_tp not in (None, self.tensor_parallel_size):
+            raise InvalidRequestError(
+                f"speculative_config: draft_tensor_parallel_size {draft_tp} is not supported: "
+                f"the draft model is split as the model is ({self.tensor_parallel_size} ways; "
+                "leave it unset)"
+            )
 
     def _runner_from_task(self) -> None:
         """Set ``runner`` from vLLM's ``task`` / ``convert`` (``InvalidRequestError`` for a

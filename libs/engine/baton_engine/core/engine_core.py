@@ -299,18 +299,23 @@ def _attach_draft(
         )
     if dmc.is_moe:
         raise InvalidRequestError("a draft model must be dense (no mixture of experts)")
-    draft = ModelRunner(
-        dmc,
-        dtype=runner.dtype,
-        device=str(runner.device),
-        block_size=runner.block_size,
-        max_model_len=max_model_len,
-        max_num_seqs=runner.max_num_seqs,
-        # (a step's tokens and the token each request sampled: the draft's first pass)
-        max_num_batched_tokens=runner.max_num_batched_tokens + runner.max_num_seqs,
-        attention_backend=config.attention_backend,
-        kv_cache_dtype=kv_dtype,
-    )
+    try:
+        draft = ModelRunner(
+            dmc,
+            dtype=runner.dtype,
+            device=str(runner.device),
+            block_size=runner.block_size,
+            max_model_len=max_model_len,
+            max_num_seqs=runner.max_num_seqs,
+            # (a step's tokens and the token each request sampled: the draft's first pass)
+            max_num_batched_tokens=runner.max_num_batched_tokens + runner.max_num_seqs,
+            attention_backend=config.attention_backend,
+            tp_rank=runner.tp_rank,  # (split as the model: each rank its heads of the draft)
+            tp_size=runner.tp_size,
+            kv_cache_dtype=kv_dtype,
+        )
+    except ValueError as e:  # a draft that does not split tensor_parallel_size ways
+        raise InvalidRequestError(f"the draft model: {e}") from e
     _load_weights(draft, config, draft_dir, dmc, fp8=False)
     draft.finalize_weights()
     runner.attach_draft(draft, spec.num_speculative_tokens, spec.disable_by_batch_size)

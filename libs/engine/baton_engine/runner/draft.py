@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from baton_engine import distributed
 from baton_engine.core.outputs import ModelRunnerOutput
 from baton_engine.runner.cuda_graphs import DecodeGraphs
 from baton_engine.runner.input_batch import CachedRequestState
@@ -119,7 +120,7 @@ class DraftProposer:
         if not drafters:
             return {}
         hidden = last_hidden[0] if len(last_hidden) == 1 else torch.cat(last_hidden)
-        tokens = [fused.argmax(runner.model.compute_logits(hidden))]
+        tokens = [self._greedy(hidden)]
         # where each one's next draft goes: after its known tokens
         positions = np.asarray([s.num_tokens for s in drafters], dtype=np.int64)
         index = np.arange(len(drafters))  # the drafters still drafting, of ``drafters``
@@ -150,7 +151,7 @@ class DraftProposer:
                         graphs, states, positions[index], tokens[-1], keep,
                         self.k - 1 - j if rows_changed else 0,
                     )  # fmt: skip
-                tokens.append(fused.argmax(runner.model.compute_logits(hidden)))
+                tokens.append(self._greedy(hidden))
                 positions[index] += 1
                 active.append(index)
         finally:
@@ -162,6 +163,14 @@ class DraftProposer:
             for i in index.tolist():
                 drafts[drafters[i].req_id].append(next(flat))
         return drafts
+
+    def _greedy(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The draft's greedy tokens after ``hidden``: rank 0's on every rank (under tensor
+        parallelism every rank feeds them to its share of the next pass)."""
+        tokens = fused.argmax(self.runner.model.compute_logits(hidden))
+        if self.runner.tp_size > 1:
+            distributed.broadcast(tokens)
+        return tokens
 
     def _forward(
         self,
