@@ -150,13 +150,13 @@ def main() -> None:
         help="print the top N functions (cProfile) of each run with drafts",
     )
     parser.add_argument(
-        "--pieces-first-pass",
+        "--prompt-first-pass",
         action="store_true",
-        help="the draft's first pass through its piecewise graphs even when a few tokens a "
-        "request would run through its decode graphs",
+        help="the draft's first pass as a prompt step (its piecewise graphs on GPUs) even when "
+        "a few tokens a request would run as decode rows",
     )
     args = parser.parse_args()
-    if args.pieces_first_pass:
+    if args.prompt_first_pass:
         from baton_engine.runner import draft as draft_module
 
         draft_module.SPLIT_FIRST_PASS = False

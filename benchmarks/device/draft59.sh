@@ -14,7 +14,7 @@ bench() { timeout "$1" python3 benchmarks/bench_draft_model.py --load-format dum
 qwen="--model benchmarks/configs/qwen2.5-0.5b --prompts 8 --max-tokens 128"
 bench 100 $qwen --draft exit:2
 bench 150 --model benchmarks/configs/llama-3.1-8b --draft exit:2 --prompts 2 --max-tokens 96
-bench 100 $qwen --draft exit:2 --pieces-first-pass
+bench 100 $qwen --draft exit:2 --prompt-first-pass
 echo "benches ended $(date +%T)"
 timeout 120 python3 -m pytest -q -p no:warnings -p no:cacheprovider tests/gpu/test_engine_gpu.py \
     -k "draft_model" 2>&1 | tail -3

@@ -41,8 +41,9 @@ from baton_kernels import fused
 if TYPE_CHECKING:
     from baton_engine.runner.model_runner import ModelRunner
 
-# A first pass of a few tokens a request runs through the decode graphs, a row a token (False:
-# through the piecewise graphs, as a prompt's; benchmarks compare the two).
+# A first pass of a few tokens a request runs each token as a decode row (through the decode
+# graphs on GPUs, the C++ decode layers on CPUs); False: as a prompt step (the piecewise graphs
+# on GPUs). Benchmarks compare the two.
 SPLIT_FIRST_PASS = True
 
 # a step's request, its computed tokens when the step started and the tokens it computed
@@ -66,7 +67,7 @@ class DraftProposer:
         # req_id -> (its state, the tokens of it the draft's KV holds): a state that is not
         # the batch's (the request was preempted and resumed, or finished) starts over
         self._seen: dict[str, tuple[CachedRequestState, int]] = {}
-        self.num_split_passes = 0  # first passes run through the decode graphs, a row a token
+        self.num_split_passes = 0  # first passes run as decode rows, a row a token
 
     @torch.inference_mode()
     def propose(
@@ -184,25 +185,22 @@ class DraftProposer:
         ``starts[i]`` on, writing their KV to the draft's pool: their ids from the batch's
         token table, or ``input_ids`` (on the device, its rows ``[1]``, None: all); the hidden
         states' ``rows`` only, if given. A first pass of at most ``k + 1`` tokens a request
-        (a request's kept drafts and the token after them) runs each token as a row of the
-        decode graphs, as the target checks drafts: one replay instead of the piecewise
-        graphs' eager attention."""
+        (a request's kept drafts and the token after them: the steady state) runs each token
+        as a decode row, as the target checks drafts: on GPUs one replay of the decode graphs
+        instead of the piecewise graphs' eager attention, on CPUs the C++ decode layers."""
         runner = self.runner
         stage = runner.staging.to_device
         graphs = runner.graphs
+        split = input_ids is None and SPLIT_FIRST_PASS and max(counts) <= self.k + 1
+        self.num_split_passes += split
         runner.staging.next_step()
         try:
-            if (
-                input_ids is None
-                and SPLIT_FIRST_PASS
-                and graphs is not None
-                and max(counts) <= self.k + 1
-                and sum(counts) <= graphs.max_batch_size
-            ):  # a few tokens a request (the steady state): through the decode graphs
+            if split and graphs is not None and sum(counts) <= graphs.max_batch_size:
                 hidden, _ = runner._run_split_graph(graphs, reqs, counts, starts)
-                self.num_split_passes += 1
             else:
-                ids, positions, metadata, _ = runner._prepare_inputs(reqs, counts, starts=starts)
+                ids, positions, metadata, _ = runner._prepare_inputs(
+                    reqs, counts, split, starts=starts
+                )
                 if input_ids is not None:
                     ids, keep = input_ids
                     if keep is not None:
