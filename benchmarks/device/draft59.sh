@@ -4,7 +4,7 @@
 # drafts' is the cost to pay back), Qwen's 2-layer draft with its first pass through its
 # piecewise graphs (as before); the GPU test; a cProfile of the host at batch 1 with Qwen's
 # 2-layer draft; Qwen as its own draft.
-#     bash benchmarks/device/draft59.sh        (carry .whl)
+#     [SHORT=1] bash benchmarks/device/draft59.sh        (carry .whl; SHORT: the figures and test only)
 source benchmarks/device/setup.sh || exit 1
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
@@ -18,6 +18,7 @@ bench 100 $qwen --draft exit:2 --prompt-first-pass
 echo "benches ended $(date +%T)"
 timeout 120 python3 -m pytest -q -p no:warnings -p no:cacheprovider tests/gpu/test_engine_gpu.py \
     -k "draft_model" 2>&1 | tail -3
+[ -n "$SHORT" ] && { echo "ended $(date +%T)"; exit 0; }
 timeout 100 python3 benchmarks/bench_draft_model.py --model benchmarks/configs/qwen2.5-0.5b \
     --load-format dummy --device cuda --dtype bfloat16 --k 3 --batch 1 --draft exit:2 \
     --prompts 2 --max-tokens 128 --profile 30 2>&1 | grep -v "^$" | grep -vi "warn" | tail -72
