@@ -122,6 +122,17 @@ def test_a_model_that_does_not_split_evenly_is_refused(default_model_dir: Path, 
         LLM(str(tmp_path), tensor_parallel_size=3)
 
 
+def test_a_draft_that_does_not_split_evenly_is_refused(default_model_dir: Path, tmp_path: Path):
+    build_model("llama", default_model_dir, tmp_path / "model")  # 4 attention heads
+    build_model(
+        "llama", default_model_dir, tmp_path / "draft", num_attention_heads=1,
+        num_key_value_heads=1,
+    )  # fmt: skip
+    spec = {"model": str(tmp_path / "draft"), "num_speculative_tokens": 2}
+    with pytest.raises(InvalidRequestError, match=r"the draft model: .*does not divide"):
+        LLM(str(tmp_path / "model"), tensor_parallel_size=2, speculative_config=spec)
+
+
 @pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="this host has two GPUs")
 def test_more_ranks_than_gpus_is_refused(default_model_dir: Path) -> None:
     with pytest.raises(InvalidRequestError, match="tensor_parallel_size 2 needs 2 GPUs"):

@@ -520,6 +520,13 @@ class EngineCore:
                 shard_config(mc, config.tensor_parallel_size)
             except ValueError as e:
                 raise InvalidRequestError(str(e)) from e
+            spec = config.speculative()
+            if spec is not None and spec.model is not None:  # (and its draft, split as it)
+                try:
+                    dmc = ModelConfig.from_path(resolve_model(spec.model))
+                    shard_config(dmc, config.tensor_parallel_size)
+                except ValueError as e:
+                    raise InvalidRequestError(f"the draft model: {e}") from e
         try:
             # One engine at a time sizes its KV cache on a GPU (gpu_lock): every rank of this
             # one starts under the locks of all their GPUs, held until the last is ready.
