@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import signal
 import time
 from pathlib import Path
@@ -249,4 +250,43 @@ def test_multi_step_serve_streams_the_single_step_text(
         _, survivors = serve_launcher.stop(server, signal.SIGTERM)
     assert "".join(texts) == want
     assert len(texts) <= 5, texts  # the prefill's token, then runs of 4, 4 and 1
+    assert not survivors, f"left behind: {survivors}"
+
+
+def _decode_counter(metrics: str, name: str) -> float:
+    """The decode worker's value of counter ``name`` in a /metrics page."""
+    for line in metrics.splitlines():
+        if line.startswith(name + "{") and 'role="decode"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"no {name} of the decode worker in:\n{metrics}")
+
+
+def test_a_draft_model_serves_disaggregated(
+    serve_launcher: Any, default_model_dir: Path, tmp_path: Path
+) -> None:
+    """``baton serve MODEL --speculative-config '{"model": DRAFT, ...}'`` keeps the default
+    disaggregated mode: the prefill worker loads no draft, the decode worker pulls the
+    prompt's KV and computes its draft's own. The greedy text equals the offline engine's
+    without drafts, and the model as its own draft keeps nearly all its drafts."""
+    prompt, want = _tiny_model_text("llama", 53, default_model_dir, tmp_path)
+    spec = json.dumps({"model": str(tmp_path), "num_speculative_tokens": 3})
+    server = serve_launcher.start(
+        [str(tmp_path), "--dtype", "float32", "--remote-prefill-threshold", "0",
+         "--speculative-config", spec]
+    )  # fmt: skip
+    try:
+        services = _services(server)
+        assert sorted(services) == sorted(SERVICES), server.output()
+        assert "--speculative-config" not in services["prefill"].cmdline()
+        body = {"prompt": prompt, "max_tokens": 10, "temperature": 0.0, "ignore_eos": True}
+        resp = httpx.post(f"{server.base_url}/completions", json=body, timeout=60)
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["choices"][0]["text"] == want
+        metrics = httpx.get(f"{server.root_url}/metrics", timeout=10).text
+        assert _decode_counter(metrics, "baton:kv_transfer_blocks_total") == 4  # (pulled)
+        drafts = _decode_counter(metrics, "baton:spec_decode_num_draft_tokens_total")
+        kept = _decode_counter(metrics, "baton:spec_decode_num_accepted_tokens_total")
+        assert drafts >= 6 and kept >= 0.8 * drafts, (drafts, kept)
+    finally:
+        _, survivors = serve_launcher.stop(server, signal.SIGTERM)
     assert not survivors, f"left behind: {survivors}"
