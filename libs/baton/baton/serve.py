@@ -288,7 +288,7 @@ def _signal_group(proc: subprocess.Popen[str], sig: signal.Signals) -> None:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     from baton_engine.arg_utils import engine_kwargs_from_args
-    from baton_engine.config import EngineConfig, SpeculativeConfig
+    from baton_engine.config import EngineConfig
     from baton_engine.errors import InvalidRequestError
     from baton_engine.model_files import resolve_model, served_model_name
     from baton_engine.vllm_flags import ENGINE_FLAGS, FRONTEND_FLAGS, check_flags
@@ -312,8 +312,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     check_flags(vars(args), FRONTEND_FLAGS + ENGINE_FLAGS)
     EngineConfig(**engine_kwargs_from_args(args, check=False)).validate()  # (the workers')
     resolve_model(args.model)  # convert once, before several processes race to
-    if _draft_model(args):  # (the draft's too: a path that is not there stops serve here)
-        resolve_model(SpeculativeConfig.parse(args.speculative_config).model)  # type: ignore[union-attr]
+    draft = _draft_model(args)
+    if draft is not None:  # (the draft's too: a path that is not there stops serve here)
+        resolve_model(draft)
     name = args.served_model_name[0] if args.served_model_name else served_model_name(args.model)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     # NIXL/UCX between processes of this machine: the loopback device only.
@@ -433,13 +434,13 @@ def _without(argv: list[str], flag: str) -> list[str]:
     return argv[:i] + argv[i + 2 :]
 
 
-def _draft_model(args: argparse.Namespace) -> bool:
-    """Whether ``--speculative-config`` names a draft model (whose path serve resolves before
+def _draft_model(args: argparse.Namespace) -> str | None:
+    """The draft model ``--speculative-config`` names, if any (serve resolves its path before
     any worker starts)."""
     from baton_engine.config import SpeculativeConfig
 
     spec = SpeculativeConfig.parse(getattr(args, "speculative_config", None))
-    return spec is not None and spec.model is not None
+    return spec.model if spec is not None else None
 
 
 def _gpu_counts(args: argparse.Namespace, plan: list[tuple[str, str, list[str]]]) -> list[int]:
