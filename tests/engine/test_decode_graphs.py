@@ -54,6 +54,7 @@ def make_core(
     max_num_batched_tokens: int | None = None,
     num_scheduler_steps: int = 1,
     speculative_config: dict[str, object] | None = None,
+    enable_sleep_mode: bool = False,
 ) -> EngineCore:
     return EngineCore(
         EngineConfig(
@@ -68,6 +69,7 @@ def make_core(
             async_scheduling=async_scheduling,
             num_scheduler_steps=num_scheduler_steps,
             speculative_config=speculative_config,
+            enable_sleep_mode=enable_sleep_mode,
         )
     )
 
@@ -551,3 +553,30 @@ def test_a_draft_models_passes_through_its_graphs_match_reference(
     assert kept > 0.9 if draft_layers == 2 else kept < 0.9
     assert drafter.graphs is not None and sum(drafter.graphs.num_steps.values()) > 0
     assert drafter.pieces is not None and sum(drafter.pieces.num_steps.values()) > 0
+
+
+def test_woken_graphs_are_made_again_and_match_reference(tmp_path: Path) -> None:
+    """Sleep mode drops the graphs (their buffers' and weights' addresses go with the memory):
+    waking makes the target's decode and piecewise graphs and the draft's again, as they were
+    enabled, and the steps through them give the reference's tokens (level 2: the dummy
+    weights drawn again, the same)."""
+    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    prompts = [[(7 * i + j) % 250 + 1 for j in range(3 + 9 * i)] for i in range(5)]
+    want = drain(make_core(tmp_path, "torch", False), prompts, params)
+    spec = {"model": str(tmp_path), "num_speculative_tokens": 3}
+    core = make_core(tmp_path, "triton", False, speculative_config=spec, enable_sleep_mode=True)
+    runner = core.runner
+    assert runner.draft is not None
+    drafter = runner.draft.runner
+    assert runner.enable_decode_graphs(False, 3) and drafter.enable_decode_graphs(False, 3)
+    assert runner.enable_piece_graphs(capture=False)
+    before = runner.graphs, runner.pieces, drafter.graphs
+    core.sleep(2)
+    assert runner.graphs is None and runner.pieces is None and drafter.graphs is None
+    core.wake_up()
+    after = runner.graphs, runner.pieces, drafter.graphs
+    assert all(new is not None and new is not old for new, old in zip(after, before, strict=True))
+    assert drain(core, prompts, params) == want
+    for graphs in after:
+        assert graphs is not None and sum(graphs.num_steps.values()) > 0

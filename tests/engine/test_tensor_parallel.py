@@ -88,6 +88,29 @@ def test_two_ranks_split_a_draft_model_as_the_model(default_model_dir: Path, tmp
         llm.shutdown()
 
 
+def test_two_ranks_sleep_and_wake_as_one(default_model_dir: Path, tmp_path: Path):
+    """Sleep mode split two ways: every rank drops its weights and KV (level 2) and reads its
+    shard again on waking; the tokens after are one process's."""
+    build_model("llama", default_model_dir, tmp_path)
+    want = greedy_tokens(tmp_path, PROMPTS, 12, kv_cache_memory=1 << 24)
+    llm = LLM(
+        str(tmp_path), dtype="float32", max_model_len=512, kv_cache_memory=1 << 24,
+        tensor_parallel_size=2, enable_sleep_mode=True,
+    )  # fmt: skip
+    try:
+        greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+        prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+        for level in (2, 1):
+            llm.sleep(level)
+            assert llm.is_sleeping()
+            llm.wake_up(["weights"])
+            llm.wake_up(["kv_cache"])
+            outs = llm.generate(prompts, greedy, use_tqdm=False)
+            assert [list(o.outputs[0].token_ids) for o in outs] == want
+    finally:
+        llm.shutdown()
+
+
 def test_two_ranks_move_their_heads_through_the_host_tier(default_model_dir: Path, tmp_path):
     """--kv-offloading-size split two ways: each rank saves and loads its heads of the blocks
     the scheduler moves; the prefix found in the tier gives the tokens of one process whose

@@ -650,3 +650,51 @@ def test_a_draft_model_gives_the_greedy_tokens(tmp_path: Path) -> None:
     assert results[1] == results[0] and results[2] == results[0]
     assert kept[1] > 0.8, kept
     assert min(replays) > 0
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_sleep_gives_the_memory_back_and_waking_the_tokens(level: int, tmp_path: Path) -> None:
+    """Sleep mode on the GPU's defaults (CUDA graphs, norms folded into the projections), with
+    the model as its own draft: asleep, the engine holds under 5% of the device memory it held
+    (weights, KV pool, graphs), and refuses requests; woken (the weights first, then the KV
+    cache), it gives the tokens it gave before, from graphs captured again (the draft's too),
+    its drafts still kept. Level 2 reads the weights again (the dummy draw) and folds the
+    norms again."""
+    from baton_engine.errors import EngineSleepingError
+    from baton_engine.sampling_params import SamplingParams
+
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    spec = {"model": str(tmp_path), "num_speculative_tokens": 3}
+    core = _core(tmp_path, max_model_len=512, max_num_seqs=16, speculative_config=spec,
+                 enable_sleep_mode=True)  # fmt: skip
+    assert core.runner.model.folded_norms
+    greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(1, 4000, (8 + 29 * i,), generator=g).tolist() for i in range(8)]
+
+    def run(core: Any, tag: str) -> dict[str, list[int]]:
+        for i, prompt in enumerate(prompts):
+            core.add_request(f"{tag}{i}", prompt, greedy)
+        return {k[len(tag) :]: v for k, v in _drain(core).items()}
+
+    before = run(core, "a")
+    held = torch.cuda.memory_allocated()
+    core.sleep(level)
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() < held / 20, (torch.cuda.memory_allocated(), held)
+    with pytest.raises(EngineSleepingError):
+        core.add_request("z", prompts[0], greedy)
+    core.wake_up(["weights"])
+    assert core.is_sleeping()
+    core.wake_up(["kv_cache"])
+    assert not core.is_sleeping()
+    drafts = core.scheduler.num_draft_tokens, core.scheduler.num_accepted_tokens
+    assert run(core, "b") == before
+    kept = (core.scheduler.num_accepted_tokens - drafts[1]) / (
+        core.scheduler.num_draft_tokens - drafts[0]
+    )
+    assert kept > 0.8, kept
+    assert sum(core.runner.graphs.replays.values()) > 0
+    assert sum(core.runner.draft.runner.graphs.replays.values()) > 0
+    del core
+    _release_memory()

@@ -143,7 +143,6 @@ def test_a_length_that_does_not_read_is_refused(
             "/no/such/draft",
         ),
         (["--cpu-offload-gb", "8"], "none are offloaded"),
-        (["--enable-sleep-mode"], "sleep mode"),
         (["--kv-transfer-config", '{"kv_connector": "NixlConnector"}'], "disaggregates"),
         (["--api-server-count", "4"], "one gateway"),
         (["--headless"], "always has its gateway"),

@@ -40,6 +40,9 @@ _HELP = {
     "attention_backend": "auto | cpu (C++ paged decode kernel) | triton (GPU) | torch "
     "(reference) | flash_attn | flashinfer (when installed); also $BATON_ATTENTION_BACKEND",
     "enforce_eager": "GPU: run every step eagerly instead of replaying CUDA graphs",
+    "enable_sleep_mode": "let an idle engine give its device memory back (vLLM's sleep mode: "
+    "POST /sleep?level=1 copies the weights to host memory, level=2 drops them; both drop the "
+    "KV cache; POST /wake_up takes it back)",
     "disable_sliding_window": "attend fully in the model's sliding-window layers, serving "
     "sequences up to the window's length (vLLM's)",
     "async_scheduling": "schedule the next step while the device runs this one (default: on "

@@ -741,6 +741,8 @@ class EngineConfig:
     load_format: str = "auto"  # "auto" | "dummy"
     attention_backend: str = "auto"  # "auto" | "cpu" | "triton" | "torch" (reference) | ...
     enforce_eager: bool = False  # GPU: no CUDA graphs (decode steps, prompt-step pieces)
+    # vLLM's sleep mode: an idle engine may give its device memory back (EngineCore.sleep)
+    enable_sleep_mode: bool = False
     # vLLM's: the sliding-window layers attend fully, and sequences are served up to the window
     disable_sliding_window: bool = False
     # Schedule and launch step N+1 while step N runs on the device (its sampled tokens reach

@@ -18,7 +18,7 @@ import multiprocessing.connection as mp_connection
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -127,6 +127,15 @@ class GatherKV:
     block_ids: list[int]
 
 
+@dataclass(frozen=True)
+class Sleep:
+    """Sleep mode: sleep at ``level`` (``ModelRunner.sleep``), or, with ``tags``, wake those
+    parts (``ModelRunner.wake_up``: the graph captures inside have collectives)."""
+
+    level: int = 0
+    tags: tuple[str, ...] = ()
+
+
 def _leave_group(clean: bool) -> None:
     """Tear this rank's group down, as every rank does when the engine stops: ``destroy`` when
     they all do (``clean``), else (a rank is gone) NCCL's ``abort``. The runner's CUDA graphs
@@ -180,6 +189,12 @@ def _helper_main(config: Any, rank: int, port: int, conn: Connection) -> None:
             continue
         if isinstance(so, GatherKV):  # this rank's heads of the blocks go to rank 0
             gather(runner.read_kv_blocks(so.block_ids))
+            continue
+        if isinstance(so, Sleep):
+            if so.tags:
+                runner.wake_up(so.tags)
+            else:
+                runner.sleep(so.level)
             continue
         if isinstance(so, LoRAAdapters):  # its share of each, read from the same folders
             assert runner.lora is not None
@@ -272,6 +287,14 @@ class TensorParallelHelpers:
         """Have every helper hold exactly the LoRA adapters ``held`` (``(name, folder)``,
         rank 0's ``LoRAManager.held``) before the steps sent after."""
         self._send(LoRAAdapters(tuple(held)))
+
+    def sleep(self, level: int) -> None:
+        """Have every helper sleep at ``level`` (as rank 0 does next)."""
+        self._send(Sleep(level=level))
+
+    def wake_up(self, tags: Sequence[str]) -> None:
+        """Have every helper wake ``tags`` (as rank 0 does next)."""
+        self._send(Sleep(tags=tuple(tags)))
 
     def _send(self, message: Any) -> None:
         self.check()

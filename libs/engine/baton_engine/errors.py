@@ -17,3 +17,7 @@ class NotFoundError(InvalidRequestError):
 
 class ModelLoadError(BatonError, ValueError):
     """The model could not be found or read (missing path, corrupt or unsupported file)."""
+
+
+class EngineSleepingError(BatonError):
+    """The engine is asleep (sleep mode): nothing runs until it is woken."""

@@ -276,6 +276,21 @@ class LLM:
         False, changing nothing, while a request still holds blocks."""
         return self.engine.core.reset_prefix_cache()
 
+    def sleep(self, level: int = 1) -> None:
+        """Give the device's memory back until :meth:`wake_up` (vLLM's sleep mode; needs
+        ``enable_sleep_mode=True`` and no request running): level 1 copies the weights to host
+        memory, level 2 drops them (read again from the model's files on waking); both drop the
+        KV cache (every cached prefix)."""
+        self.engine.core.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Take back what :meth:`sleep` gave: ``tags`` "weights" and/or "kv_cache" (default
+        both); generation runs again once both are awake."""
+        self.engine.core.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.engine.core.is_sleeping()
+
     @property
     def _classifies(self) -> bool:
         return self.engine.core.model_config.is_classifier

@@ -177,7 +177,6 @@ ENGINE_FLAGS: tuple[VllmFlag, ...] = (
         float,
         _one_of(0, 0.0),
     ),
-    VllmFlag("enable_sleep_mode", "sleep mode is not supported", False, bool, _one_of(False)),
     VllmFlag(
         "kv_transfer_config",
         "Baton disaggregates prefill and decode by itself (baton serve: --mode, "

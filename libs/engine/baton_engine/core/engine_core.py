@@ -22,7 +22,12 @@ from baton_engine.config import EngineConfig, ModelConfig, SpeculativeConfig, pa
 from baton_engine.core import gpu_lock
 from baton_engine.core.outputs import EngineCoreOutput, GrammarBitmask, KVLoad, SchedulerOutput
 from baton_engine.core.scheduler import Scheduler
-from baton_engine.errors import InvalidRequestError, ModelLoadError, NotFoundError
+from baton_engine.errors import (
+    EngineSleepingError,
+    InvalidRequestError,
+    ModelLoadError,
+    NotFoundError,
+)
 from baton_engine.kv_cache import KVCacheManager
 from baton_engine.kv_cache.block_pool import KVCacheEvent
 from baton_engine.lora import LoRALimits, LoRARequest, lora_requests
@@ -205,6 +210,9 @@ def build_runner(config: EngineConfig, tp_rank: int = 0) -> RunnerSetup:
     except ValueError as e:  # a model that does not split tensor_parallel_size ways
         raise InvalidRequestError(str(e)) from e
     _load_weights(runner, config, model_dir, mc, fp8_linears)
+    runner.reload_weights = functools.partial(
+        _load_weights, runner, config, model_dir, mc, fp8_linears
+    )
     runner.finalize_weights()
     spec = config.speculative()
     if spec is not None and spec.model is not None:
@@ -317,6 +325,7 @@ def _attach_draft(
     except ValueError as e:  # a draft that does not split tensor_parallel_size ways
         raise InvalidRequestError(f"the draft model: {e}") from e
     _load_weights(draft, config, draft_dir, dmc, fp8=False)
+    draft.reload_weights = functools.partial(_load_weights, draft, config, draft_dir, dmc, False)
     draft.finalize_weights()
     runner.attach_draft(draft, spec.num_speculative_tokens, spec.disable_by_batch_size)
     logger.info(
@@ -501,6 +510,10 @@ def _num_kv_blocks(
     return int(num_blocks)
 
 
+# What sleep mode frees and wake_up takes back (vLLM's tags).
+SLEEP_TAGS = ("weights", "kv_cache")
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         config.validate()
@@ -579,6 +592,7 @@ class EngineCore:
             self.load_tokenizer()  # (a bad --tokenizer fails the start, not a later request)
         self.structured = StructuredOutputManager(self.load_tokenizer, self.model_config.vocab_size)
         self._export: _KVExport | None = None  # see enable_kv_export
+        self.sleep_level = 0  # sleep mode: the level asleep, 0 awake (sleep, wake_up)
         self.async_scheduling = config.resolved_async_scheduling()
         # async scheduling: the step launched last, reported by the next call to step()
         self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None
@@ -820,6 +834,10 @@ class EngineCore:
         makes the request wait for its prompt KV to be pulled (``take_kv_loads`` /
         ``finish_kv_load``) and then generate from its second token on.
         """
+        if self.runner.asleep:
+            raise EngineSleepingError(
+                f"the engine is asleep (sleep level {self.sleep_level}): wake it up first"
+            )
         self.validate_request(prompt_token_ids, params, priority, lora_request)
         if req_id in self.scheduler.requests:
             raise InvalidRequestError(f"request id {req_id!r} is already in use")
@@ -976,6 +994,73 @@ class EngineCore:
         if self.has_unfinished_requests():
             return False
         return self.kv.reset_prefix_cache()
+
+    # --- sleep mode (vLLM's) -------------------------------------------------------------------
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the device's memory while idle (``enable_sleep_mode``): the KV cache's contents
+        (every cached prefix, the host tier's too) and the CUDA graphs are dropped; the weights
+        are copied to host memory (level 1) or dropped (level 2, read again from the model's
+        files on waking). Requests are refused (``EngineSleepingError``) until ``wake_up``
+        wakes both parts. Only an idle engine sleeps; asleep, it does nothing more."""
+        if not self.config.enable_sleep_mode:
+            raise InvalidRequestError(
+                "sleep mode is off: start the engine with enable_sleep_mode=True "
+                "(--enable-sleep-mode)"
+            )
+        if level not in (1, 2):
+            raise InvalidRequestError(f"the sleep level must be 1 or 2, not {level!r}")
+        if self.runner.asleep:
+            return
+        if level == 2 and self.runner.lora is not None:
+            raise InvalidRequestError(
+                "sleep level 2 with LoRA enabled: the adapters' slots live beside the weights "
+                "it drops; level 1 keeps them"
+            )
+        if self.has_unfinished_requests():
+            raise InvalidRequestError(
+                f"{len(self.scheduler.requests)} requests are unfinished: only an idle engine "
+                "sleeps (finish or abort them first)"
+            )
+        reset = self.kv.reset_prefix_cache()
+        assert reset, "an idle engine's blocks are all free"
+        start = time.perf_counter()
+        with self._ranks_checked():
+            if self._tp is not None:
+                self._tp.sleep(level)
+            self.runner.sleep(level)
+        self.sleep_level = level
+        logger.info("asleep (level %d) in %.2f s", level, time.perf_counter() - start)
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Take back the memory of ``tags`` (vLLM's: "weights", "kv_cache"; default both):
+        weights first lets a caller load others before the KV cache takes its room. Serves
+        again once both are awake (the CUDA graphs captured again)."""
+        wake = list(tags) if tags is not None else list(SLEEP_TAGS)
+        unknown = sorted(set(wake) - set(SLEEP_TAGS))
+        if unknown:
+            raise InvalidRequestError(
+                f"unknown wake_up tags {unknown}: valid ones are {list(SLEEP_TAGS)}"
+            )
+        if not self.runner.asleep & set(wake):
+            return
+        start = time.perf_counter()
+        with self._ranks_checked():
+            if self._tp is not None:
+                self._tp.wake_up(wake)
+            self.runner.wake_up(wake)
+        if not self.runner.asleep:
+            self.sleep_level = 0
+        logger.info(
+            "woke %s in %.2f s%s",
+            " and ".join(t for t in SLEEP_TAGS if t in wake),
+            time.perf_counter() - start,
+            f"; still asleep: {sorted(self.runner.asleep)}" if self.runner.asleep else "",
+        )
+
+    def is_sleeping(self) -> bool:
+        """Whether any part is asleep (requests are refused)."""
+        return bool(self.runner.asleep)
 
     def cache_config_info(self) -> dict[str, object]:
         """The KV cache's settings, under vLLM's names (its ``cache_config_info`` labels;

@@ -345,6 +345,15 @@ class ModelRunner:
         self.host_kv: torch.Tensor | None = None  # the host tier (initialize_host_kv_cache)
         self.kv_caches: list[KVCacheView] = []
         self.draft: DraftProposer | None = None  # a draft model's (attach_draft)
+        # Sleep mode (``sleep``): the parts asleep ("weights", "kv_cache"), the weights' host
+        # copies (level 1), how to read them again (level 2: set by whoever loaded them), and
+        # the graphs to capture again on waking (``enable_decode_graphs``' and
+        # ``enable_piece_graphs``' arguments).
+        self.asleep: set[str] = set()
+        self._weights_backup: list[tuple[torch.UntypedStorage, int, torch.Tensor | None]] = []
+        self.reload_weights: Callable[[], None] | None = None
+        self.packed_weights = False  # packed for the CPU's kernels (finalize_weights)
+        self._graph_args: dict[str, tuple[bool, int]] = {}
 
     # --- setup ---------------------------------------------------------------------------------
 
@@ -378,8 +387,10 @@ class ModelRunner:
         projections for decode steps (GPU, ``FOLD_NORMS``)."""
         for kernel, num in pack_linears(self.model, float32_outputs=("lm_head",)).items():
             logger.info("packed %d linear layers for the %s kernel", num, kernel)
+            self.packed_weights = True
         num = sum(m.pack() for m in self.model.modules() if isinstance(m, Experts))
         if num:
+            self.packed_weights = True
             logger.info("packed the experts of %d layers for the vnni kernel", num)
         if self.lora_limits is not None:
             # The adapters' deltas read each projection's own input (the normed hidden state):
@@ -573,6 +584,7 @@ class ModelRunner:
         ``decode_seq_lens`` on the device can; returns whether this one does."""
         if self.backend.name != "triton":
             return False
+        self._graph_args["decode"] = (capture, num_speculative_tokens)
         rows = self.max_num_seqs * (1 + num_speculative_tokens)
         self.graphs = DecodeGraphs(
             lambda ids, pos, md: self.model(ids, pos, self.kv_caches, md, self.backend),
@@ -595,6 +607,7 @@ class ModelRunner:
         layers = [m for m in self.model.modules() if isinstance(m, moe.SparseMoE)]
         if not all(m.triton_experts for m in layers):
             return False
+        self._graph_args["pieces"] = (capture, 0)
         q_size = cfg.num_heads * cfg.head_dim
         self.pieces = PieceGraphs(
             self.model,
@@ -637,6 +650,79 @@ class ModelRunner:
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record(torch.cuda.current_stream(self.device))
             wait_for(event, self.check_ranks)
+
+    # --- sleep mode ----------------------------------------------------------------------------
+
+    def sleep(self, level: int) -> None:
+        """Give the device's memory back while the engine is idle (vLLM's sleep mode): the KV
+        cache's contents are dropped, the CUDA graphs destroyed (their addresses are gone:
+        ``wake_up`` captures them again), and the weights copied to host memory (level 1) or
+        dropped (level 2: ``wake_up`` reads them again, ``reload_weights``; vLLM leaves that
+        to the caller). Buffers (the rope tables) stay, as in vLLM. On a CPU the weights stay
+        where they are at level 1 (host memory already), and at level 2 when packed for the
+        CPU's kernels (the checkpoint no longer loads into packed layers). A draft model
+        sleeps with the model."""
+        assert not self.asleep, "already asleep"
+        assert level in (1, 2)
+        self.synchronize()
+        self.release_graphs()
+        self.graphs = self.pieces = None
+        self._gathered = None
+        self._last_sampled, self._last_sampled_reqs = None, []
+        if self.kv_pool is not None:
+            self.kv_pool.untyped_storage().resize_(0)
+        tensors: list[torch.Tensor] = list(self.model.parameters())
+        if level == 1 and self.device.type == "cuda":
+            tensors += self.model.buffers()
+        elif level == 1 or self.packed_weights:
+            tensors = []
+        self._weights_backup = []
+        for storage in _storages(tensors):
+            backup = None
+            if level == 1:  # (page-locked: one copy each way at the link's speed)
+                pinned = self.device.type == "cuda"
+                backup = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=pinned)
+                backup.copy_(_as_bytes(storage), non_blocking=True)
+            self._weights_backup.append((storage, storage.nbytes(), backup))
+        self.synchronize()
+        for storage, _, _ in self._weights_backup:
+            storage.resize_(0)
+        self.asleep = {"weights", "kv_cache"}
+        if self.draft is not None:
+            self.draft.runner.sleep(level)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def wake_up(self, tags: Iterable[str]) -> None:
+        """Take back the memory of the ``tags`` asleep ("weights", "kv_cache"): the weights
+        copied back or read again (``reload_weights``, then the norms folded again as they
+        were), the KV cache zeroed (its blocks forgotten: the caller's prefix cache is
+        empty). Once both are awake, the CUDA graphs are captured again as before."""
+        wake = set(tags) & self.asleep
+        if "weights" in wake:
+            for storage, nbytes, backup in self._weights_backup:
+                storage.resize_(nbytes)
+                if backup is not None:
+                    _as_bytes(storage).copy_(backup, non_blocking=True)
+            if any(backup is None for _, _, backup in self._weights_backup):
+                assert self.reload_weights is not None, "level 2 needs reload_weights"
+                self.reload_weights()
+                if self.model.folded_norms:  # (the norms read again: folded as they were)
+                    self.model.fold_norms(prompts=self.model.folded_prompts)
+            self.synchronize()
+            self._weights_backup = []
+        if "kv_cache" in wake and self.kv_pool is not None:
+            pool = self.kv_pool
+            pool.untyped_storage().resize_(pool.numel() * pool.element_size())
+            pool.zero_()
+        self.asleep -= wake
+        if self.draft is not None:
+            self.draft.runner.wake_up(wake)
+        if wake and not self.asleep:
+            if "pieces" in self._graph_args:
+                self.enable_piece_graphs(self._graph_args["pieces"][0])
+            if "decode" in self._graph_args:
+                self.enable_decode_graphs(*self._graph_args["decode"])
 
     @torch.inference_mode()
     def profile_peak_bytes(self) -> int:
@@ -1393,6 +1479,21 @@ class ModelRunner:
             grammar_rows=rows,
             device=self.device,
         )
+
+
+def _storages(tensors: Iterable[torch.Tensor]) -> list[torch.UntypedStorage]:
+    """The distinct storages under ``tensors`` (tied weights, views: one each)."""
+    found: dict[int, torch.UntypedStorage] = {}
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        if storage.nbytes():
+            found.setdefault(storage.data_ptr(), storage)
+    return list(found.values())
+
+
+def _as_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A uint8 tensor over all of ``storage``."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
 class _PageLocked:
