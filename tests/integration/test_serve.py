@@ -290,3 +290,57 @@ def test_a_draft_model_serves_disaggregated(
     finally:
         _, survivors = serve_launcher.stop(server, signal.SIGTERM)
     assert not survivors, f"left behind: {survivors}"
+
+
+def test_sleep_mode_over_http(serve_launcher: Any, default_model_dir: Path, tmp_path: Path):
+    """``baton serve --enable-sleep-mode`` with vLLM's dev endpoints: ``POST /sleep?level=N``
+    puts both workers to sleep (503s for requests meanwhile, an OpenAI-style error), ``POST
+    /wake_up?tags=weights`` wakes part, ``/wake_up`` the rest; then the prompt is prefilled
+    remotely again and its KV pulled into the woken pool (registered again for NIXL, the
+    prefill worker under a new epoch) without a failed pull, and the text is the offline
+    engine's, at either level. A bad level is a 400."""
+    prompt, want = _tiny_model_text("llama", 53, default_model_dir, tmp_path)
+    server = serve_launcher.start(
+        [str(tmp_path), "--dtype", "float32", "--remote-prefill-threshold", "0",
+         "--enable-sleep-mode"],
+        env={"VLLM_SERVER_DEV_MODE": "1"},
+    )  # fmt: skip
+    client = openai.OpenAI(base_url=server.base_url, api_key="none", max_retries=0)
+    model = client.models.list().data[0].id
+
+    def text() -> str:
+        out = client.completions.create(
+            model=model, prompt=prompt, max_tokens=10, temperature=0.0,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        return out.choices[0].text
+
+    def is_sleeping() -> bool:
+        resp = httpx.get(f"{server.root_url}/is_sleeping", timeout=10)
+        assert resp.status_code == 200, resp.text
+        return bool(resp.json()["is_sleeping"])
+
+    try:
+        assert text() == want
+        for level, pulled in ((1, 8), (2, 12)):
+            resp = httpx.post(f"{server.root_url}/sleep", params={"level": level}, timeout=60)
+            assert resp.status_code == 200, resp.text
+            assert is_sleeping()
+            with pytest.raises(openai.APIStatusError) as refused:
+                text()
+            assert refused.value.status_code == 503
+            assert "asleep" in refused.value.message
+            url = f"{server.root_url}/wake_up"
+            assert httpx.post(url, params={"tags": "weights"}, timeout=60).status_code == 200
+            assert is_sleeping()
+            assert httpx.post(url, timeout=60).status_code == 200
+            assert not is_sleeping()
+            assert text() == want
+            metrics = httpx.get(f"{server.root_url}/metrics", timeout=10).text
+            assert _decode_counter(metrics, "baton:kv_transfer_blocks_total") == pulled
+            assert _decode_counter(metrics, "baton:kv_transfer_failures_total") == 0
+        resp = httpx.post(f"{server.root_url}/sleep", params={"level": 3}, timeout=60)
+        assert resp.status_code == 400 and "1 or 2" in resp.json()["error"]["message"]
+    finally:
+        _, survivors = serve_launcher.stop(server, signal.SIGTERM)
+    assert not survivors, f"left behind: {survivors}"

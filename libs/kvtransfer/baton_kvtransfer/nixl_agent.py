@@ -110,7 +110,7 @@ class NixlAgent:
         self.num_blocks = pool.shape[0]
         self.block_bytes = block_bytes(pool)
         self._agent = _new_agent(name)
-        self._registered = self._agent.register_memory(pool)
+        self._registered: Any = self._agent.register_memory(pool)
         self._peers: dict[str, Any] = {}  # peer agent name -> the name as NIXL returned it
         self.num_notifs_total = 0
 
@@ -223,10 +223,20 @@ class NixlAgent:
     def close(self) -> None:
         for name in list(self._peers):
             self.remove_peer(name)
+        if self._registered is None:
+            return
         try:
             self._agent.deregister_memory(self._registered)
         except _nixl_errors() as e:
             logger.debug("deregistering the KV pool from NIXL: %s", e)
+        self._registered = None
+
+    def register(self, pool: torch.Tensor) -> None:
+        """Register ``pool`` again after ``close`` (sleep mode: the same pool, its memory
+        back at another address); peers must load the new ``metadata``."""
+        assert self._registered is None, "close first"
+        self.base_address = pool.data_ptr()
+        self._registered = self._agent.register_memory(pool)
 
 
 class NixlBlockReader:

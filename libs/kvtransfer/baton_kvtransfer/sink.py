@@ -260,6 +260,23 @@ class KVTransferSink:
             timeout_s=self.transfer_timeout_s,
         )
 
+    def release_memory(self) -> None:
+        """Let go of the pool before its memory is freed (sleep mode): NIXL deregisters it and
+        forgets every peer (the next pull from each handshakes again)."""
+        for task in list(self._peers.values()):
+            if task.done() and not task.cancelled() and task.exception() is None:
+                task.result().reader.close()
+        self._peers.clear()
+        if self.agent is not None:
+            self.agent.close()
+
+    def restore_memory(self, pool: torch.Tensor) -> None:
+        """After ``release_memory``: the pool's memory is back (at another address)."""
+        if self.agent is not None:
+            self.agent.register(pool)
+            self._metadata = self.agent.metadata().encode()
+        self._pool_bytes = pool_bytes(pool)
+
     def _forget_peer(self, peer: _Peer) -> None:
         """Drop a peer's handshake (unless a newer one replaced it) and its reader."""
         key = (peer.engine_id, peer.epoch)

@@ -160,6 +160,25 @@ class KVTransferSource:
     def add_to_server(self, server: grpc.aio.Server) -> None:
         kvtransfer_pb2_grpc.add_KVTransferServiceServicer_to_server(self.servicer, server)  # type: ignore[no-untyped-call]
 
+    def release_memory(self) -> None:
+        """Let go of the pool before its memory is freed (sleep mode; no lease is live): NIXL
+        deregisters it."""
+        if self._progress_task is not None:
+            self._progress_task.cancel()
+            self._progress_task = None
+        if self.agent is not None:
+            self.agent.close()
+
+    def restore_memory(self, pool: torch.Tensor, epoch: int) -> None:
+        """After ``release_memory``: the pool's memory is back at another address, served
+        under a new ``epoch`` (peers that kept the old registration handshake again)."""
+        if self.agent is not None:
+            self.agent.register(pool)
+        servicer = self.servicer
+        servicer.epoch = epoch
+        servicer.transfer_metadata = self.metadata()
+        servicer._pool_bytes = pool_bytes(pool)
+
     def close(self) -> None:
         if self._progress_task is not None:
             self._progress_task.cancel()

@@ -36,7 +36,7 @@ from baton_decode.errors import (
 from baton_decode.metrics import StatsLogger, WorkerMetrics
 from baton_engine.core.engine_core import EngineCore, EngineStats
 from baton_engine.core.outputs import EngineCoreOutput, KVLoad
-from baton_engine.errors import BatonError, InvalidRequestError
+from baton_engine.errors import BatonError, EngineSleepingError, InvalidRequestError
 from baton_engine.lora import LoRARequest
 from baton_engine.pooling_params import PoolingParams
 from baton_engine.sampling_params import SamplingParams
@@ -312,13 +312,15 @@ class EngineLoop:
         ``cache_salt``: the request shares prefix-cache blocks only with requests of the same.
 
         Raises, before anything is queued: ``InvalidRequestError`` (``DuplicateRequestError``
-        for an id in flight), then ``WorkerFullError``, or ``EngineDeadError``. Bad input is
-        reported as such even when the worker is full: retrying it elsewhere cannot help.
+        for an id in flight), ``EngineSleepingError`` (sleep mode), then ``WorkerFullError``, or
+        ``EngineDeadError``. Bad input is reported as such even when the worker is full:
+        retrying it elsewhere cannot help.
         """
         if self._dead is not None:
             raise self._dead
         if req_id in self._streams:
             raise DuplicateRequestError(f"request id {req_id!r} is already in flight")
+        self.core.check_awake()  # (sleep mode; a read of a set another thread changes)
         # reads only immutable config (and compiles a structured output's grammar, which
         # XGrammar caches for the loop's add_request; servers call compile_grammar first)
         # (an adapter served by name is read at start-up: validating one reads no file)
@@ -561,6 +563,8 @@ class EngineLoop:
                     lora_request=command.lora_request,
                     cache_salt=command.cache_salt,
                 )
+            except EngineSleepingError as e:  # (it fell asleep since: no fault of the engine)
+                errors.append((command.req_id, e))
             except Exception as e:  # validated on the loop already, so this is not bad input
                 logger.exception("adding request %s failed", command.req_id)
                 error = e if isinstance(e, BatonError) else EngineStepError(f"{e!r}")

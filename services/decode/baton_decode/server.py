@@ -23,7 +23,7 @@ import logging
 import signal
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,7 +48,12 @@ from baton_decode.metrics import WorkerMetrics
 from baton_engine.config import EngineConfig
 from baton_engine.core.engine_core import EngineCore
 from baton_engine.core.outputs import EngineCoreOutput, KVLoad
-from baton_engine.errors import BatonError, InvalidRequestError, NotFoundError
+from baton_engine.errors import (
+    BatonError,
+    EngineSleepingError,
+    InvalidRequestError,
+    NotFoundError,
+)
 from baton_engine.model_files import served_model_name
 from baton_kvstore.client import KVStoreClient, WorkerRegistration
 from baton_kvstore.codec import WorkerInfo, WorkerLoad
@@ -94,6 +99,8 @@ def status_code(error: BatonError) -> grpc.StatusCode:
         return grpc.StatusCode.ALREADY_EXISTS
     if isinstance(error, NotFoundError):
         return grpc.StatusCode.NOT_FOUND
+    if isinstance(error, EngineSleepingError):
+        return grpc.StatusCode.FAILED_PRECONDITION
     if isinstance(error, InvalidRequestError):
         return grpc.StatusCode.INVALID_ARGUMENT
     if isinstance(error, WorkerFullError):
@@ -105,11 +112,15 @@ def status_code(error: BatonError) -> grpc.StatusCode:
 
 class WorkerInfoMixin:
     """What both roles' servicers answer the same way: ``GetLoad``, ``GetModelInfo``, the LoRA
-    adapters' loading and unloading, and ``ResetPrefixCache``."""
+    adapters' loading and unloading, ``ResetPrefixCache`` and sleep mode."""
 
     engine: EngineLoop
     served_model_name: str
     metrics_url: str
+    # Sleep mode: what else holds the KV pool's memory (the KV transfer's NIXL registration)
+    # lets go before the engine frees it, and takes it again once it is back (_Role sets them).
+    release_kv_memory: Callable[[], None] | None = None
+    restore_kv_memory: Callable[[], None] | None = None
 
     async def GetLoad(
         self, request: engine_pb2.GetLoadRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -166,6 +177,50 @@ class WorkerInfoMixin:
         else:
             logger.warning("prefix cache not reset: requests or KV leases hold blocks")
         return engine_pb2.ResetPrefixCacheResponse(reset=reset)
+
+    async def Sleep(
+        self, request: engine_pb2.SleepRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> engine_pb2.SleepResponse:
+        level = request.level or 1  # (vLLM's default)
+        try:
+            if not await self.engine.call(lambda core: core.check_sleep(level)):
+                return engine_pb2.SleepResponse()  # (asleep already)
+            if self.release_kv_memory is not None:
+                self.release_kv_memory()
+            try:
+                await self.engine.call(lambda core: core.sleep(level))
+            except BaseException:  # (a request came in between: awake, as before)
+                if self.restore_kv_memory is not None:
+                    self.restore_kv_memory()
+                raise
+        except BatonError as e:
+            await context.abort(status_code(e), str(e))
+        return engine_pb2.SleepResponse()
+
+    async def WakeUp(
+        self, request: engine_pb2.WakeUpRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> engine_pb2.WakeUpResponse:
+        tags = list(request.tags) or None
+        try:
+            was = await self.engine.call(lambda core: core.is_sleeping())
+            asleep = await self.engine.call(lambda core: _wake(core, tags))
+        except BatonError as e:
+            await context.abort(status_code(e), str(e))
+        if was and not asleep and self.restore_kv_memory is not None:
+            self.restore_kv_memory()
+        return engine_pb2.WakeUpResponse(is_sleeping=asleep)
+
+    async def IsSleeping(
+        self, request: engine_pb2.IsSleepingRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> engine_pb2.IsSleepingResponse:
+        asleep = await self.engine.call(lambda core: core.is_sleeping())
+        return engine_pb2.IsSleepingResponse(is_sleeping=asleep)
+
+
+def _wake(core: EngineCore, tags: list[str] | None) -> bool:
+    """``core.wake_up(tags)``; whether a part is still asleep."""
+    core.wake_up(tags)
+    return core.is_sleeping()
 
 
 class _CallRequests:
@@ -520,6 +575,8 @@ class _Role:
         self.leases: LeaseTable | None = None
         self._lease_task: asyncio.Task[None] | None = None
         self.servicer: DecodeServicer | Any = None
+        self._pool = core.kv_pool  # (sleep mode frees its memory)
+        self._registered: torch.Tensor | None = None  # what the KV transfer registered
 
     def on_kv_load(self, load: KVLoad) -> None:
         assert self.puller is not None
@@ -538,8 +595,9 @@ class _Role:
                         device=core.kv_pool.device,
                     )
                 )
+            self._registered = core.kv_pool if staging is None else staging.pool
             self.sink = KVTransferSink(
-                core.kv_pool if staging is None else staging.pool,
+                self._registered,
                 engine_id=self.engine_id,
                 epoch=self.epoch,
                 compat_hash=self.compat,
@@ -560,6 +618,7 @@ class _Role:
                 metrics_url=self.metrics_url,
                 compat_hash=self.compat,
             )
+            self._hook(self.servicer)
             engine_pb2_grpc.add_DecodeServiceServicer_to_server(self.servicer, server)  # type: ignore[no-untyped-call]
             return
         from baton_prefill.servicer import PrefillServicer
@@ -576,8 +635,9 @@ class _Role:
         leases = LeaseTable(on_free, default_ttl_s=self.config.kv_lease_ms / 1000)
         self.leases = leases
         rows = _STAGING_REQUESTS * -(core.max_model_len // -core.config.block_size)
+        self._registered = core.enable_kv_export(rows)  # the pool itself unless split
         self.source = KVTransferSource(
-            core.enable_kv_export(rows),  # the pool itself unless split across ranks
+            self._registered,
             engine_id=self.engine_id,
             epoch=self.epoch,
             compat_hash=self.compat,
@@ -596,7 +656,33 @@ class _Role:
             served_model_name=self.name,
             metrics_url=self.metrics_url,
         )
+        self._hook(self.servicer)
         engine_pb2_grpc.add_PrefillServiceServicer_to_server(self.servicer, server)  # type: ignore[no-untyped-call]
+
+    def _hook(self, servicer: WorkerInfoMixin) -> None:
+        servicer.release_kv_memory = self.release_kv_memory
+        servicer.restore_kv_memory = self.restore_kv_memory
+
+    def release_kv_memory(self) -> None:
+        """Sleep mode: the KV transfer lets go of the engine's pool (when it registered the
+        pool itself, not a staging or export area sleep keeps) before its memory is freed."""
+        if self.sink is not None and self._registered is self._pool:
+            self.sink.release_memory()
+        if self.source is not None and self._registered is self._pool:
+            self.source.release_memory()
+
+    def restore_kv_memory(self) -> None:
+        """Woken: the pool's memory is back at another address; registered again, a prefill
+        worker's under a new epoch (its peers' handshakes are stale)."""
+        if self._registered is not self._pool:
+            return
+        if self.sink is not None:
+            self.sink.restore_memory(self._pool)
+        if self.source is not None:
+            self.epoch = max(self.epoch + 1, int(time.time() * 1000))
+            self.source.restore_memory(self._pool, self.epoch)
+            prefill: Any = self.servicer
+            prefill.epoch = self.epoch  # (the KV handles it gives out)
 
     def start(self) -> None:
         if self.leases is not None:

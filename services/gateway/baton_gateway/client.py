@@ -66,6 +66,7 @@ _HTTP_STATUS = {
     grpc.StatusCode.UNAVAILABLE: HTTPStatus.SERVICE_UNAVAILABLE,
     grpc.StatusCode.DEADLINE_EXCEEDED: HTTPStatus.GATEWAY_TIMEOUT,
     grpc.StatusCode.UNIMPLEMENTED: HTTPStatus.NOT_IMPLEMENTED,
+    grpc.StatusCode.FAILED_PRECONDITION: HTTPStatus.SERVICE_UNAVAILABLE,  # (asleep)
 }
 # Failures another worker may not repeat: the sequence is tried elsewhere.
 _RETRYABLE = {
@@ -408,6 +409,56 @@ class WorkerPool:
                 raise rpc_error(result, worker.addr) from result
             if isinstance(result, Exception) and not isinstance(result, grpc.aio.AioRpcError):
                 raise result
+
+    async def sleep(self, level: int) -> None:
+        """Put every worker up to sleep (sleep mode); the first refusal (sleep mode off, a
+        worker busy) raises, the workers that slept are woken again (all or none sleep)."""
+        request = engine_pb2.SleepRequest(level=level)
+        await self._on_every_worker("Sleep", request, ("WakeUp", engine_pb2.WakeUpRequest()))
+
+    async def wake_up(self, tags: list[str]) -> None:
+        """Wake ``tags`` (none: every part) on every worker up."""
+        await self._on_every_worker("WakeUp", engine_pb2.WakeUpRequest(tags=tags))
+
+    async def is_sleeping(self) -> bool:
+        """Whether any worker up is asleep (or partly)."""
+        request = engine_pb2.IsSleepingRequest()
+        workers = [w for w in self.workers if w.healthy]
+        results = await asyncio.gather(
+            *(w.stub.IsSleeping(request, timeout=30.0) for w in workers), return_exceptions=True
+        )
+        return any(not isinstance(r, BaseException) and r.is_sleeping for r in results)
+
+    async def _on_every_worker(
+        self, method: str, request: Any, undo: tuple[str, Any] | None = None
+    ) -> None:
+        """Call ``method`` on every worker up (a long deadline: level 1 copies the weights, and
+        waking captures the CUDA graphs again); on a refusal, ``undo`` on those it succeeded
+        on, then raise it. A worker that stopped answering is marked down, not an error."""
+        workers = [w for w in self.workers if w.healthy]
+        results = await asyncio.gather(
+            *(getattr(w.stub, method)(request, timeout=600.0) for w in workers),
+            return_exceptions=True,
+        )
+        failed = [
+            (w, r) for w, r in zip(workers, results, strict=True)
+            if isinstance(r, BaseException)
+            and not (isinstance(r, grpc.aio.AioRpcError) and self._went_down(w, r))
+        ]  # fmt: skip
+        if not failed:
+            return
+        if undo is not None:
+            done = [
+                w for w, r in zip(workers, results, strict=True) if not isinstance(r, Exception)
+            ]
+            await asyncio.gather(
+                *(getattr(w.stub, undo[0])(undo[1], timeout=600.0) for w in done),
+                return_exceptions=True,
+            )
+        worker, error = failed[0]
+        if isinstance(error, grpc.aio.AioRpcError):
+            raise rpc_error(error, worker.addr) from error
+        raise error
 
     async def reset_prefix_cache(self) -> list[str]:
         """Have every worker up forget its prefix cache (the kvstore hears of each block

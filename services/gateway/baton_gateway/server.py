@@ -113,8 +113,9 @@ class GatewayConfig:
     # VLLM_ALLOW_RUNTIME_LORA_UPDATING; here also BATON_ALLOW_RUNTIME_LORA_UPDATING)
     runtime_lora_updating: bool = False
     tokenizer_info_endpoint: bool = False  # GET /tokenizer_info (vLLM's flag)
-    # POST /reset_prefix_cache (vLLM's, behind its VLLM_SERVER_DEV_MODE; here also
-    # BATON_SERVER_DEV_MODE): unguarded by --api-key, as there, so off by default
+    # POST /reset_prefix_cache, /sleep, /wake_up, GET /is_sleeping (vLLM's, behind its
+    # VLLM_SERVER_DEV_MODE; here also BATON_SERVER_DEV_MODE): unguarded by --api-key, as
+    # there, so off by default
     dev_mode: bool = False
 
 
@@ -538,6 +539,24 @@ def create_app(config: GatewayConfig, tokenizer: Any) -> FastAPI:
                     "leases hold blocks there (or it stopped answering). Retry when idle.",
                 )
             return Response(status_code=200)
+
+        # vLLM's sleep mode (workers run with --enable-sleep-mode): every worker sleeps or none
+        @app.post("/sleep")
+        async def sleep(request: Request) -> Response:
+            level = request.query_params.get("level", "1")
+            if not level.isdigit():
+                raise GatewayError(400, f"level must be 1 or 2, not {level!r}", "level")
+            await state.pipeline.pool.sleep(int(level))
+            return Response(status_code=200)
+
+        @app.post("/wake_up")
+        async def wake_up(request: Request) -> Response:
+            await state.pipeline.pool.wake_up(request.query_params.getlist("tags"))
+            return Response(status_code=200)
+
+        @app.get("/is_sleeping")
+        async def is_sleeping() -> JSONResponse:
+            return JSONResponse({"is_sleeping": await state.pipeline.pool.is_sleeping()})
 
     if config.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)

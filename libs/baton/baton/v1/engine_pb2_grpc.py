@@ -79,6 +79,21 @@ class DecodeServiceStub(object):
                 request_serializer=baton_dot_v1_dot_engine__pb2.ResetPrefixCacheRequest.SerializeToString,
                 response_deserializer=baton_dot_v1_dot_engine__pb2.ResetPrefixCacheResponse.FromString,
                 _registered_method=True)
+        self.Sleep = channel.unary_unary(
+                '/baton.v1.DecodeService/Sleep',
+                request_serializer=baton_dot_v1_dot_engine__pb2.SleepRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_engine__pb2.SleepResponse.FromString,
+                _registered_method=True)
+        self.WakeUp = channel.unary_unary(
+                '/baton.v1.DecodeService/WakeUp',
+                request_serializer=baton_dot_v1_dot_engine__pb2.WakeUpRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_engine__pb2.WakeUpResponse.FromString,
+                _registered_method=True)
+        self.IsSleeping = channel.unary_unary(
+                '/baton.v1.DecodeService/IsSleeping',
+                request_serializer=baton_dot_v1_dot_engine__pb2.IsSleepingRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_engine__pb2.IsSleepingResponse.FromString,
+                _registered_method=True)
 
 
 class DecodeServiceServicer(object):
@@ -153,6 +168,28 @@ class DecodeServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Sleep(self, request, context):
+        """vLLM's sleep mode (a worker run with --enable-sleep-mode): an idle worker gives its device
+        memory back (level 1: the weights copied to host memory; 2: dropped, read again on waking;
+        both drop the KV cache). Asleep, it refuses requests (FAILED_PRECONDITION) until WakeUp has
+        woken both parts. A busy worker, a bad level or tag, or sleep mode off: INVALID_ARGUMENT.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WakeUp(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def IsSleeping(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -200,6 +237,21 @@ def add_DecodeServiceServicer_to_server(servicer, server):
                     servicer.ResetPrefixCache,
                     request_deserializer=baton_dot_v1_dot_engine__pb2.ResetPrefixCacheRequest.FromString,
                     response_serializer=baton_dot_v1_dot_engine__pb2.ResetPrefixCacheResponse.SerializeToString,
+            ),
+            'Sleep': grpc.unary_unary_rpc_method_handler(
+                    servicer.Sleep,
+                    request_deserializer=baton_dot_v1_dot_engine__pb2.SleepRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_engine__pb2.SleepResponse.SerializeToString,
+            ),
+            'WakeUp': grpc.unary_unary_rpc_method_handler(
+                    servicer.WakeUp,
+                    request_deserializer=baton_dot_v1_dot_engine__pb2.WakeUpRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_engine__pb2.WakeUpResponse.SerializeToString,
+            ),
+            'IsSleeping': grpc.unary_unary_rpc_method_handler(
+                    servicer.IsSleeping,
+                    request_deserializer=baton_dot_v1_dot_engine__pb2.IsSleepingRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_engine__pb2.IsSleepingResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -455,6 +507,87 @@ class DecodeService(object):
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def Sleep(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.DecodeService/Sleep',
+            baton_dot_v1_dot_engine__pb2.SleepRequest.SerializeToString,
+            baton_dot_v1_dot_engine__pb2.SleepResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WakeUp(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.DecodeService/WakeUp',
+            baton_dot_v1_dot_engine__pb2.WakeUpRequest.SerializeToString,
+            baton_dot_v1_dot_engine__pb2.WakeUpResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def IsSleeping(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.DecodeService/IsSleeping',
+            baton_dot_v1_dot_engine__pb2.IsSleepingRequest.SerializeToString,
+            baton_dot_v1_dot_engine__pb2.IsSleepingResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class PrefillServiceStub(object):
     """Missing associated documentation comment in .proto file."""
@@ -499,6 +632,21 @@ class PrefillServiceStub(object):
                 '/baton.v1.PrefillService/ResetPrefixCache',
                 request_serializer=baton_dot_v1_dot_engine__pb2.ResetPrefixCacheRequest.SerializeToString,
                 response_deserializer=baton_dot_v1_dot_engine__pb2.ResetPrefixCacheResponse.FromString,
+                _registered_method=True)
+        self.Sleep = channel.unary_unary(
+                '/baton.v1.PrefillService/Sleep',
+                request_serializer=baton_dot_v1_dot_engine__pb2.SleepRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_engine__pb2.SleepResponse.FromString,
+                _registered_method=True)
+        self.WakeUp = channel.unary_unary(
+                '/baton.v1.PrefillService/WakeUp',
+                request_serializer=baton_dot_v1_dot_engine__pb2.WakeUpRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_engine__pb2.WakeUpResponse.FromString,
+                _registered_method=True)
+        self.IsSleeping = channel.unary_unary(
+                '/baton.v1.PrefillService/IsSleeping',
+                request_serializer=baton_dot_v1_dot_engine__pb2.IsSleepingRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_engine__pb2.IsSleepingResponse.FromString,
                 _registered_method=True)
 
 
@@ -548,6 +696,24 @@ class PrefillServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Sleep(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WakeUp(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def IsSleeping(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -585,6 +751,21 @@ def add_PrefillServiceServicer_to_server(servicer, server):
                     servicer.ResetPrefixCache,
                     request_deserializer=baton_dot_v1_dot_engine__pb2.ResetPrefixCacheRequest.FromString,
                     response_serializer=baton_dot_v1_dot_engine__pb2.ResetPrefixCacheResponse.SerializeToString,
+            ),
+            'Sleep': grpc.unary_unary_rpc_method_handler(
+                    servicer.Sleep,
+                    request_deserializer=baton_dot_v1_dot_engine__pb2.SleepRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_engine__pb2.SleepResponse.SerializeToString,
+            ),
+            'WakeUp': grpc.unary_unary_rpc_method_handler(
+                    servicer.WakeUp,
+                    request_deserializer=baton_dot_v1_dot_engine__pb2.WakeUpRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_engine__pb2.WakeUpResponse.SerializeToString,
+            ),
+            'IsSleeping': grpc.unary_unary_rpc_method_handler(
+                    servicer.IsSleeping,
+                    request_deserializer=baton_dot_v1_dot_engine__pb2.IsSleepingRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_engine__pb2.IsSleepingResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -776,6 +957,87 @@ class PrefillService(object):
             '/baton.v1.PrefillService/ResetPrefixCache',
             baton_dot_v1_dot_engine__pb2.ResetPrefixCacheRequest.SerializeToString,
             baton_dot_v1_dot_engine__pb2.ResetPrefixCacheResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Sleep(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.PrefillService/Sleep',
+            baton_dot_v1_dot_engine__pb2.SleepRequest.SerializeToString,
+            baton_dot_v1_dot_engine__pb2.SleepResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WakeUp(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.PrefillService/WakeUp',
+            baton_dot_v1_dot_engine__pb2.WakeUpRequest.SerializeToString,
+            baton_dot_v1_dot_engine__pb2.WakeUpResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def IsSleeping(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.PrefillService/IsSleeping',
+            baton_dot_v1_dot_engine__pb2.IsSleepingRequest.SerializeToString,
+            baton_dot_v1_dot_engine__pb2.IsSleepingResponse.FromString,
             options,
             channel_credentials,
             insecure,

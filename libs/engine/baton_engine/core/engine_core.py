@@ -834,10 +834,7 @@ class EngineCore:
         makes the request wait for its prompt KV to be pulled (``take_kv_loads`` /
         ``finish_kv_load``) and then generate from its second token on.
         """
-        if self.runner.asleep:
-            raise EngineSleepingError(
-                f"the engine is asleep (sleep level {self.sleep_level}): wake it up first"
-            )
+        self.check_awake()
         self.validate_request(prompt_token_ids, params, priority, lora_request)
         if req_id in self.scheduler.requests:
             raise InvalidRequestError(f"request id {req_id!r} is already in use")
@@ -1002,7 +999,23 @@ class EngineCore:
         (every cached prefix, the host tier's too) and the CUDA graphs are dropped; the weights
         are copied to host memory (level 1) or dropped (level 2, read again from the model's
         files on waking). Requests are refused (``EngineSleepingError``) until ``wake_up``
-        wakes both parts. Only an idle engine sleeps; asleep, it does nothing more."""
+        wakes both parts. Only an idle engine sleeps (``check_sleep``); asleep, it does
+        nothing more."""
+        if not self.check_sleep(level):
+            return
+        reset = self.kv.reset_prefix_cache()
+        assert reset, "an idle engine's blocks are all free"
+        start = time.perf_counter()
+        with self._ranks_checked():
+            if self._tp is not None:
+                self._tp.sleep(level)
+            self.runner.sleep(level)
+        self.sleep_level = level
+        logger.info("asleep (level %d) in %.2f s", level, time.perf_counter() - start)
+
+    def check_sleep(self, level: int) -> bool:
+        """Raise ``InvalidRequestError`` if ``sleep(level)`` would be refused; returns whether
+        it would change anything (not when asleep already)."""
         if not self.config.enable_sleep_mode:
             raise InvalidRequestError(
                 "sleep mode is off: start the engine with enable_sleep_mode=True "
@@ -1011,7 +1024,7 @@ class EngineCore:
         if level not in (1, 2):
             raise InvalidRequestError(f"the sleep level must be 1 or 2, not {level!r}")
         if self.runner.asleep:
-            return
+            return False
         if level == 2 and self.runner.lora is not None:
             raise InvalidRequestError(
                 "sleep level 2 with LoRA enabled: the adapters' slots live beside the weights "
@@ -1022,15 +1035,13 @@ class EngineCore:
                 f"{len(self.scheduler.requests)} requests are unfinished: only an idle engine "
                 "sleeps (finish or abort them first)"
             )
-        reset = self.kv.reset_prefix_cache()
-        assert reset, "an idle engine's blocks are all free"
-        start = time.perf_counter()
-        with self._ranks_checked():
-            if self._tp is not None:
-                self._tp.sleep(level)
-            self.runner.sleep(level)
-        self.sleep_level = level
-        logger.info("asleep (level %d) in %.2f s", level, time.perf_counter() - start)
+        pool = self.kv.pool
+        if pool.num_free_blocks != pool.num_blocks:
+            raise InvalidRequestError(
+                f"{pool.num_blocks - pool.num_free_blocks} KV blocks are held (prefilled "
+                "prompts waiting for their pull): only an idle engine sleeps"
+            )
+        return True
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
         """Take back the memory of ``tags`` (vLLM's: "weights", "kv_cache"; default both):
@@ -1042,7 +1053,8 @@ class EngineCore:
             raise InvalidRequestError(
                 f"unknown wake_up tags {unknown}: valid ones are {list(SLEEP_TAGS)}"
             )
-        if not self.runner.asleep & set(wake):
+        waking = self.runner.asleep & set(wake)
+        if not waking:
             return
         start = time.perf_counter()
         with self._ranks_checked():
@@ -1053,7 +1065,7 @@ class EngineCore:
             self.sleep_level = 0
         logger.info(
             "woke %s in %.2f s%s",
-            " and ".join(t for t in SLEEP_TAGS if t in wake),
+            " and ".join(t for t in SLEEP_TAGS if t in waking),
             time.perf_counter() - start,
             f"; still asleep: {sorted(self.runner.asleep)}" if self.runner.asleep else "",
         )
@@ -1061,6 +1073,14 @@ class EngineCore:
     def is_sleeping(self) -> bool:
         """Whether any part is asleep (requests are refused)."""
         return bool(self.runner.asleep)
+
+    def check_awake(self) -> None:
+        """Raise ``EngineSleepingError`` while any part is asleep."""
+        if self.runner.asleep:
+            raise EngineSleepingError(
+                f"the engine is asleep (sleep level {self.sleep_level}): wake it up first "
+                "(wake_up, POST /wake_up)"
+            )
 
     def cache_config_info(self) -> dict[str, object]:
         """The KV cache's settings, under vLLM's names (its ``cache_config_info`` labels;
