@@ -6,8 +6,10 @@ each level: sleep, wake the weights, wake the KV cache (the CUDA graphs are capt
 there), and the same requests again. The table gives each phase's seconds, the device memory
 in use by this process after it (``torch.cuda.memory_allocated`` plus the graphs' and caching
 allocator's reserve: ``memory_reserved``; on a CPU: the process's resident set), and whether
-the tokens after waking equal the first run's. Level 2 reads the weights again: from the model's
-files, or a fresh dummy draw (``--load-format dummy``: no disk read, so its time is a floor).
+the tokens after waking equal the first run's; "device": the GPU's memory in use by every
+process (``mem_get_info``: what sleeping gives others). Level 2 reads the weights again: from
+the model's files, or a fresh dummy draw (``--load-format dummy``: no disk read, so its time is
+a floor).
 
     python benchmarks/bench_sleep.py                                                  # CPU
     python benchmarks/bench_sleep.py --model benchmarks/configs/llama-3.1-8b \\
@@ -24,16 +26,31 @@ import time
 from typing import Any
 
 
-def memory_gib(device: str) -> tuple[float, float]:
-    """(allocated, reserved) GiB on the GPU; the resident set twice on a CPU."""
+def memory_gib(device: str) -> tuple[float, float, float]:
+    """GiB (allocated, reserved by the caching allocator, used on the whole device: what other
+    processes cannot have) on a GPU; the resident set thrice on a CPU."""
     if device.startswith("cuda"):
         import torch
 
         torch.cuda.synchronize()
-        return torch.cuda.memory_allocated() / 2**30, torch.cuda.memory_reserved() / 2**30
+        free, total = torch.cuda.mem_get_info()
+        alloc, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+        return alloc / 2**30, reserved / 2**30, (total - free) / 2**30
     with open(f"/proc/{os.getpid()}/statm") as f:
         rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
-    return rss, rss
+    return rss, rss, rss
+
+
+def print_segments() -> None:
+    """The caching allocator's largest segments: bytes, bytes in use, stream, pool."""
+    import torch
+
+    segments = torch.cuda.memory._snapshot()["segments"]
+    for seg in sorted(segments, key=lambda s: -s["total_size"])[:6]:
+        print(
+            f"  segment {seg['total_size'] / 2**20:9.1f} MiB, {seg['allocated_size'] / 2**20:8.1f}"
+            f" in use, stream {seg['stream']}, pool {seg.get('segment_pool_id')}"
+        )
 
 
 def run(core: Any, prompts: list[list[int]], params: Any, tag: str) -> dict[str, list[int]]:
@@ -57,6 +74,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--levels", default="1,2")
+    ap.add_argument(
+        "--segments", action="store_true", help="GPU: the largest memory segments left asleep"
+    )
     args = ap.parse_args()
 
     from baton_engine.config import EngineConfig
@@ -71,7 +91,7 @@ def main() -> None:
         max_model_len=args.max_model_len,
         enable_sleep_mode=True,
     )
-    rows: list[tuple[str, float, tuple[float, float], str]] = []
+    rows: list[tuple[str, float, tuple[float, float, float], str]] = []
     start = time.perf_counter()
     core = EngineCore(config)
     rows.append(("start an engine", time.perf_counter() - start, memory_gib(args.device), ""))
@@ -94,6 +114,8 @@ def main() -> None:
             start = time.perf_counter()
             phase(arg)
             rows.append((name, time.perf_counter() - start, memory_gib(args.device), ""))
+            if args.segments and name.startswith("sleep"):
+                print_segments()
         start = time.perf_counter()
         again = run(core, prompts, params, f"l{level}")
         same = "same tokens" if again == first else "TOKENS DIFFER"
@@ -101,9 +123,9 @@ def main() -> None:
     del core
     gc.collect()
     print(f"model {args.model or 'default'} ({args.load_format}), {args.device}, {args.dtype}")
-    print(f"{'phase':<20} {'seconds':>8} {'alloc GiB':>10} {'reserved':>9}")
-    for name, seconds, (alloc, reserved), note in rows:
-        print(f"{name:<20} {seconds:8.3f} {alloc:10.2f} {reserved:9.2f}  {note}")
+    print(f"{'phase':<20} {'seconds':>8} {'alloc GiB':>10} {'reserved':>9} {'device':>7}")
+    for name, seconds, (alloc, reserved, used), note in rows:
+        print(f"{name:<20} {seconds:8.3f} {alloc:10.2f} {reserved:9.2f} {used:7.2f}  {note}")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import dataclasses
 import functools
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from itertools import accumulate
@@ -351,6 +352,7 @@ class ModelRunner:
         # ``enable_piece_graphs``' arguments).
         self.asleep: set[str] = set()
         self._weights_backup: list[tuple[torch.UntypedStorage, int, torch.Tensor | None]] = []
+        self._weights_lock: _PageLocked | None = None
         self.reload_weights: Callable[[], None] | None = None
         self.packed_weights = False  # packed for the CPU's kernels (finalize_weights)
         self._graph_args: dict[str, tuple[bool, int]] = {}
@@ -483,7 +485,7 @@ class ModelRunner:
         shape = (num_slots, *self.kv_pool.shape[1:])
         self.host_kv = torch.empty(shape, dtype=self.kv_pool.dtype)
         if self.device.type == "cuda":
-            self._host_kv_lock = _PageLocked(self.host_kv)
+            self._host_kv_lock = _PageLocked(self.host_kv, "the KV tier", "kv_offloading_size")
         if self.draft is not None:  # (a slot holds the draft's KV of its block too)
             self.draft.runner.initialize_host_kv_cache(num_slots)
 
@@ -665,28 +667,36 @@ class ModelRunner:
         assert not self.asleep, "already asleep"
         assert level in (1, 2)
         self.synchronize()
+        tensors: list[torch.Tensor] = list(self.model.parameters())
+        if level == 1 and self.device.type == "cuda":
+            tensors += self.model.buffers()
+        elif level == 1 or self.packed_weights:
+            tensors = []
+        storages = _storages(tensors)
+        backups: list[torch.Tensor | None] = [None] * len(storages)
+        if level == 1 and storages:  # (first: a host that cannot lock the copy changes nothing)
+            host = _faulted_in(sum(storage.nbytes() for storage in storages))
+            self._weights_lock = _PageLocked(
+                host, "the weights' copy (sleep level 1)", "sleep at level 2"
+            )
+            offset = 0
+            for i, storage in enumerate(storages):
+                backup = backups[i] = host[offset : offset + storage.nbytes()]
+                backup.copy_(_as_bytes(storage), non_blocking=True)
+                offset += storage.nbytes()
+            self.synchronize()
+        self._weights_backup = [
+            (storage, storage.nbytes(), backup)
+            for storage, backup in zip(storages, backups, strict=True)
+        ]
+        for storage in storages:
+            storage.resize_(0)
         self.release_graphs()
         self.graphs = self.pieces = None
         self._gathered = None
         self._last_sampled, self._last_sampled_reqs = None, []
         if self.kv_pool is not None:
             self.kv_pool.untyped_storage().resize_(0)
-        tensors: list[torch.Tensor] = list(self.model.parameters())
-        if level == 1 and self.device.type == "cuda":
-            tensors += self.model.buffers()
-        elif level == 1 or self.packed_weights:
-            tensors = []
-        self._weights_backup = []
-        for storage in _storages(tensors):
-            backup = None
-            if level == 1:  # (page-locked: one copy each way at the link's speed)
-                pinned = self.device.type == "cuda"
-                backup = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=pinned)
-                backup.copy_(_as_bytes(storage), non_blocking=True)
-            self._weights_backup.append((storage, storage.nbytes(), backup))
-        self.synchronize()
-        for storage, _, _ in self._weights_backup:
-            storage.resize_(0)
         self.asleep = {"weights", "kv_cache"}
         if self.draft is not None:
             self.draft.runner.sleep(level)
@@ -711,6 +721,7 @@ class ModelRunner:
                     self.model.fold_norms(prompts=self.model.folded_prompts)
             self.synchronize()
             self._weights_backup = []
+            self._weights_lock = None  # (unlocked, then freed)
         if "kv_cache" in wake and self.kv_pool is not None:
             pool = self.kv_pool
             pool.untyped_storage().resize_(pool.numel() * pool.element_size())
@@ -1481,6 +1492,21 @@ class ModelRunner:
         )
 
 
+def _faulted_in(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of host memory, its pages faulted in by several threads at once: one thread
+    faults in ~2.5 GB/s, so ``cudaHostAlloc`` took 6.5 s for 15 GiB on the H100s' hosts,
+    against 0.7 s to fault them in with 16 threads and 0.9 s to lock them then
+    (``benchmarks/device/pin_register.py``)."""
+    host = torch.empty(nbytes, dtype=torch.uint8)
+    parts = host.chunk(max(1, min(16, os.cpu_count() or 1)))
+    workers = [threading.Thread(target=part.zero_) for part in parts]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    return host
+
+
 def _storages(tensors: Iterable[torch.Tensor]) -> list[torch.UntypedStorage]:
     """The distinct storages under ``tensors`` (tied weights, views: one each)."""
     found: dict[int, torch.UntypedStorage] = {}
@@ -1502,14 +1528,14 @@ class _PageLocked:
     allocation up to a power of two: a 9 GiB tier would lock 16.) Unlocked when this is
     collected; it holds the tensor, whose memory is freed only after that."""
 
-    def __init__(self, tensor: torch.Tensor) -> None:
+    def __init__(self, tensor: torch.Tensor, what: str, remedy: str) -> None:
         self.tensor = tensor
         size = tensor.numel() * tensor.element_size()
         error = int(torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), size, 0))  # type: ignore[no-untyped-call]
         if error:
             raise InvalidRequestError(
-                f"cannot page-lock {size / 2**30:.1f} GiB of host memory for the KV tier (CUDA "
-                f"error {error}): lower kv_offloading_size"
+                f"cannot page-lock {size / 2**30:.1f} GiB of host memory for {what} (CUDA "
+                f"error {error}): {remedy}"
             )
 
     def __del__(self) -> None:
