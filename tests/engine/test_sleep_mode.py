@@ -14,7 +14,7 @@ from test_async_scheduling import make_core
 
 from baton_engine.config import EngineConfig
 from baton_engine.core.engine_core import EngineCore
-from baton_engine.errors import EngineSleepingError, InvalidRequestError
+from baton_engine.errors import EngineBusyError, EngineSleepingError, InvalidRequestError
 from baton_engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -97,6 +97,36 @@ def test_level_2_reads_the_weights_again_from_the_files(
     assert run(core, "read") == first
 
 
+def test_reload_weights_reads_the_checkpoint_in_place(
+    core: EngineCore, first: dict[int, list[int]]
+) -> None:
+    """vLLM's ``collective_rpc("reload_weights")``: weights changed in memory are read again
+    from the files (in place: the same tensors), and the prefix cache whose KV came from the
+    changed weights is forgotten; in vLLM's level-2 sequence it fits between waking the weights
+    and the KV cache. Asleep weights or a busy engine: clear errors."""
+    weight = core.runner.model.layers[1].mlp.down_proj.weight
+    address = weight.data_ptr()
+    with torch.no_grad():
+        weight.mul_(0.5)
+    assert core.reset_prefix_cache()
+    changed = run(core, "halved")
+    assert changed != first and core.kv.cached_hashes()
+    core.reload_weights()
+    assert weight.data_ptr() == address and not core.kv.cached_hashes()
+    assert run(core, "reloaded") == first
+    core.sleep(2)
+    with pytest.raises(InvalidRequestError, match=r"wake_up\(\['weights'\]\) first"):
+        core.reload_weights()
+    core.wake_up(["weights"])
+    core.reload_weights()
+    core.wake_up(["kv_cache"])
+    assert run(core, "sequence") == first
+    core.add_request("busy", PROMPTS[0], GREEDY)
+    with pytest.raises(EngineBusyError, match="unfinished"):
+        core.reload_weights()
+    core.abort_requests(["busy"])
+
+
 def test_what_sleep_refuses(core: EngineCore, default_model_dir: Path) -> None:
     """Clear errors: an unknown level or tag, a request still running (it runs on, unharmed);
     sleeping or waking twice changes nothing; an engine without sleep mode refuses."""
@@ -141,6 +171,8 @@ def test_packed_weights_stay_at_level_2(default_model_dir: Path) -> None:
     assert weight_bytes(core) > 0
     core.wake_up()
     assert run(core, "b") == want
+    with pytest.raises(InvalidRequestError, match="packed"):
+        core.reload_weights()
 
 
 def test_a_draft_model_sleeps_with_the_model(default_model_dir: Path) -> None:

@@ -104,6 +104,7 @@ def test_two_ranks_sleep_and_wake_as_one(default_model_dir: Path, tmp_path: Path
             llm.sleep(level)
             assert llm.is_sleeping()
             llm.wake_up(["weights"])
+            assert llm.collective_rpc("reload_weights") == [None, None]  # (vLLM's sequence)
             llm.wake_up(["kv_cache"])
             outs = llm.generate(prompts, greedy, use_tqdm=False)
             assert [list(o.outputs[0].token_ids) for o in outs] == want

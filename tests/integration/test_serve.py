@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import signal
@@ -341,6 +342,59 @@ def test_sleep_mode_over_http(serve_launcher: Any, default_model_dir: Path, tmp_
             assert _decode_counter(metrics, "baton:kv_transfer_failures_total") == 0
         resp = httpx.post(f"{server.root_url}/sleep", params={"level": 3}, timeout=60)
         assert resp.status_code == 400 and "1 or 2" in resp.json()["error"]["message"]
+    finally:
+        _, survivors = serve_launcher.stop(server, signal.SIGTERM)
+    assert not survivors, f"left behind: {survivors}"
+
+
+def test_sleep_aborts_or_waits_for_the_requests_in_flight(serve_launcher: Any) -> None:
+    """``POST /sleep`` while a completion streams: by default (vLLM's ``mode=abort``) it ends at
+    once with finish reason "abort" and the workers sleep; with ``mode=wait`` it runs to its
+    length first (the sleep answers after), and a request sent meanwhile gets a 503. ``mode=keep``
+    is a 400."""
+    server = serve_launcher.start(
+        ["--enable-sleep-mode", "--max-model-len", "2048"], env={"VLLM_SERVER_DEV_MODE": "1"}
+    )
+    client = openai.OpenAI(base_url=server.base_url, api_key="none", max_retries=0)
+    model = client.models.list().data[0].id
+    prompt = [10 + i for i in range(20)]
+
+    def stream_while_sleeping(mode: str, length: int) -> tuple[int, str | None, httpx.Response]:
+        stream = client.completions.create(
+            model=model, prompt=prompt, max_tokens=length, temperature=0.0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        chunks = iter(stream)
+        next(chunks)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            slept = pool.submit(
+                httpx.post, f"{server.root_url}/sleep", params={"mode": mode}, timeout=120
+            )
+            finish, tokens = None, 0
+            for n, chunk in enumerate(chunks):
+                if chunk.choices:
+                    finish = chunk.choices[0].finish_reason or finish
+                if chunk.usage is not None:
+                    tokens = chunk.usage.completion_tokens
+                if mode == "wait" and n == 100:  # (the worker is closing meanwhile)
+                    with pytest.raises(openai.APIStatusError) as refused:
+                        client.completions.create(model=model, prompt=prompt, max_tokens=2)
+                    assert refused.value.status_code == 503
+            return tokens, finish, slept.result()
+
+    try:
+        tokens, finish, resp = stream_while_sleeping("abort", 2000)
+        assert resp.status_code == 200, resp.text
+        assert finish == "abort" and tokens < 2000, (finish, tokens)
+        assert httpx.get(f"{server.root_url}/is_sleeping", timeout=10).json()["is_sleeping"]
+        assert httpx.post(f"{server.root_url}/wake_up", timeout=60).status_code == 200
+        tokens, finish, resp = stream_while_sleeping("wait", 150)
+        assert resp.status_code == 200, resp.text
+        assert (tokens, finish) == (150, "length")
+        assert httpx.get(f"{server.root_url}/is_sleeping", timeout=10).json()["is_sleeping"]
+        assert httpx.post(f"{server.root_url}/wake_up", timeout=60).status_code == 200
+        resp = httpx.post(f"{server.root_url}/sleep", params={"mode": "keep"}, timeout=60)
+        assert resp.status_code == 400 and "keep" in resp.json()["error"]["message"]
     finally:
         _, survivors = serve_launcher.stop(server, signal.SIGTERM)
     assert not survivors, f"left behind: {survivors}"

@@ -130,10 +130,12 @@ class GatherKV:
 @dataclass(frozen=True)
 class Sleep:
     """Sleep mode: sleep at ``level`` (``ModelRunner.sleep``), or, with ``tags``, wake those
-    parts (``ModelRunner.wake_up``: the graph captures inside have collectives)."""
+    parts (``ModelRunner.wake_up``: the graph captures inside have collectives), or with
+    ``reload`` read the weights again (``ModelRunner.read_weights_again``)."""
 
     level: int = 0
     tags: tuple[str, ...] = ()
+    reload: bool = False
 
 
 def _leave_group(clean: bool) -> None:
@@ -191,7 +193,9 @@ def _helper_main(config: Any, rank: int, port: int, conn: Connection) -> None:
             gather(runner.read_kv_blocks(so.block_ids))
             continue
         if isinstance(so, Sleep):
-            if so.tags:
+            if so.reload:
+                runner.read_weights_again()
+            elif so.tags:
                 runner.wake_up(so.tags)
             else:
                 runner.sleep(so.level)
@@ -295,6 +299,10 @@ class TensorParallelHelpers:
     def wake_up(self, tags: Sequence[str]) -> None:
         """Have every helper wake ``tags`` (as rank 0 does next)."""
         self._send(Sleep(tags=tuple(tags)))
+
+    def reload_weights(self) -> None:
+        """Have every helper read its shard of the weights again (as rank 0 does next)."""
+        self._send(Sleep(reload=True))
 
     def _send(self, message: Any) -> None:
         self.check()

@@ -21,3 +21,8 @@ class ModelLoadError(BatonError, ValueError):
 
 class EngineSleepingError(BatonError):
     """The engine is asleep (sleep mode): nothing runs until it is woken."""
+
+
+class EngineBusyError(InvalidRequestError):
+    """What was asked needs an idle engine (sleep mode, reloading the weights) and requests
+    are running or hold KV blocks."""

@@ -291,6 +291,24 @@ class LLM:
     def is_sleeping(self) -> bool:
         return self.engine.core.is_sleeping()
 
+    def collective_rpc(
+        self,
+        method: str,
+        timeout: float | None = None,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> list[Any]:
+        """vLLM's call of a method on every worker; here the one method scripts call with
+        sleep mode: ``"reload_weights"`` (the checkpoint read again in place, on every rank;
+        one ``None`` a rank, as vLLM returns). Any other is an error naming it."""
+        if method != "reload_weights" or args or kwargs:
+            raise InvalidRequestError(
+                f"collective_rpc({method!r}) with these arguments is not supported: Baton's "
+                "workers answer only 'reload_weights' (no arguments)"
+            )
+        self.engine.core.reload_weights()
+        return [None] * self.engine.core.config.tensor_parallel_size
+
     @property
     def _classifies(self) -> bool:
         return self.engine.core.model_config.is_classifier

@@ -248,6 +248,8 @@ class EngineLoop:
         self._stats: EngineStats = core.stats()  # replaced whole by the engine thread
         self._stats_logger = StatsLogger(self._stats, log_stats_interval_s)
         self._dead: EngineDeadError | None = None
+        # Why new requests are refused for now (sleep mode: the worker is going to sleep)
+        self.closing: str | None = None
         self._num_step_failures = 0  # consecutive; engine thread only
         self._engine_thread = thread
         if thread is not None:
@@ -321,6 +323,8 @@ class EngineLoop:
         if req_id in self._streams:
             raise DuplicateRequestError(f"request id {req_id!r} is already in flight")
         self.core.check_awake()  # (sleep mode; a read of a set another thread changes)
+        if self.closing is not None:
+            raise EngineSleepingError(self.closing)
         # reads only immutable config (and compiles a structured output's grammar, which
         # XGrammar caches for the loop's add_request; servers call compile_grammar first)
         # (an adapter served by name is read at start-up: validating one reads no file)

@@ -50,6 +50,7 @@ from baton_engine.core.engine_core import EngineCore
 from baton_engine.core.outputs import EngineCoreOutput, KVLoad
 from baton_engine.errors import (
     BatonError,
+    EngineBusyError,
     EngineSleepingError,
     InvalidRequestError,
     NotFoundError,
@@ -181,21 +182,46 @@ class WorkerInfoMixin:
     async def Sleep(
         self, request: engine_pb2.SleepRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> engine_pb2.SleepResponse:
-        level = request.level or 1  # (vLLM's default)
+        level, mode = request.level or 1, request.mode or "abort"  # (vLLM's defaults)
         try:
-            if not await self.engine.call(lambda core: core.check_sleep(level)):
-                return engine_pb2.SleepResponse()  # (asleep already)
-            if self.release_kv_memory is not None:
-                self.release_kv_memory()
-            try:
-                await self.engine.call(lambda core: core.sleep(level))
-            except BaseException:  # (a request came in between: awake, as before)
-                if self.restore_kv_memory is not None:
-                    self.restore_kv_memory()
-                raise
+            if mode not in ("abort", "wait"):
+                raise InvalidRequestError(
+                    f"unknown sleep mode {mode!r}: 'abort' or 'wait' (vLLM's 'keep' is not "
+                    "supported)"
+                )
+            await self._sleep_once_idle(level, mode == "abort")
         except BatonError as e:
             await context.abort(status_code(e), str(e))
         return engine_pb2.SleepResponse()
+
+    async def _sleep_once_idle(self, level: int, abort: bool) -> None:
+        """Refuse new requests, abort those in flight (``abort``) or let them finish, and
+        sleep once the engine is idle (held prompt blocks pulled or expired too)."""
+        engine = self.engine
+        if not await engine.call(lambda core: core.check_sleep(level, busy_ok=True)):
+            return  # (asleep already)
+        engine.closing = "the engine is going to sleep"
+        try:
+            if abort:
+                engine.abort_all()
+            while True:
+                try:
+                    if not await engine.call(lambda core: core.check_sleep(level)):
+                        return
+                except EngineBusyError:
+                    await asyncio.sleep(0.02)
+                    continue
+                break
+            if self.release_kv_memory is not None:
+                self.release_kv_memory()
+            try:
+                await engine.call(lambda core: core.sleep(level))
+            except BaseException:  # (awake, as before)
+                if self.restore_kv_memory is not None:
+                    self.restore_kv_memory()
+                raise
+        finally:
+            engine.closing = None
 
     async def WakeUp(
         self, request: engine_pb2.WakeUpRequest, context: grpc.aio.ServicerContext[Any, Any]

@@ -410,10 +410,11 @@ class WorkerPool:
             if isinstance(result, Exception) and not isinstance(result, grpc.aio.AioRpcError):
                 raise result
 
-    async def sleep(self, level: int) -> None:
-        """Put every worker up to sleep (sleep mode); the first refusal (sleep mode off, a
-        worker busy) raises, the workers that slept are woken again (all or none sleep)."""
-        request = engine_pb2.SleepRequest(level=level)
+    async def sleep(self, level: int, mode: str) -> None:
+        """Put every worker up to sleep (sleep mode), its requests aborted or finished first
+        (``mode``); the first refusal (sleep mode off, a bad level or mode) raises, the workers
+        that slept are woken again (all or none sleep)."""
+        request = engine_pb2.SleepRequest(level=level, mode=mode)
         await self._on_every_worker("Sleep", request, ("WakeUp", engine_pb2.WakeUpRequest()))
 
     async def wake_up(self, tags: list[str]) -> None:

@@ -546,7 +546,7 @@ def create_app(config: GatewayConfig, tokenizer: Any) -> FastAPI:
             level = request.query_params.get("level", "1")
             if not level.isdigit():
                 raise GatewayError(400, f"level must be 1 or 2, not {level!r}", "level")
-            await state.pipeline.pool.sleep(int(level))
+            await state.pipeline.pool.sleep(int(level), request.query_params.get("mode", "abort"))
             return Response(status_code=200)
 
         @app.post("/wake_up")

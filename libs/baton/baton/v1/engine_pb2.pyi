@@ -197,10 +197,12 @@ class ResetPrefixCacheResponse(_message.Message):
     def __init__(self, reset: bool = ...) -> None: ...
 
 class SleepRequest(_message.Message):
-    __slots__ = ("level",)
+    __slots__ = ("level", "mode")
     LEVEL_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
     level: int
-    def __init__(self, level: _Optional[int] = ...) -> None: ...
+    mode: str
+    def __init__(self, level: _Optional[int] = ..., mode: _Optional[str] = ...) -> None: ...
 
 class SleepResponse(_message.Message):
     __slots__ = ()

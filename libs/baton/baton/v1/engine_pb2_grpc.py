@@ -169,10 +169,11 @@ class DecodeServiceServicer(object):
         raise NotImplementedError('Method not implemented!')
 
     def Sleep(self, request, context):
-        """vLLM's sleep mode (a worker run with --enable-sleep-mode): an idle worker gives its device
+        """vLLM's sleep mode (a worker run with --enable-sleep-mode): the worker gives its device
         memory back (level 1: the weights copied to host memory; 2: dropped, read again on waking;
-        both drop the KV cache). Asleep, it refuses requests (FAILED_PRECONDITION) until WakeUp has
-        woken both parts. A busy worker, a bad level or tag, or sleep mode off: INVALID_ARGUMENT.
+        both drop the KV cache), once its requests are aborted or finished (the request's mode);
+        new ones are refused (FAILED_PRECONDITION) from then until WakeUp has woken both parts. A
+        bad level, mode or tag, or sleep mode off: INVALID_ARGUMENT.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

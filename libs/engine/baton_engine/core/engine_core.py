@@ -23,6 +23,7 @@ from baton_engine.core import gpu_lock
 from baton_engine.core.outputs import EngineCoreOutput, GrammarBitmask, KVLoad, SchedulerOutput
 from baton_engine.core.scheduler import Scheduler
 from baton_engine.errors import (
+    EngineBusyError,
     EngineSleepingError,
     InvalidRequestError,
     ModelLoadError,
@@ -1013,9 +1014,10 @@ class EngineCore:
         self.sleep_level = level
         logger.info("asleep (level %d) in %.2f s", level, time.perf_counter() - start)
 
-    def check_sleep(self, level: int) -> bool:
-        """Raise ``InvalidRequestError`` if ``sleep(level)`` would be refused; returns whether
-        it would change anything (not when asleep already)."""
+    def check_sleep(self, level: int, busy_ok: bool = False) -> bool:
+        """Raise ``InvalidRequestError`` if ``sleep(level)`` would be refused (``EngineBusyError``
+        while requests run or hold blocks, unless ``busy_ok``); returns whether it would change
+        anything (not when asleep already)."""
         if not self.config.enable_sleep_mode:
             raise InvalidRequestError(
                 "sleep mode is off: start the engine with enable_sleep_mode=True "
@@ -1030,18 +1032,46 @@ class EngineCore:
                 "sleep level 2 with LoRA enabled: the adapters' slots live beside the weights "
                 "it drops; level 1 keeps them"
             )
+        if not busy_ok:
+            self._check_idle("sleeps")
+        return True
+
+    def _check_idle(self, what: str) -> None:
+        """Raise ``EngineBusyError`` while requests run or hold KV blocks."""
         if self.has_unfinished_requests():
-            raise InvalidRequestError(
+            raise EngineBusyError(
                 f"{len(self.scheduler.requests)} requests are unfinished: only an idle engine "
-                "sleeps (finish or abort them first)"
+                f"{what} (finish or abort them first)"
             )
         pool = self.kv.pool
         if pool.num_free_blocks != pool.num_blocks:
-            raise InvalidRequestError(
+            raise EngineBusyError(
                 f"{pool.num_blocks - pool.num_free_blocks} KV blocks are held (prefilled "
-                "prompts waiting for their pull): only an idle engine sleeps"
+                f"prompts waiting for their pull): only an idle engine {what}"
             )
-        return True
+
+    def reload_weights(self) -> None:
+        """Read the weights again from the model's files, in place (vLLM's
+        ``collective_rpc("reload_weights")``: after ``wake_up(["weights"])`` at level 2, or to
+        undo weights changed in memory); the prefix cache is forgotten (its KV came from the
+        weights before). Every rank reads its shard; a draft model reads its own."""
+        if "weights" in self.runner.asleep:
+            raise InvalidRequestError("the weights are asleep: wake_up(['weights']) first")
+        if self.runner.packed_weights:
+            raise InvalidRequestError(
+                "the weights are packed for the CPU's kernels, which the checkpoint does not "
+                "load into in place (serve float32, or start a new engine)"
+            )
+        self._check_idle("reads its weights again")
+        start = time.perf_counter()
+        with self._ranks_checked():
+            if self._tp is not None:
+                self._tp.reload_weights()
+            self.runner.read_weights_again()
+        if "kv_cache" not in self.runner.asleep:
+            reset = self.kv.reset_prefix_cache()
+            assert reset, "an idle engine's blocks are all free"
+        logger.info("read the weights again in %.2f s", time.perf_counter() - start)
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
         """Take back the memory of ``tags`` (vLLM's: "weights", "kv_cache"; default both):

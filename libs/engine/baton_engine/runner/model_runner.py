@@ -655,6 +655,18 @@ class ModelRunner:
 
     # --- sleep mode ----------------------------------------------------------------------------
 
+    def read_weights_again(self, draft: bool = True) -> None:
+        """The checkpoint's weights into the model's tensors again (``reload_weights``, set by
+        whoever loaded them), the norms then folded as they were; the draft's too when
+        ``draft``. The tensors keep their addresses: the CUDA graphs stay valid."""
+        assert self.reload_weights is not None, "no loader to read the weights again"
+        assert not self.packed_weights, "packed weights do not load in place"
+        self.reload_weights()
+        if self.model.folded_norms:  # (the norms read again: fold them as before)
+            self.model.fold_norms(prompts=self.model.folded_prompts)
+        if draft and self.draft is not None:
+            self.draft.runner.read_weights_again()
+
     def sleep(self, level: int) -> None:
         """Give the device's memory back while the engine is idle (vLLM's sleep mode): the KV
         cache's contents are dropped, the CUDA graphs destroyed (their addresses are gone:
@@ -715,10 +727,7 @@ class ModelRunner:
                 if backup is not None:
                     _as_bytes(storage).copy_(backup, non_blocking=True)
             if any(backup is None for _, _, backup in self._weights_backup):
-                assert self.reload_weights is not None, "level 2 needs reload_weights"
-                self.reload_weights()
-                if self.model.folded_norms:  # (the norms read again: folded as they were)
-                    self.model.fold_norms(prompts=self.model.folded_prompts)
+                self.read_weights_again(draft=False)
             self.synchronize()
             self._weights_backup = []
             self._weights_lock = None  # (unlocked, then freed)
