@@ -8,6 +8,6 @@ echo "started $(date +%T)"
 timeout 200 python3 -m pytest -q -p no:warnings -p no:cacheprovider tests/gpu/test_engine_gpu.py \
     -k "sleep" 2>&1 | tail -4
 timeout 240 python3 benchmarks/bench_sleep.py --model benchmarks/configs/llama-3.1-8b \
-    --load-format dummy --device cuda --dtype bfloat16 --prompts 64 --max-tokens 64 \
+    --load-format dummy --device cuda --dtype bfloat16 --prompts 8 --max-tokens 16 \
     --levels 1,2,1 2>&1 | grep -vi "warn" | tail -17
 echo "ended $(date +%T)"
