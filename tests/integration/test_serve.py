@@ -321,12 +321,21 @@ def test_sleep_mode_over_http(serve_launcher: Any, default_model_dir: Path, tmp_
         assert resp.status_code == 200, resp.text
         return bool(resp.json()["is_sleeping"])
 
+    def sleep_states() -> set[str]:
+        """The states the workers' ``engine_sleep_state`` gauges are at (vLLM's metric)."""
+        metrics = httpx.get(f"{server.root_url}/metrics", timeout=10).text
+        lines = [x for x in metrics.splitlines() if x.startswith("baton:engine_sleep_state{")]
+        assert len(lines) == 6, lines  # (3 states, 2 workers)
+        return {x.split('sleep_state="')[1].split('"')[0] for x in lines if x.endswith(" 1.0")}
+
     try:
         assert text() == want
+        assert sleep_states() == {"awake"}
         for level, pulled in ((1, 8), (2, 12)):
             resp = httpx.post(f"{server.root_url}/sleep", params={"level": level}, timeout=60)
             assert resp.status_code == 200, resp.text
             assert is_sleeping()
+            assert sleep_states() == {("weights_offloaded", "discard_all")[level - 1]}
             with pytest.raises(openai.APIStatusError) as refused:
                 text()
             assert refused.value.status_code == 503
@@ -335,7 +344,7 @@ def test_sleep_mode_over_http(serve_launcher: Any, default_model_dir: Path, tmp_
             assert httpx.post(url, params={"tags": "weights"}, timeout=60).status_code == 200
             assert is_sleeping()
             assert httpx.post(url, timeout=60).status_code == 200
-            assert not is_sleeping()
+            assert not is_sleeping() and sleep_states() == {"awake"}
             assert text() == want
             metrics = httpx.get(f"{server.root_url}/metrics", timeout=10).text
             assert _decode_counter(metrics, "baton:kv_transfer_blocks_total") == pulled

@@ -183,3 +183,22 @@ def test_cache_config_and_lora_adapters_info() -> None:
     plain = samples(WorkerMetrics("m", metric_names="vllm"))
     assert not any(name == "vllm:lora_requests_info" for name, _ in plain)
     assert not any(name == "vllm:cache_config_info" for name, _ in plain)
+
+
+def test_the_sleep_state_is_vllms_gauge() -> None:
+    """``engine_sleep_state`` (vLLM's, under ``--metric-names vllm``): 1 for the state the
+    engine is in (awake at start; level 1 offloads the weights, level 2 discards all)."""
+    metrics = WorkerMetrics("m", metric_names="vllm")
+
+    def states() -> dict[str, float]:
+        return {
+            dict(labels)["sleep_state"]: value
+            for (name, labels), value in samples(metrics).items()
+            if name == "vllm:engine_sleep_state"
+        }
+
+    assert states() == {"awake": 1.0, "weights_offloaded": 0.0, "discard_all": 0.0}
+    metrics.record_sleep_level(2)
+    assert states() == {"awake": 0.0, "weights_offloaded": 0.0, "discard_all": 1.0}
+    metrics.record_sleep_level(0)
+    assert states()["awake"] == 1.0

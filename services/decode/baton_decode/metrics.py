@@ -48,6 +48,9 @@ def token_buckets(max_model_len: int) -> tuple[float, ...]:
         exponent += 1
 
 
+SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")  # vLLM's, by sleep level
+
+
 class WorkerMetrics:
     """One worker's metrics in its own registry (several workers may share a process in tests).
 
@@ -188,6 +191,15 @@ class WorkerMetrics:
                 registry=self.registry,
             )
             self.record_lora_adapters([], [])
+        # vLLM's sleep mode: 1 for the state the engine is in, 0 for the others
+        self._sleep_state = Gauge(
+            f"{prefix}:engine_sleep_state",
+            "Sleep mode: 1 for the engine's state (awake; weights_offloaded: level 1; "
+            "discard_all: level 2)",
+            ["model_name", "sleep_state"],
+            registry=self.registry,
+        )
+        self.record_sleep_level(0)
         # Disaggregation: KV pulled (decode side) and leases held (prefill side); Baton's own.
         prefix = "baton"
         self.kv_transfer_seconds = histogram(
@@ -276,6 +288,11 @@ class WorkerMetrics:
     @property
     def exports_lora_info(self) -> bool:
         return self._lora_info is not None
+
+    def record_sleep_level(self, level: int) -> None:
+        """The engine sleeps at ``level`` (0: awake, also once woken whole)."""
+        for i, state in enumerate(SLEEP_STATES):
+            self._sleep_state.labels(self.model_name, state).set(float(i == level))
 
     def record_lora_adapters(self, running: list[str], waiting: list[str]) -> None:
         """The adapters the running and the waiting requests use now (names comma-separated,

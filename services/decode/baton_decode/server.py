@@ -122,6 +122,7 @@ class WorkerInfoMixin:
     # lets go before the engine frees it, and takes it again once it is back (_Role sets them).
     release_kv_memory: Callable[[], None] | None = None
     restore_kv_memory: Callable[[], None] | None = None
+    on_sleep_level: Callable[[int], None] | None = None  # (the sleep-state metric)
 
     async def GetLoad(
         self, request: engine_pb2.GetLoadRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -220,6 +221,8 @@ class WorkerInfoMixin:
                 if self.restore_kv_memory is not None:
                     self.restore_kv_memory()
                 raise
+            if self.on_sleep_level is not None:
+                self.on_sleep_level(level)
         finally:
             engine.closing = None
 
@@ -232,8 +235,11 @@ class WorkerInfoMixin:
             asleep = await self.engine.call(lambda core: _wake(core, tags))
         except BatonError as e:
             await context.abort(status_code(e), str(e))
-        if was and not asleep and self.restore_kv_memory is not None:
-            self.restore_kv_memory()
+        if was and not asleep:
+            if self.restore_kv_memory is not None:
+                self.restore_kv_memory()
+            if self.on_sleep_level is not None:
+                self.on_sleep_level(0)
         return engine_pb2.WakeUpResponse(is_sleeping=asleep)
 
     async def IsSleeping(
@@ -688,6 +694,7 @@ class _Role:
     def _hook(self, servicer: WorkerInfoMixin) -> None:
         servicer.release_kv_memory = self.release_kv_memory
         servicer.restore_kv_memory = self.restore_kv_memory
+        servicer.on_sleep_level = self.metrics.record_sleep_level
 
     def release_kv_memory(self) -> None:
         """Sleep mode: the KV transfer lets go of the engine's pool (when it registered the
