@@ -343,6 +343,10 @@ def test_sleep_mode_over_http(serve_launcher: Any, default_model_dir: Path, tmp_
             url = f"{server.root_url}/wake_up"
             assert httpx.post(url, params={"tags": "weights"}, timeout=60).status_code == 200
             assert is_sleeping()
+            if level == 2:  # (vLLM's sequence: the weights read in place before the KV cache)
+                rpc = {"method": "reload_weights"}
+                resp = httpx.post(f"{server.root_url}/collective_rpc", json=rpc, timeout=60)
+                assert resp.status_code == 200 and resp.json() == {"results": [None, None]}
             assert httpx.post(url, timeout=60).status_code == 200
             assert not is_sleeping() and sleep_states() == {"awake"}
             assert text() == want
@@ -351,6 +355,13 @@ def test_sleep_mode_over_http(serve_launcher: Any, default_model_dir: Path, tmp_
             assert _decode_counter(metrics, "baton:kv_transfer_failures_total") == 0
         resp = httpx.post(f"{server.root_url}/sleep", params={"level": 3}, timeout=60)
         assert resp.status_code == 400 and "1 or 2" in resp.json()["error"]["message"]
+        rpc = {"method": "reload_weights"}  # (awake and idle: the checkpoint read again)
+        resp = httpx.post(f"{server.root_url}/collective_rpc", json=rpc, timeout=60)
+        assert resp.status_code == 200, resp.text
+        assert text() == want
+        for body in ({"method": "init_device"}, {"args": []}, [1]):
+            resp = httpx.post(f"{server.root_url}/collective_rpc", json=body, timeout=60)
+            assert resp.status_code == 400 and resp.json()["error"]["param"] == "method"
     finally:
         _, survivors = serve_launcher.stop(server, signal.SIGTERM)
     assert not survivors, f"left behind: {survivors}"

@@ -242,6 +242,16 @@ class WorkerInfoMixin:
                 self.on_sleep_level(0)
         return engine_pb2.WakeUpResponse(is_sleeping=asleep)
 
+    async def ReloadWeights(
+        self, request: engine_pb2.ReloadWeightsRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> engine_pb2.ReloadWeightsResponse:
+        try:
+            await self.engine.call(lambda core: core.reload_weights())
+        except BatonError as e:
+            await context.abort(status_code(e), str(e))
+        ranks = self.engine.core.config.tensor_parallel_size
+        return engine_pb2.ReloadWeightsResponse(num_ranks=ranks)
+
     async def IsSleeping(
         self, request: engine_pb2.IsSleepingRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> engine_pb2.IsSleepingResponse:

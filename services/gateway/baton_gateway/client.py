@@ -421,6 +421,12 @@ class WorkerPool:
         """Wake ``tags`` (none: every part) on every worker up."""
         await self._on_every_worker("WakeUp", engine_pb2.WakeUpRequest(tags=tags))
 
+    async def reload_weights(self) -> int:
+        """Have every worker up read its weights again (vLLM's ``collective_rpc
+        ("reload_weights")``); the number of ranks that did, summed over workers."""
+        results = await self._on_every_worker("ReloadWeights", engine_pb2.ReloadWeightsRequest())
+        return sum(r.num_ranks for r in results)
+
     async def is_sleeping(self) -> bool:
         """Whether any worker up is asleep (or partly)."""
         request = engine_pb2.IsSleepingRequest()
@@ -432,10 +438,11 @@ class WorkerPool:
 
     async def _on_every_worker(
         self, method: str, request: Any, undo: tuple[str, Any] | None = None
-    ) -> None:
+    ) -> list[Any]:
         """Call ``method`` on every worker up (a long deadline: level 1 copies the weights, and
-        waking captures the CUDA graphs again); on a refusal, ``undo`` on those it succeeded
-        on, then raise it. A worker that stopped answering is marked down, not an error."""
+        waking captures the CUDA graphs again): the answers of those that did. On a refusal,
+        ``undo`` on those it succeeded on, then raise it. A worker that stopped answering is
+        marked down, not an error."""
         workers = [w for w in self.workers if w.healthy]
         results = await asyncio.gather(
             *(getattr(w.stub, method)(request, timeout=600.0) for w in workers),
@@ -447,7 +454,7 @@ class WorkerPool:
             and not (isinstance(r, grpc.aio.AioRpcError) and self._went_down(w, r))
         ]  # fmt: skip
         if not failed:
-            return
+            return [r for r in results if not isinstance(r, BaseException)]
         if undo is not None:
             done = [
                 w for w, r in zip(workers, results, strict=True) if not isinstance(r, Exception)

@@ -113,9 +113,9 @@ class GatewayConfig:
     # VLLM_ALLOW_RUNTIME_LORA_UPDATING; here also BATON_ALLOW_RUNTIME_LORA_UPDATING)
     runtime_lora_updating: bool = False
     tokenizer_info_endpoint: bool = False  # GET /tokenizer_info (vLLM's flag)
-    # POST /reset_prefix_cache, /sleep, /wake_up, GET /is_sleeping (vLLM's, behind its
-    # VLLM_SERVER_DEV_MODE; here also BATON_SERVER_DEV_MODE): unguarded by --api-key, as
-    # there, so off by default
+    # POST /reset_prefix_cache, /sleep, /wake_up, /collective_rpc, GET /is_sleeping (vLLM's,
+    # behind its VLLM_SERVER_DEV_MODE; here also BATON_SERVER_DEV_MODE): unguarded by
+    # --api-key, as there, so off by default
     dev_mode: bool = False
 
 
@@ -557,6 +557,26 @@ def create_app(config: GatewayConfig, tokenizer: Any) -> FastAPI:
         @app.get("/is_sleeping")
         async def is_sleeping() -> JSONResponse:
             return JSONResponse({"is_sleeping": await state.pipeline.pool.is_sleeping()})
+
+        # vLLM's, for its level-2 sequence: {"method": "reload_weights"} (the one served here)
+        @app.post("/collective_rpc")
+        async def collective_rpc(request: Request) -> JSONResponse:
+            try:
+                body = await request.json()
+            except ValueError:
+                body = None
+            if not isinstance(body, dict) or "method" not in body:
+                raise GatewayError(400, "Missing 'method' in request body", "method")
+            method, args, kwargs = body["method"], body.get("args"), body.get("kwargs")
+            if method != "reload_weights" or args or kwargs:
+                raise GatewayError(
+                    400,
+                    f"collective_rpc({method!r}) with these arguments is not supported: Baton's "
+                    "workers answer only 'reload_weights' (no arguments)",
+                    "method",
+                )
+            ranks = await state.pipeline.pool.reload_weights()
+            return JSONResponse({"results": [None] * ranks})
 
     if config.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)

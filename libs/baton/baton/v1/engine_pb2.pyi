@@ -230,6 +230,16 @@ class IsSleepingResponse(_message.Message):
     is_sleeping: bool
     def __init__(self, is_sleeping: bool = ...) -> None: ...
 
+class ReloadWeightsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ReloadWeightsResponse(_message.Message):
+    __slots__ = ("num_ranks",)
+    NUM_RANKS_FIELD_NUMBER: _ClassVar[int]
+    num_ranks: int
+    def __init__(self, num_ranks: _Optional[int] = ...) -> None: ...
+
 class LoRAModule(_message.Message):
     __slots__ = ("name", "path", "base_model_name")
     NAME_FIELD_NUMBER: _ClassVar[int]

@@ -94,6 +94,11 @@ class DecodeServiceStub(object):
                 request_serializer=baton_dot_v1_dot_engine__pb2.IsSleepingRequest.SerializeToString,
                 response_deserializer=baton_dot_v1_dot_engine__pb2.IsSleepingResponse.FromString,
                 _registered_method=True)
+        self.ReloadWeights = channel.unary_unary(
+                '/baton.v1.DecodeService/ReloadWeights',
+                request_serializer=baton_dot_v1_dot_engine__pb2.ReloadWeightsRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_engine__pb2.ReloadWeightsResponse.FromString,
+                _registered_method=True)
 
 
 class DecodeServiceServicer(object):
@@ -191,6 +196,15 @@ class DecodeServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReloadWeights(self, request, context):
+        """Read the weights again from the model's files, in place (vLLM's collective_rpc
+        "reload_weights"; the prefix cache is forgotten). Busy, or the weights asleep or packed for
+        a CPU's kernels: INVALID_ARGUMENT.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -253,6 +267,11 @@ def add_DecodeServiceServicer_to_server(servicer, server):
                     servicer.IsSleeping,
                     request_deserializer=baton_dot_v1_dot_engine__pb2.IsSleepingRequest.FromString,
                     response_serializer=baton_dot_v1_dot_engine__pb2.IsSleepingResponse.SerializeToString,
+            ),
+            'ReloadWeights': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReloadWeights,
+                    request_deserializer=baton_dot_v1_dot_engine__pb2.ReloadWeightsRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_engine__pb2.ReloadWeightsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -589,6 +608,33 @@ class DecodeService(object):
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def ReloadWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.DecodeService/ReloadWeights',
+            baton_dot_v1_dot_engine__pb2.ReloadWeightsRequest.SerializeToString,
+            baton_dot_v1_dot_engine__pb2.ReloadWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class PrefillServiceStub(object):
     """Missing associated documentation comment in .proto file."""
@@ -648,6 +694,11 @@ class PrefillServiceStub(object):
                 '/baton.v1.PrefillService/IsSleeping',
                 request_serializer=baton_dot_v1_dot_engine__pb2.IsSleepingRequest.SerializeToString,
                 response_deserializer=baton_dot_v1_dot_engine__pb2.IsSleepingResponse.FromString,
+                _registered_method=True)
+        self.ReloadWeights = channel.unary_unary(
+                '/baton.v1.PrefillService/ReloadWeights',
+                request_serializer=baton_dot_v1_dot_engine__pb2.ReloadWeightsRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_engine__pb2.ReloadWeightsResponse.FromString,
                 _registered_method=True)
 
 
@@ -715,6 +766,12 @@ class PrefillServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReloadWeights(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -767,6 +824,11 @@ def add_PrefillServiceServicer_to_server(servicer, server):
                     servicer.IsSleeping,
                     request_deserializer=baton_dot_v1_dot_engine__pb2.IsSleepingRequest.FromString,
                     response_serializer=baton_dot_v1_dot_engine__pb2.IsSleepingResponse.SerializeToString,
+            ),
+            'ReloadWeights': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReloadWeights,
+                    request_deserializer=baton_dot_v1_dot_engine__pb2.ReloadWeightsRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_engine__pb2.ReloadWeightsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1039,6 +1101,33 @@ class PrefillService(object):
             '/baton.v1.PrefillService/IsSleeping',
             baton_dot_v1_dot_engine__pb2.IsSleepingRequest.SerializeToString,
             baton_dot_v1_dot_engine__pb2.IsSleepingResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReloadWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.PrefillService/ReloadWeights',
+            baton_dot_v1_dot_engine__pb2.ReloadWeightsRequest.SerializeToString,
+            baton_dot_v1_dot_engine__pb2.ReloadWeightsResponse.FromString,
             options,
             channel_credentials,
             insecure,
