@@ -231,8 +231,7 @@ class WorkerInfoMixin:
     ) -> engine_pb2.WakeUpResponse:
         tags = list(request.tags) or None
         try:
-            was = await self.engine.call(lambda core: core.is_sleeping())
-            asleep = await self.engine.call(lambda core: _wake(core, tags))
+            was, asleep = await self.engine.call(lambda core: _wake(core, tags))
         except BatonError as e:
             await context.abort(status_code(e), str(e))
         if was and not asleep:
@@ -259,10 +258,11 @@ class WorkerInfoMixin:
         return engine_pb2.IsSleepingResponse(is_sleeping=asleep)
 
 
-def _wake(core: EngineCore, tags: list[str] | None) -> bool:
-    """``core.wake_up(tags)``; whether a part is still asleep."""
+def _wake(core: EngineCore, tags: list[str] | None) -> tuple[bool, bool]:
+    """``core.wake_up(tags)``; whether a part was asleep before, and is still."""
+    was = core.is_sleeping()
     core.wake_up(tags)
-    return core.is_sleeping()
+    return was, core.is_sleeping()
 
 
 class _CallRequests:
