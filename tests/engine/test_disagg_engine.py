@@ -13,6 +13,7 @@ import torch
 from baton_engine.config import EngineConfig
 from baton_engine.core.engine_core import EngineCore
 from baton_engine.core.outputs import EngineCoreOutput, KVLoad
+from baton_engine.errors import EngineBusyError
 from baton_engine.sampling_params import SamplingParams
 
 SYSTEM = list(range(1000, 1000 + 70))  # a shared prefix of 4 full blocks and a bit
@@ -227,4 +228,44 @@ def test_a_draft_model_computes_its_own_kv_of_a_pulled_prompt(default_model_dir:
     sched = decode.scheduler
     assert sched.num_draft_tokens > 50
     assert sched.num_accepted_tokens / sched.num_draft_tokens > 0.8
+    decode.check_invariants()
+
+
+def test_sleeping_with_requests_kept_waits_for_their_pulls(
+    cores: tuple[EngineCore, EngineCore, EngineCore], default_model_dir: Path
+) -> None:
+    """A decode engine paused with keep sleeps with its requests only once their pulls have
+    landed (busy before), and frees the pulled blocks too (those requests were not scheduled
+    yet); woken, they compute their prompts themselves and end as the aggregated engine's."""
+    prefill, _, aggregated = cores
+    decode = make_core(default_model_dir, async_scheduling=True, enable_sleep_mode=True)
+    params = SamplingParams(temperature=0.0, max_tokens=12)
+    batch = {f"kept{i}": prompt for i, prompt in enumerate(prompts()[:3])}
+    for req_id, prompt in batch.items():
+        aggregated.add_request(req_id, prompt, params)
+        prefill.add_request(req_id, prompt, params, prefill_only=True)
+    expected = {k: tokens(v) for k, v in run(aggregated).items()}
+    prefilled = run(prefill)
+    for req_id, prompt in batch.items():
+        first = prefilled[req_id][0].new_token_ids[0]
+        decode.add_request(req_id, prompt, params, remote_kv="h", first_token_id=first)
+    decode.step()
+    loads = decode.take_kv_loads()
+    decode.pause(keep=True)
+    with pytest.raises(EngineBusyError, match="in flight"):
+        decode.sleep(1, keep=True)
+    for load in loads:
+        out = prefilled[load.req_id][0]
+        assert out.kv_block_ids is not None
+        copy_blocks(prefill, decode, load, out.kv_block_ids)
+        decode.finish_kv_load(load.req_id, ok=True)
+        prefill.release_held(load.req_id)
+    while decode.has_schedulable_requests():  # (the step in flight reports)
+        decode.step()
+    decode.sleep(1, keep=True)
+    assert decode.kv.num_free_blocks == decode.kv.pool.num_blocks
+    decode.wake_up()
+    got = run(decode)
+    for req_id, want in expected.items():
+        assert [want[0], *tokens(got[req_id])] == want, req_id
     decode.check_invariants()

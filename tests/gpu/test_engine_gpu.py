@@ -659,7 +659,8 @@ def test_sleep_gives_the_memory_back_and_waking_the_tokens(level: int, tmp_path:
     (weights, KV pool, graphs), and refuses requests; woken (the weights first, then the KV
     cache), it gives the tokens it gave before, from graphs captured again (the draft's too),
     its drafts still kept. Level 2 reads the weights again (the dummy draw) and folds the
-    norms again."""
+    norms again. Sleeping with requests kept (vLLM's mode "keep": paused with keep first), they
+    end with the same tokens after waking."""
     from baton_engine.errors import EngineSleepingError
     from baton_engine.sampling_params import SamplingParams
 
@@ -696,5 +697,22 @@ def test_sleep_gives_the_memory_back_and_waking_the_tokens(level: int, tmp_path:
     assert kept > 0.8, kept
     assert sum(core.runner.graphs.replays.values()) > 0
     assert sum(core.runner.draft.runner.graphs.replays.values()) > 0
+    for i, prompt in enumerate(prompts):
+        core.add_request(f"c{i}", prompt, greedy)
+    tokens: dict[str, list[int]] = {}
+    for n in range(100):
+        if n == 6:
+            core.pause(keep=True)
+        if n >= 6 and not core.has_schedulable_requests():
+            break
+        for out in core.step():
+            tokens.setdefault(out.req_id, []).extend(out.new_token_ids)
+    assert 0 < sum(map(len, tokens.values())) < 8 * 40
+    core.sleep(level, keep=True)
+    assert torch.cuda.memory_allocated() < held / 20
+    core.wake_up()
+    for req_id, more in _drain(core).items():
+        tokens.setdefault(req_id, []).extend(more)
+    assert {k[1:]: v for k, v in tokens.items()} == before
     del core
     _release_memory()

@@ -14,7 +14,7 @@ from baton_engine.config import EngineConfig
 from baton_engine.core.engine_core import EngineCore
 from baton_engine.core.outputs import EngineCoreOutput, TokenLogprobs
 from baton_engine.detokenizer import DetokenizerDelta, IncrementalDetokenizer
-from baton_engine.errors import InvalidRequestError
+from baton_engine.errors import EngineSleepingError, InvalidRequestError
 from baton_engine.lora import LoRARequest
 from baton_engine.outputs import (
     CompletionOutput,
@@ -79,6 +79,8 @@ class LLMEngine:
         ``EmbeddingRequestOutput`` once its prompt is computed."""
         if request_id in self._requests or request_id in self._embeddings:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if self.core.is_paused():  # (offline, a held request would wait forever)
+            raise EngineSleepingError("the engine is paused (sleep level 0): wake_up() first")
         text = prompt if isinstance(prompt, str) else None
         if prompt_token_ids is not None:
             token_ids = list(prompt_token_ids)

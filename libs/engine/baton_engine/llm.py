@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 from baton_engine import beam_search
 from baton_engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from baton_engine.config import EngineConfig
+from baton_engine.core.engine_core import check_pause_mode
 from baton_engine.engine import LLMEngine
 from baton_engine.errors import InvalidRequestError
 from baton_engine.lora import LoRARequest
@@ -276,11 +277,14 @@ class LLM:
         False, changing nothing, while a request still holds blocks."""
         return self.engine.core.reset_prefix_cache()
 
-    def sleep(self, level: int = 1) -> None:
+    def sleep(self, level: int = 1, mode: str = "abort") -> None:
         """Give the device's memory back until :meth:`wake_up` (vLLM's sleep mode; needs
         ``enable_sleep_mode=True`` and no request running): level 1 copies the weights to host
         memory, level 2 drops them (read again from the model's files on waking); both drop the
-        KV cache (every cached prefix)."""
+        KV cache (every cached prefix). Level 0 only pauses: requests are refused until
+        :meth:`wake_up`. ``mode`` (vLLM's: what becomes of the requests in flight, of which
+        an ``LLM`` between calls has none) is checked, no more."""
+        check_pause_mode(mode)
         self.engine.core.sleep(level)
 
     def wake_up(self, tags: list[str] | None = None) -> None:

@@ -513,6 +513,14 @@ def _num_kv_blocks(
 
 # What sleep mode frees and wake_up takes back (vLLM's tags).
 SLEEP_TAGS = ("weights", "kv_cache")
+# What a pause (or sleep) does with the requests in flight (vLLM's modes; "abort" its default):
+# end them, let them finish, or keep them where they are until it ends.
+PAUSE_MODES = ("abort", "wait", "keep")
+
+
+def check_pause_mode(mode: str) -> None:
+    if mode not in PAUSE_MODES:
+        raise InvalidRequestError(f"unknown mode {mode!r}: one of {', '.join(PAUSE_MODES)}")
 
 
 class EngineCore:
@@ -987,23 +995,61 @@ class EngineCore:
         return self.kv.take_events()
 
     def reset_prefix_cache(self) -> bool:
-        """Forget every cached block hash; False (nothing changed) while requests hold blocks.
-        With KV events the kvstore hears of each block removed."""
-        if self.has_unfinished_requests():
+        """Forget every cached block hash; False (nothing changed) while requests hold blocks
+        (those held by a pause hold none). With KV events the kvstore hears of each block
+        removed."""
+        if self._num_busy():
             return False
         return self.kv.reset_prefix_cache()
 
+    # --- pausing (vLLM's pause_generation) -----------------------------------------------------
+
+    def pause(self, keep: bool = False) -> None:
+        """Hold the requests added from now on until ``resume`` (they are accepted, not
+        scheduled); the requests in flight go on (the caller aborts them, or waits for
+        ``drained``), or, with ``keep`` (vLLM's mode "keep"), stop where they are and go on
+        after ``resume``. A step in flight still reports."""
+        self.scheduler.pause(freeze=keep)
+
+    def resume(self) -> None:
+        """Schedule again: the held requests join the queue, the kept ones go on."""
+        self.scheduler.resume()
+
+    def is_paused(self) -> bool:
+        return self.scheduler.paused
+
+    def drained(self) -> bool:
+        """Whether no request but the held ones is left (after ``pause``: those in flight
+        before it finished or were aborted)."""
+        return not self._num_busy()
+
+    def _num_busy(self) -> int:
+        """Unfinished requests but those a pause holds, counting a step in flight and the
+        prefilled prompts waiting for room in the export area as one each."""
+        return (
+            self.scheduler.num_active
+            + (self._in_flight is not None)
+            + len(self._export.pending if self._export else ())
+        )
+
     # --- sleep mode (vLLM's) -------------------------------------------------------------------
 
-    def sleep(self, level: int = 1) -> None:
+    def sleep(self, level: int = 1, keep: bool = False) -> None:
         """Free the device's memory while idle (``enable_sleep_mode``): the KV cache's contents
         (every cached prefix, the host tier's too) and the CUDA graphs are dropped; the weights
         are copied to host memory (level 1) or dropped (level 2, read again from the model's
         files on waking). Requests are refused (``EngineSleepingError``) until ``wake_up``
         wakes both parts. Only an idle engine sleeps (``check_sleep``); asleep, it does
-        nothing more."""
-        if not self.check_sleep(level):
+        nothing more. ``keep`` (vLLM's mode "keep"): the engine, paused with ``keep``, sleeps
+        with its requests, whose blocks are freed: after ``wake_up`` they compute their
+        tokens again and go on. Level 0 only pauses (``pause``) until ``wake_up``."""
+        if not self.check_sleep(level, keep=keep):
             return
+        if level == 0:
+            self.pause(keep)
+            return
+        if keep:
+            self.scheduler.preempt_all()
         reset = self.kv.reset_prefix_cache()
         assert reset, "an idle engine's blocks are all free"
         start = time.perf_counter()
@@ -1014,40 +1060,60 @@ class EngineCore:
         self.sleep_level = level
         logger.info("asleep (level %d) in %.2f s", level, time.perf_counter() - start)
 
-    def check_sleep(self, level: int, busy_ok: bool = False) -> bool:
-        """Raise ``InvalidRequestError`` if ``sleep(level)`` would be refused (``EngineBusyError``
-        while requests run or hold blocks, unless ``busy_ok``); returns whether it would change
-        anything (not when asleep already)."""
+    def check_sleep(self, level: int, busy_ok: bool = False, keep: bool = False) -> bool:
+        """Raise ``InvalidRequestError`` if ``sleep(level, keep)`` would be refused
+        (``EngineBusyError`` while requests run or hold blocks, unless ``busy_ok``; with
+        ``keep``, while the engine is not paused with keep or a step, a pull or a prefilled
+        prompt's blocks are in flight); returns whether it would change anything (not when
+        asleep already)."""
         if not self.config.enable_sleep_mode:
             raise InvalidRequestError(
                 "sleep mode is off: start the engine with enable_sleep_mode=True "
                 "(--enable-sleep-mode)"
             )
-        if level not in (1, 2):
-            raise InvalidRequestError(f"the sleep level must be 1 or 2, not {level!r}")
+        if level not in (0, 1, 2):
+            raise InvalidRequestError(f"the sleep level must be 0, 1 or 2, not {level!r}")
         if self.runner.asleep:
             return False
+        if level == 0:
+            return True
         if level == 2 and self.runner.lora is not None:
             raise InvalidRequestError(
                 "sleep level 2 with LoRA enabled: the adapters' slots live beside the weights "
                 "it drops; level 1 keeps them"
             )
-        if not busy_ok:
+        if busy_ok:
+            return True
+        if not keep:
             self._check_idle("sleeps")
+        elif not self.scheduler.frozen:
+            raise InvalidRequestError("sleep with keep: pause the engine with keep first")
+        elif self._in_flight is not None or self.scheduler.loading or self._export_busy():
+            raise EngineBusyError("a step, a pull or a prefilled prompt's blocks are in flight")
         return True
 
-    def _check_idle(self, what: str) -> None:
-        """Raise ``EngineBusyError`` while requests run or hold KV blocks."""
-        if self.has_unfinished_requests():
+    def _export_busy(self) -> bool:
+        """Whether prefilled prompts hold blocks (or export rows) for their pulls."""
+        export = self._export
+        return bool(self.kv.num_held_requests or (export and (export.pending or export.held)))
+
+    def _check_idle(self, what: str, kept_ok: bool = False) -> None:
+        """Raise ``EngineBusyError`` while requests run or hold KV blocks (requests a pause
+        holds hold none). ``kept_ok``: requests a pause with keep stopped are no bar once
+        they hold no blocks (sleep with keep freed them)."""
+        num_busy = self._num_busy()
+        kept = kept_ok and self.scheduler.frozen and self._in_flight is None
+        if num_busy and not (kept and not self.scheduler.loading):
             raise EngineBusyError(
-                f"{len(self.scheduler.requests)} requests are unfinished: only an idle engine "
-                f"{what} (finish or abort them first)"
+                f"{num_busy} requests are unfinished: only an idle engine {what} (finish or "
+                "abort them first)"
             )
         pool = self.kv.pool
         if pool.num_free_blocks != pool.num_blocks:
             raise EngineBusyError(
-                f"{pool.num_blocks - pool.num_free_blocks} KV blocks are held (prefilled "
-                f"prompts waiting for their pull): only an idle engine {what}"
+                f"{pool.num_blocks - pool.num_free_blocks} KV blocks are held (by requests "
+                f"kept by a pause, or prefilled prompts waiting for their pull): only an idle "
+                f"engine {what}"
             )
 
     def reload_weights(self) -> None:
@@ -1062,7 +1128,7 @@ class EngineCore:
                 "the weights are packed for the CPU's kernels, which the checkpoint does not "
                 "load into in place (serve float32, or start a new engine)"
             )
-        self._check_idle("reads its weights again")
+        self._check_idle("reads its weights again", kept_ok=True)
         start = time.perf_counter()
         with self._ranks_checked():
             if self._tp is not None:
@@ -1085,6 +1151,8 @@ class EngineCore:
             )
         waking = self.runner.asleep & set(wake)
         if not waking:
+            if not self.runner.asleep:
+                self.resume()  # (vLLM's wake_up resumes a paused engine: sleep level 0)
             return
         start = time.perf_counter()
         with self._ranks_checked():
@@ -1093,6 +1161,7 @@ class EngineCore:
             self.runner.wake_up(wake)
         if not self.runner.asleep:
             self.sleep_level = 0
+            self.resume()
         logger.info(
             "woke %s in %.2f s%s",
             " and ".join(t for t in SLEEP_TAGS if t in waking),

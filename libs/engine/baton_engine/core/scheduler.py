@@ -50,6 +50,12 @@ while the caller pulls them (``take_kv_loads``). ``finish_kv_load`` then lets it
 prompt computed, or, if the pull failed, sends it back to compute the prompt itself. Blocks of a
 request aborted while loading are freed only when its load is reported: a transfer may still be
 writing them.
+
+Pausing (vLLM's ``pause_generation``): ``pause()`` holds every request added from then on out
+of ``waiting`` (``held``) until ``resume()``; the requests already in flight go on.
+``pause(freeze=True)`` (vLLM's mode "keep") also stops scheduling them: ``schedule`` returns
+empty steps and they keep their blocks, to go on where they were. ``preempt_all`` frees a
+frozen engine's blocks (sleep mode): its requests compute everything again once resumed.
 """
 
 from __future__ import annotations
@@ -159,13 +165,21 @@ class Scheduler:
         # to load their remote KV), with when (time.monotonic()): where their queue time ends.
         # Replaced, not cleared, by the next schedule(), so a reader may keep the list.
         self.first_scheduled: list[tuple[str, float]] = []
+        # Pausing: requests added while paused wait here (arrival order) until resume();
+        # frozen, nothing is scheduled.
+        self.paused = False
+        self.frozen = False
+        self.held: list[Request] = []
+        self._preempted: set[str] = set()  # by preempt_all, for the next step's output
 
     # --- requests in and out -------------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
         self.check_priority(request.priority)
         self.requests[request.req_id] = request
-        if self._by_priority:
+        if self.paused:
+            self.held.append(request)
+        elif self._by_priority:
             bisect.insort(self.waiting, request, key=_waiting_rank)
         else:
             self.waiting.append(request)
@@ -216,6 +230,8 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
+            elif request in self.held:
+                self.held.remove(request)
             else:
                 self.waiting.remove(request)
             self._free(request, status)
@@ -260,13 +276,49 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self._requeue(request)
 
+    def pause(self, freeze: bool = False) -> None:
+        """Hold the requests added from now on until ``resume``; ``freeze``: stop scheduling
+        the requests in flight too (they keep their blocks). A frozen scheduler stays frozen
+        when paused again."""
+        self.paused = True
+        self.frozen = self.frozen or freeze
+
+    def resume(self) -> None:
+        """Schedule again; the held requests join ``waiting`` (behind it, in arrival order)."""
+        self.paused = self.frozen = False
+        held, self.held = self.held, []
+        for request in held:
+            if self._by_priority:
+                bisect.insort(self.waiting, request, key=_waiting_rank)
+            else:
+                self.waiting.append(request)
+
+    def preempt_all(self) -> None:
+        """Free every request's blocks (frozen, no step or pull in flight): the running ones',
+        and the waiting ones' whose remote KV landed; each computes its tokens again once
+        scheduled."""
+        assert self.frozen and not self.loading
+        while self.running:
+            request = self.running.pop()
+            self._preempt(request)
+            self._preempted.add(request.req_id)
+        for request in self.waiting:
+            if request.num_computed_tokens:  # (its pulled prompt: not scheduled yet)
+                self.kv.free(request)
+                request.num_computed_tokens = 0
+
+    @property
+    def num_active(self) -> int:
+        """Unfinished requests but the held ones."""
+        return len(self.requests) - len(self.held)
+
     @property
     def num_running(self) -> int:
         return len(self.running)
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        return len(self.waiting) + len(self.held)
 
     @property
     def num_loading(self) -> int:
@@ -276,8 +328,9 @@ class Scheduler:
         return bool(self.requests)
 
     def has_schedulable_requests(self) -> bool:
-        """Whether a step would do anything (requests waiting for remote KV do not count)."""
-        return bool(self.running or self.waiting)
+        """Whether a step would do anything (requests waiting for remote KV, or held, do not
+        count; nothing while frozen)."""
+        return not self.frozen and bool(self.running or self.waiting)
 
     # --- one step ------------------------------------------------------------------------------
 
@@ -290,6 +343,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         if self.first_scheduled:
             self.first_scheduled = []
+        if self.frozen:
+            return self._output([], [], [], {}, 0, set())
         if self.num_scheduler_steps > 1:
             num_steps = self._num_steps()
             if num_steps > 1:
@@ -476,6 +531,8 @@ class Scheduler:
         spec_token_ids: dict[str, list[int]] | None = None,
     ) -> SchedulerOutput:
         finished, self._finished_req_ids = self._finished_req_ids, set()
+        if self._preempted:
+            preempted, self._preempted = preempted | self._preempted, set()
         self._step_id += 1
         self._scheduled[self._step_id] = scheduled
         return SchedulerOutput(
@@ -789,7 +846,10 @@ class Scheduler:
             assert request.status == RequestStatus.RUNNING
             assert request.num_computed_tokens <= request.num_tokens + request.num_pending_tokens
         live_loading = sum(1 for r in self.loading.values() if not r.is_finished())
-        assert len(self.running) + len(self.waiting) + live_loading == len(self.requests)
+        assert len(self.running) + len(self.waiting) + len(self.held) + live_loading == len(
+            self.requests
+        )
+        assert self.paused or not self.held
         if self._by_priority:
             waiting = [_waiting_rank(r) for r in self.waiting]
             running = [_rank(r) for r in self.running]
