@@ -1,6 +1,7 @@
 """Page-locking N GiB of host memory for sleep mode's host copy: ``torch.empty(pin_memory=True)``
 (cudaHostAlloc, as ``ModelRunner.sleep`` does) against pageable memory first touched by T
-threads and then registered (cudaHostRegister). Prints seconds of each, and of a copy into it.
+threads and then registered (cudaHostRegister). Prints seconds of each, of a copy into it and
+back, and of unlocking and freeing it (what waking the weights pays after the copy).
 
     python3 benchmarks/device/pin_register.py [GiB] [threads]
 """
@@ -36,5 +37,14 @@ print(f"touch ({threads} threads)                {touched - start:7.3f} s")
 print(f"cudaHostRegister (rc {int(rc)})          {registered - touched:7.3f} s")
 host.copy_(dev, non_blocking=True)
 torch.cuda.synchronize()
-print(f"copy into it                      {time.perf_counter() - registered:7.3f} s")
+copied = time.perf_counter()
+print(f"copy into it                      {copied - registered:7.3f} s")
+dev.copy_(host, non_blocking=True)
+torch.cuda.synchronize()
+back = time.perf_counter()
+print(f"copy back from it                 {back - copied:7.3f} s")
 torch.cuda.cudart().cudaHostUnregister(host.data_ptr())
+unregistered = time.perf_counter()
+print(f"cudaHostUnregister                {unregistered - back:7.3f} s")
+del host, parts
+print(f"free                              {time.perf_counter() - unregistered:7.3f} s")

@@ -367,11 +367,45 @@ def test_sleep_mode_over_http(serve_launcher: Any, default_model_dir: Path, tmp_
     assert not survivors, f"left behind: {survivors}"
 
 
-def test_sleep_aborts_or_waits_for_the_requests_in_flight(serve_launcher: Any) -> None:
+class _Stream:
+    """A streamed greedy completion read on a thread: its text and token count as they come,
+    and its finish reason."""
+
+    def __init__(self, client: openai.OpenAI, model: str, prompt: list[int], length: int) -> None:
+        self.text, self.tokens, self.finish = "", 0, None
+        stream = client.completions.create(
+            model=model, prompt=prompt, max_tokens=length, temperature=0.0, stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        self._chunks = iter(stream)
+        self._read(next(self._chunks))
+        self._pool = concurrent.futures.ThreadPoolExecutor(1)
+        self.done = self._pool.submit(self._read_all)
+
+    def _read(self, chunk: Any) -> None:
+        if chunk.choices:
+            self.text += chunk.choices[0].text
+            self.finish = chunk.choices[0].finish_reason or self.finish
+        if chunk.usage is not None:
+            self.tokens = chunk.usage.completion_tokens
+
+    def _read_all(self) -> None:
+        for chunk in self._chunks:
+            self._read(chunk)
+
+    def result(self, timeout: float = 120) -> tuple[int, str | None, str]:
+        self.done.result(timeout)
+        self._pool.shutdown()
+        return self.tokens, self.finish, self.text
+
+
+def test_sleep_aborts_waits_for_or_keeps_the_requests_in_flight(serve_launcher: Any) -> None:
     """``POST /sleep`` while a completion streams: by default (vLLM's ``mode=abort``) it ends at
     once with finish reason "abort" and the workers sleep; with ``mode=wait`` it runs to its
-    length first (the sleep answers after), and a request sent meanwhile gets a 503. ``mode=keep``
-    is a 400."""
+    length first (the sleep answers after), and a request sent meanwhile gets a 503; with
+    ``mode=keep`` it stops while the workers sleep and, once they are woken, goes on to the
+    text of a run never put to sleep."""
     server = serve_launcher.start(
         ["--enable-sleep-mode", "--max-model-len", "2048"], env={"VLLM_SERVER_DEV_MODE": "1"}
     )
@@ -380,41 +414,119 @@ def test_sleep_aborts_or_waits_for_the_requests_in_flight(serve_launcher: Any) -
     prompt = [10 + i for i in range(20)]
 
     def stream_while_sleeping(mode: str, length: int) -> tuple[int, str | None, httpx.Response]:
-        stream = client.completions.create(
-            model=model, prompt=prompt, max_tokens=length, temperature=0.0, stream=True,
-            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
-        )  # fmt: skip
-        chunks = iter(stream)
-        next(chunks)
+        stream = _Stream(client, model, prompt, length)
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             slept = pool.submit(
                 httpx.post, f"{server.root_url}/sleep", params={"mode": mode}, timeout=120
             )
-            finish, tokens = None, 0
-            for n, chunk in enumerate(chunks):
-                if chunk.choices:
-                    finish = chunk.choices[0].finish_reason or finish
-                if chunk.usage is not None:
-                    tokens = chunk.usage.completion_tokens
-                if mode == "wait" and n == 100:  # (the worker is closing meanwhile)
-                    with pytest.raises(openai.APIStatusError) as refused:
-                        client.completions.create(model=model, prompt=prompt, max_tokens=2)
-                    assert refused.value.status_code == 503
+            if mode == "wait":  # (the worker is closing meanwhile)
+                for _ in range(3000):
+                    if stream.tokens >= 100 or stream.done.done():
+                        break
+                    time.sleep(0.01)
+                assert not slept.done() and not stream.done.done()
+                with pytest.raises(openai.APIStatusError) as refused:
+                    client.completions.create(model=model, prompt=prompt, max_tokens=2)
+                assert refused.value.status_code == 503
+            tokens, finish, _ = stream.result()
             return tokens, finish, slept.result()
+
+    def is_sleeping() -> bool:
+        return bool(httpx.get(f"{server.root_url}/is_sleeping", timeout=10).json()["is_sleeping"])
 
     try:
         tokens, finish, resp = stream_while_sleeping("abort", 2000)
         assert resp.status_code == 200, resp.text
         assert finish == "abort" and tokens < 2000, (finish, tokens)
-        assert httpx.get(f"{server.root_url}/is_sleeping", timeout=10).json()["is_sleeping"]
+        assert is_sleeping()
         assert httpx.post(f"{server.root_url}/wake_up", timeout=60).status_code == 200
         tokens, finish, resp = stream_while_sleeping("wait", 150)
         assert resp.status_code == 200, resp.text
         assert (tokens, finish) == (150, "length")
-        assert httpx.get(f"{server.root_url}/is_sleeping", timeout=10).json()["is_sleeping"]
+        assert is_sleeping()
         assert httpx.post(f"{server.root_url}/wake_up", timeout=60).status_code == 200
-        resp = httpx.post(f"{server.root_url}/sleep", params={"mode": "keep"}, timeout=60)
-        assert resp.status_code == 400 and "keep" in resp.json()["error"]["message"]
+        want = client.completions.create(
+            model=model, prompt=prompt, max_tokens=300, temperature=0.0,
+            extra_body={"ignore_eos": True},
+        ).choices[0].text  # fmt: skip
+        stream = _Stream(client, model, prompt, 300)
+        resp = httpx.post(f"{server.root_url}/sleep", params={"mode": "keep"}, timeout=120)
+        assert resp.status_code == 200, resp.text
+        assert is_sleeping() and not stream.done.done()
+        time.sleep(0.5)
+        kept = stream.tokens
+        time.sleep(1.0)
+        assert stream.tokens == kept < 300 and not stream.done.done()
+        with pytest.raises(openai.APIStatusError) as refused:
+            client.completions.create(model=model, prompt=prompt, max_tokens=2)
+        assert refused.value.status_code == 503
+        assert httpx.post(f"{server.root_url}/wake_up", timeout=60).status_code == 200
+        assert stream.result() == (300, "length", want)
+        resp = httpx.post(f"{server.root_url}/sleep", params={"mode": "later"}, timeout=60)
+        assert resp.status_code == 400 and "'later'" in resp.json()["error"]["message"]
+    finally:
+        _, survivors = serve_launcher.stop(server, signal.SIGTERM)
+    assert not survivors, f"left behind: {survivors}"
+
+
+def test_pause_holds_new_requests_until_resume(serve_launcher: Any) -> None:
+    """vLLM's ``POST /pause`` / ``/resume`` / ``GET /is_paused`` (dev mode; no sleep mode
+    needed): a completion sent while paused waits, accepted, until ``/resume``; the one
+    streaming when the pause came is aborted (the default), finishes first (``mode=wait``,
+    or vLLM's older ``wait_for_inflight_requests=true``: the pause answers after it), or
+    stops where it is and goes on after (``mode=keep``); every text is that of a run never
+    paused. Bad modes and flags are 400s."""
+    server = serve_launcher.start(["--max-model-len", "2048"], env={"VLLM_SERVER_DEV_MODE": "1"})
+    client = openai.OpenAI(base_url=server.base_url, api_key="none", max_retries=0)
+    model = client.models.list().data[0].id
+    prompt, other = [10 + i for i in range(20)], [300 + i for i in range(12)]
+
+    def complete(tokens: list[int], length: int) -> str:
+        return client.completions.create(
+            model=model, prompt=tokens, max_tokens=length, temperature=0.0,
+            extra_body={"ignore_eos": True},
+        ).choices[0].text  # fmt: skip
+
+    def post(path: str, **params: Any) -> httpx.Response:
+        return httpx.post(f"{server.root_url}/{path}", params=params, timeout=120)
+
+    def is_paused() -> bool:
+        return bool(httpx.get(f"{server.root_url}/is_paused", timeout=10).json()["is_paused"])
+
+    want, want_other = complete(prompt, 200), complete(other, 8)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            for params in (
+                {}, {"mode": "wait"}, {"wait_for_inflight_requests": "1", "clear_cache": "no"},
+                {"mode": "keep", "clear_cache": "false"},
+            ):  # fmt: skip
+                stream = _Stream(client, model, prompt, 200)
+                resp = post("pause", **params)
+                assert resp.status_code == 200 and resp.json() == {"status": "paused"}
+                assert is_paused()
+                if "wait" in str(params):  # (it answered once the stream had ended)
+                    assert stream.tokens > 150, stream.tokens
+                waiting = pool.submit(complete, other, 8)
+                time.sleep(1.0)
+                assert not waiting.done()
+                if params.get("mode") == "keep":
+                    kept = stream.tokens
+                    assert not stream.done.done() and kept < 200
+                    time.sleep(0.5)
+                    assert stream.tokens == kept
+                resp = post("resume")
+                assert resp.status_code == 200 and resp.json() == {"status": "resumed"}
+                assert not is_paused()
+                assert waiting.result(60) == want_other
+                tokens, finish, text = stream.result()
+                if not params:
+                    assert finish == "abort" and tokens < 200 and want.startswith(text)
+                else:
+                    assert (tokens, finish, text) == (200, "length", want), params
+        for params in ({"mode": "later"}, {"clear_cache": "maybe"}):
+            resp = post("pause", **params)
+            assert resp.status_code == 400, resp.text
+        assert not is_paused()
     finally:
         _, survivors = serve_launcher.stop(server, signal.SIGTERM)
     assert not survivors, f"left behind: {survivors}"

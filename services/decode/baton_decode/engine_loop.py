@@ -419,6 +419,10 @@ class EngineLoop:
             self._metrics.record_finished("error")
         self._commands.put(_Abort([req_id]))
 
+    def request_ids(self) -> list[str]:
+        """The requests accepted and not finished."""
+        return list(self._streams)
+
     def abort_all(self) -> int:
         return self.abort(list(self._streams))
 

@@ -46,7 +46,7 @@ from baton_decode.errors import (
 from baton_decode.kv_puller import KVPuller, RemoteKV, StagingArea, check_block_hashes
 from baton_decode.metrics import WorkerMetrics
 from baton_engine.config import EngineConfig
-from baton_engine.core.engine_core import EngineCore
+from baton_engine.core.engine_core import EngineCore, check_pause_mode
 from baton_engine.core.outputs import EngineCoreOutput, KVLoad
 from baton_engine.errors import (
     BatonError,
@@ -183,31 +183,36 @@ class WorkerInfoMixin:
     async def Sleep(
         self, request: engine_pb2.SleepRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> engine_pb2.SleepResponse:
-        level, mode = request.level or 1, request.mode or "abort"  # (vLLM's defaults)
+        level = request.level if request.HasField("level") else 1  # (vLLM's defaults)
+        mode = request.mode or "abort"
         try:
-            if mode not in ("abort", "wait"):
-                raise InvalidRequestError(
-                    f"unknown sleep mode {mode!r}: 'abort' or 'wait' (vLLM's 'keep' is not "
-                    "supported)"
-                )
-            await self._sleep_once_idle(level, mode == "abort")
+            check_pause_mode(mode)
+            if level == 0:  # (a pause until WakeUp; refused where sleep mode is off)
+                await self.engine.call(lambda core: core.check_sleep(0))
+                await self._pause(mode)
+            else:
+                await self._sleep_once_idle(level, mode)
         except BatonError as e:
             await context.abort(status_code(e), str(e))
         return engine_pb2.SleepResponse()
 
-    async def _sleep_once_idle(self, level: int, abort: bool) -> None:
-        """Refuse new requests, abort those in flight (``abort``) or let them finish, and
-        sleep once the engine is idle (held prompt blocks pulled or expired too)."""
+    async def _sleep_once_idle(self, level: int, mode: str) -> None:
+        """Refuse new requests, abort those in flight, let them finish, or keep them (``mode``),
+        and sleep once the engine is idle (held prompt blocks pulled or expired too)."""
         engine = self.engine
+        keep = mode == "keep"
         if not await engine.call(lambda core: core.check_sleep(level, busy_ok=True)):
             return  # (asleep already)
         engine.closing = "the engine is going to sleep"
+        was_paused = False
         try:
-            if abort:
+            if keep:  # (the step in flight reports; the kept requests' blocks are freed later)
+                was_paused = await engine.call(_pause_keeping)
+            elif mode == "abort":
                 engine.abort_all()
             while True:
                 try:
-                    if not await engine.call(lambda core: core.check_sleep(level)):
+                    if not await engine.call(lambda core: core.check_sleep(level, keep=keep)):
                         return
                 except EngineBusyError:
                     await asyncio.sleep(0.02)
@@ -216,15 +221,58 @@ class WorkerInfoMixin:
             if self.release_kv_memory is not None:
                 self.release_kv_memory()
             try:
-                await engine.call(lambda core: core.sleep(level))
+                await engine.call(lambda core: core.sleep(level, keep))
             except BaseException:  # (awake, as before)
                 if self.restore_kv_memory is not None:
                     self.restore_kv_memory()
                 raise
             if self.on_sleep_level is not None:
                 self.on_sleep_level(level)
+        except BaseException:
+            if keep and not was_paused:
+                await engine.call(lambda core: core.resume())
+            raise
         finally:
             engine.closing = None
+
+    async def Pause(
+        self, request: engine_pb2.PauseRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> engine_pb2.PauseResponse:
+        mode = request.mode or "abort"
+        try:
+            check_pause_mode(mode)
+            await self._pause(mode)
+            if request.clear_cache and mode != "keep":  # (vLLM ignores it with keep)
+                while not await self.engine.call(lambda core: core.reset_prefix_cache()):
+                    await asyncio.sleep(0.05)  # (prefilled prompts' blocks wait for their pull)
+        except BatonError as e:
+            await context.abort(status_code(e), str(e))
+        return engine_pb2.PauseResponse()
+
+    async def _pause(self, mode: str) -> None:
+        """Hold new requests until ``Resume`` and abort, wait for or keep those in flight."""
+        engine = self.engine
+        in_flight = engine.request_ids()  # (added before the pause below: it queues after them)
+        await engine.call(lambda core: core.pause(keep=mode == "keep"))
+        logger.info("paused (mode %s, %d requests in flight)", mode, len(in_flight))
+        if mode == "abort":
+            engine.abort(in_flight)
+        if mode != "keep":
+            while not await engine.call(lambda core: core.drained()):
+                await asyncio.sleep(0.02)
+
+    async def Resume(
+        self, request: engine_pb2.ResumeRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> engine_pb2.ResumeResponse:
+        if await self.engine.call(_resume):
+            logger.info("resumed")
+        return engine_pb2.ResumeResponse()
+
+    async def IsPaused(
+        self, request: engine_pb2.IsPausedRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> engine_pb2.IsPausedResponse:
+        paused = await self.engine.call(lambda core: core.is_paused())
+        return engine_pb2.IsPausedResponse(is_paused=paused)
 
     async def WakeUp(
         self, request: engine_pb2.WakeUpRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -256,6 +304,20 @@ class WorkerInfoMixin:
     ) -> engine_pb2.IsSleepingResponse:
         asleep = await self.engine.call(lambda core: core.is_sleeping())
         return engine_pb2.IsSleepingResponse(is_sleeping=asleep)
+
+
+def _pause_keeping(core: EngineCore) -> bool:
+    """``core.pause(keep=True)``; whether it was paused before."""
+    was = core.is_paused()
+    core.pause(keep=True)
+    return was
+
+
+def _resume(core: EngineCore) -> bool:
+    """``core.resume()``; whether it was paused."""
+    was = core.is_paused()
+    core.resume()
+    return was
 
 
 def _wake(core: EngineCore, tags: list[str] | None) -> tuple[bool, bool]:

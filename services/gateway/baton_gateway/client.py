@@ -411,11 +411,26 @@ class WorkerPool:
                 raise result
 
     async def sleep(self, level: int, mode: str) -> None:
-        """Put every worker up to sleep (sleep mode), its requests aborted or finished first
-        (``mode``); the first refusal (sleep mode off, a bad level or mode) raises, the workers
-        that slept are woken again (all or none sleep)."""
+        """Put every worker up to sleep (sleep mode), its requests aborted, finished first or
+        kept (``mode``); the first refusal (sleep mode off, a bad level or mode) raises, the
+        workers that slept are woken again (all or none sleep)."""
         request = engine_pb2.SleepRequest(level=level, mode=mode)
         await self._on_every_worker("Sleep", request, ("WakeUp", engine_pb2.WakeUpRequest()))
+
+    async def pause(self, mode: str, clear_cache: bool) -> None:
+        """Pause every worker up (vLLM's pause_generation): new requests wait until
+        ``resume``, those in flight are aborted, finished first or kept (``mode``); the
+        prefix cache is forgotten after (``clear_cache``). All or none pause."""
+        request = engine_pb2.PauseRequest(mode=mode, clear_cache=clear_cache)
+        await self._on_every_worker("Pause", request, ("Resume", engine_pb2.ResumeRequest()))
+
+    async def resume(self) -> None:
+        await self._on_every_worker("Resume", engine_pb2.ResumeRequest())
+
+    async def is_paused(self) -> bool:
+        """Whether any worker up is paused."""
+        results = await self._on_every_worker("IsPaused", engine_pb2.IsPausedRequest())
+        return any(r.is_paused for r in results)
 
     async def wake_up(self, tags: list[str]) -> None:
         """Wake ``tags`` (none: every part) on every worker up."""

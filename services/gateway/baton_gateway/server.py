@@ -22,7 +22,7 @@ import json
 import logging
 import re
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -121,6 +121,19 @@ class GatewayConfig:
 
 def _json(status: int, body: Any) -> JSONResponse:
     return JSONResponse(body.model_dump(), status_code=status)
+
+
+def _query_bool(query: Mapping[str, str], name: str, default: bool) -> bool:
+    """A boolean query parameter, spelled as FastAPI (pydantic) takes one; else a 400."""
+    value = query.get(name)
+    if value is None:
+        return default
+    spelled = value.strip().lower()
+    if spelled in ("1", "true", "t", "yes", "y", "on"):
+        return True
+    if spelled in ("0", "false", "f", "no", "n", "off"):
+        return False
+    raise GatewayError(400, f"{name} must be true or false, not {value!r}", name)
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -545,9 +558,28 @@ def create_app(config: GatewayConfig, tokenizer: Any) -> FastAPI:
         async def sleep(request: Request) -> Response:
             level = request.query_params.get("level", "1")
             if not level.isdigit():
-                raise GatewayError(400, f"level must be 1 or 2, not {level!r}", "level")
+                raise GatewayError(400, f"level must be 0, 1 or 2, not {level!r}", "level")
             await state.pipeline.pool.sleep(int(level), request.query_params.get("mode", "abort"))
             return Response(status_code=200)
+
+        # vLLM's pause_generation: requests wait (accepted) until /resume
+        @app.post("/pause")
+        async def pause(request: Request) -> JSONResponse:
+            query = request.query_params
+            mode = query.get("mode", "abort")
+            if _query_bool(query, "wait_for_inflight_requests", False):  # (vLLM's older form)
+                mode = "wait"
+            await state.pipeline.pool.pause(mode, _query_bool(query, "clear_cache", True))
+            return JSONResponse({"status": "paused"})
+
+        @app.post("/resume")
+        async def resume() -> JSONResponse:
+            await state.pipeline.pool.resume()
+            return JSONResponse({"status": "resumed"})
+
+        @app.get("/is_paused")
+        async def is_paused() -> JSONResponse:
+            return JSONResponse({"is_paused": await state.pipeline.pool.is_paused()})
 
         @app.post("/wake_up")
         async def wake_up(request: Request) -> Response:

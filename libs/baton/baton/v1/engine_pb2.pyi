@@ -230,6 +230,36 @@ class IsSleepingResponse(_message.Message):
     is_sleeping: bool
     def __init__(self, is_sleeping: bool = ...) -> None: ...
 
+class PauseRequest(_message.Message):
+    __slots__ = ("mode", "clear_cache")
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    CLEAR_CACHE_FIELD_NUMBER: _ClassVar[int]
+    mode: str
+    clear_cache: bool
+    def __init__(self, mode: _Optional[str] = ..., clear_cache: bool = ...) -> None: ...
+
+class PauseResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ResumeRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ResumeResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class IsPausedRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class IsPausedResponse(_message.Message):
+    __slots__ = ("is_paused",)
+    IS_PAUSED_FIELD_NUMBER: _ClassVar[int]
+    is_paused: bool
+    def __init__(self, is_paused: bool = ...) -> None: ...
+
 class ReloadWeightsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

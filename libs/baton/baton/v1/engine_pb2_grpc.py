@@ -94,6 +94,21 @@ class DecodeServiceStub(object):
                 request_serializer=baton_dot_v1_dot_engine__pb2.IsSleepingRequest.SerializeToString,
                 response_deserializer=baton_dot_v1_dot_engine__pb2.IsSleepingResponse.FromString,
                 _registered_method=True)
+        self.Pause = channel.unary_unary(
+                '/baton.v1.DecodeService/Pause',
+                request_serializer=baton_dot_v1_dot_engine__pb2.PauseRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_engine__pb2.PauseResponse.FromString,
+                _registered_method=True)
+        self.Resume = channel.unary_unary(
+                '/baton.v1.DecodeService/Resume',
+                request_serializer=baton_dot_v1_dot_engine__pb2.ResumeRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_engine__pb2.ResumeResponse.FromString,
+                _registered_method=True)
+        self.IsPaused = channel.unary_unary(
+                '/baton.v1.DecodeService/IsPaused',
+                request_serializer=baton_dot_v1_dot_engine__pb2.IsPausedRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_engine__pb2.IsPausedResponse.FromString,
+                _registered_method=True)
         self.ReloadWeights = channel.unary_unary(
                 '/baton.v1.DecodeService/ReloadWeights',
                 request_serializer=baton_dot_v1_dot_engine__pb2.ReloadWeightsRequest.SerializeToString,
@@ -176,8 +191,9 @@ class DecodeServiceServicer(object):
     def Sleep(self, request, context):
         """vLLM's sleep mode (a worker run with --enable-sleep-mode): the worker gives its device
         memory back (level 1: the weights copied to host memory; 2: dropped, read again on waking;
-        both drop the KV cache), once its requests are aborted or finished (the request's mode);
-        new ones are refused (FAILED_PRECONDITION) from then until WakeUp has woken both parts. A
+        both drop the KV cache), once its requests are aborted or finished, or with them kept (the
+        request's mode); new ones are refused (FAILED_PRECONDITION) from then until WakeUp has
+        woken both parts (which also resumes a paused worker). Level 0 only pauses (as Pause). A
         bad level, mode or tag, or sleep mode off: INVALID_ARGUMENT.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -191,6 +207,27 @@ class DecodeServiceServicer(object):
         raise NotImplementedError('Method not implemented!')
 
     def IsSleeping(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Pause(self, request, context):
+        """vLLM's pause_generation: new requests are accepted and wait until Resume; those in flight
+        are aborted, finished or kept where they are (the request's mode). A bad mode:
+        INVALID_ARGUMENT.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Resume(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def IsPaused(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -267,6 +304,21 @@ def add_DecodeServiceServicer_to_server(servicer, server):
                     servicer.IsSleeping,
                     request_deserializer=baton_dot_v1_dot_engine__pb2.IsSleepingRequest.FromString,
                     response_serializer=baton_dot_v1_dot_engine__pb2.IsSleepingResponse.SerializeToString,
+            ),
+            'Pause': grpc.unary_unary_rpc_method_handler(
+                    servicer.Pause,
+                    request_deserializer=baton_dot_v1_dot_engine__pb2.PauseRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_engine__pb2.PauseResponse.SerializeToString,
+            ),
+            'Resume': grpc.unary_unary_rpc_method_handler(
+                    servicer.Resume,
+                    request_deserializer=baton_dot_v1_dot_engine__pb2.ResumeRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_engine__pb2.ResumeResponse.SerializeToString,
+            ),
+            'IsPaused': grpc.unary_unary_rpc_method_handler(
+                    servicer.IsPaused,
+                    request_deserializer=baton_dot_v1_dot_engine__pb2.IsPausedRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_engine__pb2.IsPausedResponse.SerializeToString,
             ),
             'ReloadWeights': grpc.unary_unary_rpc_method_handler(
                     servicer.ReloadWeights,
@@ -609,6 +661,87 @@ class DecodeService(object):
             _registered_method=True)
 
     @staticmethod
+    def Pause(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.DecodeService/Pause',
+            baton_dot_v1_dot_engine__pb2.PauseRequest.SerializeToString,
+            baton_dot_v1_dot_engine__pb2.PauseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Resume(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.DecodeService/Resume',
+            baton_dot_v1_dot_engine__pb2.ResumeRequest.SerializeToString,
+            baton_dot_v1_dot_engine__pb2.ResumeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def IsPaused(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.DecodeService/IsPaused',
+            baton_dot_v1_dot_engine__pb2.IsPausedRequest.SerializeToString,
+            baton_dot_v1_dot_engine__pb2.IsPausedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def ReloadWeights(request,
             target,
             options=(),
@@ -695,6 +828,21 @@ class PrefillServiceStub(object):
                 request_serializer=baton_dot_v1_dot_engine__pb2.IsSleepingRequest.SerializeToString,
                 response_deserializer=baton_dot_v1_dot_engine__pb2.IsSleepingResponse.FromString,
                 _registered_method=True)
+        self.Pause = channel.unary_unary(
+                '/baton.v1.PrefillService/Pause',
+                request_serializer=baton_dot_v1_dot_engine__pb2.PauseRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_engine__pb2.PauseResponse.FromString,
+                _registered_method=True)
+        self.Resume = channel.unary_unary(
+                '/baton.v1.PrefillService/Resume',
+                request_serializer=baton_dot_v1_dot_engine__pb2.ResumeRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_engine__pb2.ResumeResponse.FromString,
+                _registered_method=True)
+        self.IsPaused = channel.unary_unary(
+                '/baton.v1.PrefillService/IsPaused',
+                request_serializer=baton_dot_v1_dot_engine__pb2.IsPausedRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_engine__pb2.IsPausedResponse.FromString,
+                _registered_method=True)
         self.ReloadWeights = channel.unary_unary(
                 '/baton.v1.PrefillService/ReloadWeights',
                 request_serializer=baton_dot_v1_dot_engine__pb2.ReloadWeightsRequest.SerializeToString,
@@ -766,6 +914,24 @@ class PrefillServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Pause(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Resume(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def IsPaused(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ReloadWeights(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -824,6 +990,21 @@ def add_PrefillServiceServicer_to_server(servicer, server):
                     servicer.IsSleeping,
                     request_deserializer=baton_dot_v1_dot_engine__pb2.IsSleepingRequest.FromString,
                     response_serializer=baton_dot_v1_dot_engine__pb2.IsSleepingResponse.SerializeToString,
+            ),
+            'Pause': grpc.unary_unary_rpc_method_handler(
+                    servicer.Pause,
+                    request_deserializer=baton_dot_v1_dot_engine__pb2.PauseRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_engine__pb2.PauseResponse.SerializeToString,
+            ),
+            'Resume': grpc.unary_unary_rpc_method_handler(
+                    servicer.Resume,
+                    request_deserializer=baton_dot_v1_dot_engine__pb2.ResumeRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_engine__pb2.ResumeResponse.SerializeToString,
+            ),
+            'IsPaused': grpc.unary_unary_rpc_method_handler(
+                    servicer.IsPaused,
+                    request_deserializer=baton_dot_v1_dot_engine__pb2.IsPausedRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_engine__pb2.IsPausedResponse.SerializeToString,
             ),
             'ReloadWeights': grpc.unary_unary_rpc_method_handler(
                     servicer.ReloadWeights,
@@ -1101,6 +1282,87 @@ class PrefillService(object):
             '/baton.v1.PrefillService/IsSleeping',
             baton_dot_v1_dot_engine__pb2.IsSleepingRequest.SerializeToString,
             baton_dot_v1_dot_engine__pb2.IsSleepingResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Pause(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.PrefillService/Pause',
+            baton_dot_v1_dot_engine__pb2.PauseRequest.SerializeToString,
+            baton_dot_v1_dot_engine__pb2.PauseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Resume(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.PrefillService/Resume',
+            baton_dot_v1_dot_engine__pb2.ResumeRequest.SerializeToString,
+            baton_dot_v1_dot_engine__pb2.ResumeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def IsPaused(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.PrefillService/IsPaused',
+            baton_dot_v1_dot_engine__pb2.IsPausedRequest.SerializeToString,
+            baton_dot_v1_dot_engine__pb2.IsPausedResponse.FromString,
             options,
             channel_credentials,
             insecure,
