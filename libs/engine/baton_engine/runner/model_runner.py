@@ -352,7 +352,9 @@ class ModelRunner:
         # ``enable_piece_graphs``' arguments).
         self.asleep: set[str] = set()
         self._weights_backup: list[tuple[torch.UntypedStorage, int, torch.Tensor | None]] = []
-        self._weights_lock: _PageLocked | None = None
+        # level 1's host copy of the weights, page-locked; kept after waking for the next sleep
+        # (as torch's pinned-memory cache keeps vLLM's), given back at level 2
+        self._host_copy: _PageLocked | None = None
         self.reload_weights: Callable[[], None] | None = None
         self.packed_weights = False  # packed for the CPU's kernels (finalize_weights)
         self._graph_args: dict[str, tuple[bool, int]] = {}
@@ -686,11 +688,16 @@ class ModelRunner:
             tensors = []
         storages = _storages(tensors)
         backups: list[torch.Tensor | None] = [None] * len(storages)
+        if level == 2:
+            self._host_copy = None  # (level 2 gives the host memory back too)
         if level == 1 and storages:  # (first: a host that cannot lock the copy changes nothing)
-            host = _faulted_in(sum(storage.nbytes() for storage in storages))
-            self._weights_lock = _PageLocked(
-                host, "the weights' copy (sleep level 1)", "sleep at level 2"
-            )
+            nbytes = sum(storage.nbytes() for storage in storages)
+            if self._host_copy is None or self._host_copy.tensor.numel() != nbytes:
+                self._host_copy = None  # (the old one unlocked and freed first)
+                self._host_copy = _PageLocked(
+                    _faulted_in(nbytes), "the weights' copy (sleep level 1)", "sleep at level 2"
+                )
+            host = self._host_copy.tensor
             offset = 0
             for i, storage in enumerate(storages):
                 backup = backups[i] = host[offset : offset + storage.nbytes()]
@@ -729,8 +736,7 @@ class ModelRunner:
             if any(backup is None for _, _, backup in self._weights_backup):
                 self.read_weights_again(draft=False)
             self.synchronize()
-            self._weights_backup = []
-            self._weights_lock = None  # (unlocked, then freed)
+            self._weights_backup = []  # (the host copy stays locked for the next sleep)
         if "kv_cache" in wake and self.kv_pool is not None:
             pool = self.kv_pool
             pool.untyped_storage().resize_(pool.numel() * pool.element_size())
