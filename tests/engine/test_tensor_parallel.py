@@ -88,14 +88,17 @@ def test_two_ranks_split_a_draft_model_as_the_model(default_model_dir: Path, tmp
         llm.shutdown()
 
 
-def test_two_ranks_sleep_and_wake_as_one(default_model_dir: Path, tmp_path: Path):
+def test_two_ranks_sleep_wake_and_profile_as_one(default_model_dir: Path, tmp_path: Path):
     """Sleep mode split two ways: every rank drops its weights and KV (level 2) and reads its
-    shard again on waking; the tokens after are one process's."""
+    shard again on waking; the tokens after are one process's. Profiled, each rank writes
+    its own trace."""
     build_model("llama", default_model_dir, tmp_path)
     want = greedy_tokens(tmp_path, PROMPTS, 12, kv_cache_memory=1 << 24)
+    traces = tmp_path / "traces"
     llm = LLM(
         str(tmp_path), dtype="float32", max_model_len=512, kv_cache_memory=1 << 24,
         tensor_parallel_size=2, enable_sleep_mode=True,
+        profiler_config={"profiler": "torch", "torch_profiler_dir": str(traces)},
     )  # fmt: skip
     try:
         greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -108,6 +111,11 @@ def test_two_ranks_sleep_and_wake_as_one(default_model_dir: Path, tmp_path: Path
             llm.wake_up(["kv_cache"])
             outs = llm.generate(prompts, greedy, use_tqdm=False)
             assert [list(o.outputs[0].token_ids) for o in outs] == want
+        llm.start_profile()
+        llm.generate(prompts[:1], greedy, use_tqdm=False)
+        llm.stop_profile()
+        names = sorted(p.name.split("-")[0] for p in traces.glob("*.pt.trace.json.gz"))
+        assert names == ["rank0", "rank1"], names
     finally:
         llm.shutdown()
 

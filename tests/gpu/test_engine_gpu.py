@@ -716,3 +716,37 @@ def test_sleep_gives_the_memory_back_and_waking_the_tokens(level: int, tmp_path:
     assert {k[1:]: v for k, v in tokens.items()} == before
     del core
     _release_memory()
+
+
+def test_the_profiler_records_the_gpus_kernels(tmp_path: Path) -> None:
+    """``profiler_config`` on the GPU: the torch profiler's trace holds the steps' CUDA
+    kernels (CUDA graphs replayed inside them) and the table sorts by their own CUDA time;
+    the "cuda" profiler (cudaProfilerStart / Stop, for Nsight Systems) starts and stops."""
+    import gzip
+
+    from baton_engine.sampling_params import SamplingParams
+
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    traces = tmp_path / "traces"
+    profiler = {"profiler": "torch", "torch_profiler_dir": str(traces)}
+    core = _core(tmp_path, max_model_len=256, max_num_seqs=8, profiler_config=profiler)
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    core.start_profile("gpu")
+    for i in range(4):
+        core.add_request(f"r{i}", list(range(10 + i, 40 + i)), greedy)
+    _drain(core)
+    core.stop_profile()
+    (trace,) = traces.glob("gpu-rank0-*.pt.trace.json.gz")
+    events = json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
+    assert sum(e.get("cat") == "kernel" for e in events) > 16
+    assert sum(e.get("name") == "engine_step" for e in events) >= 16
+    assert "CUDA" in (traces / "profiler_out_0.txt").read_text()
+    del core
+    _release_memory()
+    core = _core(tmp_path, max_model_len=256, max_num_seqs=8, profiler_config={"profiler": "cuda"})
+    core.start_profile()
+    core.add_request("c", list(range(10, 40)), greedy)
+    assert len(_drain(core)["c"]) == 16
+    core.stop_profile()
+    del core
+    _release_memory()

@@ -527,6 +527,32 @@ def test_pause_holds_new_requests_until_resume(serve_launcher: Any) -> None:
             resp = post("pause", **params)
             assert resp.status_code == 400, resp.text
         assert not is_paused()
+        resp = post("start_profile")  # (no --profiler-config here)
+        assert resp.status_code == 400 and "profiling is off" in resp.json()["error"]["message"]
+    finally:
+        _, survivors = serve_launcher.stop(server, signal.SIGTERM)
+    assert not survivors, f"left behind: {survivors}"
+
+
+def test_start_and_stop_profile_write_a_trace_a_worker(serve_launcher: Any, tmp_path: Path) -> None:
+    """vLLM's ``--profiler-config`` with ``POST /start_profile`` / ``/stop_profile``: the
+    completion served between them lands in a trace of the prefill worker and one of the
+    decode worker, named after each; a second stop is a 400."""
+    profiler = {"profiler": "torch", "torch_profiler_dir": str(tmp_path)}
+    server = serve_launcher.start(["--profiler-config", json.dumps(profiler)])
+    try:
+        assert httpx.post(f"{server.root_url}/start_profile", timeout=60).status_code == 200
+        resp = httpx.post(
+            f"{server.base_url}/completions",
+            json={"prompt": "The capital of France is", "max_tokens": 6},
+            timeout=60,
+        )
+        assert resp.status_code == 200, resp.text
+        assert httpx.post(f"{server.root_url}/stop_profile", timeout=120).status_code == 200
+        traces = sorted(p.name.split("-")[0] for p in tmp_path.glob("*.pt.trace.json.gz"))
+        assert traces == ["decode", "prefill"], traces
+        resp = httpx.post(f"{server.root_url}/stop_profile", timeout=60)
+        assert resp.status_code == 400 and "not running" in resp.json()["error"]["message"]
     finally:
         _, survivors = serve_launcher.stop(server, signal.SIGTERM)
     assert not survivors, f"left behind: {survivors}"

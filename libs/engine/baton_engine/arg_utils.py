@@ -80,6 +80,11 @@ _HELP = {
     '"prompt_lookup_min": 2}\', or a draft model of the same vocabulary, '
     '\'{"model": PATH, "num_speculative_tokens": 4}\' (optional: "disable_by_batch_size": '
     "N); greedy requests get exactly their tokens, sampled ones their distribution",
+    "profiler_config": "vLLM's profiling, as JSON: "
+    '\'{"profiler": "torch", "torch_profiler_dir": DIR}\' records torch.profiler traces of '
+    "the engines' steps between POST /start_profile and /stop_profile (LLM.start_profile / "
+    'stop_profile offline), one Chrome trace a worker and rank in DIR; "cuda" brackets them '
+    "with cudaProfilerStart/Stop for Nsight Systems; default: $VLLM_TORCH_PROFILER_DIR if set",
     "lora_modules": "LoRA adapters served by name: name=path or vLLM's JSON "
     '\'{"name": ..., "path": ..., "base_model_name": ...}\' (needs --enable-lora)',
 }
@@ -115,6 +120,7 @@ _TYPES: dict[str, Any] = {  # (None defaults: ints)
     "pooler_config": str,
     "hf_overrides": str,
     "speculative_config": str,
+    "profiler_config": str,
     "tokenizer": str,
     "quantization": str,
     "max_model_len": human_readable_int,  # (vLLM's: 32k, 32K)

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from baton_engine.errors import InvalidRequestError, ModelLoadError
+from baton_engine.profiler import ProfilerConfig
 from baton_engine.sampling_params import MAX_LOGPROBS
 
 # vLLM's: "fcfs" serves requests in arrival order; "priority" by each request's priority (lower
@@ -787,6 +788,10 @@ class EngineConfig:
     # vLLM's --speculative-config (a JSON object, or a dict offline): n-gram speculative
     # decoding (SpeculativeConfig); None: off
     speculative_config: str | dict[str, Any] | None = None
+    # vLLM's --profiler-config (a JSON object, or a dict offline): {"profiler": "torch",
+    # "torch_profiler_dir": DIR, ...} records the steps between start_profile and stop_profile
+    # (baton_engine.profiler); None: $VLLM_TORCH_PROFILER_DIR's folder if set, else off
+    profiler_config: str | dict[str, Any] | None = None
 
     def resolved_async_scheduling(self) -> bool:
         """As asked; by default on for GPUs, off for CPUs. With speculative decoding too: a
@@ -803,6 +808,9 @@ class EngineConfig:
 
     def speculative(self) -> SpeculativeConfig | None:
         return SpeculativeConfig.parse(self.speculative_config)
+
+    def profiler(self) -> ProfilerConfig:
+        return ProfilerConfig.parse(self.profiler_config)
 
     def resolved_max_num_batched_tokens(self) -> int:
         if self.max_num_batched_tokens is not None:
@@ -947,6 +955,8 @@ class EngineConfig:
 
             PoolerConfig.resolve(self.pooler_config, None)  # (its errors, before the model)
         self.hf_overrides_dict()  # (its errors, before the model)
+        if self.profiler().profiler == "cuda" and not self.device.startswith("cuda"):
+            raise InvalidRequestError("profiler 'cuda' needs a GPU (device is a CPU)")
         if self.speculative() is not None and self.num_scheduler_steps > 1:
             raise InvalidRequestError(
                 "speculative decoding and multi-step scheduling (num_scheduler_steps > 1) "

@@ -26,6 +26,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from baton_engine.profiler import StepProfiler
+
 logger = logging.getLogger(__name__)
 
 # A rank that died leaves the others blocked in a collective; they give up after this long.
@@ -138,6 +140,14 @@ class Sleep:
     reload: bool = False
 
 
+@dataclass(frozen=True)
+class Profile:
+    """Start (with the traces' ``prefix``) or stop the rank's profiler (``--profiler-config``)."""
+
+    start: bool
+    prefix: str | None = None
+
+
 def _leave_group(clean: bool) -> None:
     """Tear this rank's group down, as every rank does when the engine stops: ``destroy`` when
     they all do (``clean``), else (a rank is gone) NCCL's ``abort``. The runner's CUDA graphs
@@ -174,6 +184,8 @@ def _helper_main(config: Any, rank: int, port: int, conn: Connection) -> None:
     store.set(_joined_key(rank), "1")  # rank 0 joins the group once every helper has come
     init_group(rank, size, store, device_for(config.device, rank, size))
     runner = build_runner(config, rank).runner
+    profiling = config.profiler()
+    profiler = StepProfiler(profiling, runner.device, rank) if profiling.profiler else None
     conn.send("ready")
     clean = False
     while True:
@@ -203,6 +215,18 @@ def _helper_main(config: Any, rank: int, port: int, conn: Connection) -> None:
         if isinstance(so, LoRAAdapters):  # its share of each, read from the same folders
             assert runner.lora is not None
             runner.lora.mirror(so.held)
+            continue
+        if isinstance(so, Profile):
+            assert profiler is not None  # (rank 0 sends it only in the state it allows)
+            if so.start:
+                profiler.start(so.prefix)
+            else:
+                profiler.stop()
+                all_reduce(torch.zeros(1, device=runner.device))  # (rank 0 waits for the trace)
+            continue
+        if profiler is not None and profiler.running:
+            with profiler.step("engine_step"):
+                runner.launch(so).result()
             continue
         runner.launch(so).result()
     runner.release_graphs()
@@ -303,6 +327,11 @@ class TensorParallelHelpers:
     def reload_weights(self) -> None:
         """Have every helper read its shard of the weights again (as rank 0 does next)."""
         self._send(Sleep(reload=True))
+
+    def profile(self, start: bool, prefix: str | None = None) -> None:
+        """Have every helper start (or stop) its profiler, as rank 0 does; after a stop each
+        joins an all-reduce once its trace is written (rank 0's wait)."""
+        self._send(Profile(start, prefix))
 
     def _send(self, message: Any) -> None:
         self.check()

@@ -295,6 +295,16 @@ class LLM:
     def is_sleeping(self) -> bool:
         return self.engine.core.is_sleeping()
 
+    def start_profile(self, profile_prefix: str | None = None) -> None:
+        """Record the engine's steps (every rank's) until :meth:`stop_profile` (vLLM's; needs
+        ``profiler_config``, or ``$VLLM_TORCH_PROFILER_DIR``); ``profile_prefix`` starts the
+        traces' names."""
+        self.engine.core.start_profile(profile_prefix)
+
+    def stop_profile(self) -> None:
+        """Stop recording and write the traces (one a rank, into the profiler's folder)."""
+        self.engine.core.stop_profile()
+
     def collective_rpc(
         self,
         method: str,

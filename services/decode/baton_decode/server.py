@@ -123,6 +123,7 @@ class WorkerInfoMixin:
     release_kv_memory: Callable[[], None] | None = None
     restore_kv_memory: Callable[[], None] | None = None
     on_sleep_level: Callable[[int], None] | None = None  # (the sleep-state metric)
+    profile_prefix: str | None = None  # the traces' names start with it (the worker's id)
 
     async def GetLoad(
         self, request: engine_pb2.GetLoadRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -288,6 +289,25 @@ class WorkerInfoMixin:
             if self.on_sleep_level is not None:
                 self.on_sleep_level(0)
         return engine_pb2.WakeUpResponse(is_sleeping=asleep)
+
+    async def StartProfile(
+        self, request: engine_pb2.StartProfileRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> engine_pb2.StartProfileResponse:
+        prefix = request.prefix or self.profile_prefix
+        try:
+            await self.engine.call(lambda core: core.start_profile(prefix))
+        except BatonError as e:
+            await context.abort(status_code(e), str(e))
+        return engine_pb2.StartProfileResponse()
+
+    async def StopProfile(
+        self, request: engine_pb2.StopProfileRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> engine_pb2.StopProfileResponse:
+        try:
+            await self.engine.call(lambda core: core.stop_profile())
+        except BatonError as e:
+            await context.abort(status_code(e), str(e))
+        return engine_pb2.StopProfileResponse()
 
     async def ReloadWeights(
         self, request: engine_pb2.ReloadWeightsRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -767,6 +787,7 @@ class _Role:
         servicer.release_kv_memory = self.release_kv_memory
         servicer.restore_kv_memory = self.restore_kv_memory
         servicer.on_sleep_level = self.metrics.record_sleep_level
+        servicer.profile_prefix = self.worker_id.replace(":", "-")
 
     def release_kv_memory(self) -> None:
         """Sleep mode: the KV transfer lets go of the engine's pool (when it registered the

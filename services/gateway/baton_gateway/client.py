@@ -424,6 +424,15 @@ class WorkerPool:
         request = engine_pb2.PauseRequest(mode=mode, clear_cache=clear_cache)
         await self._on_every_worker("Pause", request, ("Resume", engine_pb2.ResumeRequest()))
 
+    async def profile(self, start: bool) -> None:
+        """Start (or stop) every worker's profiler (``--profiler-config``); a refusal (profiling
+        off, started twice) raises, the workers that started stop again."""
+        if start:
+            request, undo = engine_pb2.StartProfileRequest(), engine_pb2.StopProfileRequest()
+            await self._on_every_worker("StartProfile", request, ("StopProfile", undo))
+        else:
+            await self._on_every_worker("StopProfile", engine_pb2.StopProfileRequest())
+
     async def resume(self) -> None:
         await self._on_every_worker("Resume", engine_pb2.ResumeRequest())
 

@@ -540,6 +540,17 @@ def create_app(config: GatewayConfig, tokenizer: Any) -> FastAPI:
             text = f"Success: LoRA adapter '{body.lora_name}' removed successfully."
             return Response(text, media_type="text/plain")
 
+    # vLLM's, for workers run with --profiler-config (the others refuse: a 400)
+    @app.post("/start_profile")
+    async def start_profile() -> Response:
+        await state.pipeline.pool.profile(True)
+        return Response(status_code=200)
+
+    @app.post("/stop_profile")
+    async def stop_profile() -> Response:
+        await state.pipeline.pool.profile(False)
+        return Response(status_code=200)
+
     if config.dev_mode:
 
         @app.post("/reset_prefix_cache")

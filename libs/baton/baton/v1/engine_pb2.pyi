@@ -260,6 +260,24 @@ class IsPausedResponse(_message.Message):
     is_paused: bool
     def __init__(self, is_paused: bool = ...) -> None: ...
 
+class StartProfileRequest(_message.Message):
+    __slots__ = ("prefix",)
+    PREFIX_FIELD_NUMBER: _ClassVar[int]
+    prefix: str
+    def __init__(self, prefix: _Optional[str] = ...) -> None: ...
+
+class StartProfileResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StopProfileRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StopProfileResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class ReloadWeightsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -109,6 +109,16 @@ class DecodeServiceStub(object):
                 request_serializer=baton_dot_v1_dot_engine__pb2.IsPausedRequest.SerializeToString,
                 response_deserializer=baton_dot_v1_dot_engine__pb2.IsPausedResponse.FromString,
                 _registered_method=True)
+        self.StartProfile = channel.unary_unary(
+                '/baton.v1.DecodeService/StartProfile',
+                request_serializer=baton_dot_v1_dot_engine__pb2.StartProfileRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_engine__pb2.StartProfileResponse.FromString,
+                _registered_method=True)
+        self.StopProfile = channel.unary_unary(
+                '/baton.v1.DecodeService/StopProfile',
+                request_serializer=baton_dot_v1_dot_engine__pb2.StopProfileRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_engine__pb2.StopProfileResponse.FromString,
+                _registered_method=True)
         self.ReloadWeights = channel.unary_unary(
                 '/baton.v1.DecodeService/ReloadWeights',
                 request_serializer=baton_dot_v1_dot_engine__pb2.ReloadWeightsRequest.SerializeToString,
@@ -233,6 +243,21 @@ class DecodeServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StartProfile(self, request, context):
+        """vLLM's profiling (a worker run with --profiler-config): record the engine's steps, every
+        rank's, until StopProfile writes the traces. Profiling off, or started twice, or stopped
+        while not started: INVALID_ARGUMENT.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StopProfile(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ReloadWeights(self, request, context):
         """Read the weights again from the model's files, in place (vLLM's collective_rpc
         "reload_weights"; the prefix cache is forgotten). Busy, or the weights asleep or packed for
@@ -319,6 +344,16 @@ def add_DecodeServiceServicer_to_server(servicer, server):
                     servicer.IsPaused,
                     request_deserializer=baton_dot_v1_dot_engine__pb2.IsPausedRequest.FromString,
                     response_serializer=baton_dot_v1_dot_engine__pb2.IsPausedResponse.SerializeToString,
+            ),
+            'StartProfile': grpc.unary_unary_rpc_method_handler(
+                    servicer.StartProfile,
+                    request_deserializer=baton_dot_v1_dot_engine__pb2.StartProfileRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_engine__pb2.StartProfileResponse.SerializeToString,
+            ),
+            'StopProfile': grpc.unary_unary_rpc_method_handler(
+                    servicer.StopProfile,
+                    request_deserializer=baton_dot_v1_dot_engine__pb2.StopProfileRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_engine__pb2.StopProfileResponse.SerializeToString,
             ),
             'ReloadWeights': grpc.unary_unary_rpc_method_handler(
                     servicer.ReloadWeights,
@@ -742,6 +777,60 @@ class DecodeService(object):
             _registered_method=True)
 
     @staticmethod
+    def StartProfile(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.DecodeService/StartProfile',
+            baton_dot_v1_dot_engine__pb2.StartProfileRequest.SerializeToString,
+            baton_dot_v1_dot_engine__pb2.StartProfileResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StopProfile(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.DecodeService/StopProfile',
+            baton_dot_v1_dot_engine__pb2.StopProfileRequest.SerializeToString,
+            baton_dot_v1_dot_engine__pb2.StopProfileResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def ReloadWeights(request,
             target,
             options=(),
@@ -843,6 +932,16 @@ class PrefillServiceStub(object):
                 request_serializer=baton_dot_v1_dot_engine__pb2.IsPausedRequest.SerializeToString,
                 response_deserializer=baton_dot_v1_dot_engine__pb2.IsPausedResponse.FromString,
                 _registered_method=True)
+        self.StartProfile = channel.unary_unary(
+                '/baton.v1.PrefillService/StartProfile',
+                request_serializer=baton_dot_v1_dot_engine__pb2.StartProfileRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_engine__pb2.StartProfileResponse.FromString,
+                _registered_method=True)
+        self.StopProfile = channel.unary_unary(
+                '/baton.v1.PrefillService/StopProfile',
+                request_serializer=baton_dot_v1_dot_engine__pb2.StopProfileRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_engine__pb2.StopProfileResponse.FromString,
+                _registered_method=True)
         self.ReloadWeights = channel.unary_unary(
                 '/baton.v1.PrefillService/ReloadWeights',
                 request_serializer=baton_dot_v1_dot_engine__pb2.ReloadWeightsRequest.SerializeToString,
@@ -932,6 +1031,18 @@ class PrefillServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StartProfile(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StopProfile(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ReloadWeights(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -1005,6 +1116,16 @@ def add_PrefillServiceServicer_to_server(servicer, server):
                     servicer.IsPaused,
                     request_deserializer=baton_dot_v1_dot_engine__pb2.IsPausedRequest.FromString,
                     response_serializer=baton_dot_v1_dot_engine__pb2.IsPausedResponse.SerializeToString,
+            ),
+            'StartProfile': grpc.unary_unary_rpc_method_handler(
+                    servicer.StartProfile,
+                    request_deserializer=baton_dot_v1_dot_engine__pb2.StartProfileRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_engine__pb2.StartProfileResponse.SerializeToString,
+            ),
+            'StopProfile': grpc.unary_unary_rpc_method_handler(
+                    servicer.StopProfile,
+                    request_deserializer=baton_dot_v1_dot_engine__pb2.StopProfileRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_engine__pb2.StopProfileResponse.SerializeToString,
             ),
             'ReloadWeights': grpc.unary_unary_rpc_method_handler(
                     servicer.ReloadWeights,
@@ -1363,6 +1484,60 @@ class PrefillService(object):
             '/baton.v1.PrefillService/IsPaused',
             baton_dot_v1_dot_engine__pb2.IsPausedRequest.SerializeToString,
             baton_dot_v1_dot_engine__pb2.IsPausedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StartProfile(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.PrefillService/StartProfile',
+            baton_dot_v1_dot_engine__pb2.StartProfileRequest.SerializeToString,
+            baton_dot_v1_dot_engine__pb2.StartProfileResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StopProfile(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.PrefillService/StopProfile',
+            baton_dot_v1_dot_engine__pb2.StopProfileRequest.SerializeToString,
+            baton_dot_v1_dot_engine__pb2.StopProfileResponse.FromString,
             options,
             channel_credentials,
             insecure,

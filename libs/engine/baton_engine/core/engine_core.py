@@ -36,6 +36,7 @@ from baton_engine.model_files import load_named_tokenizer, load_tokenizer
 from baton_engine.model_loader import dequantized_fp8, iter_weights, resolve_model
 from baton_engine.models.llama import FP8_LINEAR, shard_config
 from baton_engine.pooling_params import PoolerConfig, PoolingParams
+from baton_engine.profiler import StepProfiler
 from baton_engine.request import Request, RequestStatus
 from baton_engine.runner.model_runner import ModelRunner, StepHandle
 from baton_engine.sampling_params import SamplingParams
@@ -601,6 +602,8 @@ class EngineCore:
             self.load_tokenizer()  # (a bad --tokenizer fails the start, not a later request)
         self.structured = StructuredOutputManager(self.load_tokenizer, self.model_config.vocab_size)
         self._export: _KVExport | None = None  # see enable_kv_export
+        profiler = config.profiler()  # (--profiler-config; None: off)
+        self.profiler = StepProfiler(profiler, self.runner.device) if profiler.profiler else None
         self.sleep_level = 0  # sleep mode: the level asleep, 0 awake (sleep, wake_up)
         self.async_scheduling = config.resolved_async_scheduling()
         # async scheduling: the step launched last, reported by the next call to step()
@@ -1256,6 +1259,40 @@ class EngineCore:
         waits only for step N's sampled tokens. A step whose requests need their previous
         tokens on the host (penalties, logprobs, structured output) waits for them before it
         is launched."""
+        profiler = self.profiler
+        if profiler is None or not profiler.running:
+            return self._step()
+        with profiler.step("engine_step"):
+            return self._step()
+
+    # --- profiling (vLLM's start_profile / stop_profile) ---------------------------------------
+
+    def start_profile(self, prefix: str | None = None) -> None:
+        """Record the steps from now on, on every rank (``--profiler-config``; ``prefix``
+        starts the traces' names)."""
+        self._check_profiler().start(prefix)  # (first: the helpers follow rank 0's state)
+        if self._tp is not None:
+            with self._ranks_checked():
+                self._tp.profile(True, prefix)
+
+    def stop_profile(self) -> None:
+        """Stop recording and write each rank's trace (seconds for long recordings)."""
+        self._check_profiler().stop()
+        if self._tp is not None:
+            with self._ranks_checked():
+                self._tp.profile(False)
+                distributed.all_reduce(torch.zeros(1, device=self.runner.device))  # (written)
+
+    def _check_profiler(self) -> StepProfiler:
+        if self.profiler is None:
+            raise InvalidRequestError(
+                "profiling is off: start the engine with a profiler_config "
+                '(--profiler-config \'{"profiler": "torch", "torch_profiler_dir": DIR}\', or '
+                "$VLLM_TORCH_PROFILER_DIR)"
+            )
+        return self.profiler
+
+    def _step(self) -> list[EngineCoreOutput]:
         so = self.scheduler.schedule()
         self.last_step_tokens = (so.total_num_scheduled_tokens, so.num_steps)
         outputs: list[EngineCoreOutput] = []
