@@ -65,8 +65,8 @@ def test_the_steps_between_start_and_stop_land_in_a_trace(
     default_model_dir: Path, tmp_path: Path
 ) -> None:
     """Every step of a generation between ``start_profile`` and ``stop_profile`` is in one
-    gzipped Chrome trace named after the prefix, beside a table of the ops; nothing is
-    recorded outside; a stop without a start, or a second start, is an error."""
+    gzipped Chrome trace named after the prefix (vLLM's defaults: Python stacks too); nothing
+    is recorded outside; a stop without a start, or a second start, is an error."""
     folder = tmp_path / "traces"
     llm = make_llm(default_model_dir, {"profiler": "torch", "torch_profiler_dir": str(folder)})
     llm.generate(["Warm up"], PARAMS)
@@ -80,7 +80,6 @@ def test_the_steps_between_start_and_stop_land_in_a_trace(
     llm.generate(["Not recorded"], PARAMS)
     (trace,) = folder.glob("unit-rank0-*.pt.trace.json.gz")
     assert PARAMS.max_tokens <= steps_in(trace) <= PARAMS.max_tokens + 2
-    assert "Self CPU" in (folder / "profiler_out_0.txt").read_text()
     assert len(list(folder.glob("*.pt.trace.json*"))) == 1
 
 
@@ -101,6 +100,7 @@ def test_delay_and_max_iterations_bound_the_recording(
     (trace,) = tmp_path.glob("rank0-*.pt.trace.json")
     llm.stop_profile()
     assert steps_in(trace) == 3
+    assert "Self CPU" in (tmp_path / "profiler_out_0.txt").read_text()  # (the ops' table)
 
 
 def test_profiling_off_is_a_clear_error(default_model_dir: Path) -> None:

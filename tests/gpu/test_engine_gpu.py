@@ -728,7 +728,11 @@ def test_the_profiler_records_the_gpus_kernels(tmp_path: Path) -> None:
 
     (tmp_path / "config.json").write_text(json.dumps(CONFIG))
     traces = tmp_path / "traces"
-    profiler = {"profiler": "torch", "torch_profiler_dir": str(traces)}
+    profiler = {
+        "profiler": "torch",
+        "torch_profiler_dir": str(traces),
+        "torch_profiler_with_stack": False,  # (torch's table parse fails at times with stacks)
+    }
     core = _core(tmp_path, max_model_len=256, max_num_seqs=8, profiler_config=profiler)
     greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     core.start_profile("gpu")

@@ -22,11 +22,12 @@ import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, fields
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from baton_engine.errors import InvalidRequestError
+
+if TYPE_CHECKING:  # (the gateway reads ProfilerConfig's flags without torch installed)
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -141,6 +142,8 @@ class StepProfiler:
     @contextlib.contextmanager
     def step(self, what: str) -> Iterator[None]:
         """One engine step (``what``: its annotation in the trace)."""
+        import torch
+
         config = self.config
         if not self._recording and not self._done and self._steps >= config.delay_iterations:
             self._begin()
@@ -157,6 +160,8 @@ class StepProfiler:
             self._done = True
 
     def _begin(self) -> None:
+        import torch
+
         self._recording = True
         config = self.config
         if config.profiler == "cuda":
@@ -189,6 +194,8 @@ class StepProfiler:
 
     def _end(self) -> None:
         """Stop recording and write what was recorded (once)."""
+        import torch
+
         if not self._recording:
             return
         self._recording = False
@@ -201,6 +208,15 @@ class StepProfiler:
         prof.stop()  # (writes the trace: on_trace_ready)
         if config.torch_profiler_dump_cuda_time_total:
             key = "self_device_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
+            try:
+                table = prof.key_averages().table(sort_by=key, row_limit=-1)
+            except UnicodeDecodeError as e:  # (torch's parse of Python frames, at times)
+                logger.warning(
+                    "no table of the ops (%s); the trace is written. "
+                    '"torch_profiler_with_stack": false avoids this',
+                    e,
+                )
+                return
             path = os.path.join(config.folder, f"profiler_out_{self.rank}.txt")
             with open(path, "w") as f:
-                f.write(prof.key_averages().table(sort_by=key, row_limit=-1))
+                f.write(table)
