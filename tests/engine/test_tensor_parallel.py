@@ -91,13 +91,14 @@ def test_two_ranks_split_a_draft_model_as_the_model(default_model_dir: Path, tmp
 def test_two_ranks_sleep_wake_and_profile_as_one(default_model_dir: Path, tmp_path: Path):
     """Sleep mode split two ways: every rank drops its weights and KV (level 2) and reads its
     shard again on waking; the tokens after are one process's. Profiled, each rank writes
-    its own trace."""
+    its own trace. Prompts given as their tokens' embeddings (every rank writes the rows over
+    its inputs) generate the tokens' outputs."""
     build_model("llama", default_model_dir, tmp_path)
     want = greedy_tokens(tmp_path, PROMPTS, 12, kv_cache_memory=1 << 24)
     traces = tmp_path / "traces"
     llm = LLM(
         str(tmp_path), dtype="float32", max_model_len=512, kv_cache_memory=1 << 24,
-        tensor_parallel_size=2, enable_sleep_mode=True,
+        tensor_parallel_size=2, enable_sleep_mode=True, enable_prompt_embeds=True,
         profiler_config={"profiler": "torch", "torch_profiler_dir": str(traces)},
     )  # fmt: skip
     try:
@@ -116,6 +117,10 @@ def test_two_ranks_sleep_wake_and_profile_as_one(default_model_dir: Path, tmp_pa
         llm.stop_profile()
         names = sorted(p.name.split("-")[0] for p in traces.glob("*.pt.trace.json.gz"))
         assert names == ["rank0", "rank1"], names
+        table = llm.engine.core.runner.model.embed_tokens.weight.detach()
+        embeds = [{"prompt_embeds": table[p]} for p in PROMPTS]
+        outs = llm.generate(embeds, greedy, use_tqdm=False)
+        assert [list(o.outputs[0].token_ids) for o in outs] == want
     finally:
         llm.shutdown()
 

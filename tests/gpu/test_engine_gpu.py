@@ -754,3 +754,46 @@ def test_the_profiler_records_the_gpus_kernels(tmp_path: Path) -> None:
     core.stop_profile()
     del core
     _release_memory()
+
+
+def test_prompt_embeddings_on_the_gpus_defaults(tmp_path: Path) -> None:
+    """Prompts given as their tokens' embeddings on the GPU's defaults (Triton, decode graphs,
+    piecewise prompt graphs, async scheduling; a step with embeddings runs eagerly): the
+    tokens' outputs, also for prompts of one and two rows added while the others decode (a
+    step of one token a request, which would otherwise replay a decode graph)."""
+    from baton_engine.sampling_params import SamplingParams
+
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    core = _core(
+        tmp_path, max_model_len=1024, max_num_seqs=24, max_num_batched_tokens=64,
+        enable_prompt_embeds=True, enable_prefix_caching=False,
+    )  # fmt: skip
+    table = core.runner.model.embed_tokens.weight.detach().float().cpu()
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, 4000, (n,), generator=g).tolist() for n in (9, 40, 100, 7, 33)]
+    late = [[17], [23, 99]]
+
+    def run(tag: str, embeds: bool) -> dict[str, list[int]]:
+        def add(i: int, prompt: list[int]) -> None:
+            if embeds and i % 2 == 0:
+                core.add_request(f"{tag}{i}", [], params, prompt_embeds=table[prompt])
+            else:
+                core.add_request(f"{tag}{i}", prompt, params)
+
+        for i, prompt in enumerate(prompts):
+            add(i, prompt)
+        tokens: dict[str, list[int]] = {}
+        for _ in range(6):  # (every prompt computed: decodes)
+            for out in core.step():
+                tokens.setdefault(out.req_id[1:], []).extend(out.new_token_ids)
+        for i, prompt in enumerate(late):
+            add(len(prompts) + 1 + 2 * i, prompt)  # (even: embeddings)
+        for req_id, more in _drain(core).items():
+            tokens.setdefault(req_id[1:], []).extend(more)
+        return tokens
+
+    want = run("t", embeds=False)
+    assert core.runner.graphs is not None and core.runner.graphs.num_steps
+    assert run("e", embeds=True) == want
+    assert all(len(t) == 24 for t in want.values()) and len(want) == 7

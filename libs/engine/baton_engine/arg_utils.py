@@ -43,6 +43,9 @@ _HELP = {
     "enable_sleep_mode": "let an idle engine give its device memory back (vLLM's sleep mode: "
     "POST /sleep?level=1 copies the weights to host memory, level=2 drops them; both drop the "
     "KV cache; POST /wake_up takes it back)",
+    "enable_prompt_embeds": "accept prompts given as the model's input embeddings (vLLM's "
+    "prompt_embeds: a base64 torch.save tensor [prompt length, hidden size] in /v1/completions, "
+    "{'prompt_embeds': tensor} offline) instead of tokens",
     "disable_sliding_window": "attend fully in the model's sliding-window layers, serving "
     "sequences up to the window's length (vLLM's)",
     "async_scheduling": "schedule the next step while the device runs this one (default: on "

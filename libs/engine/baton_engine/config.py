@@ -746,6 +746,8 @@ class EngineConfig:
     enable_sleep_mode: bool = False
     # vLLM's: the sliding-window layers attend fully, and sequences are served up to the window
     disable_sliding_window: bool = False
+    # vLLM's: prompts may come as input embeddings (prompt_embeds) instead of tokens
+    enable_prompt_embeds: bool = False
     # Schedule and launch step N+1 while step N runs on the device (its sampled tokens reach
     # the host one step later). None: on for GPUs, where it hides the host's per-step work;
     # off on CPUs, where the forward pass itself runs on the host.

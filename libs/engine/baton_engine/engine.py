@@ -10,6 +10,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import torch
+
 from baton_engine.config import EngineConfig
 from baton_engine.core.engine_core import EngineCore
 from baton_engine.core.outputs import EngineCoreOutput, TokenLogprobs
@@ -63,7 +65,7 @@ class LLMEngine:
     def add_request(
         self,
         request_id: str,
-        prompt: str | Sequence[int],
+        prompt: str | Sequence[int] | torch.Tensor,
         params: SamplingParams | PoolingParams,
         prompt_token_ids: Sequence[int] | None = None,
         priority: int = 0,
@@ -71,7 +73,8 @@ class LLMEngine:
         cache_salt: str | None = None,
     ) -> None:
         """Queue a request; ``prompt_token_ids``, when given, is the already-encoded ``prompt``
-        (``params.truncate_prompt_tokens`` keeps its last tokens).
+        (``params.truncate_prompt_tokens`` keeps its last tokens). A tensor ``prompt`` is the
+        prompt's input embeddings (vLLM's ``prompt_embeds``; ``enable_prompt_embeds``).
         ``priority`` (lower first) needs ``scheduling_policy="priority"``; siblings share it,
         ``lora_request`` (a LoRA adapter; the engine needs ``enable_lora``) and ``cache_salt``
         (vLLM's: prefix-cache blocks are shared only with requests of the same salt).
@@ -82,7 +85,10 @@ class LLMEngine:
         if self.core.is_paused():  # (offline, a held request would wait forever)
             raise EngineSleepingError("the engine is paused (sleep level 0): wake_up() first")
         text = prompt if isinstance(prompt, str) else None
-        if prompt_token_ids is not None:
+        embeds = None
+        if isinstance(prompt, torch.Tensor):
+            embeds, token_ids = truncate_embeds(prompt, params, self.max_model_len), []
+        elif prompt_token_ids is not None:
             token_ids = list(prompt_token_ids)
         else:
             token_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -95,11 +101,12 @@ class LLMEngine:
                 priority=priority,
                 lora_request=lora_request,
                 cache_salt=cache_salt,
+                prompt_embeds=embeds,
             )
             self._embeddings[request_id] = token_ids
             return
         params = self.tokenize_bad_words(params)
-        self.core.validate_request(token_ids, params, priority, lora_request)
+        self.core.validate_request(token_ids, params, priority, lora_request, embeds)
         state = _RequestState(RequestOutput(request_id, text, token_ids))
         for i in range(params.n):
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
@@ -115,6 +122,7 @@ class LLMEngine:
                 priority=priority,
                 lora_request=lora_request,
                 cache_salt=cache_salt,
+                prompt_embeds=embeds,
             )
             detok = None
             if params.detokenize:
@@ -234,3 +242,14 @@ class LLMEngine:
                 value, lp.rank if rank == 0 else rank, self.tokenizer.decode([token_id])
             )
         return entries
+
+
+def truncate_embeds(
+    embeds: torch.Tensor, params: SamplingParams | PoolingParams, max_model_len: int
+) -> torch.Tensor:
+    """``truncate_prompt`` for a prompt given as embeddings: its last rows."""
+    keep = params.truncate_prompt_tokens
+    if keep is None or embeds.dim() < 2:
+        return embeds
+    keep = max_model_len if keep == -1 else keep
+    return embeds[..., -keep:, :]

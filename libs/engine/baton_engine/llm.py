@@ -5,15 +5,16 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any, NotRequired, TypedDict, TypeVar
+from typing import Any, Literal, NotRequired, TypedDict, TypeVar, overload
 
+import torch
 from tqdm.auto import tqdm
 
 from baton_engine import beam_search
 from baton_engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from baton_engine.config import EngineConfig
 from baton_engine.core.engine_core import check_pause_mode
-from baton_engine.engine import LLMEngine
+from baton_engine.engine import LLMEngine, truncate_embeds
 from baton_engine.errors import InvalidRequestError
 from baton_engine.lora import LoRARequest
 from baton_engine.model_files import generation_defaults
@@ -48,7 +49,14 @@ class TextPrompt(TypedDict):
     cache_salt: NotRequired[str]
 
 
-PromptType = str | TextPrompt | TokensPrompt
+class EmbedsPrompt(TypedDict):
+    # the prompt's input embeddings, [length, hidden size] (the engine needs
+    # enable_prompt_embeds; generate only)
+    prompt_embeds: torch.Tensor
+    cache_salt: NotRequired[str]
+
+
+PromptType = str | TextPrompt | TokensPrompt | EmbedsPrompt
 _P = TypeVar("_P", SamplingParams, PoolingParams)
 LoRAArg = LoRARequest | Sequence[LoRARequest | None] | None
 ChatMessages = list[dict[str, Any]]
@@ -113,7 +121,7 @@ class LLM:
         ``scheduling_policy="priority"`` (lower is served first), as in vLLM."""
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        prompt_list = _prompt_list(prompts)
+        prompt_list = _prompt_list(prompts, embeds_ok=True)
         params = _params_list(sampling_params, SamplingParams, len(prompt_list))
         salts = _salt_list(prompts)
         outputs = self._run(prompt_list, params, use_tqdm, priority, lora_request, salts)
@@ -462,7 +470,7 @@ class LLM:
 
     def _run(
         self,
-        prompts: list[str | list[int]],
+        prompts: Sequence[str | list[int] | torch.Tensor],
         given: Sequence[SamplingParams | PoolingParams],
         use_tqdm: bool,
         priority: Sequence[int] | None = None,
@@ -483,14 +491,23 @@ class LLM:
         # Validate everything first so one bad prompt does not leave others half-submitted.
         encoded = [
             truncate_prompt(
-                engine.encode(p) if isinstance(p, str) else p,
+                []
+                if isinstance(p, torch.Tensor)
+                else engine.encode(p)
+                if isinstance(p, str)
+                else p,
                 sp.truncate_prompt_tokens,
                 engine.max_model_len,
             )
             for p, sp in zip(prompts, params, strict=True)
         ]
-        for token_ids, sp, prio, lora in zip(encoded, params, priorities, loras, strict=True):
-            engine.core.validate_request(token_ids, sp, prio, lora)
+        for p, token_ids, sp, prio, lora in zip(
+            prompts, encoded, params, priorities, loras, strict=True
+        ):
+            embeds = None
+            if isinstance(p, torch.Tensor):
+                embeds = truncate_embeds(p, sp, engine.max_model_len)
+            engine.core.validate_request(token_ids, sp, prio, lora, embeds)
         ids = [str(next(self._counter)) for _ in prompts]
         salts = [None] * len(prompts) if cache_salts is None else cache_salts
         for req_id, prompt, token_ids, sp, prio, lora, salt in zip(
@@ -519,7 +536,7 @@ class LLM:
         return [results[i] for i in ids]
 
 
-_PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "cache_salt"})
+_PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "prompt_embeds", "cache_salt"})
 
 
 def _salt_list(prompts: PromptType | Sequence[PromptType]) -> list[str | None]:
@@ -532,12 +549,27 @@ def _salt_list(prompts: PromptType | Sequence[PromptType]) -> list[str | None]:
     return salts
 
 
-def _prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[str | list[int]]:
-    """Prompts as text or token ids, however given (one or many; strings, TextPrompt or
-    TokensPrompt dicts, as vLLM takes them)."""
+@overload
+def _prompt_list(
+    prompts: PromptType | Sequence[PromptType], embeds_ok: Literal[False] = False
+) -> list[str | list[int]]: ...
+
+
+@overload
+def _prompt_list(
+    prompts: PromptType | Sequence[PromptType], embeds_ok: bool
+) -> list[str | list[int] | torch.Tensor]: ...
+
+
+def _prompt_list(
+    prompts: PromptType | Sequence[PromptType], embeds_ok: bool = False
+) -> list[str | list[int] | torch.Tensor] | list[str | list[int]]:
+    """Prompts as text, token ids or (``embeds_ok``: generate) input embeddings, however given
+    (one or many; strings, TextPrompt, TokensPrompt or EmbedsPrompt dicts, as vLLM takes
+    them)."""
     if isinstance(prompts, str | dict):
         prompts = [prompts]
-    out: list[str | list[int]] = []
+    out: list[str | list[int] | torch.Tensor] = []
     for given in prompts:
         p: Any = given  # (a TypedDict: its keys are checked here)
         if isinstance(p, dict) and p.keys() - _PROMPT_KEYS:
@@ -549,12 +581,20 @@ def _prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[str | list[
             out.append(p)
         elif isinstance(p, dict) and "prompt_token_ids" in p:
             out.append(list(p["prompt_token_ids"]))
+        elif isinstance(p, dict) and "prompt_embeds" in p:
+            if not embeds_ok:
+                raise InvalidRequestError("prompt_embeds are for generate() only")
+            if not isinstance(p["prompt_embeds"], torch.Tensor):
+                raise InvalidRequestError(
+                    "prompt_embeds must be a torch.Tensor, got " + type(p["prompt_embeds"]).__name__
+                )
+            out.append(p["prompt_embeds"])
         elif isinstance(p, dict) and isinstance(p.get("prompt"), str):
             out.append(p["prompt"])
         else:
             raise InvalidRequestError(
-                "a prompt is a string, {'prompt': '...'} or {'prompt_token_ids': [...]}, got "
-                + type(p).__name__
+                "a prompt is a string, {'prompt': '...'}, {'prompt_token_ids': [...]} or "
+                "{'prompt_embeds': tensor}, got " + type(p).__name__
             )
     return out
 

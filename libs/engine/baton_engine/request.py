@@ -12,6 +12,8 @@ from baton_engine.pooling_params import PoolingParams
 from baton_engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    import torch
+
     from baton_engine.structured_output import Grammar
 
 
@@ -93,6 +95,11 @@ class Request:
     # scheduler's update) and bounds the next (the engine's bitmask); the request ends when
     # the grammar does.
     grammar: Grammar | None = None
+    # vLLM's prompt embeddings ([prompt length, hidden], the model's dtype, on the host): the
+    # prompt's inputs instead of its tokens' embeddings. Its ``prompt_token_ids`` are then ids
+    # of the rows (``prompt_embeds.row_ids``: negative, never a token) that its blocks are
+    # hashed from; it speculates no drafts and has no prompt logprobs.
+    prompt_embeds: torch.Tensor | None = None
     # prompt_logprobs[i] is prompt token i + 1's (filled chunk by chunk, sent with token 1)
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     # Set by the KV cache manager: a step whose computed tokens end at or below this needs no
@@ -132,13 +139,17 @@ class Request:
         self.stop_ids = frozenset((*eos, *sp.stop_token_ids))
         self.multi_step = (
             plain
+            and self.prompt_embeds is None  # (a pass's input is its last token's embedding)
             and sp.presence_penalty == 0.0
             and sp.frequency_penalty == 0.0
             and sp.repetition_penalty == 1.0
             and not sp.bad_words_token_ids
         )
         self.speculative = (
-            not self.prefill_only and self.pooling is None and sp.prompt_logprobs is None
+            not self.prefill_only
+            and self.pooling is None
+            and sp.prompt_logprobs is None
+            and self.prompt_embeds is None
         )
 
     @property

@@ -253,7 +253,6 @@ ENGINE_FLAGS: tuple[VllmFlag, ...] = (
         "enable_prompt_adapter", "prompt adapters are not supported", False, bool, _one_of(False)
     ),
     VllmFlag("max_prompt_adapters", "prompt adapters are not supported", 1, int),
-    VllmFlag("enable_prompt_embeds", "prompts are token ids or text", False, bool, _one_of(False)),
     VllmFlag(
         "logits_processors", "custom logits processors are not supported", accepts=_one_of(None)
     ),

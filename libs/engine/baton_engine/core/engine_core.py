@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from baton_engine import distributed
+from baton_engine import prompt_embeds as embeds
 from baton_engine.config import EngineConfig, ModelConfig, SpeculativeConfig, parse_dtype
 from baton_engine.core import gpu_lock
 from baton_engine.core.outputs import EngineCoreOutput, GrammarBitmask, KVLoad, SchedulerOutput
@@ -659,6 +660,7 @@ class EngineCore:
         params: SamplingParams | PoolingParams,
         priority: int = 0,
         lora_request: LoRARequest | None = None,
+        prompt_embeds: torch.Tensor | None = None,
     ) -> None:
         """Raise ``InvalidRequestError`` for a request ``add_request`` would refuse (reading its
         LoRA adapter, if it names one not read yet)."""
@@ -666,6 +668,8 @@ class EngineCore:
         if lora_request is not None:
             self._adapter(lora_request)
         n = len(prompt_token_ids)
+        if prompt_embeds is not None:
+            n = self._check_prompt_embeds(prompt_token_ids, prompt_embeds, params)
         if n == 0:
             raise InvalidRequestError("the prompt is empty")
         runner = self.config.runner
@@ -702,7 +706,7 @@ class EngineCore:
                 "(at least one token must be left to generate)"
             )
         for what, ids in (
-            ("token id", prompt_token_ids),
+            ("token id", prompt_token_ids if prompt_embeds is None else ()),
             ("logit_bias token id", params.logit_bias or ()),
             ("allowed_token_ids token id", params.allowed_token_ids or ()),
             ("bad_words token id", [t for seq in params.bad_words_token_ids or () for t in seq]),
@@ -793,6 +797,38 @@ class EngineCore:
                 "activation applies to sequence-classification models only (this model embeds)"
             )
 
+    def embeds_prompt(self, prompt_embeds: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+        """A prompt given as input embeddings as the engine keeps it ([length, hidden size],
+        the model's dtype, on the host) and its rows' ids (``prompt_embeds.row_ids``: what its
+        blocks are hashed from). Raises InvalidRequestError."""
+        checked = self._checked_embeds(prompt_embeds)
+        return checked, embeds.row_ids(checked)
+
+    def _checked_embeds(self, prompt_embeds: torch.Tensor) -> torch.Tensor:
+        if not self.config.enable_prompt_embeds:
+            raise InvalidRequestError(
+                "prompt_embeds are off: start the engine with --enable-prompt-embeds "
+                "(enable_prompt_embeds=True)"
+            )
+        return embeds.checked(prompt_embeds, self.model_config.hidden_size, self.dtype)
+
+    def _check_prompt_embeds(
+        self,
+        prompt_token_ids: Sequence[int],
+        prompt_embeds: torch.Tensor,
+        params: SamplingParams | PoolingParams,
+    ) -> int:
+        """The length of a prompt given as embeddings (``prompt_token_ids``: none, or their
+        rows' ids), or InvalidRequestError."""
+        if isinstance(params, PoolingParams):
+            raise InvalidRequestError("prompt_embeds are for generation, not embeddings")
+        if params.prompt_logprobs is not None:  # (vLLM's words)
+            raise InvalidRequestError("prompt_logprobs is not compatible with prompt embeds")
+        checked = self._checked_embeds(prompt_embeds)
+        if prompt_token_ids and len(prompt_token_ids) != len(checked):
+            raise InvalidRequestError("a prompt is either token ids or prompt_embeds")
+        return len(checked)
+
     def _validate_embedding(self, prompt_token_ids: Sequence[int], params: PoolingParams) -> None:
         n = len(prompt_token_ids)
         if n > self.max_model_len:  # (nothing is generated: the whole context is the prompt's)
@@ -831,11 +867,14 @@ class EngineCore:
         priority: int = 0,
         lora_request: LoRARequest | None = None,
         cache_salt: str | None = None,
+        prompt_embeds: torch.Tensor | None = None,
     ) -> None:
         """Queue a request, with the LoRA adapter ``lora_request`` if given. ``priority`` ranks
         it under ``scheduling_policy="priority"`` (lower is served first); any other value than
         0 is refused under ``fcfs``. ``cache_salt`` (vLLM's): the request shares prefix-cache
-        blocks only with requests of the same salt.
+        blocks only with requests of the same salt. ``prompt_embeds`` (``enable_prompt_embeds``):
+        the prompt as input embeddings ([length, hidden size]), with no ``prompt_token_ids`` or
+        the rows' ids ``embeds_prompt`` gave (a worker hashes them before it queues).
 
         An embedding request (``PoolingParams``) ends once its prompt is computed: its one
         output has ``pooled`` set (and a token, sampled greedily, that is no output).
@@ -847,7 +886,11 @@ class EngineCore:
         ``finish_kv_load``) and then generate from its second token on.
         """
         self.check_awake()
-        self.validate_request(prompt_token_ids, params, priority, lora_request)
+        self.validate_request(prompt_token_ids, params, priority, lora_request, prompt_embeds)
+        if prompt_embeds is not None and not prompt_token_ids:
+            prompt_embeds, prompt_token_ids = self.embeds_prompt(prompt_embeds)
+        elif prompt_embeds is not None:  # (their rows' ids, from embeds_prompt)
+            prompt_embeds = self._checked_embeds(prompt_embeds)
         if req_id in self.scheduler.requests:
             raise InvalidRequestError(f"request id {req_id!r} is already in use")
         if (remote_kv is None) != (first_token_id is None):
@@ -889,6 +932,7 @@ class EngineCore:
                 pooling=pooling,
                 lora_name=None if lora_request is None else lora_request.lora_name,
                 cache_salt=cache_salt or None,
+                prompt_embeds=prompt_embeds,
             )
         )
 

@@ -29,6 +29,7 @@ class NewRequestData:
     lora_name: str | None = None  # its LoRA adapter (None: the base model)
     # the first position whose KV was pulled from another worker (Request.remote_kv_from)
     remote_kv_from: int | None = None
+    prompt_embeds: torch.Tensor | None = None  # Request.prompt_embeds (on the host)
 
 
 class CachedRequestData(NamedTuple):

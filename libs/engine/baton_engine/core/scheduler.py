@@ -473,6 +473,7 @@ class Scheduler:
                     pooling=request.pooling,
                     lora_name=request.lora_name,
                     remote_kv_from=request.remote_kv_from,
+                    prompt_embeds=request.prompt_embeds,
                 )
             )
             num_scheduled[request.req_id] = num_new

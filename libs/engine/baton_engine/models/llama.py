@@ -547,24 +547,27 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[KVCacheView],  # one per layer
         metadata: AttentionMetadata,
         backend: AttentionBackend,
+        prompt_embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:  # [num_tokens, hidden]
+        """``prompt_embeds``: the token rows whose inputs are given embeddings, and those
+        embeddings (``embed``)."""
         ropes = self.rope_for(positions)
         decode_only = metadata.num_decodes == metadata.num_reqs
         if self.cpu_decode_layers and decode_only and metadata.decode_seq_lens is not None:
-            hidden = self.embed(input_ids)
+            hidden = self.embed(input_ids, prompt_embeds)
             last, stream = self.cpu_decode_layers(hidden, positions, kv_caches, metadata)
             return self.norm.add_forward(last, stream)[0]
         gemv = input_ids.shape[0] <= self.gemv_rows
         if decode_only and (gemv or self.folded_norms):
             # layers that update the residual stream in place (no norm kernel between them)
             layer_forward = DecoderLayer.forward_gemv if gemv else DecoderLayer.forward_folded
-            stream = self.embed(input_ids)
+            stream = self.embed(input_ids, prompt_embeds)
             for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
                 layer = cast(DecoderLayer, layer)
                 rope = ropes[layer.self_attn.rope_index]
                 stream = layer_forward(layer, rope, stream, kv_cache, metadata, backend)
             return self.norm.add_forward(stream, None)[0]
-        x, residual = self.piece(0, input_ids, None)
+        x, residual = self.piece(0, input_ids, None, prompt_embeds)
         for i, kv_cache in enumerate(kv_caches):
             out = self.attend(i, ropes, x, kv_cache, metadata, backend, residual)
             x, residual = self.piece(i + 1, out, residual)
@@ -593,7 +596,11 @@ class LlamaForCausalLM(nn.Module):
         return tuple(ropes)
 
     def piece(
-        self, i: int, x: torch.Tensor, residual: torch.Tensor | None
+        self,
+        i: int,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        prompt_embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Piece ``i`` of ``num_pieces``: from the token ids (``i = 0``) or attention
         ``i - 1``'s output to layer ``i``'s qkv, or (the last) to the final normed hidden
@@ -602,9 +609,9 @@ class LlamaForCausalLM(nn.Module):
         place, and layer ``i``'s qkv is its projection without the norm and the bias, which
         the attention applies (``attend``)."""
         if self.folded_prompts:
-            return self._folded_piece(i, x, residual)
+            return self._folded_piece(i, x, residual, prompt_embeds)
         if i == 0:
-            hidden, residual = self.embed(x), None
+            hidden, residual = self.embed(x, prompt_embeds), None
         else:
             assert residual is not None
             hidden, residual = cast(DecoderLayer, self.layers[i - 1]).post_attention(x, residual)
@@ -613,13 +620,17 @@ class LlamaForCausalLM(nn.Module):
         return cast(DecoderLayer, self.layers[i]).pre_attention(hidden, residual)
 
     def _folded_piece(
-        self, i: int, x: torch.Tensor, stream: torch.Tensor | None
+        self,
+        i: int,
+        x: torch.Tensor,
+        stream: torch.Tensor | None,
+        prompt_embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``piece`` as ``DecoderLayer.forward_folded`` runs a layer: o_proj and down_proj
         add into the stream in their GEMMs, SiLU-and-multiply applies the second norm, and no
         norm kernel runs but the final one."""
         if i == 0:
-            stream = self.embed(x)
+            stream = self.embed(x, prompt_embeds)
         else:
             assert stream is not None
             layer = cast(DecoderLayer, self.layers[i - 1])
@@ -777,14 +788,27 @@ class LlamaForCausalLM(nn.Module):
             layer.triton_experts = True
         return bool(layers)
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def embed(
+        self,
+        input_ids: torch.Tensor,
+        prompt_embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         """The token embeddings (times Granite's ``embedding_multiplier``, or Gemma's
-        sqrt(hidden) rounded to the model's dtype)."""
+        sqrt(hidden) rounded to the model's dtype). ``prompt_embeds`` (rows, values): those
+        rows' inputs are the values instead, as Hugging Face's ``inputs_embeds``: Granite's
+        multiplier scales them, Gemma's scale not (its table's lookup has it, as there)."""
         hidden: torch.Tensor = self.embed_tokens(input_ids)
         multiplier = self.config.embedding_multiplier
         if self.config.embedding_multiplier_in_dtype:
             multiplier = _rounded(multiplier, hidden.dtype)
-        return hidden if multiplier == 1.0 else hidden * multiplier
+        scaled_in_table = self.config.embedding_multiplier_in_dtype  # (Gemma's)
+        if prompt_embeds is not None and not scaled_in_table:
+            hidden.index_copy_(0, *prompt_embeds)
+        if multiplier != 1.0:
+            hidden = hidden * multiplier
+        if prompt_embeds is not None and scaled_in_table:
+            hidden.index_copy_(0, *prompt_embeds)
+        return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits: torch.Tensor = self.lm_head(hidden)

@@ -47,6 +47,10 @@ class CachedRequestState:
     pooled_rows: torch.Tensor | None = None
     lora_name: str | None = None  # its LoRA adapter (None: the base model)
     remote_kv_from: int | None = None  # NewRequestData.remote_kv_from
+    # Its prompt as input embeddings, on the device (NewRequestData.prompt_embeds): the inputs
+    # of its prompt's positions (its prompt_token_ids are the rows' ids, its token table row
+    # zeros there)
+    prompt_embeds: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         sp = self.sampling_params
@@ -103,6 +107,7 @@ class InputBatch:
         self.num_prompt_logprobs = 0  # held requests that ask for prompt logprobs
         self.num_pooling = 0  # held embedding requests
         self.num_lora = 0  # held requests with a LoRA adapter
+        self.num_prompt_embeds = 0  # held requests whose prompts are embeddings
         self.num_removed = 0  # requests dropped so far (see record_sampled)
 
     def update(self, so: SchedulerOutput) -> None:
@@ -124,10 +129,16 @@ class InputBatch:
                 pooling=new.pooling,
                 lora_name=new.lora_name,
                 remote_kv_from=new.remote_kv_from,
+                prompt_embeds=(
+                    None if new.prompt_embeds is None else new.prompt_embeds.to(self.device)
+                ),
             )
             self.requests[new.req_id] = state
             self._count(state, 1)
-            self.token_table[state.row, :num_prompt] = new.prompt_token_ids
+            # (an embeddings prompt's rows' ids are no tokens: its inputs are the embeddings)
+            self.token_table[state.row, :num_prompt] = (
+                new.prompt_token_ids if new.prompt_embeds is None else 0
+            )
             self.token_table[state.row, num_prompt : state.num_tokens] = new.output_token_ids
             self._append_blocks(state, new.block_ids)
         requests = self.requests
@@ -156,6 +167,7 @@ class InputBatch:
         self.num_prompt_logprobs += sign * state.wants_prompt_logprobs
         self.num_pooling += sign * (state.pooling is not None)
         self.num_lora += sign * (state.lora_name is not None)
+        self.num_prompt_embeds += sign * (state.prompt_embeds is not None)
 
     def _remove(self, req_id: str) -> None:
         state = self.requests.pop(req_id, None)

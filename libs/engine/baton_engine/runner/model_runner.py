@@ -885,8 +885,12 @@ class ModelRunner:
         pooled: dict[str, list[float]] = {}
         spec: _SpecCheck | None = None
         pools = self.batch.num_pooling > 0 and any(s.pooling is not None for s in reqs)
+        embeds = None
+        if self.batch.num_prompt_embeds:
+            embeds = self._step_embeds(reqs, [num_sched[r] for r in order])
         if (
             graphs is not None
+            and embeds is None
             and one_token_each
             and len(reqs) <= graphs.max_batch_size
             and not wants_prompt_logprobs
@@ -908,6 +912,7 @@ class ModelRunner:
             if (
                 split
                 and graphs is not None
+                and embeds is None
                 and SPLIT_GRAPHS
                 and sum(num_new) <= graphs.max_batch_size
             ):
@@ -916,7 +921,7 @@ class ModelRunner:
                 input_ids, positions, metadata, sample_rows = self._prepare_inputs(
                     reqs, num_new, split
                 )
-                hidden = self._forward(input_ids, positions, metadata)
+                hidden = self._forward(input_ids, positions, metadata, embeds)
                 if wants_prompt_logprobs:
                     prompt_logprobs = self._prompt_logprobs(reqs, metadata, hidden)
             # each request's first token's row
@@ -1085,12 +1090,21 @@ class ModelRunner:
         return bitmask, where
 
     def _forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: AttentionMetadata,
+        embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Hidden states of a step that runs no decode graph: piecewise graphs where a size
-        was captured, else the eager model."""
+        was captured, else the eager model (always with prompt ``embeds``, ``_step_embeds``)."""
         pieces = self.pieces
         hidden: torch.Tensor
+        if embeds is not None:
+            hidden = self.model(
+                input_ids, positions, self.kv_caches, metadata, self.backend, prompt_embeds=embeds
+            )
+            return hidden
         if pieces is not None and pieces.padded_size(metadata.num_tokens) is not None:
             hidden = pieces.run(
                 input_ids,
@@ -1103,6 +1117,26 @@ class ModelRunner:
         else:
             hidden = self.model(input_ids, positions, self.kv_caches, metadata, self.backend)
         return hidden
+
+    def _step_embeds(
+        self, reqs: list[CachedRequestState], num_new: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The step's token rows whose inputs are prompt embeddings and those rows' values
+        (None if it has none): the positions of the step's chunks of such prompts."""
+        rows: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
+        first = 0  # the request's first token row in the step
+        for state, n in zip(reqs, num_new, strict=True):
+            start = state.num_computed_tokens
+            end = min(start + n, len(state.prompt_token_ids))
+            if state.prompt_embeds is not None and start < end:
+                rows.append(torch.arange(first, first + end - start))
+                values.append(state.prompt_embeds[start:end])
+            first += n
+        if not rows:
+            return None
+        index = torch.cat(rows).to(self.device, non_blocking=True)
+        return index, torch.cat(values)
 
     def _launch_steps(
         self,
