@@ -122,9 +122,27 @@ def test_completion_rejects_unsupported() -> None:
         with pytest.raises(ValidationError):
             CompletionRequest.model_validate({"prompt": "x", **bad})
     assert CompletionRequest(prompt="x").max_tokens == 16  # OpenAI's default
-    # vLLM's prompt_embeds, with a prompt or without: refused in words, never ignored.
-    for body in ({"prompt": "x", "prompt_embeds": "AAAA"}, {"prompt_embeds": "AAAA"}):
-        with pytest.raises(ValidationError, match="prompt_embeds are not supported"):
+
+
+def test_completion_prompt_embeds() -> None:
+    """vLLM's prompt_embeds: alone, with the OpenAI SDK's required empty prompt (then none),
+    or with prompts; never with echo or beam search; and a prompt of one kind is needed."""
+    alone = CompletionRequest.model_validate({"prompt_embeds": "AAAA"})
+    assert alone.prompt is None and alone.embeds_list == ["AAAA"]
+    for empty in ("", []):
+        sdk = CompletionRequest.model_validate({"prompt": empty, "prompt_embeds": ["A", "B"]})
+        assert sdk.prompt is None and sdk.embeds_list == ["A", "B"]
+    both = CompletionRequest.model_validate({"prompt": "x", "prompt_embeds": "AAAA"})
+    assert both.prompt == "x" and both.embeds_list == ["AAAA"]
+    assert CompletionRequest.model_validate({"prompt": "x", "prompt_embeds": []}).embeds_list == []
+    for body, message in (
+        ({"prompt_embeds": "AAAA", "echo": True}, "Echo is unsupported with prompt embeds"),
+        ({"prompt_embeds": "AAAA", "use_beam_search": True}, "beam_search is unsupported"),
+        ({}, "Either prompt or prompt_embeds"),
+        ({"prompt_embeds": []}, "Either prompt or prompt_embeds"),
+        ({"prompt_embeds": [1]}, "valid string"),
+    ):
+        with pytest.raises(ValidationError, match=message):
             CompletionRequest.model_validate(body)
 
 

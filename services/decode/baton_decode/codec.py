@@ -12,7 +12,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from baton.v1 import common_pb2, engine_pb2
+from baton_engine import prompt_embeds
 from baton_engine.core.engine_core import EngineCore, EngineStats
 from baton_engine.core.outputs import EngineCoreOutput, TokenLogprobs
 from baton_engine.errors import InvalidRequestError
@@ -40,6 +43,24 @@ class GenerateInput:
     priority: int = 0  # lower first under the priority scheduling policy
     lora_name: str | None = None  # the LoRA adapter, by the name the worker serves it under
     cache_salt: str | None = None  # shares prefix-cache blocks only with the same salt
+    # The prompt as input embeddings (then ``prompt_token_ids`` is empty until the worker
+    # gives it its rows' ids: ``EngineCore.embeds_prompt``)
+    prompt_embeds: torch.Tensor | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        if self.prompt_embeds is not None:
+            return int(self.prompt_embeds.shape[0]) if self.prompt_embeds.dim() else 0
+        return len(self.prompt_token_ids)
+
+
+def prompt_embeds_from_proto(
+    pb: common_pb2.PromptEmbeds, prompt_token_ids: Sequence[int]
+) -> torch.Tensor:
+    """A prompt's input embeddings (with no ``prompt_token_ids``: one or the other)."""
+    if prompt_token_ids:
+        raise InvalidRequestError("a prompt is either token ids or prompt_embeds")
+    return prompt_embeds.from_raw(pb.data, pb.dtype, tuple(pb.shape))
 
 
 def sampling_params_from_proto(pb: common_pb2.SamplingParams) -> SamplingParams:
@@ -108,21 +129,28 @@ def generate_input_from_proto(pb: engine_pb2.GenerateRequest) -> GenerateInput:
     remote = pb.HasField("kv_handle")
     if remote != pb.HasField("first_token_id"):
         raise InvalidRequestError("first_token_id and kv_handle must be given together")
-    handle = kv_handle_from_proto(pb.kv_handle) if remote else None
-    if handle is not None and handle.num_tokens != len(prompt):
-        raise InvalidRequestError(
-            f"the KV handle covers {handle.num_tokens} tokens, the prompt has {len(prompt)}"
-        )
-    return GenerateInput(
+    inp = GenerateInput(
         req_id=pb.req_id or uuid.uuid4().hex,
         prompt_token_ids=prompt,
         params=sampling_params_from_proto(pb.sampling),
         first_token_id=pb.first_token_id if remote else None,
-        kv_handle=handle,
+        kv_handle=kv_handle_from_proto(pb.kv_handle) if remote else None,
         priority=pb.priority,
         lora_name=pb.lora_name or None,
         cache_salt=pb.cache_salt or None,
+        prompt_embeds=(
+            prompt_embeds_from_proto(pb.prompt_embeds, prompt)
+            if pb.HasField("prompt_embeds")
+            else None
+        ),
     )
+    handle = inp.kv_handle
+    if handle is not None and handle.num_tokens != inp.num_prompt_tokens:
+        raise InvalidRequestError(
+            f"the KV handle covers {handle.num_tokens} tokens, the prompt has "
+            f"{inp.num_prompt_tokens}"
+        )
+    return inp
 
 
 def embed_input_from_proto(

@@ -27,6 +27,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import torch
+
 from baton_decode.errors import (
     DuplicateRequestError,
     EngineDeadError,
@@ -60,6 +62,7 @@ class _Add:
     priority: int = 0
     lora_request: LoRARequest | None = None
     cache_salt: str | None = None
+    prompt_embeds: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -306,12 +309,15 @@ class EngineLoop:
         priority: int = 0,
         lora_name: str | None = None,
         cache_salt: str | None = None,
+        prompt_embeds: torch.Tensor | None = None,
     ) -> RequestStream:
         """Validate and queue a request; its outputs arrive on the returned stream (an
         embedding request's, ``PoolingParams``: one output, with ``pooled``).
 
         ``lora_name``: one of the engine's ``lora_modules`` (None or "": the base model);
         ``cache_salt``: the request shares prefix-cache blocks only with requests of the same.
+        ``prompt_embeds``: the prompt as input embeddings, ``prompt_token_ids`` their rows' ids
+        (both from ``EngineCore.embeds_prompt``).
 
         Raises, before anything is queued: ``InvalidRequestError`` (``DuplicateRequestError``
         for an id in flight), ``EngineSleepingError`` (sleep mode), then ``WorkerFullError``, or
@@ -329,7 +335,7 @@ class EngineLoop:
         # XGrammar caches for the loop's add_request; servers call compile_grammar first)
         # (an adapter served by name is read at start-up: validating one reads no file)
         lora_request = self.core.lora_request(lora_name)
-        self.core.validate_request(prompt_token_ids, params, priority, lora_request)
+        self.core.validate_request(prompt_token_ids, params, priority, lora_request, prompt_embeds)
         if len(self._streams) >= self.max_pending:
             raise WorkerFullError(
                 f"the worker is at capacity ({len(self._streams)} requests in flight)"
@@ -352,6 +358,7 @@ class EngineLoop:
                 priority=priority,
                 lora_request=lora_request,
                 cache_salt=cache_salt,
+                prompt_embeds=prompt_embeds,
             )
         )
         return stream
@@ -570,6 +577,7 @@ class EngineLoop:
                     priority=command.priority,
                     lora_request=command.lora_request,
                     cache_salt=command.cache_salt,
+                    prompt_embeds=command.prompt_embeds,
                 )
             except EngineSleepingError as e:  # (it fell asleep since: no fault of the engine)
                 errors.append((command.req_id, e))

@@ -65,6 +65,11 @@ from baton_kvtransfer.sink import KVTransferSink
 from baton_kvtransfer.source import KVTransferSource
 
 logger = logging.getLogger(__name__)
+
+# The largest request a worker takes: a prompt's embeddings of 64k positions by a hidden size of
+# 4096 in float32 fit.
+MAX_REQUEST_BYTES = 1 << 30
+
 # A worker split across ranks moves KV through whole-head blocks for this many requests of
 # max_model_len: a decode worker stages what it pulls, a prefill worker exports its prompts.
 _STAGING_REQUESTS = 2
@@ -439,6 +444,12 @@ class DecodeServicer(WorkerInfoMixin, engine_pb2_grpc.DecodeServiceServicer):
             if self.draining:
                 raise EngineDeadError("the worker is shutting down")
             inp = codec.generate_input_from_proto(request)
+            if inp.prompt_embeds is not None:
+                # (hashing a long prompt's rows would hold the loop up)
+                embeds, ids = await asyncio.to_thread(
+                    self.engine.core.embeds_prompt, inp.prompt_embeds
+                )
+                inp = dataclasses.replace(inp, prompt_token_ids=ids, prompt_embeds=embeds)
             remote = None
             if inp.kv_handle is not None:
                 # An incompatible engine's handle (other block size, dtype, model) is not
@@ -462,6 +473,7 @@ class DecodeServicer(WorkerInfoMixin, engine_pb2_grpc.DecodeServiceServicer):
                 priority=inp.priority,
                 lora_name=inp.lora_name,
                 cache_salt=inp.cache_salt,
+                prompt_embeds=inp.prompt_embeds,
             )
         except BatonError as e:
             tracing.end_span(span, e)
@@ -885,7 +897,13 @@ async def _serve(
         stop.set()
 
     # Without SO_REUSEPORT off, a second worker on the same port would silently share it.
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    # Requests may carry a prompt's embeddings (gRPC's default cap is 4 MiB).
+    server = grpc.aio.server(
+        options=[
+            ("grpc.so_reuseport", 0),
+            ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
+        ]
+    )
     try:
         port = server.add_insecure_port(grpc_address(config.host, config.port))
     except RuntimeError as e:

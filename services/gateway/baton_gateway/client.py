@@ -726,10 +726,14 @@ class WorkerPool:
         local_only: bool = False,
         lora_name: str | None = None,
         cache_salt: str | None = None,
+        num_tokens: int | None = None,
     ) -> RouteDecision:
+        """Where ``prompt`` runs. ``num_tokens``: its length if not ``prompt``'s (a prompt
+        given as embeddings: no tokens to look up)."""
+        num_tokens = len(prompt) if num_tokens is None else num_tokens
         worth = self._worth_lookup(prompt)
         cached = await self._cached_blocks(prompt, lora_name, cache_salt) if worth else {}
-        picked = self._pick(DECODE, len(prompt), cached, exclude)
+        picked = self._pick(DECODE, num_tokens, cached, exclude)
         if picked is None:
             raise GatewayError(HTTPStatus.SERVICE_UNAVAILABLE, "no decode worker is available")
         decode, num_uncached = picked
@@ -739,7 +743,7 @@ class WorkerPool:
             return RouteDecision(decode, None, "local_cached", num_uncached)
         if not self.of_role(PREFILL):
             return RouteDecision(decode, None, "local_no_prefill_worker", num_uncached)
-        prefill = self._pick(PREFILL, len(prompt), cached)
+        prefill = self._pick(PREFILL, num_tokens, cached)
         if prefill is None:
             return RouteDecision(decode, None, "local_prefill_busy", num_uncached)
         if self._prefill_queue_too_long(prefill[0], decode):
@@ -780,6 +784,7 @@ class WorkerPool:
                 local_only=request.sampling.HasField("prompt_logprobs"),
                 lora_name=request.lora_name or None,
                 cache_salt=request.cache_salt or None,
+                num_tokens=codec.num_prompt_tokens(request),
             )
         except GatewayError as e:
             tracing.end_span(span, e)
@@ -796,7 +801,7 @@ class WorkerPool:
         finished = False
         # a prompt the decode worker prefills counts in its backlog until its first token
         local_backlog: Worker | None = None
-        num_prompt = len(request.prompt_token_ids)
+        num_prompt = codec.num_prompt_tokens(request)
         loop = asyncio.get_running_loop()
         try:
             if route.prefill is not None:
@@ -837,7 +842,7 @@ class WorkerPool:
         """Prefill on ``first`` or, if it fails, another prefill worker; None: prefill locally."""
         tried: list[Worker] = []
         worker: Worker | None = first
-        num_prompt = len(request.prompt_token_ids)
+        num_prompt = codec.num_prompt_tokens(request)
         loop = asyncio.get_running_loop()
         while worker is not None:
             tried.append(worker)
@@ -866,7 +871,7 @@ class WorkerPool:
             finally:
                 worker.num_inflight -= 1
                 worker.backlog.remove(num_prompt, loop.time(), completed)
-            picked = self._pick(PREFILL, len(request.prompt_token_ids), {}, tried)
+            picked = self._pick(PREFILL, num_prompt, {}, tried)
             worker = picked[0] if picked else None
         self._on_decision("local_prefill_failed")
         return None
@@ -902,7 +907,7 @@ class WorkerPool:
                     raise rpc_error(e, worker.addr) from e
                 if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
                     self._mark_down(worker, e.code().name)
-                picked = self._pick(DECODE, len(request.prompt_token_ids), {}, tried)
+                picked = self._pick(DECODE, codec.num_prompt_tokens(request), {}, tried)
                 if picked is None:
                     raise rpc_error(e, worker.addr) from e
                 next_worker = picked[0]

@@ -13,6 +13,7 @@ from typing import Any
 
 from baton.v1 import common_pb2, engine_pb2
 from baton_gateway.protocol import ChatCompletionRequest, CompletionRequest, StructuredOutputsSpec
+from baton_gateway.tensor_file import RawTensor
 
 _INT32_MAX = 2**31 - 1
 
@@ -162,11 +163,13 @@ def generate_request(
     priority: int = 0,
     lora_name: str | None = None,
     cache_salt: str | None = None,
+    prompt_embeds: RawTensor | None = None,
 ) -> engine_pb2.GenerateRequest:
     """A ``GenerateRequest`` for local prefill on the decode worker (aggregated mode);
     ``priority``: lower is served first (workers with ``--scheduling-policy priority``);
-    ``lora_name``: the LoRA adapter (None: the base model); ``cache_salt``: vLLM's."""
-    return engine_pb2.GenerateRequest(
+    ``lora_name``: the LoRA adapter (None: the base model); ``cache_salt``: vLLM's;
+    ``prompt_embeds``: the prompt as input embeddings (then no ``prompt_token_ids``)."""
+    request = engine_pb2.GenerateRequest(
         req_id=req_id,
         prompt_token_ids=prompt_token_ids,
         sampling=sampling,
@@ -174,6 +177,18 @@ def generate_request(
         lora_name=lora_name or "",
         cache_salt=cache_salt or "",
     )
+    if prompt_embeds is not None:
+        request.prompt_embeds.data = prompt_embeds.data
+        request.prompt_embeds.dtype = prompt_embeds.dtype
+        request.prompt_embeds.shape.extend(prompt_embeds.shape)
+    return request
+
+
+def num_prompt_tokens(request: engine_pb2.GenerateRequest) -> int:
+    """The prompt's length: its tokens, or its embeddings' rows."""
+    if request.HasField("prompt_embeds"):
+        return request.prompt_embeds.shape[0] if request.prompt_embeds.shape else 0
+    return len(request.prompt_token_ids)
 
 
 def prefill_request(request: engine_pb2.GenerateRequest) -> engine_pb2.PrefillRequest:
@@ -185,6 +200,7 @@ def prefill_request(request: engine_pb2.GenerateRequest) -> engine_pb2.PrefillRe
         priority=request.priority,
         lora_name=request.lora_name,
         cache_salt=request.cache_salt,
+        prompt_embeds=request.prompt_embeds if request.HasField("prompt_embeds") else None,
     )
 
 
@@ -201,7 +217,7 @@ def prefill_chunk(
         logprobs=[_token_logprob(lp)] if lp.token_ids else None,
         finish_reason=finish_reason,
         stop_token_id=first if stopped_by_id else None,
-        num_prompt_tokens=len(request.prompt_token_ids),
+        num_prompt_tokens=num_prompt_tokens(request),
         num_cached_tokens=pb.num_cached_tokens,
     )
 

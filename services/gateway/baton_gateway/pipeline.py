@@ -9,11 +9,13 @@ Model name (404) -> prompt token ids -> length check (400) -> one Generate reque
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import logging
 import time
-from collections.abc import AsyncGenerator, Callable, Mapping
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from http import HTTPStatus
 from typing import Any
 
@@ -81,6 +83,7 @@ from baton_gateway.streaming import (
     chat_stream,
     completion_stream,
 )
+from baton_gateway.tensor_file import RawTensor, read_tensor
 from baton_gateway.tools import ReadOut, ToolCallsSoFar, tool_use
 
 logger = logging.getLogger(__name__)
@@ -95,6 +98,11 @@ _WithPrompt = (
     | ScoreRequest
     | RerankRequest
 )
+
+
+def prompt_length(prompt: list[int] | RawTensor) -> int:
+    """A prompt's tokens, or its embeddings' rows."""
+    return len(prompt) if isinstance(prompt, list) else prompt.shape[0]
 
 
 def check_length(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> int:
@@ -267,10 +275,11 @@ class Pipeline:
         self,
         request: ChatCompletionRequest | CompletionRequest,
         req_id: str,
-        prompts: list[list[int]],
+        prompts: Sequence[list[int] | RawTensor],
         max_tokens: int | None,
         reasoning_end: str | None = None,
     ) -> list[SequenceSpec]:
+        """Each prompt's ``n`` sequences (a prompt: its token ids, or its embeddings)."""
         self._check_vocabulary(list(request.token_biases), "logit_bias")
         self._check_vocabulary(request.allowed_token_ids or [], "allowed_token_ids")
         bad_words = None
@@ -280,8 +289,9 @@ class Pipeline:
             except InvalidRequestError as e:
                 raise bad_request(str(e), param="bad_words") from e
         specs = []
-        for p, ids in enumerate(prompts):
-            budget = check_length(len(ids), max_tokens, self.max_model_len)
+        for p, prompt in enumerate(prompts):
+            ids, embeds = (prompt, None) if isinstance(prompt, list) else ([], prompt)
+            budget = check_length(prompt_length(prompt), max_tokens, self.max_model_len)
             budget = min(budget, self.defaults.get("max_tokens", budget))
             if request.min_tokens > budget:
                 raise bad_request(
@@ -301,6 +311,7 @@ class Pipeline:
                     request.priority,
                     self.lora_of(request.model),
                     request.cache_salt,
+                    embeds,
                 )
                 specs.append(SequenceSpec(index, ids, gen_request))
         return specs
@@ -624,23 +635,57 @@ class Pipeline:
         self.check_model(request.model)
         record = self.metrics.start("completion")
         try:
-            prompts = self._completion_prompts(request)
+            prompts: list[list[int] | RawTensor] = [
+                *(self._prompt_embeds(e, request) for e in request.embeds_list),
+                *self._completion_prompts(request),
+            ]
             echo: dict[int, str] = {}
-            if request.echo:
+            if request.echo:  # (not with prompt embeds: all prompts are token ids)
                 for p, ids in enumerate(prompts):
                     raw = request.prompt if isinstance(request.prompt, str) else None
                     if isinstance(request.prompt, list) and isinstance(request.prompt[p], str):
                         raw = str(request.prompt[p])
                     if raw is None or request.truncate_prompt_tokens is not None:
+                        assert isinstance(ids, list)
                         raw = self.tokenizer.decode(ids)  # (the prompt as the model saw it)
                     echo.update({p * request.n + i: raw for i in range(request.n)})
             req_id, worker_id = self._request_ids("cmpl", request, named)
             specs = self._specs(request, worker_id, prompts, request.max_tokens)
-            num_prompt_tokens = sum(len(ids) for ids in prompts)
+            num_prompt_tokens = sum(map(prompt_length, prompts))
             return await self._respond(request, req_id, specs, num_prompt_tokens, echo, record)
         except BaseException as e:
             self._fail(record, e)
             raise
+
+    def _prompt_embeds(self, encoded: str, request: CompletionRequest) -> RawTensor:
+        """One of vLLM's ``prompt_embeds`` (a base64 ``torch.save`` tensor, [length, hidden
+        size] or [1, length, hidden size]), truncated as asked. The workers check the hidden
+        size."""
+        try:
+            tensor = read_tensor(base64.b64decode(encoded, validate=True))
+        except binascii.Error as e:
+            raise bad_request(
+                "prompt_embeds must be base64-encoded torch.save tensors (not base64)",
+                param="prompt_embeds",
+            ) from e
+        except ValueError as e:
+            raise bad_request(f"prompt_embeds: {e}", param="prompt_embeds") from e
+        if len(tensor.shape) == 3 and tensor.shape[0] == 1:
+            tensor = replace(tensor, shape=tensor.shape[1:])
+        if len(tensor.shape) != 2 or 0 in tensor.shape:
+            raise bad_request(
+                "prompt_embeds must have the shape [prompt length, hidden size], got "
+                f"{list(tensor.shape)}",
+                param="prompt_embeds",
+            )
+        rows, cols = tensor.shape
+        kept = self._truncated(list(range(rows)), request)  # (the rows truncation keeps)
+        if len(kept) < rows:
+            row_bytes = len(tensor.data) // rows
+            tensor = replace(
+                tensor, shape=(len(kept), cols), data=tensor.data[kept[0] * row_bytes :]
+            )
+        return tensor
 
     def _completion_prompts(
         self, request: CompletionRequest | EmbeddingCompletionRequest | ClassificationRequest
@@ -648,6 +693,8 @@ class Pipeline:
         """The token ids of each prompt (``input``, for embeddings and classification),
         truncated as asked."""
         prompt = request.prompt if isinstance(request, CompletionRequest) else request.input
+        if prompt is None:  # (a completion of prompt embeddings alone)
+            return []
         if isinstance(prompt, str):
             prompts = [tokenize_text(self.tokenizer, prompt, request.add_special_tokens)]
         elif isinstance(prompt[0], str):

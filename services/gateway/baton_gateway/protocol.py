@@ -461,7 +461,11 @@ def check_prompt(prompt: PromptInput) -> None:
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: PromptInput
+    # None (or "", []): only prompt_embeds
+    prompt: PromptInput | None = None
+    # vLLM's: prompts as input embeddings, each a base64 torch.save'd tensor [length, hidden
+    # size] (the workers need --enable-prompt-embeds); their choices come before the prompts'
+    prompt_embeds: str | list[str] | None = None
     # 16 is OpenAI's and vLLM's default; None: all the context the prompt leaves.
     max_tokens: int | None = Field(default=16, ge=1)
     echo: bool = False
@@ -470,24 +474,30 @@ class CompletionRequest(_SamplingRequest):
     best_of: int | None = None
     add_special_tokens: bool = True
 
-    @model_validator(mode="before")
-    @classmethod
-    def _no_prompt_embeds(cls, data: Any) -> Any:
-        if isinstance(data, dict) and data.get("prompt_embeds") is not None:
-            raise ValueError(  # (not ignored: the answer would be to another prompt)
-                "prompt_embeds are not supported: prompts are text or token ids (vLLM takes "
-                "them only with --enable-prompt-embeds, which Baton does not have)"
-            )
-        return data
-
     @model_validator(mode="after")
     def _check_completion(self) -> CompletionRequest:
         if self.suffix:
             raise ValueError("suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of is not supported (it must be unset or equal n)")
-        check_prompt(self.prompt)
+        if self.embeds_list:
+            if self.echo:  # (vLLM's words)
+                raise ValueError("Echo is unsupported with prompt embeds.")
+            if self.use_beam_search:
+                raise ValueError("use_beam_search is unsupported with prompt embeds")
+            if self.prompt in ("", []):
+                self.prompt = None  # (the OpenAI SDK requires a prompt: "" goes with embeds)
+        elif self.prompt is None:
+            raise ValueError("Either prompt or prompt_embeds must be provided and non-empty.")
+        if self.prompt is not None:
+            check_prompt(self.prompt)
         return self
+
+    @property
+    def embeds_list(self) -> list[str]:
+        """``prompt_embeds`` as a list (empty: none)."""
+        embeds = self.prompt_embeds
+        return [embeds] if isinstance(embeds, str) else list(embeds or ())
 
     @property
     def num_logprobs(self) -> int | None:

@@ -11,6 +11,7 @@ then the engine frees them. A first token that already ends the request (EOS, a 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -66,7 +67,11 @@ class PrefillServicer(WorkerInfoMixin, engine_pb2_grpc.PrefillServiceServicer):
             "prefill worker",
             tracing.extract(context.invocation_metadata()),
             tracing.SpanKind.SERVER,
-            {"baton.req_id": request.req_id, "baton.prompt_tokens": len(request.prompt_token_ids)},
+            {
+                "baton.req_id": request.req_id,
+                "baton.prompt_tokens": len(request.prompt_token_ids)
+                or (list(request.prompt_embeds.shape) or [0])[0],
+            },
         )
         try:
             return await self._prefill(request, context, span)
@@ -82,6 +87,10 @@ class PrefillServicer(WorkerInfoMixin, engine_pb2_grpc.PrefillServiceServicer):
         try:
             params = codec.sampling_params_from_proto(request.sampling)
             prompt = list(request.prompt_token_ids)
+            embeds = None
+            if request.HasField("prompt_embeds"):
+                embeds = codec.prompt_embeds_from_proto(request.prompt_embeds, prompt)
+                embeds, prompt = await asyncio.to_thread(self.engine.core.embeds_prompt, embeds)
             req_id = request.req_id
             if not req_id:
                 raise InvalidRequestError("req_id is required (the gateway aborts by it)")
@@ -94,6 +103,7 @@ class PrefillServicer(WorkerInfoMixin, engine_pb2_grpc.PrefillServiceServicer):
                 priority=request.priority,
                 lora_name=request.lora_name,
                 cache_salt=request.cache_salt or None,
+                prompt_embeds=embeds,
             )
         except BatonError as e:
             await context.abort(status_code(e), str(e))
