@@ -5,7 +5,11 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import json
+import os
+import re
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -556,3 +560,75 @@ def test_start_and_stop_profile_write_a_trace_a_worker(serve_launcher: Any, tmp_
     finally:
         _, survivors = serve_launcher.stop(server, signal.SIGTERM)
     assert not survivors, f"left behind: {survivors}"
+
+
+MIDDLEWARE = '''
+class Tag:
+    """Pure ASGI middleware: a header on every response."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        async def tagged(message):
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), (b"x-tag", b"class")]
+            await send(message)
+
+        await self.app(scope, receive, tagged)
+
+
+async def echo_path(request, call_next):
+    response = await call_next(request)
+    response.headers["x-path"] = request.url.path
+    return response
+
+
+NOT_MIDDLEWARE = 3
+'''
+
+
+def test_middleware_wraps_the_api(serve_launcher: Any, tmp_path: Path) -> None:
+    """vLLM's ``--middleware``: an ASGI middleware class and an HTTP middleware function, by
+    import path, wrap every route, the API key's 401s too (CORS's preflights stay outermost).
+    A path that is not a middleware stops ``baton serve`` before anything starts."""
+    (tmp_path / "my_middleware.py").write_text(MIDDLEWARE)
+    paths = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
+    env = {"PYTHONPATH": paths}
+    server = serve_launcher.start(
+        ["--middleware", "my_middleware.Tag", "--middleware", "my_middleware.echo_path"],
+        api_key="k",
+        env=env,
+    )
+    try:
+        headers = {"Authorization": "Bearer k"}
+        body = {"prompt": "Hi", "max_tokens": 2}
+        ok = httpx.post(f"{server.base_url}/completions", json=body, headers=headers, timeout=60)
+        assert ok.status_code == 200, ok.text
+        refused = httpx.post(f"{server.base_url}/completions", json=body, timeout=60)
+        health = httpx.get(f"{server.root_url}/health", timeout=10)
+        for response, path in ((ok, "/v1/completions"), (refused, "/v1/completions"),
+                               (health, "/health")):  # fmt: skip
+            assert response.headers["x-tag"] == "class", response.headers
+            assert response.headers["x-path"] == path
+        assert refused.status_code == 401
+        preflight = httpx.options(
+            f"{server.base_url}/completions",
+            headers={"Origin": "https://a.example", "Access-Control-Request-Method": "POST"},
+            timeout=10,
+        )
+        assert preflight.status_code == 200 and "x-tag" not in preflight.headers
+    finally:
+        _, survivors = serve_launcher.stop(server, signal.SIGTERM)
+    assert not survivors, f"left behind: {survivors}"
+    for bad, message in (
+        ("my_middleware.NOT_MIDDLEWARE", "must be a class .* or an async function"),
+        ("my_middleware.missing", "cannot be imported"),
+        ("nowhere", "not an import path"),
+    ):
+        proc = subprocess.run(
+            [sys.executable, "-m", "baton.cli", "serve", "--middleware", bad],
+            capture_output=True, text=True, timeout=120, env={**os.environ, **env},
+        )  # fmt: skip
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        assert re.search(message, proc.stderr), proc.stderr

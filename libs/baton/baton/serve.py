@@ -293,6 +293,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from baton_engine.model_files import resolve_model, served_model_name
     from baton_engine.vllm_flags import ENGINE_FLAGS, FRONTEND_FLAGS, check_flags
     from baton_gateway.cli import check_tls, load_chat_template, tool_call_parser
+    from baton_gateway.server import load_middleware
 
     if args.model_option is not None:
         if args.model is not None and args.model != args.model_option:
@@ -309,6 +310,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     tool_call_parser(args)
     load_chat_template(args.chat_template)
     check_tls(args)
+    for middleware in args.middleware:
+        load_middleware(middleware)
     check_flags(vars(args), FRONTEND_FLAGS + ENGINE_FLAGS)
     EngineConfig(**engine_kwargs_from_args(args, check=False)).validate()  # (the workers')
     resolve_model(args.model)  # convert once, before several processes race to
@@ -593,6 +596,7 @@ def _plan(args: argparse.Namespace, name: str) -> list[tuple[str, str, list[str]
         *("--allowed-methods", json.dumps(args.allowed_methods)),
         *("--allowed-headers", json.dumps(args.allowed_headers)),
         *(["--allow-credentials"] if args.allow_credentials else []),
+        *itertools.chain.from_iterable(("--middleware", m) for m in args.middleware),
         *(["--return-tokens-as-token-ids"] if args.return_tokens_as_token_ids else []),
         *("--max-stored-responses", str(args.max_stored_responses)),
         *(["--enable-request-id-headers"] if args.enable_request_id_headers else []),

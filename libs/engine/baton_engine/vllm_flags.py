@@ -313,7 +313,6 @@ FRONTEND_FLAGS: tuple[VllmFlag, ...] = (
         bool,
     ),
     VllmFlag("allowed_local_media_path", "Baton serves text-only models: no media is read"),
-    VllmFlag("middleware", "custom ASGI middleware is not supported", accepts=_one_of(None)),
     VllmFlag(
         "tool_parser_plugin",
         "tool parsers are Baton's own (--tool-call-parser)",

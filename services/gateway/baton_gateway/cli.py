@@ -225,6 +225,14 @@ def add_frontend_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
     p.add_argument(
+        "--middleware",
+        action="append",
+        default=[],
+        help="an ASGI middleware class or an async HTTP middleware function (request, "
+        "call_next) to wrap the API in, by import path (module.name; vLLM's); repeat for more, "
+        "the last outermost",
+    )
+    p.add_argument(
         "--max-stored-responses",
         type=int,
         default=256,
@@ -408,6 +416,7 @@ def run_gateway(args: argparse.Namespace) -> int:
         request_id_headers=args.enable_request_id_headers,
         runtime_lora_updating=_env_flag("ALLOW_RUNTIME_LORA_UPDATING"),
         dev_mode=_env_flag("SERVER_DEV_MODE"),
+        middleware=tuple(args.middleware),
         cors=CorsPolicy(
             tuple(args.allowed_origins),
             tuple(args.allowed_methods),

@@ -18,6 +18,8 @@ streaming, :class:`~baton_gateway.streaming.SSEResponse` does the same.
 from __future__ import annotations
 
 import asyncio
+import importlib
+import inspect
 import json
 import logging
 import re
@@ -25,7 +27,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import httpx
 from fastapi import FastAPI, HTTPException, Request
@@ -39,6 +41,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import baton
+from baton_engine.errors import InvalidRequestError
 from baton_gateway.auth import ApiKeyMiddleware
 from baton_gateway.chat import ChatDefaults, tokenizer_config
 from baton_gateway.classification import classification_request
@@ -117,6 +120,29 @@ class GatewayConfig:
     # behind its VLLM_SERVER_DEV_MODE; here also BATON_SERVER_DEV_MODE): unguarded by
     # --api-key, as there, so off by default
     dev_mode: bool = False
+    # vLLM's --middleware: import paths of ASGI middleware classes or HTTP middleware functions,
+    # wrapped around the routes (and the API key check) in order, the last outermost (inside
+    # CORS)
+    middleware: tuple[str, ...] = ()
+
+
+def load_middleware(path: str) -> Any:
+    """The ASGI middleware class, or ``@app.middleware("http")`` function (``async def
+    f(request, call_next)``), at the import path ``module.name`` (vLLM's ``--middleware``).
+    Raises InvalidRequestError."""
+    module, _, name = path.rpartition(".")
+    if not module or not name:
+        raise InvalidRequestError(f"--middleware {path!r} is not an import path (module.name)")
+    try:
+        found = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise InvalidRequestError(f"--middleware {path!r} cannot be imported: {e}") from e
+    if not (inspect.isclass(found) or inspect.iscoroutinefunction(found)):
+        raise InvalidRequestError(
+            f"--middleware {path!r} must be a class (ASGI middleware) or an async function "
+            f"(HTTP middleware), not a {type(found).__name__}"
+        )
+    return found
 
 
 def _json(status: int, body: Any) -> JSONResponse:
@@ -625,6 +651,11 @@ def create_app(config: GatewayConfig, tokenizer: Any) -> FastAPI:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
     if config.request_id_headers:  # (outside the key check: a 401 has an id too)
         app.add_middleware(RequestIdMiddleware)
+    for middleware in map(load_middleware, config.middleware):
+        if inspect.isclass(middleware):
+            app.add_middleware(cast(Any, middleware))
+        else:
+            app.middleware("http")(middleware)
     # Added last, so outermost: a preflight is answered before the API key is checked, and
     # error responses carry the CORS headers too.
     app.add_middleware(
