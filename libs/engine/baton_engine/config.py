@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from baton_engine.errors import InvalidRequestError, ModelLoadError
+from baton_engine.json_args import json_object
 from baton_engine.profiler import ProfilerConfig
 from baton_engine.sampling_params import MAX_LOGPROBS
 
@@ -603,19 +604,7 @@ class SpeculativeConfig:
         for a method Baton does not run, an unknown key or a bad value."""
         if value is None or (isinstance(value, str) and not value.strip()):
             return None
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except ValueError as e:
-                raise InvalidRequestError(f"speculative_config is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise InvalidRequestError(f"speculative_config must be a JSON object, got {value!r}")
-        unknown = sorted(set(value) - set(_SPECULATIVE_KEYS))
-        if unknown:
-            raise InvalidRequestError(
-                f"speculative_config keys {unknown} are not supported (Baton reads "
-                f"{', '.join(_SPECULATIVE_KEYS)})"
-            )
+        value = json_object("speculative_config", value, _SPECULATIVE_KEYS)
         method, model = value.get("method"), value.get("model")
         if method is None and model in ("ngram", "[ngram]"):
             method = "ngram"  # vLLM's older form: {"model": "[ngram]"}
@@ -826,17 +815,7 @@ class EngineConfig:
 
     def hf_overrides_dict(self) -> dict[str, Any]:
         """``hf_overrides`` as a dict (``InvalidRequestError`` unless a JSON object)."""
-        value = self.hf_overrides
-        if isinstance(value, str):
-            try:
-                value = json.loads(value) if value.strip() else {}
-            except ValueError as e:
-                raise InvalidRequestError(f"hf_overrides is not valid JSON: {e}") from None
-        if not isinstance(value, dict | None):
-            raise InvalidRequestError(
-                f"hf_overrides must be a JSON object (keys of config.json), got {value!r}"
-            )
-        return value or {}
+        return {} if self.hf_overrides is None else json_object("hf_overrides", self.hf_overrides)
 
     def _check_draft_model(self) -> None:
         """What a draft model (``speculative_config``'s ``model``) does not run with: its

@@ -17,7 +17,6 @@ steps with ``cudaProfilerStart`` / ``cudaProfilerStop`` instead, for Nsight Syst
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 from collections.abc import Iterator
@@ -25,6 +24,7 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 from baton_engine.errors import InvalidRequestError
+from baton_engine.json_args import json_object
 
 if TYPE_CHECKING:  # (the gateway reads ProfilerConfig's flags without torch installed)
     import torch
@@ -63,19 +63,8 @@ class ProfilerConfig:
         if value is None or (isinstance(value, str) and not value.strip()):
             folder = next((os.environ[k] for k in _DIR_ENV if os.environ.get(k)), "")
             value = {"profiler": "torch", "torch_profiler_dir": folder} if folder else {}
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except ValueError as e:
-                raise InvalidRequestError(f"profiler_config is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise InvalidRequestError(f"profiler_config must be a JSON object, got {value!r}")
         known = {f.name: f for f in fields(cls)}
-        unknown = sorted(set(value) - set(known))
-        if unknown:
-            raise InvalidRequestError(
-                f"profiler_config keys {unknown} are not supported (Baton reads {', '.join(known)})"
-            )
+        value = json_object("profiler_config", value, known)
         for key, given in value.items():
             default = known[key].default
             kind = type(default) if default is not None else str
