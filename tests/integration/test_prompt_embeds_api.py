@@ -43,9 +43,9 @@ def test_completions_take_prompt_embeds(
     serve_launcher: Any, default_model_dir: Path, tokenizer: Any
 ) -> None:
     """Disaggregated (every prompt prefilled remotely): a prompt's tokens' embeddings answer
-    with the tokens' text, streamed or not, usage counting their rows; several embeddings and
-    text prompts in one request answer the embeddings first; a bfloat16 tensor and a view into
-    a batch are taken; bad embeddings get 400s in words."""
+    with the tokens' text, streamed or not, with logprobs and n, usage counting their rows;
+    several embeddings and text prompts in one request answer the embeddings first; a
+    bfloat16 tensor and a view into a batch are taken; bad embeddings get 400s in words."""
     with safe_open(str(default_model_dir / "model.safetensors"), "pt") as weights:
         table = weights.get_tensor("model.embed_tokens.weight")
     ids = tokenizer.encode(PROMPT)
@@ -70,6 +70,11 @@ def test_completions_take_prompt_embeds(
         assert _decode_counter(metrics, "baton:kv_transfer_blocks_total") >= len(ids) // 16
         stream = complete(prompt="", stream=True, extra_body={"prompt_embeds": embeds})
         assert "".join(chunk.choices[0].text for chunk in stream) == want
+        scored = complete(prompt="", logprobs=2, n=2, extra_body={"prompt_embeds": embeds})
+        for choice in scored.choices:
+            assert choice.text == want and choice.logprobs is not None
+            assert len(choice.logprobs.token_logprobs) == 8
+            assert all(len(top) >= 2 for top in choice.logprobs.top_logprobs)
         # embeddings first, then the text prompts (vLLM's order)
         batch = [table[other][None], table[ids]]  # ([1, length, hidden]: a batch of one)
         mixed = complete(prompt="Hi", extra_body={"prompt_embeds": list(map(_encoded, batch))})
