@@ -29,7 +29,7 @@ demo: $(STAMP)
 
 test: $(STAMP) redis-server
 	$(PYTHON) -m baton_kernels.cpu_ops
-	$(PYTHON) -m pytest -q
+	$(PYTHON) -m pytest -q --durations=25  # (the slowest tests listed: CI aims at 20 minutes)
 
 # The kvstore tests run a real Redis (they start redis-server themselves on a free port).
 redis-server:

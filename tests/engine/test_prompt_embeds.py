@@ -221,3 +221,34 @@ def test_embeddings_prompts_under_each_schedule(
         assert _tokens(got) == want
     finally:
         engine.shutdown()
+
+
+def test_the_engine_takes_vllms_prompt_dicts(llm: LLM) -> None:
+    """``LLMEngine.add_request`` takes vLLM's prompt dicts (text, token ids, embeddings, with
+    a cache salt) as ``LLM.generate`` does: the same tokens as the plain forms; a dict of
+    nothing it knows is refused in words."""
+    engine = llm.engine
+    ids = llm.get_tokenizer().encode(TEXTS[1])
+    forms = {
+        "text": TEXTS[1],
+        "ids": ids,
+        "text-dict": {"prompt": TEXTS[1]},
+        "ids-dict": {"prompt_token_ids": ids, "cache_salt": "tenant-a"},
+        "embeds-dict": {"prompt_embeds": _table(llm)[ids]},
+    }
+    for req_id, prompt in forms.items():
+        engine.add_request(req_id, prompt, GREEDY)
+    outs: dict[str, Any] = {}
+    while engine.has_unfinished_requests():
+        outs.update((o.request_id, o) for o in engine.step() if o.finished)
+    tokens = {k: list(o.outputs[0].token_ids) for k, o in outs.items()}
+    assert len(tokens) == len(forms) and len(set(map(tuple, tokens.values()))) == 1, tokens
+    assert outs["text-dict"].prompt == TEXTS[1] and outs["ids-dict"].prompt_token_ids == ids
+    for bad, message in (
+        ({"text": "x"}, "prompts with text are not supported"),
+        ({"prompt": "x", "cache_salt": ""}, "cache_salt must be a non-empty string"),
+        ({"prompt_embeds": [1.0]}, "must be a torch.Tensor"),
+    ):
+        with pytest.raises(InvalidRequestError, match=message):
+            engine.add_request("bad", bad, GREEDY)
+    assert not engine.has_unfinished_requests()

@@ -6,7 +6,7 @@ through the prefix cache.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -65,7 +65,7 @@ class LLMEngine:
     def add_request(
         self,
         request_id: str,
-        prompt: str | Sequence[int] | torch.Tensor,
+        prompt: str | Sequence[int] | torch.Tensor | Mapping[str, Any],
         params: SamplingParams | PoolingParams,
         prompt_token_ids: Sequence[int] | None = None,
         priority: int = 0,
@@ -73,8 +73,10 @@ class LLMEngine:
         cache_salt: str | None = None,
     ) -> None:
         """Queue a request; ``prompt_token_ids``, when given, is the already-encoded ``prompt``
-        (``params.truncate_prompt_tokens`` keeps its last tokens). A tensor ``prompt`` is the
-        prompt's input embeddings (vLLM's ``prompt_embeds``; ``enable_prompt_embeds``).
+        (``params.truncate_prompt_tokens`` keeps its last tokens). ``prompt`` may be a dict as
+        vLLM's: ``{"prompt": text}``, ``{"prompt_token_ids": ids}`` or ``{"prompt_embeds":
+        tensor}``, with a ``"cache_salt"``; a tensor is the prompt's input embeddings
+        (``enable_prompt_embeds``).
         ``priority`` (lower first) needs ``scheduling_policy="priority"``; siblings share it,
         ``lora_request`` (a LoRA adapter; the engine needs ``enable_lora``) and ``cache_salt``
         (vLLM's: prefix-cache blocks are shared only with requests of the same salt).
@@ -84,6 +86,9 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if self.core.is_paused():  # (offline, a held request would wait forever)
             raise EngineSleepingError("the engine is paused (sleep level 0): wake_up() first")
+        if isinstance(prompt, Mapping):
+            cache_salt = check_salt(prompt.get("cache_salt")) if cache_salt is None else cache_salt
+            prompt = parse_prompt(prompt)
         text = prompt if isinstance(prompt, str) else None
         embeds = None
         if isinstance(prompt, torch.Tensor):
@@ -253,3 +258,41 @@ def truncate_embeds(
         return embeds
     keep = max_model_len if keep == -1 else keep
     return embeds[..., -keep:, :]
+
+
+_PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "prompt_embeds", "cache_salt"})
+
+
+def parse_prompt(given: object) -> str | list[int] | torch.Tensor:
+    """One prompt as vLLM takes it (a string, or a dict: ``{"prompt": text}``,
+    ``{"prompt_token_ids": ids}`` or ``{"prompt_embeds": tensor}``, its ``cache_salt`` aside)
+    as text, token ids or input embeddings. Raises InvalidRequestError."""
+    if isinstance(given, str):
+        return given
+    if isinstance(given, Mapping) and given.keys() - _PROMPT_KEYS:
+        extra = ", ".join(sorted(given.keys() - _PROMPT_KEYS))
+        raise InvalidRequestError(
+            f"prompts with {extra} are not supported (Baton serves text-only models)"
+        )
+    if isinstance(given, Mapping) and "prompt_token_ids" in given:
+        return list(given["prompt_token_ids"])
+    if isinstance(given, Mapping) and "prompt_embeds" in given:
+        embeds = given["prompt_embeds"]
+        if not isinstance(embeds, torch.Tensor):
+            raise InvalidRequestError(
+                f"prompt_embeds must be a torch.Tensor, got {type(embeds).__name__}"
+            )
+        return embeds
+    if isinstance(given, Mapping) and isinstance(given.get("prompt"), str):
+        return str(given["prompt"])
+    raise InvalidRequestError(
+        "a prompt is a string, {'prompt': '...'}, {'prompt_token_ids': [...]} or "
+        "{'prompt_embeds': tensor}, got " + type(given).__name__
+    )
+
+
+def check_salt(salt: object) -> str | None:
+    """A prompt's ``cache_salt`` (None: none), or InvalidRequestError."""
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise InvalidRequestError("a prompt's cache_salt must be a non-empty string")
+    return salt

@@ -14,7 +14,7 @@ from baton_engine import beam_search
 from baton_engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from baton_engine.config import EngineConfig
 from baton_engine.core.engine_core import check_pause_mode
-from baton_engine.engine import LLMEngine, truncate_embeds
+from baton_engine.engine import LLMEngine, check_salt, parse_prompt, truncate_embeds
 from baton_engine.errors import InvalidRequestError
 from baton_engine.lora import LoRARequest
 from baton_engine.model_files import generation_defaults
@@ -536,17 +536,10 @@ class LLM:
         return [results[i] for i in ids]
 
 
-_PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "prompt_embeds", "cache_salt"})
-
-
 def _salt_list(prompts: PromptType | Sequence[PromptType]) -> list[str | None]:
     """Each prompt's ``cache_salt`` (None: none), as ``_prompt_list`` lists the prompts."""
     given: list[Any] = [prompts] if isinstance(prompts, str | dict) else list(prompts)
-    salts = [p.get("cache_salt") if isinstance(p, dict) else None for p in given]
-    for salt in salts:
-        if salt is not None and (not isinstance(salt, str) or not salt):
-            raise InvalidRequestError("a prompt's cache_salt must be a non-empty string")
-    return salts
+    return [check_salt(p.get("cache_salt")) if isinstance(p, dict) else None for p in given]
 
 
 @overload
@@ -569,33 +562,9 @@ def _prompt_list(
     them)."""
     if isinstance(prompts, str | dict):
         prompts = [prompts]
-    out: list[str | list[int] | torch.Tensor] = []
-    for given in prompts:
-        p: Any = given  # (a TypedDict: its keys are checked here)
-        if isinstance(p, dict) and p.keys() - _PROMPT_KEYS:
-            extra = ", ".join(sorted(p.keys() - _PROMPT_KEYS))
-            raise InvalidRequestError(
-                f"prompts with {extra} are not supported (Baton serves text-only models)"
-            )
-        if isinstance(p, str):
-            out.append(p)
-        elif isinstance(p, dict) and "prompt_token_ids" in p:
-            out.append(list(p["prompt_token_ids"]))
-        elif isinstance(p, dict) and "prompt_embeds" in p:
-            if not embeds_ok:
-                raise InvalidRequestError("prompt_embeds are for generate() only")
-            if not isinstance(p["prompt_embeds"], torch.Tensor):
-                raise InvalidRequestError(
-                    "prompt_embeds must be a torch.Tensor, got " + type(p["prompt_embeds"]).__name__
-                )
-            out.append(p["prompt_embeds"])
-        elif isinstance(p, dict) and isinstance(p.get("prompt"), str):
-            out.append(p["prompt"])
-        else:
-            raise InvalidRequestError(
-                "a prompt is a string, {'prompt': '...'}, {'prompt_token_ids': [...]} or "
-                "{'prompt_embeds': tensor}, got " + type(p).__name__
-            )
+    out = [parse_prompt(p) for p in prompts]
+    if not embeds_ok and any(isinstance(p, torch.Tensor) for p in out):
+        raise InvalidRequestError("prompt_embeds are for generate() only")
     return out
 
 
