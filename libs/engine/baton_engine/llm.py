@@ -490,15 +490,7 @@ class LLM:
         ]
         # Validate everything first so one bad prompt does not leave others half-submitted.
         encoded = [
-            truncate_prompt(
-                []
-                if isinstance(p, torch.Tensor)
-                else engine.encode(p)
-                if isinstance(p, str)
-                else p,
-                sp.truncate_prompt_tokens,
-                engine.max_model_len,
-            )
+            truncate_prompt(_token_ids(engine, p), sp.truncate_prompt_tokens, engine.max_model_len)
             for p, sp in zip(prompts, params, strict=True)
         ]
         for p, token_ids, sp, prio, lora in zip(
@@ -534,6 +526,13 @@ class LLM:
                     engine.abort_request(req_id)
                 raise
         return [results[i] for i in ids]
+
+
+def _token_ids(engine: LLMEngine, prompt: str | list[int] | torch.Tensor) -> list[int]:
+    """A prompt's token ids (none for input embeddings)."""
+    if isinstance(prompt, torch.Tensor):
+        return []
+    return engine.encode(prompt) if isinstance(prompt, str) else prompt
 
 
 def _salt_list(prompts: PromptType | Sequence[PromptType]) -> list[str | None]:
