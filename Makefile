@@ -4,6 +4,9 @@ PIP := $(PYTHON) -m pip
 STAMP := .install-stamp
 # torch is pinned so pip takes the local CPU build; a loose pin pulls a multi-GB CUDA build.
 TORCH_PIN ?= torch==2.13.0
+# pytest-xdist workers for `make test` (each runs whole test files, its torch on its share of
+# the cores: tests/conftest.py); CI's machine has 2 cores. TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
 
 .PHONY: install serve demo test redis-server lint protos clean bench-throughput
 
@@ -29,7 +32,7 @@ demo: $(STAMP)
 
 test: $(STAMP) redis-server
 	$(PYTHON) -m baton_kernels.cpu_ops
-	$(PYTHON) -m pytest -q --durations=25  # (the slowest tests listed: CI aims at 20 minutes)
+	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25  # (CI aims at 20 min)
 
 # The kvstore tests run a real Redis (they start redis-server themselves on a free port).
 redis-server:

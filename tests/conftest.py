@@ -20,6 +20,19 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
+def _share_the_cores() -> None:
+    """Under pytest-xdist (``make test`` runs one worker a core), a worker's torch and every
+    process it starts take their share of the cores: torch's default, a thread a core in each
+    worker, spent a third more CPU time on 2 cores than one worker did, and saved no time."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1 and "OMP_NUM_THREADS" not in os.environ:
+        cores = len(os.sched_getaffinity(0))
+        os.environ["OMP_NUM_THREADS"] = str(max(1, cores // workers))
+
+
+_share_the_cores()
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     try:
         import torch
