@@ -112,10 +112,10 @@ def test_other_quantizations_and_a_missing_scale_are_refused(
     config_path.write_text(json.dumps(config | {"quantization_config": {"quant_method": "awq"}}))
     with pytest.raises(ModelLoadError, match="quantization method 'awq' is not supported"):
         LLM(str(tmp_path / "fp8"), dtype="float32", kv_cache_memory=16 << 20)
-    int4 = CONFIGS["compressed-tensors"] | {"config_groups": {"group_0": {"weights": {
-        "num_bits": 4, "type": "int", "strategy": "group"}}}}  # fmt: skip
-    config_path.write_text(json.dumps(config | {"quantization_config": int4}))
-    with pytest.raises(ModelLoadError, match="only float 8-bit"):
+    fp4 = CONFIGS["compressed-tensors"] | {"config_groups": {"group_0": {"weights": {
+        "num_bits": 4, "type": "float", "strategy": "group"}}}}  # fmt: skip
+    config_path.write_text(json.dumps(config | {"quantization_config": fp4}))
+    with pytest.raises(ModelLoadError, match=r"not supported \(float 8-bit: FP8, or integers"):
         LLM(str(tmp_path / "fp8"), dtype="float32", kv_cache_memory=16 << 20)
     config_path.write_text(json.dumps(config))
     weights_path = tmp_path / "fp8" / "model.safetensors"

@@ -166,6 +166,12 @@ class ModelConfig:
     # scale covers (None: per tensor or per output channel).
     fp8_weights: bool = False
     fp8_block: tuple[int, int] | None = None
+    # compressed-tensors' integer weights (``weight_packed`` or int8 ``weight``, with
+    # ``weight_scale`` and maybe ``weight_zero_point`` and ``weight_g_idx``): dequantized on
+    # load to the model's dtype (``model_loader.dequantized_int``); ``int_group_size``: the
+    # columns a scale covers, where the config names one size.
+    int_weights: bool = False
+    int_group_size: int | None = None
     # A mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE): the MLP of its sparse layers
     # (``is_moe_layer``) is ``num_experts`` experts of ``moe_intermediate_size``, each token
     # routed to ``num_experts_per_tok`` of them (softmax, top k, renormalized if
@@ -238,7 +244,7 @@ class ModelConfig:
                 f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"
             )
         multimodal = archs[0] in _TEXT_CONFIG_DEFAULTS
-        fp8 = _fp8_fields(cfg.get("quantization_config"))
+        quant = _quant_fields(cfg.get("quantization_config"))
         if multimodal:
             cfg = _language_model_config(archs[0], cfg)
         num_heads = int(cfg["num_attention_heads"])
@@ -330,7 +336,7 @@ class ModelConfig:
             ),
             logits_scaling=float(cfg.get("logits_scaling", 1.0)),
         )
-        return cls(**(fields | moe | gemma | fp8), text_of_multimodal=multimodal)
+        return cls(**(fields | moe | gemma | quant), text_of_multimodal=multimodal)
 
     @classmethod
     def from_path(cls, model_dir: Path, overrides: dict[str, Any] | None = None) -> ModelConfig:
@@ -423,11 +429,12 @@ def _sliding_layers(
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
 
-def _fp8_fields(quant: Any) -> dict[str, Any]:
+def _quant_fields(quant: Any) -> dict[str, Any]:
     """The ``ModelConfig`` fields of a checkpoint's ``quantization_config``: FP8 weights
     (transformers' "fp8", by blocks; compressed-tensors' float 8-bit, by tensor, channel or
-    block; ModelOpt's FP8, by tensor) are dequantized on load; any other method is refused by
-    name."""
+    block; ModelOpt's FP8, by tensor) and compressed-tensors' integer weights (4 or 8 bits,
+    packed or not, by tensor, channel or group, with or without zero points: llm-compressor's
+    W4A16 / W8A16 / W8A8) are dequantized on load; any other method is refused by name."""
     if not quant:
         return {}
     if not isinstance(quant, dict):
@@ -440,18 +447,24 @@ def _fp8_fields(quant: Any) -> dict[str, Any]:
         groups = list((quant.get("config_groups") or {}).values())
         weights = [g.get("weights") or {} for g in groups]
         kinds = {(w.get("type"), w.get("num_bits")) for w in weights}
+        sparsity = (quant.get("sparsity_config") or {}).get("format", "dense")
+        if sparsity != "dense":
+            raise ModelLoadError(f"compressed-tensors sparsity {sparsity!r} is not supported")
+        if groups and kinds <= {("int", 4), ("int", 8)}:
+            sizes = sorted({int(w["group_size"]) for w in weights if w.get("group_size")})
+            return {"int_weights": True, "int_group_size": sizes[0] if len(sizes) == 1 else None}
         if not groups or kinds != {("float", 8)}:
             raise ModelLoadError(
                 f"compressed-tensors weights {sorted(map(str, kinds))} are not supported "
-                "(only float 8-bit: FP8)"
+                "(float 8-bit: FP8, or integers of 4 or 8 bits)"
             )
         blocks = {tuple(w.get("block_structure") or ()) for w in weights}
         block = next(iter(blocks)) or None if len(blocks) == 1 else "several"
     elif not (method == "modelopt" and str(quant.get("quant_algo", "")).upper() == "FP8"):
         raise ModelLoadError(
             f"quantization method {method or quant!r} is not supported: Baton serves "
-            "unquantized weights and FP8 checkpoints (fp8, compressed-tensors FP8, ModelOpt "
-            "FP8), whose weights it dequantizes on load"
+            "unquantized weights, FP8 checkpoints (fp8, compressed-tensors FP8, ModelOpt FP8) "
+            "and compressed-tensors' 4- and 8-bit integer weights, which it dequantizes on load"
         )
     if block is not None and (
         not isinstance(block, list | tuple) or len(block) != 2 or min(map(int, block)) < 1

@@ -37,6 +37,7 @@ __all__ = [
     "default_cache_dir",
     "default_model_path",
     "dequantized_fp8",
+    "dequantized_int",
     "iter_weights",
     "load_model_tokenizer",
     "load_tokenizer",
@@ -138,6 +139,103 @@ def dequantized_fp8(
         key, pair = next(iter(waiting.items()))
         raise ValueError(f"FP8 checkpoint: {key} has a {next(iter(pair))} but no "
                          f"{'scale' if 'weight' in pair else 'FP8 weight'}")  # fmt: skip
+
+
+# compressed-tensors' parts of an integer-quantized layer X (``X.weight_packed`` or an int8
+# ``X.weight``), and its static activations' parameters (unused: activations stay in the
+# model's dtype)
+_INT_PARTS = ("weight_packed", "weight_shape", "weight_scale", "weight_zero_point", "weight_g_idx")
+_INT_UNUSED = (".input_scale", ".input_zero_point", ".output_scale", ".output_zero_point")
+
+
+def dequantized_int(
+    weights: Iterator[tuple[str, torch.Tensor]], group_size: int | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """A compressed-tensors checkpoint's tensors with each integer layer ``X`` as one float32
+    ``X.weight``: ``(q - X.weight_zero_point) * X.weight_scale``, where ``q`` is
+    ``X.weight_packed`` (4- or 8-bit values packed into int32s along the input dimension,
+    offset by half their range, the layer's shape in ``X.weight_shape``) or an int8
+    ``X.weight``; the scale (and the zero point, packed along the output dimension) is one a
+    tensor, an output channel or a group of input columns (``group_size``, else as many as
+    the scale's columns divide; ``X.weight_g_idx``: each column's group). Other tensors pass
+    unchanged; a layer's parts are gathered from the whole checkpoint first."""
+    layers: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in weights:
+        if name.endswith(_INT_UNUSED):
+            continue
+        key, _, part = name.rpartition(".")
+        quantized_weight = part == "weight" and not tensor.is_floating_point()
+        if part in _INT_PARTS or quantized_weight:
+            layers.setdefault(key, {})[part] = tensor
+        else:
+            yield name, tensor
+    for key, parts in layers.items():
+        yield f"{key}.weight", _dequantize_int(key, parts, group_size)
+
+
+def _unpack_int32(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
+    """The first ``count`` ``bits``-bit values of each row of ``packed`` (int32 words, the
+    first value in a word's lowest bits), as signed integers (int32)."""
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
+    values = (packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+    return values.reshape(packed.shape[0], -1)[:, :count] - (1 << (bits - 1))
+
+
+def _dequantize_int(
+    key: str, parts: dict[str, torch.Tensor], group_size: int | None
+) -> torch.Tensor:
+    def fail(why: str) -> ValueError:
+        return ValueError(f"compressed-tensors checkpoint: {key} {why}")
+
+    if "weight_scale" not in parts:
+        raise fail("has no weight_scale")
+    if "weight_packed" in parts:
+        if "weight_shape" not in parts:
+            raise fail("has a weight_packed but no weight_shape")
+        rows, cols = (int(n) for n in parts["weight_shape"].reshape(-1).tolist())
+        packed = parts["weight_packed"]
+        bits = next((b for b in (4, 8) if packed.shape[-1] == -(cols * b // -32)), None)
+        if packed.dtype != torch.int32 or packed.shape[0] != rows or bits is None:
+            raise fail(
+                f"has a weight_packed of {tuple(packed.shape)} {packed.dtype}, not 4- or 8-bit "
+                f"values of its shape {(rows, cols)} packed into int32"
+            )
+        q = _unpack_int32(packed, bits, cols)
+    elif "weight" in parts:
+        q = parts["weight"].to(torch.int32)
+        rows, cols = q.shape
+        bits = 8
+    else:
+        raise fail("has a weight_scale but no weight_packed or integer weight")
+    scale = parts["weight_scale"].float()
+    scale = scale.reshape(1, 1) if scale.numel() == 1 else scale.reshape(rows, -1)
+    zero = parts.get("weight_zero_point")
+    if zero is not None:
+        if zero.dtype == torch.int32 and zero.numel() != scale.numel():  # (packed by rows)
+            zero = _unpack_int32(zero.t().contiguous(), bits, rows).t()
+        zero = zero.to(torch.int32).reshape(scale.shape)
+        q = q - _by_column(key, zero, cols, group_size, parts.get("weight_g_idx"))
+    return q.float() * _by_column(key, scale, cols, group_size, parts.get("weight_g_idx"))
+
+
+def _by_column(
+    key: str, values: torch.Tensor, cols: int, group_size: int | None, g_idx: torch.Tensor | None
+) -> torch.Tensor:
+    """``values`` (``[rows or 1, groups]``) spread over ``cols`` input columns."""
+    groups = values.shape[1]
+    if groups == 1:
+        return values
+    if g_idx is not None:
+        return values[:, g_idx.long()]
+    size = group_size if group_size and -(cols // -group_size) == groups else None
+    if size is None and cols % groups == 0:
+        size = cols // groups
+    if size is None:
+        raise ValueError(
+            f"compressed-tensors checkpoint: {key}'s {groups} groups do not divide its "
+            f"{cols} columns (group size {group_size})"
+        )
+    return values.repeat_interleave(size, dim=1)[:, :cols]
 
 
 def _dequantize(

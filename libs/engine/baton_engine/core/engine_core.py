@@ -34,7 +34,12 @@ from baton_engine.kv_cache import KVCacheManager
 from baton_engine.kv_cache.block_pool import KVCacheEvent
 from baton_engine.lora import LoRALimits, LoRARequest, lora_requests
 from baton_engine.model_files import load_named_tokenizer, load_tokenizer
-from baton_engine.model_loader import dequantized_fp8, iter_weights, resolve_model
+from baton_engine.model_loader import (
+    dequantized_fp8,
+    dequantized_int,
+    iter_weights,
+    resolve_model,
+)
 from baton_engine.models.llama import FP8_LINEAR, shard_config
 from baton_engine.pooling_params import PoolerConfig, PoolingParams
 from baton_engine.profiler import StepProfiler
@@ -136,6 +141,8 @@ def use_fp8_linears(config: EngineConfig, mc: ModelConfig, device: str) -> bool:
     elsewhere an FP8 checkpoint's weights are dequantized (a CPU's bf16 kernels are faster
     than its FP8 product)."""
     method = config.quantization
+    if method == "compressed-tensors" and mc.int_weights:
+        return False
     if method not in (None, "fp8") and not mc.fp8_weights:
         raise InvalidRequestError(
             f"quantization {method!r} names an FP8 checkpoint's method, and this model's "
@@ -190,6 +197,8 @@ def build_runner(config: EngineConfig, tp_rank: int = 0) -> RunnerSetup:
         )  # fmt: skip
     elif mc.fp8_weights:
         logger.info("FP8 checkpoint: its weights are dequantized to %s on load", dtype)
+    elif mc.int_weights:
+        logger.info("Integer weights (compressed-tensors): dequantized to %s on load", dtype)
     free_at_start = None
     if device.startswith("cuda"):  # before the model: what other processes leave us
         free_at_start = _check_gpu_share(config, torch.device(device))
@@ -278,6 +287,8 @@ def _load_weights(
         if mc.fp8_weights:
             keep = _fp8_layer if fp8 else None
             weights = dequantized_fp8(weights, mc.fp8_block, keep)
+        elif mc.int_weights:
+            weights = dequantized_int(weights, mc.int_group_size)
         runner.load_weights(weights)
     except ValueError as e:
         raise ModelLoadError(f"cannot load weights from {model_dir}: {e}") from e

@@ -1,0 +1,211 @@
+"""compressed-tensors' integer checkpoints (llm-compressor's W4A16, W8A16 and W8A8: weights of 4
+or 8 bits, packed into int32s or int8, a scale a group of columns, an output channel or the
+tensor, with or without zero points) load with their weights dequantized and generate what
+transformers generates from them. The checkpoints are a tiny model quantized and saved here by
+compressed-tensors itself; the references decompress them with compressed-tensors (and, where
+transformers reads the checkpoint, with transformers' own loading)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from compressed_tensors.compressors import BaseCompressor, ModelCompressor
+from compressed_tensors.quantization import (
+    QuantizationArgs,
+    QuantizationConfig,
+    QuantizationScheme,
+    apply_quantization_config,
+)
+from compressed_tensors.quantization.utils import calculate_qparams
+from safetensors.torch import load_file, save_file
+from tiny_models import build_model, hf_greedy
+
+from baton import LLM, SamplingParams
+from baton_engine.errors import ModelLoadError
+from baton_engine.model_loader import dequantized_int
+
+PROMPTS = [[10 + i for i in range(n)] for n in (5, 23)]
+# name: (the weights' QuantizationArgs, activations' or None, the checkpoint's format)
+SCHEMES: dict[str, tuple[dict[str, Any], dict[str, Any] | None, str]] = {
+    "w4a16-group": (
+        {"num_bits": 4, "strategy": "group", "group_size": 16, "symmetric": True}, None,
+        "pack-quantized",
+    ),
+    "w4a16-group-asymmetric": (
+        {"num_bits": 4, "strategy": "group", "group_size": 32, "symmetric": False}, None,
+        "pack-quantized",
+    ),
+    "w8a16-channel": (
+        {"num_bits": 8, "strategy": "channel", "symmetric": True}, None, "pack-quantized",
+    ),
+    "w4a16-channel-asymmetric": (
+        {"num_bits": 4, "strategy": "channel", "symmetric": False}, None, "pack-quantized",
+    ),
+    "w8a8-channel": (
+        {"num_bits": 8, "strategy": "channel", "symmetric": True},
+        {"num_bits": 8, "strategy": "token", "symmetric": True, "dynamic": True},
+        "int-quantized",
+    ),
+}  # fmt: skip
+
+
+def _scheme(name: str) -> QuantizationScheme:
+    weights, activations, _ = SCHEMES[name]
+    return QuantizationScheme(
+        targets=["Linear"],
+        weights=QuantizationArgs(type="int", **weights),
+        input_activations=QuantizationArgs(type="int", **activations) if activations else None,
+    )
+
+
+def _quantized_folder(name: str, default_model_dir: Path, out: Path) -> None:
+    """A tiny Llama quantized by compressed-tensors (scales and zero points from each group's
+    range: a minmax observer's) and saved compressed in ``out``."""
+    model = build_model("llama", default_model_dir, out)
+    scheme, fmt = _scheme(name), SCHEMES[name][2]
+    config = QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"], format=fmt)
+    apply_quantization_config(model, config)
+    args = scheme.weights
+    assert args is not None
+    for module in model.modules():
+        if not hasattr(module, "weight_scale"):
+            continue
+        w = module.weight.data
+        size = args.group_size if args.strategy == "group" else w.shape[1]
+        grouped = w.reshape(w.shape[0], -1, size)
+        scale, zero = calculate_qparams(grouped.amin(-1), grouped.amax(-1), args)
+        module.weight_scale.data = scale.to(module.weight_scale.dtype)
+        if hasattr(module, "weight_zero_point"):
+            module.weight_zero_point.data = zero.to(module.weight_zero_point.dtype)
+    compressor = ModelCompressor.from_pretrained_model(model, quantization_format=fmt)
+    assert compressor is not None
+    compressor.compress_model(model)
+    model.save_pretrained(out)
+    compressor.update_config(str(out))
+
+
+def _decompressed(name: str, folder: Path, model: Any) -> dict[str, torch.Tensor]:
+    """The weights compressed-tensors' own compressor (of the checkpoint's format) decompresses
+    from ``folder``, loaded into ``model`` (transformers' reference)."""
+    compressor: Any = BaseCompressor.get_value_from_registry(SCHEMES[name][2])
+    layers: dict[str, dict[str, torch.Tensor]] = {}
+    for n, t in load_file(str(folder / "model.safetensors")).items():
+        key, _, part = n.rpartition(".")
+        if part.startswith(("weight_", "input_")) or (
+            part == "weight" and not t.is_floating_point()
+        ):
+            layers.setdefault(key, {})[part] = t
+    weights = {
+        f"{key}.weight": compressor.decompress(parts, _scheme(name))["weight"].float()
+        for key, parts in layers.items()
+    }
+    model.load_state_dict(weights, strict=False)
+    return weights
+
+
+def _greedy(folder: Path, **kwargs: Any) -> list[list[int]]:
+    llm = LLM(str(folder), dtype="float32", max_model_len=128, kv_cache_memory=16 << 20, **kwargs)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+        got = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+        return [list(g.outputs[0].token_ids) for g in got]
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMES))
+def test_an_integer_checkpoint_generates_its_decompressed_model(
+    name: str, default_model_dir: Path, tmp_path: Path
+) -> None:
+    _quantized_folder(name, default_model_dir, tmp_path / "quantized")
+    reference = build_model("llama", default_model_dir, tmp_path / "float")  # (the same seed)
+    unquantized = {n: p.clone() for n, p in reference.state_dict().items()}
+    weights = _decompressed(name, tmp_path / "quantized", reference)
+    assert len(weights) == 2 * 7  # (two layers' seven projections; the LM head kept as is)
+    assert all(not torch.equal(w, unquantized[n]) for n, w in weights.items())
+    want = hf_greedy(reference, PROMPTS, 10)
+    assert want != hf_greedy(build_model("llama", default_model_dir, tmp_path / "f"), PROMPTS, 10)
+    assert _greedy(tmp_path / "quantized") == want
+    assert _greedy(tmp_path / "quantized", quantization="compressed-tensors") == want
+
+
+def test_transformers_reads_the_same_w4a16_checkpoint(
+    default_model_dir: Path, tmp_path: Path
+) -> None:
+    """transformers' own loading of the checkpoint (its compressed-tensors integration)."""
+    import transformers
+
+    _quantized_folder("w4a16-group", default_model_dir, tmp_path / "quantized")
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path / "quantized"), dtype=torch.float32
+    ).eval()
+    assert _greedy(tmp_path / "quantized") == hf_greedy(model, PROMPTS, 10)
+
+
+def test_group_indices_pick_each_columns_scale_and_zero_point() -> None:
+    """An older llm-compressor's activation order: ``weight_g_idx`` names each column's group."""
+    torch.manual_seed(0)
+    rows, cols, groups = 8, 64, 4
+    q = torch.randint(-8, 8, (rows, cols), dtype=torch.int32)
+    zero = torch.randint(-3, 3, (rows, groups), dtype=torch.int32)
+    scale = torch.rand(rows, groups) + 0.1
+    g_idx = (torch.arange(cols) // (cols // groups))[torch.randperm(cols)].to(torch.int32)
+    packed = torch.zeros(rows, cols // 8, dtype=torch.int32)
+    for k in range(cols):  # (the value + 8 in bits 4 * (k % 8) of word k // 8)
+        packed[:, k // 8] |= (q[:, k] + 8) << (4 * (k % 8))
+    parts = {
+        "x.weight_packed": packed,
+        "x.weight_shape": torch.tensor([rows, cols]),
+        "x.weight_scale": scale.to(torch.bfloat16),
+        "x.weight_zero_point": zero.to(torch.int8),
+        "x.weight_g_idx": g_idx,
+        "x.input_scale": torch.tensor(1.0),
+        "y.weight": torch.ones(2, 2),
+    }
+    out = dict(dequantized_int(iter(parts.items())))
+    assert sorted(out) == ["x.weight", "y.weight"]
+    want = torch.empty(rows, cols)
+    for k in range(cols):
+        g = int(g_idx[k])
+        want[:, k] = (q[:, k] - zero[:, g]).float() * scale[:, g].to(torch.bfloat16).float()
+    torch.testing.assert_close(out["x.weight"], want, rtol=0, atol=0)
+
+
+def test_bad_integer_checkpoints_are_refused(default_model_dir: Path, tmp_path: Path) -> None:
+    folder = tmp_path / "quantized"
+    _quantized_folder("w4a16-group", default_model_dir, folder)
+    weights_path, config_path = folder / "model.safetensors", folder / "config.json"
+    tensors = load_file(str(weights_path))
+    config = json.loads(config_path.read_text())
+    quant = config["quantization_config"]
+
+    def refused(match: str) -> None:
+        with pytest.raises(ModelLoadError, match=match):
+            LLM(str(folder), dtype="float32", kv_cache_memory=16 << 20)
+
+    group = quant["config_groups"]["group_0"]
+    three_bits = quant | {"config_groups": {"g": group | {"weights": group["weights"] | {
+        "num_bits": 3}}}}  # fmt: skip
+    config_path.write_text(json.dumps(config | {"quantization_config": three_bits}))
+    refused(r"\('int', 3\)\"\] are not supported \(float 8-bit: FP8, or integers of 4 or 8")
+    sparse = quant | {"sparsity_config": {"format": "sparse-24-bitmask"}}
+    config_path.write_text(json.dumps(config | {"quantization_config": sparse}))
+    refused("sparsity 'sparse-24-bitmask' is not supported")
+    config_path.write_text(json.dumps(config))
+    for missing, why in (
+        ("weight_scale", "has no weight_scale"),
+        ("weight_shape", "has a weight_packed but no weight_shape"),
+    ):
+        dropped = f"model.layers.1.mlp.up_proj.{missing}"
+        save_file({n: t for n, t in tensors.items() if n != dropped}, str(weights_path))
+        refused(rf"layers\.1\.mlp\.up_proj {why}")
+    cut = dict(tensors)
+    cut["model.layers.0.self_attn.o_proj.weight_packed"] = cut[
+        "model.layers.0.self_attn.o_proj.weight_packed"
+    ][:, :3].contiguous()
+    save_file(cut, str(weights_path))
+    refused(r"o_proj has a weight_packed of \(64, 3\) torch.int32, not 4- or 8-bit")
