@@ -109,8 +109,8 @@ def test_other_quantizations_and_a_missing_scale_are_refused(
     _fp8_folder("fp8", model, tmp_path / "model", tmp_path / "fp8")
     config_path = tmp_path / "fp8" / "config.json"
     config = json.loads(config_path.read_text())
-    config_path.write_text(json.dumps(config | {"quantization_config": {"quant_method": "awq"}}))
-    with pytest.raises(ModelLoadError, match="quantization method 'awq' is not supported"):
+    config_path.write_text(json.dumps(config | {"quantization_config": {"quant_method": "gptq"}}))
+    with pytest.raises(ModelLoadError, match="quantization method 'gptq' is not supported"):
         LLM(str(tmp_path / "fp8"), dtype="float32", kv_cache_memory=16 << 20)
     fp4 = CONFIGS["compressed-tensors"] | {"config_groups": {"group_0": {"weights": {
         "num_bits": 4, "type": "float", "strategy": "group"}}}}  # fmt: skip

@@ -177,7 +177,9 @@ def test_dummy_weights_and_other_methods(default_model_dir: Path, tmp_path: Path
         assert layers[0].weight.float().abs().amax() == 448.0
     finally:
         llm.shutdown()
-    with pytest.raises(InvalidRequestError, match="quantization 'awq' is not supported"):
+    with pytest.raises(InvalidRequestError, match="quantization 'gptq' is not supported"):
+        LLM(str(default_model_dir), quantization="gptq", **SMALL)
+    with pytest.raises(InvalidRequestError, match="names an AWQ checkpoint's method"):
         LLM(str(default_model_dir), quantization="awq", **SMALL)
     with pytest.raises(InvalidRequestError, match="names an FP8 checkpoint's method"):
         LLM(str(default_model_dir), quantization="modelopt", **SMALL)

@@ -88,19 +88,21 @@ def _quantized_folder(name: str, default_model_dir: Path, out: Path) -> None:
     compressor.update_config(str(out))
 
 
-def _decompressed(name: str, folder: Path, model: Any) -> dict[str, torch.Tensor]:
-    """The weights compressed-tensors' own compressor (of the checkpoint's format) decompresses
-    from ``folder``, loaded into ``model`` (transformers' reference)."""
-    compressor: Any = BaseCompressor.get_value_from_registry(SCHEMES[name][2])
+def _decompressed(
+    tensors: dict[str, torch.Tensor], scheme: QuantizationScheme, fmt: str, model: Any
+) -> dict[str, torch.Tensor]:
+    """The weights compressed-tensors' own compressor of ``fmt`` decompresses from
+    ``tensors`` (a checkpoint's, float32 scales), loaded into ``model`` (transformers')."""
+    compressor: Any = BaseCompressor.get_value_from_registry(fmt)
     layers: dict[str, dict[str, torch.Tensor]] = {}
-    for n, t in load_file(str(folder / "model.safetensors")).items():
+    for n, t in tensors.items():
         key, _, part = n.rpartition(".")
         if part.startswith(("weight_", "input_")) or (
             part == "weight" and not t.is_floating_point()
         ):
-            layers.setdefault(key, {})[part] = t
+            layers.setdefault(key, {})[part] = t.float() if part == "weight_scale" else t
     weights = {
-        f"{key}.weight": compressor.decompress(parts, _scheme(name))["weight"].float()
+        f"{key}.weight": compressor.decompress(parts, scheme)["weight"].float()
         for key, parts in layers.items()
     }
     model.load_state_dict(weights, strict=False)
@@ -124,7 +126,8 @@ def test_an_integer_checkpoint_generates_its_decompressed_model(
     _quantized_folder(name, default_model_dir, tmp_path / "quantized")
     reference = build_model("llama", default_model_dir, tmp_path / "float")  # (the same seed)
     unquantized = {n: p.clone() for n, p in reference.state_dict().items()}
-    weights = _decompressed(name, tmp_path / "quantized", reference)
+    tensors = load_file(str(tmp_path / "quantized" / "model.safetensors"))
+    weights = _decompressed(tensors, _scheme(name), SCHEMES[name][2], reference)
     assert len(weights) == 2 * 7  # (two layers' seven projections; the LM head kept as is)
     assert all(not torch.equal(w, unquantized[n]) for n, w in weights.items())
     want = hf_greedy(reference, PROMPTS, 10)
@@ -144,6 +147,80 @@ def test_transformers_reads_the_same_w4a16_checkpoint(
         str(tmp_path / "quantized"), dtype=torch.float32
     ).eval()
     assert _greedy(tmp_path / "quantized") == hf_greedy(model, PROMPTS, 10)
+
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # (AutoAWQ's: value j of a word is column AWQ_ORDER[j])
+AWQ_GROUP = 32
+
+
+def _awq_pack(values: torch.Tensor) -> torch.Tensor:
+    """``[R, N]`` 4-bit values as AutoAWQ packs them, ``[R, N / 8]`` int32 words."""
+    words = torch.zeros(values.shape[0], values.shape[1] // 8, dtype=torch.int32)
+    for j, column in enumerate(AWQ_ORDER):
+        words |= values[:, column::8].to(torch.int32) << (4 * j)
+    return words
+
+
+def _awq_folder(default_model_dir: Path, out: Path, zero_point: bool) -> dict[str, torch.Tensor]:
+    """A tiny Llama quantized here into AutoAWQ's GEMM layout (4 bits, a scale and a zero point
+    a group of 32 input rows and an output column; without zero points: values offset by 8);
+    returns the checkpoint's tensors."""
+    build_model("llama", default_model_dir, out)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, w in load_file(str(out / "model.safetensors")).items():
+        if "_proj.weight" not in name:
+            tensors[name] = w
+            continue
+        key, wt = name.removesuffix(".weight"), w.float().t()  # (AWQ's [K, N])
+        grouped = wt.reshape(-1, AWQ_GROUP, wt.shape[1])
+        if zero_point:
+            lo, hi = grouped.amin(1), grouped.amax(1)
+            scale = ((hi - lo) / 15).clamp(min=1e-6).half().float()
+            zero = (-lo / scale).round().clamp(0, 15)
+        else:
+            scale = (grouped.abs().amax(1) / 7).clamp(min=1e-6).half().float()
+            zero = torch.full_like(scale, 8.0)
+        q = (grouped / scale[:, None] + zero[:, None]).round().clamp(0, 15).reshape(wt.shape)
+        tensors[f"{key}.qweight"] = _awq_pack(q.int())
+        tensors[f"{key}.scales"] = scale.half()
+        if zero_point:
+            tensors[f"{key}.qzeros"] = _awq_pack(zero.int())
+    save_file(tensors, str(out / "model.safetensors"))
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "awq", "bits": 4, "group_size": AWQ_GROUP, "zero_point": zero_point,
+        "version": "gemm", "modules_to_not_convert": None,
+    }  # fmt: skip
+    (out / "config.json").write_text(json.dumps(config))
+    return tensors
+
+
+@pytest.mark.parametrize("zero_point", [True, False])
+def test_an_awq_checkpoint_generates_what_compressed_tensors_converts_it_to(
+    zero_point: bool, default_model_dir: Path, tmp_path: Path
+) -> None:
+    """compressed-tensors' AutoAWQ converter reads the layout (an implementation of its own)."""
+    from compressed_tensors.entrypoints.convert.converters.autoawq import AutoAWQConverter
+
+    tensors = _awq_folder(default_model_dir, tmp_path / "awq", zero_point)
+    converted = AutoAWQConverter(group_size=AWQ_GROUP, zero_point=zero_point).process(dict(tensors))
+    args = {"num_bits": 4, "strategy": "group", "group_size": AWQ_GROUP}
+    scheme = QuantizationScheme(
+        targets=["Linear"], weights=QuantizationArgs(type="int", symmetric=not zero_point, **args)
+    )
+    reference = build_model("llama", default_model_dir, tmp_path / "float")
+    unquantized = hf_greedy(reference, PROMPTS, 10)
+    assert len(_decompressed(converted, scheme, "pack-quantized", reference)) == 2 * 7
+    want = hf_greedy(reference, PROMPTS, 10)
+    assert want != unquantized
+    assert _greedy(tmp_path / "awq") == want
+    assert _greedy(tmp_path / "awq", quantization="awq_marlin") == want
+    del tensors["model.layers.1.self_attn.v_proj.scales"]
+    save_file(tensors, str(tmp_path / "awq" / "model.safetensors"))
+    with pytest.raises(
+        ModelLoadError, match=r"AWQ checkpoint: .*layers\.1\.self_attn\.v_proj has no scales"
+    ):
+        _greedy(tmp_path / "awq")
 
 
 def test_group_indices_pick_each_columns_scale_and_zero_point() -> None:
@@ -192,6 +269,9 @@ def test_bad_integer_checkpoints_are_refused(default_model_dir: Path, tmp_path: 
         "num_bits": 3}}}}  # fmt: skip
     config_path.write_text(json.dumps(config | {"quantization_config": three_bits}))
     refused(r"\('int', 3\)\"\] are not supported \(float 8-bit: FP8, or integers of 4 or 8")
+    gemv = {"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemv"}
+    config_path.write_text(json.dumps(config | {"quantization_config": gemv}))
+    refused(r"AWQ checkpoints of 4 bits, version 'gemv', are not supported \(4-bit, GEMM\)")
     sparse = quant | {"sparsity_config": {"format": "sparse-24-bitmask"}}
     config_path.write_text(json.dumps(config | {"quantization_config": sparse}))
     refused("sparsity 'sparse-24-bitmask' is not supported")

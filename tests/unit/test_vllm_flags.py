@@ -102,7 +102,7 @@ def test_a_length_that_does_not_read_is_refused(
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--quantization", "awq"], "quantization 'awq' is not supported: Baton serves fp8"),
+        (["--quantization", "gptq"], "quantization 'gptq' is not supported: Baton serves fp8"),
         (["--kv-cache-dtype", "fp8_inc"], "kv_cache_dtype 'fp8_inc' is not supported"),
         (["--calculate-kv-scales"], "by an FP8 checkpoint's scales, else by 1"),
         (["--pipeline-parallel-size", "2"], "--tensor-parallel-size only"),

@@ -17,9 +17,9 @@ from baton_engine.sampling_params import MAX_LOGPROBS
 SCHEDULING_POLICIES = ("fcfs", "priority")
 # vLLM's --kv-cache-dtype values Baton serves (engine_core.resolve_kv_cache_dtype)
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
-# vLLM's --quantization values Baton serves: fp8 (W8A8: baton_kernels.fp8_linear), and an FP8
-# checkpoint's own method names, which vLLM takes for it (engine_core.use_fp8_linears)
-QUANTIZATIONS = ("fp8", "compressed-tensors", "modelopt")
+# vLLM's --quantization values Baton serves: fp8 (W8A8: baton_kernels.fp8_linear), and a
+# quantized checkpoint's own method names, which vLLM takes for it (engine_core.use_fp8_linears)
+QUANTIZATIONS = ("fp8", "compressed-tensors", "modelopt", "awq", "awq_marlin")
 # vLLM's --runner: "generate" serves only generation, "pooling" only embeddings; "auto" (Baton's
 # default) both, from any model.
 RUNNERS = ("auto", "generate", "pooling")
@@ -166,11 +166,12 @@ class ModelConfig:
     # scale covers (None: per tensor or per output channel).
     fp8_weights: bool = False
     fp8_block: tuple[int, int] | None = None
-    # compressed-tensors' integer weights (``weight_packed`` or int8 ``weight``, with
-    # ``weight_scale`` and maybe ``weight_zero_point`` and ``weight_g_idx``): dequantized on
-    # load to the model's dtype (``model_loader.dequantized_int``); ``int_group_size``: the
-    # columns a scale covers, where the config names one size.
-    int_weights: bool = False
+    # Integer weights, "compressed-tensors" (``weight_packed`` or int8 ``weight``, with
+    # ``weight_scale`` and maybe ``weight_zero_point`` and ``weight_g_idx``) or "awq"
+    # (AutoAWQ's GEMM layout: ``qweight``, ``qzeros``, ``scales``): dequantized on load to the
+    # model's dtype (``model_loader.dequantized_int``); ``int_group_size``: the columns a scale
+    # covers, where the config names one size.
+    int_weights: str = ""
     int_group_size: int | None = None
     # A mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE): the MLP of its sparse layers
     # (``is_moe_layer``) is ``num_experts`` experts of ``moe_intermediate_size``, each token
@@ -452,7 +453,8 @@ def _quant_fields(quant: Any) -> dict[str, Any]:
             raise ModelLoadError(f"compressed-tensors sparsity {sparsity!r} is not supported")
         if groups and kinds <= {("int", 4), ("int", 8)}:
             sizes = sorted({int(w["group_size"]) for w in weights if w.get("group_size")})
-            return {"int_weights": True, "int_group_size": sizes[0] if len(sizes) == 1 else None}
+            size = sizes[0] if len(sizes) == 1 else None
+            return {"int_weights": "compressed-tensors", "int_group_size": size}
         if not groups or kinds != {("float", 8)}:
             raise ModelLoadError(
                 f"compressed-tensors weights {sorted(map(str, kinds))} are not supported "
@@ -460,11 +462,21 @@ def _quant_fields(quant: Any) -> dict[str, Any]:
             )
         blocks = {tuple(w.get("block_structure") or ()) for w in weights}
         block = next(iter(blocks)) or None if len(blocks) == 1 else "several"
+    elif method == "awq":
+        bits, version = quant.get("bits") or quant.get("w_bit") or 4, quant.get("version", "gemm")
+        if int(bits) != 4 or str(version).lower() != "gemm":
+            raise ModelLoadError(
+                f"AWQ checkpoints of {bits} bits, version {version!r}, are not supported "
+                "(4-bit, GEMM)"
+            )
+        size = int(quant.get("group_size") or quant.get("q_group_size") or -1)
+        return {"int_weights": "awq", "int_group_size": size if size > 0 else None}
     elif not (method == "modelopt" and str(quant.get("quant_algo", "")).upper() == "FP8"):
         raise ModelLoadError(
             f"quantization method {method or quant!r} is not supported: Baton serves "
-            "unquantized weights, FP8 checkpoints (fp8, compressed-tensors FP8, ModelOpt FP8) "
-            "and compressed-tensors' 4- and 8-bit integer weights, which it dequantizes on load"
+            "unquantized weights, FP8 checkpoints (fp8, compressed-tensors FP8, ModelOpt FP8), "
+            "compressed-tensors' 4- and 8-bit integer weights and AWQ's, which it dequantizes "
+            "on load"
         )
     if block is not None and (
         not isinstance(block, list | tuple) or len(block) != 2 or min(map(int, block)) < 1
@@ -909,8 +921,9 @@ class EngineConfig:
         if self.quantization not in (None, *QUANTIZATIONS):
             raise InvalidRequestError(
                 f"quantization {self.quantization!r} is not supported: Baton serves fp8 (FP8 "
-                "weights, a scale an output channel, activations quantized per token) and "
-                "unquantized weights (a GGUF's are dequantized on load)"
+                "weights, a scale an output channel, activations quantized per token), "
+                "unquantized weights (a GGUF's are dequantized on load) and a quantized "
+                f"checkpoint's own method ({', '.join(QUANTIZATIONS[1:])})"
             )
         if self.kv_offloading_size is not None and self.kv_offloading_size < 0:
             raise InvalidRequestError("kv_offloading_size must be at least 0 (GiB)")

@@ -142,34 +142,46 @@ def dequantized_fp8(
 
 
 # compressed-tensors' parts of an integer-quantized layer X (``X.weight_packed`` or an int8
-# ``X.weight``), and its static activations' parameters (unused: activations stay in the
-# model's dtype)
+# ``X.weight``), AutoAWQ's (GEMM), and the static activations' parameters (unused: activations
+# stay in the model's dtype)
 _INT_PARTS = ("weight_packed", "weight_shape", "weight_scale", "weight_zero_point", "weight_g_idx")
+_AWQ_PARTS = ("qweight", "qzeros", "scales")
 _INT_UNUSED = (".input_scale", ".input_zero_point", ".output_scale", ".output_zero_point")
+# AutoAWQ packs the 8 output columns of a word in this order: value j of a word (bits 4j) is
+# column _AWQ_ORDER[j] of its 8
+_AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
 
 def dequantized_int(
-    weights: Iterator[tuple[str, torch.Tensor]], group_size: int | None = None
+    weights: Iterator[tuple[str, torch.Tensor]], group_size: int | None = None, awq: bool = False
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """A compressed-tensors checkpoint's tensors with each integer layer ``X`` as one float32
-    ``X.weight``: ``(q - X.weight_zero_point) * X.weight_scale``, where ``q`` is
-    ``X.weight_packed`` (4- or 8-bit values packed into int32s along the input dimension,
-    offset by half their range, the layer's shape in ``X.weight_shape``) or an int8
-    ``X.weight``; the scale (and the zero point, packed along the output dimension) is one a
-    tensor, an output channel or a group of input columns (``group_size``, else as many as
-    the scale's columns divide; ``X.weight_g_idx``: each column's group). Other tensors pass
-    unchanged; a layer's parts are gathered from the whole checkpoint first."""
+    """An integer checkpoint's tensors with each quantized layer ``X`` as one float32
+    ``X.weight``, ``(q - zero point) * scale``, the scale (and the zero point) one a tensor, an
+    output channel or a group of input columns (``group_size``, else as many as the scale's
+    columns divide).
+
+    compressed-tensors' (``awq`` False): ``q`` is ``X.weight_packed`` (4- or 8-bit values
+    packed into int32s along the input dimension, offset by half their range, the layer's shape
+    in ``X.weight_shape``) or an int8 ``X.weight``, with ``X.weight_scale``, maybe
+    ``X.weight_zero_point`` (packed along the output dimension) and ``X.weight_g_idx`` (each
+    column's group). AutoAWQ's GEMM layout (``awq``): ``X.qweight`` (``[K, N / 8]``, 4-bit
+    values packed along the output dimension in ``_AWQ_ORDER``), ``X.qzeros`` (packed alike)
+    and ``X.scales`` (``[K / group, N]``). Other tensors pass unchanged; a layer's parts are
+    gathered from the whole checkpoint first."""
+    parts_of = _AWQ_PARTS if awq else _INT_PARTS
     layers: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in weights:
         if name.endswith(_INT_UNUSED):
             continue
         key, _, part = name.rpartition(".")
-        quantized_weight = part == "weight" and not tensor.is_floating_point()
-        if part in _INT_PARTS or quantized_weight:
+        quantized_weight = part == "weight" and not tensor.is_floating_point() and not awq
+        if part in parts_of or quantized_weight:
             layers.setdefault(key, {})[part] = tensor
         else:
             yield name, tensor
     for key, parts in layers.items():
+        if awq:
+            parts = _awq_as_compressed_tensors(key, parts)
         yield f"{key}.weight", _dequantize_int(key, parts, group_size)
 
 
@@ -181,11 +193,35 @@ def _unpack_int32(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
     return values.reshape(packed.shape[0], -1)[:, :count] - (1 << (bits - 1))
 
 
+def _awq_as_compressed_tensors(key: str, parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """An AutoAWQ layer's parts as compressed-tensors' (signed values ``[N, K]``, in an int8
+    ``weight``; scales and zero points ``[N, groups]``)."""
+    if "qweight" not in parts or "scales" not in parts:
+        missing = "qweight" if "qweight" not in parts else "scales"
+        raise ValueError(f"AWQ checkpoint: {key} has no {missing}")
+    qweight, scales = parts["qweight"], parts["scales"]
+    rows = scales.shape[-1]
+    if qweight.dtype != torch.int32 or qweight.shape[1] * 8 != rows:
+        raise ValueError(
+            f"AWQ checkpoint: {key}.qweight of {tuple(qweight.shape)} {qweight.dtype} does not "
+            f"pack 4-bit values of its {rows} output columns into int32s"
+        )
+    order = torch.tensor(_AWQ_ORDER).argsort()  # (the value that holds each column)
+    index = (torch.arange(rows).reshape(-1, 8) // 8 * 8 + order).reshape(-1)
+    out = {
+        "weight": _unpack_int32(qweight, 4, rows)[:, index].t().to(torch.int8),
+        "weight_scale": scales.t(),
+    }
+    if "qzeros" in parts:
+        out["weight_zero_point"] = _unpack_int32(parts["qzeros"], 4, rows)[:, index].t()
+    return out
+
+
 def _dequantize_int(
     key: str, parts: dict[str, torch.Tensor], group_size: int | None
 ) -> torch.Tensor:
     def fail(why: str) -> ValueError:
-        return ValueError(f"compressed-tensors checkpoint: {key} {why}")
+        return ValueError(f"integer checkpoint: {key} {why}")
 
     if "weight_scale" not in parts:
         raise fail("has no weight_scale")
@@ -232,7 +268,7 @@ def _by_column(
         size = cols // groups
     if size is None:
         raise ValueError(
-            f"compressed-tensors checkpoint: {key}'s {groups} groups do not divide its "
+            f"integer checkpoint: {key}'s {groups} groups do not divide its "
             f"{cols} columns (group size {group_size})"
         )
     return values.repeat_interleave(size, dim=1)[:, :cols]

@@ -134,6 +134,11 @@ def _fp8_layer(key: str) -> bool:
     return FP8_LINEAR.search(key) is not None
 
 
+# vLLM's --quantization names for the integer checkpoints (ModelConfig.int_weights), whose
+# weights are dequantized on load
+_INT_METHODS = {"compressed-tensors": "compressed-tensors", "awq": "awq", "awq_marlin": "awq"}
+
+
 def use_fp8_linears(config: EngineConfig, mc: ModelConfig, device: str) -> bool:
     """Whether the model's projections are FP8 layers (W8A8, ``Fp8Linear``): with
     ``--quantization fp8`` (or an FP8 checkpoint's own method name), or by default for an FP8
@@ -141,8 +146,13 @@ def use_fp8_linears(config: EngineConfig, mc: ModelConfig, device: str) -> bool:
     elsewhere an FP8 checkpoint's weights are dequantized (a CPU's bf16 kernels are faster
     than its FP8 product)."""
     method = config.quantization
-    if method == "compressed-tensors" and mc.int_weights:
+    if mc.int_weights and _INT_METHODS.get(method or "") == mc.int_weights:
         return False
+    if method in ("awq", "awq_marlin"):
+        raise InvalidRequestError(
+            f"quantization {method!r} names an AWQ checkpoint's method, and this model's "
+            "weights are not AWQ's"
+        )
     if method not in (None, "fp8") and not mc.fp8_weights:
         raise InvalidRequestError(
             f"quantization {method!r} names an FP8 checkpoint's method, and this model's "
@@ -198,7 +208,7 @@ def build_runner(config: EngineConfig, tp_rank: int = 0) -> RunnerSetup:
     elif mc.fp8_weights:
         logger.info("FP8 checkpoint: its weights are dequantized to %s on load", dtype)
     elif mc.int_weights:
-        logger.info("Integer weights (compressed-tensors): dequantized to %s on load", dtype)
+        logger.info("Integer weights (%s): dequantized to %s on load", mc.int_weights, dtype)
     free_at_start = None
     if device.startswith("cuda"):  # before the model: what other processes leave us
         free_at_start = _check_gpu_share(config, torch.device(device))
@@ -288,7 +298,7 @@ def _load_weights(
             keep = _fp8_layer if fp8 else None
             weights = dequantized_fp8(weights, mc.fp8_block, keep)
         elif mc.int_weights:
-            weights = dequantized_int(weights, mc.int_group_size)
+            weights = dequantized_int(weights, mc.int_group_size, mc.int_weights == "awq")
         runner.load_weights(weights)
     except ValueError as e:
         raise ModelLoadError(f"cannot load weights from {model_dir}: {e}") from e
