@@ -435,7 +435,8 @@ def _quant_fields(quant: Any) -> dict[str, Any]:
     (transformers' "fp8", by blocks; compressed-tensors' float 8-bit, by tensor, channel or
     block; ModelOpt's FP8, by tensor) and compressed-tensors' integer weights (4 or 8 bits,
     packed or not, by tensor, channel or group, with or without zero points: llm-compressor's
-    W4A16 / W8A16 / W8A8) are dequantized on load; any other method is refused by name."""
+    W4A16 / W8A16 / W8A8) and AutoAWQ's 4-bit GEMM layout are dequantized on load; any other
+    method is refused by name."""
     if not quant:
         return {}
     if not isinstance(quant, dict):
