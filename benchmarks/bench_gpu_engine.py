@@ -46,6 +46,9 @@ SHAPES = {
     "llama70b": CONFIGS / "llama-3.1-70b",  # tensor parallelism only (device/tp_probe.py)
     "qwen3moe": CONFIGS / "qwen3-30b-a3b",  # a mixture of experts: 128 experts, 8 a token
     "gemma3": CONFIGS / "gemma-3-1b",  # 5 of 6 layers attend to their last 512 tokens
+    # compressed-tensors' W4A16 (4-bit weights, a scale a group of 128): packed layers on GPUs
+    "llama-w4": CONFIGS / "llama-3.1-8b-w4a16",
+    "qwen-w4": CONFIGS / "qwen2.5-0.5b-w4a16",
 }
 COPY_BANDWIDTH = 4.28e12  # bytes/s, device-to-device copy on the H200 (read + write counted)
 TINY = {

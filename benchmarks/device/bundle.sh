@@ -18,7 +18,8 @@ for p in fastapi starlette uvicorn pydantic pydantic_core annotated_types typing
          typing_extensions grpcio grpcio-health-checking protobuf opentelemetry-api \
          opentelemetry-sdk opentelemetry-semantic-conventions \
          opentelemetry-exporter-otlp-proto-grpc opentelemetry-exporter-otlp-proto-common \
-         opentelemetry-proto googleapis-common-protos redis gguf anyio xgrammar apache-tvm-ffi; do
+         opentelemetry-proto googleapis-common-protos redis gguf anyio xgrammar apache-tvm-ffi \
+         compressed-tensors loguru; do
     pkgs+=("$p==$(ver "$p")")
 done
 python3 -m pip download -q --no-deps "${plat[@]}" -d "$out" "${pkgs[@]}"

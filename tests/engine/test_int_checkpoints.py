@@ -8,11 +8,16 @@ transformers reads the checkpoint, with transformers' own loading)."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():  # (the packed layers' Triton kernels: under the interpreter)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from compressed_tensors.compressors import BaseCompressor, ModelCompressor
 from compressed_tensors.quantization import (
     QuantizationArgs,
@@ -27,6 +32,7 @@ from tiny_models import build_model, hf_greedy
 from baton import LLM, SamplingParams
 from baton_engine.errors import ModelLoadError
 from baton_engine.model_loader import dequantized_int
+from baton_kernels.int_linear import IntLinear
 
 PROMPTS = [[10 + i for i in range(n)] for n in (5, 23)]
 # name: (the weights' QuantizationArgs, activations' or None, the checkpoint's format)
@@ -62,10 +68,11 @@ def _scheme(name: str) -> QuantizationScheme:
     )
 
 
-def _quantized_folder(name: str, default_model_dir: Path, out: Path) -> None:
-    """A tiny Llama quantized by compressed-tensors (scales and zero points from each group's
-    range: a minmax observer's) and saved compressed in ``out``."""
-    model = build_model("llama", default_model_dir, out)
+def _quantized_folder(name: str, default_model_dir: Path, out: Path, **overrides: Any) -> None:
+    """A tiny Llama (its config changed by ``overrides``) quantized by compressed-tensors
+    (scales and zero points from each group's range: a minmax observer's) and saved compressed
+    in ``out``."""
+    model = build_model("llama", default_model_dir, out, **overrides)
     scheme, fmt = _scheme(name), SCHEMES[name][2]
     config = QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"], format=fmt)
     apply_quantization_config(model, config)
@@ -109,8 +116,18 @@ def _decompressed(
     return weights
 
 
-def _greedy(folder: Path, **kwargs: Any) -> list[list[int]]:
-    llm = LLM(str(folder), dtype="float32", max_model_len=128, kv_cache_memory=16 << 20, **kwargs)
+def _greedy(folder: Path, packed: bool = False, **kwargs: Any) -> list[list[int]]:
+    """The engine's greedy tokens of ``PROMPTS``; ``packed``: with the integer weights kept
+    packed (``IntLinear``, checked) rather than dequantized on load."""
+    os.environ["BATON_PACKED_INT_WEIGHTS"] = "1" if packed else "0"
+    try:
+        llm = LLM(str(folder), dtype="float32", max_model_len=128, kv_cache_memory=16 << 20,
+                  **kwargs)  # fmt: skip
+    finally:
+        del os.environ["BATON_PACKED_INT_WEIGHTS"]
+    model = llm.engine.core.runner.model
+    layers = [m for m in model.modules() if isinstance(m, IntLinear)]
+    assert len(layers) == (2 * 4 if packed else 0) and model.int_linears == packed
     try:
         params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
         got = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
@@ -134,6 +151,17 @@ def test_an_integer_checkpoint_generates_its_decompressed_model(
     assert want != hf_greedy(build_model("llama", default_model_dir, tmp_path / "f"), PROMPTS, 10)
     assert _greedy(tmp_path / "quantized") == want
     assert _greedy(tmp_path / "quantized", quantization="compressed-tensors") == want
+    assert _greedy(tmp_path / "quantized", packed=True) == want
+
+
+def test_packed_layers_split_across_two_ranks(default_model_dir: Path, tmp_path: Path) -> None:
+    """Tensor parallelism over packed layers: o_proj's and down_proj's words, scales and zero
+    points split by columns (a rank's 128 and 256 columns: whole spans of 4-bit words, groups
+    of 32), the others by rows."""
+    wider = {"hidden_size": 256, "intermediate_size": 512}
+    _quantized_folder("w4a16-group-asymmetric", default_model_dir, tmp_path / "quantized", **wider)
+    want = _greedy(tmp_path / "quantized")
+    assert _greedy(tmp_path / "quantized", packed=True, tensor_parallel_size=2) == want
 
 
 def test_transformers_reads_the_same_w4a16_checkpoint(
@@ -215,6 +243,7 @@ def test_an_awq_checkpoint_generates_what_compressed_tensors_converts_it_to(
     assert want != unquantized
     assert _greedy(tmp_path / "awq") == want
     assert _greedy(tmp_path / "awq", quantization="awq_marlin") == want
+    assert _greedy(tmp_path / "awq", packed=True, quantization="awq") == want
     del tensors["model.layers.1.self_attn.v_proj.scales"]
     save_file(tensors, str(tmp_path / "awq" / "model.safetensors"))
     with pytest.raises(

@@ -168,11 +168,14 @@ class ModelConfig:
     fp8_block: tuple[int, int] | None = None
     # Integer weights, "compressed-tensors" (``weight_packed`` or int8 ``weight``, with
     # ``weight_scale`` and maybe ``weight_zero_point`` and ``weight_g_idx``) or "awq"
-    # (AutoAWQ's GEMM layout: ``qweight``, ``qzeros``, ``scales``): dequantized on load to the
-    # model's dtype (``model_loader.dequantized_int``); ``int_group_size``: the columns a scale
-    # covers, where the config names one size.
+    # (AutoAWQ's GEMM layout: ``qweight``, ``qzeros``, ``scales``): kept packed or dequantized
+    # on load to the model's dtype (``model_loader.dequantized_int``); ``int_group_size``: the
+    # columns a scale covers, where the config names one size.
     int_weights: str = ""
     int_group_size: int | None = None
+    # The bits of every quantized projection where they can stay packed (one layout for all,
+    # none left unquantized, no activation order: ``int_linear.IntLinear``); 0 otherwise.
+    int_bits: int = 0
     # A mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE): the MLP of its sparse layers
     # (``is_moe_layer``) is ``num_experts`` experts of ``moe_intermediate_size``, each token
     # routed to ``num_experts_per_tok`` of them (softmax, top k, renormalized if
@@ -455,7 +458,17 @@ def _quant_fields(quant: Any) -> dict[str, Any]:
         if groups and kinds <= {("int", 4), ("int", 8)}:
             sizes = sorted({int(w["group_size"]) for w in weights if w.get("group_size")})
             size = sizes[0] if len(sizes) == 1 else None
-            return {"int_weights": "compressed-tensors", "int_group_size": size}
+            # one layout for every layer (kept packed: IntLinear), unless some projection is
+            # left unquantized or columns are grouped out of order (weight_g_idx)
+            layouts = {(w.get("num_bits"), w.get("strategy"), w.get("group_size")) for w in weights}
+            ignored = any("proj" in str(name) for name in quant.get("ignore") or ())
+            act_order = any(str(w.get("actorder")).lower() == "group" for w in weights)
+            uniform = len(layouts) == 1 and not ignored and not act_order
+            return {
+                "int_weights": "compressed-tensors",
+                "int_group_size": size,
+                "int_bits": int(weights[0]["num_bits"]) if uniform else 0,
+            }
         if not groups or kinds != {("float", 8)}:
             raise ModelLoadError(
                 f"compressed-tensors weights {sorted(map(str, kinds))} are not supported "
@@ -471,7 +484,12 @@ def _quant_fields(quant: Any) -> dict[str, Any]:
                 "(4-bit, GEMM)"
             )
         size = int(quant.get("group_size") or quant.get("q_group_size") or -1)
-        return {"int_weights": "awq", "int_group_size": size if size > 0 else None}
+        ignored = any("proj" in str(name) for name in quant.get("modules_to_not_convert") or ())
+        return {
+            "int_weights": "awq",
+            "int_group_size": size if size > 0 else None,
+            "int_bits": 0 if ignored else 4,
+        }
     elif not (method == "modelopt" and str(quant.get("quant_algo", "")).upper() == "FP8"):
         raise ModelLoadError(
             f"quantization method {method or quant!r} is not supported: Baton serves "

@@ -30,6 +30,7 @@ from baton_engine.model_files import (
     resolve_model,
     served_model_name,
 )
+from baton_kernels.int_linear import pack_spans, ref_pack, ref_unpack
 
 __all__ = [
     "DEFAULT_MODEL_NAME",
@@ -153,7 +154,10 @@ _AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
 
 def dequantized_int(
-    weights: Iterator[tuple[str, torch.Tensor]], group_size: int | None = None, awq: bool = False
+    weights: Iterator[tuple[str, torch.Tensor]],
+    group_size: int | None = None,
+    awq: bool = False,
+    keep: Callable[[str], bool] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """An integer checkpoint's tensors with each quantized layer ``X`` as one float32
     ``X.weight``, ``(q - zero point) * scale``, the scale (and the zero point) one a tensor, an
@@ -167,7 +171,14 @@ def dequantized_int(
     column's group). AutoAWQ's GEMM layout (``awq``): ``X.qweight`` (``[K, N / 8]``, 4-bit
     values packed along the output dimension in ``_AWQ_ORDER``), ``X.qzeros`` (packed alike)
     and ``X.scales`` (``[K / group, N]``). Other tensors pass unchanged; a layer's parts are
-    gathered from the whole checkpoint first."""
+    gathered from the whole checkpoint first.
+
+    ``keep``: the ``X`` whose weights stay packed (the model's integer layers,
+    ``int_linear.IntLinear``) where their layout allows (one scale a row, or groups of a
+    multiple of 16 columns that divide them; no activation order): yielded as
+    ``X.weight_packed`` (the values offset by half their range, by spans:
+    ``int_linear.pack_spans``),
+    ``X.weight_scale`` (float32 ``[N, groups]``) and ``X.weight_zero`` (uint8, offset alike)."""
     parts_of = _AWQ_PARTS if awq else _INT_PARTS
     layers: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in weights:
@@ -182,20 +193,24 @@ def dequantized_int(
     for key, parts in layers.items():
         if awq:
             parts = _awq_as_compressed_tensors(key, parts)
-        yield f"{key}.weight", _dequantize_int(key, parts, group_size)
+        layer = _IntLayer.read(key, parts)
+        kept = layer.kept(group_size) if keep is not None and keep(key) else None
+        if kept is None:
+            yield f"{key}.weight", layer.dequantized(group_size)
+        else:
+            for part, tensor in kept.items():
+                yield f"{key}.{part}", tensor
 
 
 def _unpack_int32(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
     """The first ``count`` ``bits``-bit values of each row of ``packed`` (int32 words, the
     first value in a word's lowest bits), as signed integers (int32)."""
-    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
-    values = (packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
-    return values.reshape(packed.shape[0], -1)[:, :count] - (1 << (bits - 1))
+    return ref_unpack(packed, bits, count) - (1 << (bits - 1))
 
 
 def _awq_as_compressed_tensors(key: str, parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """An AutoAWQ layer's parts as compressed-tensors' (signed values ``[N, K]``, in an int8
-    ``weight``; scales and zero points ``[N, groups]``)."""
+    """An AutoAWQ layer's parts as compressed-tensors' (4-bit values ``[N, K]`` packed along K,
+    ``weight_shape``; scales and zero points ``[N, groups]``)."""
     if "qweight" not in parts or "scales" not in parts:
         missing = "qweight" if "qweight" not in parts else "scales"
         raise ValueError(f"AWQ checkpoint: {key} has no {missing}")
@@ -208,8 +223,10 @@ def _awq_as_compressed_tensors(key: str, parts: dict[str, torch.Tensor]) -> dict
         )
     order = torch.tensor(_AWQ_ORDER).argsort()  # (the value that holds each column)
     index = (torch.arange(rows).reshape(-1, 8) // 8 * 8 + order).reshape(-1)
+    values = ref_unpack(qweight, 4, rows)[:, index].t()  # (unsigned: offset by 8)
     out = {
-        "weight": _unpack_int32(qweight, 4, rows)[:, index].t().to(torch.int8),
+        "weight_packed": ref_pack(values, 4),
+        "weight_shape": torch.tensor(values.shape),
         "weight_scale": scales.t(),
     }
     if "qzeros" in parts:
@@ -217,41 +234,81 @@ def _awq_as_compressed_tensors(key: str, parts: dict[str, torch.Tensor]) -> dict
     return out
 
 
-def _dequantize_int(
-    key: str, parts: dict[str, torch.Tensor], group_size: int | None
-) -> torch.Tensor:
-    def fail(why: str) -> ValueError:
-        return ValueError(f"integer checkpoint: {key} {why}")
+class _IntLayer:
+    """One quantized layer's parts, read: the values (``packed``: int32 words of ``bits``-bit
+    values offset by half their range, ``[rows, cols * bits / 32]``), ``scale`` (float32
+    ``[rows or 1, groups]``), ``zero`` (signed, the scale's shape, or None) and ``g_idx``."""
 
-    if "weight_scale" not in parts:
-        raise fail("has no weight_scale")
-    if "weight_packed" in parts:
-        if "weight_shape" not in parts:
-            raise fail("has a weight_packed but no weight_shape")
-        rows, cols = (int(n) for n in parts["weight_shape"].reshape(-1).tolist())
-        packed = parts["weight_packed"]
-        bits = next((b for b in (4, 8) if packed.shape[-1] == -(cols * b // -32)), None)
-        if packed.dtype != torch.int32 or packed.shape[0] != rows or bits is None:
-            raise fail(
-                f"has a weight_packed of {tuple(packed.shape)} {packed.dtype}, not 4- or 8-bit "
-                f"values of its shape {(rows, cols)} packed into int32"
-            )
-        q = _unpack_int32(packed, bits, cols)
-    elif "weight" in parts:
-        q = parts["weight"].to(torch.int32)
-        rows, cols = q.shape
-        bits = 8
-    else:
-        raise fail("has a weight_scale but no weight_packed or integer weight")
-    scale = parts["weight_scale"].float()
-    scale = scale.reshape(1, 1) if scale.numel() == 1 else scale.reshape(rows, -1)
-    zero = parts.get("weight_zero_point")
-    if zero is not None:
-        if zero.dtype == torch.int32 and zero.numel() != scale.numel():  # (packed by rows)
-            zero = _unpack_int32(zero.t().contiguous(), bits, rows).t()
-        zero = zero.to(torch.int32).reshape(scale.shape)
-        q = q - _by_column(key, zero, cols, group_size, parts.get("weight_g_idx"))
-    return q.float() * _by_column(key, scale, cols, group_size, parts.get("weight_g_idx"))
+    def __init__(
+        self,
+        key: str,
+        packed: torch.Tensor,
+        bits: int,
+        shape: tuple[int, int],
+        scale: torch.Tensor,
+        zero: torch.Tensor | None,
+        g_idx: torch.Tensor | None,
+    ) -> None:
+        self.key, self.packed, self.bits, self.shape = key, packed, bits, shape
+        self.scale, self.zero, self.g_idx = scale, zero, g_idx
+
+    @classmethod
+    def read(cls, key: str, parts: dict[str, torch.Tensor]) -> _IntLayer:
+        def fail(why: str) -> ValueError:
+            return ValueError(f"integer checkpoint: {key} {why}")
+
+        if "weight_scale" not in parts:
+            raise fail("has no weight_scale")
+        if "weight_packed" in parts:
+            if "weight_shape" not in parts:
+                raise fail("has a weight_packed but no weight_shape")
+            rows, cols = (int(n) for n in parts["weight_shape"].reshape(-1).tolist())
+            packed = parts["weight_packed"]
+            bits = next((b for b in (4, 8) if packed.shape[-1] == -(cols * b // -32)), None)
+            if packed.dtype != torch.int32 or packed.shape[0] != rows or bits is None:
+                raise fail(
+                    f"has a weight_packed of {tuple(packed.shape)} {packed.dtype}, not 4- or "
+                    f"8-bit values of its shape {(rows, cols)} packed into int32"
+                )
+        elif "weight" in parts:
+            rows, cols = parts["weight"].shape
+            bits = 8
+            packed = ref_pack(parts["weight"].to(torch.int32) + (1 << (bits - 1)), bits)
+        else:
+            raise fail("has a weight_scale but no weight_packed or integer weight")
+        scale = parts["weight_scale"].float()
+        scale = scale.reshape(1, 1) if scale.numel() == 1 else scale.reshape(rows, -1)
+        zero = parts.get("weight_zero_point")
+        if zero is not None:
+            if zero.dtype == torch.int32 and zero.numel() != scale.numel():  # (packed by rows)
+                zero = _unpack_int32(zero.t().contiguous(), bits, rows).t()
+            zero = zero.to(torch.int32).reshape(scale.shape)
+        return cls(key, packed, bits, (rows, cols), scale, zero, parts.get("weight_g_idx"))
+
+    def dequantized(self, group_size: int | None) -> torch.Tensor:
+        """The float32 weight."""
+        cols = self.shape[1]
+        q = _unpack_int32(self.packed, self.bits, cols)
+        if self.zero is not None:
+            q = q - _by_column(self.key, self.zero, cols, group_size, self.g_idx)
+        return q.float() * _by_column(self.key, self.scale, cols, group_size, self.g_idx)
+
+    def kept(self, group_size: int | None) -> dict[str, torch.Tensor] | None:
+        """The parts of an ``IntLinear``, or None where its layout cannot hold them."""
+        rows, cols = self.shape
+        groups = self.scale.shape[1]
+        if self.g_idx is not None or cols % groups:
+            return None
+        size = cols // groups
+        if groups > 1 and (size % 16 or (group_size is not None and size != group_size)):
+            return None
+        half = 1 << (self.bits - 1)
+        zero = self.zero + half if self.zero is not None else torch.full_like(self.scale, half)
+        return {
+            "weight_packed": pack_spans(ref_unpack(self.packed, self.bits, cols), self.bits),
+            "weight_scale": self.scale.expand(rows, groups).contiguous(),
+            "weight_zero": zero.expand(rows, groups).to(torch.uint8).contiguous(),
+        }
 
 
 def _by_column(

@@ -8,6 +8,7 @@ import dataclasses
 import functools
 import gc
 import logging
+import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -134,9 +135,24 @@ def _fp8_layer(key: str) -> bool:
     return FP8_LINEAR.search(key) is not None
 
 
-# vLLM's --quantization names for the integer checkpoints (ModelConfig.int_weights), whose
-# weights are dequantized on load
+# vLLM's --quantization names for the integer checkpoints (ModelConfig.int_weights)
 _INT_METHODS = {"compressed-tensors": "compressed-tensors", "awq": "awq", "awq_marlin": "awq"}
+
+
+def int_linear_layout(mc: ModelConfig, device: str) -> tuple[int, int | None] | None:
+    """(bits, group size) of the packed integer layers the projections are, or None where an
+    integer checkpoint's weights are dequantized on load (or the model has none).
+
+    They stay packed (``IntLinear``) on GPUs and are dequantized on load on CPUs (whose bf16
+    kernels are faster); ``BATON_PACKED_INT_WEIGHTS=1`` keeps them packed everywhere (a
+    quarter of the memory at 4 bits, each product unpacking its weight), ``=0`` dequantizes
+    them everywhere."""
+    packed = os.environ.get("BATON_PACKED_INT_WEIGHTS")
+    if not mc.int_weights or not mc.int_bits or packed == "0":
+        return None
+    if packed != "1" and not device.startswith("cuda"):
+        return None
+    return mc.int_bits, mc.int_group_size
 
 
 def use_fp8_linears(config: EngineConfig, mc: ModelConfig, device: str) -> bool:
@@ -207,8 +223,7 @@ def build_runner(config: EngineConfig, tp_rank: int = 0) -> RunnerSetup:
         )  # fmt: skip
     elif mc.fp8_weights:
         logger.info("FP8 checkpoint: its weights are dequantized to %s on load", dtype)
-    elif mc.int_weights:
-        logger.info("Integer weights (%s): dequantized to %s on load", mc.int_weights, dtype)
+    int_layout = int_linear_layout(mc, device)
     free_at_start = None
     if device.startswith("cuda"):  # before the model: what other processes leave us
         free_at_start = _check_gpu_share(config, torch.device(device))
@@ -228,9 +243,17 @@ def build_runner(config: EngineConfig, tp_rank: int = 0) -> RunnerSetup:
             lora=lora_limits(config),
             kv_cache_dtype=kv_dtype,
             fp8_linears=fp8_linears,
+            int_linears=int_layout,
         )
     except ValueError as e:  # a model that does not split tensor_parallel_size ways
         raise InvalidRequestError(str(e)) from e
+    if runner.model.int_linears and int_layout is not None:
+        bits, group = int_layout
+        groups = f" and group of {group} columns" if group else ""
+        logger.info("Integer weights (%s): kept packed, %d bits, a scale a row%s",
+                    mc.int_weights, bits, groups)  # fmt: skip
+    elif mc.int_weights:
+        logger.info("Integer weights (%s): dequantized to %s on load", mc.int_weights, dtype)
     _load_weights(runner, config, model_dir, mc, fp8_linears)
     runner.reload_weights = functools.partial(
         _load_weights, runner, config, model_dir, mc, fp8_linears
@@ -298,7 +321,9 @@ def _load_weights(
             keep = _fp8_layer if fp8 else None
             weights = dequantized_fp8(weights, mc.fp8_block, keep)
         elif mc.int_weights:
-            weights = dequantized_int(weights, mc.int_group_size, mc.int_weights == "awq")
+            keep = _fp8_layer if runner.model.int_linears else None
+            awq = mc.int_weights == "awq"
+            weights = dequantized_int(weights, mc.int_group_size, awq, keep)
         runner.load_weights(weights)
     except ValueError as e:
         raise ModelLoadError(f"cannot load weights from {model_dir}: {e}") from e

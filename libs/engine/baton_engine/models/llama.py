@@ -37,6 +37,7 @@ from baton_kernels import fused
 from baton_kernels.attention import AttentionBackend, AttentionMetadata, KVCacheView
 from baton_kernels.cpu_linear import PackedLinear
 from baton_kernels.fp8_linear import FP8_DTYPE, Fp8Linear
+from baton_kernels.int_linear import IntLinear, span_cols
 
 if TYPE_CHECKING:
     from baton_kernels.triton.decode_attention import DecodeNorm
@@ -420,7 +421,9 @@ _STACKED_PARTS = {
 # One expert's weight (Mixtral's names, renamed to Qwen's by _EXPERT_RENAMES): layer, expert,
 # part.
 # the tensors whose rows are q or k heads' dimensions (reordered for a partial rotation)
-_TURNED = re.compile(r"self_attn\.(q_proj|k_proj|q_norm|k_norm)\.(weight|bias|weight_scale)$")
+_TURNED = re.compile(
+    r"self_attn\.(q_proj|k_proj|q_norm|k_norm)\.(weight|bias|weight_scale|weight_packed|weight_zero)$"
+)
 _EXPERT = re.compile(r"layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 # an FP8 checkpoint's KV cache scales of a layer (model_loader.dequantized_fp8 names them so)
 _KV_SCALE = re.compile(r"layers\.(\d+)\.self_attn\.([kv])_scale$")
@@ -456,6 +459,10 @@ def _expert_rename(m: re.Match[str]) -> str:
 # embedding, the norms, the LM head) is replicated.
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROW_PARALLEL = ("o_proj", "down_proj")
+# an integer layer's parts split by columns across ranks (IntLinear; a scale and zero point a
+# row are every rank's)
+_INT_PARTS = ("weight_packed", "weight_scale", "weight_zero")
+_SPLIT_BY_COLUMNS = ("o_proj", "down_proj")  # (the model's names of the ROW_PARALLEL layers)
 
 
 def shard_config(cfg: ModelConfig, tp_size: int) -> ModelConfig:
@@ -521,6 +528,7 @@ class LlamaForCausalLM(nn.Module):
         self.folded_norms = False  # decode steps run forward_folded (fold_norms)
         self.folded_prompts = False  # and the other steps' pieces are folded too (fold_norms)
         self.fp8_linears = False  # the projections are FP8 layers (use_fp8_linears)
+        self.int_linears = False  # the projections are packed integer layers (use_int_linears)
         self.tie_weights()
 
     def reset_rotary(self, device: torch.device | str) -> None:
@@ -678,7 +686,7 @@ class LlamaForCausalLM(nn.Module):
             or not cfg.plain_layers
             or cfg.attn_logit_softcapping
             or self.tp_size > 1
-            or self.fp8_linears
+            or self.quantized_linears
         ):
             return False  # (the C++ loop has no all-reduce, experts, softcap or FP8 layers)
         layers = CpuDecodeLayers(ops, self.config, self.rotary)
@@ -701,7 +709,7 @@ class LlamaForCausalLM(nn.Module):
             self.fused_rope
             and self.config.gemv_layers
             and self.tp_size == 1  # (the residual adds inside the GEMVs precede no all-reduce)
-            and not self.fp8_linears
+            and not self.quantized_linears
             and 0 < rows <= MAX_ROWS
         )
         self.gemv_rows = rows if ok else 0
@@ -727,7 +735,7 @@ class LlamaForCausalLM(nn.Module):
             not self.fused_rope
             or not self.config.plain_layers
             or self.tp_size > 1
-            or self.fp8_linears
+            or self.quantized_linears
         ):
             return False
         with torch.no_grad():
@@ -760,6 +768,39 @@ class LlamaForCausalLM(nn.Module):
                     replaced += 1
         self.fp8_linears = replaced > 0
         return replaced
+
+    def use_int_linears(self, bits: int, group_size: int | None) -> int:
+        """Make the layers' projections (those of ``use_fp8_linears``) packed integer layers
+        (``IntLinear``: ``bits``-bit values, a scale and zero point a row and group of
+        ``group_size`` columns, else a row), if every one of this rank's can hold that layout;
+        else none. Call before the weights are loaded; the decode paths that read the weights
+        themselves are then off. Returns how many layers were replaced."""
+        places = [
+            (module, name, linear)
+            for module in self.modules()
+            if isinstance(module, Attention | MLP)
+            for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+            if isinstance(linear := getattr(module, name, None), nn.Linear)
+        ]
+        span = span_cols(bits)
+        split = [  # (a rank's words must be whole spans of the whole row's)
+            linear.in_features % span for _, name, linear in places if name in _SPLIT_BY_COLUMNS
+        ]
+        if self.tp_size > 1 and any(split):
+            return 0
+        try:
+            layers = [IntLinear.like(linear, bits, group_size) for _, _, linear in places]
+        except ValueError:  # (a rank's columns that a group does not divide)
+            return 0
+        for (module, name, _), layer in zip(places, layers, strict=True):
+            setattr(module, name, layer)
+        self.int_linears = bool(layers)
+        return len(layers)
+
+    @property
+    def quantized_linears(self) -> bool:
+        """Whether the projections are FP8 or integer layers (no ``weight`` to read)."""
+        return self.fp8_linears or self.int_linears
 
     def kv_scales(self) -> list[tuple[float, float]]:
         """Each layer's KV cache scales (K, V): an FP8 checkpoint's calibrated ones, else 1."""
@@ -879,6 +920,11 @@ class LlamaForCausalLM(nn.Module):
                     name, shard = name.replace(frag, fused_name), idx
                     break
             param = params.get(name)
+            if param is None and self.int_linears and name.endswith(".weight"):
+                module = self.get_submodule(name.removesuffix(".weight"))
+                if isinstance(module, IntLinear):
+                    raise ValueError(f"checkpoint tensor {hf_name!r} is not quantized, and the "
+                                     "model's other projections are")  # fmt: skip
             if param is None:
                 raise ValueError(f"checkpoint tensor {hf_name!r} has no place in the model")
             if tensor.dtype == FP8_DTYPE and param.dtype != FP8_DTYPE:
@@ -891,8 +937,13 @@ class LlamaForCausalLM(nn.Module):
                 fp8.load_rows_(tensor, rows[0] if rows is not None else 0)
                 loaded.add(f"{name}_scale")
             else:
+                target = param if rows is None else param.narrow(0, *rows)
+                if target.shape != tensor.shape:
+                    raise ValueError(f"checkpoint tensor {hf_name!r} has shape "
+                                     f"{tuple(tensor.shape)}, its place "
+                                     f"{tuple(target.shape)}")  # fmt: skip
                 with torch.no_grad():
-                    (param if rows is None else param.narrow(0, *rows)).copy_(tensor)
+                    target.copy_(tensor)
             loaded.add(name)
         # a stacked parameter is loaded once every expert's pieces are
         loaded.update(
@@ -940,10 +991,16 @@ class LlamaForCausalLM(nn.Module):
         parts = name.split(".")
         if any(p in parts for p in COLUMN_PARALLEL):
             dim = 0  # weight rows and bias
-        elif any(p in parts for p in ROW_PARALLEL) and parts[-1] == "weight":
-            dim = 1
+        elif any(p in parts for p in ROW_PARALLEL) and (
+            parts[-1] == "weight"
+            or (parts[-1] in _INT_PARTS and tensor.dim() == 2 and tensor.shape[1] > 1)
+        ):
+            dim = 1  # (an integer layer's words, scales and zero points by groups of columns)
         else:
             return tensor
+        if tensor.shape[dim] % self.tp_size:
+            raise ValueError(f"checkpoint tensor {name!r} of shape {tuple(tensor.shape)} does "
+                             f"not split {self.tp_size} ways")  # fmt: skip
         size = tensor.shape[dim] // self.tp_size
         return tensor.narrow(dim, self.tp_rank * size, size)
 

@@ -50,6 +50,7 @@ from baton_kernels.attention.base import FP8_KV_DTYPES, copy_blocks_, to_cache_d
 from baton_kernels.cpu_linear import pack_linears
 from baton_kernels.cpu_ops import load_cpu_ops
 from baton_kernels.fp8_linear import FP8_DTYPE, Fp8Linear
+from baton_kernels.int_linear import IntLinear
 
 logger = logging.getLogger(__name__)
 # A step's grammar bitmask, made when asked for (EngineCore fills it on the host).
@@ -243,6 +244,7 @@ class ModelRunner:
         lora: LoRALimits | None = None,
         kv_cache_dtype: torch.dtype | None = None,
         fp8_linears: bool = False,
+        int_linears: tuple[int, int | None] | None = None,
     ) -> None:
         """``model_config`` is the whole model's; with ``tp_size`` > 1 the runner holds rank
         ``tp_rank``'s shard (``model_config`` then becomes the shard's shape: its heads, its
@@ -251,7 +253,9 @@ class ModelRunner:
         (``self.lora``, once the weights are final); the fused decode paths are then off.
         ``kv_cache_dtype``: the KV cache's (None: ``dtype``; an 8-bit float stores K and V
         rounded to it, ``attention.base.FP8_KV_DTYPES``). ``fp8_linears``: the projections
-        are FP8 layers (W8A8, ``LlamaForCausalLM.use_fp8_linears``)."""
+        are FP8 layers (W8A8, ``LlamaForCausalLM.use_fp8_linears``); ``int_linears``: (bits,
+        group size) of packed integer layers the projections are where they can hold them
+        (``LlamaForCausalLM.use_int_linears``; ``self.model.int_linears`` says whether)."""
         self.lora_limits = lora
         self.lora: LoRAManager | None = None
         self.pooler = PoolerConfig()  # how embeddings pool (EngineCore sets it)
@@ -318,6 +322,8 @@ class ModelRunner:
         self.model.to(dtype)
         if fp8_linears:  # (after the cast to dtype, which would make them 16-bit again)
             self.model.use_fp8_linears()
+        if int_linears is not None:
+            self.model.use_int_linears(*int_linears)
         self.model.to_empty(device=self.device)
         self.model.tie_weights()
         self.model.reset_rotary(self.device)
@@ -377,13 +383,21 @@ class ModelRunner:
             for name, param in self.model.named_parameters():
                 if "norm" in name:
                     param.fill_(1.0)
-                elif param.dtype != FP8_DTYPE and not name.endswith(".weight_scale"):
+                elif (
+                    param.is_floating_point()
+                    and param.dtype != FP8_DTYPE
+                    and not (name.endswith(".weight_scale"))
+                ):
                     noise = torch.randn(param.shape, generator=gen, device=self.device)
                     param.copy_(noise.mul_(0.02))
             for module in self.model.modules():
                 if isinstance(module, Fp8Linear):  # (drawn as the others, then quantized)
                     noise = torch.randn(module.weight.shape, generator=gen, device=self.device)
                     module.load_rows_(noise.mul_(0.02))
+                elif isinstance(module, IntLinear):  # (quantized by groups)
+                    noise = torch.randn(module.out_features, module.in_features, generator=gen,
+                                        device=self.device)  # fmt: skip
+                    module.quantize_(noise.mul_(0.02))
 
     def finalize_weights(self) -> None:
         """After loading: pack linear weights for the CPU's GEMM kernels (CPU, bf16; the LM
