@@ -19,7 +19,9 @@ On GPUs (and under Triton's interpreter) the product reads the packed weight its
 (``triton/int_gemm.py``): up to ``DEQUANT_ROWS`` rows through a GEMM that unpacks each tile in
 registers (a decode step reads a quarter of a bf16 weight's bytes at 4 bits), more rows by
 unpacking the whole weight into a scratch matrix in the model's dtype and one cuBLAS GEMM (as
-vLLM's AWQ layers do from 256 rows: the unpacking is then a small part of the GEMM's time).
+vLLM's AWQ layers do from 256 rows). Measured on an H100 (benchmarks/RESULTS.md), neither is
+faster than bf16 cuBLAS yet: at one row Llama-3.1-8B's projections take 224 us a layer against
+166, at 4,096 rows 1.11-1.20x bf16's time; what the packed layers give is memory.
 Elsewhere ``ref_int_linear`` unpacks the weight at every call (the memory of 4-bit weights at a
 CPU's cost; the engine dequantizes on load on CPUs instead)."""
 
@@ -31,9 +33,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# Products of more rows than this unpack the weight and run one cuBLAS GEMM (vLLM's AWQ
-# threshold)
-DEQUANT_ROWS = 256
+# Products of more rows than this unpack the weight and run one cuBLAS GEMM: at 64 rows Llama's
+# four projections took 783 us a layer in the Triton GEMM against 349 to unpack them and 171 in
+# bf16 cuBLAS (H100, benchmarks/RESULTS.md)
+DEQUANT_ROWS = 16
 BITS = (4, 8)
 SPAN_WORDS = 16  # (a plane's columns: the tensor cores' K for 16-bit operands)
 

@@ -8,8 +8,8 @@ planes of 16 consecutive columns), a float32 scale and a zero point a row and gr
   and ``BLOCK_N`` output columns over the whole of K, loading ``SPANS`` spans of words at a
   time; each plane (a shift and a mask of the words) becomes ``(u - z) * s`` in the
   activations' dtype (the reference's rounding) and one dot of K = 16 on the tensor cores.
-  The integers become floats by their bits (``MAGIC``: ``u | 0x4B000000`` read as a float32
-  is ``2^23 + u``; less than half the cost of a conversion instruction) or by conversion.
+  The integers become floats by conversion instructions or by their bits (``MAGIC``: ``u |
+  0x4B000000`` read as a float32 is ``2^23 + u``; measured 2-5% slower).
 - ``dequantize``: the whole weight in a float dtype (for products of many rows, which then run
   as one cuBLAS GEMM)."""
 
@@ -25,11 +25,16 @@ from baton_kernels.triton.launch import launcher
 
 # (columns a program, K a step (a multiple of a span's columns, else one span), warps, stages)
 # by the step's rows: a decode step's few rows are padded to 16 (the tensor cores' smallest
-# tile)
+# tile). GEMM_SMALL: the fastest of 36 launches at one row over Llama-3.1-8B's four
+# projections on an H100 (224 us a layer against 294 for (16, 128, 2, 3); bf16 cuBLAS 166:
+# benchmarks/RESULTS.md). GEMM_LARGE was not swept (int_linear runs more than 16 rows through
+# cuBLAS).
 SMALL_M = 16
-GEMM_SMALL: tuple[int, int, int, int] = (16, 128, 2, 3)
+GEMM_SMALL: tuple[int, int, int, int] = (32, 128, 4, 3)
 GEMM_LARGE: tuple[int, int, int, int] = (128, 128, 4, 3)
-MAGIC = True  # integers to floats by their bits (else by conversion instructions)
+# integers to floats by their bits, else by conversion instructions (2-5% faster than by their
+# bits on an H100: benchmarks/RESULTS.md)
+MAGIC = False
 
 
 @triton.jit
