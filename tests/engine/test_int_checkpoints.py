@@ -26,10 +26,11 @@ from compressed_tensors.quantization import (
     apply_quantization_config,
 )
 from compressed_tensors.quantization.utils import calculate_qparams
+from lora_adapters import merged_greedy, write_adapter
 from safetensors.torch import load_file, save_file
 from tiny_models import build_model, hf_greedy
 
-from baton import LLM, SamplingParams
+from baton import LLM, LoRARequest, SamplingParams
 from baton_engine.errors import ModelLoadError
 from baton_engine.model_loader import dequantized_int
 from baton_kernels.int_linear import IntLinear
@@ -116,9 +117,9 @@ def _decompressed(
     return weights
 
 
-def _greedy(folder: Path, packed: bool = False, **kwargs: Any) -> list[list[int]]:
-    """The engine's greedy tokens of ``PROMPTS``; ``packed``: with the integer weights kept
-    packed (``IntLinear``, checked) rather than dequantized on load."""
+def _engine(folder: Path, packed: bool = False, **kwargs: Any) -> LLM:
+    """An engine of ``folder``; ``packed``: with the integer weights kept packed
+    (``IntLinear``, checked) rather than dequantized on load."""
     os.environ["BATON_PACKED_INT_WEIGHTS"] = "1" if packed else "0"
     try:
         llm = LLM(str(folder), dtype="float32", max_model_len=128, kv_cache_memory=16 << 20,
@@ -128,10 +129,21 @@ def _greedy(folder: Path, packed: bool = False, **kwargs: Any) -> list[list[int]
     model = llm.engine.core.runner.model
     layers = [m for m in model.modules() if isinstance(m, IntLinear)]
     assert len(layers) == (2 * 4 if packed else 0) and model.int_linears == packed
+    return llm
+
+
+def _tokens(llm: LLM, **kwargs: Any) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    got = llm.generate(prompts, params, use_tqdm=False, **kwargs)  # type: ignore[arg-type]
+    return [list(g.outputs[0].token_ids) for g in got]
+
+
+def _greedy(folder: Path, packed: bool = False, **kwargs: Any) -> list[list[int]]:
+    """The engine's greedy tokens of ``PROMPTS`` (``_engine``'s arguments)."""
+    llm = _engine(folder, packed, **kwargs)
     try:
-        params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-        got = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-        return [list(g.outputs[0].token_ids) for g in got]
+        return _tokens(llm)
     finally:
         llm.shutdown()
 
@@ -162,6 +174,41 @@ def test_packed_layers_split_across_two_ranks(default_model_dir: Path, tmp_path:
     _quantized_folder("w4a16-group-asymmetric", default_model_dir, tmp_path / "quantized", **wider)
     want = _greedy(tmp_path / "quantized")
     assert _greedy(tmp_path / "quantized", packed=True, tensor_parallel_size=2) == want
+
+
+def test_adapters_and_sleep_over_packed_layers(default_model_dir: Path, tmp_path: Path) -> None:
+    """A LoRA adapter over packed layers generates what transformers does with the adapter
+    merged into the decompressed weights; the packed weights sleep (level 1, and without
+    adapters level 2) and wake to the same tokens."""
+    name = "w4a16-group-asymmetric"
+    _quantized_folder(name, default_model_dir, tmp_path / "quantized")
+    reference = build_model("llama", default_model_dir, tmp_path / "float")
+    tensors = load_file(str(tmp_path / "quantized" / "model.safetensors"))
+    _decompressed(tensors, _scheme(name), SCHEMES[name][2], reference)
+    shapes = {"q_proj": (64, 64), "k_proj": (64, 32), "v_proj": (64, 32), "o_proj": (64, 64),
+              "gate_proj": (64, 128), "up_proj": (64, 128), "down_proj": (128, 64)}  # fmt: skip
+    adapter = write_adapter(tmp_path / "adapter", rank=4, alpha=8, targets=tuple(shapes),
+                            seed=3, shapes=shapes, num_layers=2, scale=0.3)  # fmt: skip
+    want = merged_greedy(reference, adapter, PROMPTS, 10)
+    assert want != hf_greedy(reference, PROMPTS, 10)
+    llm = _engine(tmp_path / "quantized", packed=True, enable_lora=True, max_lora_rank=4,
+                  enable_sleep_mode=True)  # fmt: skip
+    try:
+        assert _tokens(llm, lora_request=LoRARequest("a", 1, str(adapter))) == want
+        plain = _tokens(llm)
+        assert plain == hf_greedy(reference, PROMPTS, 10)
+        llm.sleep(level=1)
+        llm.wake_up()
+        assert _tokens(llm) == plain
+    finally:
+        llm.shutdown()
+    llm = _engine(tmp_path / "quantized", packed=True, enable_sleep_mode=True)
+    try:  # (level 2 drops the weights: read again from the checkpoint, packed)
+        llm.sleep(level=2)
+        llm.wake_up()
+        assert _tokens(llm) == plain
+    finally:
+        llm.shutdown()
 
 
 def test_transformers_reads_the_same_w4a16_checkpoint(
