@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -176,9 +177,9 @@ def dequantized_int(
     ``keep``: the ``X`` whose weights stay packed (the model's integer layers,
     ``int_linear.IntLinear``) where their layout allows (one scale a row, or groups of a
     multiple of 16 columns that divide them; no activation order): yielded as
-    ``X.weight_packed`` (the values offset by half their range, by spans:
-    ``int_linear.pack_spans``),
-    ``X.weight_scale`` (float32 ``[N, groups]``) and ``X.weight_zero`` (uint8, offset alike)."""
+    ``X.weight_packed`` (the values offset by half their range, packed by spans:
+    ``int_linear.pack_spans``), ``X.weight_scale`` (float32 ``[N, groups]``) and
+    ``X.weight_zero`` (uint8, offset alike)."""
     parts_of = _AWQ_PARTS if awq else _INT_PARTS
     layers: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in weights:
@@ -234,23 +235,19 @@ def _awq_as_compressed_tensors(key: str, parts: dict[str, torch.Tensor]) -> dict
     return out
 
 
+@dataclass
 class _IntLayer:
     """One quantized layer's parts, read: the values (``packed``: int32 words of ``bits``-bit
     values offset by half their range, ``[rows, cols * bits / 32]``), ``scale`` (float32
     ``[rows or 1, groups]``), ``zero`` (signed, the scale's shape, or None) and ``g_idx``."""
 
-    def __init__(
-        self,
-        key: str,
-        packed: torch.Tensor,
-        bits: int,
-        shape: tuple[int, int],
-        scale: torch.Tensor,
-        zero: torch.Tensor | None,
-        g_idx: torch.Tensor | None,
-    ) -> None:
-        self.key, self.packed, self.bits, self.shape = key, packed, bits, shape
-        self.scale, self.zero, self.g_idx = scale, zero, g_idx
+    key: str
+    packed: torch.Tensor
+    bits: int
+    shape: tuple[int, int]
+    scale: torch.Tensor
+    zero: torch.Tensor | None
+    g_idx: torch.Tensor | None
 
     @classmethod
     def read(cls, key: str, parts: dict[str, torch.Tensor]) -> _IntLayer:

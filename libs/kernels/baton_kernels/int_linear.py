@@ -13,7 +13,8 @@ The words are laid out by spans (``pack_spans``): each span of ``SPAN_WORDS`` (1
 w``), the last span padded with zeros. A plane is then one shift and mask of the words the
 kernel loaded, 16 columns in order: the tensor cores' K, without the register shuffles that
 interleaved values (compressed-tensors' ``weight_packed``: value ``j`` of word ``w`` is column
-``8 * w + j``) take to bring into order. Checkpoints are converted on load.
+``8 * w + j``) take to bring into order (on an H100 a Llama layer at one row took 206 us
+against 228 with interleaved values). Checkpoints are converted on load.
 
 On GPUs (and under Triton's interpreter) the product reads the packed weight itself
 (``triton/int_gemm.py``): up to ``DEQUANT_ROWS`` rows through a GEMM that unpacks each tile in

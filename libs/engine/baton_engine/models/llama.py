@@ -462,7 +462,6 @@ ROW_PARALLEL = ("o_proj", "down_proj")
 # an integer layer's parts split by columns across ranks (IntLinear; a scale and zero point a
 # row are every rank's)
 _INT_PARTS = ("weight_packed", "weight_scale", "weight_zero")
-_SPLIT_BY_COLUMNS = ("o_proj", "down_proj")  # (the model's names of the ROW_PARALLEL layers)
 
 
 def shard_config(cfg: ModelConfig, tp_size: int) -> ModelConfig:
@@ -784,7 +783,7 @@ class LlamaForCausalLM(nn.Module):
         ]
         span = span_cols(bits)
         split = [  # (a rank's words must be whole spans of the whole row's)
-            linear.in_features % span for _, name, linear in places if name in _SPLIT_BY_COLUMNS
+            linear.in_features % span for _, name, linear in places if name in ROW_PARALLEL
         ]
         if self.tp_size > 1 and any(split):
             return 0
@@ -923,8 +922,11 @@ class LlamaForCausalLM(nn.Module):
             if param is None and self.int_linears and name.endswith(".weight"):
                 module = self.get_submodule(name.removesuffix(".weight"))
                 if isinstance(module, IntLinear):
-                    raise ValueError(f"checkpoint tensor {hf_name!r} is not quantized, and the "
-                                     "model's other projections are")  # fmt: skip
+                    raise ValueError(
+                        f"checkpoint tensor {hf_name!r} is not quantized in the layout of the "
+                        "model's other projections, which stay packed "
+                        "(BATON_PACKED_INT_WEIGHTS=0 dequantizes them all on load)"
+                    )
             if param is None:
                 raise ValueError(f"checkpoint tensor {hf_name!r} has no place in the model")
             if tensor.dtype == FP8_DTYPE and param.dtype != FP8_DTYPE:
