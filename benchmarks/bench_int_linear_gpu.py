@@ -6,9 +6,10 @@ projection of Llama-3.1-8B and Qwen2.5-0.5B and by rows.
 
 For each projection and row count it times (in CUDA graphs, cycling over enough copies of the
 weights that none is read from L2) ``F.linear`` on the bf16 weight, ``int_gemm`` at its default
-launch with and without the integers' conversion by their bits (``MAGIC``), and at each
-launch of a sweep; from ``DEQUANT_ROWS`` rows the dequantize-then-cuBLAS path. Every result is
-checked against the reference. Prints a table (microseconds; GB/s: the packed weight's bytes
+launch, with the integers made floats by their bits (``MAGIC``) and as the transposed product
+(``SWAP``), and at each launch of a sweep (those of 64+ columns transposed too); from
+``DEQUANT_ROWS`` rows the dequantize-then-cuBLAS path. Every result is checked against the
+reference. Prints a table (microseconds; GB/s: the packed weight's bytes
 over the time) and the best launches by row count, summed over the projections.
 """
 
@@ -72,7 +73,7 @@ def _dequantize(p: torch.Tensor, s: torch.Tensor, z: torch.Tensor, x: torch.Tens
 
 def run_shape(
     shape: str, proj: str, k: int, n: int, args: argparse.Namespace,
-    best: dict[int, dict[Launch, float]],
+    best: dict[int, dict[str, float]],
 ) -> None:  # fmt: skip
     device = torch.device("cpu" if args.smoke else "cuda")
     bits, group = args.bits, args.group
@@ -90,7 +91,8 @@ def run_shape(
         tol = 1e-3 if args.smoke else 2e-2
         on = {"x": x, "bits": bits, "group": group}
         launches = sweep(rows) if not args.no_sweep else []
-        for kw in [{}, {"magic": False}] + [{"config": c} for c in launches]:
+        swapped = [c for c in launches if c[0] >= 64]  # (warpgroup MMAs: 64 rows of the weight)
+        for kw in [{}, {"magic": True}, {"swap": True}] + [{"config": c} for c in launches]:
             got = _gemm(packed, scale, zero, **on, **kw)
             torch.testing.assert_close(got.float(), want.float(), rtol=tol,
                                        atol=tol * want.abs().max().item())  # fmt: skip
@@ -101,16 +103,18 @@ def run_shape(
             continue
         t_bf = graph_time_us(cycled(_cublas, bf16, x=x))
         t_int = graph_time_us(cycled(_gemm, packs, **on))
-        t_conv = graph_time_us(cycled(_gemm, packs, **on, magic=False))
+        t_bits = graph_time_us(cycled(_gemm, packs, **on, magic=True))
+        t_swap = graph_time_us(cycled(_gemm, packs, **on, swap=True))
         top, top_launch = t_int, "-"
-        for launch in launches:
-            t = graph_time_us(cycled(_gemm, packs, **on, config=launch))
+        for launch, swap in [(c, False) for c in launches] + [(c, True) for c in swapped]:
+            t = graph_time_us(cycled(_gemm, packs, **on, config=launch, swap=swap))
+            key = f"{launch}{' swap' if swap else ''}"
             best.setdefault(rows, {})
-            best[rows][launch] = best[rows].get(launch, 0.0) + t
+            best[rows][key] = best[rows].get(key, 0.0) + t
             if t < top:
-                top, top_launch = t, str(launch)
-        print(f"{shape:6} {proj:8} {rows:5d} {t_bf:8.1f} {t_int:8.1f} {t_conv:8.1f} "
-              f"{nbytes / t_int / 1e3:6.0f} {top:8.1f} {top_launch:>18} "
+                top, top_launch = t, key
+        print(f"{shape:6} {proj:8} {rows:5d} {t_bf:8.1f} {t_int:8.1f} {t_bits:8.1f} {t_swap:8.1f} "
+              f"{nbytes / t_int / 1e3:6.0f} {top:8.1f} {top_launch:>23} "
               f"{t_int / t_bf:8.2f}")  # fmt: skip
     if args.smoke:
         return
@@ -139,10 +143,11 @@ def main() -> int:
         s: shapes[s] for s in args.shapes.split(",")
     }  # fmt: skip
     print(f"{args.bits}-bit weights, groups of {args.group}; times in us (GB/s: packed bytes / "
-          "time; conv: the integers converted by instructions)")  # fmt: skip
-    print(f"{'shape':6} {'proj':8} {'rows':>5} {'bf16':>8} {'int':>8} {'conv':>8} {'GB/s':>6} "
-          f"{'best':>8} {'launch':>18} {'int/bf16':>8}")  # fmt: skip
-    best: dict[int, dict[Launch, float]] = {}
+          "time; bits: the integers made floats by their bits; swap: the transposed "
+          "product)")  # fmt: skip
+    print(f"{'shape':6} {'proj':8} {'rows':>5} {'bf16':>8} {'int':>8} {'bits':>8} {'swap':>8} "
+          f"{'GB/s':>6} {'best':>8} {'launch':>23} {'int/bf16':>8}")  # fmt: skip
+    best: dict[int, dict[str, float]] = {}
     for shape, projs in chosen.items():
         for proj, (k, n) in projs.items():
             run_shape(shape, proj, k, n, args, best)
@@ -151,7 +156,7 @@ def main() -> int:
         default = ig.GEMM_SMALL if rows <= ig.SMALL_M else ig.GEMM_LARGE
         print(f"rows {rows}: best launches (sum over projections, us) "
               + ", ".join(f"{c} {t:.1f}" for c, t in ranked)
-              + f"; default {default} {times.get(default, float('nan')):.1f}")  # fmt: skip
+              + f"; default {default} {times.get(str(default), float('nan')):.1f}")  # fmt: skip
     return 0
 
 

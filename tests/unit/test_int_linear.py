@@ -104,21 +104,27 @@ def test_spans_hold_planes_of_sixteen_columns(bits: int) -> None:
 )
 @pytest.mark.parametrize("rows", [1, 16, 17, 70])  # (70: two tiles of 64 rows)
 def test_the_gemm_is_the_dequantized_weights_product(
-    dtype: torch.dtype, bits: int, group: int, k: int, rows: int, magic: bool = False
+    dtype: torch.dtype,
+    bits: int,
+    group: int,
+    k: int,
+    rows: int,
+    magic: bool = False,
+    swap: bool = False,
 ) -> None:
-    n = 72  # (five programs of 16 columns, the last one partly outside)
+    n = 72  # (the last program of 32 or 128 columns partly outside)
     packed, scale, zero = _layer(n, k, bits, group, seed=rows)
     x = _rand(rows, k, dtype=dtype)
     bias = _rand(n, dtype=dtype, seed=7) if rows % 2 else None
     want = ref_int_linear(x, packed, scale, zero, bits, group, bias)
-    got = int_gemm(x, packed, scale, zero, bits, group, bias, magic=magic)
+    got = int_gemm(x, packed, scale, zero, bits, group, bias, magic=magic, swap=swap)
     assert got.dtype == dtype and got.shape == (rows, n)
     atol, rtol = TOL[dtype]
     torch.testing.assert_close(got, want, atol=atol * want.abs().max().item(), rtol=rtol)
     # a strided view of the rows (a fused projection's part of a wider buffer) gives the same
     wide = torch.cat([x, x], dim=1)[:, k:]
-    torch.testing.assert_close(int_gemm(wide, packed, scale, zero, bits, group, bias), got,
-                               atol=0, rtol=0)  # fmt: skip
+    torch.testing.assert_close(int_gemm(wide, packed, scale, zero, bits, group, bias,
+                                        magic=magic, swap=swap), got, atol=0, rtol=0)  # fmt: skip
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -128,6 +134,15 @@ def test_integers_made_floats_by_their_bits_give_the_same_product(
     dtype: torch.dtype, bits: int, group: int, k: int, rows: int
 ) -> None:
     test_the_gemm_is_the_dequantized_weights_product(dtype, bits, group, k, rows, magic=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("bits", "group", "k"), [(4, 32, 128), (8, 48, 144)])
+@pytest.mark.parametrize("rows", [1, 17])
+def test_the_transposed_product_is_the_same(
+    dtype: torch.dtype, bits: int, group: int, k: int, rows: int
+) -> None:
+    test_the_gemm_is_the_dequantized_weights_product(dtype, bits, group, k, rows, swap=True)
 
 
 @pytest.mark.parametrize("config", [(32, 128, 1, 1), (64, 512, 8, 2)])

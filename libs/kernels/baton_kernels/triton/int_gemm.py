@@ -9,7 +9,8 @@ planes of 16 consecutive columns), a float32 scale and a zero point a row and gr
   time; each plane (a shift and a mask of the words) becomes ``(u - z) * s`` in the
   activations' dtype (the reference's rounding) and one dot of K = 16 on the tensor cores.
   The integers become floats by conversion instructions or by their bits (``MAGIC``: ``u |
-  0x4B000000`` read as a float32 is ``2^23 + u``; measured 2-5% slower).
+  0x4B000000`` read as a float32 is ``2^23 + u``; measured 2-5% slower). ``SWAP`` computes
+  the transposed product instead (the weight's rows the dots' M dimension).
 - ``dequantize``: the whole weight in a float dtype (for products of many rows, which then run
   as one cuBLAS GEMM)."""
 
@@ -35,6 +36,9 @@ GEMM_LARGE: tuple[int, int, int, int] = (128, 128, 4, 3)
 # integers to floats by their bits, else by conversion instructions (2-5% faster than by their
 # bits on an H100: benchmarks/RESULTS.md)
 MAGIC = False
+# the dots as weight @ x.T (the weight's rows their M), transposed once at the end; not yet
+# measured (bench_int_linear_gpu.py times it)
+SWAP = False
 
 
 @triton.jit
@@ -72,6 +76,7 @@ def _int_gemm_kernel(
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
     MAGIC_FLOAT: tl.constexpr,
+    SWAP: tl.constexpr,
     SPANS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -87,7 +92,10 @@ def _int_gemm_kernel(
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * s_xm
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * KW
     sz_rows = offs_n.to(tl.int64) * GROUPS
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if SWAP:  # (the weight's rows the dots' M: Hopper's warpgroup MMA takes 64 of them)
+        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for w0 in range(0, KW, 16 * SPANS):
         for span in tl.static_range(SPANS):
             ww = w0 + span * 16 + offs_w
@@ -103,12 +111,19 @@ def _int_gemm_kernel(
                 s = tl.load(s_ptr + sz_rows + g, mask=n_ok, other=0.0)
                 z = tl.load(z_ptr + sz_rows + g, mask=n_ok, other=0)
                 w = _plane(words, z, s, j, BITS, MAGIC_FLOAT, dtype)
-                acc = tl.dot(x.to(dtype), tl.trans(w), acc, input_precision=PRECISION)
+                if SWAP:
+                    acc = tl.dot(w, tl.trans(x.to(dtype)), acc, input_precision=PRECISION)
+                else:
+                    acc = tl.dot(x.to(dtype), tl.trans(w), acc, input_precision=PRECISION)
+    if SWAP:  # noqa: SIM108  (a branch taken at compile time: the shapes differ)
+        y = tl.trans(acc)
+    else:
+        y = acc
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        y += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(
         out_ptr + offs_m[:, None].to(tl.int64) * s_om + offs_n[None, :],
-        acc.to(out_ptr.dtype.element_ty),
+        y.to(out_ptr.dtype.element_ty),
         mask=m_ok[:, None] & n_ok[None, :],
     )
 
@@ -123,11 +138,12 @@ def int_gemm(
     bias: torch.Tensor | None = None,
     config: tuple[int, int, int, int] | None = None,
     magic: bool | None = None,
+    swap: bool | None = None,
 ) -> torch.Tensor:
     """``x`` ``[M, K]`` (unit stride along K) times the span-packed weight ``[N, K]``,
     transposed, plus ``bias``: ``[M, N]`` in ``x``'s dtype. ``config``: (columns a program, K a
-    step, warps, stages), else ``GEMM_SMALL`` or ``GEMM_LARGE`` by the rows; ``magic``:
-    ``MAGIC``'s choice for this call."""
+    step, warps, stages), else ``GEMM_SMALL`` or ``GEMM_LARGE`` by the rows; ``magic``,
+    ``swap``: ``MAGIC``'s and ``SWAP``'s choices for this call."""
     rows, k = x.shape
     n, words = packed.shape
     assert words % SPAN_WORDS == 0 and words * (32 // bits) >= k
@@ -145,6 +161,7 @@ def int_gemm(
         out, rows, n, k, words, scale.shape[1], x.stride(0), out.stride(0), GROUP=group_size,
         BITS=bits, HAS_BIAS=bias is not None, PRECISION=dot_precision(x.dtype),
         UPCAST=upcast_in_kernel(x), MAGIC_FLOAT=MAGIC if magic is None else magic,
+        SWAP=SWAP if swap is None else swap,
         SPANS=max(1, step // span_cols(bits)), BLOCK_M=block_m, BLOCK_N=block_n,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
