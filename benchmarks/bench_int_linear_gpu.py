@@ -7,7 +7,8 @@ projection of Llama-3.1-8B and Qwen2.5-0.5B and by rows.
 For each projection and row count it times (in CUDA graphs, cycling over enough copies of the
 weights that none is read from L2) ``F.linear`` on the bf16 weight, ``int_gemm`` at its default
 launch, with the integers made floats by their bits (``MAGIC``) and as the transposed product
-(``SWAP``), and at each launch of a sweep (those of 64+ columns transposed too); from
+(``SWAP``), ``int_gemv`` (up to ``GEMV_MAX_ROWS`` rows), and at each launch of a sweep
+(``--sweep``: the GEMM's, those of 64+ columns transposed too; the GEMV's at 1 and 4 rows); from
 ``DEQUANT_ROWS`` rows the dequantize-then-cuBLAS path. Every result is checked against the
 reference. Prints a table (microseconds; GB/s: the packed weight's bytes
 over the time) and the best launches by row count, summed over the projections.
@@ -44,6 +45,14 @@ def sweep(rows: int) -> list[Launch]:
     return list(itertools.product((64, 128), (128, 256), (4, 8), (3, 4)))
 
 
+def gemv_sweep() -> list[tuple[Launch, bool]]:
+    """``int_gemv``'s launches (rows of the weight a program, pieces of K, warps, stages), each
+    with the planes unpacked by instructions and by byte permutes (``asm``)."""
+    out = list(itertools.product((32, 64, 128), (0, 4), (2, 4, 8), (2, 3)))
+    out += [(256, 0, 8, 2), (256, 0, 8, 3), (256, 1, 8, 3), (256, 0, 4, 3)]
+    return [(c, asm) for c in out for asm in (False, True)]
+
+
 def cycled(
     fn: Callable[..., torch.Tensor], copies: list[Packed], **kw: object
 ) -> Callable[[], torch.Tensor]:
@@ -59,6 +68,11 @@ def _cublas(w: torch.Tensor, s: torch.Tensor, z: torch.Tensor, x: torch.Tensor) 
 def _gemm(p: torch.Tensor, s: torch.Tensor, z: torch.Tensor, x: torch.Tensor, bits: int,
           group: int, **kw: object) -> torch.Tensor:  # fmt: skip
     return ig.int_gemm(x, p, s, z, bits, group, **kw)  # type: ignore[arg-type]
+
+
+def _gemv(p: torch.Tensor, s: torch.Tensor, z: torch.Tensor, x: torch.Tensor, bits: int,
+          group: int, **kw: object) -> torch.Tensor:  # fmt: skip
+    return ig.int_gemv(x, p, s, z, bits, group, **kw)  # type: ignore[arg-type]
 
 
 def _layer(p: torch.Tensor, s: torch.Tensor, z: torch.Tensor, x: torch.Tensor, bits: int,
@@ -90,32 +104,49 @@ def run_shape(
         want = ref_int_linear(x, packed, scale, zero, bits, group)
         tol = 1e-3 if args.smoke else 2e-2
         on = {"x": x, "bits": bits, "group": group}
-        launches = sweep(rows) if not args.no_sweep else []
+        launches = sweep(rows) if "gemm" in args.sweep else []
         swapped = [c for c in launches if c[0] >= 64]  # (warpgroup MMAs: 64 rows of the weight)
-        for kw in [{}, {"magic": True}, {"swap": True}] + [{"config": c} for c in launches]:
-            got = _gemm(packed, scale, zero, **on, **kw)
+        gemv = rows <= ig.GEMV_MAX_ROWS
+        vlaunches = gemv_sweep() if gemv and rows == 1 and "gemv" in args.sweep else []
+        asm = not args.smoke  # (byte permutes: compiled only)
+        runs: list[tuple[Callable[..., torch.Tensor], dict[str, object]]] = [
+            (_gemm, kw) for kw in [{}, {"magic": True}, {"swap": True}]
+        ] + [(_gemm, {"config": c}) for c in launches]
+        runs += [(_gemv, {"asm": a}) for a in {False, asm} if gemv]
+        runs += [(_gemv, {"config": c, "asm": a and asm}) for c, a in vlaunches]
+        for i, (fn, kw) in enumerate(runs):
+            if args.smoke and i > 5 and fn is _gemm:
+                continue
+            got = fn(packed, scale, zero, **on, **kw)
             torch.testing.assert_close(got.float(), want.float(), rtol=tol,
                                        atol=tol * want.abs().max().item())  # fmt: skip
-            if args.smoke and kw.get("config") in launches[2:]:
-                break
         if args.smoke:
-            print(f"{shape} {proj} {rows}: checked")
+            print(f"{shape} {proj} {rows}: checked {len(runs)} launches")
             continue
         t_bf = graph_time_us(cycled(_cublas, bf16, x=x))
         t_int = graph_time_us(cycled(_gemm, packs, **on))
         t_bits = graph_time_us(cycled(_gemm, packs, **on, magic=True))
         t_swap = graph_time_us(cycled(_gemm, packs, **on, swap=True))
-        top, top_launch = t_int, "-"
-        for launch, swap in [(c, False) for c in launches] + [(c, True) for c in swapped]:
-            t = graph_time_us(cycled(_gemm, packs, **on, config=launch, swap=swap))
-            key = f"{launch}{' swap' if swap else ''}"
+        nan = float("nan")
+        t_gemv = graph_time_us(cycled(_gemv, packs, **on, asm=False)) if gemv else nan
+        t_asm = graph_time_us(cycled(_gemv, packs, **on, asm=True)) if gemv else nan
+        t_gemv = min(t_gemv, t_asm) if gemv else nan
+        top, top_launch = min(t_int, t_gemv) if gemv else t_int, "-"
+        timed = [(_gemm, c, False) for c in launches] + [(_gemm, c, True) for c in swapped]
+        for fn, launch, flag in timed + [(_gemv, c, a) for c, a in vlaunches]:
+            extra = {"swap": flag} if fn is _gemm else {"asm": flag}
+            t = graph_time_us(cycled(fn, packs, **on, config=launch, **extra))
+            named = " asm" if fn is _gemv else " swap"
+            key = f"{'gemv ' if fn is _gemv else ''}{launch}{named if flag else ''}"
             best.setdefault(rows, {})
             best[rows][key] = best[rows].get(key, 0.0) + t
             if t < top:
                 top, top_launch = t, key
+        fast = min(t_int, t_gemv) if gemv else t_int
         print(f"{shape:6} {proj:8} {rows:5d} {t_bf:8.1f} {t_int:8.1f} {t_bits:8.1f} {t_swap:8.1f} "
-              f"{nbytes / t_int / 1e3:6.0f} {top:8.1f} {top_launch:>23} "
-              f"{t_int / t_bf:8.2f}")  # fmt: skip
+              f"{t_asm if gemv else nan:8.1f} {t_gemv:8.1f} {nbytes / fast / 1e3:6.0f} "
+              f"{top:8.1f} {top_launch:>28} "
+              f"{fast / t_bf:8.2f}")  # fmt: skip
     if args.smoke:
         return
     for rows in (int(r) for r in args.prompt_rows.split(",")):
@@ -133,20 +164,27 @@ def main() -> int:
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--bits", type=int, default=4)
     p.add_argument("--group", type=int, default=128)
-    p.add_argument("--rows", default="1,4,16,64,256")
+    p.add_argument("--rows", default="1,2,4,8,16,64")
     p.add_argument("--prompt-rows", default="512,2048,8192")
     p.add_argument("--shapes", default="qwen,llama")
-    p.add_argument("--no-sweep", action="store_true")
+    p.add_argument(
+        "--sweep",
+        default="gemv",
+        help="launches to sweep, comma-separated: gemm, gemv (none: empty)",
+    )
     args = p.parse_args()
     shapes = {"qwen": QWEN, "llama": LLAMA}
     chosen = {"tiny": {"qkv": (256, 96)}} if args.smoke else {
         s: shapes[s] for s in args.shapes.split(",")
     }  # fmt: skip
     print(f"{args.bits}-bit weights, groups of {args.group}; times in us (GB/s: packed bytes / "
-          "time; bits: the integers made floats by their bits; swap: the transposed "
-          "product)")  # fmt: skip
+          "time of the faster of int and gemv; bits: the integers made floats by their bits; "
+          "swap: the transposed product; asm: the gemv, planes unpacked by byte permutes; gemv: "
+          "the faster of the gemv without and with them; fast/bf16: the faster default's time "
+          "over bf16's)")  # fmt: skip
     print(f"{'shape':6} {'proj':8} {'rows':>5} {'bf16':>8} {'int':>8} {'bits':>8} {'swap':>8} "
-          f"{'GB/s':>6} {'best':>8} {'launch':>23} {'int/bf16':>8}")  # fmt: skip
+          f"{'asm':>8} {'gemv':>8} {'GB/s':>6} {'best':>8} {'launch':>28} "
+          f"{'fast/bf16':>8}")  # fmt: skip
     best: dict[int, dict[str, float]] = {}
     for shape, projs in chosen.items():
         for proj, (k, n) in projs.items():
@@ -156,7 +194,8 @@ def main() -> int:
         default = ig.GEMM_SMALL if rows <= ig.SMALL_M else ig.GEMM_LARGE
         print(f"rows {rows}: best launches (sum over projections, us) "
               + ", ".join(f"{c} {t:.1f}" for c, t in ranked)
-              + f"; default {default} {times.get(str(default), float('nan')):.1f}")  # fmt: skip
+              + f"; default {default} {times.get(str(default), float('nan')):.1f}"
+              + f", gemv {ig.GEMV} {times.get(f'gemv {ig.GEMV}', float('nan')):.1f}")  # fmt: skip
     return 0
 
 

@@ -1,25 +1,32 @@
-# Sixty-fourth session: packed integer layers (W4A16, compressed-tensors / AWQ checkpoints) on
-# the GPU.
-# PART=tests (default): the kernels' tests compiled (the Triton GEMM and dequantization against
-# the torch reference, bf16/fp16/fp32). (The checkpoints' tests need the default model, which
-# the GPU host lacks.)
+# Sixty-fourth and sixty-fifth sessions: packed integer layers (W4A16, compressed-tensors / AWQ
+# checkpoints) on the GPU.
+# PART=tests (default): the kernels' tests compiled (the Triton GEMM, GEMV and dequantization
+# against the torch reference, bf16/fp16/fp32); TESTS_K: a pytest -k filter (compiling every
+# test takes more than 300 s). (The checkpoints' tests need the default model, which the GPU
+# host lacks.)
 # PART=kernels: benchmarks/bench_int_linear_gpu.py (each projection against bf16 cuBLAS, and
 # the launch sweep).
 # PART=ab: issue 5's workload, bf16 against W4A16 (dummy weights, groups of 128), each in a
 # fresh process: SHAPES (default "llama qwen") at BATCHES (default "1 64 0"; 0: all 256).
+# PART may name several parts ("tests kernels"); each writes its log under $OUT.
 #     bash benchmarks/device/int64.sh; PART=ab SHAPES=llama bash benchmarks/device/int64.sh
 source benchmarks/device/setup.sh || exit 1
 source benchmarks/device/ab_variant.sh
 export PYTHONUNBUFFERED=1
 echo "started $(date +%T)"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-case "${PART:-tests}" in
+mkdir -p "${OUT:=$(mktemp -d)}"
+for part in ${PART:-tests}; do
+case "$part" in
 tests)
-  timeout 300 python3 -m pytest -q -p no:cacheprovider tests/unit/test_int_linear.py 2>&1 | tail -4
+  timeout "${TESTS_S:-300}" python3 -m pytest -q -p no:cacheprovider tests/unit/test_int_linear.py \
+      -k "${TESTS_K:-}" > "$OUT/tests.log" 2>&1
+  tail -4 "$OUT/tests.log"
   echo "kernel tests ended $(date +%T)"
   ;;
 kernels)
-  timeout 540 python3 benchmarks/bench_int_linear_gpu.py ${ARGS} 2>&1 | tail -80
+  timeout "${KERNELS_S:-540}" python3 benchmarks/bench_int_linear_gpu.py ${ARGS} > "$OUT/kernels.log" 2>&1
+  tail -80 "$OUT/kernels.log"
   ;;
 ab)
   export -f ab_variant
@@ -36,4 +43,5 @@ ab)
   done
   ;;
 esac
+done
 echo "ended $(date +%T)"

@@ -33,7 +33,7 @@ from baton_kernels.int_linear import (
     span_words,
     unpack_spans,
 )
-from baton_kernels.triton.int_gemm import dequantize, int_gemm
+from baton_kernels.triton.int_gemm import dequantize, int_gemm, int_gemv
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -143,6 +143,48 @@ def test_the_transposed_product_is_the_same(
     dtype: torch.dtype, bits: int, group: int, k: int, rows: int
 ) -> None:
     test_the_gemm_is_the_dequantized_weights_product(dtype, bits, group, k, rows, swap=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("bits", "group", "k"),
+    [
+        (4, 32, 128),  # four groups a span: the scale a plane
+        (4, 128, 384),  # a group a span: the scale a span
+        (8, 128, 256),  # two spans a group
+        (4, 16, 96),  # a span partly padding
+        (8, 48, 144),
+        (4, 100, 100),  # one scale a row
+    ],
+)
+@pytest.mark.parametrize(("rows", "split"), [(1, 1), (1, 3), (3, 2), (8, 0)])
+@pytest.mark.parametrize("asm", [False, pytest.param(True, marks=pytest.mark.gpu)])
+def test_the_gemv_is_the_dequantized_weights_product(
+    dtype: torch.dtype, bits: int, group: int, k: int, rows: int, split: int, asm: bool
+) -> None:
+    n = 72  # (the last program of 64 rows of the weight partly outside)
+    packed, scale, zero = _layer(n, k, bits, group, seed=rows)
+    x = _rand(rows, k, dtype=dtype)
+    bias = _rand(n, dtype=dtype, seed=7) if rows % 2 else None
+    want = ref_int_linear(x, packed, scale, zero, bits, group, bias)
+    got = int_gemv(x, packed, scale, zero, bits, group, bias, config=(64, split, 4, 2), asm=asm)
+    assert got.dtype == dtype and got.shape == (rows, n)
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(got, want, atol=atol * want.abs().max().item(), rtol=rtol)
+    wide = torch.cat([x, x], dim=1)[:, k:]
+    torch.testing.assert_close(int_gemv(wide, packed, scale, zero, bits, group, bias,
+                                        config=(64, split, 4, 2), asm=asm), got, atol=0,
+                               rtol=0)  # fmt: skip
+
+
+def test_the_gemv_in_half_precision_and_by_default() -> None:
+    packed, scale, zero = _layer(300, 512, 4, 128, seed=4)
+    x = _rand(2, 512, dtype=torch.float16)
+    want = ref_int_linear(x, packed, scale, zero, 4, 128)
+    atol, rtol = TOL[torch.float16]
+    got = int_linear.int_linear(x, packed, scale, zero, 4, 128)  # (GEMV_ROWS: the gemv)
+    torch.testing.assert_close(got, want, atol=atol * want.abs().max().item(), rtol=rtol)
+    assert torch.equal(got, int_gemv(x, packed, scale, zero, 4, 128))
 
 
 @pytest.mark.parametrize("config", [(32, 128, 1, 1), (64, 512, 8, 2)])

@@ -38,6 +38,8 @@ from torch import nn
 # four projections took 783 us a layer in the Triton GEMM against 349 to unpack them and 171 in
 # bf16 cuBLAS (H100, benchmarks/RESULTS.md)
 DEQUANT_ROWS = 16
+# Products of up to this many rows run without the tensor cores (int_gemv); not yet measured
+GEMV_ROWS = 4
 BITS = (4, 8)
 SPAN_WORDS = 16  # (a plane's columns: the tensor cores' K for 16-bit operands)
 
@@ -151,14 +153,15 @@ def int_linear(
     (see the module's docstring): the output in ``x``'s dtype."""
     if not _triton_runs(x):
         return ref_int_linear(x, packed, scale, zero, bits, group_size, bias)
-    from baton_kernels.triton.int_gemm import dequantize, int_gemm
+    from baton_kernels.triton.int_gemm import dequantize, int_gemm, int_gemv
 
     k = x.shape[-1]
     rows = x.reshape(-1, k)
     if rows.shape[0] > DEQUANT_ROWS:
         w = dequantize(packed, scale, zero, bits, group_size, k, x.dtype)
         return F.linear(x, w, bias)
-    out = int_gemm(rows, packed, scale, zero, bits, group_size, bias)
+    gemv = rows.shape[0] <= GEMV_ROWS
+    out = (int_gemv if gemv else int_gemm)(rows, packed, scale, zero, bits, group_size, bias)
     return out.reshape(*x.shape[:-1], -1)
 
 

@@ -11,6 +11,12 @@ planes of 16 consecutive columns), a float32 scale and a zero point a row and gr
   The integers become floats by conversion instructions or by their bits (``MAGIC``: ``u |
   0x4B000000`` read as a float32 is ``2^23 + u``; measured 2-5% slower). ``SWAP`` computes
   the transposed product instead (the weight's rows the dots' M dimension).
+- ``int_gemv``: the same product for a decode step's few rows without the tensor cores (which
+  pad them to 16 and need the weight's tile rearranged through shared memory: in the GEMM's
+  compiled loop ~30 instructions a weight, in the GEMV's ~5.5, counted in the sm_90 SASS):
+  each value a shift, a mask, a conversion and a fused multiply-add a row of ``x``, or a byte
+  permute and a subtraction in place of the first three (``GEMV_ASM``, inline PTX); K cut into
+  pieces where the weight's rows give too few programs, their sums added by one more kernel.
 - ``dequantize``: the whole weight in a float dtype (for products of many rows, which then run
   as one cuBLAS GEMM)."""
 
@@ -21,7 +27,7 @@ import triton
 import triton.language as tl
 
 from baton_kernels.int_linear import SPAN_WORDS, span_cols
-from baton_kernels.triton.common import dot_precision, upcast_in_kernel
+from baton_kernels.triton.common import cdiv, dot_precision, next_pow2, upcast_in_kernel
 from baton_kernels.triton.launch import launcher
 
 # (columns a program, K a step (a multiple of a span's columns, else one span), warps, stages)
@@ -39,6 +45,15 @@ MAGIC = False
 # the dots as weight @ x.T (the weight's rows their M), transposed once at the end; not yet
 # measured (bench_int_linear_gpu.py times it)
 SWAP = False
+# int_gemv (the few rows of a decode step, no tensor cores): (rows of the weight a program,
+# pieces of K (0: enough programs for GEMV_WAVES a multiprocessor), warps, stages); not yet
+# measured. Up to GEMV_MAX_ROWS rows (each one's sums held in registers).
+GEMV: tuple[int, int, int, int] = (64, 0, 4, 3)
+GEMV_WAVES = 4
+GEMV_MAX_ROWS = 8
+# the planes unpacked by byte permutes in inline PTX (_byte_planes) instead of a shift, a mask
+# and a conversion a value; not yet measured
+GEMV_ASM = False
 
 
 @triton.jit
@@ -165,6 +180,202 @@ def int_gemm(
         SPANS=max(1, step // span_cols(bits)), BLOCK_M=block_m, BLOCK_N=block_n,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
+    return out
+
+
+def _byte_planes_asm(bits: int) -> str:
+    """PTX for ``_byte_planes``: each output a byte of the word(s) made the float ``2^23 + u`` by
+    one byte permute (bits 0-7 the byte, 0x4B above), less ``2^23``."""
+    lines = ["{", ".reg .b32 lo, hi;"]
+    if bits == 4:  # (the even planes in lo's bytes, the odd ones in hi's)
+        lines += ["and.b32 lo, $8, 0x0F0F0F0F;", "shr.u32 hi, $8, 4;"]
+        lines += ["and.b32 hi, hi, 0x0F0F0F0F;"]
+        sources = [("lo" if j % 2 == 0 else "hi", j // 2) for j in range(8)]
+    else:
+        sources = [("$4", j) for j in range(4)]
+    for j, (src, byte) in enumerate(sources):
+        lines.append(f"prmt.b32 ${j}, {src}, 0x4B000000, {0x7540 | byte:#x};")
+        lines.append(f"sub.f32 ${j}, ${j}, 0f4B000000;")
+    return "\n".join([*lines, "}"])
+
+
+ASM_4 = tl.constexpr(_byte_planes_asm(4))
+ASM_8 = tl.constexpr(_byte_planes_asm(8))
+
+
+@triton.jit
+def _byte_planes(words, BITS: tl.constexpr):
+    """The ``32 / BITS`` planes of ``words`` as float32 values, by byte permutes (no shifts,
+    masks or conversions a value; compiled GPUs only)."""
+    if BITS == 4:
+        return tl.inline_asm_elementwise(
+            ASM_4, "=r,=r,=r,=r,=r,=r,=r,=r,r", [words], dtype=(tl.float32,) * 8,
+            is_pure=True, pack=1,
+        )  # fmt: skip
+    else:
+        return tl.inline_asm_elementwise(
+            ASM_8, "=r,=r,=r,=r,r", [words], dtype=(tl.float32,) * 4, is_pure=True, pack=1
+        )
+
+
+@triton.jit
+def _int_gemv_kernel(
+    x_ptr,  # [M, K]
+    w_ptr,  # [N, KW] int32, by spans
+    s_ptr,  # [N, groups] float32
+    z_ptr,  # [N, groups] uint8
+    bias_ptr,  # [N]
+    out_ptr,  # [M, N], or [split, M, N] float32 partial sums
+    M,
+    N,
+    K,
+    KW,  # words a row (a multiple of 16)
+    GROUPS,
+    s_xm,
+    SPANS_EACH,  # spans a program (of the K dimension)
+    GROUP: tl.constexpr,
+    BITS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SPAN_SCALE: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    PARTIAL: tl.constexpr,
+    ASM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """``int_gemv``: a program ``BLOCK_N`` rows of the weight (clamped to the last, so that no
+    load is masked) and ``SPANS_EACH`` spans of K, one span at a time: each plane's 16 values
+    ``u`` become float32 by a conversion and meet the rows of ``x`` in fused multiply-adds, no
+    tensor cores. Where a span lies in one group (``SPAN_SCALE``) the scale and zero point come
+    once a span: ``s * (sum(u * x) - z * sum(x))``; else once a plane: ``(u * s - z * s) * x``."""
+    PER: tl.constexpr = 32 // BITS
+    SC: tl.constexpr = PER * 16  # (a span's columns)
+    # every tensor three-dimensional (rows of x, rows of the weight, a span's words), the
+    # words' loads in the layout of the arithmetic (no conversion through shared memory)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(offs_n, N - 1).to(tl.int64)[None, :, None]
+    offs_m = tl.arange(0, BLOCK_M)[:, None, None]
+    offs_w = tl.arange(0, 16)[None, None, :]
+    m_ok = offs_m < M
+    w_rows = w_ptr + rows * KW + offs_w
+    sz_rows = rows * GROUPS
+    x_rows = x_ptr + offs_m.to(tl.int64) * s_xm
+    acc = tl.zeros([BLOCK_M, BLOCK_N, 16], tl.float32)
+    t0 = tl.program_id(1) * SPANS_EACH
+    t1 = tl.minimum(t0 + SPANS_EACH, KW // 16)
+    for t in range(t0, t1):
+        words = tl.load(w_rows + t * 16)
+        if SPAN_SCALE:
+            g = tl.minimum(t * SC // GROUP, GROUPS - 1)
+            s = tl.load(s_ptr + sz_rows + g)
+            z = tl.load(z_ptr + sz_rows + g).to(tl.float32)
+            part = tl.zeros([BLOCK_M, BLOCK_N, 16], tl.float32)
+            xs = tl.zeros([BLOCK_M, 1, 16], tl.float32)
+        if ASM:
+            planes = _byte_planes(words, BITS)
+        for j in tl.static_range(PER):
+            kk = t * SC + j * 16 + offs_w
+            if EVEN_K:
+                x = tl.load(x_rows + kk, mask=m_ok, other=0.0)
+            else:
+                x = tl.load(x_rows + kk, mask=m_ok & (kk < K), other=0.0)
+            x = x.to(tl.float32)
+            if ASM:  # noqa: SIM108  (planes exists only then)
+                u = planes[j]
+            else:
+                u = ((words >> (j * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
+            if SPAN_SCALE:
+                part += u * x
+                xs += x
+            else:
+                gj = tl.minimum((t * SC + j * 16) // GROUP, GROUPS - 1)
+                sj = tl.load(s_ptr + sz_rows + gj)
+                zs = tl.load(z_ptr + sz_rows + gj).to(tl.float32) * sj
+                acc += (u * sj - zs) * x
+        if SPAN_SCALE:
+            acc += s * (part - z * xs)
+    y = tl.sum(acc, axis=2)
+    offs_m = tl.arange(0, BLOCK_M)[:, None]
+    ok = (offs_m < M) & (offs_n < N)[None, :]
+    at = offs_m * N + offs_n[None, :]
+    if PARTIAL:
+        tl.store(out_ptr + tl.program_id(1) * M * N + at, y, mask=ok)
+    else:
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + tl.minimum(offs_n, N - 1)).to(tl.float32)[None, :]
+        tl.store(out_ptr + at, y.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _split_sum_kernel(part_ptr, bias_ptr, out_ptr, SPLIT, MN, N, HAS_BIAS: tl.constexpr,
+                      BLOCK: tl.constexpr):  # fmt: skip
+    """``out = sum(part[:split]) (+ bias)`` in ``out``'s dtype (``part``: ``[split, M, N]``)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < MN
+    y = tl.zeros([BLOCK], tl.float32)
+    for i in range(SPLIT):
+        y += tl.load(part_ptr + i * MN + offs, mask=ok, other=0.0)
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + offs % N, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def gemv_split(n: int, spans: int, block_n: int, device: torch.device) -> int:
+    """The pieces K is cut into so that ``int_gemv`` launches at least ``GEMV_WAVES`` programs
+    a multiprocessor (none where the rows alone give that many)."""
+    if device.type != "cuda":
+        return 1
+    programs = cdiv(n, block_n)
+    want = GEMV_WAVES * torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(spans, cdiv(want, programs)))
+
+
+def int_gemv(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor,
+    bits: int,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+    config: tuple[int, int, int, int] | None = None,
+    asm: bool | None = None,
+) -> torch.Tensor:
+    """``int_gemm``'s product for a few rows (up to ``GEMV_MAX_ROWS``) without the tensor cores:
+    ``config`` (rows of the weight a program, pieces of K (0: by ``gemv_split``), warps,
+    stages), else ``GEMV``; ``asm``: ``GEMV_ASM``'s choice for this call (not under the
+    interpreter). With K in more than one piece each writes float32 partial sums and
+    one more kernel adds them (and the bias)."""
+    rows, k = x.shape
+    n, words = packed.shape
+    assert rows <= GEMV_MAX_ROWS and words % SPAN_WORDS == 0 and words * (32 // bits) >= k
+    assert scale.shape == zero.shape and scale.shape[0] == n
+    assert packed.is_contiguous() and scale.is_contiguous() and zero.is_contiguous()
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    block_n, split, num_warps, num_stages = config or GEMV
+    spans = words // SPAN_WORDS
+    split = min(split or gemv_split(n, spans, block_n, x.device), spans)
+    each = triton.cdiv(spans, split)
+    split = triton.cdiv(spans, each)
+    groups = scale.shape[1]
+    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    part = out if split == 1 else torch.empty(split, rows, n, dtype=torch.float32,
+                                              device=x.device)  # fmt: skip
+    launcher(_int_gemv_kernel)(
+        (triton.cdiv(n, block_n), split), x, packed, scale, zero, bias, part, rows, n, k, words,
+        groups, x.stride(0), each, GROUP=group_size, BITS=bits,
+        HAS_BIAS=bias is not None, SPAN_SCALE=group_size % span_cols(bits) == 0 or groups == 1,
+        EVEN_K=k % span_cols(bits) == 0, PARTIAL=split > 1,
+        ASM=(GEMV_ASM if asm is None else asm) and not upcast_in_kernel(x), BLOCK_M=next_pow2(rows),
+        BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    if split > 1:
+        block = 1024
+        launcher(_split_sum_kernel)(
+            (triton.cdiv(rows * n, block),), part, bias, out, split, rows * n, n,
+            HAS_BIAS=bias is not None, BLOCK=block,
+        )  # fmt: skip
     return out
 
 
