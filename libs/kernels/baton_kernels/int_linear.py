@@ -17,12 +17,14 @@ interleaved values (compressed-tensors' ``weight_packed``: value ``j`` of word `
 against 228 with interleaved values). Checkpoints are converted on load.
 
 On GPUs (and under Triton's interpreter) the product reads the packed weight itself
-(``triton/int_gemm.py``): up to ``DEQUANT_ROWS`` rows through a GEMM that unpacks each tile in
-registers (a decode step reads a quarter of a bf16 weight's bytes at 4 bits), more rows by
-unpacking the whole weight into a scratch matrix in the model's dtype and one cuBLAS GEMM (as
-vLLM's AWQ layers do from 256 rows). Measured on an H100 (benchmarks/RESULTS.md), neither is
-faster than bf16 cuBLAS yet: at one row Llama-3.1-8B's projections take 224 us a layer against
-166, at 4,096 rows 1.11-1.20x bf16's time; what the packed layers give is memory.
+(``triton/int_gemm.py``): up to ``GEMV_ROWS`` rows without the tensor cores (``int_gemv``, a
+decode step reading a quarter of a bf16 weight's bytes at 4 bits), up to ``DEQUANT_ROWS``
+through a GEMM that unpacks each tile in registers, more by unpacking the whole weight into a
+scratch matrix in the model's dtype and one cuBLAS GEMM (as vLLM's AWQ layers do from 256
+rows). Measured on an H200 (benchmarks/RESULTS.md): at one row Llama-3.1-8B's projections take
+86 us a layer against 122 in bf16 cuBLAS (Llama-8B decodes one sequence at 272 tok/s against
+234 in bf16), at two rows the same as bf16, from four rows more (4 rows 1.5x, 16 rows 2.2x,
+2,048 rows 1.23x bf16's time: a 64-sequence batch runs at half bf16's throughput).
 Elsewhere ``ref_int_linear`` unpacks the weight at every call (the memory of 4-bit weights at a
 CPU's cost; the engine dequantizes on load on CPUs instead)."""
 
@@ -38,7 +40,8 @@ from torch import nn
 # four projections took 783 us a layer in the Triton GEMM against 349 to unpack them and 171 in
 # bf16 cuBLAS (H100, benchmarks/RESULTS.md)
 DEQUANT_ROWS = 16
-# Products of up to this many rows run without the tensor cores (int_gemv); not yet measured
+# Products of up to this many rows run without the tensor cores (int_gemv): a Llama layer at 4
+# rows 175 us against 237 in int_gemm (H200; bf16 cuBLAS 119); at 8 rows int_gemm is 5x faster
 GEMV_ROWS = 4
 BITS = (4, 8)
 SPAN_WORDS = 16  # (a plane's columns: the tensor cores' K for 16-bit operands)
