@@ -9,9 +9,7 @@ weights that none is read from L2) ``F.linear`` on the bf16 weight, ``int_gemm``
 launch, with the integers made floats by their bits (``MAGIC``) and as the transposed product
 (``SWAP``), ``int_gemv`` (up to ``GEMV_MAX_ROWS`` rows), and at each launch of a sweep
 (``--sweep``: the GEMM's, those of 64+ columns transposed too; the GEMV's at 1 row); from
-``DEQUANT_ROWS`` rows the dequantize-then-cuBLAS path. At ``--wide-rows`` a second table:
-``int_gemm_wide`` (and its sweep, ``--sweep wide``, up to 256 rows) against bf16, ``int_gemm``
-(up to 16 rows) and the weight unpacked whole then cuBLAS. Every result is checked against the
+``DEQUANT_ROWS`` rows the dequantize-then-cuBLAS path. Every result is checked against the
 reference. Prints a table (microseconds; GB/s: the packed weight's bytes
 over the time) and the best launches by row count, summed over the projections.
 """
@@ -55,13 +53,6 @@ def gemv_sweep() -> list[tuple[Launch, bool]]:
     return [(c, asm) for c in out for asm in (False, True)]
 
 
-def wide_sweep(rows: int) -> list[Launch]:
-    """``int_gemm_wide``'s launches (rows a program, columns a program, warps, stages) at
-    ``rows``."""
-    tiles = [m for m in (16, 64, 128) if m <= max(16, 1 << (rows - 1).bit_length())]
-    return list(itertools.product(tiles, (64, 128, 256), (4, 8), (3,)))
-
-
 def cycled(
     fn: Callable[..., torch.Tensor], copies: list[Packed], **kw: object
 ) -> Callable[[], torch.Tensor]:
@@ -82,53 +73,6 @@ def _gemm(p: torch.Tensor, s: torch.Tensor, z: torch.Tensor, x: torch.Tensor, bi
 def _gemv(p: torch.Tensor, s: torch.Tensor, z: torch.Tensor, x: torch.Tensor, bits: int,
           group: int, **kw: object) -> torch.Tensor:  # fmt: skip
     return ig.int_gemv(x, p, s, z, bits, group, **kw)  # type: ignore[arg-type]
-
-
-def _wide(p: torch.Tensor, s: torch.Tensor, z: torch.Tensor, x: torch.Tensor, bits: int,
-          group: int, **kw: object) -> torch.Tensor:  # fmt: skip
-    return ig.int_gemm_wide(x, p, s, z, bits, group, **kw)  # type: ignore[arg-type]
-
-
-def _unpacked(p: torch.Tensor, s: torch.Tensor, z: torch.Tensor, x: torch.Tensor, bits: int,
-              group: int) -> torch.Tensor:  # fmt: skip
-    return F.linear(x, ig.dequantize(p, s, z, bits, group, x.shape[1], x.dtype))
-
-
-def run_wide(
-    shape: str, proj: str, k: int, packs: list[Packed], bf16: list[Packed],
-    args: argparse.Namespace, best: dict[int, dict[str, float]],
-) -> None:  # fmt: skip
-    """The GEMM by spans against bf16, ``int_gemm`` and the weight unpacked then cuBLAS."""
-    packed, scale, zero = packs[0]
-    for rows in [20] if args.smoke else [int(r) for r in args.wide_rows.split(",") if r]:
-        x = torch.randn(rows, k, device=packed.device, dtype=torch.bfloat16)
-        on = {"x": x, "bits": args.bits, "group": args.group}
-        want = ref_int_linear(x, packed, scale, zero, args.bits, args.group)
-        launches = wide_sweep(rows) if "wide" in args.sweep and rows <= 256 else []
-        for config in [None, *launches]:
-            got = _wide(packed, scale, zero, **on, config=config)
-            torch.testing.assert_close(got.float(), want.float(), rtol=2e-2,
-                                       atol=2e-2 * want.abs().max().item())  # fmt: skip
-        if args.smoke:
-            print(f"{shape} {proj} {rows}: the GEMM by spans checked at {len(launches) + 1}")
-            continue
-        reps = 5 if rows > 256 else 20
-        nan = float("nan")
-        t_bf = graph_time_us(cycled(_cublas, bf16, x=x), reps=reps)
-        t_gemm = graph_time_us(cycled(_gemm, packs, **on), reps=reps) if rows <= 16 else nan
-        t_unp = graph_time_us(cycled(_unpacked, packs, **on), reps=reps)
-        t_wide = graph_time_us(cycled(_wide, packs, **on), reps=reps)
-        top, top_launch = t_wide, "-"
-        for launch in launches:
-            t = graph_time_us(cycled(_wide, packs, **on, config=launch), reps=reps)
-            key = f"wide {launch}"
-            best.setdefault(rows, {})
-            best[rows][key] = best[rows].get(key, 0.0) + t
-            if t < top:
-                top, top_launch = t, key
-        print(f"{shape:6} {proj:8} {rows:5d} bf16 {t_bf:8.1f}  int_gemm {t_gemm:8.1f}  unpacked "
-              f"{t_unp:8.1f}  wide {t_wide:8.1f}  best {top:8.1f} {top_launch:>26}  "
-              f"wide/bf16 {t_wide / t_bf:5.2f}")  # fmt: skip
 
 
 def _layer(p: torch.Tensor, s: torch.Tensor, z: torch.Tensor, x: torch.Tensor, bits: int,
@@ -203,7 +147,6 @@ def run_shape(
               f"{t_asm if gemv else nan:8.1f} {t_gemv:8.1f} {nbytes / fast / 1e3:6.0f} "
               f"{top:8.1f} {top_launch:>28} "
               f"{fast / t_bf:8.2f}")  # fmt: skip
-    run_wide(shape, proj, k, packs, bf16, args, best)
     if args.smoke:
         return
     for rows in (int(r) for r in args.prompt_rows.split(",") if r):
@@ -223,12 +166,11 @@ def main() -> int:
     p.add_argument("--group", type=int, default=128)
     p.add_argument("--rows", default="1,2,4,8,16,64")
     p.add_argument("--prompt-rows", default="512,2048,8192")
-    p.add_argument("--wide-rows", default="", help="rows to time the GEMM by spans at")
     p.add_argument("--shapes", default="qwen,llama")
     p.add_argument(
         "--sweep",
         default="gemv",
-        help="launches to sweep, comma-separated: gemm, gemv, wide (none: empty)",
+        help="launches to sweep, comma-separated: gemm, gemv (none: empty)",
     )
     args = p.parse_args()
     shapes = {"qwen": QWEN, "llama": LLAMA}
@@ -249,13 +191,6 @@ def main() -> int:
             run_shape(shape, proj, k, n, args, best)
     for rows, times in sorted(best.items()):
         ranked = sorted(times.items(), key=lambda item: item[1])[:3]
-        if not any(key.startswith(("gemv", "(")) for key in times):
-            print(
-                f"rows {rows}: best launches (sum over projections, us) "
-                + ", ".join(f"{c} {t:.1f}" for c, t in ranked)
-                + f"; default wide {ig.WIDE} {times.get(f'wide {ig.WIDE}', float('nan')):.1f}"
-            )
-            continue
         default = ig.GEMM_SMALL if rows <= ig.SMALL_M else ig.GEMM_LARGE
         print(f"rows {rows}: best launches (sum over projections, us) "
               + ", ".join(f"{c} {t:.1f}" for c, t in ranked)

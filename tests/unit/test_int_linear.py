@@ -33,7 +33,7 @@ from baton_kernels.int_linear import (
     span_words,
     unpack_spans,
 )
-from baton_kernels.triton.int_gemm import dequantize, int_gemm, int_gemm_wide, int_gemv
+from baton_kernels.triton.int_gemm import dequantize, int_gemm, int_gemv
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -143,36 +143,6 @@ def test_the_transposed_product_is_the_same(
     dtype: torch.dtype, bits: int, group: int, k: int, rows: int
 ) -> None:
     test_the_gemm_is_the_dequantized_weights_product(dtype, bits, group, k, rows, swap=True)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(
-    ("bits", "group", "k"),
-    [
-        (4, 32, 128),  # four groups a span
-        (4, 128, 384),  # a group a span
-        (8, 64, 256),
-        (4, 16, 96),  # groups of a plane; a span partly padding
-        (8, 48, 144),
-        (4, 100, 100),  # one scale a row
-    ],
-)
-@pytest.mark.parametrize(("rows", "config"), [(1, None), (70, None), (150, (32, 64, 4, 2))])
-def test_the_gemm_by_spans_is_the_dequantized_weights_product(
-    dtype: torch.dtype, bits: int, group: int, k: int, rows: int, config: tuple | None
-) -> None:
-    n = 136  # (the last program of 64 or 128 columns partly outside)
-    packed, scale, zero = _layer(n, k, bits, group, seed=rows)
-    x = _rand(rows, k, dtype=dtype)
-    bias = _rand(n, dtype=dtype, seed=7) if rows % 2 == 0 else None
-    want = ref_int_linear(x, packed, scale, zero, bits, group, bias)
-    got = int_gemm_wide(x, packed, scale, zero, bits, group, bias, config=config)
-    assert got.dtype == dtype and got.shape == (rows, n)
-    atol, rtol = TOL[dtype]
-    torch.testing.assert_close(got, want, atol=atol * want.abs().max().item(), rtol=rtol)
-    wide = torch.cat([x, x], dim=1)[:, k:]
-    torch.testing.assert_close(int_gemm_wide(wide, packed, scale, zero, bits, group, bias,
-                                             config=config), got, atol=0, rtol=0)  # fmt: skip
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -54,8 +54,6 @@ SWAP = False
 GEMV: tuple[int, int, int, int] = (64, 0, 4, 3)
 GEMV_WAVES = 4
 GEMV_MAX_ROWS = 8
-# int_gemm_wide: (rows a program, columns a program, warps, stages); not yet measured
-WIDE: tuple[int, int, int, int] = (64, 128, 8, 3)
 # the planes unpacked by byte permutes in inline PTX (_byte_planes) instead of a shift, a mask
 # and a conversion a value: 6% faster at one row over the eight projections (H200)
 GEMV_ASM = True
@@ -184,105 +182,6 @@ def int_gemm(
         SWAP=SWAP if swap is None else swap,
         SPANS=max(1, step // span_cols(bits)), BLOCK_M=block_m, BLOCK_N=block_n,
         num_warps=num_warps, num_stages=num_stages,
-    )  # fmt: skip
-    return out
-
-
-@triton.jit
-def _int_gemm_wide_kernel(
-    x_ptr,  # [M, K]
-    w_ptr,  # [N, KW] int32, by spans
-    s_ptr,  # [N, groups] float32
-    z_ptr,  # [N, groups] uint8
-    bias_ptr,  # [N]
-    out_ptr,  # [M, N]
-    M,
-    N,
-    K,
-    KW,  # words a row (a multiple of 16)
-    GROUPS,
-    s_xm,
-    s_om,
-    GROUP: tl.constexpr,
-    BITS: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    """``int_gemm_wide``: a program a tile of ``BLOCK_M`` rows and ``BLOCK_N`` output columns
-    over the whole of K, one span at a time: all of a span's planes unpacked at once
-    (``[BLOCK_N, 16, PER]``: word, plane), dequantized and flattened into one ``[BLOCK_N,
-    span]`` operand whose K is the span's columns in the order (word, plane), ``x``'s columns
-    loaded in that order, and one dot of K = a span (one rearrangement of the weight's tile a
-    span instead of one a plane)."""
-    PER: tl.constexpr = 32 // BITS
-    SC: tl.constexpr = PER * 16  # (a span's columns)
-    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = tl.minimum(offs_n, N - 1).to(tl.int64)  # (no load masked)
-    m_ok = offs_m < M
-    kp = tl.arange(0, SC)
-    k_of = (kp % PER) * 16 + kp // PER  # (k' = w * PER + j is the span's column 16 j + w)
-    shifts = tl.arange(0, PER) * BITS
-    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * s_xm
-    w_rows = w_ptr + rows[:, None] * KW + tl.arange(0, 16)[None, :]
-    sz_rows = rows[:, None, None] * GROUPS
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for t in range(0, KW // 16):
-        words = tl.load(w_rows + t * 16)
-        u = (words[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)
-        g = tl.minimum((t * SC + tl.arange(0, PER) * 16) // GROUP, GROUPS - 1)[None, None, :]
-        s = tl.load(s_ptr + sz_rows + g)
-        z = tl.load(z_ptr + sz_rows + g).to(tl.int32)
-        kk = t * SC + k_of
-        if EVEN_K:
-            x = tl.load(x_rows + kk[None, :], mask=m_ok[:, None], other=0.0)
-        else:
-            x = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & (kk < K)[None, :],
-                        other=0.0)  # fmt: skip
-        dtype = tl.float32 if UPCAST else x.dtype  # (the interpreter's 16-bit dots)
-        w = tl.reshape(((u - z).to(tl.float32) * s).to(dtype), [BLOCK_N, SC])
-        acc = tl.dot(x.to(dtype), tl.trans(w), acc, input_precision=PRECISION)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + rows).to(tl.float32)[None, :]
-    tl.store(
-        out_ptr + offs_m[:, None].to(tl.int64) * s_om + offs_n[None, :],
-        acc.to(out_ptr.dtype.element_ty),
-        mask=m_ok[:, None] & (offs_n < N)[None, :],
-    )
-
-
-def int_gemm_wide(
-    x: torch.Tensor,
-    packed: torch.Tensor,
-    scale: torch.Tensor,
-    zero: torch.Tensor,
-    bits: int,
-    group_size: int,
-    bias: torch.Tensor | None = None,
-    config: tuple[int, int, int, int] | None = None,
-) -> torch.Tensor:
-    """``int_gemm``'s product by spans (``_int_gemm_wide_kernel``): ``config`` (rows a
-    program, columns a program, warps, stages), else ``WIDE``."""
-    rows, k = x.shape
-    n, words = packed.shape
-    assert words % SPAN_WORDS == 0 and words * (32 // bits) >= k
-    assert scale.shape == zero.shape and scale.shape[0] == n
-    assert packed.is_contiguous() and scale.is_contiguous() and zero.is_contiguous()
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-    block_m, block_n, num_warps, num_stages = config or WIDE
-    block_m = min(block_m, max(16, next_pow2(rows)))
-    launcher(_int_gemm_wide_kernel)(
-        (triton.cdiv(n, block_n), triton.cdiv(rows, block_m)), x, packed, scale, zero, bias,
-        out, rows, n, k, words, scale.shape[1], x.stride(0), out.stride(0), GROUP=group_size,
-        BITS=bits, HAS_BIAS=bias is not None, PRECISION=dot_precision(x.dtype),
-        UPCAST=upcast_in_kernel(x), EVEN_K=k % span_cols(bits) == 0, BLOCK_M=block_m,
-        BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out
 
