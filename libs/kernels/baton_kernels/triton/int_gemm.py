@@ -146,6 +146,17 @@ def _int_gemm_kernel(
     )
 
 
+def _operands(
+    x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int
+) -> torch.Tensor:
+    """``x`` with unit stride along K, once the packed weight's parts are checked to agree."""
+    n, words = packed.shape
+    assert words % SPAN_WORDS == 0 and words * (32 // bits) >= x.shape[1]
+    assert scale.shape == zero.shape and scale.shape[0] == n
+    assert packed.is_contiguous() and scale.is_contiguous() and zero.is_contiguous()
+    return x if x.stride(1) == 1 else x.contiguous()
+
+
 def int_gemm(
     x: torch.Tensor,
     packed: torch.Tensor,
@@ -162,13 +173,8 @@ def int_gemm(
     transposed, plus ``bias``: ``[M, N]`` in ``x``'s dtype. ``config``: (columns a program, K a
     step, warps, stages), else ``GEMM_SMALL`` or ``GEMM_LARGE`` by the rows; ``magic``,
     ``swap``: ``MAGIC``'s and ``SWAP``'s choices for this call."""
-    rows, k = x.shape
-    n, words = packed.shape
-    assert words % SPAN_WORDS == 0 and words * (32 // bits) >= k
-    assert scale.shape == zero.shape and scale.shape[0] == n
-    assert packed.is_contiguous() and scale.is_contiguous() and zero.is_contiguous()
-    if x.stride(1) != 1:
-        x = x.contiguous()
+    x = _operands(x, packed, scale, zero, bits)
+    (rows, k), (n, words) = x.shape, packed.shape
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     block_m = SMALL_M if rows <= SMALL_M else 64
     block_n, step, num_warps, num_stages = config or (GEMM_SMALL if rows <= SMALL_M else GEMM_LARGE)
@@ -248,9 +254,10 @@ def _int_gemv_kernel(
 ):
     """``int_gemv``: a program ``BLOCK_N`` rows of the weight (clamped to the last, so that no
     load is masked) and ``SPANS_EACH`` spans of K, one span at a time: each plane's 16 values
-    ``u`` become float32 by a conversion and meet the rows of ``x`` in fused multiply-adds, no
-    tensor cores. Where a span lies in one group (``SPAN_SCALE``) the scale and zero point come
-    once a span: ``s * (sum(u * x) - z * sum(x))``; else once a plane: ``(u * s - z * s) * x``."""
+    ``u`` become float32 (by a shift, a mask and a conversion, or by ``_byte_planes``) and meet
+    the rows of ``x`` in fused multiply-adds, no tensor cores. Where a span lies in one group
+    (``SPAN_SCALE``) the scale and zero point come once a span: ``s * (sum(u * x) - z *
+    sum(x))``; else once a plane: ``(u * s - z * s) * x``."""
     PER: tl.constexpr = 32 // BITS
     SC: tl.constexpr = PER * 16  # (a span's columns)
     # every tensor three-dimensional (rows of x, rows of the weight, a span's words), the
@@ -349,13 +356,9 @@ def int_gemv(
     stages), else ``GEMV``; ``asm``: ``GEMV_ASM``'s choice for this call (not under the
     interpreter). With K in more than one piece each writes float32 partial sums and
     one more kernel adds them (and the bias)."""
-    rows, k = x.shape
-    n, words = packed.shape
-    assert rows <= GEMV_MAX_ROWS and words % SPAN_WORDS == 0 and words * (32 // bits) >= k
-    assert scale.shape == zero.shape and scale.shape[0] == n
-    assert packed.is_contiguous() and scale.is_contiguous() and zero.is_contiguous()
-    if x.stride(1) != 1:
-        x = x.contiguous()
+    x = _operands(x, packed, scale, zero, bits)
+    (rows, k), (n, words) = x.shape, packed.shape
+    assert rows <= GEMV_MAX_ROWS
     block_n, split, num_warps, num_stages = config or GEMV
     spans = words // SPAN_WORDS
     split = min(split or gemv_split(n, spans, block_n, x.device), spans)
