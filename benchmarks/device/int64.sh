@@ -1,11 +1,11 @@
-# Sixty-fourth and sixty-fifth sessions: packed integer layers (W4A16, compressed-tensors / AWQ
+# Sixty-fourth to sixty-sixth sessions: packed integer layers (W4A16, compressed-tensors / AWQ
 # checkpoints) on the GPU.
 # PART=tests (default): the kernels' tests compiled (the Triton GEMM, GEMV and dequantization
 # against the torch reference, bf16/fp16/fp32); TESTS_K: a pytest -k filter (compiling every
 # test takes more than 300 s). (The checkpoints' tests need the default model, which the GPU
 # host lacks.)
-# PART=kernels: benchmarks/bench_int_linear_gpu.py (each projection against bf16 cuBLAS, and
-# the launch sweep).
+# PART=kernels: benchmarks/bench_int_linear_gpu.py ${ARGS} (each projection against bf16
+# cuBLAS, and the launch sweep).
 # PART=ab: issue 5's workload, bf16 against W4A16 (dummy weights, groups of 128), each in a
 # fresh process: SHAPES (default "llama qwen") at BATCHES (default "1 64 0"; 0: all 256).
 # PART may name several parts ("tests kernels"); each writes its log under $OUT.

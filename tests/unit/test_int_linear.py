@@ -33,7 +33,7 @@ from baton_kernels.int_linear import (
     span_words,
     unpack_spans,
 )
-from baton_kernels.triton.int_gemm import dequantize, int_gemm, int_gemv
+from baton_kernels.triton.int_gemm import dequantize, int_gemm, int_gemv, int_mm
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -175,6 +175,42 @@ def test_the_gemv_is_the_dequantized_weights_product(
     torch.testing.assert_close(int_gemv(wide, packed, scale, zero, bits, group, bias,
                                         config=(64, split, 4, 2), asm=asm), got, atol=0,
                                rtol=0)  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("bits", "group", "k"),
+    [
+        (4, 128, 384),  # a scale a tile of one span; K not a multiple of two spans
+        (4, 256, 512),  # a scale a tile of two spans
+        (8, 64, 320),  # a span a tile (two halved to fit the group)
+        (4, 32, 128),  # four groups a span: each value scaled before the dot
+        (8, 48, 144),  # a span partly padding
+        (4, 100, 100),  # one scale a row, applied at the end
+    ],
+)
+@pytest.mark.parametrize(
+    ("rows", "max_m", "swap", "split"),
+    [(1, 64, False, 1), (17, 64, True, 2), (70, 32, False, 3), (70, 128, True, 0)],
+)
+@pytest.mark.parametrize("perm", [0, 1, 2])
+def test_the_tiled_gemm_is_the_dequantized_weights_product(
+    dtype: torch.dtype, bits: int, group: int, k: int, rows: int, max_m: int, swap: bool,
+    split: int, perm: int,
+) -> None:  # fmt: skip
+    n = 72  # (the last program of 64 rows of the weight partly outside)
+    packed, scale, zero = _layer(n, k, bits, group, seed=rows)
+    x = _rand(rows, k, dtype=dtype)
+    bias = _rand(n, dtype=dtype, seed=7) if rows % 2 else None
+    want = ref_int_linear(x, packed, scale, zero, bits, group, bias)
+    config = (max_m, 64, 256, 4, 2)
+    got = int_mm(x, packed, scale, zero, bits, group, bias, config, swap, split, perm)
+    assert got.dtype == dtype and got.shape == (rows, n)
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(got, want, atol=atol * want.abs().max().item(), rtol=rtol)
+    wide = torch.cat([x, x], dim=1)[:, k:]
+    torch.testing.assert_close(int_mm(wide, packed, scale, zero, bits, group, bias, config,
+                                      swap, split, perm), got, atol=0, rtol=0)  # fmt: skip
 
 
 def test_the_gemv_in_half_precision_and_by_default() -> None:

@@ -17,6 +17,9 @@ planes of 16 consecutive columns), a float32 scale and a zero point a row and gr
   each value a shift, a mask, a conversion and a fused multiply-add a row of ``x``, or a byte
   permute and a subtraction in place of the first three (``GEMV_ASM``, inline PTX); K cut into
   pieces where the weight's rows give too few programs, their sums added by one more kernel.
+- ``int_mm``: the GEMM for more rows (not yet routed: unmeasured): a dot a K tile of whole
+  spans (128 or 256 columns) of ``u - z``, integers exact in 16-bit floats, its float32 sums
+  then scaled, K cut into pieces where the tiles give too few programs.
 - ``dequantize``: the whole weight in a float dtype (for products of many rows, which then run
   as one cuBLAS GEMM)."""
 
@@ -27,7 +30,13 @@ import triton
 import triton.language as tl
 
 from baton_kernels.int_linear import SPAN_WORDS, span_cols
-from baton_kernels.triton.common import cdiv, dot_precision, next_pow2, upcast_in_kernel
+from baton_kernels.triton.common import (
+    cdiv,
+    dot_precision,
+    next_pow2,
+    num_sms,
+    upcast_in_kernel,
+)
 from baton_kernels.triton.launch import launcher
 
 # (columns a program, K a step (a multiple of a span's columns, else one span), warps, stages)
@@ -57,6 +66,18 @@ GEMV_MAX_ROWS = 8
 # the planes unpacked by byte permutes in inline PTX (_byte_planes) instead of a shift, a mask
 # and a conversion a value: 6% faster at one row over the eight projections (H200)
 GEMV_ASM = True
+# int_mm (a dot a K tile of whole spans, the scale after the dot): (most rows of x a program,
+# rows of the weight a program, K a tile, warps, stages) by the most rows it serves (not yet
+# measured); MM_SWAP: the transposed product; K cut into pieces for at least MM_WAVES programs
+# a multiprocessor
+MM: dict[int, tuple[int, int, int, int, int]] = {
+    16: (16, 64, 256, 4, 3),
+    64: (64, 64, 256, 4, 3),
+    1 << 30: (128, 128, 128, 8, 3),
+}
+MM_SWAP = True
+MM_PERM = 0
+MM_WAVES = 2
 
 
 @triton.jit
@@ -189,6 +210,213 @@ def int_gemm(
         SPANS=max(1, step // span_cols(bits)), BLOCK_M=block_m, BLOCK_N=block_n,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
+    return out
+
+
+@triton.jit
+def _int_mm_kernel(
+    x_ptr,  # [M, K]
+    w_ptr,  # [N, KW] int32, by spans
+    s_ptr,  # [N, groups] float32
+    z_ptr,  # [N, groups] uint8
+    bias_ptr,  # [N]
+    out_ptr,  # [M, N], or [split, M, N] float32 partial sums
+    M,
+    N,
+    K,
+    KW,  # words a row (a multiple of 16)
+    GROUPS,
+    s_xm,
+    TILES_EACH,  # K tiles a program
+    GROUP: tl.constexpr,
+    BITS: tl.constexpr,
+    SCALE: tl.constexpr,  # 0: a column's own, 1: one a tile, 2: one a row
+    HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    PARTIAL: tl.constexpr,
+    SWAP: tl.constexpr,
+    PERM: tl.constexpr,  # 0: a word loaded a column; 1, 2: once (see below)
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """``int_mm``: a program ``BLOCK_M`` rows of ``x``, ``BLOCK_N`` rows of the weight (clamped
+    to the last, so that no load of the weight is masked by rows) and ``TILES_EACH`` tiles of
+    ``BLOCK_K`` columns (whole spans). Each column's word is loaded where the column lies in
+    the tile (a word once a plane, from L1 after the first), so that the tile's values ``u``
+    come out of one shift and mask already in the dot's order; ``u - z`` (integers, exact in
+    16-bit floats) meets ``x`` in one dot a tile and the scale multiplies the dot's float32
+    sums: once a tile where the tile lies in one group, once a row at the end where a row has
+    one scale, else each value is scaled before the dot. ``PERM`` 1 and 2 load each word of
+    the tile once instead and unpack all its planes; the dot's K is then the order (word,
+    plane), into which ``x``'s columns are rearranged (1), or the planes are rearranged into
+    the columns' order (2)."""
+    SC: tl.constexpr = 16 * 32 // BITS  # (a span's columns)
+    offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+    m_ok = offs_m < M
+    PER: tl.constexpr = 32 // BITS
+    if PERM:  # the tile's own words, their planes rearranged (2) or x's columns (1)
+        w_tile = w_ptr + rows[:, None] * KW + tl.arange(0, BLOCK_K // PER)[None, :]
+        shift = tl.arange(0, PER) * BITS
+        # (PERM 1: K in the order (word, plane))
+        col = (
+            (offs_k // SC) * SC + (offs_k % PER) * 16 + (offs_k % SC) // PER
+            if PERM == 1
+            else offs_k
+        )
+    else:
+        word = (offs_k // SC) * 16 + offs_k % 16  # (a column's word and bits within the tile)
+        w_tile = w_ptr + rows[:, None] * KW + word[None, :]
+        shift = (offs_k % SC) // 16 * BITS
+        col = offs_k
+    x_tile = x_ptr + offs_m[:, None].to(tl.int64) * s_xm + offs_k[None, :]
+    sz = rows * GROUPS
+    dtype = tl.float32 if UPCAST else x_ptr.dtype.element_ty  # (the interpreter's 16-bit dots)
+    if SWAP:  # (the weight's rows the dots' M: Hopper's warpgroup MMA takes 64 of them)
+        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    t0 = tl.program_id(1) * TILES_EACH
+    t1 = tl.minimum(t0 + TILES_EACH, tl.cdiv(K, BLOCK_K))
+    for t in range(t0, t1):
+        k0 = t * BLOCK_K
+        if EVEN_K:
+            x = tl.load(x_tile + k0, mask=m_ok[:, None], other=0.0)
+            words = tl.load(w_tile + t * (BLOCK_K // PER))
+        elif PERM:
+            x = tl.load(x_tile + k0, mask=m_ok[:, None] & (k0 + offs_k < K)[None, :], other=0.0)
+            wd = t * (BLOCK_K // PER) + tl.arange(0, BLOCK_K // PER)
+            words = tl.load(w_tile + t * (BLOCK_K // PER), mask=(wd < KW)[None, :], other=0)
+        else:
+            k_ok = (k0 + offs_k) < K
+            x = tl.load(x_tile + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            words = tl.load(w_tile + t * (BLOCK_K // PER), mask=k_ok[None, :], other=0)
+        if PERM == 1:
+            u = (words[:, :, None] >> shift[None, None, :]) & ((1 << BITS) - 1)
+            u = tl.reshape(u, [BLOCK_N, BLOCK_K])
+            x = tl.reshape(x, [BLOCK_M, BLOCK_K // SC, PER, 16])
+            x = tl.reshape(tl.permute(x, (0, 1, 3, 2)), [BLOCK_M, BLOCK_K])
+        elif PERM == 2:
+            u = (words[:, :, None] >> shift[None, None, :]) & ((1 << BITS) - 1)
+            u = tl.reshape(u, [BLOCK_N, BLOCK_K // SC, 16, PER])
+            u = tl.reshape(tl.permute(u, (0, 1, 3, 2)), [BLOCK_N, BLOCK_K])
+        else:
+            u = (words >> shift[None, :]) & ((1 << BITS) - 1)
+        if SCALE == 0:
+            gk = tl.minimum((k0 + col) // GROUP, GROUPS - 1)
+            z = tl.load(z_ptr + sz[:, None] + gk[None, :]).to(tl.int32)
+            s = tl.load(s_ptr + sz[:, None] + gk[None, :])
+            w = ((u - z).to(tl.float32) * s).to(dtype)
+        else:
+            g = tl.minimum(k0 // GROUP, GROUPS - 1)
+            z = tl.load(z_ptr + sz + g).to(tl.int32)
+            w = (u - z[:, None]).to(dtype)
+        if SCALE == 1:
+            s = tl.load(s_ptr + sz + tl.minimum(k0 // GROUP, GROUPS - 1))
+            if SWAP:
+                acc += tl.dot(w, tl.trans(x.to(dtype)), input_precision=PRECISION) * s[:, None]
+            else:
+                acc += tl.dot(x.to(dtype), tl.trans(w), input_precision=PRECISION) * s[None, :]
+        elif SWAP:
+            acc = tl.dot(w, tl.trans(x.to(dtype)), acc, input_precision=PRECISION)
+        else:
+            acc = tl.dot(x.to(dtype), tl.trans(w), acc, input_precision=PRECISION)
+    if SWAP:  # noqa: SIM108  (a branch taken at compile time: the shapes differ)
+        y = tl.trans(acc)
+    else:
+        y = acc
+    if SCALE == 2:
+        y *= tl.load(s_ptr + sz)[None, :]
+    ok = m_ok[:, None] & (offs_n < N)[None, :]
+    at = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+    if PARTIAL:
+        tl.store(out_ptr + tl.program_id(1) * M * N + at, y, mask=ok)
+    else:
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + rows).to(tl.float32)[None, :]
+        tl.store(out_ptr + at, y.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def _split_sum(part: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
+    """``out = part.sum(0) + bias`` (``part``: ``[split, M, N]`` float32) by one kernel."""
+    split, rows, n = part.shape
+    block = 1024
+    launcher(_split_sum_kernel)(
+        (triton.cdiv(rows * n, block),), part, bias, out, split, rows * n, n,
+        HAS_BIAS=bias is not None, BLOCK=block,
+    )  # fmt: skip
+
+
+def mm_split(programs: int, tiles: int, device: torch.device) -> int:
+    """The pieces K's ``tiles`` are cut into so that ``programs`` (of the whole K) become at
+    least ``MM_WAVES`` a multiprocessor (none on a CPU)."""
+    if device.type != "cuda":
+        return 1
+    return max(1, min(tiles, cdiv(MM_WAVES * num_sms(device), programs)))
+
+
+def mm_config(rows: int) -> tuple[int, int, int, int, int]:
+    """``MM``'s launch for a product of ``rows`` rows."""
+    return MM[min(r for r in MM if r >= rows)]
+
+
+def int_mm(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor,
+    bits: int,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+    config: tuple[int, int, int, int, int] | None = None,
+    swap: bool | None = None,
+    split: int = 0,
+    perm: int | None = None,
+) -> torch.Tensor:
+    """``int_gemm``'s product by one dot a K tile of whole spans (see ``_int_mm_kernel``):
+    ``config`` (rows of ``x`` a program (at most), rows of the weight a program, K a tile,
+    warps, stages), else ``MM`` for the rows; ``swap``: the transposed product (``MM_SWAP``);
+    ``split``: pieces of K (0: by ``mm_split``), each writing float32 partial sums that one
+    more kernel adds (with the bias)."""
+    x = _operands(x, packed, scale, zero, bits)
+    (rows, k), (n, words) = x.shape, packed.shape
+    max_m, block_n, block_k, num_warps, num_stages = config or mm_config(rows)
+    if upcast_in_kernel(x) and config is None:  # (the interpreter: each program costs time)
+        block_n = 128
+    sc = span_cols(bits)
+    block_k = max(sc, block_k // sc * sc)
+    groups = scale.shape[1]
+    if groups == 1:
+        how = 2
+    else:
+        while block_k > sc and group_size % block_k:
+            block_k //= 2
+        how = 1 if group_size % block_k == 0 else 0
+    block_m = min(max(16, next_pow2(rows)), max_m)
+    tiles = triton.cdiv(k, block_k)
+    grid_nm = triton.cdiv(n, block_n) * triton.cdiv(rows, block_m)
+    split = min(split or mm_split(grid_nm, tiles, x.device), tiles)
+    each = triton.cdiv(tiles, split)
+    split = triton.cdiv(tiles, each)
+    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    part = out if split == 1 else torch.empty(split, rows, n, dtype=torch.float32,
+                                              device=x.device)  # fmt: skip
+    launcher(_int_mm_kernel)(
+        (triton.cdiv(n, block_n), split, triton.cdiv(rows, block_m)), x, packed, scale, zero,
+        bias, part, rows, n, k, words, groups, x.stride(0), each, GROUP=group_size, BITS=bits,
+        SCALE=how, HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0, PARTIAL=split > 1,
+        SWAP=MM_SWAP if swap is None else swap, PERM=MM_PERM if perm is None else perm,
+        PRECISION=dot_precision(x.dtype),
+        UPCAST=upcast_in_kernel(x), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    if split > 1:
+        _split_sum(part, bias, out)
     return out
 
 
@@ -377,11 +605,7 @@ def int_gemv(
         BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if split > 1:
-        block = 1024
-        launcher(_split_sum_kernel)(
-            (triton.cdiv(rows * n, block),), part, bias, out, split, rows * n, n,
-            HAS_BIAS=bias is not None, BLOCK=block,
-        )  # fmt: skip
+        _split_sum(part, bias, out)
     return out
 
 
