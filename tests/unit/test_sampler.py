@@ -1,4 +1,5 @@
-"""Sampler: greedy, seeded determinism, raw logprobs, penalties, truncation, suppression, T."""
+"""Sampler: greedy, seeded determinism, raw logprobs and the other modes, penalties, truncation,
+suppression, T."""
 
 from __future__ import annotations
 
@@ -229,6 +230,65 @@ def test_logprobs_from_raw_logits(num: int) -> None:
     plain = Sampler()(logits, _meta([SamplingParams(temperature=0.0, logprobs=num)] * 5))
     assert plain.logprobs is not None
     assert torch.equal(plain.logprobs.logprobs[:, 1:], lp.logprobs[:, 1:])
+
+
+def _processed(logits: torch.Tensor, outputs: list[list[int]]) -> torch.Tensor:
+    """``test_logprobs_modes``' rows processed by hand: a bias; a repetition penalty (2.0 on
+    the output's tokens, greedy); a temperature of 0.5; the top 3 kept (the rest -inf)."""
+    want = logits.clone()
+    want[0, 17] += 4.0
+    seen = want[1, outputs[1]]
+    want[1, outputs[1]] = torch.where(seen > 0, seen / 2.0, seen * 2.0)
+    want[2] /= 0.5
+    cut = want[3] < want[3].topk(3).values[-1]
+    want[3] = want[3].masked_fill(cut, float("-inf"))
+    return want
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_logprobs_modes(device: str) -> None:
+    """What logprobs report (vLLM's --logprobs-mode): the raw logits' log-probabilities or the
+    logits themselves, or the log-probabilities or logits of the processed rows (bias,
+    penalty, temperature, top-k) a token is drawn from; the tokens the same in every mode."""
+    logits = _logits(4, seed=3).to(device)
+    outputs = [[], [int(t) for t in logits[1].topk(2).indices], [], []]
+    params = [
+        SamplingParams(temperature=0.0, logit_bias={17: 4.0}, logprobs=5),
+        SamplingParams(temperature=0.0, repetition_penalty=2.0, logprobs=5),
+        SamplingParams(temperature=0.5, seed=1, logprobs=5),
+        SamplingParams(temperature=1.0, top_k=3, seed=2, logprobs=5),
+    ]
+    meta = _meta(params, outputs=outputs, seeds={2: 11, 3: 12})
+    want = {
+        "raw_logprobs": logits.log_softmax(dim=1),
+        "raw_logits": logits,
+        "processed_logprobs": _processed(logits, outputs).log_softmax(dim=1),
+        "processed_logits": _processed(logits, outputs),
+    }
+    tokens = None
+    for mode, values in want.items():
+        sampler = Sampler(mode)
+        out = sampler(logits, meta)
+        lp = out.logprobs
+        assert lp is not None
+        sampled = out.sampled_token_ids
+        tokens = sampled if tokens is None else tokens
+        assert torch.equal(sampled, tokens), mode
+        torch.testing.assert_close(lp.logprobs[:, 0], values.gather(1, sampled[:, None])[:, 0])
+        top = values.topk(5, dim=1)
+        assert torch.equal(lp.token_ids[:, 1:], top.indices), mode
+        torch.testing.assert_close(lp.logprobs[:, 1:], top.values)
+        assert lp.ranks.tolist() == [int((values[i] >= values[i, sampled[i]]).sum()) for i in
+                                     range(4)]  # fmt: skip
+        torch.testing.assert_close(sampler.reported(logits, meta), values)
+        # the greedy rows alone (a batch that never reaches the sampling steps)
+        greedy = sampler(logits[:2], _meta(params[:2], outputs=outputs[:2])).logprobs
+        assert greedy is not None
+        torch.testing.assert_close(greedy.logprobs, lp.logprobs[:2])
+    processed = want["processed_logprobs"].exp()
+    assert processed[3].sum().item() == pytest.approx(1.0) and (processed[3] > 0).sum() == 3
+    with pytest.raises(ValueError, match="raw_logprobs, raw_logits, processed_logprobs"):
+        Sampler("logits")
 
 
 def test_no_logprobs_when_not_requested() -> None:

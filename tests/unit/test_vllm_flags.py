@@ -245,6 +245,23 @@ def test_kv_offloading_reaches_the_workers_engines() -> None:
     assert baton_main(["serve", "--kv-offloading-backend", "lmcache"]) == 2
 
 
+def test_logprobs_mode_reaches_the_workers_engines(capsys: pytest.CaptureFixture[str]) -> None:
+    """``baton serve --logprobs-mode processed_logprobs`` (vLLM's) hands it to each worker;
+    a mode vLLM does not have stops serve before it starts, naming the modes."""
+    from baton.serve import engine_argv
+    from baton_engine.config import EngineConfig
+
+    argv = engine_argv(parse("serve", "--logprobs-mode", "processed_logprobs"))
+    assert argv == ["--logprobs-mode", "processed_logprobs"]
+    worker = EngineConfig(**engine_kwargs_from_args(parse("decode", *argv)))
+    assert worker.logprobs_mode == "processed_logprobs"
+    with pytest.raises(SystemExit):
+        parse("serve", "--logprobs-mode", "logits")
+    assert "raw_logits" in capsys.readouterr().err
+    with pytest.raises(InvalidRequestError, match="processed_logits"):
+        EngineConfig(model="m", logprobs_mode="processed").validate()
+
+
 def test_vllms_api_key_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     """``VLLM_API_KEY`` sets the key as in vLLM, when ``BATON_API_KEY`` does not."""
     monkeypatch.delenv("BATON_API_KEY", raising=False)

@@ -7,7 +7,7 @@ import re
 from dataclasses import fields
 from typing import Any
 
-from baton_engine.config import RUNNERS, SCHEDULING_POLICIES, EngineConfig
+from baton_engine.config import LOGPROBS_MODES, RUNNERS, SCHEDULING_POLICIES, EngineConfig
 from baton_engine.vllm_flags import ENGINE_FLAGS, add_flags, check_flags
 
 _HELP = {
@@ -78,6 +78,11 @@ _HELP = {
     "max_cpu_loras": "LoRA adapters kept read in host memory (default: max_loras)",
     "max_logprobs": "the most logprobs (and prompt logprobs) per token a request may ask for "
     "(-1: Baton's most, 20)",
+    "logprobs_mode": "what sampled tokens' logprobs report: raw_logprobs (the model's own "
+    "distribution) | raw_logits | processed_logprobs | processed_logits (the distribution a "
+    "token is drawn from: after bad words, logit bias, penalties, and for sampled requests "
+    "temperature, top-k, top-p and min-p, the tokens they cut at -inf); prompt logprobs are "
+    "always the model's own",
     "speculative_config": "speculative decoding, as vLLM's JSON: n-gram lookup, "
     '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
     '"prompt_lookup_min": 2}\', or a draft model of the same vocabulary, '
@@ -130,7 +135,11 @@ _TYPES: dict[str, Any] = {  # (None defaults: ints)
     "max_num_batched_tokens": human_readable_int,
     "kv_offloading_size": float,
 }
-_CHOICES = {"scheduling_policy": SCHEDULING_POLICIES, "runner": RUNNERS}
+_CHOICES = {
+    "scheduling_policy": SCHEDULING_POLICIES,
+    "runner": RUNNERS,
+    "logprobs_mode": LOGPROBS_MODES,
+}
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

@@ -15,6 +15,13 @@ from baton_engine.sampling_params import MAX_LOGPROBS
 # vLLM's: "fcfs" serves requests in arrival order; "priority" by each request's priority (lower
 # first), ties in arrival order.
 SCHEDULING_POLICIES = ("fcfs", "priority")
+# What sampled tokens' logprobs report (vLLM's --logprobs-mode; baton_engine.sampler): the
+# log-probabilities of the model's own logits (the default) or those logits; or, "processed",
+# the log-probabilities or logits a token is drawn from: after the banned, disallowed and
+# grammar-forbidden tokens, the logit bias and the penalties, and for sampled rows the
+# temperature, top-k, top-p and min-p (the tokens they cut at -inf). Prompt logprobs are always
+# the model's own log-probabilities.
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 # vLLM's --kv-cache-dtype values Baton serves (engine_core.resolve_kv_cache_dtype)
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
 # vLLM's --quantization values Baton serves: fp8 (W8A8: baton_kernels.fp8_linear), and a
@@ -820,6 +827,8 @@ class EngineConfig:
     # The most logprobs (and prompt logprobs) per token a request may ask for (vLLM's; -1: as
     # many as Baton returns, MAX_LOGPROBS)
     max_logprobs: int = MAX_LOGPROBS
+    # What sampled tokens' logprobs report (vLLM's --logprobs-mode: LOGPROBS_MODES)
+    logprobs_mode: str = "raw_logprobs"
     # vLLM's --speculative-config (a JSON object, or a dict offline): n-gram speculative
     # decoding (SpeculativeConfig); None: off
     speculative_config: str | dict[str, Any] | None = None
@@ -970,6 +979,11 @@ class EngineConfig:
             raise InvalidRequestError(
                 f"max_logprobs must be in [-1, {MAX_LOGPROBS}] (Baton returns at most "
                 f"{MAX_LOGPROBS} logprobs per token), got {self.max_logprobs}"
+            )
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise InvalidRequestError(
+                f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, "
+                f"got {self.logprobs_mode!r}"
             )
         if self.lora_modules and not self.enable_lora:
             raise InvalidRequestError("lora_modules (--lora-modules) needs enable_lora")

@@ -4,7 +4,9 @@ One call of :class:`Sampler` on ``[B, V]`` logits does, in this order:
 
 1. upcast to float32, as a copy: the caller's tensor is never modified;
 2. if any row wants logprobs, ``log_softmax`` of these RAW logits (vLLM V1's default
-   ``raw_logprobs`` mode): the model's own distribution, before any per-request shaping;
+   ``raw_logprobs`` mode): the model's own distribution, before any per-request shaping (or,
+   by the sampler's ``logprobs_mode``, the raw logits themselves, or the log-probabilities or
+   logits a token is drawn from, after steps 3-6: see ``LOGPROBS_MODES``);
 3. suppressed token ids (EOS/stop ids while below ``min_tokens``), the tokens outside a row's
    ``allowed_token_ids``, the last token of each of its bad words whose other tokens end its
    output, and those its grammar forbids (structured output) set to ``-inf``; a row's
@@ -37,11 +39,13 @@ import numpy as np
 import torch
 
 from baton_engine import penalties
+from baton_engine.config import LOGPROBS_MODES
 from baton_engine.sampling_params import SamplingParams
 from baton_engine.structured_output import apply_bitmask
 from baton_kernels import fused
 
 __all__ = [
+    "LOGPROBS_MODES",
     "LogprobsTensors",
     "Sampler",
     "SamplerOutput",
@@ -555,7 +559,16 @@ def _exponential_race(probs: torch.Tensor, seeds: Mapping[int, int]) -> torch.Te
 
 
 class Sampler:
-    """Turns one step's ``[B, V]`` logits into one token per row (see the module docstring)."""
+    """Turns one step's ``[B, V]`` logits into one token per row (see the module docstring);
+    ``logprobs_mode``: what its logprobs report (``LOGPROBS_MODES``)."""
+
+    def __init__(self, logprobs_mode: str = "raw_logprobs") -> None:
+        if logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(
+                f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {logprobs_mode!r}"
+            )
+        self.logprobs_mode = logprobs_mode
+        self.processed = logprobs_mode.startswith("processed")
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         """Sample one token per row; ``logits`` may be any float dtype and is not modified."""
@@ -570,14 +583,43 @@ class Sampler:
         with torch.no_grad():
             scratch = logits.to(torch.float32, copy=True)
             num_logprobs = metadata.max_num_logprobs
-            # Taken before any in-place processing below: logprobs report the raw distribution.
-            raw_logprobs = None if num_logprobs is None else scratch.log_softmax(dim=1)
+            reported = None
+            if num_logprobs is not None and not self.processed:
+                # taken before any in-place processing below: the model's own distribution
+                reported = self._reported(scratch, copy=True)
             scratch = _process(scratch, metadata)
-            sampled = self._sample(scratch, metadata)
+            if metadata.all_greedy:
+                sampled, final = fused.argmax(scratch), scratch
+            else:
+                greedy, greedy_rows, final = _final_logits(scratch, metadata)
+                sampled = draw(final.softmax(dim=1), metadata.seeds)
+                if greedy is not None:
+                    sampled = torch.where(greedy_rows, greedy, sampled)
             logprobs = None
-            if raw_logprobs is not None and num_logprobs is not None:
-                logprobs = compute_logprobs(raw_logprobs, sampled, num_logprobs)
+            if num_logprobs is not None:
+                if reported is None:  # (the distribution the token was drawn from)
+                    reported = self._reported(final, copy=False)
+                logprobs = compute_logprobs(reported, sampled, num_logprobs)
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+
+    def _reported(self, logits: torch.Tensor, copy: bool) -> torch.Tensor:
+        """What the logprobs report of float32 ``logits`` (raw or processed): their
+        ``log_softmax``, or themselves (a copy where ``copy``) in a ``*_logits`` mode."""
+        if self.logprobs_mode.endswith("logits"):
+            return logits.clone() if copy else logits
+        return logits.log_softmax(dim=1)
+
+    def reported(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """The values the logprobs of ``[B, V]`` ``logits`` report in this sampler's mode, as
+        ``__call__`` reports them (``metadata``: the rows' parameters, for a processed mode)."""
+        with torch.no_grad():
+            scratch = logits.to(torch.float32, copy=True)
+            if not self.processed:
+                return self._reported(scratch, copy=False)
+            scratch = _process(scratch, metadata)
+            if not metadata.all_greedy:
+                scratch = _final_logits(scratch, metadata)[2]
+            return self._reported(scratch, copy=False)
 
     def distribution(
         self, logits: torch.Tensor, metadata: SamplingMetadata
@@ -591,19 +633,8 @@ class Sampler:
             scratch = _process(logits.to(torch.float32, copy=True), metadata)
             if metadata.all_greedy:
                 return fused.argmax(scratch), None, None
-            greedy, greedy_rows, probs = _distribution(scratch, metadata)
-            return greedy, probs, greedy_rows
-
-    @staticmethod
-    def _sample(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        """Greedy and random sampling of processed float32 ``logits`` (modified in place)."""
-        if metadata.all_greedy:
-            return fused.argmax(logits)
-        greedy, greedy_rows, probs = _distribution(logits, metadata)
-        sampled = draw(probs, metadata.seeds)
-        if greedy is None:
-            return sampled
-        return torch.where(greedy_rows, greedy, sampled)
+            greedy, greedy_rows, final = _final_logits(scratch, metadata)
+            return greedy, final.softmax(dim=1), greedy_rows
 
 
 def _process(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
@@ -627,12 +658,13 @@ def _process(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     return logits
 
 
-def _distribution(
+def _final_logits(
     logits: torch.Tensor, metadata: SamplingMetadata
 ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """Of processed float32 ``logits`` (modified in place), not all rows greedy: the argmax of
     each row (None when no row is greedy and top-k is unused), the mask of greedy rows, and
-    each row's probabilities after temperature, top-k, top-p and min-p."""
+    the logits a row's token is drawn from: after temperature (1 for greedy rows), top-k,
+    top-p and min-p (``-inf`` where they cut)."""
     device = logits.device
     temperature = metadata.temperature.to(device=device, dtype=torch.float32)
     top_k = None if metadata.top_k is None else metadata.top_k.to(device)
@@ -652,4 +684,4 @@ def _distribution(
     logits = apply_top_k_top_p(logits, top_k, top_p)
     if min_p is not None:
         logits = apply_min_p(logits, min_p)
-    return greedy, greedy_rows, logits.softmax(dim=1)
+    return greedy, greedy_rows, logits

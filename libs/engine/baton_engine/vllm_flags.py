@@ -220,12 +220,6 @@ ENGINE_FLAGS: tuple[VllmFlag, ...] = (
     VllmFlag("mamba_ssm_cache_dtype", "Baton serves no Mamba models", "auto"),
     VllmFlag("ray_workers_use_nsight", "Baton does not use Ray", False, bool),
     VllmFlag(
-        "logprobs_mode",
-        "logprobs are the model's raw ones ('raw_logprobs')",
-        "raw_logprobs",
-        accepts=_one_of("raw_logprobs"),
-    ),
-    VllmFlag(
         "guided_decoding_backend",
         "structured output is compiled by XGrammar",
         "auto",

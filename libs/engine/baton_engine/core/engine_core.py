@@ -244,6 +244,7 @@ def build_runner(config: EngineConfig, tp_rank: int = 0) -> RunnerSetup:
             kv_cache_dtype=kv_dtype,
             fp8_linears=fp8_linears,
             int_linears=int_layout,
+            logprobs_mode=config.logprobs_mode,
         )
     except ValueError as e:  # a model that does not split tensor_parallel_size ways
         raise InvalidRequestError(str(e)) from e

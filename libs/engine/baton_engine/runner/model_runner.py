@@ -245,6 +245,7 @@ class ModelRunner:
         kv_cache_dtype: torch.dtype | None = None,
         fp8_linears: bool = False,
         int_linears: tuple[int, int | None] | None = None,
+        logprobs_mode: str = "raw_logprobs",
     ) -> None:
         """``model_config`` is the whole model's; with ``tp_size`` > 1 the runner holds rank
         ``tp_rank``'s shard (``model_config`` then becomes the shard's shape: its heads, its
@@ -255,7 +256,8 @@ class ModelRunner:
         rounded to it, ``attention.base.FP8_KV_DTYPES``). ``fp8_linears``: the projections
         are FP8 layers (W8A8, ``LlamaForCausalLM.use_fp8_linears``); ``int_linears``: (bits,
         group size) of packed integer layers the projections are where they can hold them
-        (``LlamaForCausalLM.use_int_linears``; ``self.model.int_linears`` says whether)."""
+        (``LlamaForCausalLM.use_int_linears``; ``self.model.int_linears`` says whether).
+        ``logprobs_mode``: what sampled tokens' logprobs report (``sampler.LOGPROBS_MODES``)."""
         self.lora_limits = lora
         self.lora: LoRAManager | None = None
         self.pooler = PoolerConfig()  # how embeddings pool (EngineCore sets it)
@@ -286,7 +288,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None  # decode steps from CUDA graphs
         self.pieces: PieceGraphs | None = None  # other steps, piecewise from CUDA graphs
         logger.info("attention backend: %s", self.backend.name)
-        self.sampler = Sampler()
+        self.sampler = Sampler(logprobs_mode)
         self.batch = InputBatch(max_num_seqs, max_model_len, block_size, self.device)
         # Step inputs, reused every step (CPU; copied to the device when there is one).
         self._input_ids = np.zeros(max_num_batched_tokens, dtype=np.int64)
@@ -1020,7 +1022,7 @@ class ModelRunner:
         # ``starts[i]`` on
         rows = np.concatenate([np.arange(starts[i], starts[i + 1]) for i in which])
         logits = self.model.compute_logits(hidden[self.staging.to_device(rows, torch.long)])
-        probs = greedy_rows = None
+        probs = greedy_rows = metadata = None
         seeds: dict[int, int] = {}  # a seeded random row draws with its token's index's seed
         if all(_plain_greedy(s) for s in states):
             greedy_ids: torch.Tensor | None = fused.argmax(logits)
@@ -1072,8 +1074,10 @@ class ModelRunner:
             # the token each row keeps if it is kept: its draft if accepted, else the target
             kept = target.clone()
             kept[draft_index] = torch.where(accept, draft_ids, target[draft_index])
-            raw = logits.float().log_softmax(dim=1)  # (the model's own: vLLM's raw logprobs)
-            logprobs = compute_logprobs(raw, kept, max(wanted))
+            assert metadata is not None  # (a row with logprobs is not plain greedy)
+            # each position's as the sampler reports them (the model's own by default)
+            reported = self.sampler.reported(logits, metadata)
+            logprobs = compute_logprobs(reported, kept, max(wanted))
         return _SpecCheck(states, drafts, outcome, logprobs)
 
     @staticmethod
