@@ -7,9 +7,12 @@
 # PART=kernels: benchmarks/bench_int_linear_gpu.py ${ARGS} (each projection against bf16
 # cuBLAS, and the launch sweep).
 # PART=ab: issue 5's workload, bf16 against W4A16 (dummy weights, groups of 128), each in a
-# fresh process: SHAPES (default "llama qwen") at BATCHES (default "1 64 0"; 0: all 256).
+# fresh process: SHAPES (default "llama qwen") at BATCHES (default "1 64 0"; 0: all 256);
+# MM_ROWS=N adds a W4A16 variant whose layers run int_mm up to N rows (int_linear.MM_ROWS).
 # PART may name several parts ("tests kernels"); each writes its log under $OUT.
 #     bash benchmarks/device/int64.sh; PART=ab SHAPES=llama bash benchmarks/device/int64.sh
+#     PART="tests kernels" TESTS_K=tiled ARGS="--shapes llama" bash benchmarks/device/int64.sh
+#     PART=ab SHAPES=llama BATCHES=64 MM_ROWS=256 bash benchmarks/device/int64.sh
 source benchmarks/device/setup.sh || exit 1
 source benchmarks/device/ab_variant.sh
 export PYTHONUNBUFFERED=1
@@ -35,9 +38,12 @@ ab)
     for batch in ${BATCHES:-1 64 0}; do
       steps=1
       [ "$shape" = qwen ] && [ "$batch" = 0 ] && steps=4
-      for variant in "$shape" "$shape-w4"; do
-        timeout "${RUN_S:-240}" bash -c 'ab_variant "$@"' _ "$variant-$batch" "" \
-            --shapes "$variant" --batches "$batch" --num-scheduler-steps $steps
+      for variant in "$shape" "$shape-w4" ${MM_ROWS:+"$shape-w4-mm"}; do
+        patch=""  # (the -mm variant: int_linear routes up to MM_ROWS rows to int_mm)
+        [ "${variant%-mm}" != "$variant" ] && \
+            patch="from baton_kernels import int_linear; int_linear.MM_ROWS = $MM_ROWS"
+        timeout "${RUN_S:-240}" bash -c 'ab_variant "$@"' _ "$variant-$batch" "$patch" \
+            --shapes "${variant%-mm}" --batches "$batch" --num-scheduler-steps $steps
       done
     done
   done

@@ -213,6 +213,24 @@ def test_the_tiled_gemm_is_the_dequantized_weights_product(
                                       swap, split, perm), got, atol=0, rtol=0)  # fmt: skip
 
 
+def test_the_layer_routes_rows_to_the_tiled_gemm_up_to_mm_rows(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    packed, scale, zero = _layer(72, 256, 4, 128, seed=6)
+    x = _rand(3, 9, 256, dtype=torch.float32)  # (27 rows: past DEQUANT_ROWS)
+    bias = _rand(72, dtype=torch.float32, seed=8)
+    monkeypatch.setattr(int_linear, "MM_ROWS", 32)
+    got = int_linear.int_linear(x, packed, scale, zero, 4, 128, bias)
+    assert torch.equal(
+        got, int_mm(x.reshape(27, 256), packed, scale, zero, 4, 128, bias).reshape(3, 9, 72)
+    )
+    want = ref_int_linear(x, packed, scale, zero, 4, 128, bias)
+    torch.testing.assert_close(got, want, atol=1e-4 * want.abs().max().item(), rtol=1e-5)
+    few = x[0, :2]  # (GEMV_ROWS and below: still the GEMV)
+    assert torch.equal(int_linear.int_linear(few, packed, scale, zero, 4, 128),
+                       int_gemv(few, packed, scale, zero, 4, 128))  # fmt: skip
+
+
 def test_the_gemv_in_half_precision_and_by_default() -> None:
     packed, scale, zero = _layer(300, 512, 4, 128, seed=4)
     x = _rand(2, 512, dtype=torch.float16)

@@ -21,7 +21,9 @@ On GPUs (and under Triton's interpreter) the product reads the packed weight its
 decode step reading a quarter of a bf16 weight's bytes at 4 bits), up to ``DEQUANT_ROWS``
 through a GEMM that unpacks each tile in registers, more by unpacking the whole weight into a
 scratch matrix in the model's dtype and one cuBLAS GEMM (as vLLM's AWQ layers do from 256
-rows). Measured on an H200 (benchmarks/RESULTS.md): at one row Llama-3.1-8B's projections take
+rows; ``int_mm``, a GEMM that unpacks each weight tile once for up to 128 rows, takes the
+rows up to ``MM_ROWS`` instead, none until it is measured). Measured on an H200
+(benchmarks/RESULTS.md): at one row Llama-3.1-8B's projections take
 86 us a layer against 122 in bf16 cuBLAS (Llama-8B decodes one sequence at 272 tok/s against
 234 in bf16), at two rows the same as bf16, from four rows more (4 rows 1.5x, 16 rows 2.2x,
 2,048 rows 1.23x bf16's time: a 64-sequence batch runs at half bf16's throughput).
@@ -43,6 +45,10 @@ DEQUANT_ROWS = 16
 # Products of up to this many rows run without the tensor cores (int_gemv): a Llama layer at 4
 # rows 175 us against 237 in int_gemm (H200; bf16 cuBLAS 119); at 8 rows int_gemm is 5x faster
 GEMV_ROWS = 4
+# Products of more rows than GEMV_ROWS and up to this many run through int_mm (a dot a K tile
+# of whole spans, the tile unpacked once for up to 128 rows); 0: none (not yet measured against
+# int_gemm and dequantize + cuBLAS; benchmarks/device/int64.sh's PART=ab times it with MM_ROWS)
+MM_ROWS = 0
 BITS = (4, 8)
 SPAN_WORDS = 16  # (a plane's columns: the tensor cores' K for 16-bit operands)
 
@@ -156,15 +162,16 @@ def int_linear(
     (see the module's docstring): the output in ``x``'s dtype."""
     if not _triton_runs(x):
         return ref_int_linear(x, packed, scale, zero, bits, group_size, bias)
-    from baton_kernels.triton.int_gemm import dequantize, int_gemm, int_gemv
+    from baton_kernels.triton.int_gemm import dequantize, int_gemm, int_gemv, int_mm
 
     k = x.shape[-1]
     rows = x.reshape(-1, k)
-    if rows.shape[0] > DEQUANT_ROWS:
+    n = rows.shape[0]
+    if n > max(DEQUANT_ROWS, MM_ROWS):
         w = dequantize(packed, scale, zero, bits, group_size, k, x.dtype)
         return F.linear(x, w, bias)
-    gemv = rows.shape[0] <= GEMV_ROWS
-    out = (int_gemv if gemv else int_gemm)(rows, packed, scale, zero, bits, group_size, bias)
+    kernel = int_gemv if n <= GEMV_ROWS else int_mm if n <= MM_ROWS else int_gemm
+    out = kernel(rows, packed, scale, zero, bits, group_size, bias)
     return out.reshape(*x.shape[:-1], -1)
 
 

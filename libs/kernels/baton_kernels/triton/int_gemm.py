@@ -17,9 +17,9 @@ planes of 16 consecutive columns), a float32 scale and a zero point a row and gr
   each value a shift, a mask, a conversion and a fused multiply-add a row of ``x``, or a byte
   permute and a subtraction in place of the first three (``GEMV_ASM``, inline PTX); K cut into
   pieces where the weight's rows give too few programs, their sums added by one more kernel.
-- ``int_mm``: the GEMM for more rows (not yet routed: unmeasured): a dot a K tile of whole
-  spans (128 or 256 columns) of ``u - z``, integers exact in 16-bit floats, its float32 sums
-  then scaled, K cut into pieces where the tiles give too few programs.
+- ``int_mm``: the GEMM for more rows (``int_linear.MM_ROWS``: none until measured): a dot a K
+  tile of whole spans (128 or 256 columns) of ``u - z``, integers exact in 16-bit floats, its
+  float32 sums then scaled, K cut into pieces where the tiles give too few programs.
 - ``dequantize``: the whole weight in a float dtype (for products of many rows, which then run
   as one cuBLAS GEMM)."""
 
