@@ -160,6 +160,41 @@ KV_SCALE_NAMES = {  # how checkpoints name a layer's KV cache scales (vLLM reads
 }
 
 
+def _greedy_run(
+    folder: Path, **engine: Any
+) -> tuple[list[list[int]], list[tuple[float, float]], torch.Tensor]:
+    """Two prompts' greedy tokens on ``folder``'s model (an 8-bit KV cache unless ``engine``
+    says otherwise), each layer's KV cache scales and a copy of the cache."""
+    prompts = [[10 + i for i in range(n)] for n in (5, 23)]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    settings = {"kv_cache_dtype": "fp8", **engine}
+    llm = LLM(str(folder), dtype="float32", max_model_len=128, kv_cache_memory=16 << 20,
+              **settings)  # fmt: skip
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        scales = [(c.k_scale, c.v_scale) for c in llm.engine.core.runner.kv_caches]
+        tokens = [list(o.outputs[0].token_ids) for o in outs]
+        return tokens, scales, llm.engine.core.kv_pool.clone()
+    finally:
+        llm.shutdown()
+
+
+def _kv_scaled(src: Path, out: Path, factor: float) -> None:
+    """The saved model ``src`` in ``out`` with its K and V ``factor`` times larger: k_proj and
+    v_proj scaled up, q_proj and o_proj down (the same model, exactly, for a power of two)."""
+    out.mkdir()
+    for f in src.iterdir():
+        if f.suffix != ".safetensors":
+            (out / f.name).write_bytes(f.read_bytes())
+    factors = {"k_proj": factor, "v_proj": factor, "q_proj": 1 / factor, "o_proj": 1 / factor}
+    tensors = load_file(str(src / "model.safetensors"))
+    for name in tensors:
+        proj = name.split(".")[-2]
+        if name.endswith(".weight") and proj in factors:
+            tensors[name] = tensors[name] * factors[proj]
+    save_file(tensors, str(out / "model.safetensors"))
+
+
 @pytest.mark.parametrize("names", sorted(KV_SCALE_NAMES))
 def test_an_fp8_checkpoints_kv_cache_scales_serve_an_8bit_cache(
     names: str, default_model_dir: Path, tmp_path: Path
@@ -170,19 +205,8 @@ def test_an_fp8_checkpoints_kv_cache_scales_serve_an_8bit_cache(
     the bytes the unscaled model's cache holds at unit scale, and the tokens are the same."""
     model = build_model("llama", default_model_dir, tmp_path / "model")
     _fp8_folder("modelopt", model, tmp_path / "model", tmp_path / "plain")
-    scaled_src = tmp_path / "scaled-src"
-    scaled_src.mkdir()
-    for f in (tmp_path / "model").iterdir():
-        if f.suffix != ".safetensors":
-            (scaled_src / f.name).write_bytes(f.read_bytes())
-    factors = {"k_proj": 1024.0, "v_proj": 1024.0, "q_proj": 1 / 1024, "o_proj": 1 / 1024}
-    tensors = load_file(str(tmp_path / "model" / "model.safetensors"))
-    for name in tensors:
-        proj = name.split(".")[-2]
-        if name.endswith(".weight") and proj in factors:
-            tensors[name] = tensors[name] * factors[proj]
-    save_file(tensors, str(scaled_src / "model.safetensors"))
-    _fp8_folder("modelopt", model, scaled_src, tmp_path / "scaled")
+    _kv_scaled(tmp_path / "model", tmp_path / "scaled-src", 1024.0)
+    _fp8_folder("modelopt", model, tmp_path / "scaled-src", tmp_path / "scaled")
     weights = tmp_path / "scaled" / "model.safetensors"
     tensors = load_file(str(weights))
     for layer in range(2):
@@ -190,23 +214,35 @@ def test_an_fp8_checkpoints_kv_cache_scales_serve_an_8bit_cache(
             tensors[f"model.layers.{layer}.{name}"] = torch.tensor(1024.0)
     save_file(tensors, str(weights))
 
-    prompts = [[10 + i for i in range(n)] for n in (5, 23)]
-    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-    runs = []
-    for folder in ("plain", "scaled"):
-        llm = LLM(
-            str(tmp_path / folder), dtype="float32", max_model_len=128,
-            kv_cache_memory=16 << 20, kv_cache_dtype="fp8",
-        )  # fmt: skip
-        try:
-            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-            runner = llm.engine.core.runner
-            scales = [(c.k_scale, c.v_scale) for c in runner.kv_caches]
-            pool = llm.engine.core.kv_pool.clone()
-            runs.append(([list(o.outputs[0].token_ids) for o in outs], scales, pool))
-        finally:
-            llm.shutdown()
-    (plain, plain_scales, plain_pool), (scaled, scaled_scales, scaled_pool) = runs
+    plain, plain_scales, plain_pool = _greedy_run(tmp_path / "plain")
+    scaled, scaled_scales, scaled_pool = _greedy_run(tmp_path / "scaled")
     assert plain_scales == [(1.0, 1.0)] * 2 and scaled_scales == [(1024.0, 1024.0)] * 2
     assert torch.equal(scaled_pool.view(torch.uint8), plain_pool.view(torch.uint8))
     assert scaled == plain
+
+
+def test_calculated_kv_scales_follow_the_models_k_and_v(
+    default_model_dir: Path, tmp_path: Path
+) -> None:
+    """vLLM's --calculate-kv-scales: the same model with its K and V 1024 times larger (beyond
+    e4m3's 448) gets scales 1024 times larger from the start-up pass, so its 8-bit cache holds
+    the bytes the model's own holds and it generates the same tokens; with unit scales its K
+    and V saturate. A 16-bit cache is left as it is."""
+    build_model("llama", default_model_dir, tmp_path / "model")
+    _kv_scaled(tmp_path / "model", tmp_path / "scaled", 1024.0)
+    runs = {
+        (folder, calculate, kv): _greedy_run(
+            tmp_path / folder, kv_cache_dtype=kv, calculate_kv_scales=calculate
+        )
+        for folder, calculate, kv in [("model", True, "fp8"), ("scaled", True, "fp8"),
+                                      ("scaled", False, "fp8"), ("model", True, "auto")]
+    }  # fmt: skip
+    plain, plain_scales, plain_pool = runs["model", True, "fp8"]
+    scaled, scaled_scales, scaled_pool = runs["scaled", True, "fp8"]
+    assert all(k not in (0.0, 1.0) and v not in (0.0, 1.0) for k, v in plain_scales)
+    assert scaled_scales == [(1024.0 * k, 1024.0 * v) for k, v in plain_scales]
+    assert torch.equal(scaled_pool.view(torch.uint8), plain_pool.view(torch.uint8))
+    assert scaled == plain
+    unit_pool = runs["scaled", False, "fp8"][2]
+    assert unit_pool.float().abs().max().item() == FP8_MAX
+    assert runs["model", True, "auto"][1] == [(1.0, 1.0)] * 2

@@ -104,7 +104,6 @@ def test_a_length_that_does_not_read_is_refused(
     [
         (["--quantization", "gptq"], "quantization 'gptq' is not supported: Baton serves fp8"),
         (["--kv-cache-dtype", "fp8_inc"], "kv_cache_dtype 'fp8_inc' is not supported"),
-        (["--calculate-kv-scales"], "by an FP8 checkpoint's scales, else by 1"),
         (["--pipeline-parallel-size", "2"], "--tensor-parallel-size only"),
         (["-pp", "2"], "--tensor-parallel-size only"),
         (["--data-parallel-size", "2", "--num-decode", "3"], "both count the decode workers"),
@@ -245,16 +244,21 @@ def test_kv_offloading_reaches_the_workers_engines() -> None:
     assert baton_main(["serve", "--kv-offloading-backend", "lmcache"]) == 2
 
 
-def test_logprobs_mode_reaches_the_workers_engines(capsys: pytest.CaptureFixture[str]) -> None:
-    """``baton serve --logprobs-mode processed_logprobs`` (vLLM's) hands it to each worker;
-    a mode vLLM does not have stops serve before it starts, naming the modes."""
+def test_logprobs_mode_and_kv_scales_reach_the_workers_engines(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``baton serve --logprobs-mode processed_logprobs --calculate-kv-scales`` (vLLM's) hands
+    both to each worker; a mode vLLM does not have stops serve before it starts, naming the
+    modes."""
     from baton.serve import engine_argv
     from baton_engine.config import EngineConfig
 
-    argv = engine_argv(parse("serve", "--logprobs-mode", "processed_logprobs"))
-    assert argv == ["--logprobs-mode", "processed_logprobs"]
+    argv = engine_argv(
+        parse("serve", "--logprobs-mode", "processed_logprobs", "--calculate-kv-scales")
+    )
+    assert argv == ["--calculate-kv-scales", "--logprobs-mode", "processed_logprobs"]
     worker = EngineConfig(**engine_kwargs_from_args(parse("decode", *argv)))
-    assert worker.logprobs_mode == "processed_logprobs"
+    assert worker.logprobs_mode == "processed_logprobs" and worker.calculate_kv_scales
     with pytest.raises(SystemExit):
         parse("serve", "--logprobs-mode", "logits")
     assert "raw_logits" in capsys.readouterr().err

@@ -78,6 +78,9 @@ _HELP = {
     "max_cpu_loras": "LoRA adapters kept read in host memory (default: max_loras)",
     "max_logprobs": "the most logprobs (and prompt logprobs) per token a request may ask for "
     "(-1: Baton's most, 20)",
+    "calculate_kv_scales": "with an 8-bit KV cache (--kv-cache-dtype fp8): each layer's K and V "
+    "scales from one pass of the model over random tokens at start-up, max|K| / 200 and max|V| "
+    "/ 100 (vLLM's ranges), instead of the checkpoint's or 1",
     "logprobs_mode": "what sampled tokens' logprobs report: raw_logprobs (the model's own "
     "distribution) | raw_logits | processed_logprobs | processed_logits (the distribution a "
     "token is drawn from: after bad words, logit bias, penalties, and for sampled requests "

@@ -829,6 +829,10 @@ class EngineConfig:
     max_logprobs: int = MAX_LOGPROBS
     # What sampled tokens' logprobs report (vLLM's --logprobs-mode: LOGPROBS_MODES)
     logprobs_mode: str = "raw_logprobs"
+    # vLLM's --calculate-kv-scales: an 8-bit KV cache's scales calculated from a pass of the
+    # model at start-up (ModelRunner.calculate_kv_scales) instead of the checkpoint's (or 1);
+    # changes nothing with a 16-bit cache
+    calculate_kv_scales: bool = False
     # vLLM's --speculative-config (a JSON object, or a dict offline): n-gram speculative
     # decoding (SpeculativeConfig); None: off
     speculative_config: str | dict[str, Any] | None = None

@@ -3,7 +3,7 @@ unchanged, though here they change nothing, or nothing as long as they keep a va
 serves.
 
 Each :class:`VllmFlag` says what Baton does instead. A flag given a value Baton cannot honour
-(``--pipeline-parallel-size 2``, ``--calculate-kv-scales``...) is a clear
+(``--pipeline-parallel-size 2``, ``--cpu-offload-gb 4``...) is a clear
 error at start-up, never silently dropped; one given a value that changes nothing here
 (``--trust-remote-code``, ``--swap-space 16``...) is logged once with the reason. The flags
 Baton implements keep their own definitions (``arg_utils``, the gateway's command line);
@@ -139,14 +139,6 @@ ENGINE_FLAGS: tuple[VllmFlag, ...] = (
         accepts=_one_of("auto", "vllm"),
     ),
     VllmFlag("limit_mm_per_prompt", _TEXT_ONLY),
-    VllmFlag(
-        "calculate_kv_scales",
-        "an 8-bit KV cache (--kv-cache-dtype fp8) divides K and V by an FP8 checkpoint's "
-        "scales, else by 1",
-        False,
-        bool,
-        _one_of(False),
-    ),
     VllmFlag(
         "pipeline_parallel_size",
         "Baton splits a model across GPUs with --tensor-parallel-size only",

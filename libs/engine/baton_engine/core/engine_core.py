@@ -48,7 +48,7 @@ from baton_engine.request import Request, RequestStatus
 from baton_engine.runner.model_runner import ModelRunner, StepHandle
 from baton_engine.sampling_params import SamplingParams
 from baton_engine.structured_output import Grammar, StructuredOutputManager
-from baton_kernels.attention.base import copy_blocks_
+from baton_kernels.attention.base import FP8_KV_DTYPES, copy_blocks_
 from baton_kernels.fp8_linear import fp8_gemm_supported
 
 logger = logging.getLogger(__name__)
@@ -263,10 +263,19 @@ def build_runner(config: EngineConfig, tp_rank: int = 0) -> RunnerSetup:
     spec = config.speculative()
     if spec is not None and spec.model is not None:
         _attach_draft(runner, config, spec, mc, max_model_len, kv_dtype)
+    calculated = config.calculate_kv_scales and kv_dtype in FP8_KV_DTYPES
+    if calculated:
+        scales = runner.calculate_kv_scales()
+        spans = (*_span([k for k, _ in scales]), *_span([v for _, v in scales]))
+        logger.info("KV cache scales calculated at start-up (--calculate-kv-scales): K %.3g-%.3g, "
+                    "V %.3g-%.3g", *spans)  # fmt: skip
+    elif config.calculate_kv_scales:
+        logger.info("--calculate-kv-scales changes nothing: the KV cache is %s", kv_dtype)
     calibrated = any(scales != (1.0, 1.0) for scales in runner.model.kv_scales())
     if kv_dtype != dtype:
         logger.info("KV cache: %s, K and V divided by %s", kv_dtype,
-                    "the checkpoint's scales" if calibrated else "1 (unit scale)")  # fmt: skip
+                    "scales calculated at start-up" if calculated
+                    else "the checkpoint's scales" if calibrated else "1 (unit scale)")  # fmt: skip
     elif calibrated:
         logger.info("the checkpoint's KV cache scales serve an 8-bit cache (--kv-cache-dtype fp8)")
     if config.runner != "generate":
@@ -517,6 +526,10 @@ def kv_budget_bytes(
     own = free_at_start - free_now
     budget = min(int(total * utilization) - own - peak, free_now - peak)
     return max(0, budget)
+
+
+def _span(values: list[float]) -> tuple[float, float]:
+    return min(values), max(values)
 
 
 def _num_kv_blocks(

@@ -802,9 +802,16 @@ class LlamaForCausalLM(nn.Module):
         return self.fp8_linears or self.int_linears
 
     def kv_scales(self) -> list[tuple[float, float]]:
-        """Each layer's KV cache scales (K, V): an FP8 checkpoint's calibrated ones, else 1."""
+        """Each layer's KV cache scales (K, V): an FP8 checkpoint's calibrated ones (or those
+        ``set_kv_scales`` gave), else 1."""
         attentions = [cast(DecoderLayer, layer).self_attn for layer in self.layers]
         return [(attn.k_scale, attn.v_scale) for attn in attentions]
+
+    def set_kv_scales(self, scales: list[tuple[float, float]]) -> None:
+        """Each layer's KV cache scales (K, V), in place of the checkpoint's."""
+        for layer, (k, v) in zip(self.layers, scales, strict=True):
+            attn = cast(DecoderLayer, layer).self_attn
+            attn.k_scale, attn.v_scale = k, v
 
     def attention_options(self) -> list[tuple[int, float]]:
         """The layers' distinct ``(window, softcap)`` (kernel variants to compile ahead)."""

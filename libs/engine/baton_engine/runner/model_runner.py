@@ -53,6 +53,9 @@ from baton_kernels.fp8_linear import FP8_DTYPE, Fp8Linear
 from baton_kernels.int_linear import IntLinear
 
 logger = logging.getLogger(__name__)
+# vLLM's K_SCALE_CONSTANT and V_SCALE_CONSTANT: a calculated KV cache scale is max|K| / 200
+# (max|V| / 100), so that e4m3's 448 leaves room for values beyond the calibration pass's
+KV_SCALE_RANGES = (200.0, 100.0)
 # A step's grammar bitmask, made when asked for (EngineCore fills it on the host).
 GrammarSource = Callable[[], GrammarBitmask | None]
 
@@ -476,6 +479,51 @@ class ModelRunner:
         if self.draft is not None:
             size += self.draft.runner.kv_bytes_per_block()
         return size
+
+    @torch.inference_mode()
+    def calculate_kv_scales(self, num_tokens: int = 512) -> list[tuple[float, float]]:
+        """vLLM's ``--calculate-kv-scales`` for an 8-bit KV cache, before the cache is
+        allocated (its scales are fixed in the kernels' launches and CUDA graphs): one prompt
+        pass of the model over ``num_tokens`` random tokens (a fixed seed, the same on every
+        rank) into a temporary cache in the model's dtype, through the reference backend; each
+        layer's scales are then the largest ``|K|`` and ``|V|`` it wrote over vLLM's ranges
+        (``KV_SCALE_RANGES``), 1 where they are all zero. Sets and returns them."""
+        cfg, bs = self.model_config, self.block_size
+        n = max(1, min(num_tokens, self.max_model_len, self.max_num_batched_tokens))
+        blocks = -(n // -bs)
+        pool = torch.zeros(
+            (blocks, cfg.num_layers, 2, bs, cfg.num_kv_heads, cfg.head_dim),
+            dtype=self.dtype,
+            device=self.device,
+        )
+        caches = [KVCacheView(pool[:, layer]) for layer in range(cfg.num_layers)]
+        table = torch.arange(blocks, device=self.device).view(1, -1)
+        pos = torch.arange(n, device=self.device)
+        metadata = AttentionMetadata(
+            num_reqs=1,
+            num_decodes=0,
+            num_tokens=n,
+            query_start_loc=[0, n],
+            seq_lens=[n],
+            block_tables=table,
+            slot_block=table[0, pos // bs],
+            slot_offset=pos % bs,
+            decode_bias=None,
+            max_decode_blocks=0,
+        )
+        generator = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, cfg.vocab_size, (n,), generator=generator).to(self.device)
+        backend = create_attention_backend(
+            "torch", self.device.type, dtype=self.dtype, head_dim=cfg.head_dim
+        )
+        self.model(ids, pos, caches, metadata, backend)
+        largest = pool.abs().amax(dim=(0, 3, 4, 5)).float().tolist()  # [layer][K, V]
+        ranges = KV_SCALE_RANGES
+        scales = [
+            (k / ranges[0] if k > 0 else 1.0, v / ranges[1] if v > 0 else 1.0) for k, v in largest
+        ]
+        self.model.set_kv_scales(scales)
+        return scales
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate the one block-major pool: ``[num_blocks, layers, 2, block_size, kv_heads,
