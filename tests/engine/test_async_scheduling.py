@@ -17,11 +17,10 @@ SYSTEM = list(range(1000, 1000 + 40))
 
 
 def make_core(model_dir: Path, async_scheduling: bool, **overrides: object) -> EngineCore:
+    overrides = {"max_model_len": 256, "kv_cache_memory": 32 << 20, **overrides}
     config = EngineConfig(
         model=str(model_dir),
         dtype="float32",
-        max_model_len=256,
-        kv_cache_memory=32 << 20,
         attention_backend="torch",
         async_scheduling=async_scheduling,
         **overrides,  # type: ignore[arg-type]

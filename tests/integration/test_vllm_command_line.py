@@ -4,12 +4,14 @@ accepted, and the ones Baton implements work as in vLLM: HTTPS (``--ssl-keyfile`
 ``--enable-force-include-usage``, ``--model`` (a repository id, from a Hugging Face cache),
 ``--served-model-name`` (two names); the workers' metrics under vLLM's names
 (``--metric-names vllm``); ``--uds``, ``--max-logprobs``, ``--chat-template-content-format``
-and ``--exclude-tools-when-tool-choice-none``."""
+and ``--exclude-tools-when-tool-choice-none``; ``--logits-processors``, whose arguments requests
+give in ``vllm_xargs``."""
 
 from __future__ import annotations
 
 import datetime
 import ipaddress
+import os
 import shutil
 import ssl
 from collections.abc import Iterator
@@ -22,6 +24,7 @@ import pytest
 from openai import OpenAI
 
 pytestmark = pytest.mark.integration
+TESTS = Path(__file__).resolve().parents[1]
 
 TEMPLATE = "{{ greeting }}{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
 
@@ -87,6 +90,8 @@ def served(
         (snapshot / f.name).symlink_to(f)
     with pytest.MonkeyPatch.context() as env:
         env.setenv("HF_HUB_CACHE", str(folder / "hub"))
+        # (the workers import --logits-processors' class from the tests' folder)
+        env.setenv("PYTHONPATH", os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
         server = _start(serve_launcher, tokenizer, key, cert)
     try:
         yield server, cert
@@ -115,6 +120,7 @@ def _start(serve_launcher: Any, tokenizer: Path, key: Path, cert: Path) -> Any:
             "--enable-force-include-usage",
             "--default-chat-template-kwargs", '{"greeting": "Ahoy! "}',
             "--metric-names", "vllm",
+            "--logits-processors", "example_logits_processors:TargetToken",
         ]
     )  # fmt: skip
 
@@ -190,6 +196,45 @@ def test_streams_end_with_usage_unasked(served: tuple[Any, Path]) -> None:
     assert usage.completion_tokens == 5 or chunks[-2].choices[0].finish_reason == "stop"
     assert usage.prompt_tokens > 0
     assert all(c.usage is None for c in chunks[:-1])  # (only the last: not continuous usage)
+
+
+def test_vllm_xargs_reach_the_custom_logits_processors(served: tuple[Any, Path]) -> None:
+    """``--logits-processors``: a request's ``vllm_xargs`` reach the workers' processor (each
+    token its target, chat or text); arguments it refuses are a 400 naming it; a request
+    without them is served as without processors."""
+    server, cert = served
+    with (
+        httpx.Client(verify=trusting(cert)) as http_client,
+        OpenAI(base_url=server.base_url, api_key="x", http_client=http_client) as client,
+    ):
+        asked = {"vllm_xargs": {"target_token": 28}, "return_token_ids": True}
+        text = client.completions.create(
+            model="smol", prompt="Hi", max_tokens=4, temperature=0.7, seed=1, extra_body=asked
+        )
+        assert (text.choices[0].model_extra or {})["token_ids"] == [28] * 4
+        chat = client.chat.completions.create(
+            model="smol",
+            messages=[{"role": "user", "content": "Say hi."}],
+            max_tokens=3,
+            temperature=0,
+            extra_body=asked,
+        )
+        assert (chat.choices[0].model_extra or {})["token_ids"] == [28] * 3
+        plain = client.completions.create(
+            model="smol",
+            prompt="Hi",
+            max_tokens=4,
+            temperature=0,
+            extra_body={"return_token_ids": True},
+        )
+        assert (plain.choices[0].model_extra or {})["token_ids"] != [28] * 4
+        with pytest.raises(openai.BadRequestError, match="TargetToken: target_token must be"):
+            client.completions.create(
+                model="smol",
+                prompt="Hi",
+                max_tokens=2,
+                extra_body={"vllm_xargs": {"target_token": "x"}},
+            )
 
 
 def test_metrics_under_vllms_names(served: tuple[Any, Path]) -> None:

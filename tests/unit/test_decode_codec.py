@@ -24,3 +24,15 @@ def test_bad_words_arrive_as_token_id_sequences() -> None:
     empty = common_pb2.SamplingParams(bad_words=[common_pb2.TokenIds(token_ids=[])])
     with pytest.raises(InvalidRequestError, match="empty sequence"):
         sampling_params_from_proto(empty)
+
+
+def test_extra_args_arrive_as_the_object_sent() -> None:
+    """vLLM's ``extra_args`` (the gateway's ``vllm_xargs``) come as JSON text: the object
+    reaches the engine; none sent means None; text that is not a JSON object is refused."""
+    sent = common_pb2.SamplingParams(extra_args='{"target_token": 5, "tags": ["a", 1.5]}')
+    params = sampling_params_from_proto(sent)
+    assert params.extra_args == {"target_token": 5, "tags": ["a", 1.5]}
+    assert sampling_params_from_proto(common_pb2.SamplingParams()).extra_args is None
+    for text, message in (("{", "not valid JSON"), ("[1]", "must be a JSON object")):
+        with pytest.raises(InvalidRequestError, match=message):
+            sampling_params_from_proto(common_pb2.SamplingParams(extra_args=text))

@@ -235,6 +235,17 @@ def test_bad_words_reach_the_worker_as_token_ids() -> None:
     )
 
 
+def test_vllm_xargs_reach_the_worker_as_extra_args() -> None:
+    from baton_decode.codec import sampling_params_from_proto
+
+    xargs = {"target_token": 5, "mode": "strict", "weights": [0.5, 2]}
+    pb = codec.sampling_params(chat(vllm_xargs=xargs), 3, None)
+    assert sampling_params_from_proto(pb).extra_args == xargs
+    assert sampling_params_from_proto(codec.sampling_params(chat(), 3, None)).extra_args is None
+    with pytest.raises(ValidationError):
+        chat(vllm_xargs={"nested": {"objects": "are not vLLM's"}})
+
+
 def test_prompt_logprobs_reach_the_worker() -> None:
     """The worker computes the larger of vLLM's prompt_logprobs and an echo's logprobs."""
 

@@ -151,7 +151,15 @@ def test_a_length_that_does_not_read_is_refused(
         (["--structured-outputs-config.backend", "outlines"], "XGrammar"),
         (["--preemption-mode", "swap"], "nothing is swapped"),
         (["--rope-theta", "500000"], "--hf-overrides"),
-        (["--logits-processors", "my.Proc"], "logits processors"),
+        (
+            [
+                "--logits-processors",
+                "my.Proc",
+                "--speculative-config",
+                '{"method": "ngram", "num_speculative_tokens": 2}',
+            ],
+            "neither speculative decoding",
+        ),
         (["--enable-lora-bias"], "LoRA bias"),
         (["--data-parallel-size-local", "2"], "--num-decode"),
     ],
@@ -264,6 +272,18 @@ def test_logprobs_mode_and_kv_scales_reach_the_workers_engines(
     assert "raw_logits" in capsys.readouterr().err
     with pytest.raises(InvalidRequestError, match="processed_logits"):
         EngineConfig(model="m", logprobs_mode="processed").validate()
+
+
+def test_logits_processors_reach_the_workers_engines() -> None:
+    """``baton serve --logits-processors A B`` (vLLM's: several class names) hands them to each
+    worker, whose engine loads them."""
+    from baton.serve import engine_argv
+    from baton_engine.config import EngineConfig
+
+    argv = engine_argv(parse("serve", "--logits-processors", "pkg.mod.A", "pkg.mod:B"))
+    assert argv == ["--logits-processors", "pkg.mod.A", "pkg.mod:B"]
+    worker = EngineConfig(**engine_kwargs_from_args(parse("decode", *argv)))
+    assert worker.logits_processors == ("pkg.mod.A", "pkg.mod:B")
 
 
 def test_vllms_api_key_variable(monkeypatch: pytest.MonkeyPatch) -> None:

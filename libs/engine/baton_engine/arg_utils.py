@@ -86,6 +86,10 @@ _HELP = {
     "token is drawn from: after bad words, logit bias, penalties, and for sampled requests "
     "temperature, top-k, top-p and min-p, the tokens they cut at -inf); prompt logprobs are "
     "always the model's own",
+    "logits_processors": "custom logits processors run on every step's logits: classes, each "
+    "package.module.Class or package.module:Class, subclasses of "
+    "baton_engine.logits_processor.LogitsProcessor (vLLM V1's interface; requests pass them "
+    "arguments in vllm_xargs)",
     "speculative_config": "speculative decoding, as vLLM's JSON: n-gram lookup, "
     '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
     '"prompt_lookup_min": 2}\', or a draft model of the same vocabulary, '
@@ -180,6 +184,7 @@ def engine_kwargs_from_args(args: argparse.Namespace, check: bool = True) -> dic
     if check:
         check_flags(vars(args), ENGINE_FLAGS)
     kwargs = {name: getattr(args, name) for name in _HELP if hasattr(args, name)}
-    if "lora_modules" in kwargs:
-        kwargs["lora_modules"] = tuple(kwargs["lora_modules"])
+    for name in ("lora_modules", "logits_processors"):
+        if name in kwargs:
+            kwargs[name] = tuple(kwargs[name])
     return kwargs

@@ -833,6 +833,10 @@ class EngineConfig:
     # model at start-up (ModelRunner.calculate_kv_scales) instead of the checkpoint's (or 1);
     # changes nothing with a 16-bit cache
     calculate_kv_scales: bool = False
+    # vLLM's --logits-processors: custom logits processors, each a class (offline) or its name
+    # (package.module.Class or package.module:Class), subclasses of
+    # baton_engine.logits_processor.LogitsProcessor, run on every step's logits
+    logits_processors: tuple[str | type, ...] = ()
     # vLLM's --speculative-config (a JSON object, or a dict offline): n-gram speculative
     # decoding (SpeculativeConfig); None: off
     speculative_config: str | dict[str, Any] | None = None
@@ -1009,6 +1013,11 @@ class EngineConfig:
         spec = self.speculative()
         if spec is not None and spec.model is not None:
             self._check_draft_model()
+        if self.logits_processors and (spec is not None or self.num_scheduler_steps > 1):
+            raise InvalidRequestError(  # (vLLM refuses speculative decoding with them too)
+                "custom logits processors (logits_processors) run with neither speculative "
+                "decoding nor multi-step scheduling (num_scheduler_steps > 1)"
+            )
         if self.load_format not in ("auto", "dummy"):
             raise InvalidRequestError(
                 f"load_format must be 'auto' or 'dummy', got {self.load_format!r}"

@@ -10,18 +10,19 @@ One call of :class:`Sampler` on ``[B, V]`` logits does, in this order:
 3. suppressed token ids (EOS/stop ids while below ``min_tokens``), the tokens outside a row's
    ``allowed_token_ids``, the last token of each of its bad words whose other tokens end its
    output, and those its grammar forbids (structured output) set to ``-inf``; a row's
-   ``logit_bias`` added;
+   ``logit_bias`` added; then custom logits processors that may change the argmax
+   (``baton_engine.logits_processor``);
 4. repetition, frequency and presence penalties (:mod:`baton_engine.penalties`);
 5. greedy rows take the argmax; when every row is greedy the step ends here;
-6. random rows: temperature, top-k, top-p, min-p, then one draw from ``softmax``. On CPUs by
-   the inverse CDF (one uniform per row, the cumulative sum in float64); elsewhere by the
-   exponential race ``argmax(probs / q)`` with ``q ~ Exp(1)`` (one Triton kernel for a batch
-   with seeded rows), which needs no CDF search but a random number per token (on CPUs that cost
-   ~5 ms a step for 16 x 49,152). A seeded request's row draws with a seed of its seed and the
-   index of the token drawn (``draw_seed``), so its tokens depend on neither the rest of the
-   batch, nor its row, nor how its run went: a preemption, a prefill worker sampling its first
-   token, drafts checked a step (speculative decoding draws at each position as sampling
-   without them would).
+6. random rows: temperature, argmax-invariant custom processors, top-k, top-p, min-p, then one
+   draw from ``softmax``. On CPUs by the inverse CDF (one uniform per row, the cumulative sum
+   in float64); elsewhere by the exponential race ``argmax(probs / q)`` with ``q ~ Exp(1)``
+   (one Triton kernel for a batch with seeded rows), which needs no CDF search but a random
+   number per token (on CPUs that cost ~5 ms a step for 16 x 49,152). A seeded request's row
+   draws with a seed of its seed and the index of the token drawn (``draw_seed``), so its
+   tokens depend on neither the rest of the batch, nor its row, nor how its run went: a
+   preemption, a prefill worker sampling its first token, drafts checked a step (speculative
+   decoding draws at each position as sampling without them would).
 
 A row whose every token ends up ``-inf`` (everything suppressed) has no valid distribution;
 callers must not suppress a whole vocabulary.
@@ -32,7 +33,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -103,6 +104,9 @@ class SamplingMetadata:
     logit_bias: Sequence[Mapping[int, float] | None] = ()
     allowed_token_ids: Sequence[Sequence[int] | None] = ()
     bad_words_token_ids: Sequence[Sequence[Sequence[int]] | None] = ()
+    # Custom logits processors (baton_engine.logits_processor): called with the float32
+    # logits and whether to run the argmax-invariant ones, returning the logits; None: none.
+    processors: Callable[[torch.Tensor, bool], torch.Tensor] | None = None
 
     @classmethod
     def from_params(
@@ -115,6 +119,7 @@ class SamplingMetadata:
         *,
         grammar_bitmask: torch.Tensor | None = None,
         grammar_rows: Sequence[int] = (),
+        processors: Callable[[torch.Tensor, bool], torch.Tensor] | None = None,
         device: torch.device | str = "cpu",
     ) -> SamplingMetadata:
         """Build the metadata of one step from each row's params and token history.
@@ -188,6 +193,7 @@ class SamplingMetadata:
                 if any(p.bad_words_token_ids for p in params)
                 else []
             ),
+            processors=processors,
         )
 
 
@@ -646,6 +652,8 @@ def _process(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     add_logit_bias(logits, metadata.logit_bias)
     if metadata.grammar_bitmask is not None:
         apply_bitmask(logits, metadata.grammar_bitmask, metadata.grammar_rows)
+    if metadata.processors is not None:
+        logits = metadata.processors(logits, False)
     if not metadata.no_penalties:
         logits = penalties.apply_penalties(
             logits,
@@ -681,6 +689,8 @@ def _final_logits(
 
     # Greedy rows divide by 1: their temperature is 0 and their result comes from argmax.
     logits.div_(torch.where(greedy_rows, 1.0, temperature).unsqueeze(1))
+    if metadata.processors is not None:
+        logits = metadata.processors(logits, True)
     logits = apply_top_k_top_p(logits, top_k, top_p)
     if min_p is not None:
         logits = apply_min_p(logits, min_p)

@@ -240,9 +240,9 @@ ENGINE_FLAGS: tuple[VllmFlag, ...] = (
     ),
     VllmFlag("max_prompt_adapters", "prompt adapters are not supported", 1, int),
     VllmFlag(
-        "logits_processors", "custom logits processors are not supported", accepts=_one_of(None)
+        "logits_processor_pattern",
+        "(vLLM V0's per-request processors by name; V1's are --logits-processors)",
     ),
-    VllmFlag("logits_processor_pattern", "custom logits processors are not supported"),
     VllmFlag(
         "num_lookahead_slots",
         "speculative decoding sizes its slots from --speculative-config",

@@ -19,6 +19,7 @@ from baton_engine import prompt_embeds
 from baton_engine.core.engine_core import EngineCore, EngineStats
 from baton_engine.core.outputs import EngineCoreOutput, TokenLogprobs
 from baton_engine.errors import InvalidRequestError
+from baton_engine.json_args import json_object
 from baton_engine.pooling_params import PoolingParams
 from baton_engine.sampling_params import SamplingParams, StructuredOutputsParams
 from baton_kvtransfer.handle import KVHandle
@@ -71,8 +72,8 @@ def sampling_params_from_proto(pb: common_pb2.SamplingParams) -> SamplingParams:
     (None), ``top_p`` 0 and ``repetition_penalty`` 0 mean disabled (1.0); an empty
     ``logit_bias``, ``allowed_token_ids`` or ``bad_words`` means none (``bad_words`` come as
     the gateway tokenized them: ``bad_words_token_ids``). ``seed`` and ``logprobs`` are
-    ``optional`` fields: unset means None. Raises ``InvalidRequestError`` for values the
-    engine rejects.
+    ``optional`` fields: unset means None; ``extra_args`` come as JSON text. Raises
+    ``InvalidRequestError`` for values the engine rejects.
     """
     return SamplingParams(
         temperature=pb.temperature,
@@ -97,6 +98,7 @@ def sampling_params_from_proto(pb: common_pb2.SamplingParams) -> SamplingParams:
         logit_bias=dict(pb.logit_bias) or None,
         allowed_token_ids=list(pb.allowed_token_ids) or None,
         bad_words_token_ids=[list(seq.token_ids) for seq in pb.bad_words] or None,
+        extra_args=json_object("extra_args", pb.extra_args) or None,
     )
 
 

@@ -119,6 +119,8 @@ def sampling_params(
     )
     if seed is not None:
         pb.seed = seed
+    if request.vllm_xargs:
+        pb.extra_args = json.dumps(request.vllm_xargs)
     structured = request.structured
     if structured is not None:
         pb.structured_outputs.CopyFrom(structured_outputs(structured))

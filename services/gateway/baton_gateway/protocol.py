@@ -160,6 +160,9 @@ class _SamplingRequest(OpenAIBaseModel):
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)  # keep the last N; -1: all
     request_id: str | None = Field(default=None, min_length=1)  # the response id's suffix
     priority: int = Field(default=0, ge=-(2**31), lt=2**31)  # lower first (priority policy)
+    # vLLM's: arguments for the workers' custom logits processors (--logits-processors), their
+    # SamplingParams.extra_args
+    vllm_xargs: dict[str, str | int | float | list[str | int | float]] | None = None
     # vLLM's: the request shares prefix-cache blocks only with requests of the same salt (so
     # that one tenant cannot learn from cache hits what another sent)
     cache_salt: str | None = None

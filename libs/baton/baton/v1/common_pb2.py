@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x62\x61ton/v1/common.proto\x12\x08\x62\x61ton.v1\"\xd3\x04\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x05 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x06 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x07 \x01(\x02\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x00\x88\x01\x01\x12\x12\n\nmax_tokens\x18\t \x01(\x05\x12\x12\n\nmin_tokens\x18\n \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x15\n\x08logprobs\x18\r \x01(\x05H\x01\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0e \x01(\x05H\x02\x88\x01\x01\x12\x37\n\x12structured_outputs\x18\x0f \x01(\x0b\x32\x1b.baton.v1.StructuredOutputs\x12;\n\nlogit_bias\x18\x10 \x03(\x0b\x32\'.baton.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x11 \x03(\x05\x12%\n\tbad_words\x18\x12 \x03(\x0b\x32\x12.baton.v1.TokenIds\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\":\n\x0cPromptEmbeds\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\"\x1d\n\x08TokenIds\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\xe3\x01\n\x11StructuredOutputs\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12#\n\x06\x63hoice\x18\x03 \x01(\x0b\x32\x11.baton.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x05 \x01(\x08H\x00\x12\x18\n\x0estructural_tag\x18\x08 \x01(\tH\x00\x12\x1e\n\x16\x64isable_any_whitespace\x18\x06 \x01(\x08\x12\x15\n\rreasoning_end\x18\x07 \x01(\tB\x06\n\x04kind\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"B\n\rTokenLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\x05\"\xdc\x01\n\x08KVHandle\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x03\x12\x19\n\x11transfer_endpoint\x18\x04 \x01(\t\x12\x11\n\tblock_ids\x18\x05 \x03(\x05\x12\x14\n\x0c\x62lock_hashes\x18\x06 \x03(\x0c\x12\x12\n\nnum_tokens\x18\x07 \x01(\x05\x12\x10\n\x08lease_id\x18\x08 \x01(\t\x12\x1c\n\x14lease_expiry_unix_ms\x18\t \x01(\x03\x12\x13\n\x0b\x63ompat_hash\x18\n \x01(\x0c\"d\n\nWorkerLoad\x12\x13\n\x0bnum_running\x18\x01 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\x05\x12\x16\n\x0ekv_cache_usage\x18\x03 \x01(\x02\x12\x14\n\x0cmax_num_seqs\x18\x04 \x01(\x05*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03*Z\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x01\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x62\x61ton/v1/common.proto\x12\x08\x62\x61ton.v1\"\xe7\x04\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x05 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x06 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x07 \x01(\x02\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x00\x88\x01\x01\x12\x12\n\nmax_tokens\x18\t \x01(\x05\x12\x12\n\nmin_tokens\x18\n \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x15\n\x08logprobs\x18\r \x01(\x05H\x01\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0e \x01(\x05H\x02\x88\x01\x01\x12\x37\n\x12structured_outputs\x18\x0f \x01(\x0b\x32\x1b.baton.v1.StructuredOutputs\x12;\n\nlogit_bias\x18\x10 \x03(\x0b\x32\'.baton.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x11 \x03(\x05\x12%\n\tbad_words\x18\x12 \x03(\x0b\x32\x12.baton.v1.TokenIds\x12\x12\n\nextra_args\x18\x13 \x01(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\":\n\x0cPromptEmbeds\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\"\x1d\n\x08TokenIds\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\xe3\x01\n\x11StructuredOutputs\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12#\n\x06\x63hoice\x18\x03 \x01(\x0b\x32\x11.baton.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x05 \x01(\x08H\x00\x12\x18\n\x0estructural_tag\x18\x08 \x01(\tH\x00\x12\x1e\n\x16\x64isable_any_whitespace\x18\x06 \x01(\x08\x12\x15\n\rreasoning_end\x18\x07 \x01(\tB\x06\n\x04kind\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"B\n\rTokenLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\x05\"\xdc\x01\n\x08KVHandle\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x03\x12\x19\n\x11transfer_endpoint\x18\x04 \x01(\t\x12\x11\n\tblock_ids\x18\x05 \x03(\x05\x12\x14\n\x0c\x62lock_hashes\x18\x06 \x03(\x0c\x12\x12\n\nnum_tokens\x18\x07 \x01(\x05\x12\x10\n\x08lease_id\x18\x08 \x01(\t\x12\x1c\n\x14lease_expiry_unix_ms\x18\t \x01(\x03\x12\x13\n\x0b\x63ompat_hash\x18\n \x01(\x0c\"d\n\nWorkerLoad\x12\x13\n\x0bnum_running\x18\x01 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\x05\x12\x16\n\x0ekv_cache_usage\x18\x03 \x01(\x02\x12\x14\n\x0cmax_num_seqs\x18\x04 \x01(\x05*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03*Z\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x01\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,26 +33,26 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=1375
-  _globals['_FINISHREASON']._serialized_end=1495
-  _globals['_WORKERROLE']._serialized_start=1497
-  _globals['_WORKERROLE']._serialized_end=1587
+  _globals['_FINISHREASON']._serialized_start=1395
+  _globals['_FINISHREASON']._serialized_end=1515
+  _globals['_WORKERROLE']._serialized_start=1517
+  _globals['_WORKERROLE']._serialized_end=1607
   _globals['_SAMPLINGPARAMS']._serialized_start=36
-  _globals['_SAMPLINGPARAMS']._serialized_end=631
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=541
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=589
-  _globals['_PROMPTEMBEDS']._serialized_start=633
-  _globals['_PROMPTEMBEDS']._serialized_end=691
-  _globals['_TOKENIDS']._serialized_start=693
-  _globals['_TOKENIDS']._serialized_end=722
-  _globals['_STRUCTUREDOUTPUTS']._serialized_start=725
-  _globals['_STRUCTUREDOUTPUTS']._serialized_end=952
-  _globals['_CHOICES']._serialized_start=954
-  _globals['_CHOICES']._serialized_end=980
-  _globals['_TOKENLOGPROBS']._serialized_start=982
-  _globals['_TOKENLOGPROBS']._serialized_end=1048
-  _globals['_KVHANDLE']._serialized_start=1051
-  _globals['_KVHANDLE']._serialized_end=1271
-  _globals['_WORKERLOAD']._serialized_start=1273
-  _globals['_WORKERLOAD']._serialized_end=1373
+  _globals['_SAMPLINGPARAMS']._serialized_end=651
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=561
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=609
+  _globals['_PROMPTEMBEDS']._serialized_start=653
+  _globals['_PROMPTEMBEDS']._serialized_end=711
+  _globals['_TOKENIDS']._serialized_start=713
+  _globals['_TOKENIDS']._serialized_end=742
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=745
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=972
+  _globals['_CHOICES']._serialized_start=974
+  _globals['_CHOICES']._serialized_end=1000
+  _globals['_TOKENLOGPROBS']._serialized_start=1002
+  _globals['_TOKENLOGPROBS']._serialized_end=1068
+  _globals['_KVHANDLE']._serialized_start=1071
+  _globals['_KVHANDLE']._serialized_end=1291
+  _globals['_WORKERLOAD']._serialized_start=1293
+  _globals['_WORKERLOAD']._serialized_end=1393
 # @@protoc_insertion_point(module_scope)

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from baton_engine import distributed
+from baton_engine import distributed, logits_processor
 from baton_engine import prompt_embeds as embeds
 from baton_engine.config import EngineConfig, ModelConfig, SpeculativeConfig, parse_dtype
 from baton_engine.core import gpu_lock
@@ -278,6 +278,8 @@ def build_runner(config: EngineConfig, tp_rank: int = 0) -> RunnerSetup:
                     else "the checkpoint's scales" if calibrated else "1 (unit scale)")  # fmt: skip
     elif calibrated:
         logger.info("the checkpoint's KV cache scales serve an 8-bit cache (--kv-cache-dtype fp8)")
+    if config.logits_processors:
+        runner.set_logits_processors(_logits_processors(config, mc, runner, max_model_len))
     if config.runner != "generate":
         runner.pooler = PoolerConfig.resolve(config.pooler_config, model_dir, len(mc.labels))
     eager = config.enforce_eager
@@ -573,6 +575,23 @@ def _num_kv_blocks(
     return int(num_blocks)
 
 
+def _logits_processors(
+    config: EngineConfig, mc: ModelConfig, runner: ModelRunner, max_model_len: int
+) -> logits_processor.LogitsProcessors:
+    """The custom logits processors of ``config.logits_processors``, made for ``runner``."""
+    classes = logits_processor.load_classes(config.logits_processors)
+    view = logits_processor.ProcessorConfig(
+        model_config=logits_processor.ModelView(max_model_len, mc.vocab_size, runner.dtype),
+        scheduler_config=logits_processor.SchedulerView(
+            config.max_num_seqs, config.resolved_max_num_batched_tokens()
+        ),
+        engine_config=config,
+    )
+    processors = logits_processor.LogitsProcessors(classes, view, runner.device)
+    logger.info("custom logits processors: %s", ", ".join(c.__qualname__ for c in classes))
+    return processors
+
+
 # What sleep mode frees and wake_up takes back (vLLM's tags).
 SLEEP_TAGS = ("weights", "kv_cache")
 # What a pause (or sleep) does with the requests in flight (vLLM's modes; "abort" its default):
@@ -753,6 +772,8 @@ class EngineCore:
                 "--runner generate or auto)"
             )
         params.validate()
+        if self.runner.logits_processors is not None:
+            logits_processor.validate_params(self.runner.logits_processors.classes, params)
         cap = self.config.max_logprobs
         for kind, num in (("sample", params.logprobs), ("prompt", params.prompt_logprobs)):
             if num is not None and 0 <= cap < num:

@@ -7,7 +7,9 @@ rebuilding per-request lists.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import overload
 
 import numpy as np
 import torch
@@ -109,6 +111,9 @@ class InputBatch:
         self.num_lora = 0  # held requests with a LoRA adapter
         self.num_prompt_embeds = 0  # held requests whose prompts are embeddings
         self.num_removed = 0  # requests dropped so far (see record_sampled)
+        # Custom logits processors are loaded: every request's sampling may read its tokens on
+        # the host (none is host-free or plain greedy)
+        self.host_bound = False
 
     def update(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids | so.preempted_req_ids:
@@ -133,6 +138,8 @@ class InputBatch:
                     None if new.prompt_embeds is None else new.prompt_embeds.to(self.device)
                 ),
             )
+            if self.host_bound:
+                state.host_free = state.plain_greedy = False
             self.requests[new.req_id] = state
             self._count(state, 1)
             # (an embeddings prompt's rows' ids are no tokens: its inputs are the embeddings)
@@ -184,6 +191,11 @@ class InputBatch:
         ].tolist()
         return tokens
 
+    def live_output_token_ids(self, state: CachedRequestState) -> Sequence[int]:
+        """The request's output tokens on the host as a view that grows with them (what a
+        logits processor keeps of a request it is told of)."""
+        return _LiveTokens(self.token_table, state)
+
     def record_spec(
         self, states: list[CachedRequestState], tokens: list[list[int]], num_removed: int
     ) -> None:
@@ -234,3 +246,30 @@ class InputBatch:
             keep_slot = cols < self.token_table.shape[1]
             rows, cols, ids = rows[keep_slot], cols[keep_slot], ids[keep_slot]
         self.token_table[rows, cols] = ids
+
+
+class _LiveTokens(Sequence[int]):
+    """A request's output tokens in its row of the token table, up to its host tokens."""
+
+    def __init__(self, table: np.ndarray, state: CachedRequestState) -> None:
+        self._table, self._state = table, state
+
+    def _tokens(self) -> np.ndarray:
+        state = self._state
+        return self._table[state.row, len(state.prompt_token_ids) : state.num_tokens]
+
+    def __len__(self) -> int:
+        return len(self._tokens())
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[int]: ...
+
+    def __getitem__(self, index: int | slice) -> int | list[int]:
+        value: int | list[int] = self._tokens()[index].tolist()
+        return value
+
+    def __repr__(self) -> str:
+        return repr(self._tokens().tolist())

@@ -26,6 +26,7 @@ from baton_engine.core.outputs import (
 )
 from baton_engine.errors import InvalidRequestError
 from baton_engine.kv_cache.host_cache import KVCopy
+from baton_engine.logits_processor import LogitsProcessors
 from baton_engine.lora import LoRALimits, LoRAManager
 from baton_engine.models import LlamaForCausalLM, moe
 from baton_engine.models.llama import shard_config
@@ -293,6 +294,8 @@ class ModelRunner:
         logger.info("attention backend: %s", self.backend.name)
         self.sampler = Sampler(logprobs_mode)
         self.batch = InputBatch(max_num_seqs, max_model_len, block_size, self.device)
+        # Custom logits processors (set_logits_processors); None: none
+        self.logits_processors: LogitsProcessors | None = None
         # Step inputs, reused every step (CPU; copied to the device when there is one).
         self._input_ids = np.zeros(max_num_batched_tokens, dtype=np.int64)
         self._positions = np.zeros(max_num_batched_tokens, dtype=np.int64)
@@ -371,6 +374,13 @@ class ModelRunner:
         self._graph_args: dict[str, tuple[bool, int]] = {}
 
     # --- setup ---------------------------------------------------------------------------------
+
+    def set_logits_processors(self, processors: LogitsProcessors) -> None:
+        """Run ``processors`` on every step's logits (before any request is added): each
+        request's sampling then reads its tokens on the host."""
+        assert not self.batch.requests, "processors are set before any request comes"
+        self.logits_processors = processors
+        self.batch.host_bound = True
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         loaded = self.model.load_weights(weights)
@@ -1603,8 +1613,20 @@ class ModelRunner:
             suppressed_token_ids=suppressed,
             grammar_bitmask=bitmask if rows else None,
             grammar_rows=rows,
+            processors=self._processors(reqs),
             device=self.device,
         )
+
+    def _processors(
+        self, reqs: list[CachedRequestState]
+    ) -> Callable[[torch.Tensor, bool], torch.Tensor] | None:
+        """The custom logits processors of a step sampling ``reqs`` (told of the requests held
+        now), as ``SamplingMetadata.processors``; None when none are loaded."""
+        processors = self.logits_processors
+        if processors is None:
+            return None
+        processors.update(self.batch.requests, self.batch.live_output_token_ids)
+        return functools.partial(processors.apply, [s.req_id for s in reqs])
 
 
 def _faulted_in(nbytes: int) -> torch.Tensor:
