@@ -77,15 +77,30 @@ GGUF_NAMES = {
     "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.gate_up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
 }  # fmt: skip
+MOE_NAMES = {
+    "mlp.gate": "ffn_gate_inp", "mlp.experts.down_proj": "ffn_down_exps",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+}  # fmt: skip
 GEMMA2_NAMES = {"post_attention_layernorm": "post_attention_norm",
                 "pre_feedforward_layernorm": "ffn_norm",
                 "post_feedforward_layernorm": "post_ffw_norm"}  # fmt: skip
 
 
+def _permuted(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """llama.cpp's row order of a Llama Q or K projection (interleaved rotary halves)."""
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
 def _write_gguf(model: torch.nn.Module, path: Path, arch: str) -> None:
-    """``model`` (a tiny Phi-3 or Gemma) written as llama.cpp writes it: Phi-3's fused
-    projections and LongRoPE factor tensors, Gemma's norm weights plus one; the default
-    model's tokenizer."""
+    """``model`` (a tiny Phi-3, Gemma or mixture of experts) written as llama.cpp writes it:
+    Phi-3's fused projections and LongRoPE factor tensors, Gemma's norm weights plus one;
+    experts stacked (Qwen's) or one tensor an expert (Mixtral's older files, under ``llama``,
+    its Q and K rows permuted); the default model's tokenizer."""
     import gguf
 
     from baton_engine.model_loader import default_model_path
@@ -116,6 +131,14 @@ def _write_gguf(model: torch.nn.Module, path: Path, arch: str) -> None:
     if rope.get("rope_type") == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(rope["factor"])
+    num_experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
+    if num_experts:
+        writer.add_expert_count(num_experts)
+        writer.add_expert_used_count(cfg.num_experts_per_tok)
+    if arch in ("qwen2moe", "qwen3moe"):
+        writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    if arch == "qwen2moe":
+        writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
     for field in gguf.GGUFReader(str(default_model_path())).fields.values():
         if field.name.startswith("tokenizer."):
             kind, value = field.types[0], field.contents()
@@ -125,17 +148,37 @@ def _write_gguf(model: torch.nn.Module, path: Path, arch: str) -> None:
                 writer.add_string(field.name, value)
             else:
                 writer.add_uint32(field.name, int(value))
-    names = GGUF_NAMES | (GEMMA2_NAMES if arch in ("gemma2", "gemma3") else {})
+    names = GGUF_NAMES | MOE_NAMES | (GEMMA2_NAMES if arch in ("gemma2", "gemma3") else {})
+    heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads}
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
-        stem = name.removesuffix(".weight")
+        suffix = "bias" if name.endswith(".bias") else "weight"
+        stem = name.removesuffix(f".{suffix}")
         layer = re.match(r"model\.layers\.(\d+)\.(.+)", stem)
-        gguf_name = f"blk.{layer[1]}.{names[layer[2]]}" if layer else names[stem]
         w = tensor.float()
+        if layer and layer[2] == "mlp.experts.gate_up_proj":  # [E, 2I, H]: gate rows, up rows
+            gate, up = w.chunk(2, dim=1)
+            if arch == "llama":  # (Mixtral's older files: one tensor an expert)
+                for e in range(w.shape[0]):
+                    writer.add_tensor(f"blk.{layer[1]}.ffn_gate.{e}.weight", gate[e].numpy())
+                    writer.add_tensor(f"blk.{layer[1]}.ffn_up.{e}.weight", up[e].numpy())
+            else:
+                writer.add_tensor(f"blk.{layer[1]}.ffn_gate_exps.weight", gate.numpy())
+                writer.add_tensor(f"blk.{layer[1]}.ffn_up_exps.weight", up.numpy())
+            continue
+        if arch == "llama" and layer and layer[2] == "mlp.experts.down_proj":
+            for e in range(w.shape[0]):
+                writer.add_tensor(f"blk.{layer[1]}.ffn_down.{e}.weight", w[e].numpy())
+            continue
+        gguf_name = f"blk.{layer[1]}.{names[layer[2]]}" if layer else names[stem]
         if arch.startswith("gemma") and name.endswith("norm.weight"):
             w = w + 1.0
-        writer.add_tensor(f"{gguf_name}.weight", w.numpy())
+        if arch == "llama" and gguf_name.split(".")[-1] in heads:
+            w = _permuted(w, heads[gguf_name.split(".")[-1]])
+        if gguf_name.endswith("ffn_gate_inp_shexp"):
+            w = w.reshape(-1)  # (llama.cpp's: a vector)
+        writer.add_tensor(f"{gguf_name}.{suffix}", w.numpy())
     if arch == "phi3":
         for which in ("long", "short"):
             factors = np.array(cfg.rope_parameters[f"{which}_factor"], dtype=np.float32)
@@ -198,6 +241,20 @@ def test_a_gemma_gguf_generates_what_its_model_does(
         overrides = {"query_pre_attn_scalar": 64, "num_hidden_layers": 3, "rope_parameters": rope,
                      "layer_types": kinds}  # fmt: skip
     model = build_model(arch, default_model_dir, tmp_path / "hf", **overrides)
+    _gguf_greedy(model, arch, [[10 + i for i in range(n)] for n in (5, 40)], tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("name", "arch"), [("mixtral", "llama"), ("qwen2_moe", "qwen2moe"), ("qwen3_moe", "qwen3moe")]
+)
+def test_a_mixture_of_experts_gguf_generates_what_its_model_does(
+    name: str, arch: str, default_model_dir: Path, tmp_path: Path
+) -> None:
+    """GGUF mixtures of experts as llama.cpp writes them: Mixtral under ``llama`` with an
+    expert count (one tensor an expert, as its older files; Q and K rows permuted), Qwen2-MoE
+    (stacked experts, a shared expert and its gate; layer 0 dense: no router) and Qwen3-MoE
+    (its top 2 renormalized, llama.cpp's rule): served as transformers runs the model."""
+    model = build_model(name, default_model_dir, tmp_path / "hf")
     _gguf_greedy(model, arch, [[10 + i for i in range(n)] for n in (5, 40)], tmp_path)
 
 

@@ -194,22 +194,34 @@ def test_iter_weights_and_tokenizer_errors(tmp_path: Path) -> None:
         load_tokenizer(tmp_path)
 
 
-def test_a_gguf_mixture_of_experts_is_refused_clearly(tmp_path: Path) -> None:
-    """Mixtral's GGUF files say ``llama`` with an expert count: refused by name, not at the
-    first tensor the converter does not know."""
+def test_a_gguf_mixture_of_experts_baton_cannot_read_is_refused_clearly(tmp_path: Path) -> None:
+    """A GGUF mixture of experts of another architecture than llama (Mixtral), qwen2moe and
+    qwen3moe, or one whose metadata lacks what sizes its experts, is refused by name, not at
+    the first tensor the converter does not know."""
     import gguf
 
-    path = tmp_path / "mixtral.gguf"
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_embedding_length(64)
-    writer.add_head_count(4)
-    writer.add_expert_count(8)
-    writer.add_expert_used_count(2)
-    writer.add_tensor("token_embd.weight", np.zeros((16, 64), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    reader = gguf.GGUFReader(str(path))
-    with pytest.raises(ModelLoadError, match="mixtures of experts are not supported"):
-        gguf_convert.build_hf_config(reader, has_output=False)
+    def header(arch: str, **fields: int) -> Any:
+        path = tmp_path / f"{arch}-{len(fields)}.gguf"
+        writer = gguf.GGUFWriter(str(path), arch)
+        writer.add_embedding_length(64)
+        writer.add_head_count(4)
+        writer.add_feed_forward_length(128)
+        writer.add_block_count(1)
+        writer.add_vocab_size(16)
+        for key, value in fields.items():
+            writer.add_uint32(f"{arch}.{key}", value)
+        writer.add_tensor("token_embd.weight", np.zeros((16, 64), dtype=np.float32))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        return gguf.GGUFReader(str(path))
+
+    names = {"token_embd.weight"}
+    for reader, message in (
+        (header("phi3", expert_count=8), "phi3 mixtures of experts are not supported"),
+        (header("qwen3moe"), "lacks qwen3moe.expert_count"),
+        (header("qwen3moe", expert_count=8), "lacks qwen3moe.expert_feed_forward_length"),
+    ):
+        with pytest.raises(ModelLoadError, match=message):
+            gguf_convert.build_hf_config(reader, names)

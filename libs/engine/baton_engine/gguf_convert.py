@@ -7,7 +7,11 @@ layouts) and the tokenizer files written by ``transformers`` (``tokenizer.json``
 gate/up kept fused, as Hugging Face's checkpoints hold them; its LongRoPE factors, partial
 rotation and sliding window from the metadata), ``gemma2`` and ``gemma3`` (whose norm weights
 llama.cpp stores plus one: Hugging Face's are the weights minus one; transformers, which builds
-the tokenizer, reads no Gemma 1 GGUF). Callers
+the tokenizer, reads no Gemma 1 GGUF), and mixtures of experts: ``qwen2moe`` (Qwen1.5-MoE,
+Qwen2-MoE: a shared expert), ``qwen3moe`` and ``llama`` with experts (Mixtral), their experts
+stacked as transformers >= 5 holds them (``mlp.experts.gate_up_proj`` ``[E, 2I, H]``,
+``mlp.experts.down_proj`` ``[E, H, I]``; older Mixtral files' one tensor an expert kept as
+they are), a layer without a router dense (``mlp_only_layers``). Callers
 should use :func:`baton_engine.model_loader.resolve_model`, which caches the result; this
 module only does the conversion.
 """
@@ -30,6 +34,8 @@ _ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "llama"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
+    "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
     "phi3": ("Phi3ForCausalLM", "phi3"),
     "gemma2": ("Gemma2ForCausalLM", "gemma2"),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
@@ -72,6 +78,20 @@ _BLOCK = {
     "ffn_norm": "post_attention_layernorm",
 }
 
+# Mixtures of experts: the router, the stacked experts (gate and up stacked together after
+# reading: _stack_experts) and Qwen2-MoE's shared expert and its gate
+_MOE_BLOCK = {
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+}
+# older Mixtral files: one tensor an expert (blk.N.ffn_gate.E.weight)
+_EXPERT_RE = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight")
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
@@ -83,12 +103,21 @@ def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str:
     """
     if gguf_name in _TOP_LEVEL:
         return _TOP_LEVEL[gguf_name]
+    expert = _EXPERT_RE.fullmatch(gguf_name)
+    if expert is not None and arch in _MOE_ARCHS:
+        layer, part, index = expert.groups()
+        return f"model.layers.{layer}.mlp.experts.{index}.{part}_proj.weight"
     m = _BLOCK_RE.fullmatch(gguf_name)
     block = {"phi3": _BLOCK | _PHI3_BLOCK, "gemma2": _BLOCK | _GEMMA2_BLOCK,
              "gemma3_text": _BLOCK | _GEMMA2_BLOCK}.get(arch, _BLOCK)  # fmt: skip
+    if arch in _MOE_ARCHS:
+        block = block | _MOE_BLOCK
     if m is None or m.group(2) not in block:
         raise ModelLoadError(f"unsupported GGUF tensor {gguf_name!r}")
     return f"model.layers.{m.group(1)}.{block[m.group(2)]}.{m.group(3)}"
+
+
+_MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 
 def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -113,12 +142,10 @@ def _f32(v: Any) -> float:
     return float(str(np.float32(v)))
 
 
-def build_hf_config(reader: Any, has_output: bool) -> dict[str, Any]:
-    """Build a Hugging Face ``config.json`` dict from a GGUFReader's metadata.
-
-    ``has_output`` says whether the file has an ``output.weight`` tensor; without one the LM head
-    is tied to the token embedding.
-    """
+def build_hf_config(reader: Any, names: set[str]) -> dict[str, Any]:
+    """Build a Hugging Face ``config.json`` dict from a GGUFReader's metadata and its tensors'
+    ``names``: without an ``output.weight`` the LM head is tied to the token embedding; a
+    mixture of experts' layers without a router (``ffn_gate_inp``) are dense."""
     arch = str(_field(reader, "general.architecture", ""))
     if arch not in _ARCHITECTURES:
         raise ModelLoadError(
@@ -132,11 +159,16 @@ def build_hf_config(reader: Any, has_output: bool) -> dict[str, Any]:
             raise ModelLoadError(f"GGUF metadata lacks {arch}.{key}")
         return v
 
-    if int(_field(reader, f"{arch}.expert_count", 0) or 0):
+    num_experts = int(_field(reader, f"{arch}.expert_count", 0) or 0)
+    if num_experts and arch == "llama":
+        hf_arch, model_type = "MixtralForCausalLM", "mixtral"
+    elif num_experts and model_type not in _MOE_ARCHS:
         raise ModelLoadError(
-            "GGUF files of mixtures of experts are not supported: serve the model's Hugging "
-            "Face folder (config.json and safetensors)"
+            f"GGUF files of {arch} mixtures of experts are not supported (of llama, qwen2moe "
+            "and qwen3moe they are): serve the model's Hugging Face folder"
         )
+    elif not num_experts and model_type in _MOE_ARCHS:
+        raise ModelLoadError(f"GGUF metadata lacks {arch}.expert_count")
     hidden, n_head = int(req("embedding_length")), int(req("attention.head_count"))
     tokens = _field(reader, "tokenizer.ggml.tokens")
     vocab = len(tokens) if tokens is not None else int(req("vocab_size"))
@@ -145,7 +177,10 @@ def build_hf_config(reader: Any, has_output: bool) -> dict[str, Any]:
         "model_type": model_type,
         "vocab_size": vocab,
         "hidden_size": hidden,
-        "intermediate_size": int(req("feed_forward_length")),
+        "intermediate_size": int(
+            _field(reader, f"{arch}.feed_forward_length", 0)
+            or (req("expert_feed_forward_length") if num_experts else req("feed_forward_length"))
+        ),
         "num_hidden_layers": int(req("block_count")),
         "num_attention_heads": n_head,
         "num_key_value_heads": int(_field(reader, f"{arch}.attention.head_count_kv", n_head)),
@@ -154,8 +189,8 @@ def build_hf_config(reader: Any, has_output: bool) -> dict[str, Any]:
         "rms_norm_eps": _f32(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
         "rope_theta": _f32(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
         "max_position_embeddings": int(_field(reader, f"{arch}.context_length", 2048)),
-        "tie_word_embeddings": not has_output,
-        "attention_bias": arch == "qwen2",
+        "tie_word_embeddings": "output.weight" not in names,
+        "attention_bias": arch in ("qwen2", "qwen2moe"),
         "torch_dtype": "bfloat16",
     }
     head_dim = cfg["head_dim"]
@@ -167,6 +202,8 @@ def build_hf_config(reader: Any, has_output: bool) -> dict[str, Any]:
         cfg["sliding_window"] = int(window)
     if arch.startswith("gemma"):
         cfg.update(_gemma_config(reader, arch, cfg))
+    if num_experts:
+        cfg.update(_moe_config(reader, arch, model_type, num_experts, cfg, names))
     for hf_key, gguf_key in (
         ("bos_token_id", "tokenizer.ggml.bos_token_id"),
         ("eos_token_id", "tokenizer.ggml.eos_token_id"),
@@ -191,7 +228,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     try:
         reader = gguf.GGUFReader(str(gguf_path))
         names = {t.name for t in reader.tensors}
-        cfg = build_hf_config(reader, has_output="output.weight" in names)
+        cfg = build_hf_config(reader, names)
         arch = cfg["model_type"]
         heads = {"attn_q": cfg["num_attention_heads"], "attn_k": cfg["num_key_value_heads"]}
         state: dict[str, torch.Tensor] = {}
@@ -208,15 +245,18 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
             if w.shape != expected:
                 w = w.reshape(expected)
             stem = t.name.split(".")[2] if t.name.startswith("blk.") else ""
-            if arch == "llama" and stem in heads:
+            if arch in ("llama", "mixtral") and stem in heads:
                 w = unpermute_qk(w, heads[stem])
             if arch.startswith("gemma") and hf_name.endswith("norm.weight"):
                 w = w - 1.0  # (llama.cpp's Gemma norms hold 1 + weight)
+            if stem == "ffn_gate_inp_shexp":
+                w = w.reshape(1, -1)  # (a vector in the file, a 1-row linear layer's weight)
             # F32 tensors come back as read-only views of the file's memory map: copy those.
             w = np.ascontiguousarray(w) if w.flags.writeable else w.copy()
             state[hf_name] = torch.from_numpy(w)
         if factors:
             cfg["rope_scaling"] = _longrope_scaling(reader, arch, factors)
+        _stack_experts(state)
         chat_template = _field(reader, "tokenizer.chat_template")
         del reader
     except ModelLoadError:
@@ -227,6 +267,57 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     _save_tokenizer(gguf_path, out_dir, chat_template)
+
+
+def _moe_config(
+    reader: Any,
+    arch: str,
+    model_type: str,
+    num_experts: int,
+    cfg: dict[str, Any],
+    names: set[str],
+) -> dict[str, Any]:
+    """A mixture of experts' keys of the Hugging Face config (``arch``: the file's, with
+    ``model_type`` the config's): the experts, their size, whether the top k renormalize
+    (llama.cpp's rule where the file does not say: Qwen3-MoE and Mixtral do, Qwen2-MoE does
+    not), Qwen2-MoE's shared expert, and the layers without a router (dense)."""
+    top_k = int(_field(reader, f"{arch}.expert_used_count", 0) or 0)
+    if model_type == "mixtral":
+        return {"num_local_experts": num_experts, "num_experts_per_tok": top_k}
+    size = _field(reader, f"{arch}.expert_feed_forward_length")
+    if size is None:
+        raise ModelLoadError(f"GGUF metadata lacks {arch}.expert_feed_forward_length")
+    norm = _field(reader, f"{arch}.expert_weights_norm", model_type == "qwen3_moe")
+    out: dict[str, Any] = {
+        "num_experts": num_experts,
+        "num_experts_per_tok": top_k,
+        "moe_intermediate_size": int(size),
+        "norm_topk_prob": bool(norm),
+        "mlp_only_layers": [
+            i
+            for i in range(cfg["num_hidden_layers"])
+            if f"blk.{i}.ffn_gate_inp.weight" not in names
+        ],
+    }
+    shared = _field(reader, f"{arch}.expert_shared_feed_forward_length")
+    if shared:
+        out["shared_expert_intermediate_size"] = int(shared)
+    return out
+
+
+def _stack_experts(state: dict[str, torch.Tensor]) -> None:
+    """Each layer's stacked gate and up experts (``[E, I, H]`` each) as one ``gate_up_proj``
+    ``[E, 2I, H]``, gate rows first (transformers' layout)."""
+    for name in [n for n in state if n.endswith(".mlp.experts.gate_proj.weight")]:
+        prefix = name.removesuffix("gate_proj.weight")
+        up = state.pop(f"{prefix}up_proj.weight", None)
+        if up is None:
+            raise ModelLoadError(f"GGUF holds {name!r}'s experts' gate but not their up")
+        state[f"{prefix}gate_up_proj"] = torch.cat([state.pop(name), up], dim=1)
+    for name in [n for n in state if n.endswith(".mlp.experts.down_proj.weight")]:
+        state[name.removesuffix(".weight")] = state.pop(name)
+    if any(n.endswith(".mlp.experts.up_proj.weight") for n in state):
+        raise ModelLoadError("GGUF holds experts' up projections without their gate")
 
 
 def _gemma_config(reader: Any, arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
