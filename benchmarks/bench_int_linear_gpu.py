@@ -29,6 +29,7 @@ if "--smoke" in sys.argv:
 import torch
 import torch.nn.functional as F
 from bench_linear_gpu import LLAMA, QWEN, graph_time_us
+from triton.runtime.errors import OutOfResources
 
 from baton_kernels import int_linear
 from baton_kernels.int_linear import ref_int_linear, ref_quantize
@@ -115,9 +116,9 @@ def tinygemm(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, k: i
     return tiles, both.contiguous(), torch.tensor(group)
 
 
-def _tiny(t: torch.Tensor, sz: torch.Tensor, group: torch.Tensor, x: torch.Tensor, bits: int,
+def _tiny(t: torch.Tensor, sz: torch.Tensor, size: int, x: torch.Tensor, bits: int,
           **kw: object) -> torch.Tensor:  # fmt: skip
-    out: torch.Tensor = torch.ops.aten._weight_int4pack_mm(x, t, int(group), sz)
+    out: torch.Tensor = torch.ops.aten._weight_int4pack_mm(x, t, int(size), sz)
     return out
 
 
@@ -163,7 +164,13 @@ def run_shape(
         for i, (fn, kw) in enumerate(runs):
             if args.smoke and i > 5 and fn is not _mm:
                 continue
-            got = fn(packed, scale, zero, **on, **kw)
+            try:
+                got = fn(packed, scale, zero, **on, **kw)
+            except OutOfResources as e:  # (a launch too large for this GPU: not timed)
+                print(f"{fn.__name__} {kw} at {rows} rows: {e}")
+                mlaunches = [m for m in mlaunches if m != (kw.get("config"), kw.get("swap"),
+                                                           kw.get("perm"))]  # fmt: skip
+                continue
             torch.testing.assert_close(got.float(), want.float(), rtol=tol,
                                        atol=tol * want.abs().max().item())  # fmt: skip
         if tiny:

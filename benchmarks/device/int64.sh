@@ -39,6 +39,7 @@ ab)
       steps=1
       [ "$shape" = qwen ] && [ "$batch" = 0 ] && steps=4
       for variant in "$shape" "$shape-w4" ${MM_ROWS:+"$shape-w4-mm"}; do
+        [ -n "${NO_BF16:-}" ] && [ "$variant" = "$shape" ] && continue  # (W4A16 variants only)
         patch=""  # (the -mm variant: int_linear routes up to MM_ROWS rows to int_mm)
         [ "${variant%-mm}" != "$variant" ] && \
             patch="from baton_kernels import int_linear; int_linear.MM_ROWS = $MM_ROWS"

@@ -229,6 +229,9 @@ def test_the_layer_routes_rows_to_the_tiled_gemm_up_to_mm_rows(
     few = x[0, :2]  # (GEMV_ROWS and below: still the GEMV)
     assert torch.equal(int_linear.int_linear(few, packed, scale, zero, 4, 128),
                        int_gemv(few, packed, scale, zero, 4, 128))  # fmt: skip
+    some = x[0, :8]  # (up to DEQUANT_ROWS: the GEMM that unpacks tiles in registers)
+    assert torch.equal(int_linear.int_linear(some, packed, scale, zero, 4, 128),
+                       int_gemm(some, packed, scale, zero, 4, 128))  # fmt: skip
 
 
 def test_the_gemv_in_half_precision_and_by_default() -> None:

@@ -19,14 +19,13 @@ against 228 with interleaved values). Checkpoints are converted on load.
 On GPUs (and under Triton's interpreter) the product reads the packed weight itself
 (``triton/int_gemm.py``): up to ``GEMV_ROWS`` rows without the tensor cores (``int_gemv``, a
 decode step reading a quarter of a bf16 weight's bytes at 4 bits), up to ``DEQUANT_ROWS``
-through a GEMM that unpacks each tile in registers, more by unpacking the whole weight into a
-scratch matrix in the model's dtype and one cuBLAS GEMM (as vLLM's AWQ layers do from 256
-rows; ``int_mm``, a GEMM that unpacks each weight tile once for up to 128 rows, takes the
-rows up to ``MM_ROWS`` instead, none until it is measured). Measured on an H200
-(benchmarks/RESULTS.md): at one row Llama-3.1-8B's projections take
-86 us a layer against 122 in bf16 cuBLAS (Llama-8B decodes one sequence at 272 tok/s against
-234 in bf16), at two rows the same as bf16, from four rows more (4 rows 1.5x, 16 rows 2.2x,
-2,048 rows 1.23x bf16's time: a 64-sequence batch runs at half bf16's throughput).
+through a GEMM that unpacks each tile in registers, up to ``MM_ROWS`` through ``int_mm``, a
+GEMM that unpacks each weight tile once for up to 128 rows, more by unpacking the whole weight
+into a scratch matrix in the model's dtype and one cuBLAS GEMM (as vLLM's AWQ layers do from
+256 rows). Measured (benchmarks/RESULTS.md): at one row Llama-3.1-8B's projections take 86 us
+a layer against 122 in bf16 cuBLAS (H200; Llama-8B decodes one sequence at 272 tok/s against
+234 in bf16), at two rows the same as bf16, from four rows more (4 rows 1.5x, 16 rows 2.2x;
+H100: 32 rows 1.4x, 64 rows 1.8x, 2,048 rows 1.26x bf16's time).
 Elsewhere ``ref_int_linear`` unpacks the weight at every call (the memory of 4-bit weights at a
 CPU's cost; the engine dequantizes on load on CPUs instead)."""
 
@@ -38,17 +37,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# Products of more rows than this unpack the weight and run one cuBLAS GEMM: at 64 rows Llama's
-# four projections took 783 us a layer in the Triton GEMM against 349 to unpack them and 171 in
-# bf16 cuBLAS (H100, benchmarks/RESULTS.md)
+# Products of up to this many rows run int_gemm; of more than this and MM_ROWS, the weight is
+# unpacked and one cuBLAS GEMM runs: at 64 rows Llama's four projections took 783 us a layer in
+# int_gemm against 349 to unpack them and 171 in bf16 cuBLAS (H100, benchmarks/RESULTS.md)
 DEQUANT_ROWS = 16
 # Products of up to this many rows run without the tensor cores (int_gemv): a Llama layer at 4
 # rows 175 us against 237 in int_gemm (H200; bf16 cuBLAS 119); at 8 rows int_gemm is 5x faster
 GEMV_ROWS = 4
-# Products of more rows than GEMV_ROWS and up to this many run through int_mm (a dot a K tile
-# of whole spans, the tile unpacked once for up to 128 rows); 0: none (not yet measured against
-# int_gemm and dequantize + cuBLAS; benchmarks/device/int64.sh's PART=ab times it with MM_ROWS)
-MM_ROWS = 0
+# Products of more rows than DEQUANT_ROWS and up to this many run through int_mm (a dot a K
+# tile of whole spans, the tile unpacked once for up to 128 rows): Llama's four projections
+# took 224 us a layer at 32 rows and 287 at 64 against 510 to unpack them and run cuBLAS (bf16
+# cuBLAS 161-164); at 128 rows int_mm took 604 against 519, at 16 rows 250 against int_gemm's
+# 254 (H100, benchmarks/RESULTS.md). A W4A16 Llama-8B batch of 64 ran 4,270 tok/s against
+# 2,922 with unpacking from 17 rows
+MM_ROWS = 64
 BITS = (4, 8)
 SPAN_WORDS = 16  # (a plane's columns: the tensor cores' K for 16-bit operands)
 
@@ -170,7 +172,7 @@ def int_linear(
     if n > max(DEQUANT_ROWS, MM_ROWS):
         w = dequantize(packed, scale, zero, bits, group_size, k, x.dtype)
         return F.linear(x, w, bias)
-    kernel = int_gemv if n <= GEMV_ROWS else int_mm if n <= MM_ROWS else int_gemm
+    kernel = int_gemv if n <= GEMV_ROWS else int_gemm if n <= DEQUANT_ROWS else int_mm
     out = kernel(rows, packed, scale, zero, bits, group_size, bias)
     return out.reshape(*x.shape[:-1], -1)
 

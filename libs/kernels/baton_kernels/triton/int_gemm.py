@@ -67,13 +67,15 @@ GEMV_MAX_ROWS = 8
 # and a conversion a value: 6% faster at one row over the eight projections (H200)
 GEMV_ASM = True
 # int_mm (a dot a K tile of whole spans, the scale after the dot): (most rows of x a program,
-# rows of the weight a program, K a tile, warps, stages) by the most rows it serves (not yet
-# measured); MM_SWAP: the transposed product; K cut into pieces for at least MM_WAVES programs
-# a multiprocessor
+# rows of the weight a program, K a tile, warps, stages) by the most rows it serves; 64: the
+# fastest of the sweep over Llama's four projections at 32 rows (H100: 222 us a layer,
+# transposed) and at 64 (279 us; 284 transposed), the others guesses; MM_SWAP: the transposed
+# product (Llama's layer at 32 rows 224 us against 342, H100); K cut into pieces for at least
+# MM_WAVES programs a multiprocessor
 MM: dict[int, tuple[int, int, int, int, int]] = {
     16: (16, 64, 256, 4, 3),
-    64: (64, 64, 256, 4, 3),
-    1 << 30: (128, 128, 128, 8, 3),
+    64: (128, 64, 128, 4, 1),
+    1 << 30: (128, 128, 128, 8, 2),  # (3 stages need 256 KiB of shared memory: an H100 has 227)
 }
 MM_SWAP = True
 MM_PERM = 0
